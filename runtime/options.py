@@ -43,6 +43,9 @@ MAX_PLAN_MODE = 2
 # checked here so that a bad value is reported as the option the user set, not as timeout_ms
 MK_TIMEOUT_MIN_S = 1e-6
 MK_TIMEOUT_MAX_S = 3600.0
+# onesided_timeout_s: at most a day. The C side turns it into nanoseconds in 64 bits (and 4x that for the host's
+# wait): 1e11 s became 0 ns there and every wait failed at once, where the user meant "never time out"
+ONESIDED_TIMEOUT_MAX_S = 86400.0
 # proxy_cpu: where the proxy thread runs. "numa": the CPUs local to the GPU's NUMA node; "none": wherever the OS puts
 # it; else a CPU list ("12", "8-15,40"). The largest CPU index taken is csrc/proxy_engine.h's MT_PROXY_MAX_CPU - 1.
 PROXY_CPU_MODES: tuple[str, ...] = ("numa", "none")
@@ -75,7 +78,7 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
     OptionDoc("symm", "MOETUNE_SYMM", "`torch` or `ipc`",
               "nvlink/proxy: symmetric memory from torch (`torch`, falling back to CUDA IPC where it fails) or "
               "plain CUDA IPC handles exchanged through the process group (`ipc`)."),
-    OptionDoc("onesided_timeout_s", "MOETUNE_ONESIDED_TIMEOUT_S", "float > 0",
+    OptionDoc("onesided_timeout_s", "MOETUNE_ONESIDED_TIMEOUT_S", "float in (0, 86400]",
               "Seconds a GPU wait (a peer's count, signal or staging slot) may last before the transport reports "
               "the peer lost instead of hanging (nvlink, proxy, host_staged)."),
     OptionDoc("megakernel_timeout_s", "MOETUNE_MK_TIMEOUT_S", "float > 0",
@@ -257,8 +260,8 @@ def _check_types(o: RuntimeOptions) -> None:
 
 def _validate(o: RuntimeOptions) -> None:
     _check_types(o)
-    if not (o.onesided_timeout_s > 0 and math.isfinite(o.onesided_timeout_s)):
-        _fail("onesided_timeout_s", o.onesided_timeout_s, "a finite number of seconds > 0")
+    if not 0 < o.onesided_timeout_s <= ONESIDED_TIMEOUT_MAX_S:  # NaN fails too
+        _fail("onesided_timeout_s", o.onesided_timeout_s, f"a number of seconds > 0 and <= {ONESIDED_TIMEOUT_MAX_S:g}")
     if not MK_TIMEOUT_MIN_S <= o.megakernel_timeout_s <= MK_TIMEOUT_MAX_S:  # NaN fails too
         _fail("megakernel_timeout_s", o.megakernel_timeout_s,
               f"a number of seconds from {MK_TIMEOUT_MIN_S:g} to {MK_TIMEOUT_MAX_S:g}")

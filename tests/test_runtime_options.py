@@ -35,6 +35,8 @@ def test_variables_parse_and_bad_values_name_the_setting() -> None:
         False, "ipc", 3.0, 16, (1.0, 2.0), 0)
     for var, bad, option in (("MOETUNE_HS_NATIVE", "maybe", "hs_native"), ("MOETUNE_SYMM", "nvshmem", "symm"),
                              ("MOETUNE_ONESIDED_TIMEOUT_S", "-1", "onesided_timeout_s"),
+                             # "never time out" meant as a huge number: 0 ns in the C side's 64-bit nanoseconds
+                             ("MOETUNE_ONESIDED_TIMEOUT_S", "100000000000", "onesided_timeout_s"),
                              ("MOETUNE_PROXY_BATCH", "0", "proxy_batch"), ("MOETUNE_PLAN_MODE", "7", "plan_mode"),
                              ("MOETUNE_PROXY_BATCH", "lots", "proxy_batch"),
                              ("MOETUNE_PROXY_BATCH", "1_6", "proxy_batch")):  # int() would read 16
