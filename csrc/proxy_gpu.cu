@@ -115,21 +115,36 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
   c->world = world;
   c->ctrl_local = ctrl_local;
   c->timeout_ns = (uint64_t)(timeout_s * 1e9);
-  cudaError_t e = cudaHostAlloc((void**)&c->err_host, MT_ERR_WORDS * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
+  // each allocation lands in a local first: a failed one leaves its field null, so the error path below frees
+  // exactly what was allocated
+  void* m = nullptr;
+  cudaError_t e = cudaHostAlloc(&m, MT_ERR_WORDS * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e == cudaSuccess) {
+    c->err_host = static_cast<int*>(m);
     memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
     e = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
   }
-  if (e == cudaSuccess) e = cudaHostAlloc((void**)&c->done_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
+  m = nullptr;
+  if (e == cudaSuccess) e = cudaHostAlloc(&m, 64, cudaHostAllocMapped | cudaHostAllocPortable);
   if (e == cudaSuccess) {
+    c->done_host = static_cast<uint64_t*>(m);
     memset(c->done_host, 0, 64);
     e = cudaHostGetDevicePointer((void**)&c->done_dev, c->done_host, 0);
   }
-  if (e == cudaSuccess) e = cudaMalloc((void**)&c->abort_flag, sizeof(int));
-  if (e == cudaSuccess) e = cudaMemset(c->abort_flag, 0, sizeof(int));
+  m = nullptr;
+  if (e == cudaSuccess) e = cudaMalloc(&m, sizeof(int));
+  if (e == cudaSuccess) {
+    c->abort_flag = static_cast<int*>(m);
+    e = cudaMemset(c->abort_flag, 0, sizeof(int));
+  }
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
     mt::set_error("mt_pxy_create: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+    (void)cudaGetLastError();  // not sticky: keep it out of the next call's launch check
+    // everything allocated before the failing step: the pinned error record and completion word, the abort flag
+    if (c->err_host) cudaFreeHost(c->err_host);
+    if (c->done_host) cudaFreeHost(c->done_host);
+    if (c->abort_flag) cudaFree(c->abort_flag);
     delete c;
     return (int)e;
   }
