@@ -48,7 +48,14 @@ MT_API int mt_host_alloc_mapped(int device, uint64_t bytes, void** host_ptr, voi
   MT_CUDA(cudaSetDevice(device));
   MT_CUDA(cudaHostAlloc(host_ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
   memset(*host_ptr, 0, bytes);
-  MT_CUDA(cudaHostGetDevicePointer(dev_ptr, *host_ptr, 0));
+  cudaError_t e = cudaHostGetDevicePointer(dev_ptr, *host_ptr, 0);
+  if (e != cudaSuccess) {  // no device alias: the caller gets an error and nothing to free
+    (void)cudaGetLastError();
+    cudaFreeHost(*host_ptr);
+    *host_ptr = nullptr;
+    *dev_ptr = nullptr;
+  }
+  MT_CUDA(e);
   return 0;
 }
 
@@ -92,7 +99,13 @@ MT_API int mt_device_free(int device, void* ptr) {
 MT_API int mt_device_malloc(int device, uint64_t bytes, void** ptr) {
   MT_CUDA(cudaSetDevice(device));
   MT_CUDA(cudaMalloc(ptr, bytes));
-  MT_CUDA(cudaMemset(*ptr, 0, bytes));
-  MT_CUDA(cudaDeviceSynchronize());
+  cudaError_t e = cudaMemset(*ptr, 0, bytes);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {  // not zeroed: freed here, the caller gets an error and nothing to free
+    (void)cudaGetLastError();
+    cudaFree(*ptr);
+    *ptr = nullptr;
+  }
+  MT_CUDA(e);
   return 0;
 }
