@@ -291,7 +291,7 @@ MT_API int mt_nvl_create(int device, int rank, int world, const uint64_t* ctrl_p
                          void** out) {
   MT_REQUIRE(world >= 1 && world <= MT_MAX_WORLD, 100, "world %d outside 1..%d", world, MT_MAX_WORLD);
   MT_REQUIRE(rank >= 0 && rank < world, 101, "rank %d outside 0..%d", rank, world - 1);
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   NvlCtx* c = new NvlCtx();
   c->device = device;
   c->rank = rank;
@@ -350,7 +350,7 @@ static WaitCtx make_wait(NvlCtx* c) {
 
 MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t stream) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
-  MT_CUDA(cudaSetDevice(c->device));
+  MT_SET_DEVICE(c->device);
   CParams p;
   for (int i = 0; i < MT_MAX_WORLD; ++i) p.ctrl[i] = c->ctrl[i];
   p.send_counts = send_counts;
@@ -369,7 +369,7 @@ static int nvl_launch(NvlCtx* c, XParams& p, const int64_t* send_counts, const i
                       int64_t* recv_out, int coupled, int group_size, uint64_t stream) {
   MT_REQUIRE(c->data_bytes > 0, 103, "no data buffer: call reserve() first");
   MT_REQUIRE(p.row_bytes > 0, 104, "row_bytes must be > 0");
-  MT_CUDA(cudaSetDevice(c->device));
+  MT_SET_DEVICE(c->device);
   int cpp = 1;
   mt_nvl_ctas_per_peer(c, &cpp);
   int g = group_size <= 0 ? cpp : (group_size > cpp ? cpp : group_size);
@@ -461,7 +461,7 @@ MT_API int mt_nvl_error(void* h, int* out) {
 
 MT_API int mt_nvl_clear_error(void* h) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
-  MT_CUDA(cudaSetDevice(c->device));
+  MT_SET_DEVICE(c->device);
   MT_CUDA(cudaDeviceSynchronize());
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   MT_CUDA(cudaMemset(c->abort_flag, 0, sizeof(int)));
@@ -472,7 +472,8 @@ MT_API int mt_nvl_clear_error(void* h) {
 MT_API int mt_nvl_destroy(void* h) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   if (c == nullptr) return 0;
-  cudaSetDevice(c->device);
+  mt::DeviceGuard device_guard;
+  (void)device_guard.set(c->device);
   cudaDeviceSynchronize();
   if (c->err_host) cudaFreeHost(c->err_host);
   if (c->abort_flag) cudaFree(c->abort_flag);

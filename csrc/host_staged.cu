@@ -254,7 +254,7 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   MT_REQUIRE(lanes >= 1 && lanes <= 64, 316, "host_staged: lanes %d outside 1..64", lanes);
   MT_REQUIRE(host_base != nullptr && bytes > 0 && ((uintptr_t)host_base & 4095u) == 0, 310,
              "host_staged: staging memory must be a non-empty page-aligned region");
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   HsCtx* c = new HsCtx();
   c->device = device;
   c->rank = rank;
@@ -361,6 +361,7 @@ MT_API int mt_hs_post(void* h, int lane, uint64_t cur_stream, int n_out, const u
                       int* ticket) {
   HsCtx* c = (HsCtx*)h;
   MT_REQUIRE(lane >= 0 && lane < c->lanes, 304, "host_staged: lane %d outside 0..%d", lane, c->lanes - 1);
+  MT_SET_DEVICE(c->device);  // the wait kernels launch on this device's streams (a no-op when it is current)
   unsigned t = c->next_ticket[lane]++ % HS_TICKETS;
   cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + t) * 3;
   cudaStream_t so = c->s_out[lane], si = c->s_in[lane];
@@ -397,6 +398,7 @@ MT_API int mt_hs_wait(void* h, int lane, int ticket, uint64_t cur_stream) {
   HsCtx* c = (HsCtx*)h;
   MT_REQUIRE(lane >= 0 && lane < c->lanes && ticket >= 0 && ticket < HS_TICKETS, 305,
              "host_staged: lane %d / ticket %d out of range", lane, ticket);
+  MT_SET_DEVICE(c->device);  // a cur_stream of 0 is the current device's default stream
   cudaEvent_t* ev = c->ev + ((size_t)lane * HS_TICKETS + ticket) * 3;
   MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[1], 0));
   MT_CUDA(cudaStreamWaitEvent((cudaStream_t)cur_stream, ev[2], 0));
@@ -424,7 +426,8 @@ MT_API int mt_hs_error(void* h, int* words) {
 MT_API int mt_hs_destroy(void* h) {
   HsCtx* c = (HsCtx*)h;
   if (c == nullptr) return 0;
-  cudaSetDevice(c->device);
+  mt::DeviceGuard device_guard;
+  (void)device_guard.set(c->device);
   cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered (the watchdog still
                             // releases a stream whose peer is gone)
   if (c->watchdog.joinable()) {

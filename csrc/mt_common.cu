@@ -32,7 +32,7 @@ MT_API int mt_can_access_peer(int dev, int peer, int* out) {
 }
 
 MT_API int mt_enable_peer_access(int dev, int peer) {
-  MT_CUDA(cudaSetDevice(dev));
+  MT_SET_DEVICE(dev);
   cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
   if (e == cudaErrorPeerAccessAlreadyEnabled) {
     cudaGetLastError();
@@ -45,7 +45,7 @@ MT_API int mt_enable_peer_access(int dev, int peer) {
 
 // Pinned, mapped host memory (zeroed): the host pointer and the device alias of it.
 MT_API int mt_host_alloc_mapped(int device, uint64_t bytes, void** host_ptr, void** dev_ptr) {
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   MT_CUDA(cudaHostAlloc(host_ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
   memset(*host_ptr, 0, bytes);
   cudaError_t e = cudaHostGetDevicePointer(dev_ptr, *host_ptr, 0);
@@ -66,7 +66,7 @@ MT_API int mt_host_free(void* host_ptr) {
 
 // --- CUDA IPC fallback for symmetric buffers (used when torch symmetric memory is unavailable) ---
 MT_API int mt_ipc_malloc(int device, uint64_t bytes, void** ptr, unsigned char* handle_out /*64 bytes*/) {
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   MT_CUDA(cudaMalloc(ptr, bytes));
   MT_CUDA(cudaMemset(*ptr, 0, bytes));
   MT_CUDA(cudaDeviceSynchronize());
@@ -77,7 +77,7 @@ MT_API int mt_ipc_malloc(int device, uint64_t bytes, void** ptr, unsigned char* 
 }
 
 MT_API int mt_ipc_open(int device, const unsigned char* handle /*64 bytes*/, void** ptr) {
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   cudaIpcMemHandle_t h;
   memcpy(&h, handle, sizeof(h));
   MT_CUDA(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
@@ -85,19 +85,19 @@ MT_API int mt_ipc_open(int device, const unsigned char* handle /*64 bytes*/, voi
 }
 
 MT_API int mt_ipc_close(int device, void* ptr) {
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   MT_CUDA(cudaIpcCloseMemHandle(ptr));
   return 0;
 }
 
 MT_API int mt_device_free(int device, void* ptr) {
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   MT_CUDA(cudaFree(ptr));
   return 0;
 }
 
 MT_API int mt_device_malloc(int device, uint64_t bytes, void** ptr) {
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   MT_CUDA(cudaMalloc(ptr, bytes));
   cudaError_t e = cudaMemset(*ptr, 0, bytes);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();

@@ -7,6 +7,7 @@
 #ifdef MT_HOST_SIM
 #include "sim/mt_cuda_sim.h"
 #else
+#include <cuda.h>
 #include <cuda_runtime.h>
 #endif
 #include <stdint.h>
@@ -61,6 +62,73 @@ void set_error(const char* fmt, ...);
       return (int)e_;                                                                          \
     }                                                                                          \
   } while (0)
+
+namespace mt {
+
+// Whether `device`'s primary context exists (a cudaSetDevice to it would not create one): cuDevicePrimaryCtxGetState
+// through the runtime's driver entry point (the library does not link libcuda). Unknown (no such entry point): false.
+inline bool primary_context_active(int device) {
+#ifdef MT_HOST_SIM
+  (void)device;
+  return true;  // no contexts in the simulation
+#else
+  typedef CUresult (*Pfn)(CUdevice, unsigned int*, int*);
+  static const Pfn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &f, 12000, cudaEnableDefault, &q) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return q == cudaDriverEntryPointSuccess ? (Pfn)f : nullptr;
+  }();
+  unsigned int flags = 0;
+  int active = 0;
+  return fn != nullptr && fn((CUdevice)device, &flags, &active) == CUDA_SUCCESS && active != 0;
+#endif
+}
+
+// The C API's entry points run on the caller's thread (a Python thread, a GC finalizer on any thread): set() makes
+// `device` current for the scope and the destructor gives the caller its own current device back, so building or
+// collecting a transport on cuda:1 does not leave a thread that had selected cuda:0 on cuda:1. As torch's device
+// guards, the device is restored only where its primary context exists (restoring to a device the thread never
+// used would create a context on it). Nothing happens when `device` is already current.
+class DeviceGuard {
+ public:
+  DeviceGuard() = default;
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  cudaError_t set(int device) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess) {
+      (void)cudaGetLastError();
+      cur = -1;
+    }
+    if (cur == device) return cudaSuccess;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess && !switched_) {
+      switched_ = true;
+      prev_ = cur;
+    }
+    return e;
+  }
+  ~DeviceGuard() {
+    if (switched_ && prev_ >= 0 && primary_context_active(prev_) && cudaSetDevice(prev_) != cudaSuccess)
+      (void)cudaGetLastError();  // keep a failed restore out of the caller's next launch check
+  }
+
+ private:
+  bool switched_ = false;  // set() changed the device
+  int prev_ = -1;          // the caller's device before it (-1: unknown, nothing to restore)
+};
+
+}  // namespace mt
+
+// Makes `dev` current until the end of the enclosing scope (mt::DeviceGuard); returns the error where it cannot.
+#define MT_SET_DEVICE(dev)           \
+  mt::DeviceGuard mt_device_guard_; \
+  MT_CUDA(mt_device_guard_.set(dev))
 
 #define MT_REQUIRE(cond, code, ...)  \
   do {                               \

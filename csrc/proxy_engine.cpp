@@ -536,7 +536,8 @@ struct Engine {
   // Frees what mt_proxy_create allocated, once the thread has stopped (or never ran); errors are ignored, the
   // engine is going away either way.
   void release() {
-    cudaSetDevice(device);
+    mt::DeviceGuard device_guard;  // destroy may run on any thread (a GC finalizer): the caller's device stays
+    (void)device_guard.set(device);
     for (auto s : streams) {
       cudaStreamSynchronize(s);
       cudaStreamDestroy(s);
@@ -770,7 +771,7 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
              MT_PROXY_MAX_CPU);
   MT_REQUIRE(ncpus <= 0 || cpus != nullptr, 208, "ncpus %d with no cpus array", ncpus);
   for (int i = 0; i < ncpus; ++i) MT_REQUIRE(cpus[i] >= 0, 208, "bad cpu %d (cpus[%d])", cpus[i], i);
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   Engine* e = new Engine();
   e->device = device;
   if (ncpus > 0) e->cpu_req.assign(cpus, cpus + ncpus);

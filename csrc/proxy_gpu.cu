@@ -106,7 +106,7 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
     int rc = mt_proxy_mark_gpu_producer_internal(engine);
     if (rc != 0) return rc;
   }
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   PxCtx* c = new PxCtx();
   c->engine = engine;
   mt_proxy_gpu_view(engine, &c->v);
@@ -280,7 +280,7 @@ static int launch_failed(PxCtx* c, cudaError_t e, uint64_t seq) {
 MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t epoch, uint64_t stream) {
   PxCtx* c = static_cast<PxCtx*>(h);
   MT_REQUIRE(epoch >= 1, 302, "epoch must be >= 1");
-  MT_CUDA(cudaSetDevice(c->device));
+  MT_SET_DEVICE(c->device);
   PxParams p = base_params(c, epoch);
   p.send_counts = send_counts;
   p.recv_out = recv_counts;
@@ -302,7 +302,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   MT_REQUIRE(epoch >= 1, 302, "epoch must be >= 1");
   MT_REQUIRE(c->data_bytes > 0, 303, "no data buffer: call reserve() first");
   MT_REQUIRE(row_bytes > 0, 304, "row_bytes must be > 0");
-  MT_CUDA(cudaSetDevice(c->device));
+  MT_SET_DEVICE(c->device);
   PxParams p = base_params(c, epoch);
   p.send = static_cast<const char*>(send);
   p.row_bytes = row_bytes;
@@ -337,7 +337,8 @@ MT_API int mt_pxy_error(void* h, int* out) {
 MT_API int mt_pxy_destroy(void* h) {
   PxCtx* c = static_cast<PxCtx*>(h);
   if (c == nullptr) return 0;
-  cudaSetDevice(c->device);
+  mt::DeviceGuard device_guard;
+  (void)device_guard.set(c->device);
   cudaDeviceSynchronize();
 #ifdef MT_HOST_SIM
   for (auto& t : c->sim_threads) t.join();
@@ -355,7 +356,7 @@ MT_API int mt_race_check_launch(int device, uint64_t stream, const uint64_t* fla
                                 const void* base, uint64_t stride, uint64_t bytes, uint64_t check_bytes, int n,
                                 int pattern_base, uint64_t epoch, double timeout_s, int* bad) {
   MT_REQUIRE(n >= 1 && n <= 4096, 310, "n %d outside 1..4096", n);
-  MT_CUDA(cudaSetDevice(device));
+  MT_SET_DEVICE(device);
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   race_check_kernel<<<n, 256, 0, (cudaStream_t)stream>>>(flags, flag_stride_words, static_cast<const char*>(base), stride,
                                                         bytes, check_bytes, pattern_base, epoch,

@@ -636,6 +636,51 @@ def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL)
         lib.mt_proxy_destroy(h)
 
 
+def test_proxy_calls_give_the_caller_its_own_device_back_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """Building, using and destroying a proxy transport on device 1 leaves the calling thread's current device as it
+    was (3 here): every C entry point that switches device restores it on return (mt::DeviceGuard). Before, the
+    thread stayed on the transport's device (torch.cuda.set_device undone by a create, or by a GC finalizer's
+    destroy on any thread)."""
+    import numpy as np
+
+    lib = sim_lib
+    ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
+    data = np.zeros(2 * 4096, dtype=np.uint8)
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    h, x = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.mtsim_set_device(3)
+    try:
+        assert lib.mt_proxy_create(1, 1, u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]), 1,
+                                   1, 1, 64, None, 0, ctypes.byref(h)) == 0, lib.mt_last_error()
+        assert lib.mtsim_get_device() == 3
+        assert lib.mt_pxy_create(h, 1, 0, 1, ctrl.ctypes.data, 5.0, ctypes.byref(x)) == 0, lib.mt_last_error()
+        assert lib.mtsim_get_device() == 3
+        assert lib.mt_pxy_set_data(x, 4096) == 0
+        send = np.arange(4 * 16, dtype=np.uint8).reshape(4, 16)
+        sc, rc = np.array([4], dtype=np.int64), np.zeros(1, dtype=np.int64)
+        assert lib.mt_pxy_counts(x, sc.ctypes.data, rc.ctypes.data, 1, 0) == 0, lib.mt_last_error()
+        assert lib.mtsim_get_device() == 3 and rc.tolist() == [4]
+        assert lib.mt_pxy_exchange(x, send.ctypes.data, 16, sc.ctypes.data, rc.ctypes.data, 1, 0, 0, 1, 0) == 0, \
+            lib.mt_last_error()
+        assert lib.mtsim_get_device() == 3
+        err = (ctypes.c_int * 16)()
+        lib.mt_pxy_error(x, err)
+        assert err[0] == 0, list(err)
+        assert (data[4096 : 4096 + 64].reshape(4, 16) == send).all()  # epoch 1: parity 1
+        assert lib.mt_pxy_destroy(x) == 0
+        x = ctypes.c_void_p()
+        assert lib.mtsim_get_device() == 3
+        assert lib.mt_proxy_destroy(h) == 0
+        h = ctypes.c_void_p()
+        assert lib.mtsim_get_device() == 3
+    finally:
+        if x:
+            lib.mt_pxy_destroy(x)
+        if h:
+            lib.mt_proxy_destroy(h)
+        lib.mtsim_set_device(0)
+
+
 def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
     """Two ranks, asynchronous "kernels", every stream of the process (QP streams and each rank's compute
     stream) aliased onto ONE simulated hardware queue; after each launch the caller queues work behind the

@@ -54,7 +54,20 @@ void stream_sync(void* s);
 
 inline const char* cudaGetErrorName(cudaError_t) { return "simError"; }
 inline const char* cudaGetErrorString(cudaError_t) { return "simulated CUDA error"; }
-inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+// The calling thread's current device (no devices here: any index is taken), so a test sees an entry point give the
+// caller its own device back (mtsim_get_device, mtsim_set_device).
+inline int& sim_current_device() {
+  static thread_local int d = 0;
+  return d;
+}
+inline cudaError_t cudaSetDevice(int d) {
+  sim_current_device() = d;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = sim_current_device();
+  return cudaSuccess;
+}
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   __atomic_add_fetch(&mtsim::syncs, 1, __ATOMIC_RELAXED);

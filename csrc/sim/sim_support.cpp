@@ -152,6 +152,9 @@ void stream_sync(void* s) {
 
 // Test hook: asynchronous streams (1) with every copy delayed by delay_us, or synchronous ones (0).
 // Set before creating engines.
+MT_API int mtsim_get_device() { return sim_current_device(); }
+MT_API void mtsim_set_device(int d) { sim_current_device() = d; }
+
 MT_API void mtsim_set_async(int on, int delay_us) {
   mtsim::async_mode = on;
   mtsim::copy_delay_us = delay_us;
