@@ -58,6 +58,34 @@ inline void cpu_relax() {
 
 typedef CUresult (*PfnWriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
+// "CUDA_ERROR_NOT_SUPPORTED (operation not supported)" for a driver API result: cuGetErrorName/cuGetErrorString
+// through the runtime's driver entry point (the library does not link libcuda); "CUresult <n>" where they are
+// missing.
+void* driver_entry(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &q) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return q == cudaDriverEntryPointSuccess ? f : nullptr;
+}
+std::string cu_error_text(CUresult r) {
+  typedef CUresult (*PfnErrText)(CUresult, const char**);
+  static const PfnErrText name_fn = (PfnErrText)driver_entry("cuGetErrorName");
+  static const PfnErrText string_fn = (PfnErrText)driver_entry("cuGetErrorString");
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (name_fn == nullptr || name_fn(r, &name) != CUDA_SUCCESS) name = nullptr;
+  if (string_fn == nullptr || string_fn(r, &text) != CUDA_SUCCESS) text = nullptr;
+  char buf[256];
+  if (name != nullptr)
+    snprintf(buf, sizeof(buf), "%s (%s)", name, text != nullptr ? text : "no description");
+  else
+    snprintf(buf, sizeof(buf), "CUresult %d", (int)r);
+  return buf;
+}
+
 // The idle loop's system calls, counted in host simulation (tests/test_proxy_numa.py checks the rates).
 inline int current_cpu() {
 #ifdef MT_HOST_SIM
@@ -327,8 +355,8 @@ struct Engine {
 
   bool cu_ok(CUresult r, const char* what) {
     if (r == CUDA_SUCCESS) return true;
-    char buf[256];
-    snprintf(buf, sizeof(buf), "proxy: %s -> CUresult %d", what, (int)r);
+    char buf[384];
+    snprintf(buf, sizeof(buf), "proxy: %s -> %s", what, cu_error_text(r).c_str());
     fail(buf, 900 + (int)r);
     return false;
   }
@@ -828,17 +856,28 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     // warm-up: a few small device-to-device copies and a stream write on every QP stream, so whatever
     // the driver sets up lazily for them happens now, never while a kernel spins waiting on this engine
     void* scratch = nullptr;
+    CUresult cr = CUDA_SUCCESS;
     ce = cudaMalloc(&scratch, 1 << 16);
     for (int i = 0; i < e->nstreams && ce == cudaSuccess; ++i) {
       char* b = static_cast<char*>(scratch);
       ce = cudaMemcpyAsync(b + 32768, b, 4096, cudaMemcpyDeviceToDevice, e->streams[i]);
       if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 40963, b + 5, 777, cudaMemcpyDeviceToDevice, e->streams[i]);
       if (ce == cudaSuccess) ce = cudaMemcpyAsync(b + 49152, b, 16384, cudaMemcpyDeviceToDevice, e->streams[i]);
-      if (ce == cudaSuccess && e->write64((CUstream)e->streams[i], (CUdeviceptr)(b + 65528), 1, 0) != CUDA_SUCCESS)
-        ce = cudaErrorUnknown;
+      if (ce == cudaSuccess && (cr = e->write64((CUstream)e->streams[i], (CUdeviceptr)(b + 65528), 1, 0)) != CUDA_SUCCESS) {
+        // the driver's own error (e.g. CUDA_ERROR_NOT_SUPPORTED: no stream memory operations here), not a made-up
+        // cudaErrorUnknown; code 900 + CUresult as the proxy thread's driver failures (Engine::cu_ok)
+        mt::set_error("mt_proxy_create: warm-up cuStreamWriteValue64 on stream %d -> %s", i, cu_error_text(cr).c_str());
+        break;
+      }
     }
-    if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
+    if (ce == cudaSuccess && cr == CUDA_SUCCESS) ce = cudaDeviceSynchronize();
     if (scratch) cudaFree(scratch);
+    if (cr != CUDA_SUCCESS) {
+      (void)cudaGetLastError();
+      e->release();  // the registered pages too, as below
+      delete e;
+      return 900 + (int)cr;
+    }
   }
 #endif
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();

@@ -18,7 +18,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned long long cuuint64_t;
 enum { cudaSuccess = 0, CUDA_SUCCESS = 0, cudaErrorMemoryAllocation = 2 };
 enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
-enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0 };
+enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriverEntryPointSymbolNotFound = 1 };
 #define cudaStreamNonBlocking 1
 #define cudaHostAllocMapped 2
 #define cudaHostAllocPortable 1
@@ -144,8 +144,15 @@ inline CUresult sim_write64(CUstream st, CUdeviceptr addr, cuuint64_t v, unsigne
   __atomic_add_fetch(&mtsim::writes, 1, __ATOMIC_RELAXED);
   return CUDA_SUCCESS;
 }
-inline cudaError_t cudaGetDriverEntryPointByVersion(const char*, void** fn, unsigned, unsigned long long,
+// The driver functions the simulation has: cuStreamWriteValue64 only (any other name is not found, so the engine's
+// error texts fall back to "CUresult <n>").
+inline cudaError_t cudaGetDriverEntryPointByVersion(const char* name, void** fn, unsigned, unsigned long long,
                                                     cudaDriverEntryPointQueryResult* q) {
+  if (strcmp(name, "cuStreamWriteValue64") != 0) {
+    *fn = nullptr;
+    *q = cudaDriverEntryPointSymbolNotFound;
+    return cudaSuccess;
+  }
   *fn = (void*)&sim_write64;
   *q = cudaDriverEntryPointSuccess;
   return cudaSuccess;
