@@ -298,7 +298,7 @@ MT_API int mt_nvl_create(int device, int rank, int world, const uint64_t* ctrl_p
   c->world = world;
   c->num_sms = num_sms < 1 ? 1 : num_sms;
   for (int i = 0; i < world; ++i) c->ctrl[i] = ctrl_ptrs[i];
-  c->timeout_ns = (uint64_t)(timeout_s * 1e9);
+  c->timeout_ns = mt::timeout_ns(timeout_s);
   cudaError_t e = cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaHostAlloc((void**)&c->err_host, MT_ERR_WORDS * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e == cudaSuccess) {

@@ -259,7 +259,7 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
   c->device = device;
   c->rank = rank;
   c->bytes = bytes;
-  c->timeout_ns = (uint64_t)(timeout_s * 1e9);
+  c->timeout_ns = mt::timeout_ns(timeout_s);
   void* fn = nullptr;
   if (driver_fn("cuStreamWriteValue64", &fn)) {
     delete c;

@@ -65,6 +65,19 @@ void set_error(const char* fmt, ...);
 
 namespace mt {
 
+// The longest wait any timeout gives (a week): a bound on timeout_ns so that converting, and deadlines and multiples
+// derived from it (proxy_gpu.cu's host wait: 4 * timeout + 10 s), stay far inside uint64.
+constexpr uint64_t kMaxTimeoutNs = 7ull * 24 * 3600 * 1000000000ull;
+
+// A timeout in seconds as nanoseconds, saturating: at most kMaxTimeoutNs (also for +inf), 0 for <= 0 and NaN.
+// (uint64_t)(s * 1e9) is undefined past ~1.8e10 s (gcc gives 0 there: every wait failed at once) and for negatives.
+// The Python side bounds the options itself; this is the library's own guard.
+inline uint64_t timeout_ns(double s) {
+  if (!(s > 0.0)) return 0;
+  if (s >= (double)kMaxTimeoutNs / 1e9) return kMaxTimeoutNs;
+  return (uint64_t)(s * 1e9);
+}
+
 // Whether `device`'s primary context exists (a cudaSetDevice to it would not create one): cuDevicePrimaryCtxGetState
 // through the runtime's driver entry point (the library does not link libcuda). Unknown (no such entry point): false.
 inline bool primary_context_active(int device) {

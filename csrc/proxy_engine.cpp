@@ -1013,7 +1013,7 @@ MT_API int mt_proxy_enqueue(void* h, const void* reqs, int n, double timeout_s) 
   std::lock_guard<std::mutex> g(e->host_mu);
   MT_REQUIRE(e->producer_kind != 2, 210, "this engine has a GPU producer; host enqueue is not allowed");
   e->producer_kind = 1;
-  uint64_t deadline = mono_ns() + (uint64_t)(timeout_s * 1e9);
+  uint64_t deadline = mono_ns() + mt::timeout_ns(timeout_s);
   for (int i = 0; i < n; ++i) {
     uint64_t h0 = e->host_head;
     if (h0 - __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE) >= e->nslots) e->wake();  // full: it may sleep
@@ -1037,7 +1037,7 @@ MT_API int mt_proxy_enqueue(void* h, const void* reqs, int n, double timeout_s) 
 // Wait until the proxy consumed everything a host producer enqueued, then until every QP stream is idle.
 MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
   Engine* e = static_cast<Engine*>(h);
-  uint64_t deadline = mono_ns() + (uint64_t)(timeout_s * 1e9);
+  uint64_t deadline = mono_ns() + mt::timeout_ns(timeout_s);
   uint64_t target;
   {
     std::lock_guard<std::mutex> g(e->host_mu);

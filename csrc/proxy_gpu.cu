@@ -114,7 +114,7 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
   c->rank = rank;
   c->world = world;
   c->ctrl_local = ctrl_local;
-  c->timeout_ns = (uint64_t)(timeout_s * 1e9);
+  c->timeout_ns = mt::timeout_ns(timeout_s);
   // each allocation lands in a local first: a failed one leaves its field null, so the error path below frees
   // exactly what was allocated
   void* m = nullptr;
@@ -360,7 +360,7 @@ MT_API int mt_race_check_launch(int device, uint64_t stream, const uint64_t* fla
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   race_check_kernel<<<n, 256, 0, (cudaStream_t)stream>>>(flags, flag_stride_words, static_cast<const char*>(base), stride,
                                                         bytes, check_bytes, pattern_base, epoch,
-                                                        (uint64_t)(timeout_s * 1e9), bad);
+                                                        mt::timeout_ns(timeout_s), bad);
   MT_CUDA(cudaGetLastError());
   return 0;
 }

@@ -681,6 +681,31 @@ def test_proxy_calls_give_the_caller_its_own_device_back_in_host_simulation(sim_
         lib.mtsim_set_device(0)
 
 
+@pytest.mark.parametrize("timeout_s", [1e11, float("inf")])
+def test_a_huge_timeout_waits_instead_of_failing_at_once_in_host_simulation(sim_lib: ctypes.CDLL,
+                                                                            timeout_s: float) -> None:
+    """timeout_s=1e11 (or inf) means "wait as long as it takes" (the library caps it at a week, mt::timeout_ns): an
+    exchange that needs a few waits succeeds. Before, (uint64_t)(timeout_s * 1e9) was out of range (gcc gave 0) and
+    every wait that did not see its word at once timed out. Asynchronous streams with a copy delay make the waits
+    real."""
+    import numpy as np
+
+    world, rb, rows = 2, 32, 6
+    sim_lib.mtsim_set_async(1, 2000)
+    ranks = proxy_sim.SimRanks(sim_lib, world, 64 * rb, timeout_s=timeout_s)
+    try:
+        for epoch in (1, 2, 3):
+            sends = [np.full((rows, rb), 16 * epoch + r, dtype=np.uint8) for r in range(world)]
+            out = ranks.exchange(sends, [[3, 3], [3, 3]], epoch, chunk_rows=1)
+            for r, o in enumerate(out):
+                assert o["rc_counts"] == 0 and o["rc"] == 0 and o["err"][0] == 0, (r, o["err"][:8])
+                assert o["recv"] == [3, 3]
+                assert [int(row[0]) for row in o["rows"][:6]] == [16 * epoch] * 3 + [16 * epoch + 1] * 3
+    finally:
+        ranks.close()
+        sim_lib.mtsim_set_async(0, 0)
+
+
 def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
     """Two ranks, asynchronous "kernels", every stream of the process (QP streams and each rank's compute
     stream) aliased onto ONE simulated hardware queue; after each launch the caller queues work behind the
