@@ -7,8 +7,9 @@
 
 // ABI version: bump when a signature, a struct's layout or an argument's meaning changes (Python checks it after
 // loading). 19: mt_proxy_create's `qps` is per peer (npeers*qps streams, 201 beyond MT_PROXY_MAX_STREAMS) and
-// MtGpuView.qps became nstreams; an 18 library would take qps as the total.
-MT_API int mt_abi_version() { return 20; }
+// MtGpuView.qps became nstreams; an 18 library would take qps as the total. 21: mt_pxy_exchange takes the send
+// buffer's rows (send_rows, after `send`) and checks the send counts against them.
+MT_API int mt_abi_version() { return 21; }
 
 MT_API int mt_ctrl_bytes(uint64_t* out) {
   *out = MT_CTRL_BYTES;

@@ -38,6 +38,9 @@ enum MtErr {
   MT_ERR_FIFO_FULL = 5,        // proxy FIFO stayed full (proxy thread dead or stalled)
   MT_ERR_TIMEOUT_OUTGOING = 6, // my own outgoing transfers did not complete
   MT_ERR_TOO_MANY_SLOTS = 7,   // more signal slots than MT_MAX_SLOTS
+  MT_ERR_SEND_COUNTS = 8,      // a send count is negative or the counts sum past the send rows (nothing was sent;
+                               // peer = the first bad destination, slot 0: negative (seen = the count), slot 1: past
+                               // the rows (seen = the rows through it), expected = the send rows)
 };
 // err[0]=code err[1]=rank err[2]=peer err[3]=slot err[4]=epoch(lo) err[5]=seen value(lo)
 // err[6]=seen value(hi) err[7]=expected(lo)

@@ -295,7 +295,9 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
 
-MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
+// send: send_rows rows of row_bytes; send_counts (device) must be >= 0 and sum to at most send_rows (the kernel
+// checks before any PUT: MT_ERR_SEND_COUNTS).
+MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t send_rows, uint64_t row_bytes, const int64_t* send_counts,
                            const int64_t* recv_counts, int coupled, int group_size, int chunk_rows, uint64_t epoch,
                            uint64_t stream) {
   PxCtx* c = static_cast<PxCtx*>(h);
@@ -305,6 +307,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t row_bytes, const 
   MT_SET_DEVICE(c->device);
   PxParams p = base_params(c, epoch);
   p.send = static_cast<const char*>(send);
+  p.send_rows = send_rows;
   p.row_bytes = row_bytes;
   p.send_counts = send_counts;
   p.recv_counts = recv_counts;

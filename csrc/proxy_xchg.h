@@ -19,6 +19,7 @@ struct PxParams {
   uint64_t ctrl_local;
   uint64_t data_bytes;
   const char* send;
+  uint64_t send_rows;  // rows of `send` (the send counts must stay within them)
   uint64_t row_bytes;
   const int64_t* send_counts;
   const int64_t* recv_counts;  // may be null
@@ -112,15 +113,30 @@ struct Producer {
 
 // Thread 0 of the exchange: count-matrix rows, offsets, PUTs and signals, then the ACK. Returns whether the ACK
 // went into the FIFO: it does whenever the FIFO takes requests, also after a failed wait ended the PUTs early (the
-// PUTs already pushed still read `send`; thread 31 must be able to wait for them). False only when a push gave up
+// PUTs already pushed still read `send`; thread 31 must be able to wait for them). False when a push gave up
 // on a full FIFO (MT_ERR_FIFO_FULL reported): before any PUT on the abort flag (nothing reads `send`), after one
-// only on the timeout (the engine stuck that long; nothing can confirm the PUTs before it).
+// only on the timeout (the engine stuck that long; nothing can confirm the PUTs before it); and when the send counts
+// were refused (MT_ERR_SEND_COUNTS, nothing pushed at all).
 // `acks` (zeroed here) gets the streams the pushes picked: thread 31 waits for the ACK on those.
 MT_DEV bool produce_exchange(const PxParams& p, AckSet* acks) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
   for (int i = 0; i < MT_MAX_WORLD; ++i) acks->q[i] = 0, acks->rr[i] = 0;
+  // The caller's counts against its send rows: a negative count, or counts summing past the rows, would make PUTs
+  // whose source lies outside `send` (the device memory next to it shipped to the peers). Refused before anything is
+  // pushed: no PUT reads `send` (no ACK to wait for), and the peers' calls time out waiting for this rank's count
+  // words, as for a rank that launched nothing.
+  uint64_t total = 0;
+  for (int d = 0; d < p.world; ++d) {
+    const long long cnt = p.send_counts[d];
+    if (cnt < 0 || (uint64_t)cnt > p.send_rows - total) {
+      mt::report(p.w, MT_ERR_SEND_COUNTS, d, cnt < 0 ? 0 : 1, p.epoch, cnt < 0 ? (uint64_t)cnt : total + (uint64_t)cnt,
+                 p.send_rows);
+      return false;
+    }
+    total += (uint64_t)cnt;
+  }
   Producer pr{&p, 0, true, acks};
   // my count-matrix row to every rank (immediate 8-byte writes through the proxy)
   for (int q = 0; q < p.world; ++q)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from moetune.runtime.paths import foreign_link_reason, loose_key_path
 
-ABI_VERSION = 20  # csrc/mt_common.cu mt_abi_version: 20 = an ACK on the streams its call picked (stat ack_writes)
+ABI_VERSION = 21  # csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked)
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -316,7 +316,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_pxy_counts": (c_int, [c_void_p, c_void_p, c_void_p, c_uint64, c_uint64]),
     "mt_pxy_exchange": (
         c_int,
-        [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_int, c_int, c_int, c_uint64, c_uint64],
+        [c_void_p, c_void_p, c_uint64, c_uint64, c_void_p, c_void_p, c_int, c_int, c_int, c_uint64, c_uint64],
     ),
     "mt_pxy_error": (c_int, [c_void_p, _PI]),
     "mt_pxy_err_ptr": (c_int, [c_void_p, _PP]),

@@ -126,8 +126,8 @@ class SimRanks:
                 recv = np.zeros(self.world, dtype=np.int64)
                 rb = sends[r].shape[1]
                 rc_counts = lib.mt_pxy_counts(self.ctxs[r], sc.ctypes.data, recv.ctypes.data, epoch, 0)
-                rc = lib.mt_pxy_exchange(self.ctxs[r], sends[r].ctypes.data, rb, sc.ctypes.data, recv.ctypes.data,
-                                         coupled, group, chunk_rows, epoch, 0)
+                rc = lib.mt_pxy_exchange(self.ctxs[r], sends[r].ctypes.data, sends[r].shape[0], rb, sc.ctypes.data,
+                                         recv.ctypes.data, coupled, group, chunk_rows, epoch, 0)
                 if reuse_send is not None:
                     sends[r][:] = reuse_send
                 err = (ctypes.c_int * 16)()

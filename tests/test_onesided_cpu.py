@@ -433,7 +433,7 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
                     rows = len(sends[it][r])
                     send[:rows] = sends[it][r]
                     rcv = recv.copy()
-                    rc = lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, row_bytes, sc.ctypes.data, rcv.ctypes.data,
+                    rc = lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, len(send), row_bytes, sc.ctypes.data, rcv.ctypes.data,
                                              coupled, group, chunk, epoch, 0)
                     send.fill(0xDD)  # the caller's next use of its rows: a PUT still reading them sends this
                     assert rc == 0, f"exchange rc {rc}: {lib.mt_last_error()}"
@@ -660,7 +660,7 @@ def test_proxy_calls_give_the_caller_its_own_device_back_in_host_simulation(sim_
         sc, rc = np.array([4], dtype=np.int64), np.zeros(1, dtype=np.int64)
         assert lib.mt_pxy_counts(x, sc.ctypes.data, rc.ctypes.data, 1, 0) == 0, lib.mt_last_error()
         assert lib.mtsim_get_device() == 3 and rc.tolist() == [4]
-        assert lib.mt_pxy_exchange(x, send.ctypes.data, 16, sc.ctypes.data, rc.ctypes.data, 1, 0, 0, 1, 0) == 0, \
+        assert lib.mt_pxy_exchange(x, send.ctypes.data, 4, 16, sc.ctypes.data, rc.ctypes.data, 1, 0, 0, 1, 0) == 0, \
             lib.mt_last_error()
         assert lib.mtsim_get_device() == 3
         err = (ctypes.c_int * 16)()
@@ -706,6 +706,38 @@ def test_a_huge_timeout_waits_instead_of_failing_at_once_in_host_simulation(sim_
         sim_lib.mtsim_set_async(0, 0)
 
 
+@pytest.mark.parametrize("counts,err,seen", [([3, 3], [8, 0, 1, 1], 6), ([-1, 2], [8, 0, 0, 0], -1)],
+                         ids=["past-the-rows", "negative"])
+def test_send_counts_outside_the_send_rows_are_refused_before_any_put_in_host_simulation(
+        sim_lib: ctypes.CDLL, counts: list[int], err: list[int], seen: int) -> None:
+    """Rank 0's send buffer holds 4 rows (the memory after it: 0xEE rows). Send counts that sum past 4 rows, or a
+    negative one, made PUTs whose source lay outside the buffer: its neighbour's bytes reached the peers (the 0xEE rows
+    landed in rank 1's receive area, and both calls succeeded). Now the kernel refuses the counts before any PUT:
+    rank 0 reports MT_ERR_SEND_COUNTS (peer = the first bad destination; slot 0: negative, 1: past the rows), rank 1
+    times out waiting for rank 0's count words, and no byte outside a send buffer reaches any rank."""
+    import numpy as np
+
+    from moetune.runtime.transports._onesided import decode_error
+
+    world, rb, rows = 2, 32, 4
+    big = np.full((3 * rows, rb), 0xEE, dtype=np.uint8)
+    big[:rows] = 10
+    ranks = proxy_sim.SimRanks(sim_lib, world, 16 * rb, timeout_s=0.5)
+    try:
+        out = ranks.exchange([big[:rows], np.full((rows, rb), 11, dtype=np.uint8)], [counts, [2, 2]])
+        assert not any((d == 0xEE).any() for d in ranks.data), "bytes from outside rank 0's send rows were sent"
+    finally:
+        ranks.close()
+    r0, r1 = out
+    assert r0["rc"] == 0 and r0["err"][:4] == err, r0["err"][:8]
+    got = (r0["err"][5] & 0xFFFFFFFF) | ((r0["err"][6] & 0xFFFFFFFF) << 32)
+    assert got == seen % (1 << 64) and r0["err"][7] == rows, r0["err"][:8]
+    assert r1["err"][0] == 1 and r1["err"][2] == 0, r1["err"][:8]  # rank 1: rank 0's count word never came
+    msg = decode_error(r0["err"])
+    assert "send_counts do not fit the send rows" in msg and "send holds 4 rows" in msg, msg
+    assert ("send count to rank 0 is -1" if seen < 0 else "send counts through rank 1 add up to 6 rows") in msg, msg
+
+
 def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
     """Two ranks, asynchronous "kernels", every stream of the process (QP streams and each rank's compute
     stream) aliased onto ONE simulated hardware queue; after each launch the caller queues work behind the
@@ -749,7 +781,7 @@ def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
             for it in range(iters):
                 assert lib.mt_pxy_counts(ctxs[r], sc.ctypes.data, recv.ctypes.data, it + 1, 0) == 0
                 queue_behind_kernel(r)
-                assert lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, row_bytes, sc.ctypes.data, None, 0, 0, 0,
+                assert lib.mt_pxy_exchange(ctxs[r], send.ctypes.data, len(send), row_bytes, sc.ctypes.data, None, 0, 0, 0,
                                            it + 1, 0) == 0
                 queue_behind_kernel(r)
                 lib.mt_pxy_error(ctxs[r], err)

@@ -39,6 +39,7 @@ ERR_NAMES = {
     5: "proxy FIFO stayed full (proxy thread dead or stalled)",
     6: "own outgoing transfers did not complete",
     7: "too many signal slots",
+    8: "send_counts do not fit the send rows",
 }
 
 
@@ -59,6 +60,15 @@ def decode_error(words: list[int]) -> str:
                      f"area holds {cap}")
         return (f"{what}: {where} rows per call (epoch {words[4]}); reserve(max_send_rows, row_bytes) "
                 "collectively for more rows")
+    if code == 8:  # csrc: MT_ERR_SEND_COUNTS (slot 0: a negative count, 1: the counts run past the send rows)
+        signed = seen - (1 << 64) if seen >= 1 << 63 else seen
+        rows = words[7] & 0xFFFFFFFF
+        if words[3] == 0:
+            where = f"rank {words[1]}'s send count to rank {words[2]} is {signed}"
+        else:
+            where = f"rank {words[1]}'s send counts through rank {words[2]} add up to {signed} rows"
+        return (f"{what}: {where}; send holds {rows} rows (epoch {words[4]}); nothing was sent, the other ranks' "
+                "calls time out waiting for this rank")
     return (
         f"{what} (rank {words[1]}, peer {words[2]}, slot {words[3]}, epoch {words[4]}, "
         f"seen {seen:#x}, expected {words[7] & 0xFFFFFFFF})"

@@ -458,7 +458,7 @@ class ProxyTransport(OneSidedTransport):
         self._epoch += 1
         k = self.knobs
         rc = self.lib.mt_pxy_exchange(
-            self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
+            self._h, send.data_ptr(), send.shape[0], rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
             1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, self._stream(),
         )
         self._after_call(rc, "mt_pxy_exchange")
