@@ -499,12 +499,13 @@ def test_a_layer_whose_weights_or_engine_fail_closes_the_buffer_it_built(step: s
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller never gets a layer whose constructor raised, so it cannot close() it: the EPBuffer the layer built
     (its proxy thread, symmetric memory) is closed before the error leaves; a buffer passed in stays the caller's."""
-    from moetune.runtime.buffer.facade import EPBuffer
+    from moetune.runtime import moe_layer
     from moetune.runtime.moe_layer import MoELayer
     from moetune.runtime.shapes import ModelShape
 
+    EPBuffer = moe_layer.EPBuffer  # the class the layer builds (a test elsewhere may have reloaded its module)
     tiny = ModelShape(name="tiny", hidden=64, intermediate=32, experts=4, topk=2, dtype="float32")
-    closed: list[EPBuffer] = []
+    closed: list[Any] = []
     real_close = EPBuffer.close
     monkeypatch.setattr(EPBuffer, "close", lambda self: (closed.append(self), real_close(self))[1])
 
