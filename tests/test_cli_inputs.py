@@ -127,6 +127,17 @@ def test_empty_list_items_are_refused_naming_the_option(args: list[str], tmp_pat
     _refused(_run(*args, home=tmp_path), "--tokens", "comma-separated integers")
 
 
+@pytest.mark.parametrize("cmd", [["profile"], ["profile", "--quick"], ["tune", "--model", "qwen3-30b"]])
+def test_an_empty_tokens_value_is_refused_not_read_as_the_default(cmd: list[str], tmp_path: Path) -> None:
+    """`profile --tokens ""` ran the default buckets (the option's own default was "", so "" read as not given);
+    `tune --tokens ""` and `profile --tokens " , "` were refused: the same refusal for both, nothing made."""
+    r = _run(*cmd, "--tokens", "", home=tmp_path)
+    _refused(r, "--tokens")
+    said = " ".join(r.output.replace("│", " ").split())  # Typer's box wraps a usage error
+    assert "expected comma-separated integers, got '' (an empty item)" in said, r.output
+    assert not (tmp_path / "moetune.db").exists()
+
+
 def test_model_sweep_values_refuse_empty_items(tmp_path: Path) -> None:
     _refused(_run("model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--values", "1,,2", home=tmp_path),
              "--values", "comma-separated integers")

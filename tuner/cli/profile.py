@@ -140,7 +140,7 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
 
 def profile(
     model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K (default: qwen3-30b)."),
-    tokens: str = typer.Option("", "--tokens", help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
+    tokens: str | None = typer.Option(None, "--tokens", show_default=False, help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
     plan_file: Path | None = typer.Option(None, "--plan", help=f"TOML plan (a \\[plan] table, or the keys at the top): {PLAN_KEYS} (default: one EP group of every GPU of the node; the options given beside it win)."),
     trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
@@ -179,7 +179,7 @@ def profile(
         except ValueError as e:
             _fail(f"--model: {e}")
     toks: list[int] = []
-    if tokens:
+    if tokens is not None:  # `--tokens ""` is refused as `tune` refuses it (an empty item), never the default buckets
         try:
             toks = int_list(tokens, "--tokens")
         except ValueError as e:
