@@ -142,6 +142,20 @@ def test_query_names_an_empty_database_file(tmp_path: Path) -> None:
     assert "no such table" not in out
 
 
+@pytest.mark.parametrize("where", ["x.db", "bad/missing/x.db"])
+def test_query_refuses_a_db_that_does_not_exist(tmp_path: Path, where: str) -> None:
+    """An explicit --db that does not exist printed the NO-tuned-profile line and the policy default's exports,
+    exit 0 (a directory or a non-database --db was already refused); without --db the fallback stays."""
+    db = tmp_path / where
+    r, out = _run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16", "--db", str(db), "--format", "env",
+                  "--socket", f"ipc://{tmp_path}/none.sock", home=tmp_path)
+    _refused(r, out, f"--db {db} does not exist")
+    assert "export" not in r.stdout and not db.exists()
+    r, out = _run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16", "--format", "env",
+                  "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", home=tmp_path)
+    assert r.exit_code == 0 and "export MOETUNE_PROFILE_HASH=policy:" in r.stdout, out
+
+
 def test_profiles_import_of_a_json_object_without_format(tmp_path: Path) -> None:
     f = tmp_path / "e.json"
     f.write_text("{}")

@@ -341,6 +341,7 @@ def test_query_env_format_labels_a_modelled_profile(tmp_path, monkeypatch):
                             env={"NCCL_X": "1"}, key=k, family="nvlink", provenance="preset", message="using a MODELLED profile")
 
     monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
+    Store(tmp_path / "n.db").close()  # a --db that does not exist is refused
     args = ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--format", "env", "--db", str(tmp_path / "n.db"),
             "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100"]
     r = runner.invoke(app, args)

@@ -58,13 +58,16 @@ def check_timeout_ms(timeout_ms: int | None) -> None:
 def check_db_given(db: Path) -> None:
     """Exit 2 when the --db given is a file but no moetune database (empty, an Optuna studies file, another program's
     SQLite file, not SQLite): the read-only fallback said "no such table: fingerprints" and answered the defaults.
-    A missing file is left to the fallback (the defaults, saying there is no database); a busy one too."""
+    A --db that does not exist is refused too (a typo in the path answered the policy defaults, exit 0); only with
+    no --db is a missing database left to the fallback (the defaults, saying there is no database). A busy one is
+    left to the fallback."""
     from moetune.tuner.cli.db import fail
     from moetune.tuner.store._schema import db_option
     from moetune.tuner.store.store import StoreError, probe_database, without_moetune
 
     if not db.exists():
-        return
+        raise fail(f"--db {db} does not exist (give a moetune database: `moetune db path` prints the configured one; "
+                   "without --db the lookup falls back to the policy defaults when there is no database)")
     try:
         kind, _rev = probe_database(db)
     except StoreError as e:
