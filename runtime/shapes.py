@@ -44,6 +44,21 @@ def check_experts_divide(experts: int, ep_size: int, who: str) -> None:
         raise ValueError(f"{who}: {experts} experts do not divide evenly over an EP group of {ep_size}")
 
 
+# the most tokens per GPU (rank) moetune takes: the fabric model's workloads (`model predict`/`sweep`) and `query`
+MAX_TOKENS_PER_GPU = 1 << 22  # 4M
+
+
+def tokens_per_gpu_problem(tokens: int) -> str:
+    """Why `tokens` is no token count per GPU ('' when it is one: 1 .. MAX_TOKENS_PER_GPU), worded to follow the
+    name of what carries it ("--tokens must be >= 1, got 0"). The one rule of the fabric model's Workload and the
+    CLI's single token counts."""
+    if tokens < 1:
+        return f"must be >= 1, got {tokens}"
+    if tokens > MAX_TOKENS_PER_GPU:
+        return f"{tokens} is beyond what moetune handles (at most {MAX_TOKENS_PER_GPU}, 4M)"
+    return ""
+
+
 DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 MODELS: dict[str, ModelShape] = {

@@ -56,6 +56,23 @@ def test_query_and_tune_word_the_refusal_the_same_way(tmp_path: Path) -> None:
     assert r.exit_code == 2 and str(e.value) in flat(r.output), r.output
 
 
+@pytest.mark.parametrize("tokens", ["0", "-1", "4194305", "99999999999999999999"])
+def test_query_refuses_the_token_counts_model_predict_refuses(tmp_path: Path, tokens: str) -> None:
+    """`query --tokens 0` and `--tokens 99999999999999999999` answered a profile, exit 0; `tune` refuses 0 and
+    `model predict` 0 and above 4M: one rule (runtime/shapes.py tokens_per_gpu_problem), worded alike."""
+    r = run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", tokens, "--socket",
+            f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 2 and "--tokens" in r.output, r.output
+    p = run("model", "predict", "-p", "nvlink-h200x2", "--tokens", tokens, home=tmp_path)
+    assert p.exit_code == 2, p.output
+    said = flat(p.output).split("--tokens ", 1)[1]  # predict: "--tokens <why>", query: Typer's "... '--tokens': <why>"
+    assert said.split(" (at most")[0] in flat(r.output), (p.output, r.output)
+    ok = run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "4194304", "--format", "json", "--socket",
+             f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", home=tmp_path)
+    assert ok.exit_code == 0, ok.output
+
+
 # -- 2: a profile key whose experts do not divide over its EP size is refused (import included) ---------------
 def _key(**kw: object) -> ProfileKey:
     base = dict(fingerprint="fp-q", software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,

@@ -231,7 +231,7 @@ def register(app: typer.Typer) -> None:
     def query(
         model: str = typer.Option(..., "--model", help="Model name (qwen3-30b, ...) or custom:H,I,E,K[,dtype]."),
         ep: int = typer.Option(..., "--ep", min=1, help="EP size (ranks)."),
-        tokens: int = typer.Option(..., "--tokens", min=0, help="Tokens per rank; the nearest bucket is used."),
+        tokens: int = typer.Option(..., "--tokens", help="Tokens per rank (1 to 4194304); the nearest bucket is used."),
         nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes."),
         family: str = typer.Option(None, "--family", help="Only this family's profile: a transport family (collective, nvlink, host_staged, proxy:ibrc, ...) or megakernel (the one-GPU layer's engine, as MoELayer at world 1 looks it up; --ep 1). Default: the transport families, as EPBuffer looks them up."),
         fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
@@ -242,8 +242,11 @@ def register(app: typer.Typer) -> None:
         timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
     ) -> None:
         """The tuned knobs for a model, EP size and token count (daemon, else the database, else defaults)."""
-        from moetune.runtime.shapes import get_model
+        from moetune.runtime.shapes import get_model, tokens_per_gpu_problem
 
+        # the token counts `tune` and `model predict` take (0 and 10**20 answered a profile, exit 0)
+        if tokens_per_gpu_problem(tokens):
+            raise typer.BadParameter(tokens_per_gpu_problem(tokens), param_hint="--tokens")
         if fmt is not None and fmt not in ("table", "json", "env"):
             raise typer.BadParameter("expected table, json or env", param_hint="--format")
         if json_out and fmt not in (None, "json"):  # one output: which one was meant cannot be guessed

@@ -86,7 +86,7 @@ import numpy as np
 from moetune.runtime.buffer.layout_choice import MAX_COMM_CHANNELS, equal_chunk_bounds, picks_dense
 from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs
 from moetune.runtime.routing import parse_routing
-from moetune.runtime.shapes import DTYPES, ModelShape, get_model
+from moetune.runtime.shapes import DTYPES, ModelShape, get_model, tokens_per_gpu_problem
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
 from moetune.tuner.fabric_model.queue import run_queue
 from moetune.tuner.fabric_model.routing import pe_loads, rank_hits, spread_quantiles
@@ -156,10 +156,9 @@ class Workload(msgspec.Struct, frozen=True):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
-        if self.tokens_per_gpu < 1:
-            raise ValueError(f"tokens_per_gpu must be >= 1, got {self.tokens_per_gpu}")
-        if self.tokens_per_gpu > 1 << 22:
-            raise ValueError(f"tokens_per_gpu {self.tokens_per_gpu} is beyond what the model handles (4M)")
+        problem = tokens_per_gpu_problem(self.tokens_per_gpu)  # the rule `query --tokens` shares
+        if problem:
+            raise ValueError(f"tokens_per_gpu {problem}")
         if self.nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 1:
