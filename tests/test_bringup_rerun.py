@@ -283,3 +283,27 @@ def test_state_file_and_report_are_written_atomically(tmp_path: Path, monkeypatc
     assert json.loads(state.path.read_text())["done"] == {"discover": {"ok": True}}
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".tmp") == []
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["bringup-x.json"]
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_refused_calibration_says_a_rerun_only_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        earlier: bool) -> None:
+    """`profile` whose calibration was refused said only that no node model was written: the daemon's model re-tune
+    then said to run `moetune profile`, which resumed the finished bring-up ("calibrate (done earlier; resuming)")
+    and wrote none again. The summary now names what writes one (`--restart`) or re-tunes without one (the local
+    backend); an earlier node model left as it was needs neither."""
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.cli import app
+
+    cal: dict[str, Any] = {"base": "nvlink-h200x2", "refused": ["too few measured rows: 1 distinct row"],
+                           "node_model": None}
+    if earlier:
+        cal["earlier_node_model"] = str(tmp_path / "node-x.toml")
+    monkeypatch.setattr(flow.Bringup, "run", lambda self: {"calibrate": cal, "compare": [], "report": "r.md"})
+    db = tmp_path / "m.db"
+    r = CliRunner().invoke(app, ["profile", "--capture", str(CAPTURES / "h200x1"), "--db", str(db)],
+                           env={"COLUMNS": "400", "MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "node fabric model NOT written (calibration refused): too few measured rows" in said, said
+    assert ("`moetune profile --restart`" in said and '[tune] backend = "local"' in said) is not earlier, said

@@ -70,6 +70,36 @@ def test_retune_without_calibrated_model_says_so_and_writes_no_preset(tmp_path: 
         d.stop()
 
 
+def test_a_users_retune_that_could_only_fail_is_refused_not_queued(tmp_path: Path) -> None:
+    """After a bring-up whose calibration was refused (no node-<fp>.toml), `retune --all` with [tune] backend =
+    "model" queued a job (exit 0) that failed saying "run `moetune profile` on this node", which only resumed the
+    finished bring-up and wrote no model again. Now the request is refused up front with the reason, and the
+    advice names what writes a model (`moetune profile --restart`) or measures (backend "local"). With the node
+    model there, the same request is queued."""
+    pytest.importorskip("moetune.tuner.search.study")
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts, ep_size=2, buckets=(64,))
+    d = _daemon(tmp_path, store, discover=lambda: facts, tune=TuneSettings(backend="model", trials=2, timeout_s=60))
+    try:
+        c = ProfileClient(d.endpoint, timeout_ms=5000)
+        F.until(lambda: c.status().fingerprint == facts.fingerprint)
+        with pytest.raises(DaemonError) as e:
+            c.retune(all=True, reason="operator")
+        msg = str(e.value)
+        assert e.value.code == wire.E_NOT_FOUND and "not queued" in msg and "no calibrated model of this node" in msg
+        assert "`moetune profile --restart`" in msg and '[tune] backend = "local"' in msg, msg
+        jobs = c.status().jobs
+        assert jobs.running is None and not jobs.queued and not jobs.recent, jobs
+        assert not store.list_events(kinds=("job_queued",))
+        F.write_node_model(tmp_path, facts.fingerprint)  # `moetune profile --restart` calibrated one
+        job = c.retune(all=True, reason="operator").job
+        assert job is not None and job.state in ("queued", "running", "done"), job
+        c.close()
+    finally:
+        d.stop()
+
+
 def test_tune_backend_validated(tmp_path: Path) -> None:
     from moetune.runtime.config import ConfigError, load_config
 

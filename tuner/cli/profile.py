@@ -287,8 +287,12 @@ def profile(
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
                       f"max {100 * cal['max_abs_rel_err']:.1f}%)")
     elif cal.get("refused"):  # said by the stage when it ran; a resumed run's summary says it too
+        # what to do next: the same command again only resumes this finished bring-up and writes no model again
+        then = ("" if cal.get("earlier_node_model") else
+                "; a rerun resumes this bring-up and writes none: fix the measurements and run `moetune profile "
+                "--restart`, or let the daemon re-tune by measuring ([tune] backend = \"local\")")
         console.print(f"[yellow]node fabric model NOT written (calibration refused): "
-                      f"{escape('; '.join(map(str, cal['refused'])))}[/]")
+                      f"{escape('; '.join(map(str, cal['refused'])) + then)}[/]")
     elif cal.get("skipped"):
         console.print(f"node fabric model not calibrated: {cal['skipped']}", markup=False)
     if flow.not_measured:

@@ -21,7 +21,7 @@ from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner import __version__
 from moetune.tuner.daemon.index import ProfileIndex
-from moetune.tuner.daemon.jobs import JobNotRecorded, tuning_key
+from moetune.tuner.daemon.jobs import JobNotRecorded, retune_refusal, tuner_retune, tuning_key
 from moetune.tuner.daemon.watch import facts_dict, transport_names
 
 if TYPE_CHECKING:
@@ -112,6 +112,10 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
         why = ("this fabric has no current profile, and no stale one lacks a current one" if req.all
                else "no stale profile lacks a current one (--all re-tunes the current ones too)")
         return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
+    if d.jobs.retune is tuner_retune:  # a job that could only fail as impossible is refused, not queued
+        why = retune_refusal(d.store, d.facts, d.tune, keys)
+        if why:
+            return False, (wire.E_NOT_FOUND, f"not queued: {why}")
     try:
         job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all, confirm=True)
     except JobNotRecorded as e:

@@ -187,18 +187,27 @@ def _capture_elsewhere(facts: Any) -> str:
 def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
     """(backend, calibrated preset file or None) for this node; RetuneImpossible otherwise. The search labels
     what it writes from these: a local measurement is measured, this node's calibrated model node_model."""
-    tune, facts = ctx.tune, ctx.facts
+    return node_backend(ctx.store, ctx.facts, ctx.tune)
+
+
+def node_backend(store: Store, facts: Any, tune: TuneSettings) -> tuple[Any, str | None]:
+    """`_backend_for` of a store, facts and [tune] settings: also asked before a user's `retune` is queued
+    (`retune_refusal`)."""
     backend = tune.backend
     if backend == "local":  # (a capture of another node is refused before: tuner_retune)
         return "local", None
     if backend != "model":
         raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
-    path = node_model_file(ctx.store, facts.fingerprint, tune.node_model_dir)
+    path = node_model_file(store, facts.fingerprint, tune.node_model_dir)
     if not path.is_file():
+        # `moetune profile` alone is no advice after a bring-up whose calibration was refused: a rerun resumes its
+        # finished stages ("calibrate (done earlier; resuming)") and writes no model again
         raise RetuneImpossible(
             f"cannot re-tune fabric {facts.fingerprint}: no calibrated model of this node ({path} does not exist) "
-            "and [tune] backend is \"model\"; run `moetune profile` on this node, or set [tune] backend = \"local\" "
-            "to measure. Still serving the profiles that remain valid.")
+            "and [tune] backend is \"model\"; set [tune] backend = \"local\" to measure, or run `moetune profile` "
+            "on this node to calibrate one (where a bring-up already finished with its calibration refused, a rerun "
+            "only resumes it and writes none: `moetune profile --restart` measures and calibrates again). Still "
+            "serving the profiles that remain valid.")
     from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
     from moetune.tuner.search.backends import ModelBackend
 
@@ -224,6 +233,21 @@ def _backend_for(ctx: JobContext) -> tuple[Any, str | None]:
         raise RetuneImpossible(f"cannot re-tune fabric {facts.fingerprint} with the calibrated model {path}: {why}. "
                                "Still serving the profiles that remain valid.")
     return ModelBackend(preset), str(path)
+
+
+def retune_refusal(store: Store, facts: Any, tune: TuneSettings, keys: list[ProfileKey]) -> str:
+    """Why the default re-tune (`tuner_retune`) of `keys` cannot run at all ('' when it may): with [tune] backend =
+    "model", EP keys need this node's accepted node model (`node_backend`), and without it the whole job fails as
+    impossible. Asked before a user's `retune` queues a job that could only fail that way. Nothing else is asked
+    here: a local job's refusals depend on what it finds when it runs (the GPUs, the megakernel's library), and a
+    job of megakernel keys alone says its own reason."""
+    if tune.backend != "model" or facts is None or all(k.transport_family in ENGINE_FAMILIES for k in keys):
+        return ""
+    try:
+        node_backend(store, facts, tune)
+    except RetuneImpossible as e:
+        return str(e)
+    return ""
 
 
 def local_refusal(ep_size: int, nodes: int, gpus: int) -> str:
