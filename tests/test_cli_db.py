@@ -120,6 +120,38 @@ def test_profiles_list_show_delete(tmp_path):
     assert run("profiles", "delete", "999", "--yes", "--db", str(db)).exit_code == 2
 
 
+def test_profiles_delete_and_import_say_a_serving_daemon_keeps_what_it_loaded(tmp_path):
+    """`profiles delete 1 --yes` under a daemon serving the database said only "deleted profile 1": the daemon kept
+    serving its copy (it reads the profiles at start and after a re-tune job; no request reloads them). Its lock,
+    held as a serving daemon holds it with its pid inside, makes the command say so; no lock held, nothing said."""
+    import fcntl
+    import os
+
+    from moetune.tuner.store.store import daemon_lock_path
+
+    db = tmp_path / "m.db"
+    fill(db)
+    ids = [r["id"] for r in json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)]
+    exported = tmp_path / "e.json"
+    assert run("profiles", "export", str(exported), "--db", str(db)).exit_code == 0
+    fd = os.open(daemon_lock_path(db), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        r = run("profiles", "delete", str(ids[0]), "--yes", "--db", str(db))
+        said = " ".join(r.output.split())
+        assert r.exit_code == 0 and f"deleted profile {ids[0]}" in said, said
+        assert (f"note: daemon pid {os.getpid()} serves {db} and keeps serving the profiles it loaded, profile "
+                f"{ids[0]} included, until it is restarted") in said, said
+        r = run("profiles", "import", str(exported), "--db", str(db))
+        said = " ".join(r.output.split())
+        assert r.exit_code == 0 and f"note: daemon pid {os.getpid()} serves {db}" in said, said
+    finally:
+        os.close(fd)  # the daemon stopped: its lock is free
+    r = run("profiles", "delete", str(ids[1]), "--yes", "--db", str(db))
+    assert r.exit_code == 0 and "daemon" not in r.output, r.output
+
+
 def test_profiles_export_import(tmp_path):
     src, dst = tmp_path / "s.db", tmp_path / "d.db"
     fill(src)

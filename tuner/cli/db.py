@@ -109,6 +109,28 @@ def _lock_holder(fd: int) -> int | None:
     return pid
 
 
+def serving_daemon(path: str | Path) -> int | None:
+    """The pid of a daemon serving the database `path` now: its lock (`daemon_lock_path`) held and its pid written in
+    it; None when none serves, or that cannot be told. A daemon reads the profiles into memory when it starts and when
+    one of its re-tune jobs ends (there is no reload request): a command that changes them under it says so."""
+    import fcntl
+
+    from moetune.tuner.store.store import daemon_lock_path
+
+    try:
+        fd = os.open(daemon_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # none there: none served yet (or not ours to read: no_daemon_serving warns of it)
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at once (close): only a probe
+        except OSError:
+            return _lock_holder(fd)
+        return None
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def no_daemon_serving(path: Path) -> Iterator[None]:
     """Hold the lock a daemon serving `path` holds (taken without waiting) while a migration runs: a daemon kept

@@ -16,7 +16,17 @@ from rich.markup import escape
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli._tables import Col, print_table
-from moetune.tuner.cli.db import CONFIG_HELP, DB_HELP, db_flag, err, fail, open_store, out, print_json
+from moetune.tuner.cli.db import (
+    CONFIG_HELP,
+    DB_HELP,
+    db_flag,
+    err,
+    fail,
+    open_store,
+    out,
+    print_json,
+    serving_daemon,
+)
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
 
@@ -205,7 +215,12 @@ def delete(
         if not yes and not typer.confirm(f"delete profile {profile_id}{what}?"):
             raise typer.Exit(1)
         store.delete_profile(profile_id)
+        path = store.path
     out.print(f"deleted profile {profile_id}")
+    pid = serving_daemon(path)
+    if pid is not None:  # the database changed, not what the daemon answers (`query` still got the profile)
+        err.print(escape(f"note: daemon pid {pid} serves {path} and keeps serving the profiles it loaded, profile "
+                         f"{profile_id} included, until it is restarted (or one of its re-tune jobs ends)"))
 
 
 @contextlib.contextmanager
@@ -329,6 +344,10 @@ def import_cmd(
             res = store.import_bytes(data, source=source, skip_invalid=skip_invalid)
         except ProfileImportError as e:
             raise fail(f"{e} (database unchanged)") from None
+    pid = serving_daemon(store.path) if res.inserted or res.replaced or res.completed else None
+    if pid is not None:
+        err.print(escape(f"note: daemon pid {pid} serves {store.path} and keeps serving the profiles it loaded, "
+                         "before this import, until it is restarted (or one of its re-tune jobs ends)"))
     for line in res.invalid:
         err.print(escape(f"left out (invalid): {line}"))
     for line in res.differing:
