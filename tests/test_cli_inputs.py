@@ -127,6 +127,18 @@ def test_empty_list_items_are_refused_naming_the_option(args: list[str], tmp_pat
     _refused(_run(*args, home=tmp_path), "--tokens", "comma-separated integers")
 
 
+@pytest.mark.parametrize("cmd", [["profile", "--quick"], ["db", "upgrade"]])
+def test_moetune_home_that_is_a_file_is_said_to_be_one(cmd: list[str], tmp_path: Path) -> None:
+    """MOETUNE_HOME=<a regular file>: `profile --quick` said "cannot create the folder of .../moetune.db: [Errno 17]
+    File exists", `db upgrade` also warned it could not tell whether a daemon serves the database."""
+    home = tmp_path / "afile"
+    home.write_text("keep")
+    r = CliRunner().invoke(app, cmd, env={"MOETUNE_HOME": str(home), "MOETUNE_CONFIG": "", "COLUMNS": "400"})
+    _refused(r, f"cannot create {home / 'moetune.db'}: MOETUNE_HOME ({home}) is a file, not a folder")
+    assert "Errno" not in r.output and "cannot tell whether a daemon" not in r.output, r.output
+    assert home.read_text() == "keep"
+
+
 @pytest.mark.parametrize("cmd", [["profile"], ["profile", "--quick"], ["tune", "--model", "qwen3-30b"]])
 def test_an_empty_tokens_value_is_refused_not_read_as_the_default(cmd: list[str], tmp_path: Path) -> None:
     """`profile --tokens ""` ran the default buckets (the option's own default was "", so "" read as not given);

@@ -200,7 +200,8 @@ def test_the_store_and_the_studies_storage_word_one_rule_alike(tmp_path: Path,
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "file" / "home"))  # the own data folder cannot be made
     store_said, storage_said = _refusals(tmp_path / "file" / "home" / "x.db")
     assert store_said == storage_said
-    assert store_said.startswith(f"cannot create the folder of {tmp_path / 'file' / 'home' / 'x.db'}: ")
+    assert store_said == (f"cannot create {tmp_path / 'file' / 'home' / 'x.db'}: MOETUNE_HOME "
+                          f"({tmp_path / 'file' / 'home'}) is under a file, not a folder")
     store_said, storage_said = _refusals(tmp_path / "missing" / "x.db")
     assert store_said == storage_said and "the folder" in store_said and "does not exist" in store_said
 

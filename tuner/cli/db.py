@@ -143,7 +143,7 @@ def no_daemon_serving(path: Path) -> Iterator[None]:
     lock = daemon_lock_path(path)
     try:
         fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # flock needs no write access
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: its folder is a file (no daemon there either)
         fd = None
     except OSError as e:  # another user's, or a planted link (not followed): a daemon would refuse it too
         err.print(escape(f"warning: cannot tell whether a daemon serves {path}: cannot open its lock {lock}: "

@@ -24,10 +24,22 @@ def make_parent(path: Path, error: type[Exception]) -> None:
             raise error(f"cannot create {path}: {parent} is not a folder")
         raise error(f"cannot create {path}: the folder {parent} does not exist (moetune creates only its own data "
                     f"folder, {own}; create {parent} first or give another path)")
+    # a file where the data folder should be ($MOETUNE_HOME=a file) said "[Errno 17] File exists"
+    if parent.exists():
+        raise error(f"cannot create {path}: {_own_folder(parent)} is a file, not a folder")
     try:
         parent.mkdir(parents=True, exist_ok=True)
+    except NotADirectoryError:  # a file above it ($MOETUNE_HOME=a-file/sub)
+        raise error(f"cannot create {path}: {_own_folder(parent)} is under a file, not a folder") from None
     except OSError as e:
         raise error(f"cannot create the folder of {path}: {e}") from None
+
+
+def _own_folder(parent: Path) -> str:
+    """moetune's data folder `parent` as the user set it: `$MOETUNE_HOME` when that names it."""
+    from moetune.runtime.paths import moetune_home
+
+    return f"MOETUNE_HOME ({parent})" if moetune_home() is not None else f"moetune's data folder {parent}"
 
 
 def not_writable(path: Path, *, side_files: bool = False) -> str:
