@@ -181,3 +181,16 @@ def test_suggested_commands_name_a_database_given_by_config(tmp_path: Path, monk
     run("db", "downgrade", "0005", "--yes")
     r, text = run("db", "upgrade", "--revision", "0003")
     assert r.exit_code == 2 and "`moetune db downgrade 0003 --yes`" in text and str(default) in text, text
+
+
+@pytest.mark.parametrize("cmd", [["db", "upgrade"], ["db", "check"], ["db", "current"], ["profile"],
+                                 ["tune", "--model", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "1"],
+                                 ["report"], ["profiles", "list"]])
+def test_a_folder_given_as_the_database_is_said_to_be_no_database_file(tmp_path: Path, cmd: list[str]) -> None:
+    """`db upgrade --db <a folder>.db` and `profile --db <a folder>` said SQLite's "unable to open database file",
+    while `db check` and `query` said "is not a database file": one check, one wording (store._not_a_file)."""
+    folder = tmp_path / "d.db"
+    folder.mkdir()
+    r, out = run(*cmd, "--db", str(folder))
+    assert r.exit_code == 2 and f"{folder} is not a database file" in out, out
+    assert "unable to open" not in out and not any(folder.iterdir())

@@ -219,12 +219,18 @@ def _foreign_error(path: Path, tables: set[str]) -> StoreError:
     )
 
 
+def _not_a_file(path: Path) -> StoreError:
+    """The error of a database path that exists and is no file (a folder, a FIFO): every command says it alike (a
+    writer's open said SQLite's "unable to open database file")."""
+    return StoreError(f"{path} is not a database file")
+
+
 def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
     """probe_database, and the tables it found."""
     if not path.exists():
         return "missing", None, set()
     if not path.is_file():
-        raise StoreError(f"{path} is not a database file")
+        raise _not_a_file(path)
     try:
         if path.stat().st_size == 0:
             return "empty", None, set()
@@ -400,6 +406,8 @@ class Store:
         else:
             self.path = database_path(path)
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
+            if self.path.exists() and not self.path.is_file():
+                raise _not_a_file(self.path)
             if readonly and not self.path.is_file():
                 raise StoreError(f"no database at {self.path}")
             existing = self.path.is_file() and self.path.stat().st_size > 0
