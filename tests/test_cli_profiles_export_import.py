@@ -319,3 +319,14 @@ def test_a_mislabelled_row_with_a_recorded_environment_exports_importably(tmp_pa
     assert rec["provenance"] == "node_model" and rec["measured_on"] == "fp-cli" and "perf_env" not in rec
     r = run("profiles", "import", str(out), "--db", str(tmp_path / "dst.db"))
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("cmd", [["profiles", "export", ""], ["profiles", "import", ""]])
+def test_an_empty_path_is_refused_by_name(tmp_path: Path, cmd: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profiles import ""` said "cannot read .: Is a directory", `profiles export ""` reported on "." (read as a
+    Path, "" is the current folder): refused as an empty path, naming the argument, before any database is made."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, cmd, env={"COLUMNS": "200", "MOETUNE_HOME": str(tmp_path / "home")})
+    said = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 2 and "Invalid value for 'path': an empty path names no file or folder" in said, said
+    assert "Is a directory" not in said and not (tmp_path / "home").exists()

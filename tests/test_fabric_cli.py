@@ -103,6 +103,21 @@ def test_capture_cli_and_read_back(tmp_path: pathlib.Path) -> None:
     assert again.exit_code == 2 and "not an empty directory" in again.output
 
 
+@pytest.mark.parametrize("cmd", [("fabric", "capture", ""), ("keys", "generate", ""), ("keys", "allow", "", "srv")])
+def test_an_empty_path_argument_is_refused_by_name(cmd: tuple[str, ...], tmp_path: pathlib.Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fabric capture ""` said ".: already exists and is not an empty directory" (read as a Path, "" is the
+    current folder); every path argument refuses "" naming itself (tuner/cli/_args.py path_arg)."""
+    monkeypatch.chdir(tmp_path)
+    from moetune.tuner.cli import app
+
+    res = runner.invoke(app, list(cmd), env={"COLUMNS": "200"})
+    said = " ".join(res.output.replace("│", " ").split())
+    name = {"capture": "dest", "generate": "directory", "allow": "public_file"}[cmd[1]]
+    assert res.exit_code == 2 and f"Invalid value for '{name}': an empty path names no file or folder" in said, said
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_live_discovery_is_fast() -> None:
     t0 = time.perf_counter()
     f = discover()

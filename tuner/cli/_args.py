@@ -18,6 +18,25 @@ def int_list(text: str, option: str) -> list[int]:
         raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
 
 
+EMPTY_PATH = "an empty path names no file or folder (give one; \".\" is the current folder)"
+
+
+def path_text(text: str) -> str:
+    """A path argument's parser (`typer.Argument(..., parser=path_text)`), the argument kept as typed (a str: "-" for
+    stdout, say): "" is refused, naming the argument (Click says "Invalid value for 'PATH': ...")."""
+    if text == "":
+        import typer
+
+        raise typer.BadParameter(EMPTY_PATH)
+    return text
+
+
+def path_arg(text: str) -> Path:
+    """`path_text` for a Path argument. Converted as a Path, "" was ".": `profiles import ""` said "cannot read .: Is
+    a directory" and `fabric capture ""` reported on the current folder."""
+    return Path(path_text(text))
+
+
 def nearest_existing(path: Path) -> Path:
     """`path` or its nearest ancestor that exists: where the folders of a new output file would be made."""
     while not path.exists() and path != path.parent:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.tuner.cli._args import path_arg
 from moetune.tuner.cli._tables import Col, fit_table, print_table
 from moetune.tuner.cli.db import db_flag, db_path, fail, open_store
 
@@ -155,7 +156,7 @@ def show(
 
 @app.command("capture")
 def capture(
-    dest: Path = typer.Argument(..., help="Directory to write (must not exist or be empty)."),
+    dest: Path = typer.Argument(..., parser=path_arg, help="Directory to write (must not exist or be empty)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
     timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
 ) -> None:

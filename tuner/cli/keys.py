@@ -17,6 +17,8 @@ from pathlib import Path
 
 import typer
 
+from moetune.tuner.cli._args import path_arg
+
 app = typer.Typer(help="CURVE keys for a daemon listening on TCP.", no_args_is_help=True)
 
 # a key's file stem: one plain file name (no '/' or '..' to leave the directory, no leading '.' to hide it)
@@ -99,7 +101,7 @@ def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False
 
 @app.command("generate")
 def generate(
-    directory: Path = typer.Argument(..., help="Where to write the key pair."),
+    directory: Path = typer.Argument(..., parser=path_arg, help="Where to write the key pair."),
     name: str = typer.Option("moetune", "--name", help="File name stem."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing keys."),
     json_out: bool = typer.Option(False, "--json", help="Print the paths as JSON."),
@@ -191,7 +193,7 @@ _ADMINS_DIR_HELP = "The daemon's admin list (default: SERVER_KEYS/admins; daemon
 
 @app.command("client")
 def client(
-    server_keys: Path = typer.Argument(..., help="The directory of the daemon's key pair (its allow-list is clients/ there)."),
+    server_keys: Path = typer.Argument(..., parser=path_arg, help="The directory of the daemon's key pair (its allow-list is clients/ there)."),
     name: str = typer.Option(..., "--name", help="The client's name (file stem)."),
     out: Path = typer.Option(None, "--out", help="Where the client's key pair goes (default: SERVER_KEYS/client-NAME)."),
     clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
@@ -218,8 +220,8 @@ def client(
 
 @app.command("allow")
 def allow(
-    public_file: Path = typer.Argument(..., help="A client's public key file (NAME.key)."),
-    server_keys: Path = typer.Argument(..., help="The directory of the daemon's key pair."),
+    public_file: Path = typer.Argument(..., parser=path_arg, help="A client's public key file (NAME.key)."),
+    server_keys: Path = typer.Argument(..., parser=path_arg, help="The directory of the daemon's key pair."),
     clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
     admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
     admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),

@@ -15,6 +15,7 @@ import typer
 from rich.markup import escape
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
+from moetune.tuner.cli._args import path_arg, path_text
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import (
     CONFIG_HELP,
@@ -236,7 +237,7 @@ def _filtered_store(db: Path | None, config: Path | None, status: str | None, fi
 
 @app.command("export")
 def export_cmd(
-    path: str = typer.Argument(..., help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
+    path: str = typer.Argument(..., parser=path_text, help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
     status: str | None = typer.Option(None, "--status", help="Only profiles with this status: current, stale or superseded."),
     fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
     provenance: str | None = typer.Option(None, "--provenance", help="Only profiles of this provenance: measured, node_model or preset."),
@@ -297,7 +298,7 @@ def _refuse_no_format(data: bytes, source: str) -> None:
 
 @app.command("import")
 def import_cmd(
-    path: Path = typer.Argument(..., help='JSON file written by `moetune profiles export` ("-" for stdin).'),
+    path: Path = typer.Argument(..., parser=path_arg, help='JSON file written by `moetune profiles export` ("-" for stdin).'),
     skip_invalid: bool = typer.Option(
         False, "--skip-invalid",
         help="Leave out the profile records that are invalid on their own (each is named on stderr, and in --json's "
