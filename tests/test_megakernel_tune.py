@@ -5,6 +5,7 @@ why, and `moetune profile`'s bring-up on a one-H200 capture tunes the megakernel
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -643,7 +644,11 @@ def test_paired_differences_and_variant_parsing() -> None:
     v = MC.parse_variants("ct8=mk_combine_tokens=8; narrow=mk_bn=128,mk_stages=3", mk)
     assert v["ct8"] == mk.replace(mk_combine_tokens=8) and (v["narrow"].mk_bn, v["narrow"].mk_stages) == (128, 3)
     assert MC.changed_knobs(v["narrow"]) == "engine=megakernel,mk_stages=3,mk_bn=128"
-    for bad, msg in (("ct8", "expected NAME=KNOBS"), ("a=mk_bm=16;a=mk_bm=64", "given twice"),
+    # a knob where the variant's name goes said the knob parser's "expected name=value, got 'fp8_e4m3'"
+    for bad, msg in (("ct8", "a variant is NAME=KNOBS"), ("a=mk_bm=16;a=mk_bm=64", "given twice"),
+                     ("compression=fp8_e4m3", re.escape("'compression' is a knob: name the variant first (e.g. "
+                                                        "v1=compression=fp8_e4m3)")),
+                     ("fast=mk_bm", "a variant is NAME=KNOBS"),
                      ("base=mk_bm=16", "given twice"), ("", "at least one variant")):
         with pytest.raises(ValueError, match=msg):
             MC.parse_variants(bad, mk)
@@ -680,9 +685,11 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert [c["variant"] for c in rep["cases"]] == ["base", "ct8"] and all("no CUDA device" in c["skipped"] for c in rep["cases"])
     assert "every requested case was skipped" in r.stderr
-    for vs, msg in (("ct8", "expected NAME=KNOBS"), ("x=mk_nope=1", "unknown knob")):
-        bad = CliRunner().invoke(app, ["bench", "knobs", "--vs", vs])
-        assert bad.exit_code == 2 and msg in bad.output and "Traceback" not in bad.output
+    for vs, msg in (("ct8", "a variant is NAME=KNOBS"), ("x=mk_nope=1", "unknown knob"),
+                    ("compression=fp8_e4m3", "(e.g. fp8=compression=fp8_e4m3)")):
+        bad = CliRunner().invoke(app, ["bench", "knobs", "--vs", vs], env={"COLUMNS": "400"})
+        assert bad.exit_code == 2 and msg in bad.output and "Traceback" not in bad.output, bad.output
+        assert "expected name=value" not in bad.output
 
     s = S.get("moe-megakernel-knobs")
     assert s.driver == "moe-knobs" and s.cases[0].name == "defaults"

@@ -37,8 +37,13 @@ def parse_variants(text: str, base: Knobs) -> dict[str, Knobs]:
     for item in filter(None, (p.strip() for p in text.split(";"))):
         name, sep, knobs = item.partition("=")
         name = name.strip()
-        if not sep or not name or "," in name:
-            raise ValueError(f"expected NAME=KNOBS (e.g. ct8=mk_combine_tokens=8), got {item!r}")
+        # KNOBS without any "=" ("compression=fp8_e4m3": a knob where the variant's name goes) was parsed as the
+        # knobs and refused with the knob parser's "expected name=value, got 'fp8_e4m3'", which names no variant
+        if not sep or not name or "," in name or (knobs.strip() and "=" not in knobs):
+            knob = (f"; {name!r} is a knob: name the variant first (e.g. v1={item})"
+                    if name in base.to_dict() else "")
+            raise ValueError(f"a variant is NAME=KNOBS, its name then its knobs (e.g. fp8=compression=fp8_e4m3), "
+                             f"got {item!r}{knob}")
         if name in out or name == "base":
             raise ValueError(f"variant name {name!r} given twice (or 'base', the name of --knobs' variant)")
         out[name] = Knobs.parse(knobs, base=base)
