@@ -156,6 +156,13 @@ def _fields(section: str) -> dict[str, type]:
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
 
+# what an empty value (the key's default) stands for, where load_config puts a value in its place: an explicit
+# `db = ""` is that default too (a later file sets it back to the default over an earlier file's value), as
+# docs/settings.md says
+EMPTY_MEANS = {("store", "db"): "$MOETUNE_HOME/moetune.db, else $XDG_DATA_HOME/moetune/moetune.db, else "
+                                "~/.local/share/moetune/moetune.db"}
+
+
 def type_name(section: str, key: str) -> str:
     """The TOML type of `section.key`, in words."""
     return _TYPE_NAMES[_fields(section)[key]]

@@ -481,8 +481,11 @@ def _config_rows() -> list[str]:
         defaults = cls()
         for f in dataclasses.fields(cls):
             var = _config.env_name(section, f.name)
+            default = _cell(getattr(defaults, f.name))
+            if (section, f.name) in _config.EMPTY_MEANS:  # said in full: `db = ""` is this default, not "no database"
+                default = f"(empty: {_esc(_config.EMPTY_MEANS[(section, f.name)])})"
             rows.append(f"| `{section}.{f.name}` | {_config.type_name(section, f.name)} | "
-                        f"{_cell(getattr(defaults, f.name))} | {f'`{var}`' if var else '(the option variable below)'} |")
+                        f"{default} | {f'`{var}`' if var else '(the option variable below)'} |")
     return rows
 
 

@@ -51,6 +51,19 @@ def test_moetune_home_and_xdg(env, tmp_path):
     assert cfg.daemon.pub_socket == f"ipc://{tmp_path / 'xr' / 'moetune' / 'events.sock'}"
 
 
+def test_an_empty_store_db_is_the_documented_default(env, tmp_path):
+    """`[store] db = ""` was reported as silently ignored. Decided: not refused. An empty value is the key's default
+    (docs/settings.md lists it as "(empty: $MOETUNE_HOME/moetune.db, else ...)", as `curve_secret_key_file = ""` in
+    the README is "no key"), so a later file can set the database back to the default over an earlier file's."""
+    write(paths.SYSTEM_CONFIG, '[store]\ndb = "/var/lib/moetune/moetune.db"\n')
+    explicit = write(tmp_path / "x.toml", '[store]\ndb = ""\n')
+    e = {**env, "MOETUNE_HOME": str(tmp_path / "mh")}
+    assert load_config(env=e).store.db == "/var/lib/moetune/moetune.db"
+    assert load_config(explicit, env=e).store.db == str(tmp_path / "mh" / "moetune.db")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    assert "| `store.db` | a string | (empty: $MOETUNE_HOME/moetune.db, else $XDG_DATA_HOME/moetune/moetune.db" in doc
+
+
 def test_precedence_system_user_explicit_env(env, tmp_path):
     write(paths.SYSTEM_CONFIG, '[store]\ndb = "/var/lib/moetune/moetune.db"\n[tune]\ntrials = 10\nbackend = "local"\n[daemon]\nlog_level = "debug"\n')
     write(user_file(tmp_path), '[tune]\ntrials = 20\n[daemon]\nmetrics_port = 9100\n')
