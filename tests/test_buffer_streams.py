@@ -4,8 +4,6 @@ receive rows. World 1, dense layout (no host sync inside a call: the ordering is
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -33,24 +31,29 @@ def _round_trip(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tens
 
 
 def test_a_call_on_another_stream_waits_for_the_buffers_previous_stream() -> None:
+    """Stream a: a round trip, then ~1 s of GPU sleep; stream b: a round trip. b's call must finish after all that
+    was queued on a before it (the sleep included): ordered by events, so neither a host sync inside a call nor a
+    slow first call (library loads) can pass or fail it by timing. Without the wait, b's few small kernels finish
+    at once, while a sleeps."""
     buf = EPBuffer(knobs=Knobs(), model=get_model(MODEL), max_tokens=16, device="cuda", dense=True,
                    check_inputs=False)
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     xa, ia, wa = _inputs(16, 1)
     xb, ib, wb = _inputs(12, 2)
+    for s in (a, b):  # warm-up: every lazy first-call cost paid before the timed order
+        with torch.cuda.stream(s):
+            _round_trip(buf, xa, ia, wa)
     torch.cuda.synchronize()
+    a_end, b_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(a):
-        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time before stream a's call
         out_a = _round_trip(buf, xa, ia, wa)
+        torch.cuda._sleep(2_000_000_000)  # ~1 s at 2 GHz, queued on a after its call
+        a_end.record(a)
     with torch.cuda.stream(b):
         out_b = _round_trip(buf, xb, ib, wb)
-        done_b = torch.cuda.Event()
-        done_b.record(b)
-    time.sleep(0.05)
-    # without the wait, stream b's few small kernels would have finished long ago, over rows stream a's call
-    # (still behind its sleep) then overwrites
-    assert not done_b.query(), "stream b's call did not wait for stream a's"
+        b_end.record(b)
     torch.cuda.synchronize()
+    assert a_end.elapsed_time(b_end) >= 0, "stream b's call finished before the work queued on stream a"
     assert torch.allclose(out_a, xa * wa.sum(1, keepdim=True), atol=1e-5)
     assert torch.allclose(out_b, xb * wb.sum(1, keepdim=True), atol=1e-5)
     buf.close()

@@ -263,20 +263,16 @@ def test_the_ack_is_written_on_the_streams_the_call_picked(lib: ctypes.CDLL, map
         lib.mtsim_set_async(0, 0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy exchange kernel and engine)")
-@pytest.mark.parametrize(("mapping", "fence", "want"), [("peer_hash", "nic_ordered", 1), ("round_robin", "proxy_drain", 2)])
-def test_a_world_1_proxy_exchange_acks_only_its_picked_streams_on_a_gpu(mapping: str, fence: str, want: int) -> None:
-    """The exchange kernel and the proxy engine on one GPU (world 1: rank 0 sends to itself), 4 QPs: each call's ACK
-    is written on the streams its requests picked (peer_hash: the count word, the PUT and its signal all on stream 0;
-    round_robin: the PUT and its signal on streams 0 and 1), 30 calls with 0-2 ms idle gaps between them (the
-    engine's thread sleeps after 200 us idle and every launch must wake it): every call returns the rows sent."""
+def case_world_1_acks(rank: int, world: int, mapping: str, fence: str) -> tuple[int, int, list[str]]:
+    """The body of the GPU test below, on its one spawned rank (the proxy transport needs a process group): 30
+    exchanges with idle gaps; returns the acks and ack_writes the calls added, and any call that went wrong."""
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.transports.proxy import ProxyTransport
 
     dev = torch.device("cuda", 0)
     knobs = Knobs(transport="proxy", signalling="coupled", fence_mode=fence, qp_mapping=mapping, qps_per_pe=4)
     t = ProxyTransport(None, knobs, dev, max_send_rows=64, row_bytes=256)
+    wrong: list[str] = []
     try:
         t.proxy_stats()  # the engine runs
         before = t.proxy_stats()
@@ -288,10 +284,28 @@ def test_a_world_1_proxy_exchange_acks_only_its_picked_streams_on_a_gpu(mapping:
             got = t.exchange(send, sc, rc)
             torch.cuda.synchronize(dev)
             t.check()
-            assert int(rc[0]) == rows and torch.equal(got[:rows], send), i
+            if int(rc[0]) != rows or not torch.equal(got[:rows], send):
+                wrong.append(f"call {i}: {int(rc[0])} rows back for {rows}, or other bytes")
             time.sleep((i % 3) * 1e-3)
         after = t.proxy_stats()
     finally:
         t.close()
-    assert after["acks"] - before["acks"] == 30
-    assert after["ack_writes"] - before["ack_writes"] == 30 * want, (before, after)
+    return after["acks"] - before["acks"], after["ack_writes"] - before["ack_writes"], wrong
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy exchange kernel and engine)")
+@pytest.mark.parametrize(("mapping", "fence", "want"), [("peer_hash", "nic_ordered", 1), ("round_robin", "proxy_drain", 2)])
+def test_a_world_1_proxy_exchange_acks_only_its_picked_streams_on_a_gpu(mapping: str, fence: str, want: int) -> None:
+    """The exchange kernel and the proxy engine on one GPU (world 1: rank 0 sends to itself, one spawned nccl rank),
+    4 QPs: each call's ACK is written on the streams its requests picked (peer_hash: the count word, the PUT and its
+    signal all on stream 0; round_robin: the PUT and its signal on streams 0 and 1), 30 calls with 0-2 ms idle gaps
+    between them (the engine's thread sleeps after 200 us idle and every launch must wake it): every call returns
+    the rows sent."""
+    from moetune.runtime.testing.launch import launch
+
+    [(acks, writes, wrong)] = launch(case_world_1_acks, 1, backend="nccl", args=(mapping, fence), timeout_s=60,
+                                     join_timeout_s=120)
+    assert not wrong, wrong
+    assert acks == 30
+    assert writes == 30 * want, (acks, writes)
