@@ -175,24 +175,44 @@ def test_a_resumed_job_of_one_key_does_not_hide_the_changes_other_keys(tmp_path:
         d.stop()
 
 
+def _wait(cond: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _fabrics(a_gpus: str = "gpus-X") -> tuple[Any, Any]:
+    """Fabric A (H200 GPUs `a_gpus`) and fabric B (H100, GPUs gpus-B): another fingerprint each."""
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    a.identity_hash, b.identity_hash = a_gpus, "gpus-B"
+    return a, b
+
+
+def _recording_daemon(store: Any, tmp_path: Path, now: list[Any],
+                      retune: Any = None) -> tuple[Daemon, list[list[Any]]]:
+    """A daemon whose fabric is `now[0]` (set it, then rediscover()) and whose re-tunes are recorded (keys per job,
+    second value); `retune` (ctx, ran) -> records replaces the default one, which stores nothing."""
+    ran: list[list[Any]] = []
+
+    def job(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return retune(ctx, ran) if retune is not None else []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=job).start(background=True)
+    return d, ran
+
+
 def test_a_fabric_back_to_one_it_had_serves_that_ones_profiles_again(tmp_path: Path) -> None:
     """A → B → A (a GPU off the bus and back, a package changed then restored): A's profiles went stale at A → B, B's
     re-tune stored nothing, and at B → A they stayed stale (a re-tune of hours, or modelled rows in their place,
     though they were measured on this very fabric). Now B → A makes each of A's keys current again, measured as it
     was, with nothing re-tuned for them; a key tuned on A in between keeps its newer profile."""
-    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"  # the same GPUs back (`test_..._on_other_gpus_...`)
+    a, b = _fabrics()  # the same GPUs back (`test_..._on_other_gpus_...`)
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, a)
     now = [a]
-    ran: list[list[Any]] = []
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        return []  # stores nothing (as a re-tune that cannot run)
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
+    d, ran = _recording_daemon(store, tmp_path, now)  # its re-tunes store nothing (as one that cannot run)
     try:
         now[0] = b
         d.rediscover()  # A → B: A's profiles stale, their re-tune (for B) runs and stores nothing
@@ -217,22 +237,13 @@ def test_a_fabric_back_on_other_gpus_does_not_serve_the_old_gpus_profiles(tmp_pa
     """A on GPUs X → B → A on GPUs Y (same model: same fingerprint): A's stale profiles were measured on X, and a
     replaced GPU is a change needing a re-tune (`same_hardware`), so none is made current again; A's keys are
     re-tuned on Y. The same where the GPUs now are unknown (`back_on` ""): an identity that cannot be shown equal."""
-    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"
-    a2 = F.FakeFacts({"gpu_model": "H200"})
-    a2.identity_hash = back_on
+    a, b = _fabrics()
+    a2, _ = _fabrics(back_on)
     assert a2.fingerprint == a.fingerprint
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, a)
     now = [a]
-    ran: list[list[Any]] = []
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
+    d, ran = _recording_daemon(store, tmp_path, now)
     try:
         now[0] = b
         d.rediscover()  # A(X) → B
@@ -254,10 +265,6 @@ def test_a_fabric_back_on_other_gpus_does_not_serve_the_old_gpus_profiles(tmp_pa
         d.stop()
 
 
-def _wait(cond: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after_it_moved_on(tmp_path: Path) -> None:
@@ -266,16 +273,13 @@ def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after
     not the older row A served until it left; now only the rows A served are candidates."""
     import msgspec
 
-    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"
+    a, b = _fabrics()
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, a, buckets=(64,))
     now = [a]
     holder: dict[str, Any] = {}
-    ran: list[list[Any]] = []
 
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
+    def retune(ctx: Any, ran: list[list[Any]]) -> list[Any]:
         if len(ran) > 1:
             return []  # B's re-tunes store nothing
         now[0] = b
@@ -284,8 +288,7 @@ def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after
         assert store.put_profile(rec, force_reason="side by side")[0]  # A's key had nothing current: written current
         return [rec]
 
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
+    d, _ran = _recording_daemon(store, tmp_path, now, retune)
     holder["d"] = d
     try:
         d.jobs.submit(reason="manual", old_fingerprint=None, keys=[seeded[0].key], all_current=True, confirm=True)
@@ -305,21 +308,12 @@ def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after
 def test_a_fabric_back_does_not_restore_rows_of_an_earlier_stay_on_other_gpus(tmp_path: Path) -> None:
     """A(X) → B → A(Y): X's rows stay stale and their re-tune stores nothing; A(Y) → B → A(Y): the GPUs are those A
     had when it last left, but A served nothing then: X's rows, each key's newest stale one, must not come back."""
-    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    a.identity_hash, b.identity_hash = "gpus-X", "gpus-B"
-    a2 = F.FakeFacts({"gpu_model": "H200"})
-    a2.identity_hash = "gpus-Y"
+    a, b = _fabrics()
+    a2, _ = _fabrics("gpus-Y")
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, a)
     now = [a]
-    ran: list[list[Any]] = []
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
+    d, ran = _recording_daemon(store, tmp_path, now)
     try:
         for n, facts in enumerate([b, a2, b, a2], start=1):
             now[0] = facts
