@@ -404,3 +404,150 @@ def test_an_interrupted_profile_says_so_after_its_last_progress_lines(tmp_path: 
     lines = [x for x in r.output.splitlines() if x.strip()]
     assert "collective qwen3-30b S=128: 2/4 done" in r.output, r.output
     assert lines[-1].startswith("interrupted: run the same command again"), lines[-3:]
+
+
+def _after_begin_line() -> int:
+    """The line of SQLAlchemy's SessionTransaction._connection_for_bind right after the connection began its
+    transaction (BEGIN IMMEDIATE ran) and before the session recorded it: an interrupt there left the connection
+    checked out holding SQLite's write lock, with nothing to close it."""
+    import inspect as _inspect
+
+    from sqlalchemy.orm.session import SessionTransaction
+
+    fn = _inspect.unwrap(SessionTransaction._connection_for_bind)
+    lines, first = _inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if "bind_is_connection = isinstance(" in line:
+            return first + i
+    pytest.skip("this SQLAlchemy's _connection_for_bind has no such line")
+    raise AssertionError("unreachable")
+
+
+def test_ctrl_c_inside_a_study_storage_transaction_ends_the_tune_as_an_interrupt(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tester's find (2 of ~37 Ctrl-Cs of `tune --backend model`): the interrupt landed inside SQLAlchemy's
+    bookkeeping of a study-storage transaction, after BEGIN IMMEDIATE; the connection kept SQLite's write lock, the
+    interrupted trial's FAIL then waited the busy timeout and failed "database is locked", and Optuna ended in
+    "AssertionError: Should not reach." (no KeyboardInterrupt in the chain): a ~480-line traceback, exit 1, the
+    trial left RUNNING. Here a real SIGINT arrives at that very line, inside the objective's storage write: the
+    interrupt is held back until the storage call returns, the trial is failed as interrupted and saved, one line,
+    exit 130, at once (not after the 30 s busy timeout)."""
+    import optuna
+
+    from moetune.tuner.search.study import INTERRUPTED
+
+    target = _after_begin_line()
+    session_file = sys.modules["sqlalchemy.orm.session"].__file__
+    fired: list[bool] = []
+
+    def in_objective(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "_run" and frame.f_code.co_filename.endswith(os.path.join("search", "study.py")):
+                return True
+            frame = frame.f_back
+        return False
+
+    def local(frame: Any, event: str, _arg: object) -> Any:
+        if event == "line" and frame.f_lineno == target and not fired and in_objective(frame):
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: inside the transaction bookkeeping
+        return local
+
+    def tracer(frame: Any, event: str, _arg: object) -> Any:
+        if event == "call" and frame.f_code.co_name == "_connection_for_bind" and frame.f_code.co_filename == session_file:
+            return local
+        return None
+
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    start = time.monotonic()
+    sys.settrace(tracer)
+    try:
+        r = runner.invoke(app, [*TUNE_MODEL, "--trials", "3", "--db", str(tmp_path / "m.db")])
+    finally:
+        sys.settrace(None)
+    took = time.monotonic() - start
+    assert fired, "the SIGINT was never sent"
+    assert r.exit_code == 130, (r.output, r.exception)
+    assert "interrupted: the study is saved; run the same command again to resume" in r.output, r.output
+    assert "Traceback" not in r.output and "locked" not in r.output, r.output
+    assert took < 25, f"{took:.1f} s: a storage write waited on a lock the interrupt left held"
+    studies = optuna.get_all_study_summaries(f"sqlite:///{tmp_path / 'm-studies.db'}")
+    assert len(studies) == 1
+    trials = optuna.load_study(study_name=studies[0].study_name, storage=f"sqlite:///{tmp_path / 'm-studies.db'}").trials
+    states = [(t.state.name, t.user_attrs.get(INTERRUPTED)) for t in trials]
+    assert ("FAIL", "interrupted (Ctrl-C)") in states, states  # the interrupted trial, failed and marked so
+    assert all(t.state != optuna.trial.TrialState.RUNNING for t in trials), states
+
+
+def test_an_error_after_a_received_interrupt_is_that_interrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same find's other half: Optuna caught the interrupt (to fail the trial), and its own clean-up then raised
+    an error whose chain does not hold it (StorageInternalError, then "AssertionError: Should not reach."). An error
+    that ends the body after the handler received a Ctrl-C (or SIGTERM) ends it as that interrupt; without one it is
+    the error it is."""
+    import io
+
+    import optuna
+    import typer
+    from rich.console import Console
+
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
+
+    def optunas_clean_up() -> None:
+        try:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+        except optuna.exceptions.StorageInternalError:
+            pass
+        raise AssertionError("Should not reach.")
+
+    buf = io.StringIO()
+    with pytest.raises(typer.Exit) as x, ends_cleanly_on_interrupt(lambda: "left", Console(file=buf)):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler raises here
+            raise AssertionError("the SIGINT was not raised")
+        except KeyboardInterrupt:
+            pass  # Optuna's `except (Exception, KeyboardInterrupt)`: the trial failed, then its clean-up fails
+        optunas_clean_up()
+    assert x.value.exit_code == 130 and buf.getvalue().strip() == "interrupted: left"
+    with pytest.raises(AssertionError), ends_cleanly_on_interrupt(lambda: "left", Console(file=io.StringIO())):
+        optunas_clean_up()  # no interrupt received (the previous one is forgotten with its command): an error
+
+
+def test_an_interrupt_inside_a_storage_call_is_raised_when_it_returns() -> None:
+    """`interrupt_guard`: delivered inside a storage call, the interrupt is raised when the outermost call returns
+    (or over its error); outside one, or a second one while the first is held back, at once."""
+    from moetune.tuner.search.interrupt_guard import deliver, guarded, pending
+
+    done: list[str] = []
+
+    @guarded
+    def inner() -> None:
+        deliver(KeyboardInterrupt("first"))
+        assert pending() is not None
+        done.append("inner")
+
+    @guarded
+    def outer(fail: bool) -> None:
+        inner()
+        done.append("outer")
+        if fail:
+            raise ValueError("storage error")
+
+    with pytest.raises(KeyboardInterrupt, match="first"):
+        outer(False)
+    assert done == ["inner", "outer"] and pending() is None
+    with pytest.raises(KeyboardInterrupt) as x:
+        outer(True)
+    assert isinstance(x.value.__context__, ValueError)
+    with pytest.raises(KeyboardInterrupt, match="now"):
+        deliver(KeyboardInterrupt("now"))
+
+    @guarded
+    def insists() -> None:
+        deliver(KeyboardInterrupt("first"))
+        deliver(KeyboardInterrupt("second"))
+        done.append("not reached")
+
+    with pytest.raises(KeyboardInterrupt, match="second"):
+        insists()
+    assert "not reached" not in done and pending() is None

@@ -1,7 +1,7 @@
 """How a long command of the CLI ends on Ctrl-C or SIGTERM: one line saying so and what it left, exit 130 / 143.
 
 `ends_cleanly_on_interrupt` is what every measuring command (`tune`, `profile`, `bench ...`, `model calibrate`)
-wraps its work in; `sigterm_interrupts`, `interrupt_behind`, `interrupted_exit` and `interrupted_by` are its parts."""
+wraps its work in; `signals_interrupt`, `interrupt_behind`, `interrupted_exit` and `interrupted_by` are its parts."""
 
 from __future__ import annotations
 
@@ -14,28 +14,54 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+# the interrupts the handlers of `signals_interrupt` raised or held back, in the body now running: an error that
+# ends the body after one is that interrupt, whatever its own chain holds (`interrupt_behind`)
+_received: list[KeyboardInterrupt] = []
+
 
 @contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """While measuring: SIGTERM (`kill`, `timeout`, a batch scheduler) raises `Terminated`, a KeyboardInterrupt, so
-    the command ends as on Ctrl-C (the study saved, the bench workers and their ranks ended, a message, exit
-    143). Python's default ended the process at once with no message and left the measurement worker and its
-    ranks running. A second SIGTERM ends the process at once (the workers then end by themselves: they watch
-    their parent). Only the main thread can have a signal handler: elsewhere nothing changes."""
+def signals_interrupt(*, sigterm: bool = True) -> Iterator[None]:
+    """While measuring: Ctrl-C raises KeyboardInterrupt and (`sigterm`) SIGTERM (`kill`, `timeout`, a batch
+    scheduler) raises `Terminated`, a KeyboardInterrupt, so the command ends as on Ctrl-C (the study saved, the
+    bench workers and their ranks ended, a message, exit 143). Python's default SIGTERM ended the process at once
+    with no message and left the measurement worker and its ranks running. A second SIGTERM ends the process at
+    once (the workers then end by themselves: they watch their parent).
+
+    Either is raised through `interrupt_guard.deliver`: inside a call of the study storage it is held back until
+    that call returns. Raised inside SQLAlchemy's transaction bookkeeping, it left a connection holding SQLite's
+    write lock, and Optuna's FAIL of the interrupted trial then failed "database is locked" (a traceback, exit 1).
+    A second Ctrl-C while one is held back is raised at once. Each is recorded (`_received`) for the body's end.
+    A SIGINT handler other than Python's own is left as it is. Only the main thread can have a signal handler:
+    elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from moetune.tuner.search.interrupt_guard import deliver
     from moetune.tuner.search.study import Terminated
 
-    def handler(_signum: int, _frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Terminated()
+    def on_int(_signum: int, _frame: object) -> None:
+        e = KeyboardInterrupt()
+        _received.append(e)
+        deliver(e)
 
-    old = signal.signal(signal.SIGTERM, handler)
+    def on_term(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        e = Terminated()
+        _received.append(e)
+        deliver(e)
+
+    old_int = signal.getsignal(signal.SIGINT)
+    ours = old_int is signal.default_int_handler
+    old_term = signal.signal(signal.SIGTERM, on_term) if sigterm else None
+    if ours:
+        signal.signal(signal.SIGINT, on_int)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        if ours:
+            signal.signal(signal.SIGINT, old_int)
+        if sigterm:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
@@ -55,7 +81,9 @@ def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
         if id(cur) not in seen:
             seen.add(id(cur))
             todo += [x for x in (cur.__context__, cur.__cause__) if x is not None]
-    return None
+    # an error after a Ctrl-C / SIGTERM the handlers received is that interrupt too: one Optuna caught and handled
+    # (the trial's FAIL) before its clean-up raised an error of its own, without the interrupt in its chain
+    return _received[0] if _received else None
 
 
 def interrupted_exit(e: KeyboardInterrupt) -> int:
@@ -75,7 +103,7 @@ def interrupted_by(e: KeyboardInterrupt) -> str:
 @contextlib.contextmanager
 def ends_cleanly_on_interrupt(left: Callable[[], str], console: Console | None = None, *,
                               sigterm: bool = True) -> Iterator[None]:
-    """Run the body under `sigterm_interrupts` (SIGTERM raised as KeyboardInterrupt); Ctrl-C or SIGTERM in it ends
+    """Run the body under `signals_interrupt` (SIGTERM raised as KeyboardInterrupt); Ctrl-C or SIGTERM in it ends
     the command with one line on stderr (or `console`), "interrupted: LEFT" or "terminated (SIGTERM): LEFT", LEFT
     being what `left()` says then (what was and was not written or printed; plain text, escaped here), and exit 130
     (143 for SIGTERM). Without it, Ctrl-C ended the command with no word (Typer turns KeyboardInterrupt into a bare
@@ -83,9 +111,11 @@ def ends_cleanly_on_interrupt(left: Callable[[], str], console: Console | None =
     closed, processes ended) is done before the line. The body's own `except` clauses must not catch the
     `typer.Exit` this raises (a RuntimeError): put them inside the `with`, as `tune` and `profile` do.
     `sigterm=False`: SIGTERM keeps its default (a process whose launcher ends it so, a torchrun worker); Ctrl-C
-    still ends it with the line. An error raised while an interrupt unwound (`interrupt_behind`) ends it the same."""
+    still ends it with the line. An error raised while an interrupt unwound, or after the handlers received one
+    (`interrupt_behind`), ends it the same."""
+    mark = len(_received)
     try:
-        with sigterm_interrupts() if sigterm else contextlib.nullcontext():
+        with signals_interrupt(sigterm=sigterm):
             yield
     except (KeyboardInterrupt, Exception) as raised:
         e = interrupt_behind(raised)
@@ -94,3 +124,5 @@ def ends_cleanly_on_interrupt(left: Callable[[], str], console: Console | None =
         out = console or Console(stderr=True, soft_wrap=True)
         out.print(f"[yellow]{interrupted_by(e)}: {escape(left())}[/yellow]")
         raise typer.Exit(interrupted_exit(e)) from None
+    finally:
+        del _received[mark:]  # forgotten with the body: a later command's error is its own

@@ -66,6 +66,7 @@ from moetune.tuner.search.backends import (
     Measurement,
     TuneWorkload,
 )
+from moetune.tuner.search.interrupt_guard import guard_methods
 from moetune.tuner.search.space import SearchSpace
 from moetune.tuner.store._folders import make_parent, not_writable
 from moetune.tuner.store._tables import (
@@ -141,6 +142,16 @@ class Terminated(KeyboardInterrupt):
 
 # ---------------------------------------------------------------------------------------------------
 # storage
+
+
+class GuardedRDBStorage(optuna.storages.RDBStorage):
+    """Optuna's RDBStorage whose every call holds back the CLI's Ctrl-C / SIGTERM until it returns
+    (`interrupt_guard`): an interrupt inside SQLAlchemy's transaction bookkeeping left a connection holding the
+    SQLite write lock, and Optuna's FAIL of the interrupted trial then failed "database is locked" (a traceback,
+    exit 1, the trial left RUNNING). Every method RDBStorage defines is wrapped (below)."""
+
+
+guard_methods(GuardedRDBStorage, optuna.storages.RDBStorage)
 
 
 def studies_file_name(db_path: str | Path) -> str:
@@ -368,7 +379,7 @@ def _open_sqlite(path: Path, url: str, *, retry: bool, wal: bool) -> optuna.stor
                 finally:
                     con.close()
             # isolation_level None: the driver's implicit transactions are off, `_immediate_transactions` begins them
-            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30,
+            return GuardedRDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30,
                                                                                    "isolation_level": None}})
         except (sqlalchemy.exc.SQLAlchemyError, sqlite3.Error, optuna.exceptions.StorageInternalError) as e:
             why = str(e)
@@ -422,7 +433,7 @@ def make_storage(url: str, *, own: bool = False) -> optuna.storages.RDBStorage:
     if is_sqlite(url):
         path = sqlite_path(url)
         if path is None or str(path) == ":memory:":
-            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
+            return GuardedRDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
         refuse_query(url)
         new = not path.exists() or (path.is_file() and path.stat().st_size == 0)
         tables = _check_sqlite_studies_path(path)  # another program's file, a missing folder: refused
@@ -440,7 +451,7 @@ def make_storage(url: str, *, own: bool = False) -> optuna.storages.RDBStorage:
           in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
     with warnings.catch_warnings():  # heartbeat_interval is "experimental": a note for Optuna users, not ours
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=10,
+        return GuardedRDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=10,
                                           grace_period=60, **{cb: _stale_trial})
 
 
