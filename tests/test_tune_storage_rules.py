@@ -137,7 +137,7 @@ def test_a_lock_through_a_link_is_not_followed_and_creation_is_retried(
     db = tmp_path / "s.db"
     target = tmp_path / "elsewhere"
     (tmp_path / "s.db.lock").symlink_to(target)
-    real = optuna.storages.RDBStorage
+    real = study_mod.GuardedRDBStorage  # the RDBStorage make_storage builds (interrupts held back in its calls)
     calls: list[int] = []
 
     def racing(*a, **k):  # type: ignore[no-untyped-def]
@@ -147,7 +147,7 @@ def test_a_lock_through_a_link_is_not_followed_and_creation_is_retried(
                                                          "alembic_version.version_num")
         return real(*a, **k)
 
-    monkeypatch.setattr(study_mod.optuna.storages, "RDBStorage", racing)
+    monkeypatch.setattr(study_mod, "GuardedRDBStorage", racing)
     monkeypatch.setattr("time.sleep", lambda s: None)
     with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.study"):
         make_storage(f"sqlite:///{db}")
