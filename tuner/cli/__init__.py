@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import sys
 
 import typer
@@ -66,6 +67,12 @@ def main() -> None:
         finally:
             if sys.stdout is not None:
                 sys.stdout.flush()  # here, not at the interpreter's exit where its error is only printed
+            # the command has ended and its exit status is decided: a Ctrl-C during the interpreter's teardown
+            # (which puts Python's handlers back to the default, for a few tenths of a second once matplotlib and
+            # SQLAlchemy are loaded) killed the process, and a report written whole exited 130 with nothing undone.
+            # SIGTERM keeps its default, so a teardown that hangs (a thread that never ends) can still be ended.
+            with contextlib.suppress(ValueError):  # not the main thread: no signal handler can be set
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
     except OSError as e:
         if e.errno not in _OUTPUT_ERRNOS or e.filename is not None:  # a named file's error is not the output's
             raise

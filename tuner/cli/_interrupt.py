@@ -64,6 +64,23 @@ def signals_interrupt(*, sigterm: bool = True) -> Iterator[None]:
             signal.signal(signal.SIGTERM, old_term)
 
 
+@contextlib.contextmanager
+def interrupts_ignored() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored in the body (the main thread only; elsewhere nothing changes), their handlers put
+    back after it: for what follows work that is complete (its last line printed), where an interrupt would turn a
+    finished command into exit 130 with nothing left undone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
 def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
     """The KeyboardInterrupt that `e` is, or that its `__cause__` / `__context__` chain holds: an error raised while
     an interrupt unwound is that interrupt. A second Ctrl-C that lands in Optuna's clean-up of the first (or the

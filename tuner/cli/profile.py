@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -340,31 +341,104 @@ def report(
     capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
-    from moetune.tuner.bringup.flow import report_from_store
-    from moetune.tuner.bringup.report import NotOurReport
-    from moetune.tuner.fabric.discovery import DiscoveryError, capture_not_this_node, discover
+    from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt, interrupts_ignored
 
     console = Console()
-    if out is not None:
-        _check_out_dir(out, "--out")
-    _cfg, store = _open(db, config, readonly=True)
+    where: dict[str, Any] = {}  # the folder, once chosen: what it held before and which of its folders were missing
+    printed: list[Path] = []
+
+    def done(path: Path) -> None:
+        """The report is whole (report.md, written last, is in place): said once; an interrupt now changes nothing."""
+        with interrupts_ignored():
+            if not printed:
+                console.print(f"report: {path}")
+                printed.append(path)
+
+    # Ctrl-C (or SIGTERM) before the report is whole, its imports (matplotlib: a second or so) included: one line
+    # saying what is left, the folder it made removed when it is still empty, exit 130 (143). It ended with no word
+    # and left an empty folder behind.
+    with ends_cleanly_on_interrupt(lambda: _report_left(where)):
+        from moetune.tuner.bringup.flow import report_from_store
+        from moetune.tuner.bringup.report import NotOurReport
+        from moetune.tuner.fabric.discovery import DiscoveryError, capture_not_this_node, discover
+
+        if out is not None:
+            _check_out_dir(out, "--out")
+        _cfg, store = _open(db, config, readonly=True)
+        try:
+            facts = discover(capture)
+        except DiscoveryError as e:
+            _fail(str(e))
+        # a capture of another node: its report goes to report-<its fingerprint>/, never over this node's report/ (as
+        # `profile --capture` of another node does); an explicit --out is the caller's choice
+        other = capture_not_this_node(facts, capture) if capture is not None and out is None else ""
+        dest = out or _default_report_dir(Path(store.path), facts.fingerprint if other else "")
+        where.update(dest=dest, missing=_missing_dirs(dest), before=_files_in(dest))
+        try:
+            try:
+                path = report_from_store(store, facts, dest)
+            except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
+                _fail(f"{'--out' if out is not None else 'report folder'} {dest}: {e}: move it, or pass "
+                      f"{'another ' if out is not None else ''}--out DIR")
+            except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
+                _fail(f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
+                      f"({e.strerror or e})")
+            done(path)
+        except KeyboardInterrupt:  # after report.md was put in place (it is written last): the report is whole
+            if "report.md" not in _written(where):
+                raise
+            done(dest / "report.md")
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist, deepest first: the folders writing the report makes."""
+    out = []
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def _files_in(path: Path) -> dict[str, int]:
+    """The files in the folder `path` by name, with their modification times (none when it cannot be read)."""
     try:
-        facts = discover(capture)
-    except DiscoveryError as e:
-        _fail(str(e))
-    # a capture of another node: its report goes to report-<its fingerprint>/, never over this node's report/ (as
-    # `profile --capture` of another node does); an explicit --out is the caller's choice
-    other = capture_not_this_node(facts, capture) if capture is not None and out is None else ""
-    dest = out or _default_report_dir(Path(store.path), facts.fingerprint if other else "")
-    try:
-        path = report_from_store(store, facts, dest)
-    except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
-        _fail(f"{'--out' if out is not None else 'report folder'} {dest}: {e}: move it, or pass "
-              f"{'another ' if out is not None else ''}--out DIR")
-    except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
-        _fail(f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
-                       f"({e.strerror or e})")
-    console.print(f"report: {path}")
+        return {p.name: p.stat().st_mtime_ns for p in path.iterdir() if p.is_file() and not p.name.startswith(".")}
+    except OSError:
+        return {}
+
+
+def _written(where: dict[str, Any]) -> list[str]:
+    """The files of the report folder this run wrote or replaced (by their modification times), sorted."""
+    if "dest" not in where:
+        return []
+    before = where["before"]
+    return sorted(n for n, t in _files_in(where["dest"]).items() if before.get(n) != t)
+
+
+def _report_left(where: dict[str, Any]) -> str:
+    """What an interrupted `report` left: nothing (and the folder it made removed again when still empty), or the
+    plots it wrote before report.md (written last), which are left in the folder."""
+    dest = where.get("dest")
+    if dest is None:
+        return "no report written"
+    written = _written(where)
+    if not written:
+        removed = []
+        for d in where["missing"]:  # deepest first; rmdir removes only an empty folder
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            removed.append(d)
+        if removed:
+            return f"no report written; the empty folder {removed[-1]} it made is removed"
+        if where["missing"]:
+            return f"no report written; the folder {dest} it made is left"
+        return f"no report written; {dest} is as it was"
+    earlier = " (the report.md there is the earlier one)" if "report.md" in where["before"] else ""
+    return (f"the report is not complete: report.md was not written{earlier}; {', '.join(written)} written in "
+            f"{dest} {'is' if len(written) == 1 else 'are'} left there; run the same command again for the whole "
+            "report")
 
 
 def register(app: typer.Typer) -> None:
