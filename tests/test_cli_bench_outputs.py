@@ -308,6 +308,22 @@ def test_bench_ep_refuses_a_negative_seed(monkeypatch: pytest.MonkeyPatch) -> No
     _refused(_run("bench", "moe", "--seed", "-1"), "--seed must be")
 
 
+def test_bench_ep_refuses_more_ranks_than_it_may_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--world 1000 on gloo started a thousand torch processes; now at most 8 a CPU (the scenarios' rule)."""
+    import os
+
+    from moetune.runtime.testing import launch
+
+    def ran(*a, **k):
+        raise AssertionError("bench ep spawned its ranks")
+
+    monkeypatch.setattr(launch, "launch", ran)
+    too_many = str((os.cpu_count() or 1) * 8 + 1)
+    for serve in ([], ["--serve"]):
+        _refused(_run("bench", "ep", "--world", too_many, "--backend", "gloo", *serve),
+                 f"--world {too_many}: too many ranks to spawn here")
+
+
 def test_bench_moe_without_a_runnable_engine_builds_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without CUDA, `bench moe --engine megakernel,torch` built the layers' weights (and timed a plain read of them)
     for 20-75 s before saying both engines were skipped: now nothing is built and the refusal comes at once."""

@@ -122,11 +122,16 @@ def ep(
             _fail(f"--backend must be gloo or nccl, got {backend!r}")
         if world < 1:
             _fail(f"--world must be >= 1, got {world}")
+        from moetune.tuner.measure.scenarios import spawn_limit
+
+        if world > spawn_limit():
+            _fail(f"--world {world}: too many ranks to spawn here (at most {spawn_limit()}, 8 per CPU)")
         raise typer.Exit(bench_worker.serve(world, backend, timeout))
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.runtime.routing import parse_routing
     from moetune.runtime.testing.launch import LaunchError, launch
     from moetune.tuner.measure import ep as bench_ep
+    from moetune.tuner.measure.scenarios import spawn_limit
 
     if backend not in ("gloo", "nccl"):
         _fail(f"--backend must be gloo or nccl, got {backend!r}")
@@ -168,6 +173,8 @@ def ep(
                        "before NCCL initialises")
     if world < 1:
         _fail(f"--world must be >= 1, got {world}")
+    if not torchrun and world > spawn_limit():
+        _fail(f"--world {world}: too many ranks to spawn here (at most {spawn_limit()}, 8 per CPU)")
     try:
         shape.check_ep(world)
     except ValueError as e:

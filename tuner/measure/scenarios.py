@@ -969,9 +969,15 @@ def check_machine(s: Scenario, smoke: bool, gpus: int) -> Needs:
                       else f"`moetune bench run {s.name} --smoke` checks its plumbing on CPU")
         raise ScenarioError(f"scenario {s.name} needs {n.describe()} ({n.hardware}); this machine has "
                             f"{gpus} CUDA GPU{'s' if gpus != 1 else ''}. {smoke_hint}")
-    if n.world > (os.cpu_count() or 1) * 8:
+    if n.world > spawn_limit():
         raise ScenarioError(f"scenario {s.name} needs world {n.world}: too many ranks to spawn here")
     return n
+
+
+def spawn_limit() -> int:
+    """The most ranks a measurement spawns on this machine's CPUs (gloo, or processes beside their GPUs): 8 a CPU
+    (8 ranks on 2 CPUs run, slowly; hundreds of torch processes would only exhaust the machine)."""
+    return (os.cpu_count() or 1) * 8
 
 
 def run(s: Scenario, *, case: str | None = None, launches: int | None = None, smoke: bool = False,
