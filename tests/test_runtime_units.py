@@ -308,3 +308,43 @@ def test_a_buffer_whose_set_up_fails_after_its_transport_closes_the_transport(mo
         EPBuffer(knobs=default_knobs("nvlink"),
                  model=get_model("custom:64,32,8,2,float32"), max_tokens=16)
     assert closed == [1]
+
+
+def test_a_second_thread_inside_a_buffer_call_is_refused(monkeypatch) -> None:
+    """Two threads calling one EPBuffer at once mixed their tokens in its reused rows without a word; now the second
+    call raises while the first is inside, the first finishes right, and the buffer serves either thread after."""
+    import threading
+
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=True)
+    inside, go = threading.Event(), threading.Event()
+    real = buf.unpack
+
+    def held_unpack(*a, **k):  # thread A stops inside its dispatch (nested in it: same thread, allowed)
+        inside.set()
+        assert go.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(buf, "unpack", held_unpack)
+    x = torch.randn(8, 64)
+    idx, w = generate_routing(8, 8, 2, seed=1)
+    got: dict[str, object] = {}
+
+    def a() -> None:
+        recv_x, meta, h = buf.dispatch(x, idx, w)
+        got["a"] = buf.combine((recv_x * meta.weights.sum(1, keepdim=True)).contiguous(), h)
+
+    t = threading.Thread(target=a)
+    t.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match="another thread is inside a call of this buffer"):
+            buf.dispatch(x, idx, w)
+    finally:
+        go.set()
+        t.join(10)
+    assert torch.allclose(got["a"], x * w.sum(1, keepdim=True), atol=1e-6)
+    monkeypatch.setattr(buf, "unpack", real)
+    recv_x, meta, h = buf.dispatch(x, idx, w)  # this thread now: nobody inside
+    assert torch.allclose(buf.combine((recv_x * meta.weights.sum(1, keepdim=True)).contiguous(), h),
+                          x * w.sum(1, keepdim=True), atol=1e-6)

@@ -37,7 +37,8 @@ Three wire layouts: packed and dense for the collective transports, device-resid
   One EPBuffer serves one stream of calls: its send and stage rows are reused by every dispatch. A call on
   another CUDA stream than the previous call's waits for that stream's work queued so far (one event, no host
   wait; eager calls: a graph replay is ordered by the stream it is replayed on), so switching streams is safe but
-  serialises them; two threads calling one buffer at the same time need two buffers.
+  serialises them; two threads calling one buffer at the same time need two buffers (a call made while another
+  thread is inside one raises RuntimeError).
 
 One row, all bytes (uint8):
 
@@ -73,8 +74,11 @@ Signalling, fences, QPs and num_sms belong to the one-sided transports and are i
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Any, NoReturn
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -142,6 +146,34 @@ def _combine_shares(cls: type[EPTransport], device: torch.device, knobs: Knobs, 
     return bool(cls.combine_shares_lanes(device, options))
 
 
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _one_thread(method: _M) -> _M:
+    """An EPBuffer call that refuses to run while another thread is inside one of the buffer's calls: every call
+    reuses the buffer's stage, send and receive rows and its host state (epochs, the handle's scratch), so two
+    threads at once would mix their tokens silently. The same thread may nest (dispatch calls plan, pack, ...)."""
+
+    @functools.wraps(method)
+    def call(self: EPBuffer, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        with self._caller_lock:
+            if self._caller not in (None, me):
+                raise RuntimeError(f"EPBuffer.{method.__name__}: another thread is inside a call of this buffer; one "
+                                   "EPBuffer serves one thread at a time (its rows are reused by every call): give "
+                                   "each thread its own buffer")
+            self._caller, self._depth = me, self._depth + 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._caller_lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._caller = None
+
+    return call  # type: ignore[return-value]
+
+
 class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     """Dispatch/combine over the ranks of `group` with the knobs' transport (DESIGN §1–2).
 
@@ -177,6 +209,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     _closed = False  # close() was called
     transport: EPTransport | None = None  # made by __init__; None only in a constructor that failed before it
+    _caller: int | None = None  # the thread inside a call now (`_one_thread`), None between calls
+    _depth = 0  # that thread's nested calls (dispatch calls plan, pack, ...)
 
     def __init__(
         self,
@@ -192,6 +226,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         options: RuntimeOptions | dict[str, Any] | None = None,
         expected_tokens: int | None = None,
     ):
+        self._caller_lock = threading.Lock()  # guards _caller/_depth (`_one_thread`)
         # the group first: without one there is nobody to agree with
         _args.check_group(group, "EPBuffer: ")
         self._join(group)
@@ -586,6 +621,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         raise ValueError(text)
 
 
+    @_one_thread
     def plan(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Check the inputs on every rank and exchange the counts (the one host sync of a dispatch).
 
@@ -639,6 +675,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         return stage
 
 
+    @_one_thread
     def pack(self, handle: Handle, c: int) -> torch.Tensor:
         """Chunk c's send rows (grouped by destination rank, rank order): a slice of the rows `plan` built."""
         ch = handle.chunks[c]
@@ -649,6 +686,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
         return handle._send_all[ch.send_offset : ch.send_offset + n]
 
+    @_one_thread
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
         self._enter()
         ch = handle.chunks[c]
@@ -659,6 +697,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return self.transport.gather_async(out, send, channel=c % self.comm_channels)
         return self._post(send, ch.send_splits, ch.recv_splits, out, channel=c % self.comm_channels)
 
+    @_one_thread
     def unpack(self, handle: Handle, c: int | None = None) -> tuple[torch.Tensor, RecvMeta]:
         """Received rows of chunk c (all chunks when None) as (recv_x, RecvMeta); views, no copies
         (except the fp8 dequantisation)."""
@@ -677,6 +716,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         return recv_x, RecvMeta(ids, wts, tpe, rpr, first_expert=self.rank * self.experts_per_rank,
                                 num_local=self.experts_per_rank)
 
+    @_one_thread
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, RecvMeta, Handle]:
@@ -745,6 +785,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         if bad:
             raise ValueError(f"EPBuffer.combine on rank {self.rank}: invalid expert_out on rank(s) {bad}")
 
+    @_one_thread
     def post_combine(self, handle: Handle, c: int, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
         self._enter()
@@ -784,6 +825,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             out.index_add_(0, handle._send_tok, handle._combine_out)
         return out
 
+    @_one_thread
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
         """expert_out [M, H]: one row per received row (that row's local experts' outputs, weighted by
         RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks."""
