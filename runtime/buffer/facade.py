@@ -150,9 +150,10 @@ _M = TypeVar("_M", bound=Callable[..., Any])
 
 
 def _one_thread(method: _M) -> _M:
-    """An EPBuffer call that refuses to run while another thread is inside one of the buffer's calls: every call
-    reuses the buffer's stage, send and receive rows and its host state (epochs, the handle's scratch), so two
-    threads at once would mix their tokens silently. The same thread may nest (dispatch calls plan, pack, ...)."""
+    """An EPBuffer call: the outermost one of a thread runs `_enter` first (a closed buffer refused, the CUDA stream
+    ordered), and none runs while another thread is inside one of the buffer's calls: every call reuses the buffer's
+    stage, send and receive rows and its host state (epochs, the handle's scratch), so two threads at once would mix
+    their tokens silently. The same thread may nest (dispatch calls plan, pack, ...)."""
 
     @functools.wraps(method)
     def call(self: EPBuffer, *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +164,10 @@ def _one_thread(method: _M) -> _M:
                                    "EPBuffer serves one thread at a time (its rows are reused by every call): give "
                                    "each thread its own buffer")
             self._caller, self._depth = me, self._depth + 1
+            outermost = self._depth == 1
         try:
+            if outermost:
+                self._enter()
             return method(self, *args, **kwargs)
         finally:
             with self._caller_lock:
@@ -628,7 +632,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         Kept to a dozen small kernels and no hidden syncs (no bincount/nonzero: they sync on CUDA).
         Dense layout: see `_plan_dense` (no counts, no sync).
         """
-        self._enter()
         if self.dense:
             return self._plan_dense(x, topk_idx, topk_weights)
         return self._plan_packed(x, topk_idx, topk_weights)
@@ -688,7 +691,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     @_one_thread
     def post_dispatch(self, handle: Handle, c: int, send: torch.Tensor):
-        self._enter()
         ch = handle.chunks[c]
         out = handle._recv_buf[ch.recv_offset : ch.recv_offset + ch.recv_rows]
         if handle.dense:
@@ -735,7 +737,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.
         """
-        self._enter()
         if self.resident:
             return self._dispatch_resident(x, topk_idx, topk_weights)
         handle = self.plan(x, topk_idx, topk_weights)
@@ -788,7 +789,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     @_one_thread
     def post_combine(self, handle: Handle, c: int, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Send chunk c's expert output rows back (the reverse of its dispatch)."""
-        self._enter()
         ch = handle.chunks[c]
         rows = rows.contiguous()
         channel = c % self.comm_channels + self._combine_base
@@ -829,7 +829,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
         """expert_out [M, H]: one row per received row (that row's local experts' outputs, weighted by
         RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks."""
-        self._enter()
         self._check_combine(expert_out, handle, handle.num_recv if isinstance(handle, Handle) else 0)
         if handle.resident:
             return self._combine_resident(expert_out, handle)
@@ -853,13 +852,13 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             raise RuntimeError("EPBuffer: closed (close() was called; its transport is freed): build a new buffer")
 
     def _enter(self) -> None:
-        """Every call's first step: refuse a closed buffer, and order a call made on another CUDA stream than the
-        buffer's previous call after everything queued on that stream so far. Every call reuses the same send,
+        """A call's first step (`_one_thread`): refuse a closed buffer, and order a call made on another CUDA stream
+        than the buffer's previous call after everything queued on that stream so far. Every call reuses the same send,
         stage and receive rows, so a call on stream B must not start while stream A's is still using them (nor
         while A's consumer of a returned view, queued before this call, still reads it). Eager calls only: during a
         CUDA-graph capture a wait on work outside the capture is not allowed (torch.cuda.graph orders its capture
         stream after the stream it was entered from), and the stream a graph is replayed on is the caller's to
-        order. Two threads calling one buffer at the same time still need two buffers (its host state is shared)."""
+        order."""
         self._refuse_closed()
         if self.device.type != "cuda":
             return
