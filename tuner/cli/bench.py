@@ -88,6 +88,15 @@ def _results_path(results: str | None) -> Path:
     return path
 
 
+def _check_world(world: int, *, spawned: bool) -> None:
+    """--world: >= 1, and where this command spawns the ranks (not under torchrun) at most `spawn_limit` of them."""
+    from moetune.tuner.measure.scenarios import spawn_limit
+
+    if world < 1:
+        _fail(f"--world must be >= 1, got {world}")
+    if spawned and world > spawn_limit():
+        _fail(f"--world {world}: too many ranks to spawn here (at most {spawn_limit()}, 8 per CPU)")
+
 @app.command("ep")
 def ep(
     world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun)."),
@@ -120,18 +129,12 @@ def ep(
 
         if backend not in ("gloo", "nccl"):
             _fail(f"--backend must be gloo or nccl, got {backend!r}")
-        if world < 1:
-            _fail(f"--world must be >= 1, got {world}")
-        from moetune.tuner.measure.scenarios import spawn_limit
-
-        if world > spawn_limit():
-            _fail(f"--world {world}: too many ranks to spawn here (at most {spawn_limit()}, 8 per CPU)")
+        _check_world(world, spawned=True)
         raise typer.Exit(bench_worker.serve(world, backend, timeout))
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.runtime.routing import parse_routing
     from moetune.runtime.testing.launch import LaunchError, launch
     from moetune.tuner.measure import ep as bench_ep
-    from moetune.tuner.measure.scenarios import spawn_limit
 
     if backend not in ("gloo", "nccl"):
         _fail(f"--backend must be gloo or nccl, got {backend!r}")
@@ -171,10 +174,7 @@ def ep(
         if no_p2p and os.environ.get("NCCL_P2P_DISABLE") != "1":
             _err.print("[yellow]note:[/yellow] --no-p2p under torchrun: NCCL_P2P_DISABLE=1 is set now in each rank, "
                        "before NCCL initialises")
-    if world < 1:
-        _fail(f"--world must be >= 1, got {world}")
-    if not torchrun and world > spawn_limit():
-        _fail(f"--world {world}: too many ranks to spawn here (at most {spawn_limit()}, 8 per CPU)")
+    _check_world(world, spawned=not torchrun)
     try:
         shape.check_ep(world)
     except ValueError as e:
