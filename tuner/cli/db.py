@@ -109,17 +109,28 @@ def _lock_holder(fd: int) -> int | None:
     return pid
 
 
+def _open_daemon_lock(path: str | Path) -> tuple[Path, int | None, OSError | None]:
+    """(the lock a daemon serving `path` holds, an fd of it opened read-only (flock needs no write access; a link is
+    not followed) or None, why it could not be opened: None where there is none, so none served yet)."""
+    from moetune.tuner.store.store import daemon_lock_path
+
+    lock = daemon_lock_path(path)
+    try:
+        return lock, os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), None
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: its folder is a file (no daemon there either)
+        return lock, None, None
+    except OSError as e:  # another user's, or a planted link: a daemon would refuse it too
+        return lock, None, e
+
+
 def serving_daemon(path: str | Path) -> int | None:
     """The pid of a daemon serving the database `path` now: its lock (`daemon_lock_path`) held and its pid written in
     it; None when none serves, or that cannot be told. A daemon reads the profiles into memory when it starts and when
     one of its re-tune jobs ends (there is no reload request): a command that changes them under it says so."""
     import fcntl
 
-    from moetune.tuner.store.store import daemon_lock_path
-
-    try:
-        fd = os.open(daemon_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:  # none there: none served yet (or not ours to read: no_daemon_serving warns of it)
+    _lock, fd, _why = _open_daemon_lock(path)  # not ours to read: no_daemon_serving warns of it
+    if fd is None:
         return None
     try:
         try:
@@ -138,17 +149,10 @@ def no_daemon_serving(path: Path) -> Iterator[None]:
     not created here: one of ours would keep another user's daemon from taking it; none there, none served yet."""
     import fcntl
 
-    from moetune.tuner.store.store import daemon_lock_path
-
-    lock = daemon_lock_path(path)
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # flock needs no write access
-    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: its folder is a file (no daemon there either)
-        fd = None
-    except OSError as e:  # another user's, or a planted link (not followed): a daemon would refuse it too
+    lock, fd, why = _open_daemon_lock(path)
+    if why is not None:
         err.print(escape(f"warning: cannot tell whether a daemon serves {path}: cannot open its lock {lock}: "
-                         f"{'it is a symbolic link' if os.path.islink(lock) else e.strerror or e}"))
-        fd = None
+                         f"{'it is a symbolic link' if os.path.islink(lock) else why.strerror or why}"))
     if fd is None:
         yield
         return
