@@ -245,8 +245,9 @@ def register(app: typer.Typer) -> None:
         from moetune.runtime.shapes import get_model, tokens_per_gpu_problem
 
         # the token counts `tune` and `model predict` take (0 and 10**20 answered a profile, exit 0)
-        if tokens_per_gpu_problem(tokens):
-            raise typer.BadParameter(tokens_per_gpu_problem(tokens), param_hint="--tokens")
+        bad_tokens = tokens_per_gpu_problem(tokens)
+        if bad_tokens:
+            raise typer.BadParameter(bad_tokens, param_hint="--tokens")
         if fmt is not None and fmt not in ("table", "json", "env"):
             raise typer.BadParameter("expected table, json or env", param_hint="--format")
         if json_out and fmt not in (None, "json"):  # one output: which one was meant cannot be guessed
