@@ -76,3 +76,33 @@ def test_init_process_group_is_called_in_one_place() -> None:
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "init_process_group":
                     sites.append(str(path.relative_to(root)))
     assert sorted(set(sites)) == ["runtime/testing/launch.py"]
+
+
+def test_free_port_never_hands_out_one_port_twice(monkeypatch) -> None:
+    """The kernel may give two binds in a row one ephemeral port: a daemon's socket and its publisher then got the
+    same endpoint and the daemon refused to start (a CI flake)."""
+    import socket
+
+    from moetune.runtime.testing import launch as L
+
+    ports = iter([50001, 50001, 50002])
+
+    class OnePortTwice:
+        def __init__(self, *a: object) -> None:
+            self.port = next(ports)
+
+        def __enter__(self) -> OnePortTwice:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            pass
+
+        def bind(self, addr: object) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(L, "_handed_out", set())
+    monkeypatch.setattr(socket, "socket", OnePortTwice)
+    assert [L.free_port(), L.free_port()] == [50001, 50002]

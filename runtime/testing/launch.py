@@ -37,10 +37,21 @@ class LaunchError(RuntimeError):
         super().__init__("distributed run failed:\n" + "\n".join(lines))
 
 
+_handed_out: set[int] = set()  # ports free_port returned in this process (their owners bind them later)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now and not handed out by an earlier call of this process: the kernel may give the
+    same ephemeral port to two binds in a row while neither caller has bound it yet (a daemon's socket and its
+    publisher got one port and refused to start)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    return port  # every try an earlier one: the range is nearly spent, let the bind say so
 
 
 def init_dist(rank: int, world: int, *, backend: str, port: int | None = None,
