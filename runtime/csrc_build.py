@@ -117,6 +117,17 @@ def cache_root() -> Path:
     return base / "build"
 
 
+# What nvcc adds to every command line from its environment (conda-forge sets them to pick the host compiler): part
+# of both build keys, so a build made with, say, NVCC_APPEND_FLAGS=-G or a measurement -D switch is never loaded
+# under the plain build's key
+NVCC_ENV_VARS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+
+
+def nvcc_env() -> str:
+    """The NVCC_ENV_VARS set in this process, as NAME=value lines (empty when none is)."""
+    return "".join(f"{n}={os.environ[n]}\n" for n in NVCC_ENV_VARS if n in os.environ)
+
+
 def build_key(nvcc_ver: str, arch: str) -> str:
     h = hashlib.sha256()
     for p in _all_inputs():
@@ -125,6 +136,7 @@ def build_key(nvcc_ver: str, arch: str) -> str:
     h.update(nvcc_ver.encode())
     h.update(arch.encode())
     h.update(" ".join(_FLAGS).encode())
+    h.update(nvcc_env().encode())
     h.update(str(ABI_VERSION).encode())
     return h.hexdigest()[:20]
 
@@ -194,7 +206,7 @@ def build_cached(out_dir: Path, lib_name: str, command: Callable[[Path], list[st
                     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
                 except subprocess.TimeoutExpired:
                     raise BuildError(f"nvcc timed out after {timeout_s:g} s: {' '.join(cmd)}") from None
-                log = f"$ {' '.join(cmd)}\n{header}\n{res.stdout}{res.stderr}"
+                log = f"$ {' '.join(cmd)}\n{nvcc_env()}{header}\n{res.stdout}{res.stderr}"
                 (out_dir / "build.log").write_text(log)
                 if verbose:
                     print(log, flush=True)

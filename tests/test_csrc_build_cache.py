@@ -114,3 +114,38 @@ def test_a_failed_build_removes_its_temporary_output(cache: Path, monkeypatch: p
         LOADERS[which]()
     assert sorted(p.name for p in lib.parent.iterdir() if p.name.endswith(".tmp")) == [other.name]
     assert not lib.exists()
+
+
+@pytest.mark.parametrize("which", LOADERS)
+@pytest.mark.parametrize("var", csrc_build.NVCC_ENV_VARS)
+def test_nvcc_environment_flags_get_a_build_of_their_own(cache: Path, monkeypatch: pytest.MonkeyPatch, which: str,
+                                                         var: str) -> None:
+    """nvcc adds NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS (and NVCC_CCBIN's compiler) to every command line: a build
+    made under them (-G, a measurement -D switch) is not the plain build and is never loaded under its key."""
+    monkeypatch.delenv(var, raising=False)
+    plain = LOADERS[which]()
+    monkeypatch.setenv(var, "-DMK_DEC_PROBE=16")
+    other = LOADERS[which]()
+    assert other.parent != plain.parent and other.exists()
+    assert f"{var}=-DMK_DEC_PROBE=16" in (other.parent / "build.log").read_text()
+    monkeypatch.delenv(var)
+    assert LOADERS[which]() == plain  # the plain build's own entry again, not rebuilt
+
+
+def test_the_megakernel_library_remembers_a_failed_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a model asks for the library (MoELayer's auto engine): after a failed build, later asks get the
+    same error at once instead of another nvcc run each (up to its timeout, under the cache lock)."""
+    calls: list[int] = []
+
+    def failing_build() -> Path:
+        calls.append(1)
+        raise csrc_build.BuildError("nvcc failed (exit 2): boom")
+
+    monkeypatch.delenv("MOETUNE_MK_LIB", raising=False)
+    monkeypatch.setattr(mk_lib, "build", failing_build)
+    monkeypatch.setattr(mk_lib, "_lib", None)
+    monkeypatch.setattr(mk_lib, "_lib_error", None)
+    for _ in range(3):
+        with pytest.raises(csrc_build.BuildError, match="boom"):
+            mk_lib.load()
+    assert len(calls) == 1

@@ -1350,6 +1350,19 @@ def test_k_tiled_weights_layout_round_trip_and_in_place():
         to_tiled(torch.zeros(2, 4, 100))
     with pytest.raises(ValueError, match="contiguous"):
         tile_(torch.zeros(4, 128).t())
+    one = torch.arange(2 * 3 * 64, dtype=torch.float32).view(2, 3, 64)  # one k plane: tiled == row-major
+    for f in (to_tiled, from_tiled):  # still a new tensor (MegakernelMoE's tiled=False copies, never shares)
+        c = f(one)
+        assert torch.equal(c, one) and c.data_ptr() != one.data_ptr()
+
+
+def test_megakernel_tiled_must_be_a_bool():
+    """tiled="no" is truthy: it would take row-major weights as k-tiled (scrambled products, no error)."""
+    from moetune.runtime.megakernel import MegakernelMoE
+    from moetune.runtime.shapes import get_model
+
+    with pytest.raises(TypeError, match="tiled must be a bool, got str 'no'"):
+        MegakernelMoE(get_model("qwen3-30b"), max_tokens=1, device="cpu", tiled="no")
 
 
 # ---- the error records (mk_moe.cu: record / record_noabort / report) ---------------------------------------------

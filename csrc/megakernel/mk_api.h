@@ -149,7 +149,8 @@ typedef struct MkParams {
                    // into shared memory; mk_decode_grid says where it fits), with the picks given in topk_idx /
                    // topk_w (1) or (ABI 16) routing from the gate in the kernel itself (2, no mk_route before it)
   // ABI 16
-  int32_t* dec_cnt;  // [(64 + 3) * 32] the decode kernel's counters (zero between launches: its last CTA resets them)
+  int32_t* dec_cnt;  // [(64 + 1) * 32 + 4096] the decode kernel's counters and routing logits (DEC_CNT_WORDS in
+                     // mk_decode.cuh; zero between launches: its last CTA resets them)
   // ABI 17
   int64_t tail_rows;  // 0..16: an expert's last rows past a multiple of 128, up to this many, ride in its last full
                       // m-tile (128 + r rows: mma.sync beside the wgmmas) instead of an m-tile of their own (mk_index.h:

@@ -86,6 +86,7 @@ def build_key(nvcc_ver: str) -> str:
         h.update(p.read_bytes())
     h.update(nvcc_ver.encode())
     h.update(" ".join(FLAGS).encode())
+    h.update(_cb.nvcc_env().encode())
     h.update(str(ABI_VERSION).encode())
     return "mk-" + h.hexdigest()[:20]
 
@@ -122,16 +123,25 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
 
 
 def load() -> ctypes.CDLL:
-    """Build once (cached) and load the library; raises csrc_build.BuildError with the reason."""
-    global _lib
+    """Build once (cached) and load the library; raises csrc_build.BuildError with the reason. A failure is
+    remembered for the process, as csrc_build.load does: every layer of a model asks (MoELayer's auto engine), and
+    each retry would be another full nvcc run of up to its timeout under the cache lock."""
+    global _lib, _lib_error
     with _lock:
         if _lib is not None:
             return _lib
+        if _lib_error is not None:
+            raise _cb.BuildError(_lib_error)
         pre = os.environ.get("MOETUNE_MK_LIB")
-        _lib = open_library(Path(pre) if pre else build())
+        try:
+            _lib = open_library(Path(pre) if pre else build())
+        except _cb.BuildError as e:
+            _lib_error = str(e)
+            raise
         return _lib
 
 

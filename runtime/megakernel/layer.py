@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._args import check_int, indexed_device
+from .._args import check_flag, check_int, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
@@ -95,6 +95,7 @@ class MegakernelMoE:
                  config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
                  w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None, tiled: bool = False):
         check_int("max_tokens", max_tokens, 1, "megakernel: ")
+        check_flag("tiled", tiled, "megakernel: ")  # tiled="no" would take row-major weights as k-tiled
         if config is not None and not isinstance(config, MegakernelConfig):
             raise TypeError(f"megakernel: config must be a MegakernelConfig or None, got {type(config).__name__}")
         given = {"w_gate_up": w_gate_up, "w_down": w_down, "gate": gate}

@@ -28,13 +28,18 @@ def _rows_planes(t: torch.Tensor) -> tuple[int, int]:
 def to_tiled(w: torch.Tensor) -> torch.Tensor:
     """A new tensor of w's shape [..., N, K] holding its elements k-tiled (all leading dims and N as the rows)."""
     rows, planes = _rows_planes(w)
-    return w.reshape(rows, planes, PLANE).transpose(0, 1).contiguous().view(w.shape)
+    return _new(w.reshape(rows, planes, PLANE).transpose(0, 1).contiguous().view(w.shape), w)
 
 
 def from_tiled(t: torch.Tensor) -> torch.Tensor:
     """The row-major tensor (a new one) whose k-tiled form is t (both of shape [..., N, K])."""
     rows, planes = _rows_planes(t)
-    return t.reshape(planes, rows, PLANE).transpose(0, 1).contiguous().view(t.shape)
+    return _new(t.reshape(planes, rows, PLANE).transpose(0, 1).contiguous().view(t.shape), t)
+
+
+def _new(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    # one plane (K == 64): the transpose is a no-op and contiguous() hands back src's own storage, not a copy
+    return out.clone() if out.data_ptr() == src.data_ptr() else out
 
 
 @torch.no_grad()
