@@ -74,9 +74,11 @@ def guarded(fn: F) -> F:
 
 def guard_methods(cls: type, base: type) -> type:
     """Every method `base` defines (its private ones too, not its dunders but `__init__`, which creates the schema)
-    wrapped `guarded` on the subclass `cls`: each storage call of an Optuna RDBStorage made as `cls`."""
+    wrapped `guarded` on the subclass `cls`: each storage call of an Optuna RDBStorage made as `cls`. A method `cls`
+    defines itself is left as it is: it runs `uninterrupted` on its own (to do something of its own before a
+    kept interrupt is raised)."""
     for name, value in vars(base).items():
-        if name.startswith("__") and name != "__init__":
+        if (name.startswith("__") and name != "__init__") or name in vars(cls):
             continue
         if isinstance(value, staticmethod | classmethod | property) or not callable(value):
             continue
