@@ -19,7 +19,8 @@
   crash only runs what is missing and several workers on one study stop together. A trial cut short
   (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted`: it
   is not a finished trial, and a warm-start point it carried is enqueued again (the policy default is
-  measured even when its first run was the one interrupted).
+  measured even when its first run was the one interrupted). No trial this process made RUNNING is left so by an
+  interrupt or an error, wherever it lands (inside Optuna's `ask()` or `tell()` too: `fail_in_flight`).
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
   is PRUNED with `infeasible` set; neither stops the study.
 - Across token buckets: `neighbour_bucket` finds the nearest smaller bucket's study of the same key in
@@ -45,6 +46,7 @@ import os
 import socket
 import sqlite3
 import stat
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -66,7 +68,7 @@ from moetune.tuner.search.backends import (
     Measurement,
     TuneWorkload,
 )
-from moetune.tuner.search.interrupt_guard import guard_methods
+from moetune.tuner.search.interrupt_guard import guard_methods, uninterrupted
 from moetune.tuner.search.space import SearchSpace
 from moetune.tuner.store._folders import make_parent, not_writable
 from moetune.tuner.store._tables import (
@@ -144,14 +146,68 @@ class Terminated(KeyboardInterrupt):
 # storage
 
 
+_in_flight = threading.local()  # .sets: the `_InFlight` sets of this thread's run_study in progress
+
+
+class _InFlight(set[int]):
+    """Trial ids that a storage made RUNNING in this thread and has not finished since (`GuardedRDBStorage`), while
+    a `trials_in_flight` of that storage is open: what an interrupt (or an error) may have left RUNNING."""
+
+    def __init__(self, storage: optuna.storages.BaseStorage):
+        super().__init__()
+        self.storage = getattr(storage, "_backend", storage)  # Optuna wraps an RDB storage in a cache
+
+
 class GuardedRDBStorage(optuna.storages.RDBStorage):
     """Optuna's RDBStorage whose every call holds back the CLI's Ctrl-C / SIGTERM until it returns
     (`interrupt_guard`): an interrupt inside SQLAlchemy's transaction bookkeeping left a connection holding the
     SQLite write lock, and Optuna's FAIL of the interrupted trial then failed "database is locked" (a traceback,
-    exit 1, the trial left RUNNING). Every method RDBStorage defines is wrapped (below)."""
+    exit 1, the trial left RUNNING). Every method RDBStorage defines is wrapped (below).
+
+    A trial it makes RUNNING (a new one, or an enqueued one taken: Optuna's `ask()`) is noted, before a kept
+    interrupt is raised, in this thread's open `trials_in_flight` sets (a trial it finishes leaves them): `run_study`
+    fails the ones an interrupt left RUNNING, though `ask()` never returned their id."""
+
+    def _create_new_trial(self, study_id: int,
+                          template_trial: optuna.trial.FrozenTrial | None = None) -> optuna.trial.FrozenTrial:
+        with uninterrupted():
+            frozen = super()._create_new_trial(study_id, template_trial)
+            if frozen.state == TrialState.RUNNING:
+                self._made_running(frozen._trial_id)
+            return frozen
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        with uninterrupted():
+            changed = super().set_trial_state_values(trial_id, state, values)
+            if changed and state == TrialState.RUNNING:
+                self._made_running(trial_id)
+            elif changed and state.is_finished():
+                for ids in self._in_flight():
+                    ids.discard(trial_id)
+            return changed
+
+    def _in_flight(self) -> list[_InFlight]:
+        return [ids for ids in getattr(_in_flight, "sets", ()) if ids.storage is self]
+
+    def _made_running(self, trial_id: int) -> None:
+        for ids in self._in_flight():
+            ids.add(trial_id)
 
 
 guard_methods(GuardedRDBStorage, optuna.storages.RDBStorage)
+
+
+@contextmanager
+def trials_in_flight(storage: optuna.storages.BaseStorage) -> Iterator[_InFlight]:
+    """The trials `storage` (a `GuardedRDBStorage`, cached or not) makes RUNNING in this thread in the body and has
+    not finished by the body's end (another storage: none are noted)."""
+    ids = _InFlight(storage)
+    sets = _in_flight.__dict__.setdefault("sets", [])
+    sets.append(ids)
+    try:
+        yield ids
+    finally:
+        sets[:] = [x for x in sets if x is not ids]
 
 
 def studies_file_name(db_path: str | Path) -> str:
@@ -739,6 +795,49 @@ def fail_interrupted(study: optuna.Study) -> int:
     return n
 
 
+def cut_short_by(e: BaseException) -> str:
+    """What the `interrupted` attr of a trial that `e` cut short says: Ctrl-C or SIGTERM where `e` is one or was
+    raised while one unwound (Optuna's "UnboundLocalError: ... 'updated_state'" after an interrupt in its tell)."""
+    interrupt = next((x for x in exception_chain(e) if isinstance(x, KeyboardInterrupt)), None)
+    if interrupt is not None:
+        return "interrupted (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted (Ctrl-C)"
+    return f"cut short by an error ({type(e).__name__}: {str(e)[:200]})"
+
+
+def fail_in_flight(study: optuna.Study, trial_ids: set[int], why: str) -> int:
+    """Mark FAIL, as interrupted (`why`), those of `trial_ids` still RUNNING: trials this process made RUNNING whose
+    run an interrupt (or an error) cut short where Optuna does not fail them itself: inside `ask()` (between the
+    trial's creation and its first parameter), between `ask()` and the objective, or in `tell()` before the
+    state is written. Left RUNNING, such a trial was never finished by anyone while this process lived (it is a
+    live process's), on a server storage never at all (it had no heartbeat), and `tune show` listed it as running.
+    Each carried warm-start point is enqueued again (once: the objective's own clean-up may have done it). Runs
+    `uninterrupted`: a second Ctrl-C waits for it (a third is raised at once). Returns how many it failed."""
+    n = 0
+    with uninterrupted():
+        for tid in sorted(trial_ids):
+            try:
+                t = study._storage.get_trial(tid)
+                if t.state != TrialState.RUNNING:
+                    continue
+                requeued = INTERRUPTED in t.user_attrs  # the objective marked it, and requeued its point
+                if not requeued:
+                    study._storage.set_trial_user_attr(tid, INTERRUPTED, why)
+                if "error" not in t.user_attrs:  # a failed measurement's own error stays
+                    study._storage.set_trial_user_attr(tid, "error", why)
+                if not study._storage.set_trial_state_values(tid, TrialState.FAIL):
+                    continue
+            except Exception as e:  # broad: finished meanwhile (a stale check), or the storage fails: never mask
+                log.debug("could not fail trial %s left running: %s", tid, e)
+                continue
+            n += 1
+            if not requeued:
+                try:
+                    requeue_warm_start(study, tid)
+                except Exception as e:  # broad, as above
+                    log.debug("could not enqueue again the warm-start point of trial %s: %s", tid, e)
+    return n
+
+
 def _stale_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     """RDB heartbeat callback: a trial of a worker that stopped beating was failed; it was cut short. It is
     already FAIL (its attrs are frozen), so the study records it."""
@@ -847,8 +946,7 @@ class _Objective:
         try:
             return self._run(trial)
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: Optuna fails the trial; mark it cut short, not finished
-            trial.set_user_attr(INTERRUPTED, "interrupted (SIGTERM)" if isinstance(e, Terminated)
-                                else "interrupted (Ctrl-C)")
+            trial.set_user_attr(INTERRUPTED, cut_short_by(e))
             requeue_warm_start(trial.study, trial._trial_id)
             raise
 
@@ -969,10 +1067,14 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
         if registry:
             register_worker(study)  # again when an earlier run_study on this study object left it
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), trials_in_flight(study._storage) as in_flight:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.optimize(objective, n_trials=remaining, timeout=timeout_s,
-                               callbacks=[_BudgetCallback(trials), *callbacks], gc_after_trial=False)
+                try:
+                    study.optimize(objective, n_trials=remaining, timeout=timeout_s,
+                                   callbacks=[_BudgetCallback(trials), *callbacks], gc_after_trial=False)
+                except BaseException as e:  # no trial of this process is left RUNNING (`fail_in_flight`)
+                    fail_in_flight(study, in_flight, cut_short_by(e))
+                    raise
         finally:  # done asking (or interrupted): this process leaves the study's worker registry
             if registry:
                 unregister_worker(study)
