@@ -176,3 +176,67 @@ def test_a_dead_workers_trial_is_interrupted_not_finished(pg_url: str) -> None:
     waiting = [w for w in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
                if w.user_attrs.get("warm_start") == "policy_default"]
     assert len(waiting) == 1
+
+
+def _beats(storage, trial_id: int) -> int:
+    import sqlalchemy
+
+    with storage.engine.connect() as conn:
+        return conn.execute(sqlalchemy.text("SELECT count(*) FROM trial_heartbeats WHERE trial_id = :t"),
+                            {"t": trial_id}).scalar_one()
+
+
+def test_a_trial_without_a_heartbeat_is_failed_once_stale_and_a_beating_one_is_not(pg_url: str) -> None:
+    """Optuna finds no trial without a heartbeat stale, and beats only after ask() returns: a worker killed inside
+    ask() left its trial RUNNING for good (the study never held the trials asked of it for anyone else either).
+    A trial now beats from its creation; a running trial without a heartbeat (an older worker's, or one killed
+    between the creation and that first beat) is given one when a worker opens the study, and is failed as
+    interrupted a grace period later. A trial whose worker beats is left RUNNING."""
+    import threading
+
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import INTERRUPTED, finished_trials, make_storage, open_study, run_study
+
+    running = optuna.trial.TrialState.RUNNING
+    storage = make_storage(pg_url)
+    storage.grace_period = 1  # what 60 s without a heartbeat means, in a second
+    study = open_study("moetune/unbeaten", storage, seed=0)
+    asked = study.ask()  # a worker killed right after ask() (or inside it, after the creation)
+    assert _beats(storage, asked._trial_id) == 1  # beating from its creation
+    plain = optuna.storages.RDBStorage(pg_url)  # no heartbeats: as a worker killed before its first one
+    unbeaten = plain.create_new_trial(study._study_id)
+    live = study.ask()  # its worker beats (below)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.2):
+            storage.record_heartbeat(live._trial_id)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        open_study("moetune/unbeaten", storage, seed=1)
+        assert _beats(storage, unbeaten) == 1  # given one, not failed yet: it may be a worker's about to beat
+        assert storage.get_trial(unbeaten).state == running
+        time.sleep(1.5)  # past the grace period
+        study = open_study("moetune/unbeaten", storage, seed=1)
+        for tid in (asked._trial_id, unbeaten):
+            t = storage.get_trial(tid)
+            assert t.state == optuna.trial.TrialState.FAIL, tid
+        cut = {int(k.split(":", 1)[1]) for k in storage.get_study_system_attrs(study._study_id)
+               if k.startswith(INTERRUPTED + ":")}
+        assert {asked._trial_id, unbeaten} <= cut  # interrupted: none of the budget's finished trials
+        assert finished_trials(study) == 0
+        assert storage.get_trial(live._trial_id).state == running  # its worker beats: left alone
+    finally:
+        stop.set()
+        beater.join(timeout=10)
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=4)
+    res = run_study(study, space, CallableBackend(lambda k, w: 100.0 + k.num_sms), wl, trials=4)
+    assert res.trials == res.complete == 4

@@ -11,7 +11,8 @@
   its worker as Optuna creates it (the sampler's `before_trial`), and opening a study fails only the
   running trials no live process can own (`fail_interrupted`); the schema is created under a file lock
   beside the file (two first runs at once). `--storage postgresql://...` lets several nodes share a study
-  (heartbeats fail the trials of a worker that died). `tune show` opens a storage read-only
+  (heartbeats fail the trials of a worker that died; a trial beats from its creation on, and opening a study
+  gives a running trial without a heartbeat one: `beat_unbeaten`). `tune show` opens a storage read-only
   (`open_readonly_storage`). Same study name → the study resumes; the
   name carries a digest of the routing, policy and backend settings (`study_config`), so a rerun that
   measures something else opens its own study.
@@ -166,7 +167,9 @@ class GuardedRDBStorage(optuna.storages.RDBStorage):
 
     A trial it makes RUNNING (a new one, or an enqueued one taken: Optuna's `ask()`) is noted, before a kept
     interrupt is raised, in this thread's open `trials_in_flight` sets (a trial it finishes leaves them): `run_study`
-    fails the ones an interrupt left RUNNING, though `ask()` never returned their id."""
+    fails the ones an interrupt left RUNNING, though `ask()` never returned their id. Where heartbeats are on (a
+    server storage) it gets its first heartbeat at once: Optuna starts beating only after `ask()` returns, and a
+    trial without any heartbeat is never stale, so a worker killed inside `ask()` left it RUNNING for good."""
 
     def _create_new_trial(self, study_id: int,
                           template_trial: optuna.trial.FrozenTrial | None = None) -> optuna.trial.FrozenTrial:
@@ -192,6 +195,11 @@ class GuardedRDBStorage(optuna.storages.RDBStorage):
     def _made_running(self, trial_id: int) -> None:
         for ids in self._in_flight():
             ids.add(trial_id)
+        if self.heartbeat_interval is not None:
+            try:
+                self.record_heartbeat(trial_id)
+            except Exception as e:  # broad: the trial stands; `beat_unbeaten` gives it one when a worker opens the study
+                log.debug("no first heartbeat for trial %s: %s", trial_id, e)
 
 
 guard_methods(GuardedRDBStorage, optuna.storages.RDBStorage)
@@ -625,14 +633,45 @@ def make_sampler(seed: int | None, n_startup_trials: int = 10) -> optuna.sampler
 def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: int | None = None,
                n_startup_trials: int = 10, pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
     """Create or load the study. On SQLite this process registers itself in it and fails the running trials of
-    processes that are gone (`fail_interrupted`), before it asks for any trial."""
+    processes that are gone (`fail_interrupted`), before it asks for any trial. With heartbeats (a server storage) a
+    running trial without a heartbeat is given one (`beat_unbeaten`) and the stale ones are failed."""
     st = make_storage(storage) if isinstance(storage, str) else storage
     study = optuna.create_study(study_name=name, storage=st, direction="minimize", load_if_exists=True,
                                 sampler=make_sampler(seed, n_startup_trials), pruner=pruner or optuna.pruners.NopPruner())
     url = storage if isinstance(storage, str) else getattr(storage, "url", "")
     if isinstance(url, str) and is_sqlite(url):
         fail_interrupted(study)
+    elif beat_unbeaten(study) is not None:  # heartbeats on (a server storage)
+        with warnings.catch_warnings():  # "experimental": a note for Optuna users, not ours
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)  # before the budget is counted (Optuna's loop does it per trial)
     return study
+
+
+def beat_unbeaten(study: optuna.Study) -> int | None:
+    """On a storage with heartbeats (a server one): give each RUNNING trial of the study that has no heartbeat one,
+    dated now by the database's clock, so it is failed as stale (`_stale_trial`) a grace period later unless its
+    worker beats. Optuna never finds a trial without a heartbeat stale: a worker killed after creating a trial and
+    before its first beat (this version beats at creation, `GuardedRDBStorage`; an older one after `ask()`, its
+    sampling included) left it RUNNING for good. A live worker's trial is not failed: its own beats (every
+    `heartbeat_interval`, 10 s) update the row, well within the grace period (60 s). Several hosts share such a
+    storage, so no pid is checked here (another host's cannot be). Returns how many it gave one; None where
+    heartbeats are off (nothing done)."""
+    import sqlalchemy
+    from optuna.storages._rdb import models
+
+    backend = getattr(study._storage, "_backend", study._storage)
+    if not isinstance(backend, optuna.storages.RDBStorage) or backend.heartbeat_interval is None:
+        return None
+    trials, beats = models.TrialModel.__table__, models.TrialHeartbeatModel.__table__
+    unbeaten = sqlalchemy.select(trials.c.trial_id, sqlalchemy.func.now()).where(
+        trials.c.study_id == study._study_id, trials.c.state == TrialState.RUNNING,
+        ~sqlalchemy.exists().where(beats.c.trial_id == trials.c.trial_id))
+    try:
+        with uninterrupted(), backend.engine.begin() as conn:  # a storage call as Optuna's are (`GuardedRDBStorage`)
+            return conn.execute(beats.insert().from_select(["trial_id", "heartbeat"], unbeaten)).rowcount or 0
+    except sqlalchemy.exc.IntegrityError:  # a worker (or another opening) gave one of them a heartbeat meanwhile
+        return 0
 
 
 def _worker_alive(worker: Any) -> bool:
