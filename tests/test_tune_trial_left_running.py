@@ -305,3 +305,35 @@ def test_a_dead_owners_trial_is_failed_on_resume_and_a_live_owners_is_not(tmp_pa
         assert f"{study_mod.WORKER_KEY}{host}:{child.pid}" in attrs
     finally:
         child.communicate(input="", timeout=60)
+
+
+def test_tune_interrupted_inside_ask_says_so_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune tune` with a Ctrl-C (its own handler) inside the creation of a trial: one line, exit 130, no trial
+    left RUNNING; `tune show` counts the cut trial as interrupted, not as a trial; the same command resumes to the
+    trials asked."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    runner = CliRunner()
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    url = f"sqlite:///{tmp_path / 'm-studies.db'}"
+    tune = ["tune", "-m", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
+            "--trials", "8", "--db", str(tmp_path / "m.db"), "--json"]
+    with monkeypatch.context() as mp:
+        hit = _in_create(mp, 2)
+        r = runner.invoke(app, tune)
+    assert hit.fired  # type: ignore[attr-defined]
+    assert r.exit_code == 130, (r.output, r.exception)
+    assert "interrupted: the study is saved; run the same command again to resume" in r.output, r.output
+    (name,) = optuna.get_all_study_names(url)
+    study = optuna.load_study(study_name=name, storage=url)
+    assert _running(study) == [] and len(_cut(study)) == 1
+    r = runner.invoke(app, ["tune", "show", "--storage", url, "--study", name])
+    assert r.exit_code == 0 and "fail 1 (1 interrupted, not counted)" in r.output and "running" not in r.output, r.output
+    r = runner.invoke(app, tune)
+    assert r.exit_code == 0, r.output
+    assert [row["trials"] for row in json.loads(r.output)] == [8]
+    assert _running(study) == []

@@ -763,7 +763,9 @@ def show(
         return
     c = Console()
     c.print(f"[bold]{d['study']}[/bold]  backend {d['backend']}{' (modelled)' if d['modelled'] else ''}")
-    c.print("trials: " + ", ".join(f"{k} {v}" for k, v in d["states"].items() if v))
+    cut = d.get("interrupted") or 0  # the failed trials cut short (Ctrl-C, a process that died): not counted
+    c.print("trials: " + ", ".join(f"{k} {v}" + (f" ({cut} interrupted, not counted)" if k == "fail" and cut else "")
+                                   for k, v in d["states"].items() if v))
     if d["best_us"] is not None or d["default_us"] is not None:
         c.print(f"{d['trials_note']}:")
     if d["best_us"] is not None:

@@ -1278,6 +1278,7 @@ def _describe_study(storage: str, name: str) -> dict[str, Any]:
                                "does not describe it; read it with Optuna (or optuna-dashboard)")
     trials = study.get_trials(deepcopy=False)
     states = {s.name.lower(): sum(1 for t in trials if t.state == s) for s in TrialState}
+    cut = interrupted_ids(study)
     done = completed(study)
     best = min(done, key=lambda t: t.value) if done else None  # type: ignore[arg-type, return-value]
     default = next((t for t in done if t.user_attrs.get("warm_start") == "policy_default"), None)
@@ -1301,6 +1302,8 @@ def _describe_study(storage: str, name: str) -> dict[str, Any]:
         "key": study.user_attrs.get("key"),
         "trials": finished_trials(study),  # as the tune counts them (`states` has every trial, waiting too)
         "states": states,
+        # of the `fail` ones, those cut short (Ctrl-C, a process that died): no failed measurement, not counted
+        "interrupted": sum(1 for t in trials if is_interrupted(t, cut)),
         "best_us": best.value if best else None,
         "best_spread_us": best.user_attrs.get("spread_us") if best else None,
         "best_knobs": best.user_attrs.get("knobs") if best else None,
