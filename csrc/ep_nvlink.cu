@@ -459,13 +459,26 @@ MT_API int mt_nvl_error(void* h, int* out) {
   return 0;
 }
 
+// Forget a refused exchange so that the next call runs (after every launch so far completed: a device
+// synchronisation): the record holds MT_ERR_SEND_COUNTS (this rank refused its counts) or MT_ERR_PEER_REFUSED (a peer
+// did), and nothing else went wrong in that call (the abort flag is clear: a refusal never raises it, every other
+// error does). Such a call kept the protocol in step: every rank published its row and saw a word of every other
+// rank's, the device epochs and the group counters advanced as after any call, no rows went to or from the
+// refusing rank, and the signal slots stay monotonic (a skipped signal only leaves a slot at an older epoch). Any
+// other error is not cleared (107): its waits ended early, the ranks may be out of step; build a new transport.
 MT_API int mt_nvl_clear_error(void* h) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   MT_SET_DEVICE(c->device);
   MT_CUDA(cudaDeviceSynchronize());
+  int aborted = 0;
+  MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
+  volatile int* e = c->err_host;
+  const int code = e[0];
+  MT_REQUIRE(aborted == 0 && (code == 0 || code == MT_ERR_SEND_COUNTS || code == MT_ERR_PEER_REFUSED), 107,
+             "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
+             "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
+             MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
-  MT_CUDA(cudaMemset(c->abort_flag, 0, sizeof(int)));
-  MT_CUDA(cudaDeviceSynchronize());
   return 0;
 }
 

@@ -40,15 +40,24 @@ enum MtErr {
   MT_ERR_TOO_MANY_SLOTS = 7,   // more signal slots than MT_MAX_SLOTS
   MT_ERR_SEND_COUNTS = 8,      // a send count is negative or the counts sum past the send rows (nothing was sent;
                                // peer = the first bad destination, slot 0: negative (seen = the count), slot 1: past
-                               // the rows (seen = the rows through it), expected = the send rows)
+                               // the rows (seen = the rows through it), expected = the send rows; slot 2 (nvlink
+                               // gather): a row's token is outside x (seen = the token, expected = x's rows)).
+                               // The call still publishes its count-matrix row, marked MT_COUNT_REFUSED.
+  MT_ERR_PEER_REFUSED = 9,     // peer = a rank whose call refused its send counts (MT_ERR_SEND_COUNTS there): its
+                               // marked row arrived, so no rows went to or came from it in this call (slot -1)
 };
 // err[0]=code err[1]=rank err[2]=peer err[3]=slot err[4]=epoch(lo) err[5]=seen value(lo)
 // err[6]=seen value(hi) err[7]=expected(lo)
 #define MT_ERR_WORDS 16
 
 // Tagged 64-bit words carry a count and the call's tag in one atomic store (data + signal in one).
+// Bit 39 of a count-matrix word is the refusal marker: the sender refused its own send counts in this call
+// (MT_ERR_SEND_COUNTS) and sends nothing. It travels in the same store as the tag, so a peer waiting for the word
+// learns of the refusal when the word arrives (at once, not at its timeout); counts are 39 bits (mt::tagged masks
+// them, so no count can set the marker).
 #define MT_TAG_SHIFT 40
-#define MT_COUNT_MASK ((1ull << MT_TAG_SHIFT) - 1)
+#define MT_COUNT_REFUSED (1ull << (MT_TAG_SHIFT - 1))
+#define MT_COUNT_MASK (MT_COUNT_REFUSED - 1)
 
 namespace mt {
 
@@ -218,7 +227,9 @@ struct WaitCtx {
   int rank;
 };
 
-MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen, uint64_t expected) {
+// The error record (first error wins), without the abort flag: report_refusal's part of report.
+MT_DEV void write_record(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen,
+                         uint64_t expected) {
   volatile int* e = w.err;
   if (e[0] == 0) {
     e[1] = w.rank;
@@ -231,7 +242,24 @@ MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoc
     fence_system();
     e[0] = code;
   }
+}
+
+MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen, uint64_t expected) {
+  write_record(w, code, peer, slot, epoch, seen, expected);
   *(volatile int*)w.abort_flag = 1;
+  fence_system();
+}
+
+// A refusal (MT_ERR_SEND_COUNTS on the refusing rank, MT_ERR_PEER_REFUSED on its peers) is recorded WITHOUT the abort
+// flag: the call's other waits must still see every rank's count-matrix word of this call. Those waits are what
+// tells a rank that each peer has entered this call (so left the call two before, whose parity of the count matrix
+// and of the receive area the next call reuses); a wait cut short by the flag would let the next call overwrite
+// words a slow peer has not read yet. Every word does come (every rank publishes its row, refused or not), so
+// these waits end promptly; the call still fails (the record), and only a refusal may be cleared
+// (mt_nvl_clear_error, mt_pxy_clear_error: the abort flag says whether anything else went wrong).
+MT_DEV void report_refusal(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen,
+                           uint64_t expected) {
+  write_record(w, code, peer, slot, epoch, seen, expected);
   fence_system();
 }
 
@@ -265,12 +293,38 @@ MT_DEV uint64_t wait_word(const WaitCtx& w, const uint64_t* p, uint64_t target, 
 }
 
 MT_DEV uint64_t tagged(uint64_t tag, uint64_t count) { return (tag << MT_TAG_SHIFT) | (count & MT_COUNT_MASK); }
+// The count-matrix word of a rank that refused its send counts: this call's tag, the marker, no rows.
+MT_DEV uint64_t tagged_refused(uint64_t tag) { return (tag << MT_TAG_SHIFT) | MT_COUNT_REFUSED; }
+MT_DEV bool is_refused(uint64_t word) { return (word & MT_COUNT_REFUSED) != 0; }
+
+// The caller's send counts against the rows they address (both one-sided exchanges, before anything is sent): a
+// negative count, or counts summing past `send_rows`, would make copies whose source lies outside the send buffer
+// (the device memory next to it shipped to the peers). False when refused; `report`: record MT_ERR_SEND_COUNTS
+// (peer = the first bad destination; slot 0: negative, 1: past the rows) -- one reporter per rank is enough.
+// Counts are also bounded by MT_COUNT_MASK (they travel in 39 bits of a tagged word).
+MT_DEV bool send_counts_fit(const WaitCtx& w, const int64_t* counts, int world, uint64_t send_rows, uint64_t epoch,
+                            bool report) {
+  const uint64_t rows = send_rows < MT_COUNT_MASK ? send_rows : MT_COUNT_MASK;
+  uint64_t total = 0;
+  for (int d = 0; d < world; ++d) {
+    const long long cnt = counts[d];
+    if (cnt < 0 || (uint64_t)cnt > rows - total) {
+      if (report)
+        report_refusal(w, MT_ERR_SEND_COUNTS, d, cnt < 0 ? 0 : 1, epoch,
+                       cnt < 0 ? (uint64_t)cnt : total + (uint64_t)cnt, send_rows);
+      return false;
+    }
+    total += (uint64_t)cnt;
+  }
+  return true;
+}
 
 // The receiver's own capacity check (both one-sided exchanges). A sender checks only where ITS rows end in the
 // receiver's area (after the lower ranks' rows) and skips what would not fit; several senders together can still
 // overflow a receiver, whose call would then complete with rows missing. The receiver has its whole column of the
 // count matrix `mat` (parity `par`, words tagged `tag`): it checks the total and reports MT_ERR_CAPACITY (peer -1,
-// slot -1: all sources; seen = the rows sent to it, expected = `cap_rows`, the rows its area holds).
+// slot -1: all sources; seen = the rows sent to it, expected = `cap_rows`, the rows its area holds). A refusing
+// source's word counts 0 rows (the mask drops its marker): it sends nothing.
 MT_DEV void check_receive_capacity(const WaitCtx& w, const uint64_t* mat, int par, int rank, int world, uint64_t tag,
                                    uint64_t epoch, uint64_t cap_rows, bool* ok) {
   uint64_t total = 0;

@@ -43,11 +43,15 @@ inline uint64_t host_ns() {
 
 #ifndef MT_HOST_SIM
 __global__ void pxy_exchange_kernel(PxParams p) {
-  __shared__ int s_acked;
+  __shared__ int s_acked, s_refused;
   __shared__ AckSet s_acks;
-  if (threadIdx.x == 0) s_acked = mtpx::produce_exchange(p, &s_acks) ? 1 : 0;
+  if (threadIdx.x == 0) {
+    bool refused = false;
+    s_acked = mtpx::produce_exchange(p, &s_acks, &refused) ? 1 : 0;
+    s_refused = refused ? 1 : 0;
+  }
   __syncthreads();
-  mtpx::wait_exchange_lane(p, (int)threadIdx.x, s_acked != 0, s_acks);
+  mtpx::wait_exchange_lane(p, (int)threadIdx.x, s_acked != 0, s_acks, s_refused != 0);
   __syncthreads();
   if (threadIdx.x == 0) mtpx::finish(p);
 }
@@ -188,15 +192,9 @@ static PxParams base_params(PxCtx* c, uint64_t epoch) {
   return p;
 }
 
-// Bounded host wait for the completion word of launch `seq` (the kernel writes it even after a
-// timeout, so this returns; a dead proxy thread is reported at once).
-static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
-#ifndef MT_HOST_SIM
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) return 0;
-#else
-  (void)stream;
-#endif
+// Bounded wait for the completion word of launch `seq` (the kernel writes it even after a timeout, so this returns;
+// a dead proxy thread is reported at once).
+static int wait_done(PxCtx* c, uint64_t seq) {
   const uint64_t deadline = host_ns() + 4 * c->timeout_ns + 10ull * 1000 * 1000 * 1000;
   uint32_t spins = 0;
   while (__atomic_load_n(c->done_host, __ATOMIC_ACQUIRE) < seq) {
@@ -215,13 +213,25 @@ static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
   return 0;
 }
 
+// The host wait of a call (mt_pxy_set_host_wait): wait_done, except for a launch being captured (it runs at a replay).
+static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
+#ifndef MT_HOST_SIM
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) return 0;
+#else
+  (void)stream;
+#endif
+  return wait_done(c, seq);
+}
+
 #ifdef MT_HOST_SIM
 // Host simulation: a "kernel" runs its lanes one after another on one thread (each lane only waits
 // for words other threads write).
 static void run_exchange_block(const PxParams& p) {
   AckSet acks;
-  const bool acked = mtpx::produce_exchange(p, &acks);
-  for (int t = 0; t < 32; ++t) mtpx::wait_exchange_lane(p, t, acked, acks);
+  bool refused = false;
+  const bool acked = mtpx::produce_exchange(p, &acks, &refused);
+  for (int t = 0; t < 32; ++t) mtpx::wait_exchange_lane(p, t, acked, acks, refused);
   mtpx::finish(p);
 }
 static void run_counts_block(const PxParams& p) {
@@ -296,7 +306,8 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
 }
 
 // send: send_rows rows of row_bytes; send_counts (device) must be >= 0 and sum to at most send_rows (the kernel
-// checks before any PUT: MT_ERR_SEND_COUNTS).
+// checks before any PUT: MT_ERR_SEND_COUNTS here, MT_ERR_PEER_REFUSED on the others at once, no rows to or from this
+// rank; mt_pxy_clear_error forgets it).
 MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t send_rows, uint64_t row_bytes, const int64_t* send_counts,
                            const int64_t* recv_counts, int coupled, int group_size, int chunk_rows, uint64_t epoch,
                            uint64_t stream) {
@@ -334,6 +345,32 @@ MT_API int mt_pxy_error(void* h, int* out) {
   PxCtx* c = static_cast<PxCtx*>(h);
   volatile int* e = c->err_host;
   for (int i = 0; i < MT_ERR_WORDS; ++i) out[i] = e[i];
+  return 0;
+}
+
+// Forget a refused exchange so that the next call runs: the record holds MT_ERR_SEND_COUNTS (this rank refused its
+// counts) or MT_ERR_PEER_REFUSED (a peer did), and nothing else went wrong in that call (the abort flag is clear: a
+// refusal never raises it, every other error does). Such a call kept the protocol in step: every rank published
+// its row of the count matrix and saw every other rank's (csrc/proxy_xchg.h), no rows went to or from the refusing
+// rank, and the signal slots stay monotonic. Any other error is not cleared (323): its waits ended early, the ranks
+// may be out of step, and only a new transport is safe. Waits (bounded) for every launch so far to complete first.
+MT_API int mt_pxy_clear_error(void* h) {
+  PxCtx* c = static_cast<PxCtx*>(h);
+  MT_SET_DEVICE(c->device);
+  if (c->launches > 0) {
+    int rc = wait_done(c, c->launches);
+    if (rc != 0) return rc;
+  }
+  MT_CUDA(cudaDeviceSynchronize());
+  int aborted = 0;
+  MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
+  volatile int* e = c->err_host;
+  const int code = e[0];
+  MT_REQUIRE(aborted == 0 && (code == 0 || code == MT_ERR_SEND_COUNTS || code == MT_ERR_PEER_REFUSED), 323,
+             "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
+             "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
+             MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
+  memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }
 

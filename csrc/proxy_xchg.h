@@ -113,51 +113,54 @@ struct Producer {
 
 // Thread 0 of the exchange: count-matrix rows, offsets, PUTs and signals, then the ACK. Returns whether the ACK
 // went into the FIFO: it does whenever the FIFO takes requests, also after a failed wait ended the PUTs early (the
-// PUTs already pushed still read `send`; thread 31 must be able to wait for them). False when a push gave up
-// on a full FIFO (MT_ERR_FIFO_FULL reported): before any PUT on the abort flag (nothing reads `send`), after one
-// only on the timeout (the engine stuck that long; nothing can confirm the PUTs before it); and when the send counts
-// were refused (MT_ERR_SEND_COUNTS, nothing pushed at all).
-// `acks` (zeroed here) gets the streams the pushes picked: thread 31 waits for the ACK on those.
-MT_DEV bool produce_exchange(const PxParams& p, AckSet* acks) {
+// PUTs already pushed still read `send`; thread 31 must be able to wait for them), and after a refusal (it covers
+// the row's count words). False when a push gave up on a full FIFO (MT_ERR_FIFO_FULL reported): before any PUT on
+// the abort flag (nothing reads `send`), after one only on the timeout (the engine stuck that long; nothing can
+// confirm the PUTs before it).
+// `acks` (zeroed here) gets the streams the pushes picked: thread 31 waits for the ACK on those. `refused` (set here):
+// this rank refused its send counts (MT_ERR_SEND_COUNTS), so its lanes wait for the count words only.
+MT_DEV bool produce_exchange(const PxParams& p, AckSet* acks, bool* refused) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
   for (int i = 0; i < MT_MAX_WORLD; ++i) acks->q[i] = 0, acks->rr[i] = 0;
-  // The caller's counts against its send rows: a negative count, or counts summing past the rows, would make PUTs
-  // whose source lies outside `send` (the device memory next to it shipped to the peers). Refused before anything is
-  // pushed: no PUT reads `send` (no ACK to wait for), and the peers' calls time out waiting for this rank's count
-  // words, as for a rank that launched nothing.
-  uint64_t total = 0;
-  for (int d = 0; d < p.world; ++d) {
-    const long long cnt = p.send_counts[d];
-    if (cnt < 0 || (uint64_t)cnt > p.send_rows - total) {
-      mt::report(p.w, MT_ERR_SEND_COUNTS, d, cnt < 0 ? 0 : 1, p.epoch, cnt < 0 ? (uint64_t)cnt : total + (uint64_t)cnt,
-                 p.send_rows);
-      return false;
-    }
-    total += (uint64_t)cnt;
-  }
+  // The caller's counts against its send rows (mt::send_counts_fit): refused before any PUT. The row still goes out,
+  // every word marked MT_COUNT_REFUSED with this call's tag: the peers' waits for it end at once (they report
+  // MT_ERR_PEER_REFUSED and send this rank nothing) instead of at their count-word timeout, and every rank still sees
+  // every rank's word of this call, which the parity protocol needs (mt::report_refusal): after the call each rank
+  // is one call further, as after a good one.
+  *refused = !mt::send_counts_fit(p.w, p.send_counts, p.world, p.send_rows, p.epoch, true);
   Producer pr{&p, 0, true, acks};
   // my count-matrix row to every rank (immediate 8-byte writes through the proxy)
   for (int q = 0; q < p.world; ++q)
     for (int col = 0; col < p.world; ++col)
       pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_MAT + 8ull * ((size_t)(par * MT_MAX_WORLD + p.rank) * MT_MAX_WORLD + col),
-              0, mt::tagged(tag, (uint64_t)p.send_counts[col]));
+              0, *refused ? mt::tagged_refused(tag) : mt::tagged(tag, (uint64_t)p.send_counts[col]));
+  if (*refused) {  // no PUT, no signal: the ACK makes the call wait until its count words have been written
+    pr.push(MT_OP_ACK, 0, 0, 0, 0, 0, 0, p.epoch);
+    return pr.ok;
+  }
   long long src_off = 0;
   for (int d = 0; d < p.world && pr.ok; ++d) {  // pr.ok false: the FIFO stayed full (reported)
     const long long cnt = p.send_counts[d];
     long long dst_rows = 0;
     bool ok = true;
+    bool d_refused = false;  // d's row is marked: d refused its counts, receives nothing and waits for no signal
     for (int s = 0; s < p.rank && ok; ++s) {
       uint64_t v = mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + d), tag, false,
                                  MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
-      dst_rows += (long long)(v & MT_COUNT_MASK);
+      dst_rows += (long long)(v & MT_COUNT_MASK);  // a refusing rank's word: 0 rows (it sends none)
+      if (s == d && mt::is_refused(v)) d_refused = true;  // d < rank: its own word is among these
     }
     // d has entered this call: its readers of the area we write (output of call epoch-2) are done
     if (ok && d >= p.rank)
-      mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
-                    -3, &ok);
+      d_refused = mt::is_refused(mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false,
+                                               MT_ERR_TIMEOUT_COUNTS, d, -3, &ok));
     if (!ok) break;  // no more PUTs; the ACK below still covers those pushed
+    if (d_refused) {  // nothing to d (our lane d reports the refusal)
+      src_off += cnt;
+      continue;
+    }
     // a sender of no rows overflows nothing: only the receiver (its own lane) reports what the others sent it
     const bool fits = cnt == 0 || (uint64_t)(dst_rows + cnt) * p.row_bytes <= p.data_bytes;
     if (!fits)
@@ -201,7 +204,10 @@ MT_DEV void check_receive_capacity(const PxParams& p) {
 // (acked: produce_exchange's result), up to its own timeout even when another lane (a capacity or count error, a
 // peer's timeout) raised the abort flag -- the engine still processes the ACK, and the call must not return while
 // its PUTs may still read `send` (a caller that catches the error reuses it at once).
-MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked, const AckSet& acks) {
+// refused (produce_exchange's): this rank refused its send counts; its lanes < world still wait for every source's
+// word of this call (the proof that each peer entered it: mt::report_refusal says why), then for nothing more.
+// A source whose word is marked refused sends nothing: its lane reports MT_ERR_PEER_REFUSED and waits for no signal.
+MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked, const AckSet& acks, bool refused) {
   const int par = (int)(p.epoch & 1);
   const uint64_t tag = tag_of(p.epoch);
   const uint64_t* mat = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_MAT);
@@ -209,7 +215,11 @@ MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked, const AckSe
   if (t < p.world) {
     uint64_t v = mt::wait_word(p.w, mat + ((size_t)(par * MT_MAX_WORLD + t) * MT_MAX_WORLD + p.rank), tag, false,
                                MT_ERR_TIMEOUT_COUNTS, t, -1, &ok);
-    if (!ok) return;
+    if (!ok || refused) return;  // refused: nobody sends this rank rows in this call
+    if (mt::is_refused(v)) {
+      mt::report_refusal(p.w, MT_ERR_PEER_REFUSED, t, -1, p.epoch, 0, 0);
+      return;
+    }
     const long long cnt = (long long)(v & MT_COUNT_MASK);
     if (p.recv_counts != nullptr && cnt != p.recv_counts[t])
       mt::report(p.w, MT_ERR_COUNT_MISMATCH, t, 0, p.epoch, (uint64_t)cnt, (uint64_t)p.recv_counts[t]);
@@ -219,7 +229,7 @@ MT_DEV void wait_exchange_lane(const PxParams& p, int t, bool acked, const AckSe
     const int nsig = p.coupled ? nch : ngroups(nch, p.group);
     const uint64_t* sig = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_SIG) + (size_t)t * MT_MAX_SLOTS;
     for (int k = 0; k < nsig && ok; ++k) mt::wait_word(p.w, sig + k, p.epoch, true, MT_ERR_TIMEOUT_SIGNAL, t, k, &ok);
-  } else if (t == kCapacityLane) {
+  } else if (t == kCapacityLane && !refused) {  // refused: nothing comes to this rank
     check_receive_capacity(p);
   } else if (t == 31 && acked) {
     // the streams this call's requests picked (the engine writes the ACK on those; every stream if it failed)

@@ -33,7 +33,10 @@ from typing import NamedTuple
 
 from moetune.runtime.paths import foreign_link_reason, loose_key_path
 
-ABI_VERSION = 21  # csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked)
+# csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked); 22 = a refused call
+# marks its count-matrix row and its peers report MT_ERR_PEER_REFUSED at once, and a refusal can be cleared
+# (mt_pxy_clear_error, mt_nvl_clear_error)
+ABI_VERSION = 22
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -331,6 +334,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [c_void_p, c_void_p, c_uint64, c_uint64, c_void_p, c_void_p, c_int, c_int, c_int, c_uint64, c_uint64],
     ),
     "mt_pxy_error": (c_int, [c_void_p, _PI]),
+    "mt_pxy_clear_error": (c_int, [c_void_p]),
     "mt_pxy_err_ptr": (c_int, [c_void_p, _PP]),
     "mt_pxy_destroy": (c_int, [c_void_p]),
     "mt_race_check_launch": (

@@ -37,7 +37,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
                  "mt_proxy_destroy", "mt_last_error", "mt_proxy_set_batch", "mt_pxy_create", "mt_pxy_set_data",
-                 "mt_pxy_counts", "mt_pxy_exchange", "mt_pxy_error", "mt_pxy_destroy"):
+                 "mt_pxy_counts", "mt_pxy_exchange", "mt_pxy_error", "mt_pxy_clear_error", "mt_pxy_destroy"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args
@@ -147,6 +147,10 @@ class SimRanks:
         assert not any(t.is_alive() for t in threads), "a rank hung"
         assert not any("failure" in o for o in out), out
         return out
+
+    def clear_errors(self) -> list[int]:
+        """mt_pxy_clear_error on every rank (each after its own launches completed): the return codes."""
+        return [self.lib.mt_pxy_clear_error(x) for x in self.ctxs]
 
     def close(self) -> None:
         for x in self.ctxs:

@@ -713,8 +713,9 @@ def test_send_counts_outside_the_send_rows_are_refused_before_any_put_in_host_si
     """Rank 0's send buffer holds 4 rows (the memory after it: 0xEE rows). Send counts that sum past 4 rows, or a
     negative one, made PUTs whose source lay outside the buffer: its neighbour's bytes reached the peers (the 0xEE rows
     landed in rank 1's receive area, and both calls succeeded). Now the kernel refuses the counts before any PUT:
-    rank 0 reports MT_ERR_SEND_COUNTS (peer = the first bad destination; slot 0: negative, 1: past the rows), rank 1
-    times out waiting for rank 0's count words, and no byte outside a send buffer reaches any rank."""
+    rank 0 reports MT_ERR_SEND_COUNTS (peer = the first bad destination; slot 0: negative, 1: past the rows), and no
+    byte outside a send buffer reaches any rank. Rank 0 still publishes its count-matrix row, marked refused, so rank 1
+    reports MT_ERR_PEER_REFUSED naming rank 0 at once (it used to wait out its count-word timeout: 20 s here)."""
     import numpy as np
 
     from moetune.runtime.transports._onesided import decode_error
@@ -722,9 +723,11 @@ def test_send_counts_outside_the_send_rows_are_refused_before_any_put_in_host_si
     world, rb, rows = 2, 32, 4
     big = np.full((3 * rows, rb), 0xEE, dtype=np.uint8)
     big[:rows] = 10
-    ranks = proxy_sim.SimRanks(sim_lib, world, 16 * rb, timeout_s=0.5)
+    ranks = proxy_sim.SimRanks(sim_lib, world, 16 * rb, timeout_s=20.0)
     try:
+        t0 = time.monotonic()
         out = ranks.exchange([big[:rows], np.full((rows, rb), 11, dtype=np.uint8)], [counts, [2, 2]])
+        seconds = time.monotonic() - t0
         assert not any((d == 0xEE).any() for d in ranks.data), "bytes from outside rank 0's send rows were sent"
     finally:
         ranks.close()
@@ -732,10 +735,14 @@ def test_send_counts_outside_the_send_rows_are_refused_before_any_put_in_host_si
     assert r0["rc"] == 0 and r0["err"][:4] == err, r0["err"][:8]
     got = (r0["err"][5] & 0xFFFFFFFF) | ((r0["err"][6] & 0xFFFFFFFF) << 32)
     assert got == seen % (1 << 64) and r0["err"][7] == rows, r0["err"][:8]
-    assert r1["err"][0] == 1 and r1["err"][2] == 0, r1["err"][:8]  # rank 1: rank 0's count word never came
+    assert r1["rc"] == 0 and r1["err"][:4] == [9, 1, 0, -1], r1["err"][:8]  # rank 1: rank 0 refused (its marked row)
+    assert seconds < 10, seconds  # not the 20 s count-word timeout
     msg = decode_error(r0["err"])
     assert "send_counts do not fit the send rows" in msg and "send holds 4 rows" in msg, msg
     assert ("send count to rank 0 is -1" if seen < 0 else "send counts through rank 1 add up to 6 rows") in msg, msg
+    assert "the other ranks' calls fail at once" in msg, msg
+    msg = decode_error(r1["err"])
+    assert "a peer refused its send counts: rank 0 refused its send counts in this call" in msg, msg
 
 
 def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:

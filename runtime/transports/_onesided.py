@@ -40,6 +40,7 @@ ERR_NAMES = {
     6: "own outgoing transfers did not complete",
     7: "too many signal slots",
     8: "send_counts do not fit the send rows",
+    9: "a peer refused its send counts",
 }
 
 
@@ -60,15 +61,25 @@ def decode_error(words: list[int]) -> str:
                      f"area holds {cap}")
         return (f"{what}: {where} rows per call (epoch {words[4]}); reserve(max_send_rows, row_bytes) "
                 "collectively for more rows")
-    if code == 8:  # csrc: MT_ERR_SEND_COUNTS (slot 0: a negative count, 1: the counts run past the send rows)
+    if code == 8:  # csrc: MT_ERR_SEND_COUNTS (slot 0: a negative count, 1: the counts run past the send rows,
+        # 2: a gathered token outside x)
         signed = seen - (1 << 64) if seen >= 1 << 63 else seen
         rows = words[7] & 0xFFFFFFFF
-        if words[3] == 0:
-            where = f"rank {words[1]}'s send count to rank {words[2]} is {signed}"
+        if words[3] == 2:
+            where = (f"rank {words[1]}'s send row for rank {words[2]} gathers token {signed}; x holds {rows} "
+                     "tokens")
         else:
-            where = f"rank {words[1]}'s send counts through rank {words[2]} add up to {signed} rows"
-        return (f"{what}: {where}; send holds {rows} rows (epoch {words[4]}); nothing was sent, the other ranks' "
-                "calls time out waiting for this rank")
+            if words[3] == 0:
+                where = f"rank {words[1]}'s send count to rank {words[2]} is {signed}"
+            else:
+                where = f"rank {words[1]}'s send counts through rank {words[2]} add up to {signed} rows"
+            where += f"; send holds {rows} rows"
+        return (f"{what}: {where} (epoch {words[4]}); nothing was sent, the other ranks' calls fail at once "
+                "(peer refused); clear_error() on every rank lets the next call run")
+    if code == 9:  # csrc: MT_ERR_PEER_REFUSED (peer = the refusing rank; it reports why)
+        return (f"{what}: rank {words[2]} refused its send counts in this call (epoch {words[4]}; its own error says "
+                f"why), so rank {words[1]} exchanged no rows with it and its receive area lacks them; clear_error() "
+                "on every rank lets the next call run")
     return (
         f"{what} (rank {words[1]}, peer {words[2]}, slot {words[3]}, epoch {words[4]}, "
         f"seen {seen:#x}, expected {words[7] & 0xFFFFFFFF})"
@@ -426,6 +437,24 @@ class OneSidedTransport(EPTransport):
         if self._closed:
             raise OneSidedError(f"{self.name}: the transport is not running (closed, or its constructor failed); "
                                 "build a new one")
+
+    def clear_error(self) -> None:
+        """Forget a refused call so that the next one runs. A call whose send counts one rank refused (`send_counts do
+        not fit the send rows` there, `a peer refused its send counts` on the others) keeps the ranks in step: every
+        rank still published its count-matrix row and saw the others', and no rows went to or from the refusing
+        rank. Each rank that raised such an error clears its own (local, no collective; it waits for this rank's
+        earlier calls to finish). Any other error (a timeout, an overflow, counts that disagree, a failed proxy
+        thread) is not cleared: that call's waits ended early and the ranks may be out of step, so OneSidedError --
+        build a new transport. Nothing recorded: nothing to do."""
+        self._refuse_closed()
+        rc = self._clear_native()
+        if rc:
+            msg = self.lib.mt_last_error()
+            raise OneSidedError(f"{self.name}: clear_error: {msg.decode(errors='replace') if msg else f'code {rc}'}")
+
+    @abstractmethod
+    def _clear_native(self) -> int:
+        """The library's clear of a refusal (mt_*_clear_error): 0, or its error code (the text in mt_last_error)."""
 
     def check(self) -> None:
         """Raise OneSidedError if a kernel (or the proxy) reported a failure. Reads host memory only."""

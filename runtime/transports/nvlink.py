@@ -191,6 +191,11 @@ class NvlinkTransport(OneSidedTransport):
         self.lib.mt_nvl_error(self._h, self._err)
         return list(self._err)
 
+    def _clear_native(self) -> int:
+        if self._h is None:
+            raise OneSidedError("nvlink: the transport is not running (closed, or its constructor failed)")
+        return int(self.lib.mt_nvl_clear_error(self._h))
+
     def _release_native(self) -> None:
         h, self._h = self._h, None
         if h is not None:

@@ -517,6 +517,14 @@ class ProxyTransport(OneSidedTransport):
         self.lib.mt_pxy_error(self._h, self._err)
         return list(self._err)
 
+    def _clear_native(self) -> int:
+        err = self._running_engine().error()
+        if err:  # the proxy thread's own failure: its copies or signals may be lost, nothing to clear
+            raise OneSidedError(f"proxy: clear_error: the proxy engine failed ({err}); build a new transport")
+        if self._h is None:
+            raise OneSidedError("proxy: the transport is not running (closed, or its constructor failed)")
+        return int(self.lib.mt_pxy_clear_error(self._h))
+
     def proxy_stats(self) -> dict[str, int]:
         return self._running_engine().stats()
 
