@@ -51,6 +51,8 @@ struct XParams {
   uint64_t data[MT_MAX_WORLD];
   uint64_t data_bytes;
   const char* send;
+  uint64_t send_rows;       // the rows the counts address: send's rows (kSpan, kStrided) or tok's entries (kGather)
+  uint64_t x_rows;          // kGather: rows of x, g_idx and g_w (every token tok[i] the counts reach is below it)
   uint64_t row_bytes;
   int mode;                 // RowMode
   uint64_t src_stride;      // kStrided / kGather: bytes between source rows (of send / of x)
@@ -155,6 +157,42 @@ __device__ void copy_rows(const XParams& p, char* dst_base, long long src_off, u
   }
 }
 
+// Every CTA decides alone, from the same inputs, whether this rank refuses its send counts (mt::send_counts_fit; for
+// the gather, also a token outside x): every CTA must know before it copies anything, and CTA 0 before it publishes
+// the row. The rows the counts address, and for the gather the tokens they reach, are checked before any byte goes
+// to a peer; CTA 0 reports (MT_ERR_SEND_COUNTS, without the abort flag: mt::report_refusal).
+__device__ bool refuse_send(const XParams& p, uint64_t epoch) {
+  __shared__ int s_fit;
+  __shared__ unsigned long long s_rows, s_bad;
+  if (threadIdx.x == 0) {
+    s_fit = mt::send_counts_fit(p.w, p.send_counts, p.world, p.send_rows, epoch, blockIdx.x == 0) ? 1 : 0;
+    unsigned long long n = 0;
+    for (int q = 0; s_fit && q < p.world; ++q) n += (unsigned long long)p.send_counts[q];
+    s_rows = n;
+    s_bad = ~0ull;
+  }
+  __syncthreads();
+  if (!s_fit) return true;
+  if (p.mode != kGather) return false;
+  // the gather reads x, g_idx and g_w at row tok[i] for each send row i < s_rows (<= tok's entries, checked above)
+  int bad = 0;
+  for (unsigned long long i = threadIdx.x; i < s_rows; i += blockDim.x) {
+    const int64_t t = p.tok[i];
+    if (t < 0 || (uint64_t)t >= p.x_rows) {
+      bad = 1;
+      atomicMin(&s_bad, i);
+    }
+  }
+  if (!__syncthreads_or(bad)) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {  // slot 2: peer = the destination of the first such row
+    int dest = 0;
+    for (unsigned long long end = 0; dest < p.world; ++dest)
+      if (s_bad < (end += (unsigned long long)p.send_counts[dest])) break;
+    mt::report_refusal(p.w, MT_ERR_SEND_COUNTS, dest, 2, epoch, (uint64_t)p.tok[s_bad], p.x_rows);
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   const uint64_t epoch = *reinterpret_cast<volatile unsigned long long*>(p.epochs) + 1;
   const int b = blockIdx.x;
@@ -162,14 +200,20 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   const int par = (int)(epoch & 1);
   const uint64_t tag = tag_of(epoch);
   __shared__ long long s_cnt, s_src_off, s_dst_off;
-  __shared__ int s_skip;
+  __shared__ int s_skip, s_d_refused;
+
+  // A refusing rank still publishes its row (every word marked MT_COUNT_REFUSED, this call's tag) and still waits
+  // for a word of every peer's row (phase 1: CTA (d, j) waits for d's), but copies, signals and receives nothing:
+  // the peers end their waits on its words at once (MT_ERR_PEER_REFUSED), send it nothing and wait for no signal
+  // from it, and every rank has seen every rank's word of this call (the parity protocol: mt::report_refusal).
+  const bool refused = refuse_send(p, epoch);
 
   // phase 0: my row of the count matrix to every rank (including me)
   if (b == 0 && (int)threadIdx.x < p.world * p.world) {
     const int q = threadIdx.x / p.world, col = threadIdx.x % p.world;
     uint64_t* m = reinterpret_cast<uint64_t*>(p.ctrl[q] + MT_OFF_MAT) +
                   ((size_t)(par * MT_MAX_WORLD + p.rank) * MT_MAX_WORLD + col);
-    mt::st_relaxed_sys(m, mt::tagged(tag, (uint64_t)p.send_counts[col]));
+    mt::st_relaxed_sys(m, refused ? mt::tagged_refused(tag) : mt::tagged(tag, (uint64_t)p.send_counts[col]));
   }
 
   // phase 1: offsets, computed on the GPU
@@ -178,20 +222,22 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
     for (int q = 0; q < d; ++q) src_off += p.send_counts[q];
     const long long cnt = p.send_counts[d];
     long long dst_off = 0;
-    bool ok = true;
+    bool ok = true, d_refused = false;
     const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT);
     for (int s = 0; s < p.rank && ok; ++s) {
       uint64_t v = mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + s) * MT_MAX_WORLD + d), tag, false,
                                  MT_ERR_TIMEOUT_COUNTS, s, d, &ok);
-      dst_off += (long long)(v & MT_COUNT_MASK);
+      dst_off += (long long)(v & MT_COUNT_MASK);  // a refusing rank's word: 0 rows (it sends none)
+      if (s == d && mt::is_refused(v)) d_refused = true;  // d < rank: d's own word is among these
     }
     // d has entered this call (its row arrived): everything d enqueued before it -- readers of the
     // output of call epoch-2, which lives in the area we are about to write -- has completed.
     if (ok && d >= p.rank)
-      mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag, false, MT_ERR_TIMEOUT_COUNTS, d,
-                    -3, &ok);
-    int skip = ok ? 0 : 1;
-    if (ok && cnt > 0 && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {  // 0 rows overflow nothing
+      d_refused = mt::is_refused(mt::wait_word(p.w, mine + ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD), tag,
+                                               false, MT_ERR_TIMEOUT_COUNTS, d, -3, &ok));
+    // refused: this rank sends nothing; d_refused: d refused its counts, takes no rows and waits for no signal
+    int skip = ok && !refused && !d_refused ? 0 : 1;
+    if (!skip && cnt > 0 && (uint64_t)(dst_off + cnt) * p.row_bytes > p.data_bytes) {  // 0 rows overflow nothing
       if (j == 0) mt::report(p.w, MT_ERR_CAPACITY, d, (int)cnt, epoch, (uint64_t)(dst_off + cnt), p.data_bytes / p.row_bytes);
       skip = 1;
     }
@@ -199,8 +245,12 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
     s_src_off = src_off;
     s_dst_off = dst_off;
     s_skip = skip;
+    s_d_refused = d_refused ? 1 : 0;
   }
   __syncthreads();
+  // no signal either way when this rank or d refused: d (refusing) waits for none, and we (refusing) sent nothing.
+  // The group counters below still count every CTA (their targets assume every call's arrivals).
+  const bool signal = !refused && !s_d_refused;
 
   // phase 2: this CTA's share of the bytes bound for d
   if (!s_skip && s_cnt > 0 && p.mode != kSpan) {
@@ -228,7 +278,7 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   if (p.coupled) {
     __threadfence_system();  // the fence between this transfer's data and its signal
     __syncthreads();
-    if (threadIdx.x == 0) mt::st_release_sys(sig_at_peer + j, epoch);
+    if (threadIdx.x == 0 && signal) mt::st_release_sys(sig_at_peer + j, epoch);
   } else {
     __threadfence();
     __syncthreads();
@@ -237,7 +287,7 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
       const int gid = j / g, first = gid * g;
       const int members = (first + g <= p.cpp) ? g : (p.cpp - first);
       unsigned long long old = atomicAdd(&p.group_ctr[(size_t)d * MT_MAX_SLOTS + gid], 1ull);
-      if (old + 1 == epoch * (unsigned long long)members) {
+      if (old + 1 == epoch * (unsigned long long)members && signal) {  // (a group's CTAs share d: one verdict)
         __threadfence_system();  // one fence for the whole group
         for (int k = 0; k < members; ++k) mt::st_relaxed_sys(sig_at_peer + first + k, epoch);
       }
@@ -247,19 +297,26 @@ __global__ void __launch_bounds__(512) nvl_exchange_kernel(XParams p) {
   // phase 4: wait for what source d sent me (slot j)
   if (threadIdx.x == 0) {
     bool ok = true;
-    const uint64_t* mysig = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_SIG) + (size_t)d * MT_MAX_SLOTS + j;
-    mt::wait_word(p.w, mysig, epoch, true, MT_ERR_TIMEOUT_SIGNAL, d, j, &ok);
-    if (ok && j == 0 && (p.recv_counts != nullptr || p.recv_out != nullptr)) {
-      const uint64_t* m = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT) +
-                          ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD + p.rank);
-      uint64_t v = mt::wait_word(p.w, m, tag, false, MT_ERR_TIMEOUT_COUNTS, d, -1, &ok);
-      if (p.recv_out != nullptr) p.recv_out[d] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
-      if (ok && p.recv_counts != nullptr && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
-        mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
+    if (refused || s_d_refused) {
+      // nothing comes from d in this call: this rank refused (nobody sends it rows) or d did (its marked word is
+      // why: reported once, by CTA (d, 0), unless this rank's own refusal is the record)
+      if (j == 0 && p.recv_out != nullptr) p.recv_out[d] = 0;
+      if (j == 0 && !refused) mt::report_refusal(p.w, MT_ERR_PEER_REFUSED, d, -1, epoch, 0, 0);
+    } else {
+      const uint64_t* mysig = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_SIG) + (size_t)d * MT_MAX_SLOTS + j;
+      mt::wait_word(p.w, mysig, epoch, true, MT_ERR_TIMEOUT_SIGNAL, d, j, &ok);
+      if (ok && j == 0 && (p.recv_counts != nullptr || p.recv_out != nullptr)) {
+        const uint64_t* m = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT) +
+                            ((size_t)(par * MT_MAX_WORLD + d) * MT_MAX_WORLD + p.rank);
+        uint64_t v = mt::wait_word(p.w, m, tag, false, MT_ERR_TIMEOUT_COUNTS, d, -1, &ok);
+        if (p.recv_out != nullptr) p.recv_out[d] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
+        if (ok && p.recv_counts != nullptr && (long long)(v & MT_COUNT_MASK) != p.recv_counts[d])
+          mt::report(p.w, MT_ERR_COUNT_MISMATCH, d, 0, epoch, v & MT_COUNT_MASK, (uint64_t)p.recv_counts[d]);
+      }
     }
     // CTA 0: the receiver's own capacity check (mt::check_receive_capacity: senders that each fit can together
-    // overflow this rank, whose call would then complete with rows missing)
-    if (ok && b == 0)
+    // overflow this rank, whose call would then complete with rows missing); a refusing rank receives nothing
+    if (ok && b == 0 && !refused)
       mt::check_receive_capacity(p.w, reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_MAT), par, p.rank,
                                  p.world, tag, epoch, p.data_bytes / p.row_bytes, &ok);
     // the last CTA to finish publishes this epoch (the next launch on the stream reads it)
@@ -395,25 +452,30 @@ static int nvl_launch(NvlCtx* c, XParams& p, const int64_t* send_counts, const i
   return 0;
 }
 
-// send: the packed rows [sum(send_counts), row_bytes], contiguous.
-MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t row_bytes, const int64_t* send_counts,
+// send: send_rows packed rows of row_bytes, contiguous; send_counts (device) must be >= 0 and sum to at most
+// send_rows (every CTA checks before anything is sent: MT_ERR_SEND_COUNTS on this rank, MT_ERR_PEER_REFUSED on the
+// others, and the call moves no rows; mt_nvl_clear_error forgets it).
+MT_API int mt_nvl_exchange(void* h, const void* send, uint64_t send_rows, uint64_t row_bytes, const int64_t* send_counts,
                            const int64_t* recv_counts, int64_t* recv_out, int coupled, int group_size,
                            uint64_t stream) {
   XParams p{};
   p.send = static_cast<const char*>(send);
+  p.send_rows = send_rows;
   p.row_bytes = row_bytes;
   p.mode = kSpan;
   return nvl_launch(static_cast<NvlCtx*>(h), p, send_counts, recv_counts, recv_out, coupled, group_size, stream);
 }
 
-// src: row i of the send order at src + i * src_stride, row_bytes of it sent (src_stride >= row_bytes).
-MT_API int mt_nvl_exchange_strided(void* h, const void* src, uint64_t src_stride, uint64_t row_bytes,
+// src: src_rows rows, row i of the send order at src + i * src_stride, row_bytes of it sent (src_stride >=
+// row_bytes); the send counts are checked against src_rows as mt_nvl_exchange's against send_rows.
+MT_API int mt_nvl_exchange_strided(void* h, const void* src, uint64_t src_rows, uint64_t src_stride, uint64_t row_bytes,
                                    const int64_t* send_counts, const int64_t* recv_counts, int64_t* recv_out,
                                    int coupled, int group_size, uint64_t stream) {
   MT_REQUIRE(src_stride >= row_bytes, 105, "source row stride %llu shorter than the row (%llu bytes)",
              (unsigned long long)src_stride, (unsigned long long)row_bytes);
   XParams p{};
   p.send = static_cast<const char*>(src);
+  p.send_rows = src_rows;
   p.row_bytes = row_bytes;
   p.mode = kStrided;
   p.src_stride = src_stride;
@@ -421,10 +483,13 @@ MT_API int mt_nvl_exchange_strided(void* h, const void* src, uint64_t src_stride
 }
 
 // Dispatch gathered from the tokens: send row i is built from token tok[i] (x at x + t * x_stride,
-// payload_bytes of it; ids int64 [S, k]; weights fp32 [S, k]) in EPBuffer's wire-row layout.
-MT_API int mt_nvl_exchange_gather(void* h, const void* x, uint64_t x_stride, uint64_t payload_bytes,
-                                  const int64_t* tok, const int64_t* idx, const float* w, int k, uint64_t row_bytes,
-                                  uint64_t id_off, uint64_t weight_off, const int64_t* send_counts,
+// payload_bytes of it; ids int64 [S, k]; weights fp32 [S, k]; S = x_rows) in EPBuffer's wire-row layout.
+// What bounds the source here is tok: the send counts address its first sum(send_counts) entries (at most
+// tok_rows), and each of those tokens addresses a row of x, idx and w (below x_rows). Both are checked before
+// anything is sent (MT_ERR_SEND_COUNTS: slots 0/1 for the counts, 2 for a token), with mt_nvl_exchange's refusal.
+MT_API int mt_nvl_exchange_gather(void* h, const void* x, uint64_t x_rows, uint64_t x_stride, uint64_t payload_bytes,
+                                  const int64_t* tok, uint64_t tok_rows, const int64_t* idx, const float* w, int k,
+                                  uint64_t row_bytes, uint64_t id_off, uint64_t weight_off, const int64_t* send_counts,
                                   int64_t* recv_out, int coupled, int group_size, uint64_t stream) {
   MT_REQUIRE(k >= 1 && k <= 1024, 111, "top-k %d out of range", k);
   MT_REQUIRE(tok != nullptr && idx != nullptr && w != nullptr, 106, "gather needs tok, ids and weights");
@@ -433,6 +498,8 @@ MT_API int mt_nvl_exchange_gather(void* h, const void* x, uint64_t x_stride, uin
              113, "row layout inconsistent");
   XParams p{};
   p.send = static_cast<const char*>(x);
+  p.send_rows = tok_rows;
+  p.x_rows = x_rows;
   p.row_bytes = row_bytes;
   p.mode = kGather;
   p.src_stride = x_stride;

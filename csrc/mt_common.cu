@@ -8,9 +8,11 @@
 // ABI version: bump when a signature, a struct's layout or an argument's meaning changes (Python checks it after
 // loading). 19: mt_proxy_create's `qps` is per peer (npeers*qps streams, 201 beyond MT_PROXY_MAX_STREAMS) and
 // MtGpuView.qps became nstreams; an 18 library would take qps as the total. 21: mt_pxy_exchange takes the send
-// buffer's rows (send_rows, after `send`) and checks the send counts against them. 22: a refused exchange still
-// publishes its count-matrix row, marked MT_COUNT_REFUSED (count words are 39 bits), and its peers report
-// MT_ERR_PEER_REFUSED; mt_pxy_clear_error is new and mt_nvl_clear_error clears only a refusal.
+// buffer's rows (send_rows, after `send`) and checks the send counts against them. 22: the nvlink exchanges take the
+// rows their counts address (mt_nvl_exchange send_rows, mt_nvl_exchange_strided src_rows, mt_nvl_exchange_gather
+// x_rows and tok_rows) and refuse counts outside them; a refused call's count-matrix row carries MT_COUNT_REFUSED
+// (count words are 39 bits) and its peers report MT_ERR_PEER_REFUSED; mt_pxy_clear_error is new and
+// mt_nvl_clear_error clears only a refusal.
 MT_API int mt_abi_version() { return 22; }
 
 MT_API int mt_ctrl_bytes(uint64_t* out) {

@@ -33,9 +33,10 @@ from typing import NamedTuple
 
 from moetune.runtime.paths import foreign_link_reason, loose_key_path
 
-# csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked); 22 = a refused call
-# marks its count-matrix row and its peers report MT_ERR_PEER_REFUSED at once, and a refusal can be cleared
-# (mt_pxy_clear_error, mt_nvl_clear_error)
+# csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked); 22 = the nvlink
+# exchanges take the rows their counts address (send_rows / src_rows / x_rows + tok_rows) and refuse counts outside
+# them, a refused call marks its count-matrix row and its peers report MT_ERR_PEER_REFUSED at once, and a refusal can
+# be cleared (mt_pxy_clear_error, mt_nvl_clear_error)
 ABI_VERSION = 22
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
@@ -271,15 +272,15 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_nvl_set_data": (c_int, [c_void_p, _P64, c_uint64]),
     "mt_nvl_ctas_per_peer": (c_int, [c_void_p, _PI]),
     "mt_nvl_counts": (c_int, [c_void_p, c_void_p, c_void_p, c_uint64]),
-    "mt_nvl_exchange": (
-        c_int, [c_void_p, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_int, c_uint64]
-    ),
-    "mt_nvl_exchange_strided": (
+    "mt_nvl_exchange": (  # h, send, send_rows, row_bytes, send_counts, recv_counts, recv_out, coupled, group, stream
         c_int, [c_void_p, c_void_p, c_uint64, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_int, c_uint64]
     ),
-    "mt_nvl_exchange_gather": (
-        c_int, [c_void_p, c_void_p, c_uint64, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_uint64, c_uint64,
-                c_uint64, c_void_p, c_void_p, c_int, c_int, c_uint64]
+    "mt_nvl_exchange_strided": (  # h, src, src_rows, src_stride, row_bytes, send_counts, recv_counts, recv_out, ...
+        c_int, [c_void_p, c_void_p, c_uint64, c_uint64, c_uint64, c_void_p, c_void_p, c_void_p, c_int, c_int, c_uint64]
+    ),
+    "mt_nvl_exchange_gather": (  # h, x, x_rows, x_stride, payload_bytes, tok, tok_rows, idx, w, k, row_bytes, ...
+        c_int, [c_void_p, c_void_p, c_uint64, c_uint64, c_uint64, c_void_p, c_uint64, c_void_p, c_void_p, c_int,
+                c_uint64, c_uint64, c_uint64, c_void_p, c_void_p, c_int, c_int, c_uint64]
     ),
     "mt_nvl_err_ptr": (c_int, [c_void_p, _PP]),
     "mt_nvl_error": (c_int, [c_void_p, _PI]),

@@ -108,11 +108,13 @@ def test_an_overflowed_receiver_returns_only_after_its_own_puts_landed(lib: ctyp
 
 def test_capacity_check_sits_on_a_lane_of_its_own() -> None:
     """The receiver's check runs on lane 30 of the proxy kernel's warp (past every source lane: world <= 8 < 30);
-    the NVLink kernel's CTA 0 makes the same check and report (run on GPUs: tests/test_gpu_onesided.py)."""
+    the NVLink kernel's CTA 0 makes the same check and report (run on GPUs: tests/test_gpu_onesided.py) -- both
+    skip it on a rank that refused its send counts (nothing is sent to it)."""
     csrc = Path(__file__).resolve().parents[1] / "csrc"
     xchg = (csrc / "proxy_xchg.h").read_text()
     assert "constexpr int kCapacityLane = 30;" in xchg and "check_receive_capacity(p);" in xchg
     nvl = (csrc / "ep_nvlink.cu").read_text()
-    assert "if (ok && b == 0)\n      mt::check_receive_capacity(" in nvl and "mt::check_receive_capacity(" in xchg
+    assert "if (ok && b == 0 && !refused)\n      mt::check_receive_capacity(" in nvl
+    assert "mt::check_receive_capacity(" in xchg and "t == kCapacityLane && !refused" in xchg
     common = (csrc / "mt_common.h").read_text()  # the one check both kernels run
     assert "report(w, MT_ERR_CAPACITY, -1, -1, epoch, total, cap_rows);" in common

@@ -131,8 +131,9 @@ class NvlinkTransport(OneSidedTransport):
         self._ensure_capacity(rows.shape[0], rb)
         sc, rcv = self._counts_arg(send_counts), self._counts_arg(recv_counts)
         self._epoch += 1
-        rc = self.lib.mt_nvl_exchange_strided(self._h, rows.data_ptr(), max(stride, rb), rb, sc.data_ptr(),
-                                              rcv.data_ptr(), None, self._coupled, self._group, self._stream())
+        rc = self.lib.mt_nvl_exchange_strided(self._h, rows.data_ptr(), rows.shape[0], max(stride, rb), rb,
+                                              sc.data_ptr(), rcv.data_ptr(), None, self._coupled, self._group,
+                                              self._stream())
         csrc_build.check(self.lib, rc, "mt_nvl_exchange_strided")
         self._keep = (rows, sc, rcv)
         return self._recv_rows(rows.dtype, (rows.shape[1],), rb, self._epoch)
@@ -163,10 +164,12 @@ class NvlinkTransport(OneSidedTransport):
         sc = self._counts_arg(send_counts)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._epoch += 1
+        # the kernel checks what bounds its source: the counts against tok's entries, each token they reach against
+        # x's rows (idx and weights have as many)
         rc = self.lib.mt_nvl_exchange_gather(
-            self._h, x.data_ptr(), max(x.stride(0) * x.element_size(), payload), payload, tok.data_ptr(),
-            idx.data_ptr(), weights.data_ptr(), k, row_bytes, id_off, weight_off, sc.data_ptr(), out.data_ptr(),
-            self._coupled, self._group, self._stream(),
+            self._h, x.data_ptr(), x.shape[0], max(x.stride(0) * x.element_size(), payload), payload, tok.data_ptr(),
+            tok.numel(), idx.data_ptr(), weights.data_ptr(), k, row_bytes, id_off, weight_off, sc.data_ptr(),
+            out.data_ptr(), self._coupled, self._group, self._stream(),
         )
         csrc_build.check(self.lib, rc, "mt_nvl_exchange_gather")
         self._keep = (x, tok, idx, weights, sc)
@@ -178,7 +181,7 @@ class NvlinkTransport(OneSidedTransport):
         rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
         self._epoch += 1
         rc = self.lib.mt_nvl_exchange(
-            self._h, send.data_ptr(), rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
+            self._h, send.data_ptr(), send.shape[0], rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
             recv_out.data_ptr() if recv_out is not None else None, self._coupled, self._group, self._stream(),
         )
         csrc_build.check(self.lib, rc, "mt_nvl_exchange")
