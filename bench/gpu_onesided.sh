@@ -90,9 +90,9 @@ raise SystemExit(0 if rec.get('ok') else 1)
 "
 
 if [ ${#TESTCMD[@]} -gt 0 ]; then
-  stage tests 130 "${TESTCMD[@]}"
+  stage tests 200 "${TESTCMD[@]}"
 else
-stage tests 130 "$PY" -m pytest tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT_TIMEOUT \
+stage tests 200 "$PY" -m pytest tests/test_gpu_onesided.py -q -rA -p no:cacheprovider $PT_TIMEOUT \
   --junitxml="$OUT/gpu_tests.xml"
 fi
 

@@ -156,6 +156,40 @@ def test_a_receiver_that_the_senders_overflow_together_raises_the_capacity_error
 
 
 @needs_gpus
+def test_a_refused_call_reaches_the_peer_at_once_and_the_next_calls_are_exact() -> None:
+    """Rank 0 refuses its send counts in call 2 of 4 (counts past its send rows; nvlink's gather: a token outside x),
+    on nvlink (packed, strided and gathered sends) and proxy, with a 20 s wait timeout. Rank 0 must raise the
+    send-count error and rank 1 the peer-refused error naming rank 0, both well under the timeout (rank 1 used to wait
+    it out), with no row written to rank 0 and only its own rows in rank 1's area; after clear_error() on both
+    ranks, calls 3 and 4 (both parities again) must be exact. Library ABI 22; written without a GPU run."""
+    from moetune.runtime.testing.selftest import refusal_worker, spawn_world
+
+    timeout_s = 20.0
+    res = spawn_world(refusal_worker, NEED, {"timeout_s": timeout_s}, timeout_s=130)
+    _record({"test": "refusal", "result": res})
+    assert all(isinstance(r, dict) and "error" not in r for r in res), res
+    for key in ("nvlink_span", "nvlink_strided", "nvlink_gather", "proxy_span"):
+        r0, r1 = res[0][key], res[1][key]
+        assert isinstance(r0, list) and isinstance(r1, list), (key, r0, r1)
+        for c0, c1 in zip(r0, r1, strict=True):
+            what = (key, c0, c1)
+            assert c0["area_ok"] and c1["area_ok"], what
+            if c0["call"] != 2:
+                assert not c0["raised"] and not c1["raised"], what
+                if key == "nvlink_gather":
+                    assert c0["recv_counts"] == c1["recv_counts"] == [2, 2], what
+                continue
+            assert c0["raised"] and "send_counts do not fit the send rows" in c0["message"], what
+            slot = "gathers token 4; x holds 4 tokens" if key == "nvlink_gather" else "add up to 7 rows; send holds 4"
+            assert slot in c0["message"], what
+            assert c1["raised"] and "a peer refused its send counts: rank 0 refused" in c1["message"], what
+            assert c0["seconds"] < timeout_s / 4 and c1["seconds"] < timeout_s / 4, what
+            assert c0["cleared"] is True and c1["cleared"] is True, what
+            if key == "nvlink_gather":
+                assert c1["recv_counts"] == [0, 2], what
+
+
+@needs_gpus
 def test_epbuffer_with_onesided_transports_equals_collective() -> None:
     """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""
     import moetune.runtime as rt

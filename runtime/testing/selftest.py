@@ -287,6 +287,113 @@ def capacity_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nv
     return _per_transport(transports, device, 5.0, 16, call)
 
 
+_REFUSAL_H = 128  # bf16 columns of the refusal worker's rows (256 bytes)
+_GATHER_ROW, _GATHER_IDS, _GATHER_W = 288, 256, 264  # its gathered wire rows: payload, one int64 id, one fp32 weight
+
+
+def _refusal_call(t: Any, case: str, rank: int, world: int, call: int, bad: bool,
+                  device: torch.device) -> tuple[Callable[[], Any], int, Callable[[int], torch.Tensor]]:
+    """Call `call` of the refusal worker's `case` on this rank: (the transport call, its row bytes, the rows source s
+    sends this rank as uint8 [2, row bytes]). Every rank sends 2 rows to each rank, all holding 16 * call + s; `bad`:
+    this rank's counts run past its send rows (span, strided), or its first row gathers a token outside x (gather)."""
+    v = float(16 * call + rank)
+    sc = torch.full((world,), 2, dtype=torch.int64, device=device)
+    rc = sc.clone()
+    if bad and case != "gather":
+        sc[world - 1] += 3
+
+    def rows_of(s: int) -> torch.Tensor:
+        payload = torch.full((2, _REFUSAL_H), float(16 * call + s), dtype=torch.bfloat16).view(torch.uint8)
+        if case != "gather":
+            return payload.to(device)
+        row = torch.zeros(2, _GATHER_ROW, dtype=torch.uint8)
+        row[:, : _REFUSAL_H * 2] = payload
+        row[:, _GATHER_IDS : _GATHER_IDS + 8] = torch.tensor([s], dtype=torch.int64).view(torch.uint8)
+        row[:, _GATHER_W : _GATHER_W + 4] = torch.tensor([float(s)], dtype=torch.float32).view(torch.uint8)
+        return row.to(device)
+
+    if case == "span":
+        send = torch.full((2 * world, _REFUSAL_H), v, dtype=torch.bfloat16, device=device)
+        return (lambda: t.exchange(send, sc, rc)), 2 * _REFUSAL_H, rows_of
+    if case == "strided":  # the payload columns of wider rows, read in place (combine's path)
+        wide = torch.full((2 * world, 2 * _REFUSAL_H), v, dtype=torch.bfloat16, device=device)
+        return (lambda: t.exchange_strided(wide[:, :_REFUSAL_H], sc, rc)), 2 * _REFUSAL_H, rows_of
+    tokens = 2 * world
+    x = torch.full((tokens, _REFUSAL_H), v, dtype=torch.bfloat16, device=device)
+    tok = torch.arange(tokens * world, dtype=torch.int64, device=device) % tokens
+    if bad:
+        tok[0] = tokens  # one past x's rows
+    idx = torch.full((tokens, 1), rank, dtype=torch.int64, device=device)
+    w = torch.full((tokens, 1), float(rank), dtype=torch.float32, device=device)
+    return (lambda: t.dispatch_gather(x, tok, idx, w, sc, row_bytes=_GATHER_ROW, id_off=_GATHER_IDS,
+                                      weight_off=_GATHER_W)), _GATHER_ROW, rows_of
+
+
+def refusal_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy"),
+                   timeout_s: float = 20.0) -> dict:
+    """Calls 1..4 of each case (nvlink: a packed send, a strided one, the gather from tokens; proxy: a packed send),
+    every receive area poisoned (0xFF) before each: call 2 is refused by rank 0 (its counts run past its send rows; the
+    gather: a token outside x). Per call and rank: whether it raised, the message, the seconds to its verdict, whether
+    the receive area holds exactly the rows of the ranks that did not refuse (none when this rank refused) and 0xFF
+    after them, and the received counts (the gather). Between calls 2 and 3 every rank runs clear_error()."""
+    from moetune.runtime.transports._onesided import OneSidedError
+
+    device = torch.device("cuda", rank)
+    options = RuntimeOptions.resolve({"onesided_timeout_s": timeout_s})
+    out: dict[str, Any] = {}
+    for name in transports:
+        for case in ("span", "strided", "gather") if name == "nvlink" else ("span",):
+            recs: list[dict[str, Any]] = []
+            t = None
+            try:
+                t = transport_class(name)(None, default_knobs(name), device, max_send_rows=4 * world,
+                                          row_bytes=_GATHER_ROW, options=options)
+                for call in (1, 2, 3, 4):
+                    refusing = {0} if call == 2 else set()
+                    fn, rb, rows_of = _refusal_call(t, case, rank, world, call, rank in refusing, device)
+                    t.data.local.fill_(0xFF)
+                    barrier(device)
+                    rec: dict[str, Any] = {"call": call, "raised": False}
+                    t0 = time.monotonic()
+                    result = None
+                    try:
+                        result = fn()
+                        torch.cuda.synchronize(device)
+                        t.check()
+                    except OneSidedError as e:
+                        rec.update(raised=True, message=str(e))
+                    torch.cuda.synchronize(device)
+                    rec["seconds"] = time.monotonic() - t0
+                    if case == "gather" and result is not None:
+                        rec["recv_counts"] = result[1].tolist()
+                    par = t._epoch & 1
+                    area = t.data.local[par * t.data_bytes : (par + 1) * t.data_bytes]
+                    area = area[: t.data_bytes // rb * rb].view(-1, rb)
+                    want = [rows_of(s) for s in range(world) if s not in refusing] if rank not in refusing else []
+                    n = 2 * len(want)
+                    rec["area_ok"] = bool((not want or torch.equal(area[:n], torch.cat(want)))
+                                          and bool((area[n:] == 0xFF).all()))
+                    barrier(device)
+                    if call == 2:
+                        try:
+                            t.clear_error()
+                            rec["cleared"] = True
+                        except OneSidedError as e:
+                            rec["cleared"] = f"clear_error raised: {e}"
+                        barrier(device)
+                    recs.append(rec)
+                out[f"{name}_{case}"] = recs
+            except Exception:
+                out[f"{name}_{case}"] = {"error": traceback.format_exc()[-2000:], "calls": recs}
+            finally:
+                if t is not None:
+                    try:
+                        t.close()
+                    except Exception:
+                        pass
+    return out
+
+
 def _graph_replay_equal(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
                         device: torch.device) -> bool:
     """dispatch + combine captured in one CUDA graph; replayed 3 times, each after poisoning the receive
