@@ -189,6 +189,30 @@ def test_a_refused_call_reaches_the_peer_at_once_and_the_next_calls_are_exact() 
                 assert c1["recv_counts"] == [0, 2], what
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the exchange kernels)")
+def test_a_refused_call_on_one_gpu_raises_at_once_and_clears() -> None:
+    """The refusal on the real kernels where one GPU is all there is: world 1 (rank 0 sends to itself), call 2 of 4
+    refused (counts past the send rows; the gather: a token outside x). Rank 0 raises the send-count error well under
+    the 20 s wait timeout (its own marked row word ends its waits), its area takes no row, clear_error() succeeds and
+    calls 3 and 4 are exact. The peer's side needs two GPUs (the test above)."""
+    from moetune.runtime.testing.selftest import refusal_worker, spawn_world
+
+    timeout_s = 20.0
+    [r0] = spawn_world(refusal_worker, 1, {"timeout_s": timeout_s}, timeout_s=130)
+    _record({"test": "refusal-world-1", "result": r0})
+    assert isinstance(r0, dict) and "error" not in r0, r0
+    for key in ("nvlink_span", "nvlink_strided", "nvlink_gather", "proxy_span"):
+        calls = r0[key]
+        assert isinstance(calls, list), (key, calls)
+        for c in calls:
+            assert c["area_ok"], (key, c)
+            if c["call"] != 2:
+                assert not c["raised"], (key, c)
+                continue
+            assert c["raised"] and "send_counts do not fit the send rows" in c["message"], (key, c)
+            assert c["seconds"] < timeout_s / 4 and c["cleared"] is True, (key, c)
+
+
 @needs_gpus
 def test_epbuffer_with_onesided_transports_equals_collective() -> None:
     """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""
