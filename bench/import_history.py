@@ -5,6 +5,10 @@
 Each row's git SHA is the commit that added its raw file (`git log --diff-filter=A`), its date the day of the
 run, its hardware the machine BENCHMARKS.md names. Only numbers the raw files hold are written; a failed case
 becomes a row with an empty median and note FAILED. Kept so the conversion can be reviewed and re-run.
+
+    python bench/import_history.py --fix-quantiles RESULTS_DIR   (rewrites bench/results/summary.csv in place)
+
+corrects the rows the first import wrote with other statistics in the p10 / p90 columns (`fix_quantile_rows`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,81 @@ def rows_for(scenario: str, launch: str, per_case: list[tuple[str, dict[str, S.S
     return out
 
 
+def discovery_2026_11_30(d: dict[str, Any]) -> dict[str, dict[str, S.Stat]]:
+    """`S.discovery_metrics` of a line bench/fabric_discovery_cpu.py wrote before 9dc4891: its capture times are
+    total / 20 calls (a mean, one timer around the 20 calls), not a median of timed calls, so they are metric
+    `discover_mean_s`, never `discover_s` beside the live case's median (the ratio divided a median by a mean)."""
+    out = S.discovery_metrics(d)
+    for case, m in out.items():
+        if case.startswith("capture-"):
+            out[case] = {"discover_mean_s": m.pop("discover_s"), **m}
+    return out
+
+
+CAPTURE_MEAN_NOTE = "a mean of 20 calls (total / 20: bench/fabric_discovery_cpu.py before 9dc4891), not a median"
+# the metrics a stored row's p10 / p90 columns held other statistics of (the first import, before 536074c): what
+# the raw file holds beside the row's own number is a metric of its own, after that row
+_SPLIT_OFF = {"p99_us": ("p50_us", "max_us"), "autoload_ms": ("autoload_max_ms",), "predict_ms": ("predict_max_ms",),
+              "discover_s": ("discover_max_s",)}
+_FIXED_SOURCES = {"daemon-load": ("2026-11-30_daemon_load.json", "2026-11-30_daemon_load_tcp.json",
+                                  "2026-11-30_daemon_load_busy.json"),
+                  "fabric-discovery": ("fabric_discovery_cpu.jsonl",), "fabric-model": ("2026-11-30_fabric_model_cpu.json",)}
+
+
+def _source_metrics(scenario: str, case: str, launch: str, raw: Path) -> dict[str, S.Stat]:
+    """What today's drivers make of the raw file of an imported row (the metrics of its case)."""
+    if scenario == "daemon-load":
+        return S.daemon_metrics(json.loads(raw.read_text()))
+    if scenario == "fabric-model":
+        return S.model_metrics(json.loads(raw.read_text()))
+    i = int(launch.removeprefix("cpu-")) - 1  # fabric-discovery: launch cpu-N is the file's line N
+    return discovery_2026_11_30(json.loads(raw.read_text().splitlines()[i]))[case]
+
+
+def fix_quantile_rows(rows: list[dict[str, str]], res: Path) -> tuple[list[dict[str, str]], list[str]]:
+    """The rows (summary.csv's, as read_rows gives them) with the 2026-11-30 imports of daemon-load, fabric-discovery
+    and fabric-model corrected from their raw files in `res`, and what was changed. The first import put the p50 of a
+    p99_us row in its p10 column and the max in its p90 column, and the max of autoload_ms, predict_ms and live
+    discover_s in the p90 column: those columns are emptied (the raw files hold no p10 / p90 of these numbers) and
+    the p50 / max become rows of their own (p50_us, max_us, autoload_max_ms, predict_max_ms, discover_max_s) right
+    after, stamped as the row is. A capture-* discover_s row (a mean) becomes discover_mean_s. Every median is
+    checked against the raw file first. Idempotent: corrected rows are left as they are."""
+    out: list[dict[str, str]] = []
+    log: list[str] = []
+    have = {(r["scenario"], r["case"], r["launch"], r["metric"]) for r in rows}
+    for r in rows:
+        src = r["note"].removeprefix("from ").split(";")[0]
+        if r["source"] != "imported" or src not in _FIXED_SOURCES.get(r["scenario"], ()):
+            out.append(r)
+            continue
+        fresh = _source_metrics(r["scenario"], r["case"], r["launch"], res / src)
+        r = dict(r)
+        where = f"{r['scenario']} {r['case']} {r['launch']} {r['metric']}"
+        if r["case"].startswith("capture-") and r["metric"] == "discover_s":
+            r["metric"], r["note"] = "discover_mean_s", f"{r['note']}; {CAPTURE_MEAN_NOTE}"
+            log.append(f"{where}: metric renamed discover_mean_s (the raw number is a mean)")
+        st = fresh.get(r["metric"])
+        if st is None:
+            raise SystemExit(f"{where}: not in {src} as today's driver reads it")
+        if R._cell(st.median) != r["median"]:
+            raise SystemExit(f"{where}: median {r['median']} but {src} holds {st.median}")
+        p10, p90 = R._cell(st.p10), R._cell(st.p90)
+        if (r["p10"], r["p90"]) != (p10, p90):
+            log.append(f"{where}: p10 {r['p10'] or '-'} -> {p10 or '-'}, p90 {r['p90'] or '-'} -> {p90 or '-'}")
+            r["p10"], r["p90"] = p10, p90
+        out.append(r)
+        base, sep, key = r["metric"].partition("[")
+        for name in _SPLIT_OFF.get(base, ()):
+            metric = f"{name}{sep}{key}"
+            if metric not in fresh or (r["scenario"], r["case"], r["launch"], metric) in have:
+                continue
+            extra = fresh[metric]
+            out.append({**r, "metric": metric, "unit": extra.unit, "median": R._cell(extra.median), "p10": "",
+                        "p90": "", "n": R._cell(extra.n)})
+            log.append(f"{r['scenario']} {r['case']} {r['launch']} {metric} = {R._cell(extra.median)}: new row")
+    return out, log
+
+
 def host_staged(res: Path) -> list[dict[str, Any]]:
     scn = S.get("host-staged-fp8-pipelined")
     named = {(c.args.get("layout"), c.args.get("knobs"), " ".join(f"{k}={v}" for k, v in c.env.items())): c.name
@@ -74,11 +153,18 @@ def host_staged(res: Path) -> list[dict[str, Any]]:
 
 
 def main() -> int:
+    if sys.argv[1] == "--fix-quantiles":
+        res, csv_path = Path(sys.argv[2]).resolve(), ROOT / "bench/results/summary.csv"
+        rows, log = fix_quantile_rows(R.read_rows(csv_path), res)
+        csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
+        print("\n".join(log))
+        print(f"{len(log)} change(s)")
+        return 0
     res = Path(sys.argv[1]).resolve()
     rows = host_staged(res)
     for i, ln in enumerate((res / "fabric_discovery_cpu.jsonl").read_text().splitlines()):
         d = json.loads(ln)
-        per = S.discovery_metrics(d)
+        per = discovery_2026_11_30(d)
         rows += rows_for("fabric-discovery", f"cpu-{i + 1}", [(c, m, "") for c, m in per.items()],
                          res / "fabric_discovery_cpu.jsonl", CPU, d.get("command", ""))
     for name, case in (("2026-11-30_daemon_load.json", "ipc"), ("2026-11-30_daemon_load_tcp.json", "tcp"),
