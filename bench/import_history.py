@@ -2,13 +2,20 @@
 
     python bench/import_history.py RESULTS_DIR > rows.csv   (RESULTS_DIR: the unpacked archive)
 
-Each row's git SHA is the commit that added its raw file (`git log --diff-filter=A`), its date the day of the
-run, its hardware the machine BENCHMARKS.md names. Only numbers the raw files hold are written; a failed case
+Each row's git SHA is the commit that added its raw file (`git log --diff-filter=A`), except the host-staged
+launches: those carry the commit whose code ran (`RUN_CODE`), or "unknown" with the reason in the note where no
+commit can be shown to be it (the commit that added a run's raw files came after the run and often changed code).
+Its date is the day of the run, its hardware the machine BENCHMARKS.md names. Only numbers the raw files hold are written; a failed case
 becomes a row with an empty median and note FAILED. Kept so the conversion can be reviewed and re-run.
 
     python bench/import_history.py --fix-quantiles RESULTS_DIR   (rewrites bench/results/summary.csv in place)
 
-corrects the rows the first import wrote with other statistics in the p10 / p90 columns (`fix_quantile_rows`).
+corrects the rows the first import wrote with other statistics in the p10 / p90 columns (`fix_quantile_rows`);
+
+    python bench/import_history.py --fix-run-commits   (rewrites bench/results/summary.csv in place)
+
+restamps the host-staged launches the first import stamped with the commit that added their raw files
+(`fix_run_commits`).
 """
 
 from __future__ import annotations
@@ -128,6 +135,67 @@ def fix_quantile_rows(rows: list[dict[str, str]], res: Path) -> tuple[list[dict[
     return out, log
 
 
+# The code each host-staged run measured: the commit whose message names the run's script as added / the run as
+# prepared, the last commit before the run's first case (the times in its host_staged.jsonl) with the next commit
+# after its first case (the tree was copied to the GPU machine before its first case). Checked against `git log`
+# (commit times, UTC) and the raw files' case times in bench/results/archive/2026-11-30.tar.xz. The copied tree's
+# state was not recorded: uncommitted changes cannot be ruled out, and none of these runs says it had any.
+RUN_CODE: dict[int, tuple[str, str]] = {
+    11: ("7a0ec53d4d18f4ec25d22ff338c0727068dd687a", "'bench: run-11 script' 08:50:58; run 08:52:57-08:54:54; next commit 08:59:54"),
+    16: ("d0b7eacd933033a43e7b2ed19e78f826f0f4dd26", "'...; run-16 script' 09:23:44; run 09:25:10-09:26:12; next commit 09:29:01"),
+    19: ("72495a15d98840c04eb0dc066b002a23d5e106e8", "'...; run 19 script' 10:02:05; run 10:03:42-10:07:05; next commit 10:09:25"),
+    20: ("bc55469cff503bcf52e85b34a2aa1352f77758e2", "'... and run 20 script' 10:09:25; run 10:11:30-10:12:04; next commit 10:13:25"),
+    21: ("c83c5937c190fdf399541f6ebd18a971c7e0e89c", "'..., run 21 script' 10:13:25; run 10:15:14-10:18:18; next commit 10:19:00"),
+    23: ("a489883c4578656776a1700d2057b88e5cc018b8", "'...; run 23 script' 10:23:19; run 10:25:01-10:27:47; next commit 10:29:29"),
+    24: ("b4b03b35cfc4d8c9b276ba3bcef5c871d0cb2570", "'...; run 24 script' 10:29:29; run 10:31:59-10:34:27; next commit 10:34:51"),
+    25: ("5a9b48f8ab3fe580b5ea4450edf147cd4f33f94b", "'...; run 25 script' 10:34:51; run 10:35:33-10:36:05; next commit 10:36:31"),
+    29: ("2a219c317160f990144fd502308a48fcaf654efd", "'...; run 29 script' 11:25:54; run 11:27:34-11:30:27; next commit 11:30:41"),
+    30: ("b084a7f6f42f460d7a205a27aedaa64d41d20680", "'bench: run 30 script' 11:31:19; run 11:34:20-11:36:55; next commit 11:37:07"),
+    31: ("6b5022af314c4659f63e3c03061a42b1deb7987e", "branch hs-ring-wait '...; run 31 script' 11:45:13 (merge 70d6024: "
+                                                       "run 31's code); run 11:57:05-11:58:15; next commit 11:59:07"),
+    33: ("a98bd21821ee6813a1f8a616be87752d8554f516", "'bench: run 33 prepared' 12:20:04; run 12:22:25-12:24:29; next commit 12:26:02"),
+    34: ("5fc3b968885a08c1f461a7d1446a7b8e8e9f1420", "'...; bench: run 34 prepared' 12:26:02; run 12:27:06-12:29:20; next commit 12:32:54"),
+    35: ("b6ac6422ed949c16a4cb3f6cacd0cfce001cd39c", "'... Run 35 prepared' 12:32:54; run 12:35:34-12:38:07; next commit 12:39:56"),
+    36: ("b5f112deff9ceaf437dbc7df0475a96acc052fa3", "'... Run 36 prepared' 12:39:56; run 12:42:11-12:44:33; next commit 12:45:08"),
+    37: ("99b5e587f6c4bdd7f1ac727295d6d71fe4964768", "'...; run 37 prepared' 12:45:08 (run37/README.md: the commit that adds "
+                                                       "bench/gpu_run37.sh); run 12:47:10-12:51:23; next commit 12:52:42"),
+}
+CODE_NOTE = "code: {sha} ({why})"
+NO_CODE_NOTE = ("code commit not established: no commit names run {n} as prepared before it ran (its raw files were "
+                "added in {added}, after the run)")
+
+
+def _run_number(launch: str) -> int:
+    return int(re.match(r"run(\d+)", launch).group(1))  # type: ignore[union-attr]
+
+
+def run_stamp(launch: str, added: str) -> tuple[str, str]:
+    """(git_sha, note text) of a host-staged launch ("run33a", ...): `RUN_CODE`'s commit and its evidence, or
+    "unknown" and why (`added`: the commit that added its raw files)."""
+    n = _run_number(launch)
+    if n in RUN_CODE:
+        sha, why = RUN_CODE[n]
+        return sha, CODE_NOTE.format(sha=sha[:7], why=why)
+    return "unknown", NO_CODE_NOTE.format(n=n, added=added[:7])
+
+
+def fix_run_commits(rows: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
+    """The rows with the imported host-staged launches restamped (`run_stamp`): the first import gave every row the
+    commit that added its raw files (runs 33-37 all dbac03e, though 5fc3b96, b6ac642, b5f112d and 99b5e58 changed
+    code between them, and dbac03e itself changed code after run 37). Only git_sha and the note change; idempotent."""
+    out, log, seen = [], [], set()
+    for r in rows:
+        if r["scenario"] != "host-staged-fp8-pipelined" or r["source"] != "imported" or "; code" in r["note"]:
+            out.append(r)
+            continue
+        sha, why = run_stamp(r["launch"], r["git_sha"])
+        if r["launch"] not in seen:
+            seen.add(r["launch"])
+            log.append(f"{r['launch']}: git_sha {r['git_sha'][:10]} -> {sha[:10]}")
+        out.append({**r, "git_sha": sha, "note": f"{r['note']}; {why}"})
+    return out, log
+
+
 def host_staged(res: Path) -> list[dict[str, Any]]:
     scn = S.get("host-staged-fp8-pipelined")
     named = {(c.args.get("layout"), c.args.get("knobs"), " ".join(f"{k}={v}" for k, v in c.env.items())): c.name
@@ -148,11 +216,20 @@ def host_staged(res: Path) -> list[dict[str, Any]]:
             per.append((case, S._from_report(rep) if rep else {}, (r.get("stderr_tail") or "no result")[:200]))
             date = rep.get("date") or date
         cmd = f"bench/gpu_host_staged.sh (launch {launch}; CASES in that run's script)"
-        rows += [{**r, "date": date[:19] + "Z"} for r in rows_for(scn.name, launch, per, f, H200, cmd, world=2, backend="nccl")]
+        for r in rows_for(scn.name, launch, per, f, H200, cmd, world=2, backend="nccl"):
+            sha, why = run_stamp(launch, r["git_sha"])
+            rows.append({**r, "date": date[:19] + "Z", "git_sha": sha, "note": f"{r['note']}; {why}"})
     return rows
 
 
 def main() -> int:
+    if sys.argv[1] == "--fix-run-commits":
+        csv_path = ROOT / "bench/results/summary.csv"
+        rows, log = fix_run_commits(R.read_rows(csv_path))
+        csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
+        print("\n".join(log))
+        print(f"{len(log)} launch(es) restamped")
+        return 0
     if sys.argv[1] == "--fix-quantiles":
         res, csv_path = Path(sys.argv[2]).resolve(), ROOT / "bench/results/summary.csv"
         rows, log = fix_quantile_rows(R.read_rows(csv_path), res)
