@@ -275,6 +275,90 @@ def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.M
     assert by["base"].metrics and by["mk"].metrics == {} and by["mk"].error.startswith("S=1 failed: wrong output")
 
 
+def test_bench_moe_without_the_unfused_engine_checks_each_engine_against_the_fp32_reference(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every output was checked against the unfused engine's only: `bench moe --engine megakernel` (the unfused engine
+    not timed) checked nothing, and a megakernel writing zeros was stored as a timing. Now each engine is checked
+    against the fp32 dense reference where the unfused engine is not beside it."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    _megakernel_on_cpu(monkeypatch, 1.0)
+    rep = M.bench_moe(get_model(TINY_MODEL), [1, 2], ["megakernel"], iters=1, warmup=0, rotate=1)
+    assert all("eager_us" in c and c["rel_err_vs_reference"] < 1e-5 for c in rep["cases"]), rep["cases"]
+    _megakernel_on_cpu(monkeypatch, 0.0)
+    rep = M.bench_moe(get_model(TINY_MODEL), [1, 2], ["megakernel"], iters=1, warmup=0, rotate=1)
+    for c in rep["cases"]:
+        assert "eager_us" not in c and c["rel_err_vs_reference"] == pytest.approx(1.0), c
+        assert c["failed"].startswith("wrong output: the layer against the fp32 dense reference: relative error 1 "
+                                      "exceeds its bound 0.01"), c
+    r = _cli("bench", "moe", "--engine", "megakernel", "--model", TINY_MODEL, "--tokens", "1", "--iters", "1",
+             "--warmup", "0")
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "megakernel S=1 failed: wrong output" in flat and "a case failed" in flat, r.output
+    args = {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0, "rotate": 1}
+    (mk,) = S.run_moe([S.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                      S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    assert mk.metrics == {} and mk.error.startswith("S=1 failed: wrong output: the layer against the fp32 dense"), mk
+
+
+def test_bench_moe_checks_the_unfused_engine_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unfused engine's output was every other engine's reference and checked against nothing: a wrong unfused
+    layer was a timing row, and right engines beside it failed. Now it is checked against the fp32 reference, and
+    where it is wrong the others are checked against that reference instead."""
+    from moetune.runtime.moe_layer import MoELayer
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    _megakernel_on_cpu(monkeypatch, 1.0)
+    rep = M.bench_moe(get_model(TINY_MODEL), [1], ["unfused", "megakernel"], iters=1, warmup=0, rotate=1)
+    rows = {c["engine"]: c for c in rep["cases"]}
+    assert rows["unfused"]["rel_err_vs_reference"] < 1e-5 and rows["megakernel"]["rel_err_vs_unfused"] < 1e-5
+    forward = MoELayer.forward
+    monkeypatch.setattr(MoELayer, "forward", lambda self, x: forward(self, x) * 0 if self.engine == "unfused"
+                        else forward(self, x))
+    rep = M.bench_moe(get_model(TINY_MODEL), [1], ["unfused", "megakernel"], iters=1, warmup=0, rotate=1)
+    rows = {c["engine"]: c for c in rep["cases"]}
+    assert rows["unfused"]["failed"].startswith("wrong output: the unfused layer against the fp32 dense reference")
+    assert "eager_us" in rows["megakernel"] and rows["megakernel"]["rel_err_vs_reference"] < 1e-5, rows
+
+
+def test_bench_knobs_checks_the_base_against_the_fp32_reference(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """The base variant was never checked (`wrong = None if n == base`): a megakernel base writing zeros was timed,
+    and every right variant beside it failed as 'not the base's output'. Now the base fails, and the others are
+    checked against the fp32 reference, with no difference to the wrong base."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    _megakernel_on_cpu(monkeypatch, 1.0)
+    variants = {"base": Knobs(engine="megakernel"), "u": Knobs(engine="unfused")}
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [1], variants, iters=1, warmup=0, rotate=1, chained=1)
+    rows = {c["variant"]: c for c in rep["cases"]}
+    assert rows["base"]["rel_err_vs_reference"] < 1e-5 and "single_us" in rows["base"]
+    assert rows["u"]["rel_err_vs_base"] < 1e-5 and "minus_base_us" in rows["u"]
+    _megakernel_on_cpu(monkeypatch, 0.0)
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [1, 2], variants, iters=1, warmup=0, rotate=1, chained=1)
+    rows = {(c["variant"], c["S"]): c for c in rep["cases"]}
+    for s in (1, 2):
+        base, u = rows[("base", s)], rows[("u", s)]
+        assert "single_us" not in base and base["rel_err_vs_reference"] == pytest.approx(1.0)
+        assert base["failed"].startswith("wrong output: the base's layer against the fp32 dense reference: relative "
+                                         "error 1 exceeds its bound 0.01"), base
+        assert "single_us" in u and "minus_base_us" not in u and u["rel_err_vs_reference"] < 1e-5, u
+    r = _cli("bench", "knobs", "--vs", "u=engine=unfused", "--model", TINY_MODEL, "--tokens", "1", "--iters", "1",
+             "--warmup", "0", "--rotate", "1", "--chain", "1")
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and "base S=1 failed: wrong output" in flat, r.output
+    out = S.run_moe_knobs([S.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0,
+                                                "rotate": 1, "chain": 1}, {}),
+                           S.Resolved("u", {"knobs": "engine=unfused"}, {})],
+                          S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    by = {r.case: r for r in out}
+    assert by["base"].metrics == {} and by["base"].error.startswith("S=1 failed: wrong output: the base's layer"), by
+    assert by["u"].metrics and "minus_base_us[S=1]" not in by["u"].metrics, by["u"]
+
+
 # -- proxy_micro ---------------------------------------------------------------------------------------------------
 
 # bench/proxy_micro.py's modes: (fence_mode, signalling, proxy batch)

@@ -408,21 +408,23 @@ def moe(
     if not ran:
         _skips(rep["cases"], "engine")
     rows = []
-    for c in rep["cases"]:
-        if "skipped" in c or "failed" in c:  # named on stderr below
-            continue
+    timed = [c for c in rep["cases"] if "skipped" not in c and "failed" not in c]  # the others: named on stderr below
+    # what each output was checked against: the unfused engine's output, or the fp32 dense reference (the unfused
+    # engine's own, and every engine's where the unfused one is not timed beside it); a column for each that was used
+    checks = [(k, h) for k, h in (("rel_err_vs_unfused", "rel err vs unfused"),
+                                  ("rel_err_vs_reference", "rel err vs fp32 ref")) if any(k in c for c in timed)]
+    for c in timed:
         g = c.get("graph_us", {}).get("median")
-        err = c.get("rel_err_vs_unfused")
         rows.append((str(c["S"]), escape(c["engine"]), _fmt(c["eager_us"]["median"]), "-" if g is None else _fmt(g),
                      _fmt(c["weight_floor_us"]), _fmt(c["tensor_floor_us"]), _fmt(c["plain_read_us"]["median"]),
-                     "-" if err is None else f"{err:.2e}"))
+                     *("-" if c.get(k) is None else f"{c[k]:.2e}" for k, _ in checks)))
     fr = rep["floor_rates"]
     whose = ("as measured on this GPU model" if fr["this_gpu_model"] else
              f"{escape(fr['gpu'])}'s rates (this moetune has none for this device; the gpu-rates and gpu-gemm-rate "
              "scenarios measure them)")
     cols = (Col("S", "num"), Col("engine", "word", "right"), Col("eager", "num"), Col("graph", "num"),
             Col("weight floor", "num", drop=2), Col("tensor floor", "num", drop=3), Col("plain read", "num", drop=1),
-            Col("rel err vs unfused", "num"))
+            *(Col(h, "num", drop=4 if len(checks) > 1 and k == "rel_err_vs_reference" else 0) for k, h in checks))
     print_table(Console(), cols, rows, left_out_hint="--json shows them",
                 title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
                       f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "

@@ -138,6 +138,30 @@ MK_REL_ERR_BOUND = 1e-2
 # runs (bench/results/megakernel, runs 83-188) give rel_err_vs_unfused 0.00985 at S=4096 for both the megakernel and
 # the plain torch path (the unfused output's own bf16 rounding). A wrong output (stale, zero, unwritten rows) is ~1.
 PAIR_REL_ERR_BOUND = 2 * MK_REL_ERR_BOUND
+# What a bf16 layer of torch ops (the unfused engine, the plain torch path) may differ from the fp32 dense reference by:
+# the runtime's bf16 bound for the layer (runtime.testing.selftest's layer_bound). The megakernel's is MK_REL_ERR_BOUND.
+BF16_LAYER_REL_ERR_BOUND = 3e-2
+
+
+def reference_bound(engine: str) -> float:
+    """What an engine's output may differ from the fp32 `dense_reference` (same weights, routing from the gate) by."""
+    return MK_REL_ERR_BOUND if engine == "megakernel" else BF16_LAYER_REL_ERR_BOUND
+
+
+def rel_err(out: Any, ref: Any) -> float:
+    """`max_rel_err(out, ref)`, inf where the shapes differ (an output of another shape is as wrong as can be)."""
+    from moetune.runtime.moe_layer import max_rel_err
+
+    return max_rel_err(out, ref) if tuple(out.shape) == tuple(ref.shape) else math.inf
+
+
+def fp32_reference(model: ModelShape, x: Any, seed: int) -> Any:
+    """The fp32 `dense_reference` of the layer built from `seed` (weights in x's dtype, as the engines hold them;
+    routing from its gate, as the engines route) at input `x`: what a layer checked without the unfused engine beside
+    it (`bench moe --engine megakernel`, `bench knobs`' base) is checked against."""
+    from moetune.runtime.moe_layer import dense_reference
+
+    return dense_reference(x, model, seed=seed, weight_dtype=x.dtype)
 
 
 def output_problem(out: Any, ref: Any, bound: float, what: str) -> str | None:
@@ -310,8 +334,11 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
 
     An engine that cannot run here (the megakernel on CPU) is reported `skipped` with the reason; an engine whose
     launches recorded a device-side error while timed (`device_error`) is a case {engine, S, "failed": why}
-    instead of a timing row, and at every later S too (not run again); one whose output at S is not the unfused
-    engine's within PAIR_REL_ERR_BOUND is such a case at that S (with its `rel_err_vs_unfused`). The
+    instead of a timing row, and at every later S too (not run again); one whose output at S is wrong is such a case
+    at that S. Outputs are checked after the timed calls: the unfused engine's against the fp32 dense reference
+    (`fp32_reference`, `reference_bound`; its `rel_err_vs_reference`), and where it is right every other engine's
+    against it within PAIR_REL_ERR_BOUND (`rel_err_vs_unfused`); where the unfused engine is not timed (or was wrong)
+    every engine's against the fp32 reference (`rel_err_vs_reference`): no engine's output goes unchecked. The
     megakernel runs with `knobs` (default: the `engine=megakernel` defaults). `rest_s`: idle seconds before
     every timed block (`settle`; 0: blocks back to back, each after the previous one's load). `progress`: a
     sink (`tuner.search.progress.Progress`, drawn by the caller) given one task of every (engine, S) case
@@ -320,7 +347,7 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable, megakernel_problem
-    from moetune.runtime.moe_layer import MoELayer, max_rel_err
+    from moetune.runtime.moe_layer import MoELayer
 
     bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
@@ -377,7 +404,11 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
         if progress is not None and timed:  # the reference and plain read below are the first case's wait
             progress.update(task, done, description=f"{timed[0]} S={s}")
         xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
+        ref32 = fp32_reference(model, xs[0], seed)  # every engine is checked against it or against a checked one
         ref = fwd["unfused"](xs[0]) if "unfused" in fwd else None
+        # the unfused output is the other engines' reference only where it is the fp32 reference's within its bound
+        ref_wrong = None if ref is None else output_problem(ref, ref32, reference_bound("unfused"),
+                                                            "the unfused layer against the fp32 dense reference")
         read = Summary.of(time_plain_read(src.w_gate_up.data, src.w_down.data, math.ceil(experts_touched(model, s)),
                                           warmup=warmup, iters=iters, graph=graph, cuda=cuda, rest_s=rest_s)).quantiles()
         for i, eng in enumerate(timed):
@@ -390,17 +421,25 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
                 for name, v in time_layer(fwd[eng], xs, warmup=warmup, iters=iters, graph=graph, cuda=cuda,
                                           rest_s=rest_s).items():
                     row[name] = Summary.of(v).quantiles()
-                wrong = None
-                if ref is not None and eng != "unfused":  # checked after the timed calls, outside them
-                    row["rel_err_vs_unfused"] = max_rel_err(fwd[eng](xs[0]), ref)
+                # checked after the timed calls, outside them
+                if eng == "unfused":
+                    row["rel_err_vs_reference"] = rel_err(ref, ref32)
+                    wrong = ref_wrong
+                elif ref is not None and ref_wrong is None:
+                    row["rel_err_vs_unfused"] = rel_err(fwd[eng](xs[0]), ref)
                     wrong = rel_err_problem(row["rel_err_vs_unfused"], PAIR_REL_ERR_BOUND,
                                             "the layer against the unfused engine's output")
+                else:  # no (right) unfused output beside it: the fp32 reference
+                    out = fwd[eng](xs[0])
+                    row["rel_err_vs_reference"] = rel_err(out, ref32)
+                    wrong = output_problem(out, ref32, reference_bound(eng), "the layer against the fp32 dense reference")
                 why = device_error(layers.get(eng))  # e.g. a timed-out wait: its fast calls are no timing row
                 if why is not None:
                     failed[eng] = s
                     row = {"engine": eng, "S": s, "failed": why}
                 elif wrong is not None:  # a wrong output's calls are no timing either (it runs again at the next S)
-                    row = {"engine": eng, "S": s, "failed": wrong, "rel_err_vs_unfused": row["rel_err_vs_unfused"]}
+                    row = {"engine": eng, "S": s, "failed": wrong,
+                           **{k: row[k] for k in ("rel_err_vs_unfused", "rel_err_vs_reference") if k in row}}
                 cases.append(row)
             done += 1
             if progress is not None:

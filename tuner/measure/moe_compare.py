@@ -24,7 +24,15 @@ from typing import Any
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.timing import graphs_of, time_interleaved
-from moetune.tuner.measure.moe import PAIR_REL_ERR_BOUND, device_error, layer_inputs
+from moetune.tuner.measure.moe import (
+    PAIR_REL_ERR_BOUND,
+    device_error,
+    fp32_reference,
+    layer_inputs,
+    output_problem,
+    reference_bound,
+    rel_err,
+)
 from moetune.tuner.measure.outputs import rel_err_problem
 from moetune.tuner.measure.stats import Summary
 
@@ -75,12 +83,15 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
     same weights); a variant whose engine cannot run here is a case `{"variant", "skipped": why}`, and one whose
     launches recorded a device-side error while timed (`device_error`) a case `{"variant", "S", "failed": why}`
     instead of its timing row; it is not run at later S (none is once the base failed: every difference is to it).
-    A variant whose output at S is not the base's within PAIR_REL_ERR_BOUND is such a failed case at that S (with
-    its `rel_err_vs_base`)."""
+    Outputs are checked after the timed calls, outside them: the base's against the fp32 dense reference
+    (`moe.fp32_reference` within `moe.reference_bound` of its engine; its `rel_err_vs_reference`), every other
+    variant's against the base's within PAIR_REL_ERR_BOUND (`rel_err_vs_base`), or, where the base's output is wrong
+    or its launches failed at that S, against the fp32 reference (`rel_err_vs_reference`; no difference to the base
+    then). A variant whose output at S is wrong is a failed case at that S (with that error)."""
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable
-    from moetune.runtime.moe_layer import MoELayer, max_rel_err
+    from moetune.runtime.moe_layer import MoELayer
 
     names = list(variants)
     if not names:
@@ -117,6 +128,11 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
             progress(f"S={s}: {len(live)} variants, {iters} interleaved rounds")
         xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
         ref = layers[base](xs[0])
+        ref32 = fp32_reference(model, xs[0], seed)
+        # the base is checked too (before, never): a wrong base fails the right variants beside it ("not the base's
+        # output") and makes their differences differences to a wrong layer
+        base_wrong = output_problem(ref, ref32, reference_bound(variants[base].engine),
+                                    "the base's layer against the fp32 dense reference")
         single, chain = {}, {}
         for n in live:
             fwd = layers[n].forward
@@ -135,21 +151,31 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
         many = {n: [t / chained for t in v]
                 for n, v in time_interleaved(chain, warmup=max(1, warmup // 4), iters=iters, cuda=cuda).items()}
         d1, dn = paired(one, base), paired(many, base)
-        errs = {n: max_rel_err(layers[n](xs[0]), ref) for n in live if n != base}
+        outs = {n: layers[n](xs[0]) for n in live if n != base}
         # a failed launch (e.g. a timed-out wait) returns as fast as a good one: its samples are not a timing
         failed.update((n, why) for n in live if (why := device_error(layers[n])) is not None)
+        base_ok = base not in failed and base_wrong is None  # the base's output is the others' reference at this S
         for n in live:
             if n in failed:
                 cases.append({"variant": n, "S": s, "failed": failed[n]})
                 continue
-            wrong = None if n == base else rel_err_problem(errs[n], PAIR_REL_ERR_BOUND, "the layer against the base's output")
-            if wrong is not None and base not in failed:  # a wrong output's calls are no timing (runs again at next S)
-                cases.append({"variant": n, "S": s, "failed": wrong, "rel_err_vs_base": errs[n]})
+            if n == base:
+                key, err, wrong = "rel_err_vs_reference", rel_err(ref, ref32), base_wrong
+            elif base_ok:
+                key, err = "rel_err_vs_base", rel_err(outs[n], ref)
+                wrong = rel_err_problem(err, PAIR_REL_ERR_BOUND, "the layer against the base's output")
+            else:
+                key, err = "rel_err_vs_reference", rel_err(outs[n], ref32)
+                wrong = output_problem(outs[n], ref32, reference_bound(variants[n].engine),
+                                       "the layer against the fp32 dense reference")
+            if wrong is not None:  # a wrong output's calls are no timing (runs again at the next S)
+                cases.append({"variant": n, "S": s, "failed": wrong, key: err})
                 continue
             row: dict[str, Any] = {"variant": n, "S": s, "single_us": Summary.of(one[n]).quantiles(),
                                    "chain_us": Summary.of(many[n]).quantiles()}
-            if n != base and base not in failed:  # a difference to a failed base is no measurement
-                row.update(minus_base_us=d1[n], chain_minus_base_us=dn[n], rel_err_vs_base=errs[n])
+            if n != base and base_ok:  # a difference to a failed or wrong base is no measurement
+                row.update(minus_base_us=d1[n], chain_minus_base_us=dn[n])
+            row[key] = err
             cases.append(row)
     return {"model": model.name, "device": str(dev), "graph": cuda, "iters": iters, "warmup": warmup, "rotate": rotate,
             "chained": chained, "base": base, "variants": {n: changed_knobs(k) for n, k in variants.items()},
