@@ -542,6 +542,41 @@ def test_bench_knobs_reports_a_megakernel_error_as_a_failed_case(monkeypatch: py
     _refused(r, "mk S=1 failed:", "scheduler timed out", "a case failed", code=1)
 
 
+def test_bench_knobs_never_rebases_onto_another_variant_when_the_base_is_skipped(tmp_path: Path) -> None:
+    """The megakernel base cannot run on a CPU: compare_knobs took the next variant as the base, so u2's "minus base"
+    was u2 - u1 while stderr said the base was engine=megakernel, exit 0, and the moe-knobs scenario stored those
+    minus_base_us rows. Now the variants are timed with no difference to the skipped base, each row says why, the
+    command exits 1 saying so, and the scenario stores those differences as FAILED."""
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    model = "custom:64,32,8,2"
+    variants = {"base": Knobs(engine="megakernel"), "u1": Knobs(engine="unfused"), "u2": Knobs(engine="unfused")}
+    rep = MC.compare_knobs(get_model(model), [4], variants, iters=2, warmup=0, rotate=1, chained=1)
+    assert rep["base"] == "base"
+    rows = {c["variant"]: c for c in rep["cases"]}
+    assert "no CUDA device" in rows["base"]["skipped"]
+    for n in ("u1", "u2"):
+        assert "single_us" in rows[n] and "minus_base_us" not in rows[n] and "chain_minus_base_us" not in rows[n]
+        assert rows[n]["no_difference"].startswith("no difference to the base at S=4: the base variant 'base' was "
+                                                   "skipped (")
+    r = _run("bench", "knobs", "--model", model, "--tokens", "4", "--vs", "u1=engine=unfused;u2=engine=unfused",
+             "--iters", "2", "--warmup", "0", "--rotate", "1", "--chain", "1", width=200)
+    _refused(r, "base skipped:", "error: no difference to the base at S=4: the base variant 'base' was skipped", code=1)
+    out = S.run_moe_knobs([S.Resolved("base", {"model": model, "tokens": [4], "iters": 2, "warmup": 0, "rotate": 1,
+                                                "chain": 1}, {}),
+                           S.Resolved("u1", {"knobs": "engine=unfused"}, {}),
+                           S.Resolved("u2", {"knobs": "engine=unfused"}, {})],
+                          S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    by = {c.case: c for c in out}
+    assert by["base"].error.startswith("SKIPPED:")
+    for n in ("u1", "u2"):
+        assert "layer_us[S=4]" in by[n].metrics and "minus_base_us[S=4]" not in by[n].metrics
+        assert "the base variant 'base' was skipped" in by[n].failed["minus_base_us[S=4]"]
+        assert "the base variant 'base' was skipped" in by[n].failed["chain_minus_base_us[S=4]"]
+
+
 def test_moe_scenario_cases_with_a_failed_row_fail() -> None:
     rep = {"iters": 1, "cases": [{"engine": "unfused", "S": 1, "eager_us": {"median": 1.0, "p10": 1.0, "p90": 1.0}},
                                  {"engine": "megakernel", "S": 1, "failed": "megakernel error 1: timed out"},

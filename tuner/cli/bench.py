@@ -480,6 +480,7 @@ def knobs_side_by_side(
     if as_json:
         typer.echo(json.dumps(rep))
         _skips(rep["cases"], "variant")
+        _no_differences(rep["cases"])
         return
     if not any("skipped" not in c for c in rep["cases"]):
         _skips(rep["cases"], "variant")
@@ -500,6 +501,17 @@ def knobs_side_by_side(
     for n, k in rep["variants"].items():
         _err.print(f"[dim]{n}: {k or 'the defaults'}[/dim]")
     _footer(rep, "variant")
+    _no_differences(rep["cases"])
+
+
+def _no_differences(cases: list[dict]) -> None:
+    """Say why variants were timed without their difference to the base (the base skipped here, or failed or wrong at
+    that S) and exit 1: the comparison asked for was not made there (never against another variant instead)."""
+    why = list(dict.fromkeys(c["no_difference"] for c in cases if "no_difference" in c))
+    for w in why:
+        _err.print(f"[red]error:[/red] {escape(w)}")
+    if why:
+        raise typer.Exit(1)
 
 
 @app.command("list")

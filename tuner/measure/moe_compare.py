@@ -85,9 +85,10 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
     instead of its timing row; it is not run at later S (none is once the base failed: every difference is to it).
     Outputs are checked after the timed calls, outside them: the base's against the fp32 dense reference
     (`moe.fp32_reference` within `moe.reference_bound` of its engine; its `rel_err_vs_reference`), every other
-    variant's against the base's within PAIR_REL_ERR_BOUND (`rel_err_vs_base`), or, where the base's output is wrong
-    or its launches failed at that S, against the fp32 reference (`rel_err_vs_reference`; no difference to the base
-    then). A variant whose output at S is wrong is a failed case at that S (with that error)."""
+    variant's against the base's within PAIR_REL_ERR_BOUND (`rel_err_vs_base`), or, where the base was skipped or
+    its output is wrong or its launches failed at that S, against the fp32 reference (`rel_err_vs_reference`). A
+    variant whose output at S is wrong is a failed case at that S (with that error). The base is the first variant
+    whether it ran or not: a variant timed without a difference to it says why in `no_difference`."""
     import torch
 
     from moetune.runtime.megakernel.engine import MegakernelUnavailable
@@ -114,7 +115,9 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
             skipped[n] = str(e)
     cases: list[dict[str, Any]] = [{"variant": n, "skipped": why} for n, why in skipped.items()]
     run = [n for n in names if n in layers]
-    base = run[0] if run else names[0]
+    # the base is the first variant, run or not: where it was skipped the others are timed without a difference to
+    # it (said in each row), never against the next variant instead (that rebased every "minus base" silently)
+    base = names[0]
     failed: dict[str, str] = {}  # variant -> why its launches failed (not run at later S)
     for s in tokens:
         # after a failure the failed variants are not run again, and none once the base failed
@@ -127,12 +130,12 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
         if progress:
             progress(f"S={s}: {len(live)} variants, {iters} interleaved rounds")
         xs = layer_inputs(model, s, rotate, dev, dtype, seed + s)
-        ref = layers[base](xs[0])
         ref32 = fp32_reference(model, xs[0], seed)
+        ref = layers[base](xs[0]) if base in live else None
         # the base is checked too (before, never): a wrong base fails the right variants beside it ("not the base's
         # output") and makes their differences differences to a wrong layer
-        base_wrong = output_problem(ref, ref32, reference_bound(variants[base].engine),
-                                    "the base's layer against the fp32 dense reference")
+        base_wrong = None if ref is None else output_problem(ref, ref32, reference_bound(variants[base].engine),
+                                                             "the base's layer against the fp32 dense reference")
         single, chain = {}, {}
         for n in live:
             fwd = layers[n].forward
@@ -150,11 +153,16 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
         one = time_interleaved(single, warmup=warmup, iters=iters, cuda=cuda)
         many = {n: [t / chained for t in v]
                 for n, v in time_interleaved(chain, warmup=max(1, warmup // 4), iters=iters, cuda=cuda).items()}
-        d1, dn = paired(one, base), paired(many, base)
+        d1, dn = (paired(one, base), paired(many, base)) if base in live else ({}, {})
         outs = {n: layers[n](xs[0]) for n in live if n != base}
         # a failed launch (e.g. a timed-out wait) returns as fast as a good one: its samples are not a timing
         failed.update((n, why) for n in live if (why := device_error(layers[n])) is not None)
-        base_ok = base not in failed and base_wrong is None  # the base's output is the others' reference at this S
+        # the base's output is the others' reference at this S, and their differences are to it, only where it ran
+        # right; else why there is no difference to it
+        no_diff = (f"the base variant {base!r} was skipped ({skipped[base]})" if base in skipped
+                   else f"the base's launches failed at S={s}" if base in failed
+                   else f"the base's output was wrong at S={s}" if base_wrong is not None else None)
+        base_ok = no_diff is None
         for n in live:
             if n in failed:
                 cases.append({"variant": n, "S": s, "failed": failed[n]})
@@ -173,8 +181,10 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
                 continue
             row: dict[str, Any] = {"variant": n, "S": s, "single_us": Summary.of(one[n]).quantiles(),
                                    "chain_us": Summary.of(many[n]).quantiles()}
-            if n != base and base_ok:  # a difference to a failed or wrong base is no measurement
+            if n != base and base_ok:  # a difference to a skipped, failed or wrong base is no measurement
                 row.update(minus_base_us=d1[n], chain_minus_base_us=dn[n])
+            elif n != base:
+                row["no_difference"] = f"no difference to the base at S={s}: {no_diff}"
             row[key] = err
             cases.append(row)
     return {"model": model.name, "device": str(dev), "graph": cuda, "iters": iters, "warmup": warmup, "rotate": rotate,

@@ -881,6 +881,10 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     for n, m in diffs.items():  # the base has no difference to itself: only the other cases fail on one
         if n != cases[0].name:
             failed.setdefault(n, {}).update(m)
+    for r in rep["cases"]:  # timed without a difference to the base (skipped, or failed or wrong at that S): said
+        if "no_difference" in r:
+            failed.setdefault(r["variant"], {}).update(
+                (f"{name}[S={r['S']}]", r["no_difference"]) for name in ("minus_base_us", "chain_minus_base_us"))
     return [CaseResult(c.name, per.get(c.name, {}), cmd, skipped.get(c.name, ""), failed.get(c.name, {}))
             for c in cases]
 
