@@ -438,10 +438,12 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
     EnvVariable("MOETUNE_WORKER_TRACEBACK", "`1`", "unset",
                 "The benchmark worker prints a failing case's full traceback (debug).", "tuner/measure/worker.py"),
     EnvVariable("MOETUNE_GIT_SHA", "40-hex commit, optionally `-dirty`", "unset",
-                "`moetune bench run`: the commit to stamp on result rows instead of `git rev-parse HEAD`, for a tree "
-                "copied to a GPU machine whose .git is missing or stale; git_dirty is true when it ends in `-dirty` "
-                "(the copy had changes on top of that commit), else whoever sets it vouches that the tree is exactly "
-                "that commit.", "tuner/measure/scenarios.py"),
+                "`moetune bench run` / `bench moe` / `bench knobs`: the commit to stamp on results where the tree "
+                "is no git checkout of its own (an exported tree on a GPU machine: bench/megakernel_device.sh sets "
+                "it); git_dirty is true when it ends in `-dirty` (the copy had changes on top of that commit), else "
+                "whoever sets it vouches that the tree is exactly that commit. In a git checkout git decides (HEAD "
+                "and its changes); where the two disagree git's is stamped, with a warning.",
+                "tuner/measure/scenarios.py"),
     EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
                 "The test daemon's fake tuning job holds this long (restart tests); tests only.",
                 "tests/daemon_fakes.py"),

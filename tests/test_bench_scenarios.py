@@ -124,9 +124,11 @@ def test_committed_summary_and_benchmarks_md_agree() -> None:
 
 
 def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
-    """A tree copied to a GPU machine has no .git or a stale one (run 13 stamped the copy's old HEAD, dirty):
-    MOETUNE_GIT_SHA (hex only) wins over git and is clean unless it ends in -dirty; without it git decides; else 'unknown'."""
-    monkeypatch.setattr(S, "_git", lambda *a: "1de7e01fc0" if a[0] == "rev-parse" else " M tuner/x.py")
+    """A tree copied to a GPU machine without a .git of its own (bench/megakernel_device.sh: an exported folder):
+    MOETUNE_GIT_SHA (hex only) stamps it, clean unless it ends in -dirty; without it, 'unknown'. A repository around
+    the tree (an export unpacked inside another checkout) is not its git."""
+    calls = {"rev-parse": "/somewhere/else", "status": ""}
+    monkeypatch.setattr(S, "_git", lambda *a: calls[a[0]])  # git's top level is another folder
     monkeypatch.setenv("MOETUNE_GIT_SHA", "0D90E94abc")
     f = S.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("0d90e94abc", False)
@@ -134,10 +136,43 @@ def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
     f = S.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("0d90e94abc", True)
     monkeypatch.setenv("MOETUNE_GIT_SHA", "not a sha; rm -rf")
-    f = S.machine_facts("none", lambda: "fp")
-    assert (f["git_sha"], f["git_dirty"]) == ("1de7e01fc0", True)
-    monkeypatch.setattr(S, "_git", lambda *a: "")
     assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
+    monkeypatch.setattr(S, "_git", lambda *a: "")  # no git at all
+    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
+    monkeypatch.setenv("MOETUNE_GIT_SHA", "0d90e94abc")
+    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "0d90e94abc"
+
+
+def test_a_git_checkout_is_stamped_by_git_whatever_moetune_git_sha_says(tmp_path: Path, monkeypatch) -> None:
+    """MOETUNE_GIT_SHA won over a real checkout: with a dirty tree and MOETUNE_GIT_SHA=0123456789abcdef the rows were
+    stamped clean with a commit that does not exist. In a checkout of its own git decides (HEAD and its changes),
+    the variable is for a tree without .git, and a disagreement is warned about."""
+    import subprocess
+    import warnings
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    head = git("rev-parse", "HEAD").strip()
+    (tmp_path / "a.py").write_text("x = 2\n")  # dirty
+    monkeypatch.setattr(S, "ROOT", tmp_path)
+    monkeypatch.setenv("MOETUNE_GIT_SHA", "0123456789abcdef")
+    with pytest.warns(UserWarning, match="MOETUNE_GIT_SHA=0123456789abcdef is not this checkout"):
+        f = S.machine_facts("none", lambda: "fp")
+    assert (f["git_sha"], f["git_dirty"]) == (head, True)
+    monkeypatch.setenv("MOETUNE_GIT_SHA", head[:12])  # the right commit, but the tree has changes: never clean
+    with pytest.warns(UserWarning):
+        f = S.machine_facts("none", lambda: "fp")
+    assert (f["git_sha"], f["git_dirty"]) == (head, True)
+    (tmp_path / "a.py").write_text("x = 1\n")  # clean again, and the variable agrees: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f = S.machine_facts("none", lambda: "fp")
+    assert (f["git_sha"], f["git_dirty"]) == (head, False)
 
 
 def _moe_report(tokens: list[int], order: tuple[str, ...] = ("unfused", "megakernel", "torch"), **over: object) -> dict:

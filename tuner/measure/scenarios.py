@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import tomllib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -910,6 +911,27 @@ def _given_sha() -> tuple[str, bool]:
     return (m.group(1), bool(m.group(2))) if m else ("", False)
 
 
+def code_stamp() -> tuple[str, bool]:
+    """(git SHA, dirty) of the code that runs. Where this tree is a git checkout of its own (git's top level is ROOT),
+    git decides: HEAD, and dirty where `git status` shows any change, untracked files included (a scenario or driver
+    not yet added ran, and the commit does not hold it). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
+    one (an exported tree on a GPU machine: bench/megakernel_device.sh sets it); where both exist and disagree, git's
+    HEAD and dirtiness are stamped and a warning says so (before, the variable won: a dirty checkout was stamped clean
+    with whatever commit it named, one that need not exist). Neither: ("unknown", False)."""
+    given, given_dirty = _given_sha()
+    top = _git("rev-parse", "--show-toplevel")
+    own = bool(top) and Path(top).resolve() == ROOT.resolve()  # not a repository around it (an archive unpacked in one)
+    head = _git("rev-parse", "HEAD") if own else ""
+    if not head:
+        return (given, given_dirty) if given else ("unknown", False)
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=normal"))
+    if given and (not head.lower().startswith(given) or given_dirty != dirty):
+        warnings.warn(f"MOETUNE_GIT_SHA={given}{'-dirty' if given_dirty else ''} is not this checkout: git says HEAD "
+                      f"{head[:12]}{' with changes' if dirty else ''}; stamping git's (the variable is for a tree "
+                      "without .git)", stacklevel=2)
+    return head, dirty
+
+
 def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) -> dict[str, Any]:
     """The stamp every row carries: code (git SHA + dirty), versions, GPU, fabric fingerprint, hardware.
 
@@ -934,12 +956,9 @@ def machine_facts(backend: str, fingerprint: Callable[[], str] | None = None) ->
         fp = f"unknown ({type(e).__name__})"
     gpu = torch.cuda.get_device_name(0) if gpus else "none"
     cpu = platform.processor() or platform.machine()
-    given, given_dirty = _given_sha()
+    sha, dirty = code_stamp()
     return {
-        # a given SHA wins: a tree copied to a GPU machine may carry a stale .git whose HEAD is not the tree
-        "git_sha": given or _git("rev-parse", "HEAD") or "unknown",
-        # untracked files count: a scenario or driver not yet added ran, and the stamped commit does not hold it
-        "git_dirty": given_dirty if given else bool(_git("status", "--porcelain", "--untracked-files=normal")),
+        "git_sha": sha, "git_dirty": dirty,
         "moetune": __version__, "torch": torch.__version__, "nccl": nccl, "cuda": torch.version.cuda or "",
         "gpu": gpu, "gpu_count": gpus, "fabric_fingerprint": fp,
         "hardware": f"{gpus}x {gpu}, {os.cpu_count()} CPU cores" if gpus else f"{os.cpu_count()} CPU cores ({cpu}), no GPU",
