@@ -186,7 +186,7 @@ def _moe_report(tokens: list[int], order: tuple[str, ...] = ("unfused", "megaker
     speed = {"megakernel": 8.0, "unfused": 9.0, "torch": 10.0}
     cases = [{"engine": e, "S": s, "eager_us": q,
               "graph_us": {"median": speed[e], "p10": speed[e] - 0.5, "p90": speed[e] + 0.5}} for s in tokens for e in order]
-    return {"model": "qwen3-30b", "graph": True, "iters": 50, "warmup": 10, "rotate": 4, "rest_s": 0.0,
+    return {"model": "qwen3-30b", "graph": True, "iters": 50, "warmup": 10, "rotate": 4, "rest_s": 0.0, "seed": 0,
             "cases": cases, "meta": meta, **over}
 
 
@@ -209,18 +209,27 @@ def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios
                        # measured where the scenario cannot run (a CPU's plumbing check)
                        (_moe_report([1, 16, 128, 1024, 4096], meta={**_moe_report([1])["meta"], "gpu": "none",
                                                                     "gpu_count": 0}), "machine '0 x none'"),
+                       # other weights and inputs (the scenario's seed is 0), or none it can tell
+                       (_moe_report([1, 16, 128, 1024, 4096], seed=3), "seed 3 (scenario: 0)"),
+                       ({k: v for k, v in _moe_report([1, 16, 128, 1024, 4096]).items() if k != "seed"},
+                        "seed None (scenario: 0)"),
                        (_moe_report([1, 16, 128, 1024, 4096], order=("megakernel", "unfused", "torch")),
                         "engine order ['megakernel', 'unfused', 'torch'] (scenario: ['unfused', 'megakernel', 'torch'])"),
                        ({"cases": []}, "not a `moetune bench moe --json` report")):
         with pytest.raises(S.ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             S.import_moe_report(s, rep, origin="x.json", results=out)
+    # a report written before it held its seed: its command's --seed says it
+    old = {k: v for k, v in _moe_report([1, 16, 128, 1024, 4096]).items() if k != "seed"}
+    old["meta"] = {**old["meta"], "date": "2026-12-04T10:00:00Z", "command": old["meta"]["command"] + " --seed 0"}
+    assert S.import_moe_report(s, old, origin="old.json", results=out)
+    assert len(R.read_rows(out)) == 2 * len(rows)
     bad = _moe_report([1, 16, 128, 1024, 4096])  # a forged or broken timing: no number to keep
     bad["cases"][0]["eager_us"] = {"median": float("nan"), "p10": -5.0, "p90": float("inf")}
     with pytest.raises(S.ScenarioError, match=r"is no timing \(finite, > 0, p10 <= median <= p90\)"):
         S.import_moe_report(s, bad, origin="x.json", results=out)
     with pytest.raises(S.ScenarioError, match="only scenarios of driver moe"):
         S.import_moe_report(SCENARIOS["daemon-load"], _moe_report([1]), origin="x.json", results=out)
-    assert len(R.read_rows(out)) == len(rows)  # nothing appended by a refused import
+    assert len(R.read_rows(out)) == 2 * len(rows)  # nothing appended by a refused import
     r = _cli("run", "moe-megakernel-vs-unfused", "--from-report", str(tmp_path / "none.json"), "--results", str(out))
     assert r.returncode == 2 and "none.json" in r.stderr and "Traceback" not in r.stderr
 
@@ -293,3 +302,11 @@ def test_a_case_argument_a_single_shot_driver_would_ignore_is_refused(tmp_path: 
                                      'args = { seeds = 3 }\n')
     with pytest.raises(S.ScenarioError, match="its cases take no arguments"):
         S.load(tmp_path / "s.toml")
+
+
+def test_the_moe_command_of_a_row_names_its_seed() -> None:
+    """run_moe builds the weights and inputs from `seed`, but the command stored with its rows left it out: a case of
+    seed 7 named a command that reruns seed 0."""
+    cmd = S.moe_command({"model": "qwen3-30b", "tokens": [1, 16], "iters": 50, "seed": 7}, ["unfused", "megakernel"])
+    assert cmd.endswith("--iters 50 --seed 7 --json"), cmd
+    assert "--seed" not in S.moe_command({"tokens": [1]}, ["unfused"])  # the default (0) where the scenario sets none

@@ -453,7 +453,8 @@ def test_bench_names_and_reports_of_the_wrong_shape_are_refused_clearly(tmp_path
     meta = {"date": "2026-12-05T00:00:00Z", "git_sha": "a" * 40, "git_dirty": False, "moetune": "0", "torch": "2",
             "nccl": "", "cuda": "", "gpu": "g", "gpu_count": 1, "fabric_fingerprint": "f", "hardware": "h",
             "command": "moetune bench moe"}
-    base = {"model": "qwen3-30b", "iters": 50, "warmup": 10, "rotate": 4, "graph": True, "rest_s": 0.0, "meta": meta}
+    base = {"model": "qwen3-30b", "iters": 50, "warmup": 10, "rotate": 4, "graph": True, "rest_s": 0.0, "seed": 0,
+            "meta": meta}
     q = {"median": None, "p10": None, "p90": None}
     for cases, said in ((["a"], "expected shape"), ([{"S": 1}], "expected shape"),
                         ([{"engine": e, "S": s, "eager_us": q, "graph_us": q} for e in ("unfused", "megakernel", "torch")

@@ -380,7 +380,7 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     rates, own = rates_for(gpu)
     report = {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
-              "rotate": rotate, "rest_s": rest_s,
+              "rotate": rotate, "rest_s": rest_s, "seed": seed,
               "floor_rates": {"gpu": rates.gpu, "this_gpu_model": own, "read_tbps": rates.read_tbps,
                               "tensor_tflops": rates.tensor_tflops, "measured": rates.measured}}
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": skipped[e]} for e in dict.fromkeys(engines) if e in skipped]

@@ -759,7 +759,7 @@ def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
     """The `moetune bench moe` command that measures these cases on its own."""
     a = ["moetune", "bench", "moe", "--engine", ",".join(engines), "--model", str(args.get("model", "qwen3-30b")),
          "--tokens", ",".join(map(str, args.get("tokens", [128])))]
-    for k in ("iters", "warmup", "rotate", "knobs", "rest"):
+    for k in ("iters", "warmup", "rotate", "knobs", "rest", "seed"):  # seed: the weights and inputs run_moe times
         if args.get(k) not in (None, ""):
             a += ["--" + k, str(args[k])]
     if args.get("cuda_graph"):
@@ -1130,6 +1130,15 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
     return rows
 
 
+def _report_seed(rep: dict[str, Any], meta: dict[str, Any]) -> int | None:
+    """The seed a bench moe report's weights and inputs were built from: its `seed` (reports since it is written),
+    else its command's `--seed N` (the CLI always writes it); None where neither says (refused: unknown weights)."""
+    if isinstance(rep.get("seed"), int):
+        return rep["seed"]
+    m = re.search(r"--seed[ =](\d+)\b", str(meta.get("command", "")))
+    return int(m.group(1)) if m else None
+
+
 def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin: str) -> list[CaseResult]:
     """The scenario's cases from a bench moe report, refused where it measured something else."""
     # every case names its engine, and its S or why it was skipped (a KeyError / TypeError: not of the expected shape)
@@ -1138,11 +1147,11 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     a = plan(s, None, False)[0].args
     want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
             "iters": int(a.get("iters", 50)), "warmup": int(a.get("warmup", 10)), "rotate": int(a.get("rotate", 4)),
-            "graph": bool(a.get("cuda_graph")), "rest_s": float(a.get("rest", 0.0))}
+            "graph": bool(a.get("cuda_graph")), "rest_s": float(a.get("rest", 0.0)), "seed": int(a.get("seed", 0))}
     # a skipped engine has no S: the tokens are those the engines that ran were timed at
     got = {"model": rep.get("model"), "tokens": sorted({c["S"] for c in rep["cases"] if "skipped" not in c}),
            "iters": rep.get("iters"), "warmup": rep.get("warmup"), "rotate": rep.get("rotate"), "graph": rep.get("graph"),
-           "rest_s": rep.get("rest_s")}
+           "rest_s": rep.get("rest_s"), "seed": _report_seed(rep, meta)}
     # the order too: under a power cap the engine timed second pays for the first one's heat (`settle`), so a
     # launch of another order is another measurement (the scenario times its cases in their listed order)
     listed = [str(c.args.get("engine", c.name)) for c in s.cases]
