@@ -1,8 +1,9 @@
-"""Parsing of the CLI's list options and seeds, with errors that name the option."""
+"""Parsing of the CLI's list options, paths and seeds, with errors that name the option."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def int_list(text: str, option: str) -> list[int]:
@@ -35,6 +36,25 @@ def path_arg(text: str) -> Path:
     """`path_text` for a Path argument. Converted as a Path, "" was ".": `profiles import ""` said "cannot read .: Is
     a directory" and `fabric capture ""` reported on the current folder."""
     return Path(path_text(text))
+
+
+def path_option(default: Any, *names: str, **kwargs: Any) -> Any:
+    """`typer.Option` for a Path option naming a file or folder (`--db`, `--config`, `--out`, ...): "" is refused up
+    front, naming the option (exit 2, as Click's other bad values). Converted as a Path, "" was ".": `profile
+    --report-dir ""` wrote its report into the current folder, `db path --db ""` printed ".", `tune --policy ""` was
+    ignored. Shown `<path>` in the help, as Typer shows a Path option (a parser would show `<Path>`); an option of
+    several paths (`list[Path]`) passes `metavar=None` to keep Typer's own."""
+    import typer
+
+    kwargs.setdefault("metavar", "<path>")
+    return typer.Option(default, *names, parser=path_arg, **kwargs)
+
+
+def path_text_option(default: Any, *names: str, **kwargs: Any) -> Any:
+    """`path_option` for a str option naming a file (kept as typed: "-" for stdout, or a preset's name)."""
+    import typer
+
+    return typer.Option(default, *names, parser=path_text, **kwargs)
 
 
 def nearest_existing(path: Path) -> Path:

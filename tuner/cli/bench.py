@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import SEED_MAX, int_list, nearest_existing, seed_problem
+from moetune.tuner.cli._args import SEED_MAX, int_list, nearest_existing, path_text_option, seed_problem
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -581,9 +581,9 @@ def run_scenario(
     case: str = typer.Option(None, "--case", help="Run only this case, beside the baseline (first, and again last where the driver times its cases one by one; the drivers that time all cases in one process run it once)."),
     launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
-    results: str = typer.Option(None, "--results", help="CSV to append to (default: bench/results/summary.csv of the moetune source tree, whatever the current "
+    results: str = path_text_option(None, "--results", help="CSV to append to (default: bench/results/summary.csv of the moetune source tree, whatever the current "
                                  "directory)."),
-    from_report: str = typer.Option(None, "--from-report", help="Run nothing: append a `moetune bench moe --json` "
+    from_report: str = path_text_option(None, "--from-report", help="Run nothing: append a `moetune bench moe --json` "
                                     "report measured elsewhere (a GPU machine) as one launch, source=imported, if it "
                                     "measured what the scenario asks (driver moe)."),
 ) -> None:
@@ -651,9 +651,9 @@ def run_scenario(
 
 @app.command("summarize")
 def summarize_scenarios(
-    results: str = typer.Option(None, "--results", help="CSV to read (default: bench/results/summary.csv of the moetune source tree, whatever the "
+    results: str = path_text_option(None, "--results", help="CSV to read (default: bench/results/summary.csv of the moetune source tree, whatever the "
                                  "current directory)."),
-    out: str = typer.Option(None, "--out", help="Markdown to write (default: BENCHMARKS.md of the moetune source tree, whatever the "
+    out: str = path_text_option(None, "--out", help="Markdown to write (default: BENCHMARKS.md of the moetune source tree, whatever the "
                              "current directory); '-' prints it."),
 ) -> None:
     """Regenerate BENCHMARKS.md from summary.csv: per scenario its latest batch, medians / p10 / p90, ratios."""

@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.tuner.cli._args import path_option
+
 app = typer.Typer(help="The profile database: migrations, checks, where it is.", no_args_is_help=True)
 
 # Help text is Rich markup: escape() keeps "[store]" from being read as a tag and vanishing.
@@ -256,8 +258,8 @@ def _check_revision(revision: str, what: str, also: tuple[str, ...]) -> None:
 
 @app.command("path")
 def path_cmd(
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Print the database path moetune uses."""
     typer.echo(str(db_path(db, config)))
@@ -284,8 +286,8 @@ def _upgrade_to_base_of_nothing(path: Path) -> None:
 @app.command()
 def upgrade(
     revision: str = typer.Option("head", "--revision", help="Target revision."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Create the database or migrate it to the newest schema (or up to --revision)."""
     from moetune.tuner.store.store import ONLY_OPTUNA, StoreError, without_moetune
@@ -322,8 +324,8 @@ def downgrade(
                                   'current` shows the database\'s and the newest one), or "base" (drops every moetune '
                                   'table).'),
     yes: bool = typer.Option(False, "--yes", help="Do it (a downgrade can drop data)."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Migrate the schema down (for rolling back a moetune upgrade)."""
     _check_revision(revision, "revision", ("base",))
@@ -354,8 +356,8 @@ def downgrade(
 @app.command()
 def current(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Show the database's schema revision and the newest one this moetune knows."""
     from moetune.tuner.store.store import head_revision, without_moetune
@@ -377,8 +379,8 @@ def current(
 @app.command()
 def check(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Check revision, schema drift, SQLite integrity, foreign keys, profile rows this moetune cannot read and rows labelled measured whose backend does not measure (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
     from moetune.tuner.store.store import without_moetune

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import path_arg
+from moetune.tuner.cli._args import path_arg, path_option
 from moetune.tuner.cli._tables import Col, fit_table, print_table
 from moetune.tuner.cli.db import db_flag, db_path, fail, open_store
 
@@ -136,11 +136,11 @@ def _print_facts(f: Any) -> None:
 
 @app.command("show")
 def show(
-    from_dir: Path | None = typer.Option(None, "--from", "--capture", help="Analyse a capture directory instead of this node (--capture, as for `moetune profile` and `tune`)."),
+    from_dir: Path | None = path_option(None, "--from", "--capture", help="Analyse a capture directory instead of this node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the facts, hashes and transports as JSON."),
     record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
-    db: Path | None = typer.Option(None, "--db", help="Profile database --record writes to (default: configured)."),
-    config: Path | None = typer.Option(None, "--config", help="TOML config file (for --record's database)."),
+    db: Path | None = path_option(None, "--db", help="Profile database --record writes to (default: configured)."),
+    config: Path | None = path_option(None, "--config", help="TOML config file (for --record's database)."),
     timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
 ) -> None:
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
@@ -211,11 +211,11 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
 def diff(
     against: str | None = typer.Option(None, "--against", help="A stored fingerprint hash (or prefix) or a capture DIR; "
                                        "default: the most recently seen fingerprint in the store."),
-    from_dir: Path | None = typer.Option(None, "--from", "--capture", help="Compare this capture instead of the live node (--capture, as for `moetune profile` and `tune`)."),
+    from_dir: Path | None = path_option(None, "--from", "--capture", help="Compare this capture instead of the live node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
-    db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured)."),
-    config: Path | None = typer.Option(None, "--config", help="TOML config file."),
+    db: Path | None = path_option(None, "--db", help="Profile database (default: configured)."),
+    config: Path | None = path_option(None, "--config", help="TOML config file."),
 ) -> None:
     """Why the fabric changed: readable reasons (exit 0: same fingerprint, 1: changed)."""
     from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint

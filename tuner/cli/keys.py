@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from moetune.tuner.cli._args import path_arg
+from moetune.tuner.cli._args import path_arg, path_option
 
 app = typer.Typer(help="CURVE keys for a daemon listening on TCP.", no_args_is_help=True)
 
@@ -195,10 +195,10 @@ _ADMINS_DIR_HELP = "The daemon's admin list (default: SERVER_KEYS/admins; daemon
 def client(
     server_keys: Path = typer.Argument(..., parser=path_arg, help="The directory of the daemon's key pair (its allow-list is clients/ there)."),
     name: str = typer.Option(..., "--name", help="The client's name (file stem)."),
-    out: Path = typer.Option(None, "--out", help="Where the client's key pair goes (default: SERVER_KEYS/client-NAME)."),
-    clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
+    out: Path = path_option(None, "--out", help="Where the client's key pair goes (default: SERVER_KEYS/client-NAME)."),
+    clients_dir: Path = path_option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
     admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
-    admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
+    admins_dir: Path = path_option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite existing keys."),
     json_out: bool = typer.Option(False, "--json", help="Print the paths as JSON."),
 ) -> None:
@@ -222,9 +222,9 @@ def client(
 def allow(
     public_file: Path = typer.Argument(..., parser=path_arg, help="A client's public key file (NAME.key)."),
     server_keys: Path = typer.Argument(..., parser=path_arg, help="The directory of the daemon's key pair."),
-    clients_dir: Path = typer.Option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
+    clients_dir: Path = path_option(None, "--clients-dir", help="The daemon's allow-list (default: SERVER_KEYS/clients)."),
     admin: bool = typer.Option(False, "--admin", help=_ADMIN_HELP),
-    admins_dir: Path = typer.Option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
+    admins_dir: Path = path_option(None, "--admins-dir", help=_ADMINS_DIR_HELP),
     force: bool = typer.Option(False, "--force", help="Overwrite an allowed key of the same name."),
     json_out: bool = typer.Option(False, "--json", help="Print the paths as JSON."),
 ) -> None:

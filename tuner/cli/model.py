@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list
+from moetune.tuner.cli._args import int_list, path_option, path_text_option
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -129,7 +129,7 @@ def _knob_str(k) -> str:
 
 @app.command("predict")
 def predict_cmd(
-    preset: str = typer.Option(..., "--preset", "-p", help="Preset name (moetune model presets) or a .toml path."),
+    preset: str = path_text_option(..., "--preset", "-p", help="Preset name (moetune model presets) or a .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes."),
     tokens: int = typer.Option(1024, "--tokens", "-t", help="Tokens per GPU."),
@@ -355,7 +355,7 @@ def _plot_path(out: Path, force: bool) -> Path:
 
 @app.command("sweep")
 def sweep_cmd(
-    preset: str = typer.Option(..., "--preset", "-p", help="Preset name or .toml path."),
+    preset: str = path_text_option(..., "--preset", "-p", help="Preset name or .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
     values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: group_size the "
@@ -371,7 +371,7 @@ def sweep_cmd(
     knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
     tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
-    out: Path | None = typer.Option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
+    out: Path | None = path_option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
                                     "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png. An "
                                     "existing file is replaced only with --force."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
@@ -608,14 +608,14 @@ def _check_calibrate_out(out: Path, data: list[Path], preset: str, replace: bool
 
 @app.command("calibrate")
 def calibrate_cmd(
-    preset: str = typer.Option(..., "--preset", "-p", help="Preset to start from."),
-    data: list[Path] = typer.Option(..., "--data", "-d", help="Measurement JSON lines (repeat for several files): one "
+    preset: str = path_text_option(..., "--preset", "-p", help="Preset to start from."),
+    data: list[Path] = path_option(..., "--data", "-d", metavar=None, help="Measurement JSON lines (repeat for several files): one "
                                     "JSON object a line, naming what it measured: \"probe\" nccl_a2a, "
                                     "nccl_a2a_fp8payload or collective_a2a with fabric, model, S, ms (optional world); "
                                     "\"probe\" proxy_ce with mode, size, transfers, us (optional pes); \"kind\" "
                                     "transfers with knobs, nodes, transfers, size, us (optional put_only). "
                                     "docs/fabric-model.md (Calibration) describes them."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write the calibrated preset TOML here."),
+    out: Path | None = path_option(None, "--out", "-o", help="Write the calibrated preset TOML here."),
     params: str = typer.Option("", "--params", help="Comma-separated dotted parameters to fit (default: by data kind)."),
     as_json: bool = typer.Option(False, "--json", help="Print the fit report as JSON."),
     nic_line_rate: float | None = typer.Option(

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, nearest_existing
+from moetune.tuner.cli._args import int_list, nearest_existing, path_option
 from moetune.tuner.cli._progress import RichProgress
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
@@ -143,12 +143,12 @@ def profile(
     model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K (default: qwen3-30b)."),
     tokens: str | None = typer.Option(None, "--tokens", show_default=False, help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
-    plan_file: Path | None = typer.Option(None, "--plan", help=f"TOML plan (a \\[plan] table, or the keys at the top): {PLAN_KEYS} (default: one EP group of every GPU of the node; the options given beside it win)."),
+    plan_file: Path | None = path_option(None, "--plan", help=f"TOML plan (a \\[plan] table, or the keys at the top): {PLAN_KEYS} (default: one EP group of every GPU of the node; the options given beside it win)."),
     trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
-    db: Path | None = typer.Option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
-    config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    capture: Path | None = typer.Option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only (nothing recorded in the database)."),
-    report_dir: Path | None = typer.Option(None, "--report-dir", help="Where the report goes (default: report/ beside the database; report-FINGERPRINT/ for a --capture of another node). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs)."),
+    db: Path | None = path_option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
+    config: Path | None = path_option(None, "--config", help="Extra config file."),
+    capture: Path | None = path_option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only (nothing recorded in the database)."),
+    report_dir: Path | None = path_option(None, "--report-dir", help="Where the report goes (default: report/ beside the database; report-FINGERPRINT/ for a --capture of another node). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs)."),
     restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over: every stage runs again and tuning starts new studies (earlier studies and stored profiles are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -335,10 +335,10 @@ def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
 
 
 def report(
-    db: Path | None = typer.Option(None, "--db", help="Profile database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
-    config: Path | None = typer.Option(None, "--config", help="Extra config file."),
-    out: Path | None = typer.Option(None, "--out", help="Output directory (default: report/ beside the database, report-<fingerprint>/ for a --capture of another node; ./moetune-report/ (-<fingerprint>) when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused."),
-    capture: Path | None = typer.Option(None, "--capture", help="Report on the node a capture describes."),
+    db: Path | None = path_option(None, "--db", help="Profile database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
+    config: Path | None = path_option(None, "--config", help="Extra config file."),
+    out: Path | None = path_option(None, "--out", help="Output directory (default: report/ beside the database, report-<fingerprint>/ for a --capture of another node; ./moetune-report/ (-<fingerprint>) when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused."),
+    capture: Path | None = path_option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt, interrupts_ignored

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
-from moetune.tuner.cli._args import path_arg, path_text
+from moetune.tuner.cli._args import path_arg, path_option, path_text
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import (
     CONFIG_HELP,
@@ -83,8 +83,8 @@ def list_cmd(
     provenance: str | None = typer.Option(None, "--provenance", help="measured, node_model or preset."),
     limit: int = typer.Option(TABLE_LIMIT, "--limit", min=0, help="At most this many profiles in the table, the newest (0: all; drawing 10,000 rows takes seconds). --json lists all."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """List stored profiles, with where their numbers come from (measured, MODELLED, PRESET)."""
     with _filtered_store(db, config, status, fingerprint, provenance) as (store, fingerprint):
@@ -129,8 +129,8 @@ def list_cmd(
 def show(
     profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id (see `moetune profiles list`)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Show one profile: its key, knobs and measurement, and the NCCL/NVSHMEM/FI environment it was measured in."""
     with open_store(db, config, mode="read") as store:
@@ -202,8 +202,8 @@ def _no_profile(store: Any, profile_id: int) -> NoReturn:
 def delete(
     profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Delete one profile (also one this moetune cannot read, which `moetune db check` lists)."""
     with open_store(db, config, mode="write") as store:
@@ -242,8 +242,8 @@ def export_cmd(
     fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
     provenance: str | None = typer.Option(None, "--provenance", help="Only profiles of this provenance: measured, node_model or preset."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file (also a read-only one; its permissions are kept)."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Export profiles (and their fingerprints' facts) to a JSON file."""
     with _filtered_store(db, config, status, fingerprint, provenance) as (store, fingerprint):
@@ -306,8 +306,8 @@ def import_cmd(
              "file itself (format, fingerprints, two current records for one key, every record invalid) is refused either way.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    db: Path | None = typer.Option(None, "--db", help=DB_HELP),
-    config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
+    db: Path | None = path_option(None, "--db", help=DB_HELP),
+    config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Import profiles: all or nothing, validated before anything is written; the error names every invalid record (--skip-invalid imports the rest)."""
     from moetune.tuner.store.store import ProfileImportError, parse_export

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import typer
 
+from moetune.tuner.cli._args import path_option
+
 if TYPE_CHECKING:
     from moetune.runtime.config import Config
     from moetune.runtime.profiles.client import Resolution
@@ -237,8 +239,8 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json (not with another --format)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
-        db: Path = typer.Option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else the daemon's database as daemon.json names it, else \\[store] db, $MOETUNE_HOME, XDG data dir)."),
-        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        db: Path = path_option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else the daemon's database as daemon.json names it, else \\[store] db, $MOETUNE_HOME, XDG data dir)."),
+        config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
     ) -> None:
         """The tuned knobs for a model, EP size and token count (daemon, else the database, else defaults)."""

@@ -7,6 +7,8 @@ from pathlib import Path
 import msgspec
 import typer
 
+from moetune.tuner.cli._args import path_option
+
 
 def _check_capture(capture: Path, *, read: bool) -> None:
     """Exit 2 unless --capture is a capture directory (and, with `read`, one discovery can read): the daemon
@@ -43,14 +45,14 @@ def register(app: typer.Typer) -> None:
     def serve(
         socket: str = typer.Option(None, "--socket", help="ROUTER endpoint (default: ipc:// in the runtime directory)."),
         pub_socket: str = typer.Option(None, "--pub-socket", help="PUB endpoint (default: next to --socket)."),
-        db: Path = typer.Option(None, "--db", help="Database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
-        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        db: Path = path_option(None, "--db", help="Database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
+        config: Path = path_option(None, "--config", help="TOML config file."),
         metrics_port: int = typer.Option(None, "--metrics-port", help="Prometheus /metrics on 127.0.0.1:PORT (0 = off; default: config daemon.metrics_port, 0)."),
         rediscover_interval: float = typer.Option(None, "--rediscover-interval", help="Seconds between fabric discoveries (0 = never; default: config daemon.rediscover_interval_s, 60)."),
-        capture: Path = typer.Option(None, "--capture", help="Discover from this capture directory instead of the live node."),
+        capture: Path = path_option(None, "--capture", help="Discover from this capture directory instead of the live node."),
         allow_insecure_tcp: bool = typer.Option(None, "--allow-insecure-tcp/--no-allow-insecure-tcp", help="Allow tcp:// without CURVE (trusted loopback tests only; default: config daemon.allow_insecure_tcp, false)."),
         log_level: str = typer.Option(None, "--log-level", help="Log level of the daemon's JSON log lines on stderr: debug, info, warning, error or critical (default: config daemon.log_level, info)."),
-        curve_clients_dir: Path = typer.Option(None, "--curve-clients-dir", "--clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key; --clients-dir, as for `moetune keys client/allow`)."),
+        curve_clients_dir: Path = path_option(None, "--curve-clients-dir", "--clients-dir", help="Allow-list of client public keys for tcp:// with CURVE (default: clients/ beside the server's secret key; --clients-dir, as for `moetune keys client/allow`)."),
         store_hook: str = typer.Option(None, "--store-hook", hidden=True),
         discover_hook: str = typer.Option(None, "--discover-hook", hidden=True),
         retune_hook: str = typer.Option(None, "--retune-hook", hidden=True),
@@ -94,7 +96,7 @@ def register(app: typer.Typer) -> None:
     @app.command("status")
     def status(
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
-        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(1000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
         json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
@@ -143,7 +145,7 @@ def register(app: typer.Typer) -> None:
         reason: str = typer.Option("requested from the command line", "--reason",
                                    help="Why: recorded with the job (`moetune status` lists it)."),
         socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
-        config: Path = typer.Option(None, "--config", help="TOML config file."),
+        config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(RETUNE_TIMEOUT_MS, "--timeout-ms",
                                        help="Milliseconds to wait for the daemon's answer (it answers once the job is "
                                             "recorded in the database, which may wait for another writer)."),

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, seed_problem
+from moetune.tuner.cli._args import int_list, path_option, path_text_option, seed_problem
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -228,23 +228,23 @@ def tune(
     model: list[str] = typer.Option(None, "--model", "-m", help="Model shape (qwen3-30b, deepseek-v3, gpt-oss-120b, custom:H,I,E,K). Repeatable."),
     tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket)."),
     backend: str = typer.Option(None, "--backend", "-b", help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
-    preset: str = typer.Option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
+    preset: str = path_text_option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
     timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600)."),
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: NAME-studies.db beside the profile database NAME.db, moetune-studies.db for moetune.db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed (0 to 4294967295)."),
-    db: Path = typer.Option(None, "--db", help="Profile database (default: configured)."),
-    config: Path = typer.Option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
+    db: Path = path_option(None, "--db", help="Profile database (default: configured)."),
+    config: Path = path_option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
     ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes; 2 × nodes on a node without GPUs). The local backend stores only what it measures: --ep-size = --world, --nodes 1."),
     family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
-    policy: Path = typer.Option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
+    policy: Path = path_option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),
     world: int = typer.Option(None, "--world", help="Local backend: ranks to launch on this node (default: --ep-size, else GPUs found, else 2)."),
     comm: str = typer.Option(None, "--comm", help="Local backend: nccl or gloo (default: nccl with GPUs, else gloo)."),
     repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
     trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
-    capture: Path = typer.Option(None, "--from", "--capture", help="Discover from a fabric capture directory instead of this node (--capture, as for `moetune profile`)."),
+    capture: Path = path_option(None, "--from", "--capture", help="Discover from a fabric capture directory instead of this node (--capture, as for `moetune profile`)."),
     node_model: bool = typer.Option(False, "--node-model", help="Model backend: --preset is a calibrated model of THIS node (profiles get this node's key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
@@ -687,8 +687,8 @@ def _nothing_stored(results: list) -> None:
 def show(
     study: str = typer.Option(None, "--study", "-s", help="Study name (default: list the studies)."),
     storage: str = typer.Option(None, "--storage", help="Optuna storage URL."),
-    db: Path = typer.Option(None, "--db", help="Profile database (its studies file, NAME-studies.db for NAME.db, sits beside it)."),
-    config: Path = typer.Option(None, "--config", help="TOML config file (for the default database)."),
+    db: Path = path_option(None, "--db", help="Profile database (its studies file, NAME-studies.db for NAME.db, sits beside it)."),
+    config: Path = path_option(None, "--config", help="TOML config file (for the default database)."),
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
 ) -> None:
     # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
