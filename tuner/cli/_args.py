@@ -24,18 +24,39 @@ EMPTY_PATH = "an empty path names no file or folder (give one; \".\" is the curr
 
 def path_text(text: str) -> str:
     """A path argument's parser (`typer.Argument(..., parser=path_text)`), the argument kept as typed (a str: "-" for
-    stdout, say): "" is refused, naming the argument (Click says "Invalid value for 'PATH': ...")."""
-    if text == "":
-        import typer
+    stdout, say): "" is refused, naming the argument (Click says "Invalid value for 'PATH': ..."); so is a path below
+    a folder this user may not search (mode 0000): every later look at it (exists, is_dir) raised PermissionError,
+    and `report --out`, `model sweep --out`, `bench summarize --out`, `fabric capture`, `db upgrade --db` ended in
+    its traceback."""
+    import os
 
+    import typer
+
+    if text == "":
         raise typer.BadParameter(EMPTY_PATH)
+    try:
+        os.stat(text)
+    except PermissionError as e:
+        raise typer.BadParameter(f"path {text!r} cannot be reached: a folder on the way may not be searched "
+                                 f"({e.strerror or e})") from None
+    except (OSError, ValueError):  # missing, a dangling link, a NUL byte: the command's own checks say what is wrong
+        pass
     return text
 
 
 def path_arg(text: str) -> Path:
     """`path_text` for a Path argument. Converted as a Path, "" was ".": `profiles import ""` said "cannot read .: Is
-    a directory" and `fabric capture ""` reported on the current folder."""
-    return Path(path_text(text))
+    a directory" and `fabric capture ""` reported on the current folder. An existing path this user may not read is
+    refused as Typer refuses it for a Path it converts ("path 'X' is not readable."): a capture folder of mode 0000
+    ended `tune --capture` in a PermissionError traceback once the parser replaced Typer's conversion."""
+    import os
+
+    text = path_text(text)
+    if os.path.exists(text) and not os.access(text, os.R_OK):
+        import typer
+
+        raise typer.BadParameter(f"path {text!r} is not readable.")
+    return Path(text)
 
 
 def path_option(default: Any, *names: str, **kwargs: Any) -> Any:
