@@ -21,6 +21,7 @@ _LAZY = {
     "StoreBusy": "._schema",
     "StoreDamaged": "._schema",
     "StoreError": "._schema",
+    "StoreFull": "._schema",
     "StoreNotWritable": "._schema",
     "VERSION_TABLE": "._schema",
     "head_revision": "._schema",

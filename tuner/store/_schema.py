@@ -22,7 +22,8 @@ class StoreError(RuntimeError):
     """The database cannot be opened, is at an unknown revision, or a stored value is invalid.
 
     `exit_code`: what a command exits with on it: 2 (the database given is wrong: not a database, a newer schema,
-    ...), 1 for a failure with nothing wrong in what was given (`StoreBusy`, `StoreNotWritable`)."""
+    a file this user cannot read, ...), 1 for a failure with nothing wrong in what was given (`StoreBusy`,
+    `StoreNotWritable`, `StoreFull`)."""
 
     exit_code = 2
 
@@ -45,6 +46,13 @@ class StoreNotDatabase(StoreError):
 
 class StoreNotWritable(StoreError):
     """This user may not write the database file, or the folder it is (or would be) in."""
+
+    exit_code = 1
+
+
+class StoreFull(StoreError):
+    """SQLite's "database or disk is full": a write failed for want of room (disk or quota), nothing is wrong with the
+    database given: exit 1, as for any output that fills the disk."""
 
     exit_code = 1
 

@@ -62,6 +62,7 @@ from moetune.tuner.store._schema import (
     StoreBusy,
     StoreDamaged,
     StoreError,
+    StoreFull,
     StoreNotDatabase,
     StoreNotWritable,
     Upgraded,
@@ -113,6 +114,7 @@ __all__ = [
     "StoreBusy",
     "StoreDamaged",
     "StoreError",
+    "StoreFull",
     "StoreNotDatabase",
     "StoreNotWritable",
     "database_path",
@@ -313,12 +315,18 @@ SQLITE_CANNOT_WRITE = ("readonly database", "unable to open database file")
 
 def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
     """The StoreError for a SQLite failure on the database at `path`: `StoreBusy` when another process held its lock
-    past the busy timeout (the file is fine: retry); `StoreNotWritable` when, for a write, this user may not write the
-    file or its folder; else SQLite's message with the path."""
+    past the busy timeout (the file is fine: retry); a StoreError naming the permission when this user may not read
+    the file (SQLite said "unable to open database file"; exit 2 whether the command reads or writes it);
+    `StoreNotWritable` when, for a write, this user may not write the file or its folder; `StoreFull` when the disk
+    took no more; else SQLite's message with the path."""
     why = str(e)
     if is_locked(e):
         return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
                          "writing, not damaged); retry when that process is done")
+    if Path(path).is_file() and not os.access(path, os.R_OK):
+        return StoreError(f"{path}: cannot read it (permission denied)")
+    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "database or disk is full" in why:
+        return StoreFull(f"{path}: {why}")
     if write and any(m in why for m in SQLITE_CANNOT_WRITE):
         reason = not_writable(path, side_files=True)
         if reason:
