@@ -323,7 +323,7 @@ def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
     if is_locked(e):
         return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
                          "writing, not damaged); retry when that process is done")
-    if Path(path).is_file() and not os.access(path, os.R_OK):
+    if os.path.isfile(path) and not os.access(path, os.R_OK):  # os.path: never raises (Path.is_file may)
         return StoreError(f"{path}: cannot read it (permission denied)")
     if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "database or disk is full" in why:
         return StoreFull(f"{path}: {why}")
