@@ -114,11 +114,12 @@ def test_import_of_empty_or_closed_stdin_says_so(tmp_path: Path) -> None:
     assert not db.exists()
 
 
-@pytest.mark.parametrize(("err", "code"), [("EACCES", 1), ("EPERM", 1), ("EROFS", 1), ("ENOSPC", 1),
-                                           ("ENOENT", 2), ("EISDIR", 2)])
+@pytest.mark.parametrize(("err", "code"), [("EACCES", 2), ("EPERM", 2), ("EROFS", 2), ("ENOSPC", 1), ("EDQUOT", 1),
+                                           ("EIO", 1), ("ENOENT", 2), ("EISDIR", 2)])
 def test_export_write_errors_exit_by_whose_fault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: str,
                                                   code: int) -> None:
-    """1 when this user may not write there or there is no space; 2 for a bad path (missing folder, a directory)."""
+    """1 when the write fails as it is made (no space, quota, an I/O error); 2 when the path cannot be written (no
+    permission, a read-only file system, a missing folder, a directory), as for every command's output."""
     import errno
     import os
 

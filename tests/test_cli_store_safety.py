@@ -217,7 +217,7 @@ def test_write_atomic_refuses_another_users_link(tmp_path):
 
 def test_export_refuses_another_users_link(tmp_path):
     """`profiles export` resolved the path itself (Path.resolve) before write_atomic: the same hole, closed the same
-    way; said plainly, exit 1, nothing written."""
+    way; said plainly, exit 2 (the path given cannot be written), nothing written."""
     db = tmp_path / "m.db"
     fill(db)
     victim = tmp_path / "bashrc"
@@ -226,12 +226,12 @@ def test_export_refuses_another_users_link(tmp_path):
     _foreign_link(link, victim)
     for extra in ([], ["--force"]):
         r = run("profiles", "export", str(link), "--db", str(db), *extra)
-        assert r.exit_code == 1 and "refusing to write through" in r.stderr and f"uid {_OTHER_UID}" in r.stderr, (
+        assert r.exit_code == 2 and "refusing to write through" in r.stderr and f"uid {_OTHER_UID}" in r.stderr, (
             r.output)
         assert victim.read_text() == "mine\n"
     _foreign_link(tmp_path / "new.json", tmp_path / "planted.json")
     r = run("profiles", "export", str(tmp_path / "new.json"), "--db", str(db))
-    assert r.exit_code == 1 and not (tmp_path / "planted.json").exists(), r.output
+    assert r.exit_code == 2 and not (tmp_path / "planted.json").exists(), r.output
 
 
 # -- 2: read commands never create or migrate; nobody adds tables to a foreign file -----------------

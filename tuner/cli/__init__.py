@@ -13,6 +13,7 @@ import typer
 
 from moetune.tuner import __version__
 from moetune.tuner.cli import _help, bench, db, fabric, keys, model, profile, profiles, query, serve, tune
+from moetune.tuner.cli._args import WRITE_FAILED_ERRNOS
 
 _help.apply()  # a flag shows no `<bool>`, two long names read `--a, --b` (Typer's Rich help)
 
@@ -50,7 +51,7 @@ app.add_typer(keys.app, name="keys")
 
 
 # the output itself cannot be written: a full disk (`>/dev/full`), a reader gone, an I/O error
-_OUTPUT_ERRNOS = (errno.ENOSPC, errno.EPIPE, errno.EIO, errno.EDQUOT, errno.EFBIG)
+_OUTPUT_ERRNOS = WRITE_FAILED_ERRNOS | {errno.EPIPE}
 
 
 def main() -> None:

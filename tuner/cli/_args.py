@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,18 @@ def path_text_option(default: Any, *names: str, **kwargs: Any) -> Any:
     import typer
 
     return typer.Option(default, *names, parser=path_text, **kwargs)
+
+
+# A write that failed as it was made, for want of room or by the device (no space, over quota, a file too large, an I/O
+# error): nothing is wrong with the path given, the operation failed: exit 1. Any other error writing an output (no
+# permission, a read-only file system, no such folder, a file in the way, a folder where a file goes) says the path
+# given cannot take it: exit 2, as for a bad argument (the convention `moetune --help` states).
+WRITE_FAILED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def write_error_code(e: BaseException) -> int:
+    """The exit status for an error writing an output (its `errno`, see WRITE_FAILED_ERRNOS): 1 or 2."""
+    return 1 if getattr(e, "errno", None) in WRITE_FAILED_ERRNOS else 2
 
 
 def nearest_existing(path: Path) -> Path:

@@ -12,7 +12,14 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import SEED_MAX, int_list, nearest_existing, path_text_option, seed_problem
+from moetune.tuner.cli._args import (
+    SEED_MAX,
+    int_list,
+    nearest_existing,
+    path_text_option,
+    seed_problem,
+    write_error_code,
+)
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -616,11 +623,11 @@ def run_scenario(
     except R.RowsNotSaved as e:  # the table could not be written after all: the rows are kept, never lost
         if e.kept is None:
             typer.echo(e.text, nl=False)
-        _fail(f"--results {e}")
+        _fail(f"--results {e}", write_error_code(e))
     except (S.ScenarioError, R.ResultsError) as e:
         _fail(str(e))
     except OSError as e:  # the table could not be read or written (permissions, a full disk)
-        _fail(f"--results {out}: {e.strerror or e}")
+        _fail(f"--results {out}: {e.strerror or e}", write_error_code(e))
     modelled = any(R.is_modelled(r) for r in rows)
     # the rows' `source` says how the launch ran (measured, or modelled for a prediction a run made; smoke; an
     # import): the title never calls predictions measured
@@ -701,5 +708,5 @@ def summarize_scenarios(
         else:  # a full disk or a crash mid-write leaves the old file whole
             write_atomic(path, md)
     except OSError as e:
-        _fail(f"--out {path}: cannot write it ({e.strerror or e})")
+        _fail(f"--out {path}: cannot write it ({e.strerror or e})", write_error_code(e))
     _err.print(f"wrote {path} ({md.count(chr(10))} lines)")

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import path_arg, path_option
+from moetune.tuner.cli._args import path_arg, path_option, write_error_code
 from moetune.tuner.cli._tables import Col, fit_table, print_table
 from moetune.tuner.cli.db import db_flag, db_path, fail, open_store
 
@@ -167,8 +167,8 @@ def capture(
     try:
         path = capture_node(dest, timeout_s=timeout_s)
         f = discover(path)  # read it back: a capture must describe the node exactly
-    except DiscoveryError as e:
-        raise _fail(str(e))
+    except DiscoveryError as e:  # exit 1 where a write failed as it was made (a full disk), else 2
+        raise _fail(str(e), write_error_code(e))
     n_files = sum(1 for p in path.rglob("*") if p.is_file())
     if as_json:
         typer.echo(json.dumps({"path": str(path), "files": n_files, "fingerprint": f.fingerprint,

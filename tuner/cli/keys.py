@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from moetune.tuner.cli._args import path_arg, path_option
+from moetune.tuner.cli._args import path_arg, path_option, write_error_code
 
 app = typer.Typer(help="CURVE keys for a daemon listening on TCP.", no_args_is_help=True)
 
@@ -52,6 +52,15 @@ def _check_key_dir(directory: Path, what: str, risk: str) -> None:
     check_key_path(directory, what, forbid=0o022, risk=risk)
 
 
+class _WriteError(ValueError):
+    """A key file or folder that could not be written, named; `errno` the OSError's (exit 1 for a full disk, else 2:
+    `_args.write_error_code`)."""
+
+    def __init__(self, message: str, errno: int | None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 def _make_dir(directory: Path, what: str) -> None:
     """Create `directory` (0700) unless it is one; a ValueError naming it when a file is in the way or it cannot be
     made (mkdir said "[Errno 17] File exists" of a file given as the directory)."""
@@ -65,7 +74,7 @@ def _make_dir(directory: Path, what: str) -> None:
     except NotADirectoryError:
         raise ValueError(f"cannot create the {what} {directory}: a folder above it is a file") from None
     except OSError as e:
-        raise ValueError(f"cannot create the {what} {directory}: {e.strerror or e}") from None
+        raise _WriteError(f"cannot create the {what} {directory}: {e.strerror or e}", e.errno) from None
 
 
 def check_public_file(public_file: Path) -> None:
@@ -92,10 +101,13 @@ def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False
         for p in (public, secret):
             p.unlink(missing_ok=True)
         pub_file, sec_file = zmq.auth.create_certificates(str(directory), name)
+        for p in (pub_file, sec_file):
+            os.chmod(p, 0o600)
+    except OSError as e:  # a full disk said "[Errno 28] No space left on device", naming no file
+        raise _WriteError(f"cannot write the key pair {public.name}, {secret.name} in {directory}: "
+                          f"{e.strerror or e}", e.errno) from None
     finally:
         os.umask(old)
-    for p in (pub_file, sec_file):
-        os.chmod(p, 0o600)
     return Path(pub_file), Path(sec_file)
 
 
@@ -112,7 +124,7 @@ def generate(
         public, secret = generate_keys(directory, name, force=force)
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys generate: {e}", fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(write_error_code(e)) from None
     if json_out:
         typer.echo(json.dumps({"public": str(public), "secret": str(secret)}))
     else:
@@ -136,7 +148,9 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     check_public_file(public_file)
     try:
         public, secret = zmq.auth.load_certificate(str(public_file))
-    except (OSError, ValueError) as e:
+    except OSError as e:  # unreadable: not "not a CURVE public key file: [Errno 13] Permission denied"
+        raise ValueError(f"{public_file}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
         raise ValueError(f"{public_file} is not a CURVE public key file: {e}") from None
     if not public:
         raise ValueError(f"{public_file} holds no public key")
@@ -211,7 +225,7 @@ def client(
         allowed = allow_everywhere(public, server_keys, clients_dir, admins_dir, admin=admin, force=force)
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys client: {e}", fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(write_error_code(e)) from None
     if json_out:
         typer.echo(json.dumps({"public": str(public), "secret": str(secret), **_allowed_json(allowed)}))
     else:
@@ -235,7 +249,7 @@ def allow(
         allowed = allow_everywhere(public_file, server_keys, clients_dir, admins_dir, admin=admin, force=force)
     except (OSError, ValueError) as e:
         typer.secho(f"moetune keys allow: {e}", fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(write_error_code(e)) from None
     if json_out:
         typer.echo(json.dumps(_allowed_json(allowed)))
     else:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, path_option, path_text_option
+from moetune.tuner.cli._args import int_list, path_option, path_text_option, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -529,7 +529,7 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     try:  # atomic: Ctrl-C or a full disk mid-save must not leave an earlier plot of that name truncated
         write_figure(fig, out, dpi=110)
     except (OSError, ValueError) as e:
-        _fail(f"--out {out}: cannot write the plot ({getattr(e, 'strerror', None) or e})")
+        _fail(f"--out {out}: cannot write the plot ({getattr(e, 'strerror', None) or e})", write_error_code(e))
     finally:
         plt.close(fig)
 
@@ -696,7 +696,7 @@ def calibrate_cmd(
         try:  # atomic: --out may be the --preset file itself; Ctrl-C or a full disk must not leave it truncated
             write_atomic(out, cal.to_toml())
         except OSError as e:
-            _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})")
+            _fail(f"--out {out}: cannot write the calibrated preset ({e.strerror or e})", write_error_code(e))
     if as_json:
         # to_dict gives null for a non-finite number: JSON has no NaN, and a reader must not fail on it
         typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None,

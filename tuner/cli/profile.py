@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, nearest_existing, path_option
+from moetune.tuner.cli._args import int_list, nearest_existing, path_option, write_error_code
 from moetune.tuner.cli._progress import RichProgress
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
@@ -249,7 +249,8 @@ def profile(
             # the report folder passed the up-front check but could not be written (root and /proc, a folder removed
             # meanwhile): name the option, as `report --out` does
             mine = report_dir is not None and e.filename is not None and str(e.filename).startswith(str(report_dir))
-            _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; rerun to continue)")
+            _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; rerun to continue)",
+                  write_error_code(e))
         except (ValueError, KnobError, RuntimeError) as e:
             _fail(f"{e} (finished stages are kept; rerun to continue)")
     rows = done.get("compare") or []
@@ -382,7 +383,7 @@ def report(
                       f"{'another ' if out is not None else ''}--out DIR")
             except OSError as e:  # the folder vanished, a full disk, a plot file we may not replace
                 _fail(f"{'--out ' if out is not None else 'report folder '}{dest}: cannot write the report "
-                      f"({e.strerror or e})")
+                      f"({e.strerror or e})", write_error_code(e))
             done(path)
         except KeyboardInterrupt:  # after report.md was put in place (it is written last): the report is whole
             if "report.md" not in _written(where):

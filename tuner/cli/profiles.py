@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
-from moetune.tuner.cli._args import path_arg, path_option, path_text
+from moetune.tuner.cli._args import path_arg, path_option, path_text, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import (
     CONFIG_HELP,
@@ -259,9 +258,8 @@ def export_cmd(
         except FileExistsError:  # an existing file (a read-only one too) is replaced only when asked
             ro = " (read-only)" if _read_only(Path(path).expanduser()) else ""
             raise fail(f"{path} already exists{ro}: not replaced (--force replaces it)") from None
-        except OSError as e:  # 1: this user may not write there, or no space (the path is fine); 2: a bad path
-            code = 1 if e.errno in _WRITE_DENIED_ERRNOS else 2
-            raise fail(f"cannot write {path}: {e.strerror or e}", code) from None
+        except OSError as e:  # 1: no space, an I/O error (the path is fine); 2: the path cannot be written
+            raise fail(f"cannot write {path}: {e.strerror or e}", write_error_code(e)) from None
     out.print(escape(f"exported {n} profile(s) to {path}"))
     from moetune.tuner.store.io import MAX_IMPORT_BYTES
 
@@ -269,10 +267,6 @@ def export_cmd(
     if size > MAX_IMPORT_BYTES:  # written whole, but `profiles import` would refuse it: said now, not at the import
         err.print(escape(f"warning: {path} is {size >> 20} MiB, over the {MAX_IMPORT_BYTES >> 20} MiB that `moetune "
                           "profiles import` takes: export it in parts (--status current, --fingerprint, --provenance)"))
-
-
-# OSErrors of a write that say nothing is wrong with the path given: permission, a read-only filesystem, no space
-_WRITE_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
 
 
 def _read_only(path: Path) -> bool:

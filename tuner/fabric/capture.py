@@ -40,7 +40,9 @@ _PROCESSES = re.compile(r"<processes>.*?</processes>", re.S)
 
 
 class CaptureWriteError(DiscoveryError):
-    """The capture directory cannot be written."""
+    """The capture directory cannot be written; `errno` the OSError's where one stopped the write (a full disk)."""
+
+    errno: int | None = None
 
 
 def _rel(path: str) -> str:
@@ -125,7 +127,9 @@ def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | N
         # as it was, absent or empty
         _remove_partial(rec, dest, created)
         if isinstance(e, OSError):
-            raise CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}") from None
+            failed = CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}")
+            failed.errno = e.errno
+            raise failed from None
         raise
     return dest
 

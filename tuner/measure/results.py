@@ -58,8 +58,9 @@ class RowsNotSaved(ResultsError):
     kept in `kept`, a results CSV of their own (beside the table, else in the system's temporary folder), or, where
     no file could be written at all, only in `text` (the CSV, header first) for the caller to print."""
 
-    def __init__(self, path: Path, reason: str, n: int, text: str, kept: Path | None) -> None:
+    def __init__(self, path: Path, reason: str, n: int, text: str, kept: Path | None, errno: int | None = None) -> None:
         self.path, self.reason, self.n, self.text, self.kept = path, reason, n, text, kept
+        self.errno = errno  # the OSError's, where one stopped the write (a full disk: the CLI's exit status 1)
         where = (f"they are kept in {kept} (a results CSV, header first: append its rows to {path} once it can "
                  "be written)" if kept is not None else "no file could be written either: they are printed on stdout "
                  "as CSV")
@@ -138,7 +139,8 @@ def append_or_keep(path: Path, rows: Iterable[dict[str, Any]]) -> int:
         return append_rows(path, rows)
     except (OSError, ResultsError) as e:
         reason = (getattr(e, "strerror", None) or str(e)) if isinstance(e, OSError) else str(e)
-        raise RowsNotSaved(path, reason, len(rows), _csv_text(rows, header=True), keep_rows(path, rows)) from None
+        raise RowsNotSaved(path, reason, len(rows), _csv_text(rows, header=True), keep_rows(path, rows),
+                           getattr(e, "errno", None)) from None
 
 
 def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
