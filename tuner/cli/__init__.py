@@ -17,9 +17,20 @@ from moetune.tuner.cli._args import WRITE_FAILED_ERRNOS
 
 _help.apply()  # a flag shows no `<bool>`, two long names read `--a, --b` (Typer's Rich help)
 
+# The exit statuses of every command, stated once (tests/test_cli_path_errors.py holds the commands to it).
+EXIT_STATUS_HELP = (
+    "Exit status: 0 done. 2 the command line is wrong: a bad value or an empty path; an input file or folder that is "
+    "missing, unreadable or not what it should be (not a database, a newer one, bad TOML, JSON or CSV); an output path "
+    "that cannot be written (no permission, a read-only file system, no such folder, a file in the way). 1 the "
+    "command line is fine but the work failed: the database is busy, served by a daemon or not writable by this user; "
+    "a write ran out of space or hit an I/O error; the daemon, a measurement, a fit or a check failed. 130 / 143: "
+    "ended by Ctrl-C / SIGTERM."
+)
+
 app = typer.Typer(
     name="moetune",
     help="Profile the GPU fabric, tune MoE expert-parallel communication, keep and serve tuned profiles.",
+    epilog=EXIT_STATUS_HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
