@@ -5,7 +5,11 @@ path, and no traceback."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,9 @@ from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
 from moetune.tuner.cli._args import path_arg, path_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,3 +114,339 @@ def test_the_empty_path_check_leaves_the_help_as_typer_shows_a_path() -> None:
     assert "--report-dir <path>" in h and "<Path>" not in h, h
     r = CliRunner().invoke(app, ["model", "calibrate", "--help"], env={"COLUMNS": "200"})
     assert "<list[Path]>" in r.output, r.output
+
+
+# -- the exit status of a file error is the same in every command ------------------------------------------------
+# 2: the command line is wrong (an input missing, unreadable or not what it should be; an output path that cannot be
+# written); 1: the work failed (a full disk; the database busy or not writable by this user). `moetune --help` says so.
+CAP = str(Path(__file__).parent / "captures" / "dgx-h100")
+_Q = ["--model", "qwen3-30b", "--ep", "8", "--tokens", "16"]
+_T = ["--model", "qwen3-30b", "--preset", "ndr-ibrc-h100x8", "--tokens", "16", "--trials", "1"]
+_TOML, _GARBAGE, _JSON = b"[store\nx = ", b"not a database, not JSON " * 8, b"{bad json\n"
+_CANNOT_SETPRIV = os.geteuid() == 0 and shutil.which("setpriv") is None
+# root's override of file permissions dropped (as tests/test_store_not_writable.py does): a 0000 file is unreadable
+_AS_USER = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+
+
+def _invoke(args: list[str], tmp_path: Path):
+    home = tmp_path / "home"
+    return CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(home), "HOME": str(home), "COLUMNS": "400",
+                                              "MOETUNE_CONFIG": "", "XDG_CONFIG_HOME": str(home / "cfg"),
+                                              "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+
+
+def _run_as_user(args: list[str], tmp_path: Path) -> tuple[int, str]:
+    """The command in a child process that cannot pass file permissions (root's override dropped)."""
+    home = tmp_path / "home"
+    p = subprocess.run([*_AS_USER, sys.executable, "-c", "from moetune.tuner.cli import main; main()", *args],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env=child_env(MOETUNE_HOME=str(home), HOME=str(home), COLUMNS="400", MOETUNE_CONFIG="",
+                                     XDG_RUNTIME_DIR=str(tmp_path / "run")))
+    return p.returncode, p.stdout + p.stderr
+
+
+def _refused(code: int, output: str, want: int, *named: str) -> None:
+    said = " ".join(output.replace("│", " ").split())
+    assert code == want, (code, said)
+    assert "Traceback" not in output, output
+    for n in named:
+        assert n in said, (n, said)
+
+
+def _keys(tmp_path: Path) -> Path:
+    from moetune.tuner.cli.keys import generate_keys
+
+    generate_keys(tmp_path / "srv")
+    return tmp_path / "srv"
+
+
+def _db(tmp_path: Path) -> Path:
+    from moetune.tuner.store.store import Store
+
+    db = tmp_path / "good.db"
+    Store(db).close()
+    return db
+
+
+# (id, the command with {} for the path, the kinds of input tried: m missing, b not what it should be, d a directory,
+# its bad bytes)
+_INPUTS = [
+    ("db path --config", ["db", "path", "--config", "{}"], "mbd", _TOML),
+    ("profiles list --config", ["profiles", "list", "--config", "{}"], "mbd", _TOML),
+    ("status --config", ["status", "--config", "{}"], "mbd", _TOML),
+    ("query --config", ["query", *_Q, "--config", "{}"], "mbd", _TOML),
+    ("tune --config", ["tune", *_T, "--config", "{}"], "mbd", _TOML),
+    ("report --db", ["report", "--capture", CAP, "--db", "{}"], "mbd", _GARBAGE),
+    ("query --db", ["query", *_Q, "--db", "{}"], "mbd", _GARBAGE),
+    ("profiles list --db", ["profiles", "list", "--db", "{}"], "mbd", _GARBAGE),
+    ("db current --db", ["db", "current", "--db", "{}"], "mbd", _GARBAGE),
+    ("db upgrade --db", ["db", "upgrade", "--db", "{}"], "bd", _GARBAGE),
+    ("profiles import --db", ["profiles", "import", "{export}", "--db", "{}"], "bd", _GARBAGE),
+    ("tune --db", ["tune", *_T, "--db", "{}"], "bd", _GARBAGE),
+    ("profile --plan", ["profile", "--capture", CAP, "--plan", "{}"], "mbd", _TOML),
+    ("profile --capture", ["profile", "--capture", "{}"], "mbd", b"x"),
+    ("tune --capture", ["tune", "--model", "qwen3-30b", "--backend", "local", "--capture", "{}"], "mbd", b"x"),
+    ("fabric show --from", ["fabric", "show", "--from", "{}"], "mbd", b"x"),
+    ("serve --capture", ["serve", "--capture", "{}"], "mbd", b"x"),
+    ("tune --policy", ["tune", *_T, "--policy", "{}"], "mb", b"[[["),
+    ("model predict --preset", ["model", "predict", "--model", "qwen3-30b", "--nodes", "2", "--tokens", "16",
+                                "--preset", "{}"], "mbd", b"[[["),
+    ("model calibrate --data", ["model", "calibrate", "--preset", "ndr-ibrc-h100x8", "--data", "{}"], "mbd", _JSON),
+    ("bench run --from-report", ["bench", "run", "moe-megakernel-vs-unfused", "--from-report", "{}"], "mbd", _JSON),
+    ("bench summarize --results", ["bench", "summarize", "--out", "-", "--results", "{}"], "mbd", b"a,b\n1,2\n"),
+    ("profiles import PATH", ["profiles", "import", "{}"], "mbd", _JSON),
+    ("keys allow PUBLIC_FILE", ["keys", "allow", "{}", "{srv}"], "mbd", b"not a key"),
+]
+
+
+def _input_cases():
+    for name, argv, kinds, bad in _INPUTS:
+        for k in kinds:
+            yield pytest.param(argv, k, bad, id=f"{name} {dict(m='missing', b='not-what-it-should-be', d='a-dir')[k]}")
+
+
+def _fill(argv: list[str], path: Path, tmp_path: Path) -> list[str]:
+    extra = {"{}": str(path)}
+    if any("{export}" in a for a in argv):
+        extra["{export}"] = str(tmp_path / "export.json")
+        (tmp_path / "export.json").write_text('{"format": "moetune-profiles", "version": 1, "profiles": []}')
+    if any("{srv}" in a for a in argv):
+        extra["{srv}"] = str(_keys(tmp_path))
+    out = []
+    for a in argv:
+        for k, v in extra.items():
+            a = a.replace(k, v)
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize(("argv", "kind", "bad"), list(_input_cases()))
+def test_an_input_that_cannot_serve_exits_2_naming_it(argv: list[str], kind: str, bad: bytes, tmp_path: Path) -> None:
+    """A missing input, one that is not what it should be (bad TOML or JSON, not a database, not a capture or a key)
+    or a folder given for a file: exit 2 in every command, one message naming the path, no traceback."""
+    path = tmp_path / "input.x"
+    if kind == "b":
+        path.write_bytes(bad)
+    elif kind == "d":
+        path.mkdir()
+    r = _invoke(_fill(argv, path, tmp_path), tmp_path)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    _refused(r.exit_code, r.output, 2, str(path))
+
+
+# the inputs that were read with a message of their own (the database: SQLite's "unable to open database file", exit
+# 2 from the readers, "read-only for this user", exit 1, from `db upgrade`, `tune`, `profile` and `serve`)
+_UNREADABLE = [
+    ("db path --config", ["db", "path", "--config", "{}"], b"[store]\n"),
+    ("profiles list --db", ["profiles", "list", "--db", "{}"], None),
+    ("db current --db", ["db", "current", "--db", "{}"], None),
+    ("db upgrade --db", ["db", "upgrade", "--db", "{}"], None),
+    ("db downgrade --db", ["db", "downgrade", "base", "--yes", "--db", "{}"], None),
+    ("profiles import --db", ["profiles", "import", "{export}", "--db", "{}"], None),
+    ("tune --db", ["tune", *_T, "--db", "{}"], None),
+    ("profile --plan", ["profile", "--capture", CAP, "--plan", "{}"], b"[plan]\n"),
+    ("model predict --preset", ["model", "predict", "--model", "qwen3-30b", "--nodes", "2", "--tokens", "16",
+                                "--preset", "{}"], None),
+    ("model calibrate --data", ["model", "calibrate", "--preset", "ndr-ibrc-h100x8", "--data", "{}"], b"{}\n"),
+    ("profiles import PATH", ["profiles", "import", "{}"], b"{}"),
+    ("keys allow PUBLIC_FILE", ["keys", "allow", "{}", "{srv}"], None),
+]
+
+
+@pytest.mark.skipif(_CANNOT_SETPRIV, reason="root without setpriv reads every file")
+@pytest.mark.parametrize(("argv", "content"), [pytest.param(a, c, id=n) for n, a, c in _UNREADABLE])
+def test_an_unreadable_input_exits_2_naming_it(argv: list[str], content: bytes | None, tmp_path: Path) -> None:
+    """A file given that this user may not read: exit 2 (as a missing one), naming it, in every command; a database
+    too, whether the command reads or writes it."""
+    path = tmp_path / "input.x"
+    if content is not None:
+        path.write_bytes(content)
+    elif "--preset" in argv:
+        from moetune.tuner.fabric_model.predict import load_preset
+
+        path.write_text(load_preset("ndr-ibrc-h100x8").to_toml())
+    elif "keys" in argv:
+        path.write_bytes((_keys(tmp_path / "c") / "moetune.key").read_bytes())
+    else:
+        shutil.copy(_db(tmp_path), path)
+    path.chmod(0)
+    try:
+        code, output = _run_as_user(_fill(argv, path, tmp_path), tmp_path)
+    finally:
+        path.chmod(0o600)
+    _refused(code, output, 2, str(path))
+    assert re.search(r"is not readable|cannot (be )?read", output), output  # the parser's words, or the command's
+
+
+@pytest.mark.skipif(_CANNOT_SETPRIV, reason="root without setpriv reads every file")
+@pytest.mark.parametrize("argv", [["profiles", "list"], ["db", "current"], ["db", "upgrade"], ["tune", *_T],
+                                  ["profiles", "import", "{export}"]], ids=" ".join)
+def test_a_configured_database_this_user_may_not_read_exits_2(argv: list[str], tmp_path: Path) -> None:
+    """The database named by the config ([store] db), not on the command line: SQLite said "unable to open database
+    file" (exit 2) to the readers, and "read-only for this user" (exit 1) to `db upgrade` and `tune`. Every command
+    now says it cannot be read, exit 2."""
+    db = tmp_path / "m.db"
+    shutil.copy(_db(tmp_path), db)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[store]\ndb = "{db}"\n')
+    db.chmod(0)
+    try:
+        code, output = _run_as_user([*_fill(argv, db, tmp_path), "--config", str(cfg)], tmp_path)
+    finally:
+        db.chmod(0o600)
+    _refused(code, output, 2, f"{db}: cannot read it (permission denied)")
+
+
+@pytest.mark.skipif(_CANNOT_SETPRIV, reason="root without setpriv reads every folder")
+@pytest.mark.parametrize("argv", [
+    pytest.param(["profile", "--capture", "{}"], id="profile --capture"),
+    pytest.param(["tune", "--model", "qwen3-30b", "--backend", "local", "--capture", "{}"], id="tune --capture"),
+    pytest.param(["serve", "--capture", "{}"], id="serve --capture"),
+    pytest.param(["tune", *_T, "--policy", "{}"], id="tune --policy"),
+])
+def test_an_unreadable_folder_exits_2_naming_it(argv: list[str], tmp_path: Path) -> None:
+    """A Path option's parser replaced Typer's conversion, which refused an existing path this user may not read:
+    a capture or policy folder of mode 0000 ended `tune`, `profile` and `serve` in a PermissionError traceback. The
+    parser refuses it as Typer did."""
+    d = tmp_path / "locked"
+    d.mkdir(mode=0)
+    try:
+        code, output = _run_as_user([a.replace("{}", str(d)) for a in argv], tmp_path)
+    finally:
+        d.chmod(0o755)
+    _refused(code, output, 2, f"path '{d}' is not readable")
+
+
+@pytest.mark.skipif(_CANNOT_SETPRIV, reason="root without setpriv searches every folder")
+@pytest.mark.parametrize("argv", [
+    pytest.param(["report", "--capture", CAP, "--out", "{}"], id="report --out"),
+    pytest.param(["model", "sweep", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--over", "nodes", "--out",
+                  "{}.png"], id="model sweep --out"),
+    pytest.param(["bench", "summarize", "--out", "{}"], id="bench summarize --out"),
+    pytest.param(["fabric", "capture", "{}"], id="fabric capture DEST"),
+    pytest.param(["db", "upgrade", "--db", "{}"], id="db upgrade --db"),
+    pytest.param(["profiles", "list", "--db", "{}"], id="profiles list --db"),
+    pytest.param(["profiles", "import", "{}"], id="profiles import PATH"),
+    pytest.param(["db", "path", "--config", "{}"], id="db path --config"),
+])
+def test_a_path_below_a_folder_this_user_may_not_search_exits_2_naming_it(argv: list[str], tmp_path: Path) -> None:
+    """Below a folder of mode 0000 every look at the path (exists, is_dir) raised PermissionError: these commands
+    ended in its traceback. Refused when parsed: exit 2, naming the option and the path."""
+    d = tmp_path / "locked"
+    d.mkdir(mode=0)
+    try:
+        code, output = _run_as_user([a.replace("{}", str(d / "x")) for a in argv], tmp_path)
+    finally:
+        d.chmod(0o755)
+    _refused(code, output, 2, str(d / "x"), "cannot be reached: a folder on the way may not be searched")
+
+
+# (id, the command with {} for the output path)
+_OUTPUTS = [
+    ("report --out", ["report", "--capture", CAP, "--db", "{db}", "--out", "{}"]),
+    ("profile --report-dir", ["profile", "--capture", CAP, "--report-dir", "{}"]),
+    ("model sweep --out", ["model", "sweep", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--over", "nodes",
+                           "--out", "{}.png"]),
+    ("bench summarize --out", ["bench", "summarize", "--out", "{}"]),
+    ("bench run --results", ["bench", "run", "fabric-model", "--smoke", "--results", "{}"]),
+    ("profiles export PATH", ["profiles", "export", "{}", "--db", "{db}"]),
+    ("keys generate DIRECTORY", ["keys", "generate", "{}"]),
+    ("keys client --out", ["keys", "client", "{srv}", "--name", "bob", "--out", "{}"]),
+    ("fabric capture DEST", ["fabric", "capture", "{}"]),
+]
+
+
+def _fill_out(argv: list[str], path: Path, tmp_path: Path) -> list[str]:
+    out = []
+    for a in argv:
+        if "{db}" in a:
+            a = a.replace("{db}", str(_db(tmp_path)))
+        if "{srv}" in a:
+            a = a.replace("{srv}", str(_keys(tmp_path)))
+        out.append(a.replace("{}", str(path)))
+    return out
+
+
+@pytest.mark.parametrize("argv", [pytest.param(a, id=n) for n, a in _OUTPUTS])
+def test_an_output_under_a_file_exits_2_naming_it(argv: list[str], tmp_path: Path) -> None:
+    """An output path that cannot be made (a file where its folder should be): exit 2, naming the path, nothing
+    written."""
+    (tmp_path / "afile").write_text("x")
+    path = tmp_path / "afile" / "out"
+    r = _invoke(_fill_out(argv, path, tmp_path), tmp_path)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    _refused(r.exit_code, r.output, 2, str(tmp_path / "afile"))
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.skipif(_CANNOT_SETPRIV, reason="root without setpriv writes everywhere")
+@pytest.mark.parametrize("argv", [pytest.param(a, id=n) for n, a in _OUTPUTS])
+def test_an_output_in_a_folder_this_user_may_not_write_exits_2_naming_it(argv: list[str], tmp_path: Path) -> None:
+    """No permission to write the output's folder: exit 2 in every command (`profiles export` said 1), naming it."""
+    filled = _fill_out(argv, tmp_path / "ro" / "out", tmp_path)
+    (tmp_path / "ro").mkdir(mode=0o555)
+    try:
+        code, output = _run_as_user(filled, tmp_path)
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    _refused(code, output, 2, str(tmp_path / "ro"))
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
+@pytest.mark.skipif(_CANNOT_SETPRIV, reason="root without setpriv writes everywhere")
+def test_a_database_this_user_may_not_write_exits_1(tmp_path: Path) -> None:
+    """The database is the exception the README states: one this user may not write (or create) is the store's
+    failure, exit 1, from every command that writes it."""
+    (tmp_path / "ro").mkdir(mode=0o555)
+    db = tmp_path / "ro" / "new.db"
+    try:
+        for argv in (["db", "upgrade", "--db", str(db)], ["tune", *_T, "--db", str(db)]):
+            code, output = _run_as_user(argv, tmp_path)
+            _refused(code, output, 1, str(tmp_path / "ro"))
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+
+
+def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write of an output fails for want of room: the atomic writes' fsync, a key pair's and a capture's."""
+    import errno
+
+    def enospc(*_a: object, **_k: object):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    import zmq.auth
+
+    from moetune.tuner.fabric import capture
+
+    monkeypatch.setattr(os, "fsync", enospc)
+    monkeypatch.setattr(zmq.auth, "create_certificates", enospc)
+    monkeypatch.setattr(capture, "write_capture", enospc)
+
+
+@pytest.mark.parametrize("argv", [pytest.param(a, id=n) for n, a in _OUTPUTS
+                                  if n not in ("profile --report-dir", "bench run --results")])
+def test_a_full_disk_exits_1_naming_the_output(argv: list[str], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails as it is made (no space left): the work failed, not the path given: exit 1 in every
+    command (it was 2 in all but `profiles export`), naming the output and the reason."""
+    filled = _fill_out(argv, tmp_path / "out", tmp_path)  # the database and keys made before the disk is full
+    _full_disk(monkeypatch)
+    r = _invoke(filled, tmp_path)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    _refused(r.exit_code, r.output, 1, str(tmp_path / "out"), "No space left on device")
+
+
+def test_a_full_disk_under_the_database_exits_1() -> None:
+    """SQLite's "database or disk is full" is a StoreFull (exit 1), as a full disk under any other output."""
+    import sqlite3
+
+    from moetune.tuner.store.store import StoreFull, sqlite_failure
+
+    e = sqlite_failure(Path("/x/m.db"), sqlite3.OperationalError("database or disk is full"), write=True)
+    assert isinstance(e, StoreFull) and e.exit_code == 1 and str(e) == "/x/m.db: database or disk is full"
+
+
+def test_the_help_states_the_exit_statuses() -> None:
+    r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"})
+    said = " ".join(r.output.replace("│", " ").split())
+    assert "Exit status: 0 done. 2 the command line is wrong" in said and "1 the command line is fine" in said, said
