@@ -174,15 +174,39 @@ __device__ bool refuse_send(const XParams& p, uint64_t epoch) {
   __syncthreads();
   if (!s_fit) return true;
   if (p.mode != kGather) return false;
-  // the gather reads x, g_idx and g_w at row tok[i] for each send row i < s_rows (<= tok's entries, checked above)
+  // the gather reads x, g_idx and g_w at row tok[i] for each send row i < s_rows (<= tok's entries, checked above).
+  // Every CTA scans them all before its first copy; kept short: 16-byte loads (two tokens each), 8 of them in flight
+  // per thread (at 8 ranks x 4096 tokens x top-8, ~21k rows: ~3 rounds of loads a thread instead of ~42 dependent ones)
   int bad = 0;
-  for (unsigned long long i = threadIdx.x; i < s_rows; i += blockDim.x) {
-    const int64_t t = p.tok[i];
+  auto check = [&](unsigned long long i, int64_t t) {
     if (t < 0 || (uint64_t)t >= p.x_rows) {
       bad = 1;
       atomicMin(&s_bad, i);
     }
+  };
+  unsigned long long head = 0;  // tokens before the first 16-byte boundary (tok is 8-byte aligned)
+  if (reinterpret_cast<uintptr_t>(p.tok) & 15) head = s_rows > 0 ? 1 : 0;
+  if (threadIdx.x == 0 && head) check(0, p.tok[0]);
+  const longlong2* t2 = reinterpret_cast<const longlong2*>(p.tok + head);
+  const unsigned long long n2 = (s_rows - head) / 2;
+  constexpr int U = 8;
+  for (unsigned long long base = 0; base < n2; base += (unsigned long long)U * blockDim.x) {
+    longlong2 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned long long k = base + (unsigned long long)u * blockDim.x + threadIdx.x;
+      v[u] = k < n2 ? t2[k] : make_longlong2(0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned long long k = base + (unsigned long long)u * blockDim.x + threadIdx.x;
+      if (k < n2) {
+        check(head + 2 * k, v[u].x);
+        check(head + 2 * k + 1, v[u].y);
+      }
+    }
   }
+  if (threadIdx.x == 0 && head + 2 * n2 < s_rows) check(s_rows - 1, p.tok[s_rows - 1]);
   if (!__syncthreads_or(bad)) return false;
   if (blockIdx.x == 0 && threadIdx.x == 0) {  // slot 2: peer = the destination of the first such row
     int dest = 0;
@@ -545,6 +569,18 @@ MT_API int mt_nvl_clear_error(void* h) {
              "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
              "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
              MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
+  // The refused call must be the last exchange launched (epochs[0]: the last completed, after the synchronisation
+  // above). The record keeps the first error only: a refusal in an exchange launched after it went unrecorded, and
+  // ranks that noticed the refusal at different calls (launches are asynchronous) may have launched different
+  // operations since; clearing would hide both.
+  unsigned long long last = 0;
+  MT_CUDA(cudaMemcpy(&last, c->epochs, sizeof(last), cudaMemcpyDeviceToHost));
+  const uint64_t rec_epoch = (uint64_t)(uint32_t)e[4];
+  MT_REQUIRE(code == 0 || rec_epoch == (last & 0x7fffffffull), 107,
+             "the refused call (epoch %llu) is not this rank's last exchange (epoch %llu ran after it, before the "
+             "refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
+             "transport (synchronise and check after each call to clear it)",
+             (unsigned long long)rec_epoch, (unsigned long long)(last & 0x7fffffffull));
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

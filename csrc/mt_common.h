@@ -305,9 +305,13 @@ MT_DEV bool is_refused(uint64_t word) { return (word & MT_COUNT_REFUSED) != 0; }
 MT_DEV bool send_counts_fit(const WaitCtx& w, const int64_t* counts, int world, uint64_t send_rows, uint64_t epoch,
                             bool report) {
   const uint64_t rows = send_rows < MT_COUNT_MASK ? send_rows : MT_COUNT_MASK;
+  // every count loaded before the first test: independent loads in flight together (one memory round trip on the
+  // call's critical path, not one per destination behind the early exit)
+  long long c[MT_MAX_WORLD];
+  for (int d = 0; d < MT_MAX_WORLD; ++d) c[d] = d < world ? counts[d] : 0;
   uint64_t total = 0;
   for (int d = 0; d < world; ++d) {
-    const long long cnt = counts[d];
+    const long long cnt = c[d];
     if (cnt < 0 || (uint64_t)cnt > rows - total) {
       if (report)
         report_refusal(w, MT_ERR_SEND_COUNTS, d, cnt < 0 ? 0 : 1, epoch,

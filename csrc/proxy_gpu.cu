@@ -28,6 +28,7 @@ struct PxCtx {
   uint64_t* done_host = nullptr;  // completion word (pinned, mapped), written by each call's kernel
   uint64_t* done_dev = nullptr;
   uint64_t launches = 0;
+  uint64_t last_epoch = 0;  // the epoch of the last call launched (counts or exchange): mt_pxy_clear_error
   int host_wait = 1;
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
 #ifdef MT_HOST_SIM
@@ -183,6 +184,7 @@ static PxParams base_params(PxCtx* c, uint64_t epoch) {
   p.rank = c->rank;
   p.world = c->world;
   p.epoch = epoch;
+  c->last_epoch = epoch;
   p.done = c->done_dev;
   p.done_value = ++c->launches;
   p.w.err = c->err_dev;
@@ -370,6 +372,15 @@ MT_API int mt_pxy_clear_error(void* h) {
              "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
              "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
              MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
+  // The refused call must be the last one launched. The record keeps the first error only, so a refusal in a call
+  // launched after it (before the first was seen) went unrecorded, and the ranks that noticed the refusal at
+  // different calls may have launched different operations since: clearing would hide both.
+  const uint64_t rec_epoch = (uint64_t)(uint32_t)e[4];
+  MT_REQUIRE(code == 0 || rec_epoch == (c->last_epoch & 0x7fffffffull), 323,
+             "the refused call (epoch %llu) is not this rank's last (epoch %llu was launched after it, before the "
+             "refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
+             "transport (check the error after each call to clear it)",
+             (unsigned long long)rec_epoch, (unsigned long long)(c->last_epoch & 0x7fffffffull));
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

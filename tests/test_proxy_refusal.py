@@ -187,3 +187,26 @@ def test_the_refusal_marker_is_outside_every_count() -> None:
     assert "#define MT_COUNT_MASK (MT_COUNT_REFUSED - 1)" in src
     assert "(tag << MT_TAG_SHIFT) | (count & MT_COUNT_MASK)" in src
     assert "MT_ERR_PEER_REFUSED = 9," in src
+
+
+def test_clear_error_refuses_once_a_later_call_ran_after_the_refusal(lib: ctypes.CDLL) -> None:
+    """The record keeps the first error only: rank 0 refuses in call 1, and call 2 (launched before anyone checked, as
+    asynchronous callers do) is refused by rank 1, whose refusal cannot be recorded. Clearing then would hide call 2's
+    refusal, and ranks that noticed call 1's at different calls may be out of step: mt_pxy_clear_error refuses (323)
+    on every rank, naming both epochs, and keeps the record."""
+    world, rb = 3, 16
+    ranks = proxy_sim.SimRanks(lib, world, 24 * rb, timeout_s=TIMEOUT_S)
+    try:
+        good = [[1] * world for _ in range(world)]
+        for epoch, refusing in ((1, 0), (2, 1)):
+            counts = [row[:] for row in good]
+            counts[refusing] = [0] * (world - 1) + [9]  # past its 4 send rows
+            ranks.exchange(_sends(world, 4, rb, epoch), counts, epoch)
+        assert _errors(lib, ranks) == [ERR_SEND_COUNTS, ERR_PEER_REFUSED, ERR_PEER_REFUSED]
+        assert ranks.clear_errors() == [323] * world
+        msg = lib.mt_last_error().decode()
+        assert "the refused call (epoch 1) is not this rank's last (epoch 2 was launched after it" in msg, msg
+        assert "build a new transport" in msg
+        assert _errors(lib, ranks) == [ERR_SEND_COUNTS, ERR_PEER_REFUSED, ERR_PEER_REFUSED]
+    finally:
+        ranks.close()

@@ -75,11 +75,11 @@ def decode_error(words: list[int]) -> str:
                 where = f"rank {words[1]}'s send counts through rank {words[2]} add up to {signed} rows"
             where += f"; send holds {rows} rows"
         return (f"{what}: {where} (epoch {words[4]}); nothing was sent, the other ranks' calls fail at once "
-                "(peer refused); clear_error() on every rank lets the next call run")
+                "(peer refused); clear_error() on every rank lets the next call run (before any other call)")
     if code == 9:  # csrc: MT_ERR_PEER_REFUSED (peer = the refusing rank; it reports why)
         return (f"{what}: rank {words[2]} refused its send counts in this call (epoch {words[4]}; its own error says "
                 f"why), so rank {words[1]} exchanged no rows with it and its receive area lacks them; clear_error() "
-                "on every rank lets the next call run")
+                "on every rank lets the next call run (before any other call)")
     return (
         f"{what} (rank {words[1]}, peer {words[2]}, slot {words[3]}, epoch {words[4]}, "
         f"seen {seen:#x}, expected {words[7] & 0xFFFFFFFF})"
@@ -443,9 +443,12 @@ class OneSidedTransport(EPTransport):
         not fit the send rows` there, `a peer refused its send counts` on the others) keeps the ranks in step: every
         rank still published its count-matrix row and saw the others', and no rows went to or from the refusing
         rank. Each rank that raised such an error clears its own (local, no collective; it waits for this rank's
-        earlier calls to finish). Any other error (a timeout, an overflow, counts that disagree, a failed proxy
-        thread) is not cleared: that call's waits ended early and the ranks may be out of step, so OneSidedError --
-        build a new transport. Nothing recorded: nothing to do."""
+        earlier calls to finish). Only when the refused call is this rank's last: with a later call launched before
+        the refusal was seen (asynchronous callers), a refusal in that call could not be recorded (the record keeps
+        the first error) and the ranks may have launched different operations since, so OneSidedError. Any other
+        error (a timeout, an overflow, counts that disagree, a failed proxy thread) is not cleared either: that call's
+        waits ended early and the ranks may be out of step -- build a new transport. Nothing recorded: nothing to
+        do."""
         self._refuse_closed()
         rc = self._clear_native()
         if rc:
