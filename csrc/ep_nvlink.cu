@@ -41,6 +41,7 @@ struct NvlCtx {
   // Device-side epochs (so launches can be captured in CUDA graphs): [0] last completed exchange,
   // [1] last completed exchange_counts, [2] exchange CTA arrivals (monotonic).
   unsigned long long* epochs = nullptr;
+  int last_kind = 0;  // the last call launched: 0 exchange, 1 exchange_counts (mt_nvl_clear_error)
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
 };
 
@@ -356,11 +357,11 @@ __global__ void nvl_counts_kernel(CParams p) {
   const uint64_t tag = tag_of(epoch);
   if (t < p.world) {
     uint64_t* dst = reinterpret_cast<uint64_t*>(p.ctrl[t] + MT_OFF_CNT) + par * MT_MAX_WORLD + p.rank;
-    mt::st_relaxed_sys(dst, mt::tagged(tag, (uint64_t)p.send_counts[t]));
+    mt::st_relaxed_sys(dst, mt::count_word(p.w, tag, p.send_counts[t], t, epoch));
     bool ok = true;
     const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl[p.rank] + MT_OFF_CNT) + par * MT_MAX_WORLD + t;
     uint64_t v = mt::wait_word(p.w, mine, tag, false, MT_ERR_TIMEOUT_COUNTS, t, -2, &ok);
-    p.recv_counts[t] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
+    p.recv_counts[t] = ok ? mt::counts_received(p.w, v, t, epoch) : 0;
   }
   __syncthreads();
   if (t == 0) atomicExch(p.epochs + 1, (unsigned long long)epoch);
@@ -441,6 +442,7 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   p.epochs = c->epochs;
   p.w = make_wait(c);
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
+  c->last_kind = 1;
   nvl_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
   return 0;
@@ -448,6 +450,7 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
 
 static int nvl_launch(NvlCtx* c, XParams& p, const int64_t* send_counts, const int64_t* recv_counts,
                       int64_t* recv_out, int coupled, int group_size, uint64_t stream) {
+  c->last_kind = 0;
   MT_REQUIRE(c->data_bytes > 0, 103, "no data buffer: call reserve() first");
   MT_REQUIRE(p.row_bytes > 0, 104, "row_bytes must be > 0");
   MT_SET_DEVICE(c->device);
@@ -569,18 +572,21 @@ MT_API int mt_nvl_clear_error(void* h) {
              "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
              "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
              MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
-  // The refused call must be the last exchange launched (epochs[0]: the last completed, after the synchronisation
-  // above). The record keeps the first error only: a refusal in an exchange launched after it went unrecorded, and
-  // ranks that noticed the refusal at different calls (launches are asynchronous) may have launched different
-  // operations since; clearing would hide both.
+  // The refused call must be the last one launched: of the last kind launched (an exchange, or exchange_counts:
+  // slot 3 / -2) and at that kind's last epoch (epochs[0] / epochs[1], completed by the synchronisation above). The
+  // record keeps the first error only: a refusal in a call launched after it went unrecorded, and ranks that noticed
+  // the refusal at different calls (launches are asynchronous) may have launched different operations since;
+  // clearing would hide both.
+  const int kind = (code == MT_ERR_SEND_COUNTS ? e[3] == 3 : e[3] == -2) ? 1 : 0;
   unsigned long long last = 0;
-  MT_CUDA(cudaMemcpy(&last, c->epochs, sizeof(last), cudaMemcpyDeviceToHost));
+  MT_CUDA(cudaMemcpy(&last, c->epochs + kind, sizeof(last), cudaMemcpyDeviceToHost));
   const uint64_t rec_epoch = (uint64_t)(uint32_t)e[4];
-  MT_REQUIRE(code == 0 || rec_epoch == (last & 0x7fffffffull), 107,
-             "the refused call (epoch %llu) is not this rank's last exchange (epoch %llu ran after it, before the "
+  MT_REQUIRE(code == 0 || (kind == c->last_kind && rec_epoch == (last & 0x7fffffffull)), 107,
+             "the refused call (%s, epoch %llu) is not this rank's last (%s was launched after it, before the "
              "refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
              "transport (synchronise and check after each call to clear it)",
-             (unsigned long long)rec_epoch, (unsigned long long)(last & 0x7fffffffull));
+             kind ? "exchange_counts" : "exchange", (unsigned long long)rec_epoch,
+             kind != c->last_kind ? (c->last_kind ? "exchange_counts" : "an exchange") : "a later one of its kind");
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

@@ -41,7 +41,8 @@ enum MtErr {
   MT_ERR_SEND_COUNTS = 8,      // a send count is negative or the counts sum past the send rows (nothing was sent;
                                // peer = the first bad destination, slot 0: negative (seen = the count), slot 1: past
                                // the rows (seen = the rows through it), expected = the send rows; slot 2 (nvlink
-                               // gather): a row's token is outside x (seen = the token, expected = x's rows)).
+                               // gather): a row's token is outside x (seen = the token, expected = x's rows); slot 3
+                               // (exchange_counts): a count outside 0..MT_COUNT_MASK, sent marked as refused)).
                                // The call still publishes its count-matrix row, marked MT_COUNT_REFUSED.
   MT_ERR_PEER_REFUSED = 9,     // peer = a rank whose call refused its send counts (MT_ERR_SEND_COUNTS there): its
                                // marked row arrived, so no rows went to or came from it in this call (slot -1)
@@ -296,6 +297,21 @@ MT_DEV uint64_t tagged(uint64_t tag, uint64_t count) { return (tag << MT_TAG_SHI
 // The count-matrix word of a rank that refused its send counts: this call's tag, the marker, no rows.
 MT_DEV uint64_t tagged_refused(uint64_t tag) { return (tag << MT_TAG_SHIFT) | MT_COUNT_REFUSED; }
 MT_DEV bool is_refused(uint64_t word) { return (word & MT_COUNT_REFUSED) != 0; }
+
+// The count word of exchange_counts (both transports) for count `cnt` to `peer`: a negative count, or one past what
+// a word carries (MT_COUNT_MASK), would arrive masked as a huge or wrapped count. Refused as the exchanges refuse
+// (MT_ERR_SEND_COUNTS, slot 3, no abort flag) and sent marked (MT_COUNT_REFUSED, 0 rows): the peer's wait ends at
+// once with MT_ERR_PEER_REFUSED (`counts_received`), and every word of the call is still published and awaited.
+MT_DEV uint64_t count_word(const WaitCtx& w, uint64_t tag, long long cnt, int peer, uint64_t epoch) {
+  if (cnt >= 0 && (uint64_t)cnt <= MT_COUNT_MASK) return tagged(tag, (uint64_t)cnt);
+  report_refusal(w, MT_ERR_SEND_COUNTS, peer, 3, epoch, (uint64_t)cnt, MT_COUNT_MASK);
+  return tagged_refused(tag);
+}
+// The rows exchange_counts received in word `v` from rank `src` (0 from a rank that refused its count: reported).
+MT_DEV int64_t counts_received(const WaitCtx& w, uint64_t v, int src, uint64_t epoch) {
+  if (is_refused(v)) report_refusal(w, MT_ERR_PEER_REFUSED, src, -2, epoch, 0, 0);
+  return (int64_t)(v & MT_COUNT_MASK);
+}
 
 // The caller's send counts against the rows they address (both one-sided exchanges, before anything is sent): a
 // negative count, or counts summing past `send_rows`, would make copies whose source lies outside the send buffer

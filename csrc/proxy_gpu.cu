@@ -28,7 +28,8 @@ struct PxCtx {
   uint64_t* done_host = nullptr;  // completion word (pinned, mapped), written by each call's kernel
   uint64_t* done_dev = nullptr;
   uint64_t launches = 0;
-  uint64_t last_epoch = 0;  // the epoch of the last call launched (counts or exchange): mt_pxy_clear_error
+  uint64_t last_epoch = 0;  // the epoch of the last call launched: mt_pxy_clear_error
+  int last_kind = 0;        // and its kind: 0 exchange, 1 exchange_counts
   int host_wait = 1;
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
 #ifdef MT_HOST_SIM
@@ -298,9 +299,11 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   p.recv_out = recv_counts;
   announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
+  c->last_kind = 1;
   sim_launch(c, p, false);
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
+  c->last_kind = 1;
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le, p.done_value);
 #endif
@@ -329,9 +332,11 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t send_rows, uint64
   p.chunk_rows = chunk_rows;
   announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
+  c->last_kind = 0;
   sim_launch(c, p, true);
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
+  c->last_kind = 0;
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le, p.done_value);
 #endif
@@ -375,12 +380,15 @@ MT_API int mt_pxy_clear_error(void* h) {
   // The refused call must be the last one launched. The record keeps the first error only, so a refusal in a call
   // launched after it (before the first was seen) went unrecorded, and the ranks that noticed the refusal at
   // different calls may have launched different operations since: clearing would hide both.
+  // (of the last kind launched too: exchange_counts' refusals are slot 3 / -2)
+  const int kind = (code == MT_ERR_SEND_COUNTS ? e[3] == 3 : e[3] == -2) ? 1 : 0;
   const uint64_t rec_epoch = (uint64_t)(uint32_t)e[4];
-  MT_REQUIRE(code == 0 || rec_epoch == (c->last_epoch & 0x7fffffffull), 323,
-             "the refused call (epoch %llu) is not this rank's last (epoch %llu was launched after it, before the "
-             "refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
+  MT_REQUIRE(code == 0 || (kind == c->last_kind && rec_epoch == (c->last_epoch & 0x7fffffffull)), 323,
+             "the refused call (%s, epoch %llu) is not this rank's last (%s, epoch %llu, was launched after it, before "
+             "the refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
              "transport (check the error after each call to clear it)",
-             (unsigned long long)rec_epoch, (unsigned long long)(c->last_epoch & 0x7fffffffull));
+             kind ? "exchange_counts" : "exchange", (unsigned long long)rec_epoch,
+             c->last_kind ? "exchange_counts" : "an exchange", (unsigned long long)(c->last_epoch & 0x7fffffffull));
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

@@ -248,7 +248,7 @@ MT_DEV void produce_counts(const PxParams& p) {
   Producer pr{&p, 0, true, nullptr};  // count words only: no ACK
   for (int q = 0; q < p.world; ++q)
     pr.push(MT_OP_WRITE64, q, 0, 0, 0, MT_OFF_CNT + 8ull * (par * MT_MAX_WORLD + p.rank), 0,
-            mt::tagged(tag, (uint64_t)p.send_counts[q]));
+            mt::count_word(p.w, tag, p.send_counts[q], q, p.epoch));
 }
 
 MT_DEV void wait_counts_lane(const PxParams& p, int t) {
@@ -258,7 +258,7 @@ MT_DEV void wait_counts_lane(const PxParams& p, int t) {
   bool ok = true;
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.ctrl_local + MT_OFF_CNT) + par * MT_MAX_WORLD + t;
   uint64_t v = mt::wait_word(p.w, mine, tag, false, MT_ERR_TIMEOUT_COUNTS, t, -2, &ok);
-  p.recv_out[t] = ok ? (int64_t)(v & MT_COUNT_MASK) : 0;
+  p.recv_out[t] = ok ? mt::counts_received(p.w, v, t, p.epoch) : 0;
 }
 
 // Last action of a call (after every lane finished): the host-mapped completion word.

@@ -148,6 +148,31 @@ class SimRanks:
         assert not any("failure" in o for o in out), out
         return out
 
+    def counts(self, counts: list[list[int]], epoch: int = 1) -> list[dict]:
+        """exchange_counts alone (mt_pxy_counts) of call `epoch` on one thread per rank: per rank its return code,
+        error record and the counts received."""
+        lib, out = self.lib, [dict() for _ in range(self.world)]
+
+        def rank_main(r: int) -> None:
+            try:
+                sc = np.array(counts[r], dtype=np.int64)
+                recv = np.full(self.world, -7, dtype=np.int64)
+                rc = lib.mt_pxy_counts(self.ctxs[r], sc.ctypes.data, recv.ctypes.data, epoch, 0)
+                err = (ctypes.c_int * 16)()
+                lib.mt_pxy_error(self.ctxs[r], err)
+                out[r].update(rc=rc, err=list(err), recv=recv.tolist())
+            except BaseException as e:
+                out[r]["failure"] = repr(e)
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert not any("failure" in o for o in out), out
+        return out
+
     def clear_errors(self) -> list[int]:
         """mt_pxy_clear_error on every rank (each after its own launches completed): the return codes."""
         return [self.lib.mt_pxy_clear_error(x) for x in self.ctxs]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -143,20 +144,66 @@ def test_a_negative_count_is_refused_the_same_way(lib: ctypes.CDLL) -> None:
     world, rb = 2, 32
     ranks = proxy_sim.SimRanks(lib, world, 16 * rb, timeout_s=TIMEOUT_S)
     try:
+        sends = _sends(world, 4, rb, 1)
+        out = []
+        def one(r: int, counts: list[int]) -> None:  # the exchange alone (no exchange_counts before it)
+            sc = np.array(counts, dtype=np.int64)
+            recv = np.array([2, 2], dtype=np.int64)
+            rc = lib.mt_pxy_exchange(ranks.ctxs[r], sends[r].ctypes.data, 4, rb, sc.ctypes.data, recv.ctypes.data,
+                                     1, 0, 0, 1, 0)
+            err = (ctypes.c_int * 16)()
+            lib.mt_pxy_error(ranks.ctxs[r], err)
+            out.append((r, rc, list(err)))
+
         t0 = time.monotonic()
-        out = ranks.exchange(_sends(world, 4, rb, 1), [[-1, 2], [2, 2]], 1)
+        ts = [threading.Thread(target=one, args=(r, c)) for r, c in ((0, [-1, 2]), (1, [2, 2]))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
         assert time.monotonic() - t0 < TIMEOUT_S / 3
-        assert out[0]["err"][:4] == [ERR_SEND_COUNTS, 0, 0, 0] and out[0]["err"][5:7] == [-1, -1], out[0]["err"][:8]
-        assert out[1]["err"][:4] == [ERR_PEER_REFUSED, 1, 0, -1], out[1]["err"][:8]
-        assert (out[1]["rows"][:2] == _sends(world, 4, rb, 1)[1][2:4]).all()  # its own 2 rows, at row 0
+        errs = dict((r, e) for r, _, e in out)
+        assert errs[0][:4] == [ERR_SEND_COUNTS, 0, 0, 0] and errs[0][5:7] == [-1, -1], errs[0][:8]
+        assert errs[1][:4] == [ERR_PEER_REFUSED, 1, 0, -1], errs[1][:8]
+        area = ranks.data[1][ranks.per_parity : ranks.per_parity + 2 * rb]  # call 1: parity 1
+        assert (area.reshape(2, rb) == sends[1][2:4]).all()  # its own 2 rows, at row 0
         assert ranks.clear_errors() == [0, 0]
         sends = _sends(world, 4, rb, 2)
-        out = ranks.exchange(sends, [[2, 2], [2, 2]], 2)
-        for r, o in enumerate(out):
+        res = ranks.exchange(sends, [[2, 2], [2, 2]], 2)
+        for r, o in enumerate(res):
             assert o["err"][0] == 0 and o["recv"] == [2, 2], (r, o["err"][:8])
             assert np.array_equal(o["rows"][:4], np.concatenate([sends[0][2 * r : 2 * r + 2], sends[1][2 * r : 2 * r + 2]]))
     finally:
         ranks.close()
+
+
+def test_exchange_counts_refuses_a_count_no_word_carries(lib: ctypes.CDLL) -> None:
+    """exchange_counts with a negative count (masked into 39 bits it arrived as 2^39 - 1) or one past 2^39 - 1 (it
+    wrapped): refused (slot 3, seen = the count), that word sent marked, so its peer receives 0 and reports the refusal
+    at once;
+    cleared while it is the last call, the next calls run. Followed by an exchange before anyone checks (as
+    SimRanks.exchange does), the refusal is no longer the last call and clearing is refused."""
+    world = 2
+    for bad in (-3, 1 << 39):
+        ranks = proxy_sim.SimRanks(lib, world, 16 * 32, timeout_s=TIMEOUT_S)
+        try:
+            t0 = time.monotonic()
+            out = ranks.counts([[2, bad], [2, 2]], 1)  # the bad count is rank 1's
+            assert time.monotonic() - t0 < TIMEOUT_S / 3
+            assert out[0]["err"][:4] == [ERR_SEND_COUNTS, 0, 1, 3], out[0]["err"][:8]
+            seen = (out[0]["err"][5] & 0xFFFFFFFF) | (out[0]["err"][6] & 0xFFFFFFFF) << 32
+            assert seen == bad % (1 << 64), (seen, bad)
+            assert out[1]["err"][:4] == [ERR_PEER_REFUSED, 1, 0, -2] and out[1]["recv"] == [0, 2], out[1]
+            assert ranks.clear_errors() == [0, 0], lib.mt_last_error()
+            sends = _sends(world, 4, 32, 2)
+            res = ranks.exchange(sends, [[2, 2], [2, 2]], 2)
+            assert all(o["err"][0] == 0 and o["recv"] == [2, 2] for o in res), [o["err"][:8] for o in res]
+            res = ranks.exchange(_sends(world, 4, 32, 3), [[2, bad], [2, 2]], 3)  # counts, then the exchange
+            assert res[0]["err"][:4] == [ERR_SEND_COUNTS, 0, 1, 3], res[0]["err"][:8]
+            assert ranks.clear_errors() == [323, 323]
+            assert "(exchange_counts, epoch 3) is not this rank's last (an exchange, epoch 3" in lib.mt_last_error().decode()
+        finally:
+            ranks.close()
 
 
 def test_clear_error_clears_only_a_refusal(lib: ctypes.CDLL) -> None:
@@ -205,7 +252,7 @@ def test_clear_error_refuses_once_a_later_call_ran_after_the_refusal(lib: ctypes
         assert _errors(lib, ranks) == [ERR_SEND_COUNTS, ERR_PEER_REFUSED, ERR_PEER_REFUSED]
         assert ranks.clear_errors() == [323] * world
         msg = lib.mt_last_error().decode()
-        assert "the refused call (epoch 1) is not this rank's last (epoch 2 was launched after it" in msg, msg
+        assert "the refused call (exchange, epoch 1) is not this rank's last (an exchange, epoch 2, was launched" in msg, msg
         assert "build a new transport" in msg
         assert _errors(lib, ranks) == [ERR_SEND_COUNTS, ERR_PEER_REFUSED, ERR_PEER_REFUSED]
     finally:

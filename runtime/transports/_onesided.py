@@ -62,9 +62,13 @@ def decode_error(words: list[int]) -> str:
         return (f"{what}: {where} rows per call (epoch {words[4]}); reserve(max_send_rows, row_bytes) "
                 "collectively for more rows")
     if code == 8:  # csrc: MT_ERR_SEND_COUNTS (slot 0: a negative count, 1: the counts run past the send rows,
-        # 2: a gathered token outside x)
+        # 2: a gathered token outside x, 3: exchange_counts' count outside a count word)
         signed = seen - (1 << 64) if seen >= 1 << 63 else seen
         rows = words[7] & 0xFFFFFFFF
+        if words[3] == 3:  # exchange_counts: a count no count word carries (sent marked as refused)
+            return (f"{what}: exchange_counts: rank {words[1]}'s count for rank {words[2]} is {signed}, outside "
+                    f"0..{(1 << 39) - 1} (epoch {words[4]}); rank {words[2]} received 0 rows from it and fails at once "
+                    "(peer refused); clear_error() on every rank lets the next call run (before any other call)")
         if words[3] == 2:
             where = (f"rank {words[1]}'s send row for rank {words[2]} gathers token {signed}; x holds {rows} "
                      "tokens")
