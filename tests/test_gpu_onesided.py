@@ -213,6 +213,21 @@ def test_a_refused_call_on_one_gpu_raises_at_once_and_clears() -> None:
             assert c["seconds"] < timeout_s / 4 and c["cleared"] is True, (key, c)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the exchange kernels)")
+def test_exchange_counts_refuses_a_negative_count_and_clears_on_one_gpu() -> None:
+    """World 1 on the real kernels (nvlink, proxy): exchange_counts with a negative count (it arrived masked as
+    2^39 - 1) is refused in its own words, clear_error succeeds, and the next exchange is exact."""
+    from moetune.runtime.testing.selftest import refusal_rules_worker, spawn_world
+
+    [r0] = spawn_world(refusal_rules_worker, 1, {"timeout_s": 20.0}, timeout_s=130)
+    _record({"test": "refusal-rules-world-1", "result": r0})
+    for name in ("nvlink", "proxy"):
+        b = r0[name + "_counts"]
+        assert "error" not in b, (name, b)
+        assert "exchange_counts: rank 0's count for rank 0 is -1" in b["b_refused"], (name, b)
+        assert b["b_clear"] == "cleared" and b["b_next_exact"] is True, (name, b)
+
+
 @needs_gpus
 def test_epbuffer_with_onesided_transports_equals_collective() -> None:
     """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""

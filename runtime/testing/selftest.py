@@ -394,6 +394,58 @@ def refusal_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
     return out
 
 
+def refusal_rules_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy"),
+                         timeout_s: float = 20.0) -> dict:
+    """exchange_counts with a negative count, per transport (world 1: the refusing rank's own side): refused in its
+    own words (slot 3), clear_error succeeds (it is the last call), and the next exchange moves its rows exactly. (A
+    refusal followed by another call launched before clearing is refused by clear_error: host simulation,
+    tests/test_proxy_refusal.py; through this API each call checks the record first, so such a call is not
+    launched once the refusal is seen.)"""
+    from moetune.runtime.transports._onesided import OneSidedError
+
+    device = torch.device("cuda", rank)
+    options = RuntimeOptions.resolve({"onesided_timeout_s": timeout_s})
+    out: dict[str, Any] = {}
+    for name in transports:
+        rec2: dict[str, Any] = {}
+        t = None
+        try:
+            t = transport_class(name)(None, default_knobs(name), device, max_send_rows=4 * world, row_bytes=64,
+                                      options=options)
+            neg = torch.full((world,), 2, dtype=torch.int64, device=device)
+            neg[0] = -1
+            try:
+                t.exchange_counts(neg)
+                torch.cuda.synchronize(device)
+                t.check()
+                rec2["b_refused"] = False
+            except OneSidedError as e:
+                rec2["b_refused"] = str(e)[:300]
+            try:
+                t.clear_error()
+                rec2["b_clear"] = "cleared"
+            except OneSidedError as e:
+                rec2["b_clear"] = str(e)[:400]
+            send = torch.arange(2 * world * 32, device=device).to(torch.bfloat16).view(2 * world, 32)
+            good = torch.full((world,), 2, dtype=torch.int64, device=device)
+            res = t.exchange(send, good, good)
+            torch.cuda.synchronize(device)
+            t.check()
+            got = res if isinstance(res, torch.Tensor) else res[0]
+            rec2["b_next_exact"] = bool(torch.equal(got[: 2 * world].reshape(-1).view(torch.uint8)[: send.numel() * 2],
+                                                    send.reshape(-1).view(torch.uint8)))
+        except Exception:
+            rec2["error"] = traceback.format_exc()[-2000:]
+        finally:
+            if t is not None:
+                try:
+                    t.close()
+                except Exception:
+                    pass
+        out[name + "_counts"] = rec2
+    return out
+
+
 def _graph_replay_equal(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
                         device: torch.device) -> bool:
     """dispatch + combine captured in one CUDA graph; replayed 3 times, each after poisoning the receive
