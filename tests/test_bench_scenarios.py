@@ -146,7 +146,8 @@ def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
 def test_a_git_checkout_is_stamped_by_git_whatever_moetune_git_sha_says(tmp_path: Path, monkeypatch) -> None:
     """MOETUNE_GIT_SHA won over a real checkout: with a dirty tree and MOETUNE_GIT_SHA=0123456789abcdef the rows were
     stamped clean with a commit that does not exist. In a checkout of its own git decides (HEAD and its changes),
-    the variable is for a tree without .git, and a disagreement is warned about."""
+    the variable is for a tree without .git (or whose stale .git never saw its commit: stamped, never clean), and a
+    disagreement is warned about."""
     import subprocess
     import warnings
 
@@ -160,10 +161,17 @@ def test_a_git_checkout_is_stamped_by_git_whatever_moetune_git_sha_says(tmp_path
     head = git("rev-parse", "HEAD").strip()
     (tmp_path / "a.py").write_text("x = 2\n")  # dirty
     monkeypatch.setattr(S, "ROOT", tmp_path)
-    monkeypatch.setenv("MOETUNE_GIT_SHA", "0123456789abcdef")
-    with pytest.warns(UserWarning, match="MOETUNE_GIT_SHA=0123456789abcdef is not this checkout"):
+    other = git("-c", "user.name=t", "-c", "user.email=t@t", "commit-tree", "-m", "b", "HEAD^{tree}").strip()
+    monkeypatch.setenv("MOETUNE_GIT_SHA", other)  # a known commit that is not HEAD: a leftover variable, git wins
+    with pytest.warns(UserWarning, match=f"MOETUNE_GIT_SHA={other} is not this checkout"):
         f = S.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == (head, True)
+    # a commit this .git has never seen (a stale .git copied with a newer tree, or a variable naming nothing): the
+    # variable's commit, never clean
+    monkeypatch.setenv("MOETUNE_GIT_SHA", "0123456789abcdef")
+    with pytest.warns(UserWarning, match="MOETUNE_GIT_SHA=0123456789abcdef is unknown to this tree's .git"):
+        f = S.machine_facts("none", lambda: "fp")
+    assert (f["git_sha"], f["git_dirty"]) == ("0123456789abcdef", True)
     monkeypatch.setenv("MOETUNE_GIT_SHA", head[:12])  # the right commit, but the tree has changes: never clean
     with pytest.warns(UserWarning):
         f = S.machine_facts("none", lambda: "fp")

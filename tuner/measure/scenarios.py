@@ -915,15 +915,25 @@ def code_stamp() -> tuple[str, bool]:
     """(git SHA, dirty) of the code that runs. Where this tree is a git checkout of its own (git's top level is ROOT),
     git decides: HEAD, and dirty where `git status` shows any change, untracked files included (a scenario or driver
     not yet added ran, and the commit does not hold it). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
-    one (an exported tree on a GPU machine: bench/megakernel_device.sh sets it); where both exist and disagree, git's
-    HEAD and dirtiness are stamped and a warning says so (before, the variable won: a dirty checkout was stamped clean
-    with whatever commit it named, one that need not exist). Neither: ("unknown", False)."""
+    one (an exported tree on a GPU machine: bench/megakernel_device.sh sets it), and a tree whose .git does not know
+    the commit the variable names (a stale .git copied with a newer tree: the variable's commit, always dirty, as
+    unverified); where both exist and disagree otherwise,
+    git's HEAD and dirtiness are stamped and a warning says so (before, the variable won: a dirty checkout was stamped
+    clean with whatever commit it named). Neither: ("unknown", False)."""
     given, given_dirty = _given_sha()
     top = _git("rev-parse", "--show-toplevel")
     own = bool(top) and Path(top).resolve() == ROOT.resolve()  # not a repository around it (an archive unpacked in one)
     head = _git("rev-parse", "HEAD") if own else ""
     if not head:
         return (given, given_dirty) if given else ("unknown", False)
+    if given and not head.lower().startswith(given) and not _git("rev-parse", "--verify", "--quiet",
+                                                                    f"{given}^{{commit}}"):
+        # a commit this repository has never seen: a stale .git copied along with a newer tree (run 13's case), where
+        # the variable (set by whoever staged the tree) names the code, or a variable naming nothing real. Its commit
+        # is stamped, never clean: nothing here can confirm the tree is exactly that commit
+        warnings.warn(f"MOETUNE_GIT_SHA={given} is unknown to this tree's .git (HEAD {head[:12]}): a stale .git? "
+                      "stamping the variable's commit, marked dirty (unverified)", stacklevel=2)
+        return given, True
     dirty = bool(_git("status", "--porcelain", "--untracked-files=normal"))
     if given and (not head.lower().startswith(given) or given_dirty != dirty):
         warnings.warn(f"MOETUNE_GIT_SHA={given}{'-dirty' if given_dirty else ''} is not this checkout: git says HEAD "
