@@ -437,13 +437,61 @@ def test_a_full_disk_exits_1_naming_the_output(argv: list[str], tmp_path: Path,
 
 
 def test_a_full_disk_under_the_database_exits_1() -> None:
-    """SQLite's "database or disk is full" is a StoreFull (exit 1), as a full disk under any other output."""
+    """SQLite's "database or disk is full" is a StoreFull (exit 1), as a full disk under any other output; so is its
+    "disk I/O error" (SQLITE_IOERR, an extended code such as SQLITE_IOERR_SHMSIZE 4874: what a full disk usually gives
+    first), told by the code, also inside SQLAlchemy's error. The message names the folder."""
     import sqlite3
+
+    from sqlalchemy.exc import OperationalError
 
     from moetune.tuner.store.store import StoreFull, sqlite_failure
 
     e = sqlite_failure(Path("/x/m.db"), sqlite3.OperationalError("database or disk is full"), write=True)
-    assert isinstance(e, StoreFull) and e.exit_code == 1 and str(e) == "/x/m.db: database or disk is full"
+    assert isinstance(e, StoreFull) and e.exit_code == 1, repr(e)
+    assert str(e).startswith("/x/m.db: database or disk is full: the disk holding /x is full"), str(e)
+    for code, full in ((4874, "is full or failed"), (10, "is full or failed"), (13, "is full;")):
+        orig = sqlite3.OperationalError("some words")
+        orig.sqlite_errorcode = code
+        for given in (orig, OperationalError("INSERT", {}, orig)):
+            e = sqlite_failure(Path("/x/m.db"), given, write=True)
+            assert isinstance(e, StoreFull) and e.exit_code == 1 and f"the disk holding /x {full}" in str(e), str(e)
+    other = sqlite3.OperationalError("some words")
+    other.sqlite_errorcode = sqlite3.SQLITE_CONSTRAINT
+    assert type(sqlite_failure(Path("/x/m.db"), other, write=True)).__name__ == "StoreError"
+
+
+# KiB left on a 1 MiB tmpfs: SQLite answered "disk I/O error" at 8-32 (its -shm could not grow), "database or disk is
+# full" at 4 and 64; both exit 1
+_LEFT_KIB = (4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["profiles", "import", "{export}", "--db", "{}"], id="profiles import"),
+    pytest.param(["fabric", "show", "--record", "--from", CAP, "--db", "{}"], id="fabric show --record"),
+    pytest.param(["tune", *_T, "--db", "{}"], id="tune"),
+])
+def test_a_real_full_disk_under_the_database_exits_1(argv: list[str], tmp_path: Path) -> None:
+    """On a filled small filesystem SQLite usually fails first with "disk I/O error" (the -wal/-shm cannot grow), not
+    "database or disk is full": that was a plain StoreError, exit 2, as if the command line were wrong. Every amount
+    left ends the command with exit 1, naming the folder, no traceback."""
+    from small_disk import empty, fill, small_disk
+    from store_samples import put_one_profile
+
+    src = tmp_path / "src.db"
+    put_one_profile(src)
+    export = tmp_path / "export.json"
+    assert _invoke(["profiles", "export", str(export), "--db", str(src)], tmp_path).exit_code == 0
+    said = []
+    with small_disk(tmp_path / "small") as small:
+        db = small / "m.db"
+        for left in _LEFT_KIB:
+            empty(small)
+            fill(small, left)
+            r = _invoke([a.replace("{export}", str(export)).replace("{}", str(db)) for a in argv], tmp_path)
+            assert r.exception is None or isinstance(r.exception, SystemExit), (left, repr(r.exception))
+            _refused(r.exit_code, r.output, 1, f"the disk holding {small} is full")
+            said.append(r.output)
+    assert any("disk I/O error" in o for o in said), said  # the case the words alone missed
 
 
 def test_the_help_states_the_exit_statuses() -> None:

@@ -51,8 +51,9 @@ class StoreNotWritable(StoreError):
 
 
 class StoreFull(StoreError):
-    """SQLite's "database or disk is full": a write failed for want of room (disk or quota), nothing is wrong with the
-    database given: exit 1, as for any output that fills the disk."""
+    """SQLite's "database or disk is full", or its "disk I/O error" (what a full disk usually gives first: the -wal or
+    -shm could not grow): a write failed for want of room (disk or quota) or on the disk's failure, not on what was
+    given: exit 1, as for any output that fills the disk. The message names the folder."""
 
     exit_code = 1
 

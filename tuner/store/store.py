@@ -312,21 +312,64 @@ def is_locked(e: BaseException) -> bool:
 # SQLite's answers when it cannot write the file or create it (or its -wal/-shm/-journal) in its folder
 SQLITE_CANNOT_WRITE = ("readonly database", "unable to open database file")
 
+# SQLite's primary result codes (the low byte of an extended code) of a disk that took no more: SQLITE_FULL ("database
+# or disk is full"), and SQLITE_IOERR ("disk I/O error"), SQLite's usual answer on a full disk, where the -wal or -shm
+# cannot grow (SQLITE_IOERR_SHMSIZE, _WRITE, _FSYNC, ...) before the database file itself is written
+SQLITE_DISK_CODES = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+
+
+def sqlite_code(e: BaseException) -> int | None:
+    """SQLite's primary result code of `e` (sqlite3 errors carry the extended one in `sqlite_errorcode`; SQLAlchemy's
+    wrap them in `.orig`), else None."""
+    for x in (e, getattr(e, "orig", None)):
+        code = getattr(x, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF
+    return None
+
+
+def disk_failed(e: BaseException) -> str | None:
+    """"full" when SQLite said the disk took no more (SQLITE_FULL), "io" for its I/O error (SQLITE_IOERR: on a full
+    disk, the -wal/-shm that could not grow), None for any other failure. By the code, else by the words (an error
+    made by hand has no code)."""
+    why = str(getattr(e, "orig", None) or e)
+    code = sqlite_code(e)
+    if code == sqlite3.SQLITE_FULL or (code is None and "database or disk is full" in why):
+        return "full"
+    if code == sqlite3.SQLITE_IOERR or (code is None and "disk I/O error" in why):
+        return "io"
+    return None
+
+
+def disk_failed_message(path: Path | str, why: str, kind: str) -> str:
+    """The words of a database (or studies file) whose disk took no more: SQLite's, then the folder and what to do."""
+    folder = Path(os.path.abspath(path)).parent
+    if kind == "full":
+        return f"{path}: {why}: the disk holding {folder} is full; free space there, then run the command again"
+    return (f"{path}: {why}: the disk holding {folder} is full or failed; free space there (or check the disk), then "
+            "run the command again")
+
 
 def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
     """The StoreError for a SQLite failure on the database at `path`: `StoreBusy` when another process held its lock
     past the busy timeout (the file is fine: retry); a StoreError naming the permission when this user may not read
     the file (SQLite said "unable to open database file"; exit 2 whether the command reads or writes it);
     `StoreNotWritable` when, for a write, this user may not write the file or its folder; `StoreFull` when the disk
-    took no more; else SQLite's message with the path."""
+    took no more or failed (`disk_failed`: SQLITE_FULL, or SQLITE_IOERR, what a full disk usually gives first);
+    else SQLite's message with the path."""
     why = str(e)
     if is_locked(e):
         return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
                          "writing, not damaged); retry when that process is done")
     if os.path.isfile(path) and not os.access(path, os.R_OK):  # os.path: never raises (Path.is_file may)
         return StoreError(f"{path}: cannot read it (permission denied)")
-    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "database or disk is full" in why:
-        return StoreFull(f"{path}: {why}")
+    disk = disk_failed(e)
+    if disk == "io" and write:  # an I/O error where this user may not write a side file: the permission says why
+        reason = not_writable(path, side_files=True)
+        if reason:
+            return StoreNotWritable(reason)
+    if disk is not None:
+        return StoreFull(disk_failed_message(path, why, disk))
     if write and any(m in why for m in SQLITE_CANNOT_WRITE):
         reason = not_writable(path, side_files=True)
         if reason:
