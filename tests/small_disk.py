@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import shutil
 import subprocess
@@ -34,7 +35,9 @@ def small_disk(where: Path, size_kib: int = SIZE_KIB) -> Iterator[Path]:
     try:
         yield where
     finally:
-        subprocess.run(["umount", str(where)], check=True, capture_output=True, timeout=30)
+        gc.collect()  # a connection the command left to the garbage collector (an Optuna storage's pool) closes
+        if subprocess.run(["umount", str(where)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(where)], check=True, capture_output=True, timeout=30)
         where.rmdir()
 
 

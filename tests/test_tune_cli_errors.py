@@ -185,3 +185,53 @@ def test_a_bad_policy_override_is_one_line(tmp_path: Path, monkeypatch: pytest.M
         _clean_exit(r)
         assert f"MOETUNE_POLICY: {f}: {words}" in " ".join(r.output.split()), r.output
     assert not db.exists()
+
+
+
+_SMALL_TUNE = ["tune", "--model", "qwen3-30b", "--preset", "ndr-ibrc-h100x8", "--tokens", "16", "--trials", "5"]
+
+
+def _tune_child(args: list[str], tmp_path: Path) -> tuple[int, str]:
+    """The command in a child process: an in-process run leaves its Optuna storage's connections open, and a file
+    deleted while open keeps its room on the small disk."""
+    p = subprocess.run([sys.executable, "-c", "import sys; sys.argv[0] = 'moetune'; from moetune.tuner.cli import main; "
+                        "main()", *args], capture_output=True, text=True, timeout=200,
+                       env={**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": "",
+                            "COLUMNS": "1000"})
+    said = p.stdout + p.stderr
+    assert "Traceback" not in said, said
+    return p.returncode, " ".join(said.split())
+
+
+def test_a_full_disk_under_the_studies_file_exits_1_and_the_study_resumes(tmp_path: Path) -> None:
+    """A studies file on a full disk (a real 1 MiB tmpfs, filled to a few KiB): SQLite's "disk I/O error" or
+    "database or disk is full" reached the generic branches: "cannot open the study storage" (exit 2) when it was
+    opened, "the tune stopped on an Optuna error (StorageInternalError ...)" (exit 2) or Optuna's own AssertionError
+    ("Should not reach.", a traceback) mid-run. Now: exit 1, naming the folder, free space and run the same command
+    again; it resumes the trials the file holds."""
+    import re
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from small_disk import empty, fill, small_disk
+
+    said = []
+    with small_disk(tmp_path / "small") as small:
+        storage = f"sqlite:///{small}/s.db"
+        for left in (8, 64, 256, 704):  # opened: "disk I/O error", "database or disk is full"; 704: mid-run
+            empty(small)
+            fill(small, left)
+            db = tmp_path / f"p{left}.db"  # the profile database elsewhere: only the studies file is short of room
+            code, out = _tune_child([*_SMALL_TUNE, "--db", str(db), "--storage", storage], tmp_path)
+            assert code == 1, (left, out)
+            said.append(out)
+            assert f"--storage {storage}: the disk holding {small} is full" in out, out
+            assert "free space there" in out and "run the same command again: the study resumes" in out, out
+        assert any("disk I/O error" in o for o in said) and any("database or disk is full" in o for o in said), said
+        (small / "fill").unlink()  # room again: the last run's finished trials resume
+        code, out = _tune_child([*_SMALL_TUNE, "--db", str(db), "--storage", storage], tmp_path)
+        assert code == 0 and re.search(r"resumed, [1-9]/5 done", out), out
+        # the default studies file, beside a profile database that still fits
+        empty(small)
+        fill(small, 128)
+        code, out = _tune_child([*_SMALL_TUNE, "--db", str(small / "m.db")], tmp_path)
+        assert code == 1 and f"the disk holding {small} is full" in out and "Optuna error" not in out, out

@@ -64,12 +64,12 @@ def _redact(url: str) -> str:
 BUSY_MARKERS = ("database is locked", "database table is locked", "already exists", "UNIQUE constraint failed")
 
 
-Problem = tuple[Literal["busy", "denied", ""], str]  # _storage_problem's answer
+Problem = tuple[Literal["busy", "denied", "full", ""], str]  # _storage_problem's answer
 
 
 def _storage_failed(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> NoReturn:
     """Exit with `_storage_error`'s message: 1 where nothing is wrong in what was given (the storage is busy: a re-run
-    works; this user may not write the file or its folder), 2 otherwise."""
+    works; this user may not write the file or its folder; the disk under it is full), 2 otherwise."""
     problem = problem or _storage_problem(url, e)
     _fail(_storage_error(url, given, e, problem), 1 if problem[0] else 2)
 
@@ -99,8 +99,10 @@ def _storage_busy(e: BaseException) -> bool:
 def _storage_problem(url: str, e: BaseException) -> Problem:
     """What failed that is not wrong in what was given, read once per failure: ("busy", "") when another process
     holds or is creating the studies file; ("denied", why) when this user cannot write the SQLite studies file or its
-    folder (SQLite's "readonly database" or "unable to open database file", and the permissions say so); ("", "")
-    for anything else."""
+    folder (SQLite's "readonly database" or "unable to open database file", and the permissions say so); ("full",
+    why) when SQLite said, anywhere in e's chain (Optuna wraps it: StorageInternalError, or the AssertionError its
+    `_run_trial` raises when the trial's state could not be stored), that the disk took no more (`_disk_full`);
+    ("", "") for anything else."""
     from moetune.tuner.search.study import sqlite_path
     from moetune.tuner.store._folders import not_writable
     from moetune.tuner.store.store import SQLITE_CANNOT_WRITE
@@ -108,10 +110,35 @@ def _storage_problem(url: str, e: BaseException) -> Problem:
     if _storage_busy(e):
         return "busy", ""
     path = sqlite_path(url)
+    full = _disk_full(url, e)
+    if full is not None:
+        if full[0] == "io" and path is not None:  # an I/O error where this user may not write: the permission says why
+            denied = not_writable(path, side_files=True)
+            if denied:
+                return "denied", denied
+        return "full", full[1]
     if path is None or not any(m in _why(e) for m in SQLITE_CANNOT_WRITE):
         return "", ""
     denied = not_writable(path, side_files=True)
     return ("denied", denied) if denied else ("", "")
+
+
+def _disk_full(url: str, e: BaseException) -> tuple[str, str] | None:
+    """(kind, why) when an exception in e's chain is SQLite's answer of a disk that took no more
+    (`store.disk_failed`: SQLITE_FULL, kind "full", or SQLITE_IOERR, kind "io": on a full disk the -wal/-shm cannot
+    grow), why naming the folder of the studies file; else None."""
+    from moetune.tuner.search.study import exception_chain, sqlite_path
+    from moetune.tuner.store.store import disk_failed
+
+    for x in exception_chain(e):
+        kind = disk_failed(x)
+        if kind is None:
+            continue
+        path = sqlite_path(url)
+        disk = f"the disk holding {Path(os.path.abspath(path)).parent}" if path is not None else "its disk"
+        state = "is full" if kind == "full" else "is full or failed"
+        return kind, f"{disk} {state} (SQLite: {(_why(x).splitlines() or [''])[0]})"
+    return None
 
 
 def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> str:
@@ -119,7 +146,7 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
     `problem`: `_storage_problem(url, e)` where the caller has it already."""
     from moetune.tuner.search.study import sqlite_path
 
-    kind, denied = problem or _storage_problem(url, e)
+    kind, reason = problem or _storage_problem(url, e)  # reason: the denial's, the full disk's
     why = (_why(e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
     path = sqlite_path(url)
     if path is not None and path.is_dir():
@@ -130,8 +157,13 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
                 "the file is kept as it is: run the command again")
     if "://" not in url:  # SQLAlchemy's "Could not parse SQLAlchemy URL" says nothing of what to type
         return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
+    if kind == "full":  # reason: the folder, SQLite's words
+        where = f"--storage {_redact(url)}" if given else f"the studies file {path or _redact(url)}"
+        check = " (or check the disk)" if "full or failed" in reason else ""
+        return (f"{where}: {reason}; free space there{check}, then run the same command again: the study resumes "
+                "(the trials the file holds are kept)")
     if kind == "denied":
-        return f"--storage {_redact(url)}: {denied}" if given else f"the studies file (the default --storage): {denied}"
+        return f"--storage {_redact(url)}: {reason}" if given else f"the studies file (the default --storage): {reason}"
     if given:
         return f"--storage {_redact(url)}: cannot open the study storage ({type(e).__name__}: {why})"
     return (f"the studies file {path or _redact(url)} (the default --storage, beside the profile database) cannot be "
@@ -427,6 +459,11 @@ def tune(
                 problem = _storage_problem(url, cause)
                 if problem[0]:
                     _storage_failed(url, storage is not None, cause, problem)
+            # a full disk under the studies file, however Optuna passed it on: a StorageInternalError, or the
+            # AssertionError ("Should not reach.") its `_run_trial` raises when the trial's end could not be stored
+            full = _disk_full(url, e)
+            if full is not None:
+                _storage_failed(url, storage is not None, e, _storage_problem(url, e))
             if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
                 _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept "
                       f"in {_redact(url)}: run the same command again to resume")
