@@ -235,3 +235,28 @@ def test_a_full_disk_under_the_studies_file_exits_1_and_the_study_resumes(tmp_pa
         fill(small, 128)
         code, out = _tune_child([*_SMALL_TUNE, "--db", str(small / "m.db")], tmp_path)
         assert code == 1 and f"the disk holding {small} is full" in out and "Optuna error" not in out, out
+
+
+def test_a_full_disk_under_the_profile_database_after_the_trials_says_free_space(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A StoreFull from the profile write after the trials got the damaged file's advice ("fix the database (or pass
+    another --db)"): nothing is wrong with the file. Now: exit 1, free space and run the same command again; the
+    trials are kept and a re-run with room stores the profile."""
+    from moetune.tuner.store import Store, StoreFull
+
+    db = tmp_path / "x.db"
+
+    def full(self: Store, key: object) -> None:
+        raise StoreFull(f"{self.path}: database or disk is full: the disk holding {tmp_path} is full; free space "
+                        "there, then run the command again")
+
+    monkeypatch.setattr(Store, "get_current", full)
+    r = runner.invoke(app, [*TUNE, "--db", str(db)])
+    _clean_exit(r, 1)
+    said = " ".join(r.output.split())
+    assert "fix the database" not in said and "pass another --db" not in said, said
+    assert "trial(s) this run finished are saved in the studies file" in said, said
+    assert "free space, then run the same command again: the studies resume" in said, said
+    monkeypatch.undo()
+    r = runner.invoke(app, [*TUNE, "--db", str(db), "--json"])
+    assert r.exit_code == 0, r.output

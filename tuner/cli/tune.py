@@ -555,12 +555,19 @@ def _quiet_optuna() -> None:
 
 def _store_failed(e: BaseException, store: object, url: str, ran: int) -> str:
     """A profile-database error during the tune (a corrupt or locked file, a full disk): name the database and
-    say what is kept. The trials are in the study storage, apart from the database: a re-run resumes them."""
-    from moetune.tuner.store import StoreBusy, StoreNotWritable
+    say what is kept. The trials are in the study storage, apart from the database: a re-run resumes them. Only a
+    damaged file (or another StoreError of the file) gets "fix the database": a busy one, one this user may not
+    write and a full disk have their own advice."""
+    from moetune.tuner.store import StoreBusy, StoreFull, StoreNotWritable
 
     db = getattr(store, "path", None)
     head = f"the profile database {db} failed: {e}" if db is not None and str(db) not in str(e) else \
         f"the profile database failed: {e}"
+    if isinstance(e, StoreFull):  # nothing is wrong with the file: the disk took no more (e names its folder)
+        if ran:
+            return (f"{head}; the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}: free "
+                    "space, then run the same command again: the studies resume and the profiles are written then")
+        return f"{head}; no trial ran"  # e ends "free space there, then run the command again"
     if isinstance(e, StoreBusy | StoreNotWritable):  # nothing is wrong with the file: no "fix the database"
         fix = "" if isinstance(e, StoreBusy) else " make it writable (or pass another --db) and"  # e says "retry"
         if ran:
