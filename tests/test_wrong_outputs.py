@@ -359,6 +359,37 @@ def test_bench_knobs_checks_the_base_against_the_fp32_reference(monkeypatch: pyt
     assert by["u"].metrics and "minus_base_us[S=1]" not in by["u"].metrics, by["u"]
 
 
+
+@pytest.mark.parametrize("base", ["wrong", "failed"])
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_bench_knobs_says_why_there_is_no_difference_where_the_base_failed(monkeypatch: pytest.MonkeyPatch,
+                                                                            base: str, as_json: bool) -> None:
+    """A base whose output was wrong (a megakernel writing zeros) or whose launches failed is a failed case: `_skips`
+    exited 1 on it before `_no_differences` ran, so the right variant beside it was a timing row with an empty
+    "minus base" and no word of why. Now the reason is said too, then one exit 1."""
+    from moetune.runtime.megakernel.layer import MegakernelError
+
+    _megakernel_on_cpu(monkeypatch, 0.0 if base == "wrong" else 1.0)
+    if base == "failed":
+        def timed_out(self: _Megakernel) -> None:
+            raise MegakernelError("a wait timed out")
+
+        monkeypatch.setattr(_Megakernel, "check", timed_out)
+    r = _cli("bench", "knobs", "--vs", "u=engine=unfused", "--model", TINY_MODEL, "--tokens", "1", "--iters", "1",
+             "--warmup", "0", "--rotate", "1", "--chain", "1", *(["--json"] if as_json else []))
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    said = "wrong output" if base == "wrong" else "a wait timed out"
+    why = "the base's output was wrong at S=1" if base == "wrong" else "the base's launches failed at S=1"
+    assert f"base S=1 failed: {said}" in flat and flat.count("a case failed") == 1, r.output
+    assert flat.count(f"error: no difference to the base at S=1: {why}") == 1, r.output
+    if as_json:
+        (line,) = [ln for ln in r.output.splitlines() if ln.startswith("{")]
+        rep = json.loads(line)
+        (u,) = [c for c in rep["cases"] if c["variant"] == "u"]
+        assert "single_us" in u and "minus_base_us" not in u and u["no_difference"].endswith(why), u
+
+
 # -- proxy_micro ---------------------------------------------------------------------------------------------------
 
 # bench/proxy_micro.py's modes: (fence_mode, signalling, proxy batch)

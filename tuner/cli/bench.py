@@ -50,29 +50,34 @@ def _json_opt() -> typer.models.OptionInfo:
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
 
 
-def _skips(cases: list[dict], who: str) -> None:
+def _skips(cases: list[dict], who: str, *, exit: bool = True) -> bool:
     """Name every skipped and every failed case on stderr; when a case failed (its launches reported an error:
     no timing) or every case was skipped (nothing was measured): exit 1 (after the report, which still says why),
-    so a script does not take the table for a whole result."""
+    so a script does not take the table for a whole result. `exit` False: say so, and return True instead of exiting
+    (the caller has more to say first, then exits 1); False when the run is whole."""
     for c in cases:
         if "skipped" in c:
             _err.print(f"[yellow]{escape(str(c[who]))} skipped:[/yellow] {escape(str(c['skipped']))}")
         elif "failed" in c:
             _err.print(f"[red]{escape(str(c[who]))} S={c['S']} failed:[/red] {escape(str(c['failed']))}")
+    failed = False
     if any("failed" in c for c in cases):
         _err.print("[red]error:[/red] a case failed: its calls are not in the table (no timing)")
-        raise typer.Exit(1)
-    if not any("skipped" not in c for c in cases):
+        failed = True
+    elif not any("skipped" not in c for c in cases):
         _err.print("[red]error:[/red] every requested case was skipped: nothing was measured")
+        failed = True
+    if failed and exit:
         raise typer.Exit(1)
+    return failed
 
 
-def _footer(rep: dict, who: str) -> None:
+def _footer(rep: dict, who: str, *, exit: bool = True) -> bool:
     """Below a table (`bench moe`, `bench knobs`): when, at which commit and on what it ran, then `_skips`."""
     m = rep["meta"]
     _err.print(f"[dim]{m['date']}, git {m['git_sha'][:10]}{' (dirty)' if m['git_dirty'] else ''}, {m['hardware']}, "
                f"torch {m['torch']}[/dim]")
-    _skips(rep["cases"], who)
+    return _skips(rep["cases"], who, exit=exit)
 
 
 def _results_path(results: str | None) -> Path:
@@ -484,10 +489,9 @@ def knobs_side_by_side(
     cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {knobs}' if knobs else ''} --model {model} --tokens "
            f"{','.join(map(str, toks))} --iters {iters} --warmup {warmup} --rotate {rotate} --chain {chain} --seed {seed}")
     rep["meta"] = _stamp(cmd)
-    if as_json:
+    if as_json:  # the failed cases, then why a variant has no difference to the base (the base failed, say): one exit
         typer.echo(json.dumps(rep))
-        _skips(rep["cases"], "variant")
-        _no_differences(rep["cases"])
+        _no_differences(rep["cases"], failed=_skips(rep["cases"], "variant", exit=False))
         return
     if not any("skipped" not in c for c in rep["cases"]):
         _skips(rep["cases"], "variant")
@@ -507,17 +511,18 @@ def knobs_side_by_side(
                       f"{call}, chains of {chain} per forward; minus base: per-round differences)")
     for n, k in rep["variants"].items():
         _err.print(f"[dim]{n}: {k or 'the defaults'}[/dim]")
-    _footer(rep, "variant")
-    _no_differences(rep["cases"])
+    _no_differences(rep["cases"], failed=_footer(rep, "variant", exit=False))
 
 
-def _no_differences(cases: list[dict]) -> None:
+def _no_differences(cases: list[dict], *, failed: bool = False) -> None:
     """Say why variants were timed without their difference to the base (the base skipped here, or failed or wrong at
-    that S) and exit 1: the comparison asked for was not made there (never against another variant instead)."""
+    that S) and exit 1: the comparison asked for was not made there (never against another variant instead). Said
+    also where a case failed (`failed`: `_skips` said so and left the exit to this): a failed or wrong base is the
+    usual reason; exit 1 once."""
     why = list(dict.fromkeys(c["no_difference"] for c in cases if "no_difference" in c))
     for w in why:
         _err.print(f"[red]error:[/red] {escape(w)}")
-    if why:
+    if why or failed:
         raise typer.Exit(1)
 
 
