@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.testing.bounds import BF16_LAYER_REL_ERR_BOUND
 from moetune.runtime.testing.launch import destroy_group_quietly, free_port, init_dist
 from moetune.runtime.transports._onesided import all_ok
 
@@ -485,11 +486,12 @@ def _graph_replay_equal_unchecked(buf: Any, x: torch.Tensor, idx: torch.Tensor, 
 
 
 def epbuffer_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvlink", "proxy"), iters: int = 5,
-                    model: str = "qwen3-30b", tokens: int = 256, layer_bound: float = 3e-2) -> dict:
+                    model: str = "qwen3-30b", tokens: int = 256,
+                    layer_bound: float = BF16_LAYER_REL_ERR_BOUND) -> dict:
     """Through the runtime's EPBuffer: dispatch + identity experts + combine with a one-sided transport
     must equal the same with the `collective` transport bit for bit, and the whole MoE layer on the
     one-sided transport must match the single-process dense reference (max rel. error <= layer_bound,
-    the runtime issue's bf16 bound)."""
+    the runtime issue's bf16 bound: `bounds.BF16_LAYER_REL_ERR_BOUND`)."""
     from moetune.runtime import shapes
     from moetune.runtime.buffer.facade import EPBuffer
     from moetune.runtime.moe_layer import MoELayer, dense_reference, max_rel_err

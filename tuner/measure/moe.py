@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
+from moetune.runtime.testing import bounds
 from moetune.runtime.testing.timing import graphs_of, time_calls
 from moetune.tuner.measure.outputs import WrongOutput, rel_err_problem
 from moetune.tuner.measure.stats import Summary
@@ -139,8 +140,9 @@ MK_REL_ERR_BOUND = 1e-2
 # the plain torch path (the unfused output's own bf16 rounding). A wrong output (stale, zero, unwritten rows) is ~1.
 PAIR_REL_ERR_BOUND = 2 * MK_REL_ERR_BOUND
 # What a bf16 layer of torch ops (the unfused engine, the plain torch path) may differ from the fp32 dense reference by:
-# the runtime's bf16 bound for the layer (runtime.testing.selftest's layer_bound). The megakernel's is MK_REL_ERR_BOUND.
-BF16_LAYER_REL_ERR_BOUND = 3e-2
+# the runtime's bf16 bound for the layer, defined once in the runtime (also runtime.testing.selftest's layer_bound).
+# The megakernel's is MK_REL_ERR_BOUND.
+BF16_LAYER_REL_ERR_BOUND = bounds.BF16_LAYER_REL_ERR_BOUND
 
 
 def reference_bound(engine: str) -> float:
