@@ -225,6 +225,21 @@ class FabricWatch:
         except queue.Full:
             log.error("job queue full: the re-tune after the fabric change was not queued")
 
+    def _recorded_change(self, old_fp: str | None, facts: Any) -> dict[str, Any] | None:
+        """The newest fabric event's details when it already records this very change (old_fp → these facts): a
+        round whose later write failed wrote it, and the facts were not adopted, so this round retries it. None
+        otherwise (a change back and forth since writes its own events: the newest is then another one)."""
+        for e in self._fabric_events():  # newest first
+            kind = e["kind"] if isinstance(e, dict) else e.kind
+            d = e["details"] if isinstance(e, dict) else e.details
+            if kind not in ("fabric_seen", "fabric_changed") or not isinstance(d, dict) or not d.get("fingerprint"):
+                continue
+            if (kind == "fabric_changed" and d.get("old_fingerprint") == old_fp and d.get("fingerprint") == facts.fingerprint
+                    and d.get("identity") == identity(facts)):
+                return d
+            return None
+        return None
+
     def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
         new_dict = facts_dict(facts)
         try:
@@ -233,43 +248,79 @@ class FabricWatch:
             reasons = [f"facts changed (diff failed: {e})"]
         reason = "; ".join(reasons)[:4000]
         log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
-        self.metrics.fabric_changes += 1
-        self.store.upsert_fingerprint(facts.fingerprint, new_dict)
-        with self._commit_lock:
-            # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
-            # moved on (it makes its profiles stale and queues its keys again); one that ended before wrote
-            # everything it wrote before this listing. The ids are the rows this change makes stale, recorded in its
-            # event (a daemon stopped before queuing their re-tune has the next one finish it for these rows only,
-            # `_retune_after_interrupted_change`) and the rows made stale below: one list for both
-            cur = self.store.list_profiles(status="current", fingerprint=old_fp) if old_fp else []
-            self.facts = facts
-        ids = [i for i, _ in cur]
-        self.store.add_event(kind="fabric_changed", reason=reason,
-                             details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
-                                      "reasons": reasons, "facts": new_dict, "profiles": ids})
-        stale_recs = [r for _, r in cur]
+        # The store writes below may fail (StoreBusy after its wait, StoreFull, StoreDamaged): then the facts the
+        # daemon had are put back, so the next discovery round sees the change again and retries it (adopting the
+        # new facts for good before the writes made the change forgotten: the old fingerprint's profiles stayed
+        # current, nothing was published or re-tuned until a restart). The retry writes no second event for it.
+        kept = self.facts
+        try:
+            from moetune.tuner.daemon.jobs import tuning_key
+
+            self.store.upsert_fingerprint(facts.fingerprint, new_dict)
+            recorded = self._recorded_change(old_fp, facts)
+            with self._commit_lock:
+                # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
+                # moved on (it makes its profiles stale and queues its keys again); one that ended before wrote
+                # everything it wrote before this listing. The ids are the rows this change makes stale, recorded in its
+                # event (a daemon stopped before queuing their re-tune has the next one finish it for these rows only,
+                # `_retune_after_interrupted_change`) and the rows made stale below: one list for both
+                cur = self.store.list_profiles(status="current", fingerprint=old_fp) if old_fp else []
+                self.facts = facts
+            ids = [i for i, _ in cur]
+            if recorded is None:
+                self.store.add_event(kind="fabric_changed", reason=reason,
+                                     details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint,
+                                              "identity": identity(facts), "reasons": reasons, "facts": new_dict,
+                                              "profiles": ids})
+            elif old_fp:
+                # a retry: the rows the recorded event lists (made stale already if its mark_stale got through) and
+                # any current since are this change's
+                listed = recorded.get("profiles")
+                listed = {i for i in listed if isinstance(i, int)} if isinstance(listed, list) else set()
+                listed |= set(ids)
+                cur = [(i, r) for i, r in self.store.list_profiles(fingerprint=old_fp) if i in listed]
+                ids = [i for i, _ in cur]
+            stale_recs = [r for _, r in cur]
+            if old_fp:
+                self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
+            if old_fp != facts.fingerprint:
+                # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured
+                # on it are good again, on the same GPUs only (`_left`); nothing to re-tune for their keys (below).
+                # Only the rows it served until it left (their ids are in that change's event): a row a job wrote for
+                # it after the fabric had moved on (`_fabric_moved_on` made it stale) is no measurement of it, nor is
+                # a row of an earlier stay on other GPUs; an event of a daemon that recorded no ids: nothing is restored
+                left, was = self._left(facts.fingerprint)
+                served = left.get("profiles") if left is not None else None
+                served = [i for i in served if isinstance(i, int)] if isinstance(served, list) else None
+                if was is not None and was == identity(facts) and served is not None:
+                    n = self.store.restore_stale(fingerprint=facts.fingerprint, ids=served,
+                                                 reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
+                    if n:
+                        log.warning("profiles of a fabric seen before made current again",
+                                    extra={"fingerprint": facts.fingerprint, "profiles": n})
+                elif self.store.list_profiles(status="stale", fingerprint=facts.fingerprint):
+                    log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
+                                "recorded, or which ones it served is not recorded (re-tuned instead)",
+                                extra={"fingerprint": facts.fingerprint, "identity": identity(facts), "measured_on": was})
+            # and the new fingerprint's own stale keys that nothing current replaced: a fabric back to one it had (a
+            # port down, then up; a package downgraded, then restored) left its profiles stale from the first change,
+            # and with nothing current of the fingerprint in between nothing was re-tuned. Read here, before the
+            # change is published, so that a failed read is retried with the rest
+            have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=facts.fingerprint)}
+            keys: dict[tuple, Any] = {}
+            for r in [*stale_recs, *(r for _, r in self.store.list_profiles(status="stale", fingerprint=facts.fingerprint))]:
+                if tuning_key(r.key) not in have:
+                    keys.setdefault(tuning_key(r.key), r.key)
+        except BaseException:
+            with self._commit_lock:
+                if self.facts is facts:
+                    self.facts = kept
+            log.error("fabric change not recorded whole; the previous facts are kept and the next round retries it",
+                      extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint})
+            raise
+        self.metrics.fabric_changes += 1  # once per change, not per retried round
         if old_fp:
-            self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
-        if old_fp != facts.fingerprint:
-            # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured on
-            # it are good again, on the same GPUs only (`_left`); nothing to re-tune for their keys (below). Only the
-            # rows it served until it left (their ids are in that change's event): a row a job wrote for it after
-            # the fabric had moved on (`_fabric_moved_on` made it stale) is no measurement of it, nor is a row of an
-            # earlier stay on other GPUs; an event of a daemon that recorded no ids: nothing is restored
-            left, was = self._left(facts.fingerprint)
-            served = left.get("profiles") if left is not None else None
-            served = [i for i in served if isinstance(i, int)] if isinstance(served, list) else None
-            if was is not None and was == identity(facts) and served is not None:
-                n = self.store.restore_stale(fingerprint=facts.fingerprint, ids=served,
-                                             reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
-                if n:
-                    log.warning("profiles of a fabric seen before made current again",
-                                extra={"fingerprint": facts.fingerprint, "profiles": n})
-            elif self.store.list_profiles(status="stale", fingerprint=facts.fingerprint):
-                log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
-                            "recorded, or which ones it served is not recorded (re-tuned instead)",
-                            extra={"fingerprint": facts.fingerprint, "identity": identity(facts), "measured_on": was})
         with self._commit_lock:
             self._write_info(running=True)
             changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]
@@ -278,16 +329,6 @@ class FabricWatch:
                                     keys=[r.key for r in stale_recs], reasons=reasons))
             if rebuild:
                 self._rebuild(changes)
-        # and the new fingerprint's own stale keys that nothing current replaced: a fabric back to one it had (a port
-        # down, then up; a package downgraded, then restored) left its profiles stale from the first change, and
-        # with nothing current of the fingerprint in between nothing was re-tuned
-        from moetune.tuner.daemon.jobs import tuning_key
-
-        have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=facts.fingerprint)}
-        keys: dict[tuple, Any] = {}
-        for r in [*stale_recs, *(r for _, r in self.store.list_profiles(status="stale", fingerprint=facts.fingerprint))]:
-            if tuning_key(r.key) not in have:
-                keys.setdefault(tuning_key(r.key), r.key)
         if keys:
             try:
                 self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,
@@ -307,12 +348,13 @@ class FabricWatch:
             last = self._last_fabric_event()
             if last is None or same_hardware(last.get("fingerprint"), last.get("identity"), facts):
                 with self._commit_lock:
-                    self.facts = facts
+                    # the facts are adopted once their writes are in (a failed write: the next round tries again)
                     self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
                     if last is None:
                         self.store.add_event(kind="fabric_seen", reason="first discovery",
                                              details={"fingerprint": facts.fingerprint, "identity": identity(facts),
                                                       "facts": facts_dict(facts)})
+                    self.facts = facts
                     # the start-up discovery failed, so the start could not finish a change the last daemon recorded
                     # but did not queue (it needs the facts): done now, before the index is rebuilt
                     self._retune_after_interrupted_change()

@@ -1,0 +1,85 @@
+"""A fabric change whose store write fails (StoreBusy after the store's wait, StoreFull, StoreDamaged) is retried
+by the next discovery round: the daemon used to adopt the new facts before writing the change, so the round after
+the failure saw nothing to do and the change was lost until a restart (the old fingerprint's profiles current, no
+fabric_changed / profile_stale published, no re-tune queued). A retry writes no second fabric_changed event."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.tuner.daemon.server import Daemon
+from moetune.tuner.store.store import StoreBusy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("failing", ["add_event", "mark_stale"])
+def test_a_fabric_change_whose_write_failed_is_retried_by_the_next_round(tmp_path: Path, failing: str) -> None:
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a)
+    now = [a]
+    ran: list[list[Any]] = []
+
+    def job(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=job).start(background=True)
+    try:
+        assert d.facts.fingerprint == a.fingerprint
+        published: list[str] = []
+        rebuild = d._rebuild
+
+        def recording_rebuild(changes: list[dict[str, Any]] | None = None) -> None:
+            published.extend(c["kind"] for c in changes or [])
+            rebuild(changes)
+
+        d._rebuild = recording_rebuild  # type: ignore[method-assign]
+        real = getattr(store, failing)
+        failed: list[str] = []
+
+        def once_busy(**kw: Any) -> Any:
+            if not failed and (failing != "add_event" or kw.get("kind") == "fabric_changed"):
+                failed.append(failing)
+                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
+            return real(**kw)
+
+        setattr(store, failing, once_busy)
+        now[0] = b
+        with pytest.raises(StoreBusy):
+            d.rediscover()  # what the discovery loop logs as "discovery round failed"
+        assert failed == [failing]
+        assert d.facts.fingerprint == a.fingerprint  # not adopted: the next round sees the change again
+        assert published == []
+
+        d.rediscover()
+        assert d.facts.fingerprint == b.fingerprint
+        changed = store.list_events(limit=20, kinds=("fabric_changed",))
+        assert len(changed) == 1, changed  # one event for the change, whichever write failed
+        assert changed[0]["details"]["old_fingerprint"] == a.fingerprint
+        assert changed[0]["details"]["fingerprint"] == b.fingerprint
+        assert store.list_profiles(status="current", fingerprint=a.fingerprint) == []
+        stale = store.list_profiles(status="stale", fingerprint=a.fingerprint)
+        assert {r.profile_hash for _, r in stale} == {r.profile_hash for r in seeded}
+        assert published.count("fabric_changed") == 1 and published.count("profile_stale") == 1, published
+        assert d.metrics.fabric_changes == 1
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+
+        d.rediscover()  # nothing more to do
+        assert len(store.list_events(limit=20, kinds=("fabric_changed",))) == 1
+        assert published.count("fabric_changed") == 1
+    finally:
+        d.stop()
