@@ -44,6 +44,7 @@ MAX_SOFTWARE_VERSIONS_BYTES = 64 * 1024
 SQLITE_INT_MAX = (1 << 63) - 1
 # A clock a little ahead of ours is not a forged date; more than this is.
 FUTURE_SLACK = _dt.timedelta(minutes=5)
+EARLIEST_IMPORT_TIME = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)  # an imported date before it is no store's
 
 
 class FieldError(ValueError):
@@ -209,8 +210,15 @@ def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
         raise FieldError(field, f"not an ISO-8601 date: {value[:64]!r}") from None
     if t.tzinfo is None:
         raise FieldError(field, f"date without a time zone: {value[:64]!r}")
+    try:  # `utc_text` stores it in UTC: a date near year 1 or 9999 has no UTC date (OverflowError)
+        t = t.astimezone(_dt.UTC)
+    except (OverflowError, ValueError):
+        raise FieldError(field, f"date out of range: {value[:64]!r}") from None
     if t > now + FUTURE_SLACK:
         raise FieldError(field, f"date in the future: {value[:64]!r} (it would win every 'newest' comparison)")
+    if t < EARLIEST_IMPORT_TIME:
+        # no moetune wrote it (every date is the store's clock); sorted as text it would lose every "newest" comparison
+        raise FieldError(field, f"date before 1970: {value[:64]!r} (no moetune wrote it)")
 
 
 def utc_text(value: str) -> str:
