@@ -6,6 +6,7 @@ once per fallback naming every source and reason. Issue 20: one path module, no 
 from __future__ import annotations
 
 import ast
+import datetime as dt
 import json
 import logging
 import os
@@ -412,7 +413,7 @@ def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_pa
     db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
     store = F.open_store(db)
     store.upsert_fingerprint("preset:pcie4-consumer-4090x4:b0a1b0a1b0a1b0a1", {})  # newest: as tune --preset writes it
-    for i in range(20):  # placeholders, as the store adds for a profile's key: more than the lookup's window of 16
+    for i in range(20):  # placeholders, as the store adds for a profile's key: more than the lookup's old window of 16
         store.upsert_fingerprint(f"{i:016x}", {})
     store.close()
     ident, why = client.node_identity_from_db(db)
@@ -802,3 +803,35 @@ def test_the_daemons_fabric_is_asked_once_per_process_not_per_autoload(fake, tmp
     autoload.clear_cache()  # forgets it: asked again
     autoload.autoload_profile(model=QWEN, ep_size=2, max_tokens=64)
     assert [r.get("op") for r in d.requests].count("fabric") == 2
+
+
+@pytest.mark.parametrize("how", ["import", "shared database"])
+def test_this_nodes_fingerprint_behind_many_newer_foreign_ones_is_still_found(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             how: str) -> None:
+    """The daemon-down lookup read only the 16 most recently seen fingerprints: 16 other nodes' rows newer than this
+    node's own (an import keeps the file's last_seen; other daemons on a shared database) hid it, and no profile
+    of this node applied. Every row is read now, newest first."""
+    db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
+    others = [(f"{i:016x}", {"gpus": [{"uuid": f"GPU-other-{i}", "model": "H100"}],
+                              "software": {"driver": "550.54.15", "torch": "2.5.0", "moetune": "0.1.0"}})
+              for i in range(20)]
+    store = F.open_store(db)
+    if how == "import":
+        # an export of other nodes, seen (on their databases) after this node's row was last written here
+        t0 = dt.datetime.fromisoformat(client.db_read(db, "SELECT max(last_seen) FROM fingerprints")[0][0])
+        doc = {"format": "moetune-profiles", "version": 1, "profiles": [],
+               "fingerprints": [{"hash": h, "facts": f, "first_seen": (t0 + dt.timedelta(seconds=1)).isoformat(),
+                                 "last_seen": (t0 + dt.timedelta(seconds=1 + n / 1000)).isoformat()}
+                                for n, (h, f) in enumerate(others)]}
+        assert store.import_bytes(json.dumps(doc).encode()).fingerprints == len(others)
+    else:
+        for h, f in others:  # as other nodes' daemons record theirs
+            store.upsert_fingerprint(h, f)
+    store.close()
+    rows = client.db_read(db, "SELECT hash FROM fingerprints ORDER BY last_seen DESC LIMIT 16")
+    assert "c" * 16 not in {h for (h,) in rows}  # this node's row is past the old window
+    ident, why = client.node_identity_from_db(db)
+    assert ident is not None and ident.fingerprint == "c" * 16, why
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned

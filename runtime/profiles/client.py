@@ -404,10 +404,12 @@ def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple
     if newer:
         raise sqlite3.OperationalError(newer)
     # a what-if preset's fingerprint (`moetune tune --preset`) names a modelled fabric, not a node: never this one's
-    # ... nor is a fingerprint recorded without facts (a placeholder the store adds for a profile's key): left out
-    # before the LIMIT, or 16 such rows would hide the node's own
+    # ... nor is a fingerprint recorded without facts (a placeholder the store adds for a profile's key). Every other
+    # row is read, newest first: a LIMIT let other nodes' rows newer than this node's own hide it (an import keeps
+    # the file's last_seen; `fabric show --capture --record`; other daemons on a shared database), and no profile
+    # applied. last_seen only orders rows that each match this node (the newest of them wins).
     rows = db_read(db_path, "SELECT hash, facts, last_seen FROM fingerprints WHERE hash NOT LIKE ? AND facts IS NOT "
-                   "NULL AND trim(facts) NOT IN ('', '{}', 'null') ORDER BY last_seen DESC LIMIT 16",
+                   "NULL AND trim(facts) NOT IN ('', '{}', 'null') ORDER BY last_seen DESC, rowid DESC",
                    (PRESET_PREFIX + "%",), timeout_s)
     return node_identity.from_fingerprint_rows(rows)
 
