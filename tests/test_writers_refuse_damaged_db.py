@@ -154,7 +154,7 @@ def test_db_downgrade_refuses_a_damaged_database(sound: Path) -> None:
     _still_checked(bad, before)
 
 
-@pytest.mark.parametrize("at", ["0005", "head"])  # a migration to run; none (it said "already at revision 0006")
+@pytest.mark.parametrize("at", ["0005", "head"])  # a migration to run; none (it said "already at revision 0007")
 def test_db_upgrade_refuses_a_damaged_database(sound: Path, at: str) -> None:
     src = sound
     if at != "head":
@@ -164,7 +164,7 @@ def test_db_upgrade_refuses_a_damaged_database(sound: Path, at: str) -> None:
             s.downgrade(at)
     bad, before = _damaged_table(src, "tuning_runs")
     r = CliRunner().invoke(app, ["db", "upgrade", "--db", str(bad)])
-    _refused(r, bad, before)  # before: "upgraded 0005 -> 0006" into the damaged file, exit 0
+    _refused(r, bad, before)  # before: "upgraded 0005 -> 0007" into the damaged file, exit 0
     _still_checked(bad, before)
 
 

@@ -151,11 +151,15 @@ def show(
     why_not = "does not measure" if rec.provenance == "measured" else "is not this node's model"
     rows.append(("provenance", PROVENANCE_LABEL[str(eff)] + ("" if eff == rec.provenance else escape(
         f" (stored as {rec.provenance}, but its backend {why_not}: `moetune db check`)"))))
-    rows.append(("measured_on", escape(rec.measured_on or "(unknown)")))
+    # measured_on as the effective provenance has it (a preset's name, not the key's fingerprint a mislabelled row
+    # stores), as the runtime and an export take it; the stored one beside it where they differ
+    on = rec.as_effective().measured_on
+    rows.append(("measured_on", escape(on or "(unknown)") + ("" if on == rec.measured_on else escape(
+        f" (stored as {rec.measured_on or '(unknown)'})"))))
     from moetune.tuner.cli.query import preset_note
 
     # an edited copy of a shipped preset keeps its name: the digest says which; another node's model says so
-    shipped, origin = preset_note(str(eff), rec.as_effective().measured_on, rec.backend)
+    shipped, origin = preset_note(str(eff), on, rec.backend)
     if origin:
         rows.append(("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]"))
     rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
