@@ -27,6 +27,7 @@ from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.store.io import write_atomic
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
+MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is this fingerprint's
 
 
 @dataclass
@@ -349,6 +350,13 @@ class Bringup:
         # transports, plan and report) still shows what a bring-up would do there (tests, support).
         self.not_here = capture_not_this_node(self.facts, capture) if capture is not None else ""
         self.measures = not self.not_here
+        # what it measures is stored under this fingerprint: the node is discovered again before each write (and
+        # before a measuring stage is marked done), and a change stops the run (`FabricMovedOn`)
+        from moetune.tuner.fabric.moved import FabricGuard
+
+        self.guard = FabricGuard(self.facts, rerun=(
+            "Run `moetune profile` again: it brings up the node as it is now, under its new fingerprint (the stages "
+            "finished before the change are kept for the old one).")) if self.measures else None
         # the state is the database's (db_path: the CLI opens the store after the checks; else the store's file)
         if db_path is None and store is None:
             raise TypeError("Bringup needs the profile database: db_path or store")
@@ -388,6 +396,11 @@ class Bringup:
             return ""
         return (f"nothing measured: {self.not_here}; a number measured on this machine is never stored under "
                 "another node's fingerprint (run `moetune profile` on that node)")
+
+    def _check_fabric(self, what: str) -> None:
+        """FabricMovedOn when the live node is no longer the fabric this run measures for (`FabricGuard`)."""
+        if self.guard is not None:
+            self.guard.check(what)
 
     def _skip(self, stage: str) -> None:  # the full reason is said once before the stages and in the report
         self.console.print(f"[yellow]{stage} skipped: the capture describes another node, so nothing is measured "
@@ -429,6 +442,7 @@ class Bringup:
             except RuntimeError as e:
                 self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
                 continue  # nothing stored: a rerun tries it again
+            self._check_fabric(f"The microbenchmark {bench_id}")
             got = []
             for r in results:
                 extra = dict(r.extra or {}, direction=r.direction, bench=bench_id, bench_run=run_id)
@@ -602,6 +616,9 @@ class Bringup:
             inert = be.inert_reason(t["family"], wl)  # no knob acts here: the default replaces other knobs
             cands = [default] if inert else list(dict.fromkeys(k for k in (tuned, inc, default) if k is not None))
             got = dict(zip(cands, be.compare(cands, wl, rounds=self.plan.compare_rounds), strict=True))
+            # measured: before anything of it is stored (its profile, its tuned_vs_default row)
+            self._check_fabric(f"The side-by-side measurement of {t['family']} {t['model']} S={t['tokens']} "
+                               f"ep{ep}")
             md = got[default]
             mt = got.get(tuned, md)
             mi = got.get(inc) if inc is not None else None
@@ -757,6 +774,8 @@ class Bringup:
                 continue
             self.console.print(f"[bold]→ {stage}[/]")
             result = getattr(self, f"stage_{stage}")()
+            if stage in MEASURING_STAGES:  # its results (the tune's candidates) kept for this fingerprint only
+                self._check_fabric(f"What the {stage} stage measured")
             self.state.mark(stage, result)
         return self.state.data["done"]
 

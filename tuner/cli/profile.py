@@ -166,6 +166,7 @@ def profile(
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.bringup.report import NotOurReport, foreign_report
     from moetune.tuner.fabric.discovery import DiscoveryError
+    from moetune.tuner.fabric.moved import FabricMovedOn
     from moetune.tuner.store.store import StoreError, database_path
 
     # ERROR: Optuna logs a failed trial (Ctrl-C included) as a WARNING with its traceback; the flow reports failures
@@ -241,6 +242,8 @@ def profile(
                 flow.progress.close()  # its last lines before any message below (closed after one, they followed it)
         except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
             _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
+        except FabricMovedOn as e:  # before RuntimeError: says itself what a rerun does
+            _fail(str(e), e.exit_code)
         except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
             where = f"--report-dir {report_dir}" if report_dir is not None else f"report folder {flow.report_dir}"
             _fail(f"{where}: {e}: move it, or pass {'another ' if report_dir is not None else ''}--report-dir DIR "

@@ -414,9 +414,17 @@ def tune(
     store = _open_store(db_path)
     _check_storage(url, storage is not None)  # refused --db: no studies file created
     from moetune.tuner.cli._progress import RichProgress
+    from moetune.tuner.fabric.moved import FabricGuard, FabricMovedOn, GuardedStore
     from moetune.tuner.search.tune import tune_profiles_detailed
     from moetune.tuner.store import StoreError
 
+    # a measurement is stored under the fingerprint discovered at the start: before each profile is stored, the
+    # node is discovered again, and on a change nothing more is stored under the old one (a prediction is of the
+    # facts it was given, stored under their fingerprint, whatever the node became meanwhile)
+    measured_store = store
+    if backend == "local" and facts is not None:
+        measured_store = GuardedStore(store, FabricGuard(facts, rerun=(
+            "Run the tune again: it measures the node as it is now and stores under its new fingerprint.")))
     bar = None if as_json else RichProgress(label="MODELLED" if backend == "model" else "")
     ran = [0]  # trials this run finished: what a store error after them says is kept
 
@@ -435,7 +443,7 @@ def tune(
                 # placeholder fingerprint without facts identifies no node: `query` fell back to the defaults)
                 store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
             results = tune_profiles_detailed(
-                store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
+                measured_store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
                 timeout_s=timeout, ep_size=ep_size or (local_opts.get("world") if backend == "local" else None),
                 nodes=nodes, progress=bar, storage=storage, seed=seed, families=family or None,
                 policy_override=policy, routing=routing, local_options=local_opts, node_model=node_model,
@@ -448,6 +456,8 @@ def tune(
 
             if interrupt_behind(e) is not None:  # raised while an interrupt unwound: no failure, the interrupt
                 raise
+            if isinstance(e, FabricMovedOn):  # nothing stored under the old fingerprint since the change
+                _fail(str(e), e.exit_code)
             if isinstance(e, StoreError):  # before `ValueError/OSError`: the profile database, not the tune, failed
                 _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
             if isinstance(e, ValueError | OSError):
