@@ -8,6 +8,7 @@ import ctypes
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -139,14 +140,7 @@ class SimRanks:
             except BaseException as e:
                 out[r]["failure"] = repr(e)
 
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        assert not any("failure" in o for o in out), out
-        return out
+        return self._on_every_rank(rank_main, out)
 
     def counts(self, counts: list[list[int]], epoch: int = 1) -> list[dict]:
         """exchange_counts alone (mt_pxy_counts) of call `epoch` on one thread per rank: per rank its return code,
@@ -164,6 +158,10 @@ class SimRanks:
             except BaseException as e:
                 out[r]["failure"] = repr(e)
 
+        return self._on_every_rank(rank_main, out)
+
+    def _on_every_rank(self, rank_main: Callable[[int], None], out: list[dict]) -> list[dict]:
+        """rank_main(r) on one thread per rank (each records into out[r], "failure" where it raised): out."""
         threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.world)]
         for t in threads:
             t.start()

@@ -210,13 +210,19 @@ def check_exchange_worker(
         except Exception:
             rec["error"] = traceback.format_exc()[-3000:]
         finally:
-            if t is not None:
-                try:
-                    t.close()
-                except Exception:
-                    pass
+            _close_quietly(t)
         results.append(rec)
     return results
+
+
+def _close_quietly(t: Any) -> None:
+    """Close transport `t` (None: nothing built) after a worker's case; a failing close never hides the case's own
+    result or error."""
+    if t is not None:
+        try:
+            t.close()
+        except Exception:
+            pass
 
 
 def _one_exchange(t: Any, send: torch.Tensor, sc: torch.Tensor, device: torch.device) -> dict[str, Any]:
@@ -387,11 +393,7 @@ def refusal_worker(rank: int, world: int, *, transports: tuple[str, ...] = ("nvl
             except Exception:
                 out[f"{name}_{case}"] = {"error": traceback.format_exc()[-2000:], "calls": recs}
             finally:
-                if t is not None:
-                    try:
-                        t.close()
-                    except Exception:
-                        pass
+                _close_quietly(t)
     return out
 
 
@@ -438,11 +440,7 @@ def refusal_rules_worker(rank: int, world: int, *, transports: tuple[str, ...] =
         except Exception:
             rec2["error"] = traceback.format_exc()[-2000:]
         finally:
-            if t is not None:
-                try:
-                    t.close()
-                except Exception:
-                    pass
+            _close_quietly(t)
         out[name + "_counts"] = rec2
     return out
 
