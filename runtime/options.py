@@ -442,7 +442,9 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "is no git checkout of its own (an exported tree on a GPU machine: bench/megakernel_device.sh sets "
                 "it); git_dirty is true when it ends in `-dirty` (the copy had changes on top of that commit), else "
                 "whoever sets it vouches that the tree is exactly that commit. In a git checkout git decides (HEAD "
-                "and its changes); where the two disagree git's is stamped, with a warning.",
+                "and its changes); where the two disagree git's is stamped, with a warning, unless the checkout's "
+                ".git does not know the named commit (a stale .git copied with a newer tree): then the variable's "
+                "commit, marked dirty (unverified).",
                 "tuner/measure/scenarios.py"),
     EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
                 "The test daemon's fake tuning job holds this long (restart tests); tests only.",
