@@ -3,9 +3,17 @@ answers, warnings said once) emptied around a test, with auto-loading either on 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# pytest-xdist's workers run with COLUMNS=80 (and LINES) in their environment: a Rich Console made at import
+# (tuner/cli/db.py's) fixes its width there, and the tests that give the CLI another COLUMNS saw 80 columns. Dropped
+# before any test module imports the CLI, as in a single pytest process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 from moetune.runtime import _once
 from moetune.runtime.profiles import autoload
