@@ -171,7 +171,7 @@ def test_gpu_nic_locality_is_in_the_fingerprint(tmp_path: Path) -> None:
 
 def test_a_fingerprint_recomputed_by_an_upgrade_is_explained() -> None:
     """Facts stored with a fingerprint an older moetune computed: the daemon's reason says so, not 'facts changed'."""
-    from moetune.tuner.daemon.watch import default_diff
+    from moetune.tuner.fabric.change import default_diff
 
     d = discover(F.CAPTURES / "dgx-h100").to_dict()
     assert default_diff(d, json.loads(json.dumps(d))) == ["same facts, fingerprint computed differently (moetune upgraded)"]

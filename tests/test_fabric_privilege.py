@@ -201,7 +201,7 @@ def _as_older_moetune_recorded(d: dict) -> dict:
 def test_the_upgrade_says_why_the_fingerprint_moved(tmp_path: Path) -> None:
     """Facts an older moetune stored lack the new ones: the daemon's reason for the fabric change (and the stale
     mark of the profiles) says that they are now fingerprinted, not that the NUMA node went from unknown to 0."""
-    from moetune.tuner.daemon.watch import default_diff
+    from moetune.tuner.fabric.change import default_diff
 
     new = discover(_with_pci_sysfs(_copy(tmp_path))).to_dict()
     reasons = default_diff(_as_older_moetune_recorded(new), new)

@@ -29,7 +29,7 @@ import json
 import sqlalchemy as sa
 from alembic import op
 
-from moetune.runtime.profile_record import effective_measured_on, effective_provenance
+from moetune.tuner.store.models import effective_measured_on, effective_provenance
 
 revision = "0007"
 down_revision = "0006"

@@ -81,7 +81,8 @@ from moetune.tuner.daemon.jobs import (
     tuner_retune,
 )
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
-from moetune.tuner.daemon.watch import FabricWatch, default_diff, make_discover, transport_names
+from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
+from moetune.tuner.fabric.change import default_diff
 
 log = logging.getLogger("moetune.daemon")
 

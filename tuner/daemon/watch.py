@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from moetune.tuner.fabric.change import facts_dict, identity, incomplete, same_hardware
+
 log = logging.getLogger("moetune.daemon")
 
 
@@ -23,28 +25,8 @@ def now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def facts_dict(facts: Any) -> dict[str, Any]:
-    try:
-        d = facts.to_dict()
-    except AttributeError:
-        d = dict(facts)
-    return d if isinstance(d, dict) else {}
-
-
 def transport_names(facts: Any) -> list[str]:
     return [t.name for t in facts.transports]
-
-
-def default_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
-
-    reasons = list(diff_facts(old, new))
-    if reasons:
-        return reasons
-    if fingerprint(old) == fingerprint(new):
-        # the stored fingerprint was computed by another moetune from these very facts
-        return ["same facts, fingerprint computed differently (moetune upgraded)"]
-    return ["facts changed"]
 
 
 def make_discover(capture: Path | None) -> Callable[[], Any]:
@@ -55,28 +37,6 @@ def make_discover(capture: Path | None) -> Callable[[], Any]:
 
     return _discover
 
-
-
-def identity(facts: Any) -> str | None:
-    """Which physical GPUs the facts describe (`identity_hash`), None where unknown."""
-    return facts.identity_hash or None
-
-
-def incomplete(facts: Any) -> str:
-    """Why discovery could not read everything (`FabricFacts.warnings`, e.g. nvidia-smi timed out), '' when
-    it could. Such facts are no evidence of a change: GPUs nvidia-smi did not answer for are not GPUs gone,
-    and taking them for a new fabric would make every profile stale and queue a re-tune on each slow round."""
-    if getattr(facts, "complete", True):
-        return ""
-    return "; ".join(str(w) for w in getattr(facts, "warnings", []) or []) or "facts incomplete"
-
-
-def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> bool:
-    """Same fingerprint and, where both sides know it, the same physical parts (a replaced GPU is a change)."""
-    if old_fp != facts.fingerprint:
-        return False
-    new_identity = identity(facts)
-    return old_identity is None or new_identity is None or old_identity == new_identity
 
 
 class FabricWatch:

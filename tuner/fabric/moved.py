@@ -5,7 +5,7 @@ to hours; every number they store goes under that fingerprint, labelled measured
 port down, a GPU replaced, a package upgraded) made them store numbers of the changed fabric under the old
 fingerprint. The daemon's jobs guard against it (`Jobs._fabric_moved_on`); these runs discover the node again
 (live discovery: ~15 ms) before each store write and, on a change, store nothing more under the old fingerprint
-(`FabricMovedOn`, exit 1). The rule is the daemon's (`moetune.tuner.daemon.watch`): another fingerprint, or the
+(`FabricMovedOn`, exit 1). The rule is the daemon's (`moetune.tuner.fabric.change`): another fingerprint, or the
 same one on other GPUs, is a change; a discovery that failed or could not read everything is no evidence of one.
 """
 
@@ -27,7 +27,7 @@ class FabricGuard:
     """The fabric a run started on (`facts`); `check` raises FabricMovedOn once the live node is another."""
 
     def __init__(self, facts: Any, rerun: str) -> None:
-        from moetune.tuner.daemon.watch import identity
+        from moetune.tuner.fabric.change import identity
 
         self.facts = facts
         self.fingerprint = str(facts.fingerprint)
@@ -37,8 +37,8 @@ class FabricGuard:
     def moved_on(self) -> Any | None:
         """The live node's facts when they are another fabric than the run's, else None (the same fabric, or a
         discovery that cannot tell: failed, or incomplete, as the daemon takes them)."""
-        from moetune.tuner.daemon.watch import incomplete, same_hardware
         from moetune.tuner.fabric import discovery
+        from moetune.tuner.fabric.change import incomplete, same_hardware
 
         try:
             live = discovery.live_facts()
@@ -53,7 +53,7 @@ class FabricGuard:
         live = self.moved_on()
         if live is None:
             return
-        from moetune.tuner.daemon.watch import default_diff, facts_dict
+        from moetune.tuner.fabric.change import default_diff, facts_dict
 
         try:
             reasons = default_diff(facts_dict(self.facts), facts_dict(live))

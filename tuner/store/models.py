@@ -29,6 +29,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # defines them. Re-exported here because migrations import only this module (docs/architecture.md, import rule
 # 4): a migration that relabels rows uses these instead of restating the rule.
 from moetune.runtime.profile_record import default_measured_on as default_measured_on
+from moetune.runtime.profile_record import effective_measured_on as effective_measured_on
+from moetune.runtime.profile_record import effective_provenance as effective_provenance
 from moetune.runtime.profile_record import provenance_of_backend as provenance_of_backend
 
 # Stable constraint names so batch migrations on SQLite can find them.
