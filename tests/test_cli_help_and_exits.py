@@ -16,6 +16,7 @@ from moetune.tuner.cli import app
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
+from cli_commands import cli_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,23 +81,10 @@ def test_unusable_daemon_public_key_file_is_a_clear_error(tmp_path: Path) -> Non
 
 
 # -- --help: every option says what it is; defaults as the code has them ---------------------------------------
-def _commands():
-    from typer.main import get_command
-
-    def walk(cmd, path):
-        if getattr(cmd, "commands", None):
-            for name, sub in cmd.commands.items():
-                yield from walk(sub, [*path, name])
-        if path:
-            yield path, cmd
-
-    return list(walk(get_command(app), []))
-
-
 def test_every_option_of_every_command_has_help() -> None:
     """status/retune --timeout-ms, retune --reason and six options of `model sweep` (--model, --nodes, --tokens,
     --gpus-per-node, --routing, --tile) showed no text at all: no unit, no meaning."""
-    bare = [f"moetune {' '.join(path)} {p.opts[0]}" for path, cmd in _commands() for p in cmd.params
+    bare = [f"moetune {' '.join(path)} {p.opts[0]}" for path, cmd in cli_commands() for p in cmd.params
             if not getattr(p, "hidden", False) and p.param_type_name == "option" and not (p.help or "").strip()]
     assert not bare, bare
 

@@ -20,21 +20,9 @@ from moetune.tuner.cli._args import path_arg, path_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child_env import child_env
+from cli_commands import cli_commands
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _commands():
-    from typer.main import get_command
-
-    def walk(cmd, path):
-        if getattr(cmd, "commands", None):
-            for name, sub in cmd.commands.items():
-                yield from walk(sub, [*path, name])
-        if path:
-            yield path, cmd
-
-    return list(walk(get_command(app), []))
 
 
 def _parser(p):
@@ -54,7 +42,7 @@ _TEXT_PATHS = {("bench", "run", "--results"), ("bench", "run", "--from-report"),
 def _path_params():
     """(command path, the parameter's command-line words before "", its name as an error shows it) for every path."""
     out = []
-    for path, cmd in _commands():
+    for path, cmd in cli_commands():
         args = [p for p in cmd.params if p.param_type_name == "argument"]
         for p in cmd.params:
             if _parser(p) not in (path_arg, path_text):
@@ -78,7 +66,7 @@ def test_every_path_option_refuses_an_empty_path() -> None:
     from typing import get_args
 
     missing = []
-    for path, cmd in _commands():
+    for path, cmd in cli_commands():
         for p in cmd.params:
             ann = _annotation(p)
             is_path = ann is Path or get_args(ann) == (Path,)
