@@ -237,6 +237,13 @@ def test_a_row_labelled_measured_by_a_backend_that_does_not_measure_reads_as_mod
     assert r.exit_code == 0 and "PRESET" in text and "stored as measured, but its backend does not measure" in text
     r = run("profiles", "list", "--db", str(db))
     assert r.exit_code == 0 and r.output.count("PRESET") == 1, r.output
+    # --json as the table: the effective labels, the stored ones beside them (it said "measured")
+    for args in (("profiles", "show", "2", "--json"), ("profiles", "list", "--json")):
+        r = run(*args, "--db", str(db))
+        rec = json.loads(r.output)
+        rec = rec if isinstance(rec, dict) else next(x for x in rec if x["id"] == 2)
+        assert (rec["provenance"], rec["stored_provenance"]) == ("preset", "measured"), rec
+        assert rec["measured_on"] != "fp-cli" and rec["stored_measured_on"] == "fp-cli", rec
     r = run("db", "check", "--db", str(db))
     text = " ".join(r.output.split())
     assert r.exit_code == 1 and "profile 2: labelled measured, but its backend" in text, r.output

@@ -44,8 +44,15 @@ PROVENANCE_LABEL = {
 def _record_json(pid: int, rec: Any) -> dict[str, Any]:
     # perf_env always present: the variables, or null where it was not recorded (unknown, never "none set")
     env = rec.tuned_perf_env
-    return {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash, "perf_env": env,
-            "perf_env_digest": perf_env_digest(env) if env is not None else None}
+    d = {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash, "perf_env": env,
+         "perf_env_digest": perf_env_digest(env) if env is not None else None}
+    # provenance and measured_on as the runtime takes them (as the table shows them): a row stored as measured whose
+    # backend does not measure read "measured" here while the table said PRESET; the stored labels beside them
+    eff = rec.as_effective()
+    if (eff.provenance, eff.measured_on) != (rec.provenance, rec.measured_on):
+        d.update(provenance=str(eff.provenance), measured_on=eff.measured_on, stored_provenance=str(rec.provenance),
+                 stored_measured_on=rec.measured_on)
+    return d
 
 
 def perf_env_lines(rec: Any) -> list[tuple[str, str]]:
