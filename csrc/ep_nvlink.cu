@@ -553,40 +553,19 @@ MT_API int mt_nvl_error(void* h, int* out) {
   return 0;
 }
 
-// Forget a refused exchange so that the next call runs (after every launch so far completed: a device
-// synchronisation): the record holds MT_ERR_SEND_COUNTS (this rank refused its counts) or MT_ERR_PEER_REFUSED (a peer
-// did), and nothing else went wrong in that call (the abort flag is clear: a refusal never raises it, every other
-// error does). Such a call kept the protocol in step: every rank published its row and saw a word of every other
-// rank's, the device epochs and the group counters advanced as after any call, no rows went to or from the
-// refusing rank, and the signal slots stay monotonic (a skipped signal only leaves a slot at an older epoch). Any
-// other error is not cleared (107): its waits ended early, the ranks may be out of step; build a new transport.
+// Forget a refused call so that the next one runs, where mt::refusal_clearable allows it (else 107), after every
+// launch so far completed: such a call kept the protocol in step (every rank published its row and saw a word of every
+// other rank's, the device epochs and the group counters advanced as after any call, no rows went to or from the
+// refusing rank, and a skipped signal only leaves a slot at an older epoch).
 MT_API int mt_nvl_clear_error(void* h) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   MT_SET_DEVICE(c->device);
   MT_CUDA(cudaDeviceSynchronize());
   int aborted = 0;
   MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
-  volatile int* e = c->err_host;
-  const int code = e[0];
-  MT_REQUIRE(aborted == 0 && (code == 0 || code == MT_ERR_SEND_COUNTS || code == MT_ERR_PEER_REFUSED), 107,
-             "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
-             "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
-             MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
-  // The refused call must be the last one launched: of the last kind launched (an exchange, or exchange_counts:
-  // slot 3 / -2) and at that kind's last epoch (epochs[0] / epochs[1], completed by the synchronisation above). The
-  // record keeps the first error only: a refusal in a call launched after it went unrecorded, and ranks that noticed
-  // the refusal at different calls (launches are asynchronous) may have launched different operations since;
-  // clearing would hide both.
-  const int kind = (code == MT_ERR_SEND_COUNTS ? e[3] == 3 : e[3] == -2) ? 1 : 0;
-  unsigned long long last = 0;
-  MT_CUDA(cudaMemcpy(&last, c->epochs + kind, sizeof(last), cudaMemcpyDeviceToHost));
-  const uint64_t rec_epoch = (uint64_t)(uint32_t)e[4];
-  MT_REQUIRE(code == 0 || (kind == c->last_kind && rec_epoch == (last & 0x7fffffffull)), 107,
-             "the refused call (%s, epoch %llu) is not this rank's last (%s was launched after it, before the "
-             "refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
-             "transport (synchronise and check after each call to clear it)",
-             kind ? "exchange_counts" : "exchange", (unsigned long long)rec_epoch,
-             kind != c->last_kind ? (c->last_kind ? "exchange_counts" : "an exchange") : "a later one of its kind");
+  unsigned long long last = 0;  // the last launched kind's device epoch (completed by the synchronisation above)
+  MT_CUDA(cudaMemcpy(&last, c->epochs + c->last_kind, sizeof(last), cudaMemcpyDeviceToHost));
+  if (!mt::refusal_clearable(c->err_host, aborted != 0, c->last_kind, last)) return 107;
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

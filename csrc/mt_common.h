@@ -164,6 +164,34 @@ class DeviceGuard {
     }                                \
   } while (0)
 
+namespace mt {
+// The host's rule for forgetting a refused call (mt_pxy_clear_error, mt_nvl_clear_error), after every launch so far
+// completed. The record `e` may hold nothing, or a refusal (MT_ERR_SEND_COUNTS / MT_ERR_PEER_REFUSED) with the abort
+// flag clear: a refusal never raises it and every other error does (its waits ended early, the ranks may be out of
+// step). The refusal must be of the last call launched, `last_kind` (0 an exchange, 1 exchange_counts: its refusals
+// are slot 3 / -2) at `last_epoch`: the record keeps the first error only, so a refusal in a call launched after it went
+// unrecorded, and ranks that noticed the refusal at different calls may have launched different operations since.
+// False, with the reason in mt_last_error, where the record may not be cleared (build a new transport).
+inline bool refusal_clearable(const volatile int* e, bool aborted, int last_kind, uint64_t last_epoch) {
+  const int code = e[0];
+  if (aborted || (code != 0 && code != MT_ERR_SEND_COUNTS && code != MT_ERR_PEER_REFUSED)) {
+    set_error("the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
+              "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "", MT_ERR_SEND_COUNTS,
+              MT_ERR_PEER_REFUSED);
+    return false;
+  }
+  if (code == 0) return true;
+  const int kind = (code == MT_ERR_SEND_COUNTS ? e[3] == 3 : e[3] == -2) ? 1 : 0;
+  const unsigned long long rec = (uint32_t)e[4], last = last_epoch & 0x7fffffffull;
+  if (kind == last_kind && rec == last) return true;
+  set_error("the refused call (%s, epoch %llu) is not this rank's last (%s, epoch %llu, was launched after it, before "
+            "the refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
+            "transport (synchronise and check the error after each call to clear it)",
+            kind ? "exchange_counts" : "exchange", rec, last_kind ? "exchange_counts" : "an exchange", last);
+  return false;
+}
+}  // namespace mt
+
 // Primitives of the spin-waits and signalled words: device versions (nvcc) or host stand-ins
 // (MT_HOST_SIM: the proxy transport's GPU-side logic runs on CPU threads in tests/test_onesided_cpu.py).
 #if defined(__CUDACC__)

@@ -355,12 +355,9 @@ MT_API int mt_pxy_error(void* h, int* out) {
   return 0;
 }
 
-// Forget a refused exchange so that the next call runs: the record holds MT_ERR_SEND_COUNTS (this rank refused its
-// counts) or MT_ERR_PEER_REFUSED (a peer did), and nothing else went wrong in that call (the abort flag is clear: a
-// refusal never raises it, every other error does). Such a call kept the protocol in step: every rank published
-// its row of the count matrix and saw every other rank's (csrc/proxy_xchg.h), no rows went to or from the refusing
-// rank, and the signal slots stay monotonic. Any other error is not cleared (323): its waits ended early, the ranks
-// may be out of step, and only a new transport is safe. Waits (bounded) for every launch so far to complete first.
+// Forget a refused call so that the next one runs, where mt::refusal_clearable allows it (else 323): such a call kept
+// the protocol in step (every rank published its row of the count matrix and saw every other rank's, csrc/proxy_xchg.h;
+// no rows went to or from the refusing rank; the signal slots stay monotonic). Waits (bounded) for every launch so far.
 MT_API int mt_pxy_clear_error(void* h) {
   PxCtx* c = static_cast<PxCtx*>(h);
   MT_SET_DEVICE(c->device);
@@ -371,24 +368,7 @@ MT_API int mt_pxy_clear_error(void* h) {
   MT_CUDA(cudaDeviceSynchronize());
   int aborted = 0;
   MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
-  volatile int* e = c->err_host;
-  const int code = e[0];
-  MT_REQUIRE(aborted == 0 && (code == 0 || code == MT_ERR_SEND_COUNTS || code == MT_ERR_PEER_REFUSED), 323,
-             "the error record holds code %d%s: only a refused call (codes %d, %d) can be cleared; build a new "
-             "transport", code, aborted ? " and a wait of that call failed (abort flag set)" : "",
-             MT_ERR_SEND_COUNTS, MT_ERR_PEER_REFUSED);
-  // The refused call must be the last one launched. The record keeps the first error only, so a refusal in a call
-  // launched after it (before the first was seen) went unrecorded, and the ranks that noticed the refusal at
-  // different calls may have launched different operations since: clearing would hide both.
-  // (of the last kind launched too: exchange_counts' refusals are slot 3 / -2)
-  const int kind = (code == MT_ERR_SEND_COUNTS ? e[3] == 3 : e[3] == -2) ? 1 : 0;
-  const uint64_t rec_epoch = (uint64_t)(uint32_t)e[4];
-  MT_REQUIRE(code == 0 || (kind == c->last_kind && rec_epoch == (c->last_epoch & 0x7fffffffull)), 323,
-             "the refused call (%s, epoch %llu) is not this rank's last (%s, epoch %llu, was launched after it, before "
-             "the refusal was seen): a refusal there is not recorded and the ranks may be out of step; build a new "
-             "transport (check the error after each call to clear it)",
-             kind ? "exchange_counts" : "exchange", (unsigned long long)rec_epoch,
-             c->last_kind ? "exchange_counts" : "an exchange", (unsigned long long)(c->last_epoch & 0x7fffffffull));
+  if (!mt::refusal_clearable(c->err_host, aborted != 0, c->last_kind, c->last_epoch)) return 323;
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

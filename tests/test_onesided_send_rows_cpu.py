@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,13 @@ from moetune.runtime.transports._onesided import OneSidedError, decode_error
 from moetune.runtime.transports.nvlink import NvlinkTransport
 from moetune.runtime.transports.proxy import ProxyTransport
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_mtlib import FakeMtLib
+
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 
-class RecLib:
+class RecLib(FakeMtLib):
     """The library calls of the one-sided transports: each recorded with its arguments; `rc[name]` is returned (0
     unless set), `last_error` is mt_last_error's text."""
 
@@ -34,30 +38,14 @@ class RecLib:
         self.calls: list[tuple[str, tuple]] = []
         self.rc: dict[str, int] = {}
         self.last_error = b""
-        self.handles = 0
 
     def mt_last_error(self) -> bytes:
         return self.last_error
 
-    def mt_ctrl_bytes(self, out: Any) -> int:
-        out._obj.value = 4096
-        return 0
-
-    def mt_enable_peer_access(self, dev: int, other: int) -> int:
-        return 0
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith(("mt_nvl_", "mt_pxy_", "mt_proxy_")):
-            raise AttributeError(name)
-
-        def call(*args: Any) -> int:
-            self.calls.append((name, args))
-            if name.endswith("_create"):
-                self.handles += 1
-                args[-1]._obj.value = 0x5000 + self.handles
-            return self.rc.get(name, 0)
-
-        return call
+    def call(self, name: str, args: tuple) -> int:
+        self.calls.append((name, args))
+        super().call(name, args)
+        return self.rc.get(name, 0)
 
     def args_of(self, name: str) -> tuple:
         return [a for n, a in self.calls if n == name][-1]

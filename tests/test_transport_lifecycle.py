@@ -6,6 +6,8 @@ frees what it allocated when its constructor fails part way."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,42 +24,27 @@ from moetune.runtime.transports.host_staged import HostStagedTransport
 from moetune.runtime.transports.nvlink import NvlinkTransport
 from moetune.runtime.transports.proxy import ProxyEngine, ProxyTransport
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_mtlib import FakeMtLib
+
 _NO_HANDLE_OK = ("_create", "_destroy")  # the only calls of the library that may see no (or a NULL) handle
 
 
-class FakeLib:
+class FakeLib(FakeMtLib):
     """The calls the one-sided transports make, logged; those named in `fail` return an error code. Every call
     taking a context/engine handle asserts it got one (the C side dereferences it)."""
 
     def __init__(self, log: list[tuple], fail: set[str]):
-        self.log, self.fail, self.handles = log, fail, 0
+        self.log, self.fail = log, fail
 
     def mt_last_error(self) -> bytes:
         return b"injected failure"
 
-    def mt_ctrl_bytes(self, out: Any) -> int:
-        out._obj.value = 4096
-        return 0
-
-    def mt_enable_peer_access(self, dev: int, other: int) -> int:
-        return 0
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith(("mt_nvl_", "mt_pxy_", "mt_proxy_")):
-            raise AttributeError(name)
-
-        def call(*args: Any) -> int:
-            self.log.append((name, args[0] if name.endswith("_destroy") else None))
-            if not name.endswith(_NO_HANDLE_OK):
-                assert args[0] is not None and getattr(args[0], "value", 1), f"{name} given a NULL handle"
-            if name in self.fail:
-                return 7
-            if name.endswith("_create"):
-                self.handles += 1
-                args[-1]._obj.value = 0x5000 + self.handles  # the new context/engine, through its out pointer
-            return 0
-
-        return call
+    def call(self, name: str, args: tuple) -> int:
+        self.log.append((name, args[0] if name.endswith("_destroy") else None))
+        if not name.endswith(_NO_HANDLE_OK):
+            assert args[0] is not None and getattr(args[0], "value", 1), f"{name} given a NULL handle"
+        return 7 if name in self.fail else super().call(name, args)
 
 
 class FakeSymm:

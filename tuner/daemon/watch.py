@@ -189,15 +189,11 @@ class FabricWatch:
         """The newest fabric event's details when it already records this very change (old_fp → these facts): a
         round whose later write failed wrote it, and the facts were not adopted, so this round retries it. None
         otherwise (a change back and forth since writes its own events: the newest is then another one)."""
-        for e in self._fabric_events():  # newest first
-            kind = e["kind"] if isinstance(e, dict) else e.kind
-            d = e["details"] if isinstance(e, dict) else e.details
-            if kind not in ("fabric_seen", "fabric_changed") or not isinstance(d, dict) or not d.get("fingerprint"):
-                continue
-            if (kind == "fabric_changed" and d.get("old_fingerprint") == old_fp and d.get("fingerprint") == facts.fingerprint
-                    and d.get("identity") == identity(facts)):
-                return d
-            return None
+        d = self._last_fabric_event()
+        if (d is not None and "old_fingerprint" in d  # a fabric_changed event's (fabric_seen has no old fingerprint)
+                and d["old_fingerprint"] == old_fp and d.get("fingerprint") == facts.fingerprint
+                and d.get("identity") == identity(facts)):
+            return d
         return None
 
     def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
