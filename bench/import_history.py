@@ -2,7 +2,7 @@
 
     python bench/import_history.py RESULTS_DIR > rows.csv   (RESULTS_DIR: the unpacked archive)
 
-Each row's git SHA is the commit that added its raw file (`git log --diff-filter=A`), except the host-staged
+Each row's git SHA is the commit that recorded its raw file's content (`added_sha`), except the host-staged
 launches: those carry the commit whose code ran (`RUN_CODE`), or "unknown" with the reason in the note where no
 commit can be shown to be it (the commit that added a run's raw files came after the run and often changed code).
 Its date is the day of the run, its hardware the machine BENCHMARKS.md names. Only numbers the raw files hold are written; a failed case
@@ -15,7 +15,12 @@ corrects the rows the first import wrote with other statistics in the p10 / p90 
     python bench/import_history.py --fix-run-commits   (rewrites bench/results/summary.csv in place)
 
 restamps the host-staged launches the first import stamped with the commit that added their raw files
-(`fix_run_commits`).
+(`fix_run_commits`);
+
+    python bench/import_history.py --fix-content-commits RESULTS_DIR   (rewrites bench/results/summary.csv in place)
+
+restamps the other imported rows whose commit was the first one to add a file of their raw file's name, not the
+one that recorded the content they hold (`fix_content_commits`).
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ CPU = {"gpu": "none", "gpu_count": 0, "hardware": "2 CPU cores (Intel Xeon VM), 
 
 
 def added_sha(path: Path) -> str:
-    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-    out = subprocess.run(["git", "-C", str(ROOT), "log", "--diff-filter=A", "--format=%H", "--", str(rel)],
-                         capture_output=True, text=True).stdout.split()
+    """The commit that recorded the content of raw file `path` (as the archive holds it): the oldest commit that
+    brought this exact blob into the history, under whatever name. Not the commit that first added a file of this
+    name: 2026-11-30_daemon_load.json was rewritten by a re-run in 819748c (the first run's content renamed
+    _busy.json there), 2026-11-30_fabric_model_cpu.json by 543667d's refreshed timings."""
+    git = ["git", "-C", str(ROOT)]
+    blob = subprocess.run([*git, "hash-object", str(path)], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([*git, "log", "--format=%H", f"--find-object={blob}"],
+                         capture_output=True, text=True).stdout.split() if blob else []
     return out[-1] if out else "unknown"
 
 
@@ -222,7 +232,43 @@ def host_staged(res: Path) -> list[dict[str, Any]]:
     return rows
 
 
+CONTENT_NOTE = "git_sha: the commit that recorded this content (first stamped {old}, which added a file of this name)"
+
+
+def fix_content_commits(rows: list[dict[str, str]], res: Path) -> tuple[list[dict[str, str]], list[str]]:
+    """The rows with the imported launches of `_FIXED_SOURCES`' scenarios (proxy-fences, runtime-host-cost and
+    search-efficiency too) restamped with `added_sha` of their raw file in `res`, where the first import's stamp (the
+    first commit to add a file of that name) differs: the daemon-load ipc rows held 819748c's re-run but said
+    24bde24, the _busy rows 24bde24's first run but said 819748c, the fabric-model rows 543667d's timings but said
+    70c0afc. Only git_sha and the note change; idempotent."""
+    scenarios = {*_FIXED_SOURCES, "proxy-fences", "runtime-host-cost", "search-efficiency"}
+    out, log, seen, shas = [], [], set(), {}
+    for r in rows:
+        if r["source"] != "imported" or r["scenario"] not in scenarios:
+            out.append(r)
+            continue
+        src = r["note"].removeprefix("from ").split(";")[0]
+        sha = shas[src] if src in shas else shas.setdefault(src, added_sha(res / src))  # one history walk a file
+        if sha == "unknown":
+            raise SystemExit(f"{r['scenario']} {r['launch']}: {r['note']}: no commit holds that raw file")
+        if sha != r["git_sha"]:
+            key = (r["scenario"], r["launch"])
+            if key not in seen:
+                seen.add(key)
+                log.append(f"{r['scenario']} {r['launch']}: git_sha {r['git_sha'][:10]} -> {sha[:10]}")
+            r = {**r, "git_sha": sha, "note": f"{r['note']}; {CONTENT_NOTE.format(old=r['git_sha'][:7])}"}
+        out.append(r)
+    return out, log
+
+
 def main() -> int:
+    if sys.argv[1] == "--fix-content-commits":
+        res, csv_path = Path(sys.argv[2]).resolve(), ROOT / "bench/results/summary.csv"
+        rows, log = fix_content_commits(R.read_rows(csv_path), res)
+        csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
+        print("\n".join(log))
+        print(f"{len(log)} launch(es) restamped")
+        return 0
     if sys.argv[1] == "--fix-run-commits":
         csv_path = ROOT / "bench/results/summary.csv"
         rows, log = fix_run_commits(R.read_rows(csv_path))
