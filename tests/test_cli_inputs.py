@@ -221,6 +221,21 @@ def test_tune_names_a_bad_storage(tmp_path: Path) -> None:
     assert not any(folder.iterdir())
 
 
+@pytest.mark.parametrize("url", ["", "  "])
+def test_tune_and_show_refuse_an_empty_storage(url: str, tmp_path: Path) -> None:
+    """`--storage ""` was taken for the default studies file (`if storage:`): the tune ran and stored its studies in
+    m-studies.db, `tune show` read that file. Refused up front, exit 2, naming the option; nothing is created."""
+    db = ["--db", str(tmp_path / "m.db")]
+    for argv in ([*MODEL_TUNE, *db, "--storage", url], ["tune", "show", *db, "--storage", url],
+                 ["tune", "--storage", url, "show", *db]):  # given before `show`: refused as empty, not as misplaced
+        r = _run(*argv, home=tmp_path / "home")
+        _refused(r)
+        said = " ".join(r.output.replace("│", " ").split())
+        assert "Invalid value for '--storage': an empty URL names no storage (leave the option out for the default " \
+               "studies file NAME-studies.db" in said, said
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_tune_and_show_name_a_garbage_studies_file_and_keep_it(tmp_path: Path) -> None:
     studies = tmp_path / "m-studies.db"  # the default studies file of --db m.db
     studies.write_bytes(GARBAGE)

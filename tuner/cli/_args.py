@@ -1,4 +1,4 @@
-"""Parsing of the CLI's list options, paths and seeds, with errors that name the option."""
+"""Parsing of the CLI's list options, paths, text options and seeds, with errors that name the option."""
 
 from __future__ import annotations
 
@@ -77,6 +77,32 @@ def path_text_option(default: Any, *names: str, **kwargs: Any) -> Any:
     import typer
 
     return typer.Option(default, *names, parser=path_text, **kwargs)
+
+
+class NonEmptyText:
+    """A text option's parser (`text_option`): the value as typed; "" (or blanks only) is refused up front, naming the
+    option (exit 2, as `path_text` refuses an empty path), with `empty` saying what to give instead. An option whose
+    default is None took "" for "left out" where it was tested as `if x:` or `x or default` (`tune --storage ""` used
+    the default studies file, `query --socket ""` the configured endpoint), and as the start of a name it matched
+    every one (`tune show --study ""` showed the only study)."""
+
+    def __init__(self, empty: str) -> None:
+        self.empty = empty
+
+    def __call__(self, text: str) -> str:
+        if not text.strip():
+            import typer
+
+            raise typer.BadParameter(self.empty)
+        return text
+
+
+def text_option(default: Any, *names: str, empty: str, **kwargs: Any) -> Any:
+    """`typer.Option` for a str option that an empty value cannot mean (`NonEmptyText`); `empty`: the error's words,
+    e.g. "an empty URL names no storage (leave the option out for ...)"."""
+    import typer
+
+    return typer.Option(default, *names, parser=NonEmptyText(empty), **kwargs)
 
 
 # A write that failed as it was made, for want of room or by the device (no space, over quota, a file too large, an I/O

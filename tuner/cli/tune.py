@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, path_option, path_text_option, seed_problem
+from moetune.tuner.cli._args import int_list, path_option, path_text_option, seed_problem, text_option
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -32,6 +32,10 @@ err = Console(stderr=True, soft_wrap=True)
 CAPTURE_OPT = "--from/--capture"
 
 COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks with (`moetune bench ep --backend`)
+
+# --storage "": refused by its parser (it was taken for the default studies file: `if storage:`)
+STORAGE_EMPTY = ("an empty URL names no storage (leave the option out for the default studies file NAME-studies.db "
+                 "beside the profile database NAME.db)")
 
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
@@ -249,7 +253,7 @@ def _open_store(db: Path | None, *, readonly: bool = False):
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
     from moetune.tuner.search.study import default_storage_url
 
-    if storage:
+    if storage is not None:
         return storage
     return default_storage_url(db or (store.path if store is not None else None))
 
@@ -263,7 +267,7 @@ def tune(
     preset: str = path_text_option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
     timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600)."),
-    storage: str = typer.Option(None, "--storage", help="Optuna storage URL (default: NAME-studies.db beside the profile database NAME.db, moetune-studies.db for moetune.db; postgresql://... to share a study)."),
+    storage: str = text_option(None, "--storage", empty=STORAGE_EMPTY, help="Optuna storage URL (default: NAME-studies.db beside the profile database NAME.db, moetune-studies.db for moetune.db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed (0 to 4294967295)."),
     db: Path = path_option(None, "--db", help="Profile database (default: configured)."),
     config: Path = path_option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
@@ -341,7 +345,7 @@ def tune(
         except PolicyError as e:
             _fail(str(e) if policy is not None else f"{ENV_POLICY}: {e}")
 
-    if storage:
+    if storage is not None:
         _refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")
     forced = _model_preset_warning(preset) if backend == "model" else ""
 
@@ -740,7 +744,7 @@ def _nothing_stored(results: list) -> None:
 @app.command("show")
 def show(
     study: str = typer.Option(None, "--study", "-s", help="Study name (default: list the studies)."),
-    storage: str = typer.Option(None, "--storage", help="Optuna storage URL."),
+    storage: str = text_option(None, "--storage", empty=STORAGE_EMPTY, help="Optuna storage URL."),
     db: Path = path_option(None, "--db", help="Profile database (its studies file, NAME-studies.db for NAME.db, sits beside it)."),
     config: Path = path_option(None, "--config", help="TOML config file (for the default database)."),
     as_json: bool = typer.Option(False, "--json", help="JSON output."),
@@ -755,12 +759,12 @@ def show(
 
     _quiet_optuna()
     warnings.simplefilter("ignore")  # Optuna's experimental/deprecation notes are not the user's to read
-    if db is None and not storage:
+    if db is None and storage is None:
         db = _load_config(config).db_path
     url = _storage_url(storage, db)
     from moetune.tuner.search.study import StorageRefused, refuse_query, sqlite_path
 
-    if storage:
+    if storage is not None:
         _refuse_memory(storage, "a new one holds no studies")
     try:
         refuse_query(url)  # a query string (`?mode=rw`) is refused by name here, before any read
