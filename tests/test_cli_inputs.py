@@ -14,6 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
+from moetune.tuner.cli._args import NonEmptyText
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_commands import cli_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = Path(__file__).parent / "captures"
@@ -531,3 +535,130 @@ def test_no_help_text_holds_unescaped_markup_tags() -> None:
 
     walk(root, [])
     assert not bad, bad
+
+
+# -- 11. an empty text option: refused naming the option, never read as "left out" --------------------------------
+# `tune --storage ""` took the default studies file and `tune --backend ""` the configured backend (`if x:`, `x or
+# default`); `query/status/retune --socket ""` the configured endpoint; `tune show --study ""` and `profiles
+# list/export --fingerprint ""` matched the only study or fingerprint ("" starts every name); `bench ep --transport ""`
+# ran the knobs' transport. These options parse with _args.text_option. The others below refuse "" in their own check
+# of the value: (the command line up to the option where the command's words are not enough, words of the refusal)
+_Q = ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]
+_EMPTY_REFUSED_BY_VALUE = {
+    ("profile", "--tokens"): ([], "--tokens: expected comma-separated integers, got ''"),
+    ("profile", "--model"): ([], "--model: unknown model ''"),
+    ("query", "--family"): (_Q, "unknown family ''"),
+    ("query", "--format"): (_Q, "expected table, json or env"),
+    ("serve", "--socket"): (["serve", "--db", "{tmp}/m.db"], "invalid --socket ''"),
+    ("serve", "--pub-socket"): (["serve", "--db", "{tmp}/m.db"], "invalid --pub-socket ''"),
+    ("serve", "--log-level"): (["serve", "--db", "{tmp}/m.db"], "--log-level must be one of"),
+    ("tune", "--model"): ([], "unknown model ''"),
+    ("tune", "--comm"): ([*MODEL_TUNE, "--db", "{tmp}/m.db"], "--comm must be nccl or gloo, got ''"),
+    ("fabric", "diff", "--against"): (["fabric", "diff"], "--against is empty"),
+    ("model", "sweep", "--values"): (["model", "sweep", "-p", "nvlink-h200x2"], "--values: expected comma-separated "
+                                     "integers, got ''"),
+    ("profiles", "list", "--status"): (["profiles", "list"], "must be one of current, stale, superseded, got ''"),
+    ("profiles", "list", "--provenance"): (["profiles", "list"], "must be one of measured, node_model, preset, got ''"),
+    ("profiles", "export", "--status"): (["profiles", "export", "-"], "must be one of current, stale, superseded"),
+    ("profiles", "export", "--provenance"): (["profiles", "export", "-"], "must be one of measured, node_model, preset"),
+}
+# "" is an empty list here, as the help says: no knob overrides, the parameters a fit picks by its data
+_EMPTY_IS_NONE = {("bench", "ep", "--knobs"), ("bench", "moe", "--knobs"), ("bench", "knobs", "--knobs"),
+                  ("model", "predict", "--knobs"), ("model", "sweep", "--knobs"), ("model", "calibrate", "--params")}
+
+
+def _text_params():
+    """(command words, option, parameter) for every str or list[str] option of every command that a user may leave
+    out (not required, not hidden) and whose default is None or "" (an empty value may be mistaken for it); not the
+    paths (tests/test_cli_path_errors.py)."""
+    from moetune.tuner.cli._args import path_arg, path_text
+
+    out = []
+    for path, cmd in cli_commands():
+        for p in cmd.params:
+            ann = p.type_descriptor.annotation
+            if p.param_type_name != "option" or p.required or p.hidden or p.default not in (None, "", []):
+                continue
+            if ann in (str, list[str]) and p.type_descriptor.parameter_info.parser not in (path_arg, path_text):
+                out.append((tuple(path), p.opts[0], p))
+    return out
+
+
+def test_every_text_option_refuses_an_empty_value_or_says_what_it_is() -> None:
+    """A new str option whose default is None parses with text_option, or is listed above with its own refusal; one
+    whose default is "" says in its help what "" means."""
+    found, unsorted = set(), []
+    for path, opt, p in _text_params():
+        found.add((*path, opt))
+        if isinstance(p.type_descriptor.parameter_info.parser, NonEmptyText) or (*path, opt) in _EMPTY_REFUSED_BY_VALUE:
+            continue
+        if (*path, opt) not in _EMPTY_IS_NONE or '""' not in (p.help or ""):
+            unsorted.append(f"moetune {' '.join(path)} {opt}")
+    assert not unsorted, unsorted
+    assert not (set(_EMPTY_REFUSED_BY_VALUE) | _EMPTY_IS_NONE) - found  # no stale entry
+
+
+_TEXT_OPTIONS = [pytest.param(path, opt, id=" ".join([*path, opt])) for path, opt, p in _text_params()
+                 if isinstance(p.type_descriptor.parameter_info.parser, NonEmptyText)]
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+@pytest.mark.parametrize(("path", "opt"), _TEXT_OPTIONS)
+def test_an_empty_text_option_is_refused_naming_it(path: tuple[str, ...], opt: str, value: str, tmp_path: Path) -> None:
+    """Refused as it is parsed (before anything runs, so the command's other arguments are not needed): exit 2, the
+    option named, what to do instead; nothing is made."""
+    r = CliRunner().invoke(app, [*path, opt, value], env={"MOETUNE_HOME": str(tmp_path / "home"), "COLUMNS": "200",
+                                                           "MOETUNE_CONFIG": ""})
+    _refused(r)
+    said = " ".join(r.output.replace("│", " ").split())
+    assert re.search(rf"Invalid value for '{opt}'( / '-\w')?: an empty \w+ (names|matches|is)", said), said
+    assert "leave the option out" in said, said
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_text_options_refused_are_the_ones_found() -> None:
+    """The options the sweep fixed are among those refused by their parser (a rename would drop one silently)."""
+    ids = {" ".join([*p.values[0], p.values[1]]) for p in _TEXT_OPTIONS}
+    assert {"tune --storage", "tune show --storage", "tune --backend", "tune --family", "tune show --study",
+            "profiles list --fingerprint", "profiles export --fingerprint", "query --socket", "status --socket",
+            "retune --socket", "bench ep --transport", "bench run --case"} <= ids, ids
+
+
+@pytest.mark.parametrize(("key", "before", "words"),
+                         [pytest.param(k, a, w, id=" ".join(k)) for k, (a, w) in _EMPTY_REFUSED_BY_VALUE.items()])
+def test_an_empty_value_checked_option_is_refused_naming_it(key: tuple[str, ...], before: list[str], words: str,
+                                                             tmp_path: Path) -> None:
+    """The options that refuse "" in their check of the value keep doing so: exit 2, naming the option."""
+    *path, opt = key
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in (before or path)] + [opt, ""]
+    r = CliRunner().invoke(app, argv, env={"MOETUNE_HOME": str(tmp_path / "home"), "COLUMNS": "200",
+                                           "MOETUNE_CONFIG": ""})
+    _refused(r)
+    said = " ".join(r.output.replace("│", " ").split())
+    assert opt in said and words in said, said
+
+
+def test_an_empty_fingerprint_or_study_no_longer_picks_the_only_one(tmp_path: Path) -> None:
+    """With one fingerprint stored, `profiles list --fingerprint ""` listed its profiles and `export` wrote them;
+    with one study, `tune show --study ""` described it: exit 0 for a value that names nothing."""
+    from store_samples import put_one_profile
+
+    db = tmp_path / "m.db"
+    put_one_profile(db)
+    for argv in (["profiles", "list", "--db", str(db)], ["profiles", "export", "-", "--db", str(db)]):
+        assert _run(*argv, "--fingerprint", "fp").exit_code == 0
+        _refused(_run(*argv, "--fingerprint", ""), "--fingerprint")
+    studies = ["--db", str(tmp_path / "t.db")]
+    assert _run(*MODEL_TUNE, *studies, home=tmp_path).exit_code == 0
+    assert _run("tune", "show", *studies, "--study", "nvlink").exit_code == 0  # a unique part of the name
+    _refused(_run("tune", "show", *studies, "--study", ""), "--study")
+
+
+def test_tune_refuses_a_bad_routing_before_any_database_is_made(tmp_path: Path) -> None:
+    """`tune --routing ""` (or "bogus") was refused by the first study ("model:... cannot evaluate ...: model error:
+    ValueError: unknown routing"), naming no option, after the profile database and studies file were made."""
+    for routing in ("", "bogus", "zipf:x"):
+        r = _run(*MODEL_TUNE, "--routing", routing, home=tmp_path)
+        _refused(r, "--routing: ", repr(routing))
+        assert "model error" not in r.output, r.output
+    assert list(tmp_path.iterdir()) == []

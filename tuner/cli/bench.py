@@ -18,6 +18,7 @@ from moetune.tuner.cli._args import (
     nearest_existing,
     path_text_option,
     seed_problem,
+    text_option,
     write_error_code,
 )
 from moetune.tuner.cli._tables import Col, print_table
@@ -27,6 +28,11 @@ app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE la
                   "torch), knob sets side by side, named scenarios.", no_args_is_help=True)
 
 _err = Console(stderr=True, soft_wrap=True)
+
+# bench ep --transport "" was taken for no override (`if transport:`): the knobs' transport ran instead; bench run
+# --case "" was refused by the scenario ("has no case ''"), naming no option
+TRANSPORT_EMPTY = "an empty transport names none (leave the option out for the one --knobs sets, else collective)"
+CASE_EMPTY = "an empty case names none (leave the option out to run every case)"
 
 
 def _check_seed(seed: int) -> None:
@@ -115,14 +121,14 @@ def ep(
     backend: str = typer.Option("gloo", "--backend", "--comm", help="gloo (CPU) or nccl (GPUs) (--comm, as for `moetune tune`)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S)."),
-    knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2)."),
+    knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2; none when left out or \"\")."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S (e.g. zipf:1.2)."),
     iters: int = typer.Option(20, "--iters", help="Timed iterations."),
     warmup: int = typer.Option(5, "--warmup", help="Warm-up iterations (not timed)."),
     verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
     layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = _json_opt(),
-    transport: str = typer.Option("", "--transport", help="Override the knobs' transport (collective, host_staged, ...)."),
+    transport: str | None = text_option(None, "--transport", empty=TRANSPORT_EMPTY, help="Override the knobs' transport (collective, host_staged, ...)."),
     impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help=f"Seed of activations, routing and weights (0 to {SEED_MAX})."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
@@ -161,7 +167,7 @@ def ep(
     except ValueError as e:
         _fail(str(e))
     try:
-        if transport:  # that transport's safe defaults under the --knobs overrides
+        if transport is not None:  # that transport's safe defaults under the --knobs overrides
             from moetune.runtime.knobs import default_knobs
 
             k = Knobs.parse(knobs, base=default_knobs(transport)).replace(transport=transport)
@@ -355,7 +361,7 @@ def moe(
     model: str = _model_opt(),
     tokens: str = typer.Option("1,16,128,1024,4096", "--tokens", help="Token counts S (comma-separated)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture one CUDA graph per input and time its replays."),
-    knobs: str = typer.Option("", "--knobs", help="The megakernel's knobs, e.g. mk_bm=16,mk_stages=3 (engine=megakernel is implied)."),
+    knobs: str = typer.Option("", "--knobs", help="The megakernel's knobs, e.g. mk_bm=16,mk_stages=3 (engine=megakernel is implied; its defaults when left out or \"\")."),
     iters: int = typer.Option(50, "--iters", help="Timed single calls per case."),
     warmup: int = typer.Option(10, "--warmup", help="Untimed calls first."),
     rotate: int = typer.Option(4, "--rotate", help="Input tensors rotated over (one graph each)."),
@@ -448,7 +454,7 @@ def moe(
 @app.command("knobs")
 def knobs_side_by_side(
     vs: str = typer.Option(..., "--vs", help="Variants to set beside the base: NAME=KNOBS;NAME=KNOBS, each KNOBS on top of --knobs (e.g. 'ct8=mk_combine_tokens=8;narrow=mk_bn=128')."),
-    knobs: str = typer.Option("", "--knobs", help="The base variant's knobs (engine=megakernel is implied; engine=unfused for the unfused layer)."),
+    knobs: str = typer.Option("", "--knobs", help="The base variant's knobs (engine=megakernel is implied; engine=unfused for the unfused layer; the defaults when left out or \"\")."),
     model: str = _model_opt(),
     tokens: str = typer.Option("16,128,1024", "--tokens", help="Token counts S (comma-separated)."),
     iters: int = typer.Option(200, "--iters", help="Interleaved rounds (one call of each variant per round)."),
@@ -590,7 +596,7 @@ def _read_report(path: str) -> Any:
 @app.command("run")
 def run_scenario(
     scenario: str = typer.Argument(..., help="A scenario name (`moetune bench list`)."),
-    case: str = typer.Option(None, "--case", help="Run only this case, beside the baseline (first, and again last where the driver times its cases one by one; the drivers that time all cases in one process run it once)."),
+    case: str = text_option(None, "--case", empty=CASE_EMPTY, help="Run only this case, beside the baseline (first, and again last where the driver times its cases one by one; the drivers that time all cases in one process run it once)."),
     launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
     results: str = path_text_option(None, "--results", help="CSV to append to (default: bench/results/summary.csv of the moetune source tree, whatever the current "

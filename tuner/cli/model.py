@@ -134,7 +134,7 @@ def predict_cmd(
     nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes."),
     tokens: int = typer.Option(1024, "--tokens", "-t", help="Tokens per GPU."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
-    knobs: str = typer.Option("", "--knobs", "-k", help="Knob overrides name=value,... (default: the preset's transport defaults)."),
+    knobs: str = typer.Option("", "--knobs", "-k", help="Knob overrides name=value,... (none when left out or \"\": the preset's transport defaults)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
     tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
     phase: str = typer.Option("both", "--phase", help="both, dispatch or combine."),
@@ -368,7 +368,7 @@ def sweep_cmd(
                                      "or the preset's most nodes if fewer)."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
-    knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides."),
+    knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides name=value,... (none when left out or \"\": the preset's transport defaults)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
     tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
     out: Path | None = path_option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
@@ -616,7 +616,7 @@ def calibrate_cmd(
                                     "transfers with knobs, nodes, transfers, size, us (optional put_only). "
                                     "docs/fabric-model.md (Calibration) describes them."),
     out: Path | None = path_option(None, "--out", "-o", help="Write the calibrated preset TOML here."),
-    params: str = typer.Option("", "--params", help="Comma-separated dotted parameters to fit (default: by data kind)."),
+    params: str = typer.Option("", "--params", help="Comma-separated dotted parameters to fit (by data kind when left out or \"\")."),
     as_json: bool = typer.Option(False, "--json", help="Print the fit report as JSON."),
     nic_line_rate: float | None = typer.Option(
         None, "--nic-line-rate", help="The NIC port's line rate in Gb/s (as discovery reports it): a fitted nic.gbps "

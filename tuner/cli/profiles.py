@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from moetune.runtime.profiles.perf_env import perf_env_digest
-from moetune.tuner.cli._args import path_arg, path_option, path_text, write_error_code
+from moetune.tuner.cli._args import path_arg, path_option, path_text, text_option, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import (
     CONFIG_HELP,
@@ -33,6 +33,8 @@ app = typer.Typer(help="Tuned profiles in the database: list, show, delete, expo
 STATUSES = ("current", "stale", "superseded")
 PROVENANCES = ("measured", "node_model", "preset")
 MAX_ID = (1 << 63) - 1  # SQLite INTEGER
+# --fingerprint "" is the start of every fingerprint: with one stored, list and export took it silently
+FINGERPRINT_EMPTY = "an empty fingerprint is the start of every one (leave the option out for all fingerprints)"
 # Rich labels: anything not measured is said loudly.
 PROVENANCE_LABEL = {
     "measured": "[green]measured[/]",
@@ -85,7 +87,7 @@ TABLE_LIMIT = 500  # rows `profiles list` draws by default
 @app.command("list")
 def list_cmd(
     status: str | None = typer.Option(None, "--status", help="current, stale or superseded."),
-    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
+    fingerprint: str | None = text_option(None, "--fingerprint", empty=FINGERPRINT_EMPTY, help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
     provenance: str | None = typer.Option(None, "--provenance", help="measured, node_model or preset."),
     limit: int = typer.Option(TABLE_LIMIT, "--limit", min=0, help="At most this many profiles in the table, the newest (0: all; drawing 10,000 rows takes seconds). --json lists all."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -249,7 +251,7 @@ def _filtered_store(db: Path | None, config: Path | None, status: str | None, fi
 def export_cmd(
     path: str = typer.Argument(..., parser=path_text, help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
     status: str | None = typer.Option(None, "--status", help="Only profiles with this status: current, stale or superseded."),
-    fingerprint: str | None = typer.Option(None, "--fingerprint", help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
+    fingerprint: str | None = text_option(None, "--fingerprint", empty=FINGERPRINT_EMPTY, help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
     provenance: str | None = typer.Option(None, "--provenance", help="Only profiles of this provenance: measured, node_model or preset."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file (also a read-only one; its permissions are kept)."),
     db: Path | None = path_option(None, "--db", help=DB_HELP),

@@ -16,11 +16,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import typer
 
-from moetune.tuner.cli._args import path_option
+from moetune.tuner.cli._args import path_option, text_option
 
 if TYPE_CHECKING:
     from moetune.runtime.config import Config
     from moetune.runtime.profiles.client import Resolution
+
+
+# a client's --socket "" (query, status, retune) was taken for the configured endpoint (`socket or cfg.client.socket`)
+SOCKET_EMPTY = "an empty endpoint names no daemon (leave the option out for the configured one)"
 
 
 def _config(config: Path | None) -> Config:
@@ -106,8 +110,8 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
 
     check_timeout_ms(timeout_ms)
     cfg = _config(config)
-    endpoint = socket or cfg.client.socket
-    where = "--socket" if socket else "client.socket (config)"
+    endpoint = socket if socket is not None else cfg.client.socket
+    where = "--socket" if socket is not None else "client.socket (config)"
     check_socket(endpoint, where)
     server_key = None
     # the client reads its [client] keys (curve_server_key_file, its own key pair, allow_modelled) from the config
@@ -238,7 +242,7 @@ def register(app: typer.Typer) -> None:
         family: str = typer.Option(None, "--family", help="Only this family's profile: a transport family (collective, nvlink, host_staged, proxy:ibrc, ...) or megakernel (the one-GPU layer's engine, as MoELayer at world 1 looks it up; --ep 1). Default: the transport families, as EPBuffer looks them up."),
         fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json (not with another --format)."),
-        socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
+        socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
         db: Path = path_option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else the daemon's database as daemon.json names it, else \\[store] db, $MOETUNE_HOME, XDG data dir)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),

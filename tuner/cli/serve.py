@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import typer
 
-from moetune.tuner.cli._args import path_option
+from moetune.tuner.cli._args import path_option, text_option
+from moetune.tuner.cli.query import SOCKET_EMPTY
 
 
 def _check_capture(capture: Path, *, read: bool) -> None:
@@ -95,7 +96,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("status")
     def status(
-        socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
+        socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: the configured one)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(1000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
         json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
@@ -144,7 +145,7 @@ def register(app: typer.Typer) -> None:
         cancel: int = typer.Option(None, "--cancel", help="Cancel this job id."),
         reason: str = typer.Option("requested from the command line", "--reason",
                                    help="Why: recorded with the job (`moetune status` lists it)."),
-        socket: str = typer.Option(None, "--socket", help="Daemon endpoint (default: the configured one)."),
+        socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: the configured one)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(RETUNE_TIMEOUT_MS, "--timeout-ms",
                                        help="Milliseconds to wait for the daemon's answer (it answers once the job is "

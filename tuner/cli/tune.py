@@ -36,6 +36,10 @@ COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks wi
 # --storage "": refused by its parser (it was taken for the default studies file: `if storage:`)
 STORAGE_EMPTY = ("an empty URL names no storage (leave the option out for the default studies file NAME-studies.db "
                  "beside the profile database NAME.db)")
+# --backend "" was taken for the configured backend (`backend or cfg_backend`); --study "" matched every study's name
+BACKEND_EMPTY = "an empty backend names none: give model or local (leave the option out for config [tune] backend)"
+STUDY_EMPTY = "an empty name matches every study (leave the option out to list the studies)"
+FAMILY_EMPTY = "an empty family names none (leave the option out for every family of the fabric)"
 
 
 _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich markup
@@ -263,7 +267,7 @@ def tune(
     ctx: typer.Context,
     model: list[str] = typer.Option(None, "--model", "-m", help="Model shape (qwen3-30b, deepseek-v3, gpt-oss-120b, custom:H,I,E,K). Repeatable."),
     tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket)."),
-    backend: str = typer.Option(None, "--backend", "-b", help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
+    backend: str = text_option(None, "--backend", "-b", empty=BACKEND_EMPTY, help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
     preset: str = path_text_option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
     timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600)."),
@@ -273,7 +277,7 @@ def tune(
     config: Path = path_option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
     nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
     ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes; 2 × nodes on a node without GPUs). The local backend stores only what it measures: --ep-size = --world, --nodes 1."),
-    family: list[str] = typer.Option(None, "--family", "-f", help="Only these transport families (repeatable), e.g. host_staged."),
+    family: list[str] = text_option(None, "--family", "-f", empty=FAMILY_EMPTY, help="Only these transport families (repeatable), e.g. host_staged."),
     policy: Path = path_option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),
     world: int = typer.Option(None, "--world", help="Local backend: ranks to launch on this node (default: --ep-size, else GPUs found, else 2)."),
@@ -300,7 +304,7 @@ def tune(
     toks = _parse_tokens(tokens)
     cfg = _load_config(config)
     cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
-    backend = backend or cfg_backend
+    backend = backend if backend is not None else cfg_backend
     if backend not in ("model", "local"):
         raise typer.BadParameter(f"expected model or local, got {backend!r}", param_hint="--backend")
     trials = trials if trials is not None else cfg_trials
@@ -325,6 +329,12 @@ def tune(
         _fail(f"--ep-size must be >= 1, got {ep_size}")
     if comm is not None and comm not in COMM_BACKENDS:
         _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
+    from moetune.runtime.routing import parse_routing
+
+    try:  # up front: the first study refused it ("model error: ... unknown routing"), the database already made
+        parse_routing(routing)
+    except ValueError as e:
+        _fail(f"--routing: {e}")
     if capture is not None:  # before anything runs (it was ignored, or a traceback, when it did not exist)
         from moetune.tuner.fabric.discovery import DiscoveryError, read_capture_manifest
 
@@ -743,7 +753,7 @@ def _nothing_stored(results: list) -> None:
 
 @app.command("show")
 def show(
-    study: str = typer.Option(None, "--study", "-s", help="Study name (default: list the studies)."),
+    study: str = text_option(None, "--study", "-s", empty=STUDY_EMPTY, help="Study name (default: list the studies)."),
     storage: str = text_option(None, "--storage", empty=STORAGE_EMPTY, help="Optuna storage URL."),
     db: Path = path_option(None, "--db", help="Profile database (its studies file, NAME-studies.db for NAME.db, sits beside it)."),
     config: Path = path_option(None, "--config", help="TOML config file (for the default database)."),
