@@ -504,6 +504,26 @@ def test_keys_client_and_allow_need_the_servers_key_dir(tmp_path: Path) -> None:
     assert r.exit_code == 0 and (srv / "clients" / "c1.key").is_file(), r.output
 
 
+@pytest.mark.parametrize("taken", ["moetune.key", "moetune.key_secret"])
+def test_keys_generate_touches_no_file_it_did_not_create(taken: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key pair is written to temporary names beside it (O_EXCL): a file already at one of them (the names' random
+    part forced here) is left as it is, mode and bytes, never written through, removed or chmod-ed; the temporary
+    file this run did make is removed, and the old pair kept (--force unlinked it before writing the new one)."""
+    import secrets
+
+    d = tmp_path / "k"
+    assert _run("keys", "generate", str(d)).exit_code == 0
+    old = {p.name: p.read_bytes() for p in d.iterdir()}
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "0" * 2 * n)
+    decoy = d / f".{taken}.000000000000.tmp"
+    decoy.write_text("not ours")
+    decoy.chmod(0o644)
+    _refused(_run("keys", "generate", str(d), "--force"), "cannot write the key pair", "File exists")
+    assert decoy.read_text() == "not ours" and decoy.stat().st_mode & 0o777 == 0o644
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p != decoy} == old
+
+
 # -- 10. help text: config sections such as [tune] are shown, not eaten as Rich markup ------------------------------
 def test_help_shows_config_sections() -> None:
     env = {"COLUMNS": "250"}

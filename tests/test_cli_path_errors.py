@@ -396,18 +396,16 @@ def test_a_database_this_user_may_not_write_exits_1(tmp_path: Path) -> None:
 
 
 def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every write of an output fails for want of room: the atomic writes' fsync, a key pair's and a capture's."""
+    """Every write of an output fails for want of room: the fsync of the atomic writes and of a key pair's files, and
+    a capture's write."""
     import errno
 
     def enospc(*_a: object, **_k: object):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    import zmq.auth
-
     from moetune.tuner.fabric import capture
 
     monkeypatch.setattr(os, "fsync", enospc)
-    monkeypatch.setattr(zmq.auth, "create_certificates", enospc)
     monkeypatch.setattr(capture, "write_capture", enospc)
 
 
@@ -480,6 +478,32 @@ def test_a_real_full_disk_under_the_database_exits_1(argv: list[str], tmp_path: 
             _refused(r.exit_code, r.output, 1, f"the disk holding {small} is full")
             said.append(r.output)
     assert any("disk I/O error" in o for o in said), said  # the case the words alone missed
+
+
+def test_a_real_full_disk_leaves_no_partial_key_file_and_keeps_the_old_pair(tmp_path: Path) -> None:
+    """`keys generate` wrote NAME.key, then NAME.key_secret, in place: on a full disk the second was left empty beside
+    the first (a pair that matches nothing), and --force unlinked the old pair before writing the new one. Both are
+    now written to temporary names and renamed into place once whole: with no room for them (none left: the first
+    file fails; 4 KiB: the secret file is written, the public one fails), exit 1 naming the directory, the old pair
+    byte for byte, no new or temporary file left."""
+    from small_disk import fill, small_disk
+
+    with small_disk(tmp_path / "small") as small:
+        keys = small / "keys"
+        assert _invoke(["keys", "generate", str(keys)], tmp_path).exit_code == 0
+        old = {p.name: p.read_bytes() for p in keys.iterdir()}
+        assert sorted(old) == ["moetune.key", "moetune.key_secret"]
+        for left in (0, 4):
+            fill(small, left)
+            for argv in (["keys", "generate", str(keys), "--force"], ["keys", "generate", str(keys), "--name", "new"]):
+                r = _invoke(argv, tmp_path)
+                assert r.exception is None or isinstance(r.exception, SystemExit), (left, repr(r.exception))
+                _refused(r.exit_code, r.output, 1, f"in {keys}: No space left on device")
+                assert {p.name: p.read_bytes() for p in keys.iterdir()} == old, (left, argv)
+        fill(small, 64)  # room again: the same command works
+        assert _invoke(["keys", "generate", str(keys), "--force"], tmp_path).exit_code == 0
+        assert sorted(p.name for p in keys.iterdir()) == ["moetune.key", "moetune.key_secret"]
+        assert (keys / "moetune.key_secret").read_bytes() != old["moetune.key_secret"]
 
 
 def test_the_help_states_the_exit_statuses() -> None:

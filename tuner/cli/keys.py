@@ -9,9 +9,12 @@ or cancel a re-tune over TCP; the others read profiles.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 
@@ -86,9 +89,36 @@ def check_public_file(public_file: Path) -> None:
                          "generate` writes it on the client)")
 
 
+def _cert_text(public: bytes, secret: bytes | None = None) -> str:
+    """A CURVE certificate as zmq.auth reads it (`load_certificate`): the public key, and with `secret` the secret one
+    (a key pair's NAME.key_secret)."""
+    head = ("#   ZeroMQ CURVE **Secret** Certificate (moetune keys generate)\n"
+            "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\n" if secret is not None else "")
+    keys = f'    public-key = "{public.decode()}"\n' + (f'    secret-key = "{secret.decode()}"\n' if secret is not None else "")
+    return f"{head}metadata\ncurve\n{keys}"
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write `text` to `path`, a file this call creates (O_EXCL: never one it did not make; O_NOFOLLOW: no planted
+    link), mode 0600, on disk (fsync) before it returns; removed again if the write fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            os.fchmod(f.fileno(), 0o600)  # a default ACL of the folder can widen what the umask leaves
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, Ctrl-C: the file is ours (O_EXCL), half written
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
 def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False) -> tuple[Path, Path]:
-    """Write NAME.key (public) and NAME.key_secret (public + secret) with zmq.auth, mode 0600, in a 0700 dir."""
-    import zmq.auth
+    """Write NAME.key (public) and NAME.key_secret (public + secret), mode 0600, in a 0700 dir. Both are written
+    whole to temporary names beside them, then renamed into place: a full disk or an I/O error leaves no partial key
+    file behind, and with `force` the old pair as it was (it was unlinked before the new one was written)."""
+    import zmq
 
     check_name(name)  # before anything is created: the name must not reach outside `directory`
     _make_dir(directory, "key directory")
@@ -96,19 +126,33 @@ def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False
     public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
     if not force and (public.exists() or secret.exists()):
         raise FileExistsError(f"{public} or {secret} exists (use --force to overwrite)")
+    what = f"cannot write the key pair {public.name}, {secret.name} in {directory}"
+    for p in (public, secret):  # a folder there would be met only at the second rename, after the first replaced a key
+        if p.is_dir() and not p.is_symlink():
+            raise _WriteError(f"{what}: {p.name} is a directory", errno.EISDIR)
+    pub_key, sec_key = zmq.curve_keypair()
+    tag = secrets.token_hex(6)
+    # hidden names: no `*.key` glob (an allow-list, `server_dir`) takes a temporary file for a key
+    temp = {p: p.with_name(f".{p.name}.{tag}.tmp") for p in (public, secret)}
+    made: list[Path] = []  # the temporary files this call created and has not renamed: the only ones it removes
     old = os.umask(0o177)
     try:
-        for p in (public, secret):
-            p.unlink(missing_ok=True)
-        pub_file, sec_file = zmq.auth.create_certificates(str(directory), name)
-        for p in (pub_file, sec_file):
-            os.chmod(p, 0o600)
+        for final, text in ((secret, _cert_text(pub_key, sec_key)), (public, _cert_text(pub_key))):
+            _write_new(temp[final], text)
+            made.append(temp[final])
+        # the secret file first: it holds the public key too, so should the second rename fail, the daemon's file is
+        # still a matching pair
+        for final in (secret, public):
+            os.replace(temp[final], final)
+            made.remove(temp[final])
     except OSError as e:  # a full disk said "[Errno 28] No space left on device", naming no file
-        raise _WriteError(f"cannot write the key pair {public.name}, {secret.name} in {directory}: "
-                          f"{e.strerror or e}", e.errno) from None
-    finally:
+        raise _WriteError(f"{what}: {e.strerror or e}", e.errno) from None
+    finally:  # Ctrl-C included: what this call made and did not put in place goes; nothing else is touched
+        for tmp in made:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         os.umask(old)
-    return Path(pub_file), Path(sec_file)
+    return public, secret
 
 
 @app.command("generate")
@@ -165,7 +209,7 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     old = os.umask(0o177)
     try:
         if secret:  # a secret key file: write only its public half
-            tmp.write_text(f"metadata\ncurve\n    public-key = \"{public.decode()}\"\n")
+            tmp.write_text(_cert_text(public))
         else:
             shutil.copyfile(public_file, tmp)
     finally:
