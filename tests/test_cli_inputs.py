@@ -682,3 +682,11 @@ def test_tune_refuses_a_bad_routing_before_any_database_is_made(tmp_path: Path) 
         _refused(r, "--routing: ", repr(routing))
         assert "model error" not in r.output, r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_refuses_an_unknown_family_before_any_database_is_made(tmp_path: Path) -> None:
+    """`tune --family bogus` was refused by the search ("transport families ['bogus'] were not found on this fabric")
+    after the profile database and studies file were made; a family of another fabric still is (it needs the fabric)."""
+    r = _run(*MODEL_TUNE, "--family", "nvlink", "--family", "bogus", home=tmp_path)
+    _refused(r, "--family bogus: not a transport family", "proxy:ibrc")
+    assert list(tmp_path.iterdir()) == []

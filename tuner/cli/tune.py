@@ -335,6 +335,13 @@ def tune(
         parse_routing(routing)
     except ValueError as e:
         _fail(f"--routing: {e}")
+    if family:  # a name no family has: refused before any database is made (the search refused it after)
+        from moetune.tuner.search.policy import packaged_families
+
+        known = packaged_families()  # every family has a packaged policy: what the search tunes it with
+        unknown = [f for f in family if f not in known]
+        if unknown:
+            _fail(f"--family {', '.join(unknown)}: not a transport family (known: {', '.join(known)})")
     if capture is not None:  # before anything runs (it was ignored, or a traceback, when it did not exist)
         from moetune.tuner.fabric.discovery import DiscoveryError, read_capture_manifest
 
