@@ -229,3 +229,46 @@ def test_other_user_reads_database_readonly(tmp_path: Path) -> None:
         assert got == bytes([3]), f"nobody read {got!r} profiles (254 = error)"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_curve_allow_list_path_with_glob_characters(tmp_path: Path) -> None:
+    """The allow-list the daemon checked is the one ZAP answers from: a key folder named `keys[1]` let in the keys of
+    a sibling `keys1/clients` (pyzmq's configure_curve(location=...) globbed the path, unescaped), and refused the
+    keys actually allowed in `keys[1]/clients`."""
+    import shutil
+
+    import zmq.auth
+
+    from moetune.tuner.cli.keys import allow_client
+
+    keys = tmp_path / "keys[1]"
+    public, secret = generate_keys(keys, "server")
+    good_pub, good_sec = generate_keys(tmp_path / "good", "good")
+    allow_client(good_pub, keys / "clients")
+    evil_dir = tmp_path / "keys1" / "clients"  # what the glob `keys[1]` matches
+    evil_dir.mkdir(parents=True)
+    evil_pub, evil_sec = generate_keys(tmp_path / "evil", "evil")
+    shutil.copy(evil_pub, evil_dir / "evil.key")
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts)
+    port, pub_port = free_port(), free_port()
+    d = Daemon(store=store, discover=lambda: facts, rediscover_interval_s=0, endpoint=f"tcp://127.0.0.1:{port}",
+               pub_endpoint=f"tcp://127.0.0.1:{pub_port}", curve_secret_key_file=str(secret)).start(background=True)
+    server_pub, _ = zmq.auth.load_certificate(str(public))
+
+    def client(secret_file: Path) -> ProfileClient:
+        cp, cs = zmq.auth.load_certificate(str(secret_file))
+        return ProfileClient(d.endpoint, timeout_ms=1500, retries=0, curve_server_key=server_pub,
+                             curve_public_key=cp, curve_secret_key=cs)
+
+    try:
+        good = client(good_sec)
+        assert good.hello().protocol == 1
+        good.close()
+        evil = client(evil_sec)
+        with pytest.raises(DaemonUnavailable):
+            evil.hello()
+        evil.close()
+    finally:
+        d.stop()

@@ -21,7 +21,7 @@ proves was ours. daemon.json beside it is replaced only when it carries our mark
 names it and no other daemon at another endpoint, still running, wrote it (a user's file there is left alone; a
 start-up that fails removes the one it wrote). `tcp://`
 needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then clients are authenticated
-by pyzmq's ZAP authenticator against an allow-list of client public keys; key files and lists other local
+by pyzmq's ZAP authenticator against the allow-list of client public keys as read and checked at start; key files and lists other local
 users could read (the secret key) or change are refused (`check_key_path`). One bad frame never ends the
 serving loop: it is answered with an error (or its connection dropped).
 Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
@@ -609,6 +609,19 @@ def user_in_group(uid: int, gid: int, group_gid: int) -> bool:
     return user.pw_gid == group_gid or user.pw_name in members
 
 
+class CurveAllowList:
+    """The ZAP authenticator's credentials provider: a CURVE client gets in when its z85 public key is one of `keys`,
+    the keys the daemon read and checked itself (load_client_keys). pyzmq's own `configure_curve(location=...)`
+    re-read the folder through glob.glob, unescaped: a `[`, `*` or `?` in the path had it load the keys of another
+    folder (`keys[1]/clients` read `keys1/clients`), which no check had seen."""
+
+    def __init__(self, keys: frozenset[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
 def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     """The client public keys in `directory` (`*.key` files written by `moetune keys`)."""
     import zmq.auth
@@ -710,6 +723,7 @@ class Daemon(FabricWatch):
         self.curve_admins_dir = Path(curve_admins_dir) if curve_admins_dir else (
             default_admins_dir(curve_secret_key_file) if curve_secret_key_file else None)
         self._admin_keys: frozenset[bytes] = frozenset()  # read at start (see _check_transport_security)
+        self._client_keys: frozenset[bytes] = frozenset()  # the allow-list as read and checked at start: ZAP's only source
         self._auth: Any = None  # the ZAP authenticator thread (tcp + CURVE)
         self.allow_insecure_tcp = allow_insecure_tcp
         self.group = group
@@ -924,6 +938,7 @@ class Daemon(FabricWatch):
             if tcp:
                 assert self.curve_clients_dir is not None
                 allowed = load_client_keys(self.curve_clients_dir)
+                self._client_keys = frozenset(allowed)  # read once: `moetune keys allow` says to restart to apply
                 if not allowed:
                     log.warning("the CURVE client allow-list %s is empty: every client will be refused "
                                 "(add one with `moetune keys client`)", self.curve_clients_dir)
@@ -934,15 +949,16 @@ class Daemon(FabricWatch):
                                 self.curve_admins_dir, self.curve_clients_dir)
 
     def _start_authenticator(self) -> None:
-        """pyzmq's ZAP authenticator: a CURVE client is let in only when its public key is in the allow-list."""
+        """pyzmq's ZAP authenticator: a CURVE client is let in only when its public key is in the allow-list, as
+        `_check_transport_security` read and checked it (the keys themselves, never the folder's path: pyzmq would
+        glob that path again, unescaped)."""
         if self._auth is not None:
             return
         from zmq.auth.thread import ThreadAuthenticator
 
-        assert self.curve_clients_dir is not None
         auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("moetune.daemon.zap"))
         auth.start()
-        auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.curve_clients_dir))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=CurveAllowList(self._client_keys))
         self._auth = auth
 
     def _prepare_ipc(self, endpoint: str) -> Path | None:
