@@ -167,6 +167,31 @@ def test_writable_runtime_dir_is_refused_whoever_owns_it(tmp_path: Path, mode: i
     assert stat.S_IMODE(os.stat(run).st_mode) == 0o1777
 
 
+@pytest.mark.parametrize("group", [False, True])
+def test_missing_ancestors_of_the_runtime_dir_are_created_private_under_umask_0(tmp_path: Path, group: bool) -> None:
+    """A service started with UMask=0000: the ancestors created with the socket directory were 0777 (the caller's
+    umask, outside the 077 block), which check_socket_ancestors had not seen (they did not exist yet) and the next
+    start refused."""
+    import grp
+
+    from moetune.tuner.daemon.server import check_socket_ancestors
+
+    run = tmp_path / "a" / "b" / "run"
+    name = grp.getgrgid(os.getgid()).gr_name if group else ""
+    check_socket_ancestors(run)
+    old = os.umask(0)
+    try:
+        assert prepare_runtime_dir(run, name) is True
+    finally:
+        os.umask(old)
+    ancestor = 0o711 if group else 0o700  # the group's members pass through to the 0750 directory
+    assert stat.S_IMODE(os.stat(tmp_path / "a").st_mode) == ancestor
+    assert stat.S_IMODE(os.stat(tmp_path / "a" / "b").st_mode) == ancestor
+    assert stat.S_IMODE(os.stat(run).st_mode) == (0o750 if group else 0o700)
+    check_socket_ancestors(run)  # the next start takes them
+    assert prepare_runtime_dir(run, name) is False
+
+
 def _owned_by_another_user(d: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make `d` another user's: chown it where this is root, else pretend to be another uid."""
     if os.getuid() == 0:

@@ -158,7 +158,8 @@ def _group_id(group: str) -> int | None:
 def prepare_runtime_dir(d: Path, group: str = "") -> bool:
     """Make sure the directory of an IPC socket is safe to bind in. Returns True when we created it.
 
-    A missing directory is created 0700 (0750 with `group`) and marked as ours; only a directory with
+    A missing directory is created 0700 (0750 with `group`) and marked as ours, its missing ancestors 0700 (0711
+    with `group`) whatever the process's umask; only a directory with
     our mark is ever chmod-ed or chown-ed again. An existing directory is used as it is (never chmod-ed),
     provided nobody else can replace our socket in it: it must be owned by this user or root (its owner may
     remove any file in it, sticky or not), and not writable by group or others unless sticky (like /tmp, where
@@ -167,7 +168,14 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
     mode = 0o750 if gid is not None else 0o700
     created = False
     if not d.exists() and not d.is_symlink():
-        d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # the missing ancestors too under our umask (each 0700; 0711 with `group`, whose members must pass through
+        # them to the 0750 directory): with the caller's (0 in a service with UMask=0000) they were 0777, writable by
+        # every user, and check_socket_ancestors, run before they existed, had not seen them (the next start refused them)
+        old = os.umask(0o066 if gid is not None else 0o077)
+        try:
+            d.parent.mkdir(parents=True, exist_ok=True, mode=0o711 if gid is not None else 0o700)
+        finally:
+            os.umask(old)
         old = os.umask(0o077)
         try:
             d.mkdir(mode=mode)
