@@ -231,3 +231,95 @@ def test_fabric_capture_into_a_file_says_it_is_a_file(tmp_path: Path) -> None:
     r, out = _run("fabric", "capture", str(dest), "--timeout", "0.5", home=tmp_path, columns=400)
     _refused(r, out, "is a file, not a directory", code=r.exit_code)
     assert r.exit_code != 0 and dest.read_bytes() == b"png"
+
+
+_HOSTILE_FAMILY = "proxy:libfabric/x;touch${IFS}PWNED;#"
+
+
+def _eval_env_lines(stdout: str, cwd: Path) -> None:
+    """What `eval "$(moetune query --format env ...)"` does: nothing but exports, every value one moetune sets."""
+    from moetune.runtime.profiles.launcher_env import env_refusal
+
+    subprocess.run(["bash", "-c", stdout], cwd=cwd, check=True, env=child_env())
+    assert not (cwd / "PWNED").exists(), stdout
+    for line in stdout.splitlines():
+        if line.startswith("#"):
+            continue
+        assert line.startswith("export "), stdout
+        name, _, value = line.removeprefix("export ").partition("=")
+        import shlex
+
+        (value,) = shlex.split(value)
+        assert name == "MOETUNE_PROFILE_HASH" or env_refusal(name, value) is None, line
+
+
+def test_query_env_from_a_hand_edited_database_row_exports_only_quoted_allowed_values(tmp_path: Path) -> None:
+    """The database fallback's env was printed unfiltered and unquoted: a family string a hand edit (or another tool)
+    left in a row ran as a command in the shell that eval'd the lines."""
+    import sqlite3
+
+    import daemon_fakes as F
+
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+
+    db = tmp_path / "moetune.db"
+    store = F.open_store(db)
+    key = ProfileKey(fingerprint="preset:h100x8:abc", software="none", transport_family="proxy:libfabric/cxi",
+                     ep_size=2, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16",
+                     token_bucket=64)
+    store.put_profile(ProfileRecord(key=key, knobs=default_knobs("proxy"), latency_us=10.0, spread_us=1.0,
+                                    backend="model:h100x8", provenance="preset"))
+    store.close()
+    c = sqlite3.connect(db)
+    c.execute("UPDATE profiles SET transport_family = ?", (_HOSTILE_FAMILY,))
+    c.commit()
+    c.close()
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "64", "--db", str(db),
+                                 "--format", "env", "--socket", f"ipc://{tmp_path}/none.sock"],
+                           env={"MOETUNE_CONFIG": "", "MOETUNE_HOME": str(tmp_path),
+                                "MOETUNE_CLIENT_ALLOW_MODELLED": "1"})
+    assert r.exit_code == 0, r.output
+    assert "export NVSHMEM_REMOTE_TRANSPORT=libfabric" in r.stdout, r.stdout  # the row was the one used
+    assert "NVSHMEM_LIBFABRIC_PROVIDER" not in r.stdout.replace("# ", "#").split("#")[0], r.stdout
+    _eval_env_lines(r.stdout, tmp_path)
+
+
+def test_query_env_of_the_policy_default_for_daemon_json_transports_exports_only_quoted_allowed_values(
+        tmp_path: Path) -> None:
+    """The policy default's family comes from daemon.json (`transports`): its env was printed unfiltered and unquoted."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"transports": [_HOSTILE_FAMILY]}))
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "64", "--format", "env",
+                                 "--socket", f"ipc://{run}/daemon.sock"],
+                           env={"MOETUNE_CONFIG": "", "MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    assert "export NVSHMEM_IB_ENABLE_IBGDA=0" in r.stdout, r.stdout  # the proxy default was the one used
+    _eval_env_lines(r.stdout, tmp_path)
+
+
+def test_query_env_lines_are_quoted_and_filtered_whatever_resolve_returns(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env output itself is safe to eval, not only what resolve now hands it: values shell-quoted, variables
+    moetune does not set left out, and a comment with a newline kept to one line."""
+    from moetune.runtime.knobs import default_knobs
+    from moetune.runtime.profiles.client import ProfileClient, Resolution
+
+    def resolve(self, **kw):
+        return Resolution(knobs=default_knobs("proxy"), source="default", profile_hash="default:$(touch PWNED)",
+                          status="default", env={"NVSHMEM_LIBFABRIC_PROVIDER": "x;touch PWNED",
+                                                 "LD_PRELOAD": "/tmp/evil.so", "NVSHMEM_IB_ENABLE_IBGDA": "0"},
+                          env_status="differs", env_diff=["NCCL_X\ntouch PWNED\n: tuned with 1, job has 2"])
+
+    monkeypatch.setattr(ProfileClient, "resolve", resolve)
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "64", "--format", "env",
+                                 "--socket", f"ipc://{tmp_path}/none.sock"],
+                           env={"MOETUNE_CONFIG": "", "MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    assert "LD_PRELOAD=" not in r.stdout and "export NVSHMEM_LIBFABRIC_PROVIDER" not in r.stdout, r.stdout
+    assert "export MOETUNE_PROFILE_HASH='default:$(touch PWNED)'" in r.stdout, r.stdout
+    assert all(line.startswith(("# ", "export ")) for line in r.stdout.splitlines()), r.stdout
+    _eval_env_lines(r.stdout, tmp_path)

@@ -338,7 +338,7 @@ def test_query_env_format_labels_a_modelled_profile(tmp_path, monkeypatch):
 
     k = key(fp="preset:nvlink-h200x2", software="modelled")
     res = client.Resolution(knobs=default_knobs("nvlink"), source="database", profile_hash="h1", status="current",
-                            env={"NCCL_X": "1"}, key=k, family="nvlink", provenance="preset", message="using a MODELLED profile")
+                            env={"NVSHMEM_REMOTE_TRANSPORT": "none"}, key=k, family="nvlink", provenance="preset", message="using a MODELLED profile")
 
     monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
     Store(tmp_path / "n.db").close()  # a --db that does not exist is refused
@@ -346,7 +346,7 @@ def test_query_env_format_labels_a_modelled_profile(tmp_path, monkeypatch):
             "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "# moetune: MODELLED profile (preset" in r.stdout and "export NCCL_X=1" in r.stdout
+    assert "# moetune: MODELLED profile (preset" in r.stdout and "export NVSHMEM_REMOTE_TRANSPORT=none" in r.stdout
     res = msgspec.structs.replace(res, provenance="measured", source="daemon", message="")
     monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
     r = runner.invoke(app, args)

@@ -1066,7 +1066,10 @@ class ProfileClient:
                     problems.append(f"database {db}: no profile measured on this node{where} for this "
                                     f"shape/EP size/nodes{what}")
                 else:
-                    env = launcher_env(rec.knobs, rec.key.transport_family, nodes)
+                    # as the daemon's: only what launcher_env may produce (the row's family string is not checked
+                    # by this read-only reader; a hand edit or another tool's write could make it anything)
+                    env, refused = allowed_env(launcher_env(rec.knobs, rec.key.transport_family, nodes))
+                    problems += [f"database {db}: not exporting {x}" for x in refused[:8]]
                     if verdict == "modelled":
                         problems.append(f"using a MODELLED profile ({rec.provenance}, backend {rec.backend}, fingerprint "
                                         f"{rec.key.fingerprint}) from the read-only database {db} because allow_modelled is set")
@@ -1092,8 +1095,11 @@ class ProfileClient:
             knobs, source = default_knobs("collective"), "default"
         what = "the policy default" if source == "policy" else "the built-in default"
         problems.append(f"using {what} for {family}")
+        # the family may come from daemon.json (`transports`): only what launcher_env may produce, as above
+        env, refused = allowed_env(launcher_env(knobs, family, nodes))
+        problems += [f"transport family {family}: not exporting {x}" for x in refused[:8]]
         res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
-                         env=launcher_env(knobs, family, nodes), family=family)
+                         env=env, family=family)
         return finish(res, "NO tuned profile")
 
     def _judge_reply(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -216,6 +217,12 @@ ENV_LABEL = {"node_model": "MODELLED profile (node model)", "preset": "MODELLED 
              "unknown": "profile of UNKNOWN provenance"}
 
 
+def shell_comment(text: str) -> str:
+    """`text` as one shell comment line: a newline (or any other unprintable character) in it is escaped, as `repr`
+    writes it, since a newline would end the comment and make the rest a command of whoever evals the output."""
+    return "# " + (text if text.isprintable() else repr(text)[1:-1])
+
+
 def env_notes(res: Resolution) -> list[str]:
     """What `--format env` says (as shell comments) about the tuned profile's NCCL/NVSHMEM/FI environment."""
     if res.env_status == "differs":
@@ -295,13 +302,20 @@ def register(app: typer.Typer) -> None:
         client.close()
         provenance, measured_on, backend = provenance_of(res, read)
         if fmt == "env":
+            from moetune.runtime.profiles.launcher_env import allowed_env
+
+            # the lines are eval'd: every value shell-quoted, every comment one line (its text escaped), and only the
+            # variables moetune sets (resolve filters them on every path; checked again here, where it is eval'd)
             if provenance in ENV_LABEL:  # the exports are eval'd or saved: the label goes with them (a shell comment)
-                typer.echo(f"# moetune: {ENV_LABEL[provenance]}, not measured on this node")
+                typer.echo(shell_comment(f"moetune: {ENV_LABEL[provenance]}, not measured on this node"))
             for line in env_notes(res):  # the recorded variables are said, never exported
-                typer.echo(f"# moetune: {line}")
-            for k, v in sorted(res.env.items()):
-                typer.echo(f"export {k}={v}")
-            typer.echo(f"export MOETUNE_PROFILE_HASH={res.profile_hash}")
+                typer.echo(shell_comment(f"moetune: {line}"))
+            env, refused = allowed_env(res.env)
+            for why in refused:
+                typer.echo(shell_comment(f"moetune: not exporting {why}"))
+            for k, v in sorted(env.items()):
+                typer.echo(f"export {k}={shlex.quote(v)}")
+            typer.echo(f"export MOETUNE_PROFILE_HASH={shlex.quote(res.profile_hash)}")
             return
         # a preset's measured_on names its content's digest: whether that is the shipped preset's or an edited copy's
         shipped, origin = preset_note(provenance, measured_on, backend)
