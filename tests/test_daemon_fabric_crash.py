@@ -358,3 +358,49 @@ def test_restoring_with_ids_takes_only_those_rows(tmp_path: Path) -> None:
     assert [(i, r.latency_us) for i, r in store.list_profiles(status="current", fingerprint=a.fingerprint)] == [
         (old_id, seeded[0].latency_us)]
     assert store.restore_stale(fingerprint=a.fingerprint, reason="none", ids=[]) == 0
+
+
+def test_an_interrupted_change_behind_thousands_of_job_events_is_still_finished_at_start(tmp_path: Path) -> None:
+    """The change was looked for in the newest 2000 fabric and job_queued events together: 2000 jobs queued since
+    (a submit + cancel loop of other keys) hid it, and its keys stayed stale with no re-tune, for good."""
+    import contextlib
+    import json
+    import sqlite3
+
+    store, old, new, seeded = F.unqueued_fabric_change(tmp_path / "moetune.db")
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
+    other = {**seeded[0].key.to_dict(), "token_bucket": 1 << 20}  # a key of no seeded profile
+    rows = [("x", kind, f"job {jid}", json.dumps({"job_id": jid, "keys": [other], "state": "cancelled"}))
+            for jid in range(1, 2102) for kind in ("job_queued", "job_finished")]
+    with contextlib.closing(sqlite3.connect(tmp_path / "moetune.db")) as c, c:
+        c.executemany("INSERT INTO events (created, kind, reason, details) VALUES (?, ?, ?, ?)", rows)
+    d, ran, done = _start(store, tmp_path, new)
+    try:
+        assert done.wait(10), "no re-tune queued for the change"
+        assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+    finally:
+        d.stop()
+
+
+def test_an_interrupted_change_whose_keys_a_later_job_holds_is_not_queued_again(tmp_path: Path) -> None:
+    """The keys a job queued since the change holds are its own, also when that job_queued is thousands of events
+    after the change (read a page at a time)."""
+    import contextlib
+    import json
+    import sqlite3
+
+    store, old, new, seeded = F.unqueued_fabric_change(tmp_path / "moetune.db")
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
+    other = {**seeded[0].key.to_dict(), "token_bucket": 1 << 20}
+    rows = [("x", kind, f"job {jid}", json.dumps({"job_id": jid, "keys": [other], "state": "cancelled"}))
+            for jid in range(1, 1001) for kind in ("job_queued", "job_finished")]
+    every = [r.key.to_dict() for r in seeded]
+    rows += [("x", "job_queued", "job 1001", json.dumps({"job_id": 1001, "keys": every})),
+             ("x", "job_finished", "job 1001", json.dumps({"job_id": 1001, "keys": every, "state": "cancelled"}))]
+    with contextlib.closing(sqlite3.connect(tmp_path / "moetune.db")) as c, c:
+        c.executemany("INSERT INTO events (created, kind, reason, details) VALUES (?, ?, ?, ?)", rows)
+    d, ran, done = _start(store, tmp_path, new)
+    try:
+        assert not done.wait(1.5), f"re-tuned at start: {ran}"
+    finally:
+        d.stop()

@@ -5,7 +5,9 @@ kind were read, so a job's per-profile events could push the jobs out of sight (
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,7 +72,7 @@ def test_many_other_events_do_not_hide_the_jobs(tmp_path: Path) -> None:
     _queued(store, 7)
     for i in range(30):
         store.add_event(kind="remeasured", reason=f"profile {i}", details={"n": i})
-    resume, next_id = J.recover_jobs(store, limit=20)  # a window smaller than the other events
+    resume, next_id = J.recover_jobs(store)
     assert [r.job_id for r in resume] == [7] and next_id == 8
 
 
@@ -128,3 +130,85 @@ def test_a_cancel_recorded_before_the_jobs_started_event_is_not_resumed(tmp_path
     assert resume == [] and next_id == 4
     closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 3]
     assert len(closed) == 1 and closed[0]["details"]["state"] == "cancelled"
+
+
+def _cancelled_jobs(db: Path, first: int, n: int, keys: list[dict[str, Any]]) -> None:
+    """`n` jobs from `first` on, each queued then cancelled while queued (what a submit + cancel loop leaves: two job
+    events carrying all the keys), written in one transaction (thousands of them, quickly)."""
+    import json
+    import sqlite3
+
+    from moetune.tuner.store.store import now
+
+    rows = [(now(), kind, f"job {jid}", json.dumps({"job_id": jid, "keys": keys, "state": state}))
+            for jid in range(first, first + n) for kind, state in (("job_queued", "queued"), ("job_finished", "cancelled"))]
+    with contextlib.closing(sqlite3.connect(db)) as c, c:
+        c.executemany("INSERT INTO events (created, kind, reason, details) VALUES (?, ?, ?, ?)", rows)
+
+
+def test_a_job_running_while_thousands_of_jobs_came_and_went_is_resumed(tmp_path: Path) -> None:
+    """Only the newest 2000 job events were read: a job running while a submit + cancel loop wrote more (each
+    job_queued and job_finished) was out of sight, so after a kill -9 it was neither resumed nor closed."""
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 1)
+    store.add_event(kind="job_started", reason="job 1", details={"job_id": 1, "keys": [_key(64)]})
+    _cancelled_jobs(tmp_path / "m.db", 2, 1100, [_key(64 * b) for b in range(1, 9)])
+    _queued(store, 1102)  # queued behind it, not cancelled
+    resume, next_id = J.recover_jobs(store)
+    assert [r.job_id for r in resume] == [1, 1102] and next_id == 1103
+    assert "interrupted" in resume[0].why
+
+
+def test_an_open_job_whose_resumption_ran_to_its_end_is_closed_not_resumed(tmp_path: Path) -> None:
+    """Job 2 took job 1 over and finished; job 1's job_finished was never written (refused by the store): job 1 is
+    closed as resumed, however many job events came since."""
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 1)
+    _queued(store, 2, resumes=1)
+    store.add_event(kind="job_finished", reason="done", details={"job_id": 2, "resumes": 1, "state": "done"})
+    _cancelled_jobs(tmp_path / "m.db", 3, 1100, [_key(64)])
+    resume, next_id = J.recover_jobs(store)
+    assert resume == [] and next_id == 1103
+    closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 1]
+    assert len(closed) == 1 and "resumed as job 2" in closed[0]["reason"]
+
+
+def test_a_job_whose_details_are_damaged_does_not_stop_recovery(tmp_path: Path) -> None:
+    import sqlite3
+
+    store = F.open_store(tmp_path / "m.db")
+    _queued(store, 1)
+    with contextlib.closing(sqlite3.connect(tmp_path / "m.db")) as c, c:
+        c.execute("INSERT INTO events (created, kind, reason, details) VALUES ('x', 'job_queued', 'bad', '{not json')")
+        c.execute("INSERT INTO events (created, kind, reason, details) VALUES ('x', 'job_queued', 'str', "
+                  "'{\"job_id\": \"7\"}')")
+    resume, next_id = J.recover_jobs(store)
+    assert [r.job_id for r in resume] == [1] and next_id == 2
+
+
+def test_a_cancelled_queued_job_leaves_the_workers_queue_at_once() -> None:
+    """A queued job `cancel` dropped stayed in the worker's (unbounded) queue until the worker reached it: a job that
+    runs for hours under a submit + cancel loop had the daemon hold every one of them."""
+    import threading
+
+    release = threading.Event()
+    store = SimpleNamespace(add_event=lambda **kw: 1)
+    jm = J.JobManager(store=store, facts_fn=lambda: object(), retune=lambda ctx: [],
+                      on_done=lambda j, w: None, tune=TuneSettings(backend="model", trials=1), capacity=2)
+    jm._run = lambda job: release.wait(10)  # type: ignore[method-assign]  # the running job: until released
+    jm.start()
+    try:
+        jm.submit(reason="long", old_fingerprint=None, keys=[], confirm=True)
+        for _ in range(50):
+            if jm.queued_count() == 0 and not jm._q:
+                break
+            time.sleep(0.02)
+        for _ in range(200):
+            job = jm.submit(reason="x", old_fingerprint=None, keys=[], confirm=True)
+            assert job is not None and jm.cancel(job.id) is job
+        assert jm.queued_count() == 0 and len(jm._q) == 0
+        kept = jm.submit(reason="kept", old_fingerprint=None, keys=[], confirm=True)
+        assert list(jm._q) == [kept]
+    finally:
+        release.set()
+        jm.stop(timeout=5)

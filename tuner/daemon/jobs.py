@@ -30,6 +30,7 @@ current for the old fingerprint and queues its keys again for the new one (the w
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -527,14 +528,16 @@ class JobManager:
         self.tune = tune
         self.capacity = capacity
         self.metrics = metrics
-        # unbounded: `_queued` bounds the live jobs (resumed jobs may go past `capacity`; the stop sentinel always
-        # fits); a queued job `cancel` dropped stays in here until the worker skips it
-        self._q: queue.Queue[Job | None] = queue.Queue()
+        # the worker's queue, under `_lock`: the live queued jobs in order (resumed jobs may go past `capacity`), then
+        # the stop sentinel (None). A queued job `cancel` drops leaves it at once (it stayed in an unbounded queue.Queue
+        # until the worker reached it: a running job under a submit + cancel loop had it grow without end)
+        self._q: collections.deque[Job | None] = collections.deque()
         self._queued: dict[int, Job] = {}
         self._recent: collections.deque[Job] = collections.deque(maxlen=16)
         self.running: Job | None = None
         self._ids = itertools.count(first_id)
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # notified when the worker has something in `_q`
         self._thread = threading.Thread(target=self._loop, name="moetune-jobs", daemon=True)
         self._stopping = False
 
@@ -586,6 +589,9 @@ class JobManager:
             dropped = job.dropped
             if confirm and not ok:
                 self._queued.pop(job.id, None)  # never run: nobody was told it is queued
+            elif not dropped:  # under the lock: a `cancel` from now on finds it in `_q` and takes it out
+                self._q.append(job)
+                self._ready.notify()
         if confirm and not ok:
             if dropped:
                 job.end_recorded.set()  # nothing of it is in the store: there is no end to write
@@ -593,7 +599,6 @@ class JobManager:
                                  "it was not queued")
         if dropped:  # cancelled before its job_queued was written: its end is written after it, in order
             self._finish_dropped(job)
-        self._q.put(job)  # never blocks: unbounded, and _queued (which bounds it) was reserved above
 
     def _finish_dropped(self, job: Job) -> None:
         """The job_finished event of a queued job `cancel` dropped (the worker skips it): after its job_queued, so a
@@ -613,6 +618,8 @@ class JobManager:
             if job is not None:  # dropped at once: its queue slot is free now, not when the worker reaches it
                 job.state, job.finished, job.message = "cancelled", now(), "cancelled while queued"
                 job.dropped = True
+                with contextlib.suppress(ValueError):  # not there: the worker holds it (waiting), or not enqueued yet
+                    self._q.remove(job)
                 self._recent.append(job)
                 write = job.persisted  # else _persist_and_enqueue writes its end after its job_queued
             elif self.running is not None and self.running.id == job_id and self.running.state == "running":
@@ -726,7 +733,10 @@ class JobManager:
 
     def _loop(self) -> None:
         while True:
-            job = self._q.get()
+            with self._ready:
+                while not self._q:
+                    self._ready.wait()
+                job = self._q.popleft()
             if job is None:
                 return
             if not job.cancel.is_set():
@@ -887,10 +897,8 @@ class JobManager:
             for j in [*self._queued.values(), *([self.running] if self.running is not None else [])]:
                 j.cancelled_by = j.cancelled_by or "shutdown"
                 j.cancel.set()
-        try:
-            self._q.put(None, timeout=timeout)  # wakes the worker after the queued (cancelled) jobs
-        except queue.Full:
-            pass
+            self._q.append(None)  # wakes the worker after the queued (cancelled) jobs
+            self._ready.notify()
         self._thread.join(timeout)
         with self._lock:
             job = self.running
@@ -918,39 +926,36 @@ class Resumable:
     finish_details: dict[str, Any]
 
 
-def recover_jobs(store: Any, *, limit: int = 2000) -> tuple[list[Resumable], int]:
+def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
     """After a restart: the jobs the last daemon left queued or running, to resume (their runs marked failed), and
-    the next free job id. Only job events are read (a job's per-profile events never push them out of the window).
-    A job whose resumption was queued already (a crash before its job_finished) is closed here, not resumed again."""
-    events = sorted(store.list_events(limit=limit, kinds=JOB_EVENTS), key=lambda e: e["id"])
+    the next free job id. The open jobs (job events, none of them job_finished) are found by job id, however many
+    events came after theirs: a window of the newest 2000 job events lost a job that ran while a loop of submits and
+    cancels wrote more. A job whose resumption was queued already (a crash before its job_finished) is closed here,
+    not resumed again."""
+    # the open jobs' events, and those of the jobs that took one over (finished or not), oldest first
+    ids, events, max_id = store.open_jobs(kinds=JOB_EVENTS, finished="job_finished", also="resumes")
+    open_ids = set(ids)
     last: dict[int, tuple[str, dict[str, Any]]] = {}
     started_at: dict[int, str] = {}  # job id -> when its (last) job_started event was written
     resumed_as: dict[int, int] = {}  # old job id -> the job that took it over
-    finished: set[int] = set()
     cancelled: set[int] = set()  # a user cancelled it while it ran
-    max_id = 0
     for e in events:
         kind = e["kind"]
-        d = e["details"] or {}
+        d = e["details"] if isinstance(e["details"], dict) else {}
         jid = d.get("job_id")
         if not isinstance(jid, int):
             continue
-        max_id = max(max_id, jid)
-        if kind == "job_finished":
-            finished.add(jid)
-        if kind == "job_cancelled" and jid in finished:
-            continue  # the cancel's record came after the job's end (written from another thread): it ended
+        if isinstance(d.get("resumes"), int):  # any of its events: its job_queued may be the one not written
+            resumed_as[d["resumes"]] = jid
+        if jid not in open_ids:
+            continue  # a job that ended, read for the job it took over only
         if kind == "job_cancelled":
             cancelled.add(jid)
         last[jid] = (kind, d)
         if kind == "job_started":
             started_at[jid] = str(e["created"])
-        if isinstance(d.get("resumes"), int):  # any of its events: its job_queued may be the one not written
-            resumed_as[d["resumes"]] = jid
     resume: list[Resumable] = []
     for jid, (kind, d) in sorted(last.items()):
-        if kind == "job_finished":
-            continue
         # the user cancelled it while it ran, and the daemon stopped before it ended (its job_started may come after
         # the cancel: both are written as they happen, from two threads)
         if jid in cancelled:

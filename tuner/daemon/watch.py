@@ -142,8 +142,9 @@ class FabricWatch:
         if self.facts is None:
             return
         try:
-            events = self.store.list_events(limit=2000, kinds=("fabric_seen", "fabric_changed", "job_queued"))
-            change = next((e for e in events if e["kind"] in ("fabric_seen", "fabric_changed")), None)  # newest
+            # the newest fabric event itself (a window of fabric and job_queued events together lost it behind 2000
+            # job_queued events: a submit and cancel loop, or a long run of re-tunes)
+            change = next(iter(self.store.list_events(limit=1, kinds=("fabric_seen", "fabric_changed"))), None)
             d = (change["details"] or {}) if change is not None and change["kind"] == "fabric_changed" else {}
             old_fp = d.get("old_fingerprint")
             # a change of GPUs only (a replaced GPU of the same model: old_fp is the fingerprint now) is finished the
@@ -151,11 +152,6 @@ class FabricWatch:
             # GPUs; a start on them finds no change to act on (same_hardware), so nothing else would
             if not old_fp or d.get("fingerprint") != self.facts.fingerprint:
                 return
-            # the keys a job queued since the change holds are its business, whatever that job was (the change's own
-            # re-tune, or a job of the last daemon resumed at this start: "any later job_queued of the old
-            # fingerprint" let a resumed job of one key hide the change's other keys for good)
-            later = [e["details"] or {} for e in events if e["kind"] == "job_queued" and e["id"] > change["id"]]
-            covered = {tuning_key(k) for q in later for k in keys_from_details(q)}
             ids = d.get("profiles")
             if isinstance(ids, list):
                 ids = {i for i in ids if isinstance(i, int)}
@@ -170,8 +166,21 @@ class FabricWatch:
             have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=self.facts.fingerprint)}
             keys: dict[tuple, Any] = {}
             for i, r in self.store.list_profiles(status="stale", fingerprint=old_fp):
-                if (i in current or concerned(i, r)) and tuning_key(r.key) not in covered | have:
+                if (i in current or concerned(i, r)) and tuning_key(r.key) not in have:
                     keys.setdefault(tuning_key(r.key), r.key)
+            # the keys a job queued since the change holds are its business, whatever that job was (the change's own
+            # re-tune, or a job of the last daemon resumed at this start: "any later job_queued of the old
+            # fingerprint" let a resumed job of one key hide the change's other keys for good); read a page at a time,
+            # oldest first, until none of the keys is left
+            after = change["id"]
+            while keys:
+                later = self.store.events_after(after, kinds=("job_queued",), limit=200)
+                if not later:
+                    break
+                for e in later:
+                    for k in keys_from_details(e["details"] if isinstance(e["details"], dict) else {}):
+                        keys.pop(tuning_key(k), None)
+                after = later[-1]["id"]
         except StoreError as e:
             log.error("cannot check the last fabric change for a re-tune it did not queue: %s", e)
             return

@@ -21,7 +21,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import Engine, create_engine, delete, event, func, select, update
+from sqlalchemy import (
+    Engine,
+    Integer,
+    case,
+    create_engine,
+    delete,
+    event,
+    func,
+    literal,
+    or_,
+    select,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DatabaseError, IntegrityError
@@ -1090,6 +1103,41 @@ class Store:
         with self._read() as s:
             return [_row(e) for e in s.scalars(q)]
 
+    @_retried
+    def events_after(self, after_id: int, *, kinds: tuple[str, ...], limit: int = 500) -> list[Row]:
+        """Oldest first: up to `limit` events of `kinds` whose id is above `after_id` (page on with the last one's id)."""
+        q = select(Event).where(Event.id > after_id, Event.kind.in_(kinds)).order_by(Event.id).limit(limit)
+        with self._read() as s:
+            return [_row(e) for e in s.scalars(q)]
+
+    @_retried
+    def open_jobs(self, *, kinds: tuple[str, ...], finished: str, also: str = "") -> tuple[list[int], list[Row], int]:
+        """The jobs whose events (of `kinds`, naming their job by an integer `details.job_id`) include none of kind
+        `finished`: their ids (ascending); their events of `kinds` and those of any job whose integer `details.<also>`
+        names one of them, oldest first; and the highest job id an event of `kinds` names (0: none). Found by job id,
+        in SQL, however old the job and however many events came after its own (a window of the newest events lost a
+        job that ran long while others came and went): one pass over the events of `kinds` (each one's JSON read
+        once), and only the events asked for are read into Python."""
+        cols = [Event.id.label("id"), _json_int(Event.details, "job_id").label("jid"), Event.kind.label("kind"),
+                (_json_int(Event.details, also) if also else literal(None, Integer)).label("also")]
+        # LIMIT -1 OFFSET 0: SQLite cannot flatten it into the queries below (which would evaluate the JSON functions
+        # again for each use of a column); from SQLite 3.35 a CTE used twice is computed once
+        per = select(*cols).where(Event.kind.in_(kinds)).limit(-1).offset(0).cte("per")
+        jobs = (select(per.c.jid, func.sum(case((per.c.kind == finished, 1), else_=0)).label("ends"))
+                .where(per.c.jid.is_not(None)).group_by(per.c.jid).cte("jobs"))
+        unfinished = select(jobs.c.jid).where(jobs.c.ends == 0).scalar_subquery()
+        q = union_all(select(per.c.id, per.c.jid, per.c.jid.in_(unfinished))
+                      .where(or_(per.c.jid.in_(unfinished), per.c.also.in_(unfinished))),
+                      select(literal(None, Integer), func.max(jobs.c.jid), literal(None)))
+        with self._read() as s:
+            found = s.execute(q).all()
+            top = next((int(j) for i, j, _ in found if i is None and j is not None), 0)
+            ids = sorted({int(j) for i, j, is_open in found if i is not None and is_open})
+            wanted = sorted(int(i) for i, _, _ in found if i is not None)
+            rows = [_row(e) for n in range(0, len(wanted), 500)  # bound parameters: 999 at most before SQLite 3.32
+                    for e in s.scalars(select(Event).where(Event.id.in_(wanted[n:n + 500])).order_by(Event.id))]
+        return ids, rows, top
+
     # -- export / import (moetune.tuner.store.io) ----------------------------------------------------
     @_retried
     def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None,
@@ -1111,6 +1159,14 @@ class Store:
 
     def import_bytes(self, data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ImportResult:
         return _io.import_bytes(self, data, source=source, skip_invalid=skip_invalid)
+
+
+def _json_int(column: Any, field: str) -> Any:
+    """SQL for the integer at `field` of a JSON column's object; NULL where it holds none (another type, no such
+    field) or is no valid JSON: a damaged row is passed over, never failing the query (CASE evaluates in order)."""
+    path = f"$.{field}"
+    return case((func.json_valid(column) == 1,
+                 case((func.json_type(column, path) == "integer", func.json_extract(column, path, type_=Integer)))))
 
 
 def _row(obj: Any) -> Row:
