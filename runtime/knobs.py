@@ -1,4 +1,4 @@
-"""The knob set (DESIGN §2): the one vocabulary the runtime executes and the tuner searches.
+"""The knob set: the one vocabulary the runtime executes and the tuner searches (each knob: docs/settings.md).
 
 A `Knobs` value is immutable and validated on construction; combinations that make no sense
 raise `KnobError` naming the knobs involved. Workload-dependent checks (a group size that must

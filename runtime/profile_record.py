@@ -1,4 +1,5 @@
-"""The profile record: what a tuned profile is keyed by and what it holds (DESIGN §4).
+"""The profile record: what a tuned profile is keyed by and what it holds (how the runtime picks one:
+docs/runtime.md, "Which tuned profile runs").
 
 Shared by the store (tuner side), the daemon's wire messages and the runtime client.
 """

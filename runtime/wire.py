@@ -1,4 +1,4 @@
-"""The daemon's wire messages: the ONE place they are defined (DESIGN §5).
+"""The daemon's wire messages: the ONE place they are defined.
 
 Transport: ZeroMQ. Clients use a DEALER socket and send ONE frame per request; the daemon's ROUTER
 answers with ONE frame per reply. Frames are JSON (UTF-8). Never pickle.

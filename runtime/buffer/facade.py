@@ -179,7 +179,7 @@ def _one_thread(method: _M) -> _M:
 
 
 class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
-    """Dispatch/combine over the ranks of `group` with the knobs' transport (DESIGN §1–2).
+    """Dispatch/combine over the ranks of `group` with the knobs' transport (docs/runtime.md).
 
     Construction is collective (every rank of the group, same arguments): ranks compare model, dtype,
     max_tokens, the knobs' and the runtime options' digests (and whether knobs were given), dense and check_inputs,

@@ -6,8 +6,9 @@ the process group as the fallback (the runtime option `symm="ipc"` forces it). W
 works in one build step on the target image (plain nvcc, no -rdc, no NVSHMEM device library, no
 module registration), and the kernels only need peer addresses to store into. NVSHMEM through
 nvshmem4py stays the road to more than one node (its IBRC/IBGDA/libfabric transports); nvshmem4py's
-Numba device API does not import on the image (DESIGN §6), so device-side NVSHMEM would mean linking
-libnvshmem_device into csrc/ -- a later step.
+Numba device API does not import on the image (nvshmem4py 0.4.1's numba-cuda 0.30.4 calls np.row_stack,
+which the image's numpy 2.5 lacks), so device-side NVSHMEM would mean linking libnvshmem_device into
+csrc/ -- a later step.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The `host_staged` transport: rows staged through pinned host memory by the GPUs' copy engines.
 
 For nodes whose GPUs cannot reach each other directly (PCIe boxes with peer-to-peer off): every block
-crosses PCIe twice, device → host on the sender, host → device on the receiver (DESIGN §1). The host
+crosses PCIe twice, device → host on the sender, host → device on the receiver. The host
 memory is one shared file under /dev/shm (mode 0600, unlinked as soon as every rank has mapped it, so
 nothing is left behind by a crash) that each rank registers with CUDA (`cudaHostRegister`). It holds,
 for every (lane, sender, receiver), a ring of staging slots (the knob `staging_slots`), each with a full/empty flag (the

@@ -1,4 +1,4 @@
-"""The facts discovery finds on one node (DESIGN §4): GPUs, their links, NICs, GPUDirect, libfabric, software.
+"""The facts discovery finds on one node: GPUs, their links, NICs, GPUDirect, libfabric, software.
 
 Plain msgspec structs. `FabricFacts.to_dict()` is the canonical JSON-able form that the store keeps and
 `moetune.tuner.fabric.fingerprint` hashes and diffs. Volatile readings (temperatures, clocks, free memory,

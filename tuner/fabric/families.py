@@ -1,4 +1,4 @@
-"""Which transport families a node offers, each with the reason (issue 3, DESIGN §2).
+"""Which transport families a node offers, each with the reason (issue 3).
 
 Families: `nvlink` (one-sided GPU stores to peers over NVLink, or PCIe P2P where that is all there is),
 `proxy:ibrc` (NVSHMEM's CPU proxy over InfiniBand/RoCE RC), `proxy:libfabric/<provider>` (the proxy over

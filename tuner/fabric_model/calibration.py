@@ -8,7 +8,8 @@ Each measured row is turned into the model call that describes the same experime
   fp8_e4m3; the runtime's own collective sends each token once per rank, which `predict` models by
   default: these rows describe the bare NCCL experiment, not the runtime's layout); `host_staged`
   rows ran with NCCL_P2P_DISABLE=1 → `Workload(p2p=False)`.
-* `{"probe": "proxy_ce", "size", "mode", "transfers", "qps", "us"}`: the DESIGN §6 proxy probe →
+* `{"probe": "proxy_ce", "size", "mode", "transfers", "qps", "us"}`: the proxy probe
+  (bench/results/2026-11-30_h200x2_proxy_probe.jsonl) →
   `predict_transfers` with the matching signalling / fence mode (12 emulated PEs).
 * `{"kind": "transfers", "nodes", "transfers", "size", "knobs": {...}, "us", "put_only": false}`: a
   generic signalled-transfer microbenchmark (message-size sweep, fence cost, signal efficiency vs

@@ -1,6 +1,7 @@
 """The fabric model: predicted (MODELLED) cost of one EP dispatch and combine on a fabric.
 
-Nothing here is a curve fit of end results; the model carries the mechanisms (DESIGN §1, §2):
+Nothing here is a curve fit of end results; the model carries the mechanisms (docs/fabric-model.md,
+"Mechanisms"):
 
 * queued transports (`proxy`, `ibgda`): one representative source PE's requests are replayed in FIFO
   order. A CPU proxy drains its FIFO with one thread (a per-request issue cost); IBGDA posts from GPU
@@ -49,8 +50,9 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   CTAs take the destinations' runs of PUTs in turn); the posting time is SM time taken from compute.
 * `predict(..., layout="expert_tiles")` (proxy, ibgda): one bare copy per (token, expert) in tiles of
   `tile` tokens per expert, each tile a signalled PUT (decoupled: the group's signals, one per PUT), what
-  the tile-based EP kernels Perseus measured send (DESIGN §1) and DESIGN §8's megakernel would put across
-  nodes; no moetune transport sends it. The Perseus reproductions use it.
+  the tile-based EP kernels Perseus (Oh & Singh, arXiv 2605.00686) measured send and a megakernel spanning
+  GPUs (FlashDMoE, arXiv 2506.04667) would put across nodes; no moetune transport sends it. The Perseus
+  reproductions use it.
 * nvlink also: the count words stored in the same launch (one NVLink latency before the rows move), this
   PE's own rows copied by its own slot's CTAs, the reduce after combine. collective / host_staged run the
   packed or the dense layout as the runtime's rule picks it (`Workload.dense`). Dense (runtime/buffer/_dense.py):
@@ -66,8 +68,9 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
   tokens or slots), chunk c on communicator c mod channels; one communicator's calls in order, different ones
   side by side on shared links (`_payload_floor`: MODELLED, assumed; the PCIe links and host memory on the staged
   path, one call's calibrated rate on direct NVLink as measured there). `predict(..., layout="nccl_k_copies")` instead
-  describes a plain NCCL all_to_all_single of k copies of each H-wide token (DESIGN §6's baseline and the
-  calibration rows): what those measurements moved, not what the runtime sends.
+  describes a plain NCCL all_to_all_single of k copies of each H-wide token (the NCCL baseline,
+  bench/results/2026-11-30_h200x2_nccl_baseline.jsonl, and the calibration rows): what those measurements
+  moved, not what the runtime sends.
 * fp8 halves payload bytes and adds scale bytes (per token: 4 B; per 128 channels: H/128 × 4 B).
 
 Every number this module returns is modelled (`Prediction.modelled` is always True).
@@ -387,7 +390,7 @@ def _align(n: int, a: int) -> int:
 def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool, layout: str = "runtime") -> float:
     """Bytes of one token on the wire. Runtime layout, dispatch: EPBuffer's wire row (runtime/buffer/
     facade.py `_layout`): payload, k int64 ids, k fp32 weights, fp8 scales, padded to 16 bytes; combine:
-    one activation-dtype row. `nccl_k_copies`: the bare payload (fp8: + scales), as DESIGN §6's baseline."""
+    one activation-dtype row. `nccl_k_copies`: the bare payload (fp8: + scales), as the NCCL baseline."""
     h = model.hidden
     fp8 = dispatch and knobs.compression == "fp8_e4m3"
     scales = (1 if knobs.scale_granularity == "per_token" else math.ceil(h / 128)) if fp8 else 0
@@ -883,7 +886,8 @@ def _payload_floor(p: _P, w: Workload, io: float, ii: float, eo: float, ei: floa
 def _phase_collective(p: _P, w: Workload, knobs: Knobs, *, dispatch: bool, loads, hits, layout: str) -> _Phase:
     """NCCL all-to-all, intra-node over NVLink or staged, inter-node NIC: the runtime's rows (packed: once per
     destination rank; dense: every slot to every rank), posted as `payload_calls` calls over `channels`
-    communicators, or with layout `nccl_k_copies` k bare copies per token in one call (DESIGN §6 baseline)."""
+    communicators, or with layout `nccl_k_copies` k bare copies per token in one call (the NCCL baseline's
+    calls)."""
     ph = _Phase()
     P, G = w.pes, w.gpus_per_node
     tb = _token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
@@ -1147,12 +1151,13 @@ def predict(
 
     `layout`: what goes on the wire. `runtime` (default): the runtime's layouts, each token once per
     destination rank it needs. `nccl_k_copies` (transport collective only): a plain NCCL
-    all_to_all_single of k copies of each token, the experiment DESIGN §6's baseline (and the
-    calibration rows) measured. `expert_tiles` (proxy and ibgda only): one bare copy per (token, expert)
-    in tiles of `tile` tokens per expert, each tile a PUT with its own signal (decoupled: a group's PUTs,
-    one fence, the group's signals): what the tile-based EP kernels Perseus measured send (DESIGN §1, the
-    transfer counts it reports) and what DESIGN §8's megakernel would put across nodes; no moetune
-    transport sends it today. There a decoupled group size must divide `expert_tiles_per_peer`."""
+    all_to_all_single of k copies of each token, the experiment the NCCL baseline
+    (bench/results/2026-11-30_h200x2_nccl_baseline.jsonl) and the calibration rows measured. `expert_tiles`
+    (proxy and ibgda only): one bare copy per (token, expert) in tiles of `tile` tokens per expert, each
+    tile a PUT with its own signal (decoupled: a group's PUTs, one fence, the group's signals): what the
+    tile-based EP kernels Perseus measured send (the transfer counts it reports, arXiv 2605.00686) and what
+    a megakernel spanning GPUs (FlashDMoE, arXiv 2506.04667) would put across nodes; no moetune transport
+    sends it today. There a decoupled group size must divide `expert_tiles_per_peer`."""
     preset = _as_preset(preset)
     if not isinstance(knobs, Knobs):
         raise KnobError(f"expected Knobs, got {type(knobs).__name__}")
@@ -1202,7 +1207,8 @@ def predict(
     all_ph = [x for x in (d, c) if x]
     notes = ["MODELLED: predicted by the fabric model from preset parameters, not measured"]
     if layout == "nccl_k_copies":
-        notes.append("collective: k copies per token on the wire (a plain NCCL all_to_all_single, DESIGN §6)")
+        notes.append("collective: k copies per token on the wire (a plain NCCL all_to_all_single, as the NCCL "
+                     "baseline)")
     elif layout == "expert_tiles":
         notes.append("one copy per (token, expert) in per-expert tiles, a signalled PUT each (tile-based kernels "
                      "as Perseus measured; not what moetune's runtime sends)")

@@ -14,9 +14,10 @@ routings' imbalance instead of one. Per iteration, every rank times
 On GPUs with CUDA events (then synchronise); on CPU with perf_counter after a barrier. The step time of an
 iteration is the slowest rank's; the report gives median, p10 and p90 over iterations (after warm-up).
 
-`impl="plain"` times the baseline of DESIGN §6 instead: plain `all_to_all_single` without the
-once-per-rank packing: every (token, expert) pair is one row (k copies of a token), sorted by expert,
-counts exchanged first; combine sends the k rows back and the source sums them with their weights.
+`impl="plain"` times the NCCL baseline (bench/results/2026-11-30_h200x2_nccl_baseline.jsonl) instead: plain
+`all_to_all_single` without the once-per-rank packing: every (token, expert) pair is one row (k copies of a
+token), sorted by expert, counts exchanged first; combine sends the k rows back and the source sums them with
+their weights.
 
 Used by the CLI (spawned ranks or torchrun) and by bench/gpu_runtime.py (many cases in one launch).
 """

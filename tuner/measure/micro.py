@@ -71,8 +71,9 @@ class Microbenchmark(ABC):
 
 
 class CollectiveA2A(Microbenchmark):
-    """The DESIGN §6 experiment on this node: one all_to_all_single dispatch of a model shape (k copies
-    of each token, bf16), the rows the fabric model is calibrated on (`probe: collective_a2a`)."""
+    """The NCCL baseline experiment (bench/results/2026-11-30_h200x2_nccl_baseline.jsonl) on this node: one
+    all_to_all_single dispatch of a model shape (k copies of each token, bf16), the rows the fabric model is
+    calibrated on (`probe: collective_a2a`)."""
 
     runner = "a2a"
 
