@@ -19,8 +19,8 @@ PROBE = ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl"
 
 
 def test_calibrated_nvlink_h200x2_predicts_every_baseline_row() -> None:
-    """The committed baseline the preset is calibrated on: run 11's warm re-measurement of DESIGN §6 (30
-    warm-up and 150 timed calls per row). Every row within 20%."""
+    """The committed baseline the preset is calibrated on: run 11's warm re-measurement of the NCCL
+    baseline (SHARED; 30 warm-up and 150 timed calls per row). Every row within 20%."""
     preset = load_preset("nvlink-h200x2")
     points, skipped = rows_to_points(read_rows([BASELINE]))
     assert len(points) == 48  # 3 models x 4 sizes x {bf16, fp8} x {nvlink, host_staged}

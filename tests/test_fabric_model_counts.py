@@ -101,7 +101,7 @@ def test_combine_includes_the_reduce_kernel() -> None:
         assert r.phases["combine.reduce"] == pytest.approx(want, rel=1e-12), k.transport
         assert "dispatch.reduce" not in r.phases
         assert r.combine_us > want
-    # DESIGN §6's NCCL baseline (layout nccl_k_copies, what the calibration fits) has none of it
+    # the NCCL baseline (layout nccl_k_copies, what the calibration fits) has none of it
     base = predict("nvlink-h200x2", w, Knobs(transport="collective"), layout="nccl_k_copies")
     assert not any(k.endswith((".reduce", ".counts", ".self_copy")) for k in base.phases)
 

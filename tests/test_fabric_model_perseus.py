@@ -1,4 +1,5 @@
-"""The fabric model reproduces the public measurements of DESIGN §1 in shape (MODELLED numbers).
+"""The fabric model reproduces Perseus's public measurements (Oh & Singh, arXiv 2605.00686) in shape (MODELLED
+numbers).
 
 One parameter set per preset, no per-case tuning: these tests only name the preset.
 """
