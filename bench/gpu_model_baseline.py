@@ -1,4 +1,5 @@
-"""Re-measure the NCCL all-to-all baseline (DESIGN §6) with warm-up, for the fabric model's calibration.
+"""Re-measure the NCCL all-to-all baseline (bench/results/2026-11-30_h200x2_nccl_baseline.jsonl) with warm-up,
+for the fabric model's calibration.
 
 One command on the 2x H200 box (writes JSON lines to $OUT, default ./bench_out, prints a table last):
 

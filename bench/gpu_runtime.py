@@ -9,7 +9,8 @@ ranks before NCCL initialises) — it runs:
   1. verify: the MoE layer vs the single-process dense reference, each model, S=256, bf16 depth 1 and
      fp8 depth 2 (max relative error, bound as in `moetune bench ep --verify`);
   2. for qwen3-30b, gpt-oss-120b, deepseek-v3 and S in {128, 1024, 4096, 16384} tokens per rank:
-       plain      : NCCL all_to_all_single without packing (k copies of each token, bf16; DESIGN §6 baseline)
+       plain      : NCCL all_to_all_single without packing (k copies of each token, bf16; as in
+                    bench/results/2026-11-30_h200x2_nccl_baseline.jsonl)
        packed     : moetune collective with the buffer's own layout choice (on 2 ranks: dense, i.e. all-gather
                     dispatch / reduce-scatter combine, no counts, no host sync), bf16, pipeline_depth 1
        packed_a2a : the packed layout forced (counts first, one host sync, all_to_all_single with splits)

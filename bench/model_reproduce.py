@@ -1,4 +1,5 @@
-"""Fabric model (MODELLED numbers): reproduce DESIGN §1 in shape, report calibration fit, time predict.
+"""Fabric model (MODELLED numbers): reproduce Perseus (arXiv 2605.00686) in shape, report calibration fit,
+time predict.
 
 CPU only. Usage:  python bench/model_reproduce.py [--out bench/results/<date>_fabric_model_cpu.json]
 Prints a short table; writes one JSON document with every number (all labelled modelled, except the

@@ -9,7 +9,8 @@ ranks that stay up for all cases (a launch per case would cost ~10 s of start-up
     proxy_drain     proxy, coupled + proxy_drain, 1 QP, chunk_tokens=128
     proxy_ordered   proxy, decoupled + nic_ordered + peer_hash, 2 QPs, chunk_tokens=128
     collective      the runtime's collective transport (NCCL all_to_all_single, packed rows)
-    plain           impl=plain: unpacked NCCL all_to_all_single (k copies per token), DESIGN §6 baseline
+    plain           impl=plain: unpacked NCCL all_to_all_single (k copies per token), as in
+                    bench/results/2026-11-30_h200x2_nccl_baseline.jsonl
   plus verify cases (the MoE layer vs the dense single-process reference, as `--verify`) at S=128.
 Variants marked graph also capture the round trip in a CUDA graph and time its replays (`--cuda-graph`;
 the replay's output is checked after poisoning the receive buffer).

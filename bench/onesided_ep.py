@@ -60,7 +60,8 @@ def make_shape(model, S: int, world: int, rank: int, device, seed: int = 0, layo
     """Packed dispatch rows for this rank: send tensor grouped by destination rank, counts.
 
     layout "rank": each token once per destination rank holding any of its experts (DeepEP-style);
-    "expert": each token once per selected expert (k copies, the NCCL rows of DESIGN §6).
+    "expert": each token once per selected expert (k copies, as the NCCL baseline
+    bench/results/2026-11-30_h200x2_nccl_baseline.jsonl sends).
     """
     import torch
 
