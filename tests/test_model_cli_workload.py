@@ -50,3 +50,11 @@ def test_a_sweep_records_its_workload() -> None:
                              "routing": "zipf:1.2", "tile": 128}
     r = _run("sweep", "-p", "ndr-ibrc-h100x8", "--over", "tokens", "-n", "4")
     assert "4x8 GPUs · uniform · tile 128 · sweep over tokens" in " ".join(r.output.split()), r.output
+
+
+def test_a_bad_routing_is_refused_naming_the_option() -> None:
+    """`model predict/sweep --routing ""` said "unknown routing ''", naming no option."""
+    for cmd in ("predict", "sweep"):
+        for routing in ("", "gauss", "zipf:x"):
+            r = _run(cmd, "-p", "nvlink-h200x2", "--routing", routing)
+            assert r.exit_code == 2 and "--routing: " in r.output and repr(routing) in r.output, r.output

@@ -178,7 +178,7 @@ def ep(
     try:
         parse_routing(routing)
     except ValueError as e:
-        _fail(str(e))
+        _fail(f"--routing: {e}")
     if no_p2p and backend != "nccl":
         _fail("--no-p2p disables NCCL's GPU peer-to-peer; it needs --backend nccl")
     torchrun = bench_ep.under_torchrun()
