@@ -485,7 +485,10 @@ def knobs_side_by_side(
             toks = int_list(tokens, "--tokens")
             _check_tokens(toks)
             base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
-            variants = {"base": base, **MC.parse_variants(vs, base)}
+            try:  # its words named no option ("give at least one variant: ...")
+                variants = {"base": base, **MC.parse_variants(vs, base)}
+            except (ValueError, KnobError) as e:
+                raise ValueError(f"--vs: {e}") from None
             rep = MC.compare_knobs(shape, toks, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chain,
                                    seed=seed, progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
         except (ValueError, KnobError) as e:
