@@ -109,3 +109,19 @@ def test_a_restart_after_a_job_that_started_shows_no_old_notice(tmp_path: Path) 
     store.add_event(kind="job_started", reason="started job 2", details={"job_id": 2, "state": "running"})
     store.add_event(kind="job_finished", reason="boom", details={"job_id": 2, "state": "failed", "message": "boom"})
     assert tune_notice_of(store, backend="local") == ""
+
+
+def test_a_notice_survives_thousands_of_cancelled_jobs_after_it(tmp_path: Path) -> None:
+    """Cancelled queued re-tunes end in job_finished events (state cancelled) that decide nothing: read back page by
+    page, the notice behind 1,200 of them is still found (a window of the newest 2,000 job events lost it)."""
+    from moetune.tuner.daemon.jobs import tune_notice_of
+
+    store = F.open_store(tmp_path / "m.db")
+    store.add_event(kind="job_finished", reason=NOTICE, details={"job_id": 1, "state": "failed", "impossible": True,
+                                                                "message": NOTICE, "backend": "local"})
+    for j in range(2, 2102):
+        store.add_event(kind="job_finished", reason="cancelled", details={"job_id": j, "state": "cancelled"})
+    assert tune_notice_of(store, backend="local") == NOTICE
+    assert tune_notice_of(store, backend="local", page=7) == NOTICE  # across page boundaries
+    store.add_event(kind="job_started", reason="started job 2102", details={"job_id": 2102, "state": "running"})
+    assert tune_notice_of(store, backend="local", page=7) == ""

@@ -1040,22 +1040,29 @@ def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
     return out
 
 
-def tune_notice_of(store: Any, *, backend: str | None = None, limit: int = 2000) -> str:
+def tune_notice_of(store: Any, *, backend: str | None = None, page: int = 500) -> str:
     """Why the automatic re-tune cannot run here, as the last daemon's jobs left it ('' once one ran, or started: its
     end says anew): a restart must not forget it while the profiles it left stale stay stale. A notice left under
-    another [tune] `backend` than this daemon's is dropped: it told how to change settings no longer in force."""
-    for e in store.list_events(limit=limit, kinds=("job_started", "job_finished")):  # newest first
-        d = e["details"] or {}
-        if not isinstance(d, dict):
-            continue
-        if e["kind"] == "job_started" or d.get("state") == "done":
-            return ""
-        if d.get("impossible"):
-            ran_under = d.get("backend")  # None: written by an older moetune, which did not record it
-            if backend is not None and isinstance(ran_under, str) and ran_under != backend:
+    another [tune] `backend` than this daemon's is dropped: it told how to change settings no longer in force. Read
+    back page by page to the first event that decides: cancelled jobs' ends after the notice (thousands of queued
+    re-tunes cancelled) do not push it out of a window."""
+    before = None
+    while True:
+        events = store.list_events(limit=page, kinds=("job_started", "job_finished"), before_id=before)  # newest first
+        for e in events:
+            d = e["details"] or {}
+            if not isinstance(d, dict):
+                continue
+            if e["kind"] == "job_started" or d.get("state") == "done":
                 return ""
-            return str(d.get("message") or "")
-    return ""
+            if d.get("impossible"):
+                ran_under = d.get("backend")  # None: written by an older moetune, which did not record it
+                if backend is not None and isinstance(ran_under, str) and ran_under != backend:
+                    return ""
+                return str(d.get("message") or "")
+        if len(events) < page:
+            return ""
+        before = events[-1]["id"]
 
 
 def tuning_key(k: ProfileKey) -> tuple:

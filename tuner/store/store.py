@@ -1095,11 +1095,15 @@ class Store:
             return e.id
 
     @_retried
-    def list_events(self, limit: int = 100, *, kinds: tuple[str, ...] | None = None) -> list[Row]:
-        """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds."""
+    def list_events(self, limit: int = 100, *, kinds: tuple[str, ...] | None = None,
+                    before_id: int | None = None) -> list[Row]:
+        """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds; with
+        `before_id`, only those older than that event (page back with the last one's id)."""
         q = select(Event).order_by(Event.id.desc()).limit(limit)
         if kinds is not None:
             q = q.where(Event.kind.in_(kinds))
+        if before_id is not None:
+            q = q.where(Event.id < before_id)
         with self._read() as s:
             return [_row(e) for e in s.scalars(q)]
 
