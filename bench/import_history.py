@@ -261,28 +261,24 @@ def fix_content_commits(rows: list[dict[str, str]], res: Path) -> tuple[list[dic
     return out, log
 
 
+def _rewrite_summary(fix: Any, what: str) -> int:
+    """Apply `fix` (rows -> (rows, log)) to bench/results/summary.csv in place; print its log and how many `what`."""
+    csv_path = ROOT / "bench/results/summary.csv"
+    rows, log = fix(R.read_rows(csv_path))
+    csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
+    print("\n".join(log))
+    print(f"{len(log)} {what}")
+    return 0
+
+
 def main() -> int:
-    if sys.argv[1] == "--fix-content-commits":
-        res, csv_path = Path(sys.argv[2]).resolve(), ROOT / "bench/results/summary.csv"
-        rows, log = fix_content_commits(R.read_rows(csv_path), res)
-        csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
-        print("\n".join(log))
-        print(f"{len(log)} launch(es) restamped")
-        return 0
-    if sys.argv[1] == "--fix-run-commits":
-        csv_path = ROOT / "bench/results/summary.csv"
-        rows, log = fix_run_commits(R.read_rows(csv_path))
-        csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
-        print("\n".join(log))
-        print(f"{len(log)} launch(es) restamped")
-        return 0
-    if sys.argv[1] == "--fix-quantiles":
-        res, csv_path = Path(sys.argv[2]).resolve(), ROOT / "bench/results/summary.csv"
-        rows, log = fix_quantile_rows(R.read_rows(csv_path), res)
-        csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
-        print("\n".join(log))
-        print(f"{len(log)} change(s)")
-        return 0
+    fixes = {"--fix-content-commits": (fix_content_commits, "launch(es) restamped", True),
+             "--fix-run-commits": (fix_run_commits, "launch(es) restamped", False),
+             "--fix-quantiles": (fix_quantile_rows, "change(s)", True)}
+    if sys.argv[1] in fixes:
+        fix, what, needs_raw = fixes[sys.argv[1]]
+        res = Path(sys.argv[2]).resolve() if needs_raw else None  # the unpacked archive of the raw files
+        return _rewrite_summary(lambda rows: fix(rows, res) if needs_raw else fix(rows), what)
     res = Path(sys.argv[1]).resolve()
     rows = host_staged(res)
     for i, ln in enumerate((res / "fabric_discovery_cpu.jsonl").read_text().splitlines()):
