@@ -140,6 +140,7 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
 
 
 def profile(
+    ctx: typer.Context,
     model: list[str] = typer.Option([], "--model", "-m", help="Model shape to tune (repeatable): qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K (default: qwen3-30b)."),
     tokens: str | None = typer.Option(None, "--tokens", show_default=False, help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
@@ -221,6 +222,10 @@ def profile(
     no_cuda = _no_cuda_for_nccl(flow, capture)
     if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
         _fail(no_cuda)
+    from moetune.tuner.cli._run_lock import hold_run_lock
+
+    # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
+    hold_run_lock(db_file, ctx)
     _cfg, store = _open(db, config)
     flow.store = store
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again

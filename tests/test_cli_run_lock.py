@@ -1,0 +1,114 @@
+"""One measuring run per database at a time.
+
+Two `profile --quick` 3 s apart both ran every stage and exited 0 (microbenchmarks stored twice, each study got the
+trials of both, both measured while competing for the cores); a `tune` beside a `profile` competed the same way.
+The second run now refuses at once (exit 1, naming the holder's pid), through a flock beside the database that the
+kernel drops when its holder dies (kill -9 included).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+CAPTURES = Path(__file__).parent / "captures"
+
+HOLD = """
+import sys, time
+from moetune.tuner.cli._run_lock import take_run_lock
+fd = take_run_lock(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(db: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(db)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    return p
+
+
+@pytest.fixture
+def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    from moetune.tuner.bringup import flow
+
+    ran: list[Any] = []
+
+    def run(self: Any) -> dict:
+        ran.append(self)
+        return {"calibrate": {}, "compare": [], "report": "r.md"}
+
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    return ran
+
+
+def _profile(db: Path, tmp_path: Path):
+    from moetune.tuner.cli import app
+
+    return CliRunner().invoke(app, ["profile", "--capture", str(CAPTURES / "h200x1"), "--db", str(db)],
+                              env={"COLUMNS": "400", "MOETUNE_HOME": str(tmp_path)})
+
+
+def test_a_second_profile_refuses_while_one_runs_and_runs_once_it_is_killed(tmp_path: Path,
+                                                                           fake_run: list[Any]) -> None:
+    db = tmp_path / "m.db"
+    holder = _holder(db)
+    try:
+        r = _profile(db, tmp_path)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1, said
+        assert (f"another bring-up is running on this database (pid {holder.pid}); wait for it or stop it"
+                in said), said
+        assert fake_run == [] and not db.exists()  # refused before any stage, before the database was made
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # kill -9 left no stale lock: the next run runs
+    r = _profile(db, tmp_path)
+    assert r.exit_code == 0, r.output
+    assert len(fake_run) == 1
+    # and released it when it ended: a third run in the same process runs too
+    r = _profile(db, tmp_path)
+    assert r.exit_code == 0, r.output
+    assert len(fake_run) == 2
+
+
+def test_a_link_to_the_database_takes_the_same_lock(tmp_path: Path, fake_run: list[Any]) -> None:
+    db = tmp_path / "m.db"
+    db.touch()
+    link = tmp_path / "link.db"
+    link.symlink_to(db)
+    holder = _holder(db)
+    try:
+        r = _profile(link, tmp_path)
+        assert r.exit_code == 1 and "another bring-up is running" in r.output, r.output
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_tune_refuses_while_a_bring_up_runs(tmp_path: Path) -> None:
+    from moetune.tuner.cli import app
+
+    db = tmp_path / "m.db"
+    args = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
+            "--trials", "1", "--db", str(db), "--json"]
+    holder = _holder(db)
+    try:
+        r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"another bring-up is running on this database (pid {holder.pid})" in said, said
+        assert not db.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
