@@ -1,17 +1,20 @@
-"""One measuring run per database at a time.
+"""One measuring run per database, and none under a serving daemon.
 
 Two `profile --quick` 3 s apart both ran every stage and exited 0 (microbenchmarks stored twice, each study got the
 trials of both, both measured while competing for the cores); a `tune` beside a `profile` competed the same way.
 The second run now refuses at once (exit 1, naming the holder's pid), through a flock beside the database that the
-kernel drops when its holder dies (kill -9 included).
+kernel drops when its holder dies (kill -9 included). `profile` under a serving daemon wrote behind the single
+writer's back: refused, before the database is opened.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,4 +114,25 @@ def test_tune_refuses_while_a_bring_up_runs(tmp_path: Path) -> None:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+
+
+def test_profile_refuses_a_database_a_daemon_serves(tmp_path: Path, fake_run: list[Any]) -> None:
+    """The daemon is the single writer of its database: a bring-up under it wrote behind its back (exit 0)."""
+    from moetune.tuner.store.store import daemon_lock_path
+
+    db = tmp_path / "m.db"
+    fd = os.open(daemon_lock_path(db), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held as a serving daemon holds it, its pid inside
+        os.write(fd, f"{os.getpid()}\n".encode())
+        r = _profile(db, tmp_path)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1, said
+        assert f"daemon pid {os.getpid()} is serving this database ({db}); stop it first" in said, said
+        assert fake_run == [] and not db.exists()
+    finally:
+        os.close(fd)
+    time.sleep(0)  # the daemon stopped: the bring-up runs
+    r = _profile(db, tmp_path)
     assert r.exit_code == 0, r.output
