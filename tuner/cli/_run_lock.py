@@ -79,3 +79,15 @@ def hold_run_lock(db_path: str | Path, ctx: Any) -> None:
         abort(str(e), e.exit_code)
     if fd is not None:
         ctx.call_on_close(lambda: os.close(fd))
+
+
+def close_orphaned_runs(store: Any) -> None:
+    """Under the run lock, once the store is open: the tuning runs a killed run left `running` (its owner gone) are
+    marked `interrupted` (`Store.close_orphaned_runs`); a store that cannot be written says so (exit 1 where busy)."""
+    from moetune.tuner.cli.db import abort
+    from moetune.tuner.store.store import StoreError
+
+    try:
+        store.close_orphaned_runs()
+    except StoreError as e:
+        abort(str(e), e.exit_code)

@@ -228,6 +228,9 @@ def profile(
     # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
     hold_run_lock(db_file, ctx)
     _cfg, store = _open(db, config)
+    from moetune.tuner.cli._run_lock import close_orphaned_runs
+
+    close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
     flow.store = store
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
         flow.state.restart()

@@ -437,6 +437,9 @@ def tune(
     # one measuring run per database at a time (a `profile` or another `tune`): the second refuses at once
     hold_run_lock(db_path, ctx)
     store = _open_store(db_path)
+    from moetune.tuner.cli._run_lock import close_orphaned_runs
+
+    close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
     _check_storage(url, storage is not None)  # refused --db: no studies file created
     from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.fabric.moved import FabricGuard, FabricMovedOn, GuardedStore

@@ -91,6 +91,8 @@ class TuningRun(Base):
     best_value: Mapped[float | None] = mapped_column(Float)
     started: Mapped[str] = mapped_column(String(40))
     ended: Mapped[str | None] = mapped_column(String(40))
+    # the process running it, HOST:PID:START (`run_owner`): a later run closes a `running` row whose owner is gone
+    owner: Mapped[str | None] = mapped_column(String(320))
 
 
 class Measurement(Base):

@@ -57,6 +57,7 @@ from moetune.runtime.profile_record import (
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
 from moetune.tuner.store._folders import make_parent, not_writable
+from moetune.tuner.store._owner import owner_gone, run_owner
 from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
@@ -815,7 +816,8 @@ class Store:
     def start_run(self, *, study_name: str, storage: str, backend: str) -> int:
         with self._write() as s:
             r = TuningRun(
-                study_name=study_name, storage=storage, backend=backend, status="running", trials=0, started=now()
+                study_name=study_name, storage=storage, backend=backend, status="running", trials=0, started=now(),
+                owner=run_owner(),
             )
             s.add(r)
             s.flush()
@@ -830,6 +832,19 @@ class Store:
             ).rowcount
             if n != 1:
                 raise StoreError(f"no tuning run {run_id}")
+
+    def close_orphaned_runs(self) -> list[int]:
+        """Mark `interrupted` the runs left `running` by a process that is gone (killed with kill -9, or stopped by a
+        full disk before its `finish_run`), by the owner each recorded (`run_owner`); the ids marked. A row of a live
+        process, of another host, or without an owner (stored before schema 0008) is never touched."""
+        with self._write() as s:
+            rows = s.execute(select(TuningRun.id, TuningRun.owner)
+                             .where(TuningRun.status == "running", TuningRun.owner.is_not(None))).all()
+            gone = [r.id for r in rows if owner_gone(r.owner)]
+            if gone:
+                s.execute(update(TuningRun).where(TuningRun.id.in_(gone), TuningRun.status == "running")
+                          .values(status="interrupted", ended=now()))
+            return gone
 
     @_retried
     def list_runs(self, limit: int = 100) -> list[Row]:

@@ -1,0 +1,106 @@
+"""A tuning run killed with kill -9 (or stopped by a full disk) never finished its `tuning_runs` row: it stayed
+`running` forever (the daemon's recovery closes only its own job runs). Each run records its owner (HOST:PID:START,
+schema 0008); a later `tune` or `profile` marks the rows whose owner is gone `interrupted`, and never touches a row of
+a live process, of another host, or one stored before the owner was recorded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from moetune.tuner.store.store import Store
+
+START = """
+import sys, time
+from moetune.tuner.store.store import Store
+s = Store(sys.argv[1])
+print(s.start_run(study_name="killed", storage="x", backend="model"), flush=True)
+time.sleep(120)
+"""
+
+
+def _killed_run(db: Path) -> int:
+    """A run started by a process then killed with kill -9: its row's id."""
+    p = subprocess.Popen([sys.executable, "-c", START, str(db)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.stdout is not None
+    run_id = int(p.stdout.readline())
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    return run_id
+
+
+def _status(db: Path) -> dict[int, tuple[str, str | None]]:
+    con = sqlite3.connect(db)
+    try:
+        return {r[0]: (r[1], r[2]) for r in con.execute("SELECT id, status, ended FROM tuning_runs")}
+    finally:
+        con.close()
+
+
+def test_a_killed_runs_row_is_closed_and_live_ones_are_not(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    killed = _killed_run(db)
+    with Store(db) as s:
+        mine = s.start_run(study_name="live", storage="x", backend="model")  # this process: alive
+        other_host = s.start_run(study_name="elsewhere", storage="x", backend="model")
+        legacy = s.start_run(study_name="before-0008", storage="x", backend="model")
+    con = sqlite3.connect(db)
+    con.execute("UPDATE tuning_runs SET owner = ? WHERE id = ?", (f"not-{socket.gethostname()}:1:1", other_host))
+    con.execute("UPDATE tuning_runs SET owner = NULL WHERE id = ?", (legacy,))
+    con.commit()
+    con.close()
+    assert _status(db)[killed] == ("running", None)
+    with Store(db) as s:
+        assert s.close_orphaned_runs() == [killed]
+        assert s.close_orphaned_runs() == []
+    st = _status(db)
+    assert st[killed][0] == "interrupted" and st[killed][1] is not None
+    assert {st[i][0] for i in (mine, other_host, legacy)} == {"running"}
+
+
+def test_a_reused_pid_is_not_the_owner(tmp_path: Path) -> None:
+    """The pid of a killed run given to another process since: the start time tells them apart."""
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        rid = s.start_run(study_name="x", storage="x", backend="model")
+        con = sqlite3.connect(db)
+        con.execute("UPDATE tuning_runs SET owner = ? WHERE id = ?", (f"{socket.gethostname()}:{os.getpid()}:1", rid))
+        con.commit()
+        con.close()
+        assert s.close_orphaned_runs() == [rid]
+
+
+def test_the_next_tune_closes_a_killed_runs_row(tmp_path: Path) -> None:
+    from moetune.tuner.cli import app
+
+    db = tmp_path / "m.db"
+    killed = _killed_run(db)
+    r = CliRunner().invoke(app, ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset",
+                                 "nvlink-h200x2", "--trials", "1", "--db", str(db), "--json"],
+                           env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    st = _status(db)
+    assert st[killed][0] == "interrupted"
+    assert all(v[0] != "running" for v in st.values()), st  # the tune's own rows ended
+
+
+def test_the_owner_column_goes_down_and_up_with_the_schema(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        rid = s.start_run(study_name="x", storage="x", backend="model")
+        s.downgrade("0007")
+        con = sqlite3.connect(db)
+        assert "owner" not in {r[1] for r in con.execute("PRAGMA table_info(tuning_runs)")}
+        con.close()
+        s.upgrade()
+        assert s.check()["ok"]
+        assert [r["id"] for r in s.list_runs()] == [rid]
+        assert s.close_orphaned_runs() == []  # no owner recorded: left as it is
