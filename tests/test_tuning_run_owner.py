@@ -104,3 +104,27 @@ def test_the_owner_column_goes_down_and_up_with_the_schema(tmp_path: Path) -> No
         assert s.check()["ok"]
         assert [r["id"] for r in s.list_runs()] == [rid]
         assert s.close_orphaned_runs() == []  # no owner recorded: left as it is
+
+
+def test_an_interrupted_run_records_the_trials_that_finished(tmp_path: Path) -> None:
+    """A run interrupted after trials had finished recorded `trials 0` in its row."""
+    import pytest
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    db = tmp_path / "m.db"
+    seen: list[int] = []
+
+    def stop_after_three(_name: str, _study: object, _trial: object) -> None:
+        seen.append(1)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with Store(db) as s:
+        with pytest.raises(KeyboardInterrupt):
+            tune_profiles_detailed(s, None, models=[get_model("qwen3-30b")], tokens=[128], backend="model",
+                                   preset="nvlink-h200x2", trials=10, storage=f"sqlite:///{tmp_path / 'st.db'}",
+                                   families=["nvlink"], on_trial=stop_after_three)
+        [run] = s.list_runs()
+    assert run["status"] == "interrupted" and run["trials"] >= 2, run

@@ -410,6 +410,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
     status = "failed"
     result: StudyResult | None = None
+    study: optuna.Study | None = None
     try:
         # on SQLite open_study registers this process and fails only dead processes' running trials
         study = open_study(name, st, seed=seed, n_startup_trials=min(10, max(3, trials // 5)))
@@ -471,7 +472,19 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     finally:
         if store is not None and run_id is not None:
             best_value = result.best.median_us if result is not None and result.best is not None else None
-            store.finish_run(run_id, status=status, trials=result.trials if result else 0, best_value=best_value)
+            store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),
+                             best_value=best_value)
+
+
+def _finished_or_0(study: optuna.Study | None) -> int:
+    """The finished trials of a study a run left without its result (interrupted, failed): what its run row records
+    as `trials` (it recorded 0 though trials had finished); 0 where the study was not opened or cannot be read."""
+    if study is None:
+        return 0
+    try:
+        return finished_trials(study)
+    except Exception:  # the storage that failed the run: its row still ends
+        return 0
 
 
 def _best_value(study: optuna.Study) -> float | None:
