@@ -47,21 +47,29 @@ def take_run_lock(db_path: str | Path) -> int | None:
     from moetune.tuner.cli.db import _lock_holder
 
     path = run_lock_path(db_path)
-    try:
-        # never through a link (a planted one would have us create or truncate its target); O_NONBLOCK: a FIFO
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        os.close(fd)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pid = _lock_holder(fd)
-        os.close(fd)
-        raise RunBusy(pid) from None
+    while True:
+        try:
+            # never through a link (a planted one would have us create or truncate its target); O_NONBLOCK: a FIFO
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pid = _lock_holder(fd)
+            os.close(fd)
+            raise RunBusy(pid) from None
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            break
+        os.close(fd)  # its holder ended and removed the file between our open and our flock: take the new one
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -78,7 +86,21 @@ def hold_run_lock(db_path: str | Path, ctx: Any) -> None:
     except RunBusy as e:
         abort(str(e), e.exit_code)
     if fd is not None:
-        ctx.call_on_close(lambda: os.close(fd))
+        ctx.call_on_close(lambda: release_run_lock(db_path, fd))
+
+
+def release_run_lock(db_path: str | Path, fd: int) -> None:
+    """Remove the lock file while it is still the one `fd` holds (a run leaves nothing beside the database), then
+    release the lock. A run killed leaves the file (unlocked): the next one takes it."""
+    import contextlib
+
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        path = run_lock_path(db_path)
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            path.unlink()
+    os.close(fd)
 
 
 def close_orphaned_runs(store: Any) -> None:
