@@ -189,7 +189,12 @@ class BringupState:
                                     "a moetune upgrade can change a plan's defaults): starting over")
 
     def done(self, stage: str) -> bool:
-        return stage in self.data["done"]
+        """Whether `stage` finished with no failed part (one with failed parts runs again on a rerun)."""
+        return stage in self.data["done"] and stage not in self.data.get("failed", {})
+
+    def failures(self) -> dict[str, list[str]]:
+        """The failed parts of each stage that ran with some (what a rerun tries again), by stage."""
+        return {k: list(v) for k, v in (self.data.get("failed") or {}).items()}
 
     def result(self, stage: str) -> Any:
         return self.data["done"].get(stage)
@@ -200,9 +205,15 @@ class BringupState:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(self.data, indent=1))
 
-    def mark(self, stage: str, result: Any) -> None:
+    def mark(self, stage: str, result: Any, failed: list[str] | None = None) -> None:
+        """`stage` ran: its result kept for the stages after it; `failed` (why each failed part failed): it is not
+        done, and a rerun runs it again (its finished parts, kept by `keep_partial`, are not run again)."""
         self.data["done"][stage] = result
-        self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
+        if failed:
+            self.data.setdefault("failed", {})[stage] = list(failed)
+        else:
+            self.data.get("failed", {}).pop(stage, None)
+            self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
         self.save()
 
     def partial(self, stage: str) -> dict[str, Any]:
@@ -375,6 +386,7 @@ class Bringup:
         self.tune_ep = bool(self.ep_sizes)
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
+        self.failed: list[str] = []  # the failed parts of the stage at hand (`run`), each with why
 
     def _legacy_state(self, legacy: Path, plan: Plan) -> str:
         """What this run says of the folder's state file of an older moetune (`LEGACY_STATE`) that it would have
@@ -541,28 +553,37 @@ class Bringup:
             self._skip("tuning")
             return []
         models = [get_model(m) for m in self.plan.models]
-        res = []
+        res: list[tuple[int, str, Any]] = []  # (EP size, the backend's label, the result)
         tag = self.state.study_tag  # after --restart: new studies, the finished ones are not resumed
         for ep in self.ep_sizes:  # each EP group measured by that many ranks, stored under its own key
             be = self._backend(ep)
             try:
-                res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
+                res += [(ep, be.label, r) for r in tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                               backend=be, trials=self.plan.trials, progress=self.progress,
                                               storage=self.storage, ep_size=ep, nodes=1, seed=0, study_tag=tag,
-                                              recheck=False)  # stage_compare compares with the default
+                                              recheck=False)]  # stage_compare compares with the default
             finally:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
-            res += tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
-                                          backend=self._mk_backend(), trials=self.plan.trials, progress=self.progress,
-                                          storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
-                                          study_tag=tag, recheck=False)
+            mk = self._mk_backend()
+            res += [(1, mk.label, r) for r in tune_profiles_detailed(
+                self.store, self.facts, models=models, tokens=self.plan.tokens, backend=mk, trials=self.plan.trials,
+                progress=self.progress, storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
+                study_tag=tag, recheck=False)]
         # recheck=False stores nothing: the candidates wait in this stage's result (the state file) for the compare
         # stage, the only writer, so no unchecked best is served meanwhile. Ctrl-C before this stage is marked done
         # loses none: a rerun resumes the studies, whose finished trials run no more.
         out = []
-        for r in res:
+        for ep, label, r in res:
             if r.record is None:
+                # no candidate (every trial failed): kept as a row that says why, so the summary and the report show
+                # the bucket; the stage is not done and a rerun tries the study again (`failed_before`)
+                why = self._no_result(r)
+                wl = r.study.workload
+                out.append({"family": r.study.family, "tokens": wl.tokens, "ep_size": ep, "model": wl.model.name,
+                            "study": r.study.study_name, "routing": wl.routing, "source": label,
+                            "failed": f"not stored: {why}"})
+                self.failed.append(f"tuning {r.study.family} {wl.model.name} S={wl.tokens} EP {ep}: {why}")
                 continue
             k = r.record.key
             out.append({"family": k.transport_family, "tokens": k.token_bucket, "ep_size": k.ep_size, "key": k.to_dict(),
@@ -572,6 +593,24 @@ class Bringup:
                         "model": next(m.name for m in models if (m.hidden, m.intermediate, m.experts, m.topk)
                                       == (k.hidden, k.intermediate, k.experts, k.topk))})
         return out
+
+    def _no_result(self, r: Any) -> str:
+        """Why the study of `r` (a TuneResult) gave no candidate: every trial failed, and the first failure's error."""
+        why = ""
+        try:
+            import optuna
+
+            from moetune.tuner.search.study import default_storage_url, first_failure
+
+            url = self.storage or default_storage_url(self.store.path)
+            why = first_failure(optuna.load_study(study_name=r.study.study_name, storage=url))
+        except Exception:  # the reason is a courtesy: never fail the stage for it
+            why = ""
+        s = r.study
+        what = ("every trial failed" if s.trials and s.failed == s.trials else
+                f"no successful trial ({s.failed} failed, {s.pruned} pruned of {s.trials})" if s.trials else
+                str(r.reason or "no trial ran"))
+        return f"{what} ({why})" if why else what
 
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default (and the current stored profile) for every bucket, measured side by
@@ -597,6 +636,13 @@ class Bringup:
         task = self.progress.add("tuned vs default", len(tuned_rows))
         for i, t in enumerate(tuned_rows):
             self.progress.update(task, i, description=f"tuned vs default: {t['family']} {t['model']} S={t['tokens']}")
+            if t.get("failed"):  # no candidate to compare: the bucket is shown, with why (the tune stage says it)
+                nan = float("nan")
+                out.append({**asdict(BucketResult(
+                    model=t["model"], tokens=t["tokens"], family=t["family"], default_us=nan, default_spread=0.0,
+                    tuned_us=nan, tuned_spread=0.0, knobs="", written=False, reason=t["failed"],
+                    source=t.get("source", ""), ep_size=t["ep_size"])), "stored": ""})
+                continue
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"]).defaults  # the policy default the runtime falls back to
             mk = t["family"] == MEGAKERNEL_FAMILY
@@ -732,6 +778,8 @@ class Bringup:
         if not self.mk_ok:
             data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
         data.notes.extend(_decode_notes(self.state.result("compare") or []))
+        for stage, whys in self.state.failures().items():
+            data.notes += [f"{stage} not finished: {why} (a rerun of `moetune profile` tries it again)" for why in whys]
         for t in self.state.result("compare") or []:
             if t["family"] == MEGAKERNEL_FAMILY and t.get("stored") == "policy default":
                 data.notes.append(f"megakernel {t['model']} S={t['tokens']}: the policy default was kept: "
@@ -768,16 +816,24 @@ class Bringup:
             self.console.print(f"[yellow]{_as_text(self.unresumed)}[/]")
         if self.state.dropped:
             self.console.print(f"[yellow]{_as_text(f'{self.state.path.name}: {self.state.dropped}')}[/]")
+        again = False  # a stage ran: those after it run too (they build on its result)
         for stage in STAGES:
-            if self.state.done(stage):
+            if self.state.done(stage) and not again:
                 self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")
                 continue
+            again = True
             self.console.print(f"[bold]→ {stage}[/]")
+            self.failed = []  # the stage's failed parts, each with why: it is not done, a rerun tries them again
             result = getattr(self, f"stage_{stage}")()
             if stage in MEASURING_STAGES:  # its results (the tune's candidates) kept for this fingerprint only
                 self._check_fabric(f"What the {stage} stage measured")
-            self.state.mark(stage, result)
+            self.state.mark(stage, result, failed=self.failed)
         return self.state.data["done"]
+
+    def failures(self) -> list[str]:
+        """What failed, stage by stage (none when every stage is done): the command exits 1, and a rerun tries
+        them again."""
+        return [f"{stage}: {why}" for stage, whys in self.state.failures().items() for why in whys]
 
 
 def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:

@@ -266,11 +266,14 @@ def profile(
         except (ValueError, KnobError, RuntimeError) as e:
             _fail(f"{e} (finished stages are kept; rerun to continue)")
     rows = done.get("compare") or []
+    failed = flow.failures()
     if as_json:
         typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "ep_sizes": flow.ep_sizes,
                                "ep_note": flow.ep_note, "profiles": rows,
                                "not_measured": flow.not_measured or None,
-                               "calibration": done.get("calibrate"), "report": done.get("report")}, indent=1))
+                               "calibration": done.get("calibrate"), "report": done.get("report"),
+                               "failed": failed}, indent=1))
+        _failed_parts(Console(stderr=True, highlight=False), failed)
         return
     cells = []
 
@@ -312,6 +315,19 @@ def profile(
     if flow.not_measured:
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
+    _failed_parts(console, failed)
+
+
+def _failed_parts(console: Console, failed: list[str]) -> None:
+    """Exit 1 (the work failed) naming each failed part of the bring-up: its stage is not done, a rerun tries it
+    again. A bucket whose trials all failed was said nowhere and the command exited 0."""
+    if not failed:
+        return
+    console.print(f"[red]error:[/] {len(failed)} part(s) of the bring-up failed (run the same command again to try "
+                  "them again; finished parts are kept):", soft_wrap=True)
+    for why in failed:
+        console.print(f"  {escape(why)}", soft_wrap=True)
+    raise typer.Exit(1)
 
 
 def _refuse_serving_daemon(db_file: Path) -> None:

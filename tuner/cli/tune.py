@@ -721,14 +721,9 @@ def _first_failure(url: str, study_name: str) -> str:
     try:
         import optuna
 
-        from moetune.tuner.search.study import interrupted_ids, is_interrupted, make_storage
+        from moetune.tuner.search.study import first_failure, make_storage
 
-        study = optuna.load_study(study_name=study_name, storage=make_storage(url))
-        cut = interrupted_ids(study)
-        failed = [t for t in study.get_trials(deepcopy=False)
-                  if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("error")]
-        first = next((t for t in failed if not is_interrupted(t, cut)), failed[0] if failed else None)
-        return str(first.user_attrs["error"]) if first is not None else ""
+        return first_failure(optuna.load_study(study_name=study_name, storage=make_storage(url)))
     except Exception:  # the reason is a courtesy: never fail the summary for it
         return ""
 

@@ -919,6 +919,22 @@ def _finished_in(storage: optuna.storages.BaseStorage, study_id: int) -> int:
     return sum(1 for t in storage.get_all_trials(study_id, deepcopy=False, states=FINISHED) if not is_interrupted(t, ids))
 
 
+def failed_before(study: optuna.Study) -> int:
+    """The finished trials that do not count toward a run's budget: all of them while the study holds no COMPLETE
+    trial (every trial failed: timed out, a bad interface), so a rerun tries the study again with its whole budget
+    instead of taking it as finished; 0 once a trial completed (a resumed search counts what it ran)."""
+    return 0 if completed(study) else finished_trials(study)
+
+
+def first_failure(study: optuna.Study) -> str:
+    """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded. A trial
+    cut short (its process died, Ctrl-C) says nothing of the setting: a real failure's error comes first."""
+    cut = interrupted_ids(study)
+    failed = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.FAIL and t.user_attrs.get("error")]
+    first = next((t for t in failed if not is_interrupted(t, cut)), failed[0] if failed else None)
+    return str(first.user_attrs["error"]) if first is not None else ""
+
+
 def completed(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.value is not None and math.isfinite(t.value)]
@@ -1099,7 +1115,9 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
     study.set_user_attr("policy", space.policy.to_dict())
     if warm_start:
         enqueue_warm_start(study, space, extra_warm)
-    remaining = trials - finished_trials(study)
+    # a study of failed trials only is tried again with the whole budget (`failed_before`)
+    base = failed_before(study)
+    remaining = trials + base - finished_trials(study)
     if remaining > 0 and (timeout_s is None or timeout_s > 0):
         objective = _Objective(space, backend, workload, prune, cross=cross)
         registry = (_storage_id(study._storage), study._study_id) in _REGISTRIES
@@ -1110,7 +1128,7 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 try:
                     study.optimize(objective, n_trials=remaining, timeout=timeout_s,
-                                   callbacks=[_BudgetCallback(trials), *callbacks], gc_after_trial=False)
+                                   callbacks=[_BudgetCallback(trials + base), *callbacks], gc_after_trial=False)
                 except BaseException as e:  # no trial of this process is left RUNNING (`fail_in_flight`)
                     fail_in_flight(study, in_flight, cut_short_by(e))
                     raise

@@ -58,6 +58,7 @@ from moetune.tuner.search.study import (
     StudyResult,
     completed,
     default_storage_url,
+    failed_before,
     finished_trials,
     make_storage,
     neighbour_bucket,
@@ -415,10 +416,12 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         # on SQLite open_study registers this process and fails only dead processes' running trials
         study = open_study(name, st, seed=seed, n_startup_trials=min(10, max(3, trials // 5)))
         study.set_user_attr("key", key.to_dict())
-        task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study))
+        # a study of failed trials only runs its whole budget again (`failed_before`): its bar counts from 0
+        base = failed_before(study)
+        task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study) - base)
 
         def cb(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
-            bar.update(task, finished_trials(s), _best_value(s))
+            bar.update(task, finished_trials(s) - base, _best_value(s))
             if on_trial is not None:
                 on_trial(name, s, t)
 
@@ -442,7 +445,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         before = finished_trials(study)
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
                            cross=cross)
-        bar.update(task, finished_trials(study), _best_value(study))
+        bar.update(task, finished_trials(study) - base, _best_value(study))
         # the side-by-side re-measurement runs the candidates again (minutes on a GPU node): with the budget spent
         # before this run finished a trial of its own (a resumed study with its trials done) it would only overrun
         # --timeout, so nothing is written and a rerun does it. A search the budget cut midway is checked and

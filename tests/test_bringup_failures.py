@@ -1,0 +1,91 @@
+"""`moetune profile` when a part of it fails: a bucket whose every trial failed is shown (summary, report), the
+command exits 1 and a rerun tunes that bucket again; a failed microbenchmark is not taken as done."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.knobs import Knobs
+from moetune.tuner.search.backends import TuneWorkload
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("on_captured_node")]
+CAPTURES = Path(__file__).resolve().parent / "captures"
+MEASURE: dict[str, Any] = {}
+
+
+def flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+    return {"graph_us": [300.0, 303.0, 297.0], "eager_us": [301.0] * 3}
+
+
+def times_out(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+    raise RuntimeError("timed out after 0.5 s")
+
+
+@pytest.fixture
+def profile_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.cli import app
+
+    init = flow.Bringup.__init__
+
+    def with_fake_kernel(self: Any, **kw: Any) -> None:  # the megakernel timed by a stand-in, not a GPU
+        init(self, **kw, mk_measure=lambda k, w: MEASURE["fn"](k, w))
+
+    monkeypatch.setattr(flow.Bringup, "__init__", with_fake_kernel)
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[plan]\nmodels = ["qwen3-30b"]\ntokens = [16]\ntrials = 3\nrepeats = 1\niters = 5\n'
+                    "compare_rounds = 1\n")
+    db = tmp_path / "home" / "moetune.db"
+    db.parent.mkdir()
+
+    def run(*extra: str) -> Any:
+        return CliRunner().invoke(app, ["profile", "--plan", str(plan), "--capture", str(CAPTURES / "h200x1"),
+                                        "--db", str(db), *extra], env={"COLUMNS": "300"})
+
+    run.db = db  # type: ignore[attr-defined]
+    return run
+
+
+def test_a_bucket_whose_trials_all_failed_is_shown_fails_the_command_and_is_tuned_again(
+        profile_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.bringup import flow
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])  # no subprocesses
+    MEASURE["fn"] = times_out
+    r = profile_cli()
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "not stored: every trial failed (" in said and "timed out after 0.5 s" in said, said
+    report = (profile_cli.db.parent / "report" / "report.md").read_text()
+    row = [line for line in report.splitlines() if line.startswith("| megakernel | qwen3-30b | 1 | 16 ")]
+    assert len(row) == 1 and "not stored: every trial failed" in row[0] and "timed out" in row[0], report
+    store = F.open_store(profile_cli.db)
+    assert store.list_profiles() == []
+
+    r = profile_cli("--json")
+    assert r.exit_code == 1, r.output
+    assert any("every trial failed" in f for f in json.loads(r.stdout)["failed"])
+
+    MEASURE["fn"] = flat  # the cause fixed: the rerun tunes the bucket again, with its whole budget
+    r = profile_cli()
+    assert r.exit_code == 0, r.output
+    assert "every trial failed" not in r.output
+    assert len(store.list_profiles()) == 1
+    url = f"sqlite:///{profile_cli.db.parent / 'moetune-studies.db'}"
+    (summary,) = [s for s in optuna.get_all_study_summaries(optuna.storages.RDBStorage(url))
+                  if s.study_name.startswith("moetune/")]
+    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3, states
+    report = (profile_cli.db.parent / "report" / "report.md").read_text()
+    assert "every trial failed" not in report
