@@ -89,3 +89,43 @@ def test_a_bucket_whose_trials_all_failed_is_shown_fails_the_command_and_is_tune
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3, states
     report = (profile_cli.db.parent / "report" / "report.md").read_text()
     assert "every trial failed" not in report
+
+
+class Bench:
+    def __init__(self, transport: str, runner: str, error: str = ""):
+        self.transport, self.runner, self.error, self.calls = transport, runner, error, 0
+
+    def run(self, sizes: Any, *, iters: int = 20) -> list[Any]:
+        from moetune.tuner.measure.micro import MicroResult
+
+        self.calls += 1
+        if self.error:
+            raise RuntimeError(self.error)
+        return [MicroResult(self.transport, "latency", "0->1", size, 10.0, 0.5, "us") for size in (4096, 65536)]
+
+
+def test_failed_microbenchmarks_fail_the_command_and_a_rerun_runs_them_again(
+        profile_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.measure import micro
+
+    MEASURE["fn"] = flat
+    a, b = Bench("collective", "gloo_p2p", "gloo: no interface bogus0"), Bench("host_staged", "nccl_p2p", "nccl died")
+    monkeypatch.setattr(micro, "plan", lambda *args, **kw: [(a, True, ""), (b, True, "")])
+    r = profile_cli()
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "microbenchmark collective/gloo_p2p failed: gloo: no interface bogus0" in said, said
+    assert "microbenchmark host_staged/nccl_p2p failed: nccl died" in said
+    report = (profile_cli.db.parent / "report" / "report.md").read_text()
+    assert "microbench not finished: microbenchmark collective/gloo_p2p failed" in report, report
+
+    a.error = ""  # one fixed: it runs again, the other still fails
+    r = profile_cli()
+    assert r.exit_code == 1, r.output
+    assert "microbench (done earlier" not in r.output and (a.calls, b.calls) == (2, 2)
+    b.error = ""
+    r = profile_cli()
+    assert r.exit_code == 0, r.output
+    assert (a.calls, b.calls) == (2, 3)  # the benchmark that finished is not run again
+    r = profile_cli()
+    assert r.exit_code == 0 and "✓ microbench (done earlier" in r.output, r.output

@@ -452,7 +452,9 @@ class Bringup:
                 results = bench.run(sizes if bench.runner != "a2a" else (),
                                     iters=5 if self.plan.trials <= 8 else 20)
             except RuntimeError as e:
-                self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: {e}[/]")
+                self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: "
+                                   f"{_as_text(str(e))}[/]")
+                self.failed.append(f"microbenchmark {bench_id} failed: {e}")  # the stage is not done
                 continue  # nothing stored: a rerun tries it again
             self._check_fabric(f"The microbenchmark {bench_id}")
             got = []
@@ -497,7 +499,9 @@ class Bringup:
             self.console.print(f"node fabric model not calibrated: {why}")
             return {"base": base, "skipped": why}
         if not rows:
-            return {"base": base, "skipped": "no measurement the model can describe"}
+            bad = self.state.failures().get("microbench")
+            return {"base": base, "skipped": "no measurement the model can describe"
+                    + (f" (the microbenchmarks failed: {'; '.join(bad)})" if bad else "")}
         path = self.state.path.parent / f"node-{self.facts.fingerprint}.toml"
         try:
             rep = calibrate(base, rows, rounds=15, nic_line_rate_gbs=self.nic_line_rate_gbs(base))
