@@ -129,3 +129,50 @@ def test_failed_microbenchmarks_fail_the_command_and_a_rerun_runs_them_again(
     assert (a.calls, b.calls) == (2, 3)  # the benchmark that finished is not run again
     r = profile_cli()
     assert r.exit_code == 0 and "✓ microbench (done earlier" in r.output, r.output
+
+
+def test_an_interrupted_compare_stage_resumes_with_the_buckets_left(tmp_path: Path) -> None:
+    """Ctrl-C while comparing S=64 (S=16 stored): the rerun compared S=16 again, superseded its profile by a new one
+    and wrote a second tuned_vs_default row."""
+    import io
+
+    from rich.console import Console
+
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    calls: list[int] = []
+    cut = {"at": None}
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        calls.append(wl.tokens)
+        if cut["at"] == wl.tokens:
+            cut["at"] = None
+            raise KeyboardInterrupt
+        return flat(knobs, wl)
+
+    def bringup() -> Any:
+        plan = Plan(models=["qwen3-30b"], tokens=[16, 64], trials=3, repeats=1, iters=5, compare_rounds=1)
+        return Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                       console=Console(file=io.StringIO()), capture=CAPTURES / "h200x1",
+                       storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=measure)
+
+    b = bringup()
+    for stage in ("discover", "microbench", "calibrate", "tune"):
+        b.state.mark(stage, [] if stage == "microbench" else {"skipped": "test"} if stage == "calibrate"
+                     else getattr(b, f"stage_{stage}")())
+    calls.clear()
+    cut["at"] = 64
+    with pytest.raises(KeyboardInterrupt):
+        b.stage_compare()
+    assert 16 in calls
+    profiles = [r.key.token_bucket for _i, r in b.store.list_profiles()]
+
+    calls.clear()
+    again = bringup()  # a new process, the same state file
+    again.run()
+    assert 16 not in calls and 64 in calls, calls
+    assert [r.key.token_bucket for _i, r in again.store.list_profiles()].count(16) == profiles.count(16)
+    rows = [m for m in again.store.list_measurements(fingerprint=again.facts.fingerprint)
+            if m["kind"] == "tuned_vs_default"]
+    assert sorted(m["extra"]["tokens"] for m in rows) == [16, 64]
+    assert sorted(r["tokens"] for r in again.state.result("compare")) == [16, 64]

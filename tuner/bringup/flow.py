@@ -28,6 +28,9 @@ from moetune.tuner.store.io import write_atomic
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
 MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is this fingerprint's
+# stages whose finished parts are kept once done: run again after a stage before it ran (`Bringup.run`), the compare
+# stage measures only the buckets whose tuned setting is new, not again those it compared and stored
+KEPT_PARTS = ("compare",)
 
 
 @dataclass
@@ -213,7 +216,8 @@ class BringupState:
             self.data.setdefault("failed", {})[stage] = list(failed)
         else:
             self.data.get("failed", {}).pop(stage, None)
-            self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
+            if stage not in KEPT_PARTS:
+                self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
         self.save()
 
     def partial(self, stage: str) -> dict[str, Any]:
@@ -636,6 +640,9 @@ class Bringup:
 
         out = []
         tuned_rows = self.state.result("tune") or []
+        # each bucket compared (and stored) is kept at once: a rerun after an interruption, or after an earlier stage
+        # ran again, compares only the buckets left, not again one whose profile and row it stored
+        finished = self.state.partial("compare")
         # a bar: this stage runs rounds x 2 settings x repeats per bucket, minutes on a GPU node
         task = self.progress.add("tuned vs default", len(tuned_rows))
         for i, t in enumerate(tuned_rows):
@@ -646,6 +653,11 @@ class Bringup:
                     model=t["model"], tokens=t["tokens"], family=t["family"], default_us=nan, default_spread=0.0,
                     tuned_us=nan, tuned_spread=0.0, knobs="", written=False, reason=t["failed"],
                     source=t.get("source", ""), ep_size=t["ep_size"])), "stored": ""})
+                continue
+            part = f"{t['family']}/{t['model']}/S={t['tokens']}/EP{t['ep_size']}"
+            tuned_as = {"knobs": t["knobs"], "study": t.get("study"), "routing": t.get("routing")}
+            if (finished.get(part) or {}).get("tuned") == tuned_as:
+                out.append(finished[part]["row"])
                 continue
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"]).defaults  # the policy default the runtime falls back to
@@ -725,6 +737,8 @@ class Bringup:
                                            extra={k: None if isinstance(v, float) and not math.isfinite(v) else v
                                                   for k, v in row.items()})
             out.append(row)
+            finished[part] = {"tuned": tuned_as, "row": row}
+            self.state.keep_partial("compare", finished)
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
         return out
 
