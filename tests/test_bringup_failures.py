@@ -176,3 +176,21 @@ def test_an_interrupted_compare_stage_resumes_with_the_buckets_left(tmp_path: Pa
             if m["kind"] == "tuned_vs_default"]
     assert sorted(m["extra"]["tokens"] for m in rows) == [16, 64]
     assert sorted(r["tokens"] for r in again.state.result("compare")) == [16, 64]
+
+
+def test_a_finished_bring_up_writes_its_report_again(profile_cli: Any, monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """Once the report stage was done, a rerun named the earlier report, deleted or not, and ignored --report-dir."""
+    from moetune.tuner.bringup import flow
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])
+    MEASURE["fn"] = flat
+    assert profile_cli().exit_code == 0
+    first = profile_cli.db.parent / "report" / "report.md"
+    first.unlink()
+    r = profile_cli()
+    assert r.exit_code == 0 and first.is_file(), r.output
+    other = tmp_path / "elsewhere"
+    r = profile_cli("--report-dir", str(other))
+    assert r.exit_code == 0, r.output
+    assert (other / "report.md").is_file() and str(other / "report.md") in " ".join(r.output.split())

@@ -836,7 +836,9 @@ class Bringup:
             self.console.print(f"[yellow]{_as_text(f'{self.state.path.name}: {self.state.dropped}')}[/]")
         again = False  # a stage ran: those after it run too (they build on its result)
         for stage in STAGES:
-            if self.state.done(stage) and not again:
+            # the report is cheap and comes from the state: always written (to --report-dir when given; one deleted
+            # since is written again)
+            if self.state.done(stage) and not again and stage != "report":
                 self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")
                 continue
             again = True
