@@ -370,7 +370,8 @@ def test_bench_knobs_with_every_variant_skipped_exits_1(cpu_only: None) -> None:
 
 # -- 7. profile --plan and the plan's fields; report --out -----------------------------------------------------
 @pytest.mark.parametrize(("body", "words"), [
-    ("world = 0", "world must be an integer >= 1, got 0"),
+    ("world = 0", "world must be an integer >= 2 (an EP exchange needs 2 GPUs; a one-GPU node tunes the megakernel), got 0"),
+    ("world = 1", "world must be an integer >= 2"),
     ("repeats = -1", "repeats must be an integer >= 1, got -1"),
     ("iters = 0", "iters must be an integer >= 1"),
     ("compare_rounds = 0", "compare_rounds must be an integer >= 1"),
@@ -398,7 +399,7 @@ def test_profile_refuses_a_bad_plan_file(tmp_path: Path) -> None:
     _refused(_run("profile", "--plan", str(tmp_path), home=tmp_path), f"plan file {tmp_path}", "is a directory")
     p = tmp_path / "plan.toml"
     p.write_text("world = 0\n")
-    _refused(_run("profile", "--plan", str(p), home=tmp_path), f"plan file {p}", "world must be an integer >= 1")
+    _refused(_run("profile", "--plan", str(p), home=tmp_path), f"plan file {p}", "world must be an integer >= 2")
     p.write_bytes(GARBAGE)
     _refused(_run("profile", "--plan", str(p), home=tmp_path), "not a UTF-8")
     assert not (tmp_path / "moetune.db").exists()  # refused before the database is opened

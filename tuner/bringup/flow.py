@@ -91,8 +91,9 @@ class Plan:
             elif not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
                 raise ValueError(f"{where}: key {key!r} must be {want.__name__}, got {type(value).__name__}")
         if "world" in data and not (isinstance(data["world"], int) and not isinstance(data["world"], bool)
-                                    and data["world"] >= 1):
-            raise ValueError(f"{where}: world must be an integer >= 1, got {data['world']!r}")
+                                    and data["world"] >= 2):
+            raise ValueError(f"{where}: world must be an integer >= 2 (an EP exchange needs 2 GPUs; a one-GPU node "
+                             f"tunes the megakernel), got {data['world']!r}")
         plan = cls(**merged)
         plan.validate(where)
         return plan
@@ -121,8 +122,10 @@ class Plan:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
-        if not is_int(self.world) or self.world < 0:
-            raise ValueError(f"{where}: world must be an integer >= 1, got {self.world!r}")
+        if not is_int(self.world) or self.world < 0 or self.world == 1:  # 0: not set
+            # as ep_sizes = [1]: one rank exchanges nothing (it stored "measured" collective profiles at EP 1)
+            raise ValueError(f"{where}: world must be an integer >= 2 (an EP exchange needs 2 GPUs; a one-GPU node "
+                             f"tunes the megakernel), got {self.world!r}")
         e = self.ep_sizes
         if not isinstance(e, list) or not all(is_int(n) and n >= 2 for n in e):
             raise ValueError(f"{where}: ep_sizes must be a list of integers >= 2 (an EP exchange needs 2 GPUs; a "
