@@ -135,7 +135,8 @@ def test_plan_file_ep_sizes(tmp_path: Path) -> None:
     for body, words in (("ep_sizes = [1]", "ep_sizes must be a list of integers >= 2"),
                         ("ep_sizes = [2]\nworld = 4", "not both"), ("world = 0", "world must be an integer >= 2"),
                         # as ep_sizes = [1]: it stored "measured" collective profiles of one rank exchanging nothing
-                        ("world = 1", "world must be an integer >= 2 \\(an EP exchange needs 2 GPUs")):
+                        ("world = 1", "world must be an integer >= 2 \\(an EP exchange needs 2 GPUs"),
+                        ("tokens = [99999999999999999999]", r"above the largest token bucket \(65536")):
         p.write_text(body + "\n")
         with pytest.raises(ValueError, match=words):
             Plan.from_file(p, Plan())

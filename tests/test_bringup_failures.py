@@ -194,3 +194,14 @@ def test_a_finished_bring_up_writes_its_report_again(profile_cli: Any, monkeypat
     r = profile_cli("--report-dir", str(other))
     assert r.exit_code == 0, r.output
     assert (other / "report.md").is_file() and str(other / "report.md") in " ".join(r.output.split())
+
+
+def test_tokens_above_the_largest_bucket_are_refused(tmp_path: Path) -> None:
+    from moetune.tuner.cli import app
+
+    r = CliRunner().invoke(app, ["profile", "--quick", "--tokens", "128,99999999999999999999", "--capture",
+                                 str(CAPTURES / "h200x1"), "--db", str(tmp_path / "m.db")], env={"COLUMNS": "300"})
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.output.split())
+    assert "--tokens: 99999999999999999999 is above the largest token bucket (65536" in said, said
+    assert not (tmp_path / "m.db").exists()

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, TOKEN_BUCKETS
 from moetune.runtime.shapes import get_model
 from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.store.io import write_atomic
@@ -118,6 +118,11 @@ class Plan:
             if not isinstance(v, list) or (name == "tokens" and not v) or not all(is_int(t) and t > 0 for t in v):
                 raise ValueError(f"{where}: {name} must be a{' non-empty' if name == 'tokens' else ''} list of "
                                  f"positive integers, got {v!r}")
+        over = [t for t in self.tokens if t > TOKEN_BUCKETS[-1]]
+        if over:  # each count is tuned at its nearest bucket: above the largest, that is the largest, not the count
+            raise ValueError(f"{where}: tokens {over} above the largest token bucket ({TOKEN_BUCKETS[-1]} tokens per "
+                             f"rank; buckets {', '.join(map(str, TOKEN_BUCKETS))}): a count is tuned at its "
+                             "nearest bucket, so it would be tuned as S=" + str(TOKEN_BUCKETS[-1]))
         for name in ("trials", "repeats", "iters", "compare_rounds"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
