@@ -205,3 +205,24 @@ def test_tokens_above_the_largest_bucket_are_refused(tmp_path: Path) -> None:
     said = " ".join(r.output.split())
     assert "--tokens: 99999999999999999999 is above the largest token bucket (65536" in said, said
     assert not (tmp_path / "m.db").exists()
+
+
+def test_report_from_the_database_keeps_the_bring_ups_notes_and_plots(profile_cli: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune report` replaced the bring-up's report with a poorer one: importances.png deleted, notes dropped."""
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.cli import app
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])
+    monkeypatch.setattr(flow.Bringup, "_importances", lambda self: {"a-study": {"mk_bm": 0.7, "mk_bn": 0.3}})
+    MEASURE["fn"] = flat
+    assert profile_cli().exit_code == 0
+    out = profile_cli.db.parent / "report"
+    before = (out / "report.md").read_text()
+    notes = before[before.index("## Notes"):]
+    assert "EP transports need >= 2 GPUs" in notes and (out / "importances.png").is_file()
+    r = CliRunner().invoke(app, ["report", "--db", str(profile_cli.db), "--capture", str(CAPTURES / "h200x1")])
+    assert r.exit_code == 0, r.output
+    after = (out / "report.md").read_text()
+    assert (out / "importances.png").is_file() and "](importances.png)" in after
+    assert after[after.index("## Notes"):] == notes

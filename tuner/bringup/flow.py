@@ -810,6 +810,10 @@ class Bringup:
             if t["family"] == MEGAKERNEL_FAMILY and t.get("stored") == "policy default":
                 data.notes.append(f"megakernel {t['model']} S={t['tokens']}: the policy default was kept: "
                                   f"{t.get('why_default', t['reason'])}")
+        # kept for `moetune report`, which rebuilds the report from the database: its notes (calibration, EP size,
+        # the megakernel) and the importances plot come from here, not from the database
+        self.state.data["report_data"] = {"notes": list(data.notes), "importances": data.importances}
+        self.state.save()
         return str(write_report(data, self.report_dir))
 
     def _importances(self) -> dict[str, dict[str, float]]:
@@ -864,6 +868,19 @@ class Bringup:
         return [f"{stage}: {why}" for stage, whys in self.state.failures().items() for why in whys]
 
 
+def _bringup_report_data(db: Path, fingerprint: str) -> dict[str, Any]:
+    """What the last bring-up of the database `db` on `fingerprint` put in its report beyond the database's rows
+    (notes, importances), from its state file ({} where there is none or it is another database's)."""
+    try:
+        state = json.loads((db.parent / state_file_name(db, fingerprint)).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(state, dict) or state.get("db", "") != db.name or state.get("fingerprint") != fingerprint:
+        return {}
+    got = state.get("report_data")
+    return got if isinstance(got, dict) else {}
+
+
 def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
     """Rebuild the report of this node from what the database holds (`moetune report`)."""
     from moetune.tuner.bringup.report import ReportData, write_report
@@ -889,6 +906,11 @@ def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
     data = ReportData(node=_node_line(facts), fingerprint=facts.fingerprint, measurements=measurements,
                       tuned=list(tuned.values()),  # every bucket, one whose tuned run failed too
                       transports=[(t.name, t.reason) for t in facts.transports])
+    # the bring-up's notes and importances (`stage_report`), from its state beside this database: without them this
+    # report dropped the notes and deleted the importances plot of the bring-up's report
+    kept = _bringup_report_data(Path(store.path), facts.fingerprint)
+    data.notes += [str(n) for n in kept.get("notes") or []]
+    data.importances = {str(k): dict(v) for k, v in (kept.get("importances") or {}).items() if isinstance(v, dict)}
     if not measurements and not tuned:
         data.notes.append("nothing measured on this node yet: run `moetune profile`")
     return write_report(data, out_dir)
