@@ -77,3 +77,17 @@ def test_a_report_rewritten_without_a_plot_removes_only_its_own_earlier_one(tmp_
     text = write_report(ReportData(node="b", fingerprint="b" * 16), tmp_path).read_text()
     assert "latency.png" not in text and not (tmp_path / "latency.png").exists()
     assert (tmp_path / "tuned.png").read_bytes() == b"the user's"
+
+
+def test_a_failed_microbenchmark_says_what_its_ranks_raised_not_their_tracebacks() -> None:
+    """A gloo rank that could not find its interface: the error named two tracebacks' file and code lines ("File
+    .../distributed_c10d.py, line 2169 ... backend_class = ProcessGroupGloo(") before the exception."""
+    from moetune.tuner.measure.micro import failure_summary
+
+    tb = ('Traceback (most recent call last):\n  File "/x/distributed_c10d.py", line 2169, in _new_group\n'
+          "    backend_class = ProcessGroupGloo(\n                    ^^^^^^^^^^^^^^^^^\n"
+          "RuntimeError: [enforce fail at device.cc:84] Unable to find address for: bogus0\n")
+    out = failure_summary(tb + tb + "a rank failed (exit codes [1, 1])\n")
+    assert out == "RuntimeError: [enforce fail at device.cc:84] Unable to find address for: bogus0 | a rank failed (exit codes [1, 1])"
+    assert failure_summary("torch.distributed.DistBackendError: NCCL error\n") == "torch.distributed.DistBackendError: NCCL error"
+    assert failure_summary("a\nb\nc\nd\ne\nf\n") == "b | c | d | e | f"  # no exception named: the output's end

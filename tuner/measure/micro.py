@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,21 @@ from moetune.tuner.measure.stats import Summary
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
 QUICK_SIZES: tuple[int, ...] = (1024, 16384, 262144, 4194304)
+
+
+# a line that names an exception a rank raised ("RuntimeError: ...", "torch.distributed.DistBackendError: ...")
+_RAISED = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Interrupt)\b:?")
+
+
+def failure_summary(output: str) -> str:
+    """What a failed run's output says went wrong, in one line: the exceptions its ranks raised (each once, the last
+    three) and its last line, without the tracebacks' file and code lines (the last five lines, joined, read as a
+    traceback); the last five lines where no exception is named."""
+    lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+    raised = list(dict.fromkeys(ln for ln in lines if _RAISED.match(ln)))[-3:]
+    if not raised:
+        return " | ".join(lines[-5:])
+    return " | ".join(raised + ([lines[-1]] if lines[-1] not in raised else []))
 
 
 @dataclass(frozen=True)
@@ -64,8 +80,7 @@ class Microbenchmark(ABC):
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"microbenchmark {self.transport} timed out after {timeout_s:.0f} s") from None
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(f"microbenchmark {self.transport} failed: " + " | ".join(tail))
+            raise RuntimeError(f"microbenchmark {self.transport} failed: {failure_summary(proc.stderr or proc.stdout)}")
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         return [MicroResult(**r) for r in rows]
 
