@@ -136,3 +136,25 @@ def test_profile_refuses_a_database_a_daemon_serves(tmp_path: Path, fake_run: li
     time.sleep(0)  # the daemon stopped: the bring-up runs
     r = _profile(db, tmp_path)
     assert r.exit_code == 0, r.output
+
+
+def test_tune_refuses_a_database_a_daemon_serves(tmp_path: Path) -> None:
+    """As `profile`: a tune under a serving daemon wrote its profiles behind the daemon's back (exit 0)."""
+    from moetune.tuner.cli import app
+    from moetune.tuner.store.store import daemon_lock_path
+
+    db = tmp_path / "m.db"
+    args = ["tune", "-m", "qwen3-30b", "--backend", "model", "--preset", "nvlink-h200x2", "--trials", "1",
+            "--tokens", "128", "--db", str(db)]
+    fd = os.open(daemon_lock_path(db), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"daemon pid {os.getpid()} is serving this database ({db}); stop it first" in said, said
+        assert not db.exists()
+    finally:
+        os.close(fd)
+    r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output

@@ -75,6 +75,19 @@ def take_run_lock(db_path: str | Path) -> int | None:
     return fd
 
 
+def refuse_serving_daemon(db_path: str | Path) -> None:
+    """Exit 1 when a daemon serves the database `db_path`: it is the single writer of its database (README), and a
+    measuring run (`profile`, `tune`) writes facts, measurements and profiles behind its back (the daemon keeps
+    serving what it loaded) while measuring on the GPUs its own re-tune jobs measure on. Checked before the database
+    is opened: nothing written, no schema upgraded under the daemon."""
+    from moetune.tuner.cli.db import abort, serving_daemon
+
+    pid = serving_daemon(db_path)
+    if pid is not None:
+        abort(f"daemon pid {pid} is serving this database ({db_path}); stop it first (then start it again after this "
+              "run), or let it re-tune with `moetune retune`", 1)
+
+
 def hold_run_lock(db_path: str | Path, ctx: Any) -> None:
     """Take the run lock of `db_path` for the rest of the running command: released when its Typer context `ctx`
     closes (the command returned or failed; a CliRunner test runs the next one in the same process), else when the

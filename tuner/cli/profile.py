@@ -228,9 +228,9 @@ def profile(
     no_cuda = _no_cuda_for_nccl(flow, capture)
     if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
         _fail(no_cuda)
-    from moetune.tuner.cli._run_lock import hold_run_lock
+    from moetune.tuner.cli._run_lock import hold_run_lock, refuse_serving_daemon
 
-    _refuse_serving_daemon(db_file)
+    refuse_serving_daemon(db_file)
     # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
     hold_run_lock(db_file, ctx)
     _cfg, store = _open(db, config)
@@ -334,19 +334,6 @@ def _failed_parts(console: Console, failed: list[str]) -> None:
     for why in failed:
         console.print(f"  {escape(why)}", soft_wrap=True)
     raise typer.Exit(1)
-
-
-def _refuse_serving_daemon(db_file: Path) -> None:
-    """Exit 1 when a daemon serves the database `db_file`: it is the single writer of its database (README), and a
-    bring-up writes the node's facts, microbenchmarks, its fabric model and profiles behind its back (the daemon keeps
-    serving what it loaded) while measuring on the GPUs its own re-tune jobs measure on. Checked before the database
-    is opened: nothing written, no schema upgraded under the daemon."""
-    from moetune.tuner.cli.db import serving_daemon
-
-    pid = serving_daemon(db_file)
-    if pid is not None:
-        _fail(f"daemon pid {pid} is serving this database ({db_file}); stop it first (then start it again after the "
-              "bring-up), or let it re-tune with `moetune retune`", 1)
 
 
 def kept_lines(rows: list[dict]) -> list[str]:

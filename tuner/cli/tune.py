@@ -432,8 +432,9 @@ def tune(
     db_path = db if db is not None else cfg.db_path
     url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
     _check_storage(url, storage is not None, create=False)  # refused: no profile database created
-    from moetune.tuner.cli._run_lock import hold_run_lock
+    from moetune.tuner.cli._run_lock import hold_run_lock, refuse_serving_daemon
 
+    refuse_serving_daemon(db_path)  # the daemon is its database's single writer (as for `profile`)
     # one measuring run per database at a time (a `profile` or another `tune`): the second refuses at once
     hold_run_lock(db_path, ctx)
     store = _open_store(db_path)
