@@ -98,23 +98,25 @@ def test_a_link_to_the_database_takes_the_same_lock(tmp_path: Path, fake_run: li
         holder.wait()
 
 
-def test_tune_refuses_while_a_bring_up_runs(tmp_path: Path) -> None:
+def test_a_local_tune_refuses_while_a_bring_up_runs_and_a_model_tune_does_not(tmp_path: Path) -> None:
+    """A local tune measures as a bring-up does: one at a time per database. A model tune measures nothing: workers
+    of one shared study may run side by side on one database (tests/test_tune_storage_journal.py)."""
     from moetune.tuner.cli import app
 
     db = tmp_path / "m.db"
-    args = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
-            "--trials", "1", "--db", str(db), "--json"]
+    common = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--trials", "1", "--db", str(db), "--json"]
     holder = _holder(db)
     try:
-        r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+        r = CliRunner().invoke(app, [*common, "--backend", "local"], env={"MOETUNE_HOME": str(tmp_path)})
         said = " ".join(r.output.split())
         assert r.exit_code == 1 and f"another bring-up is running on this database (pid {holder.pid})" in said, said
         assert not db.exists()
+        r = CliRunner().invoke(app, [*common, "--backend", "model", "--preset", "nvlink-h200x2"],
+                               env={"MOETUNE_HOME": str(tmp_path)})
+        assert r.exit_code == 0, r.output
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
-    assert r.exit_code == 0, r.output
 
 
 def test_profile_refuses_a_database_a_daemon_serves(tmp_path: Path, fake_run: list[Any]) -> None:

@@ -435,8 +435,11 @@ def tune(
     from moetune.tuner.cli._run_lock import hold_run_lock, refuse_serving_daemon
 
     refuse_serving_daemon(db_path)  # the daemon is its database's single writer (as for `profile`)
-    # one measuring run per database at a time (a `profile` or another `tune`): the second refuses at once
-    hold_run_lock(db_path, ctx)
+    if backend == "local":
+        # one measuring run per database at a time (a `profile` or another local `tune`): the second refuses at once,
+        # as their measurements would skew each other. Model tunes may share a study and a database (workers of one
+        # study, tests/test_tune_storage_journal.py): they measure nothing
+        hold_run_lock(db_path, ctx)
     store = _open_store(db_path)
     from moetune.tuner.cli._run_lock import close_orphaned_runs
 
