@@ -101,13 +101,17 @@ def test_a_link_to_the_database_takes_the_same_lock(tmp_path: Path, fake_run: li
 def test_a_local_tune_refuses_while_a_bring_up_runs_and_a_model_tune_does_not(tmp_path: Path) -> None:
     """A local tune measures as a bring-up does: one at a time per database. A model tune measures nothing: workers
     of one shared study may run side by side on one database (tests/test_tune_storage_journal.py)."""
+    import torch
+
     from moetune.tuner.cli import app
 
     db = tmp_path / "m.db"
     common = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--trials", "1", "--db", str(db), "--json"]
+    # a local tune this node accepts up to the lock: gloo ranks without a GPU, NCCL ranks with 2, the megakernel with 1
+    here = ["--family", "megakernel", "--ep-size", "1"] if torch.cuda.device_count() == 1 else []
     holder = _holder(db)
     try:
-        r = CliRunner().invoke(app, [*common, "--backend", "local"], env={"MOETUNE_HOME": str(tmp_path)})
+        r = CliRunner().invoke(app, [*common, "--backend", "local", *here], env={"MOETUNE_HOME": str(tmp_path)})
         said = " ".join(r.output.split())
         assert r.exit_code == 1 and f"another bring-up is running on this database (pid {holder.pid})" in said, said
         assert not db.exists()
