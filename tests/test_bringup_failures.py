@@ -127,6 +127,7 @@ def test_failed_microbenchmarks_fail_the_command_and_a_rerun_runs_them_again(
     r = profile_cli()
     assert r.exit_code == 0, r.output
     assert (a.calls, b.calls) == (2, 3)  # the benchmark that finished is not run again
+    assert "microbenchmarks: resumed, 1/2 done" in r.output and "microbenchmarks: started" not in r.output, r.output
     r = profile_cli()
     assert r.exit_code == 0 and "✓ microbench (done earlier" in r.output, r.output
 

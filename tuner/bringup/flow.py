@@ -453,13 +453,16 @@ class Bringup:
         finished = self.state.partial("microbench")
         run_id = secrets.token_hex(4)
         bar = self.progress
-        task = bar.add("microbenchmarks", len(applicable))
-        for i, (bench, _why) in enumerate(applicable):
+        # a resumed stage counts what it kept as done ("resumed, 1/2 done"; it said "started, 0/2 done")
+        done = sum(f"{b.transport}/{b.runner}" in finished for b, _why in applicable)
+        task = bar.add("microbenchmarks", len(applicable), done)
+        for bench, _why in applicable:
             bench_id = f"{bench.transport}/{bench.runner}"
             if bench_id in finished:
                 rows += finished[bench_id]
                 continue
-            bar.update(task, i, description=f"microbenchmark {bench.transport} ({bench.runner})")
+            bar.update(task, done, description=f"microbenchmark {bench.transport} ({bench.runner})")
+            done += 1  # run or failed: its turn is over
             try:
                 results = bench.run(sizes if bench.runner != "a2a" else (),
                                     iters=5 if self.plan.trials <= 8 else 20)
