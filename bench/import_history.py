@@ -25,6 +25,7 @@ one that recorded the content they hold (`fix_content_commits`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -41,6 +42,7 @@ H200 = {"gpu": "NVIDIA H200", "gpu_count": 2, "torch": "2.11.0+cu130", "nccl": "
 CPU = {"gpu": "none", "gpu_count": 0, "hardware": "2 CPU cores (Intel Xeon VM), no GPU"}
 
 
+@functools.cache
 def added_sha(path: Path) -> str:
     """The commit that recorded the content of raw file `path` (as the archive holds it): the oldest commit that
     brought this exact blob into the history, under whatever name. Not the commit that first added a file of this
@@ -242,13 +244,13 @@ def fix_content_commits(rows: list[dict[str, str]], res: Path) -> tuple[list[dic
     24bde24, the _busy rows 24bde24's first run but said 819748c, the fabric-model rows 543667d's timings but said
     70c0afc. Only git_sha and the note change; idempotent."""
     scenarios = {*_FIXED_SOURCES, "proxy-fences", "runtime-host-cost", "search-efficiency"}
-    out, log, seen, shas = [], [], set(), {}
+    out, log, seen = [], [], set()
     for r in rows:
         if r["source"] != "imported" or r["scenario"] not in scenarios:
             out.append(r)
             continue
         src = r["note"].removeprefix("from ").split(";")[0]
-        sha = shas[src] if src in shas else shas.setdefault(src, added_sha(res / src))  # one history walk a file
+        sha = added_sha(res / src)  # cached: one history walk a file
         if sha == "unknown":
             raise SystemExit(f"{r['scenario']} {r['launch']}: {r['note']}: no commit holds that raw file")
         if sha != r["git_sha"]:

@@ -117,6 +117,18 @@ def write_error_code(e: BaseException) -> int:
     return 1 if getattr(e, "errno", None) in WRITE_FAILED_ERRNOS else 2
 
 
+def routing_problem(routing: str) -> str:
+    """Why `routing` is no --routing value, naming the option ('' when it is one): the runtime's words
+    (parse_routing's "unknown routing ''") named none."""
+    from moetune.runtime.routing import parse_routing
+
+    try:
+        parse_routing(routing)
+    except ValueError as e:
+        return f"--routing: {e}"
+    return ""
+
+
 def nearest_existing(path: Path) -> Path:
     """`path` or its nearest ancestor that exists: where the folders of a new output file would be made."""
     while not path.exists() and path != path.parent:

@@ -17,6 +17,7 @@ from moetune.tuner.cli._args import (
     int_list,
     nearest_existing,
     path_text_option,
+    routing_problem,
     seed_problem,
     text_option,
     write_error_code,
@@ -150,7 +151,6 @@ def ep(
         _check_world(world, spawned=True)
         raise typer.Exit(bench_worker.serve(world, backend, timeout))
     from moetune.runtime import KnobError, Knobs, get_model
-    from moetune.runtime.routing import parse_routing
     from moetune.runtime.testing.launch import LaunchError, launch
     from moetune.tuner.measure import ep as bench_ep
 
@@ -175,10 +175,8 @@ def ep(
             k = Knobs.parse(knobs)
     except KnobError as e:
         _fail(str(e))
-    try:
-        parse_routing(routing)
-    except ValueError as e:
-        _fail(f"--routing: {e}")
+    if why := routing_problem(routing):
+        _fail(why)
     if no_p2p and backend != "nccl":
         _fail("--no-p2p disables NCCL's GPU peer-to-peer; it needs --backend nccl")
     torchrun = bench_ep.under_torchrun()

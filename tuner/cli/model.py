@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, path_option, path_text_option, write_error_code
+from moetune.tuner.cli._args import int_list, path_option, path_text_option, routing_problem, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -54,12 +54,8 @@ def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_nod
     # -g 0 is a value to refuse as -3 is, not "not given" (it fell to the preset's GPUs per node)
     if gpus_per_node is not None and gpus_per_node < 1:
         _fail(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
-    from moetune.runtime.routing import parse_routing
-
-    try:  # Workload's own check said "unknown routing ''", naming no option
-        parse_routing(routing)
-    except ValueError as e:
-        _fail(f"--routing: {e}")
+    if why := routing_problem(routing):  # Workload's own check said "unknown routing ''", naming no option
+        _fail(why)
     try:
         pr = load_preset(preset)
         shape = get_model(model)

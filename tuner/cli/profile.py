@@ -228,14 +228,12 @@ def profile(
     no_cuda = _no_cuda_for_nccl(flow, capture)
     if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
         _fail(no_cuda)
-    from moetune.tuner.cli._run_lock import hold_run_lock, refuse_serving_daemon
+    from moetune.tuner.cli._run_lock import close_orphaned_runs, hold_run_lock, refuse_serving_daemon
 
     refuse_serving_daemon(db_file)
     # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
     hold_run_lock(db_file, ctx)
     _cfg, store = _open(db, config)
-    from moetune.tuner.cli._run_lock import close_orphaned_runs
-
     close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
     flow.store = store
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again

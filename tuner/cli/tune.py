@@ -18,7 +18,14 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, path_option, path_text_option, seed_problem, text_option
+from moetune.tuner.cli._args import (
+    int_list,
+    path_option,
+    path_text_option,
+    routing_problem,
+    seed_problem,
+    text_option,
+)
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -329,19 +336,16 @@ def tune(
         _fail(f"--ep-size must be >= 1, got {ep_size}")
     if comm is not None and comm not in COMM_BACKENDS:
         _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
-    from moetune.runtime.routing import parse_routing
-
-    try:  # up front: the first study refused it ("model error: ... unknown routing"), the database already made
-        parse_routing(routing)
-    except ValueError as e:
-        _fail(f"--routing: {e}")
+    # up front: the first study refused it ("model error: ... unknown routing"), the database already made
+    if why := routing_problem(routing):
+        _fail(why)
     if family:  # a name no family has: refused before any database is made (the search refused it after)
-        from moetune.tuner.search.policy import packaged_families
+        from moetune.tuner.search.policy import _known_families_text
+        from moetune.tuner.store.validate import is_known_family
 
-        known = packaged_families()  # every family has a packaged policy: what the search tunes it with
-        unknown = [f for f in family if f not in known]
+        unknown = [f for f in family if not is_known_family(f)]  # proxy:libfabric/<provider> is one
         if unknown:
-            _fail(f"--family {', '.join(unknown)}: not a transport family (known: {', '.join(known)})")
+            _fail(f"--family {', '.join(unknown)}: not a transport family (known: {_known_families_text()})")
     if capture is not None:  # before anything runs (it was ignored, or a traceback, when it did not exist)
         from moetune.tuner.fabric.discovery import DiscoveryError, read_capture_manifest
 
@@ -432,7 +436,7 @@ def tune(
     db_path = db if db is not None else cfg.db_path
     url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
     _check_storage(url, storage is not None, create=False)  # refused: no profile database created
-    from moetune.tuner.cli._run_lock import hold_run_lock, refuse_serving_daemon
+    from moetune.tuner.cli._run_lock import close_orphaned_runs, hold_run_lock, refuse_serving_daemon
 
     refuse_serving_daemon(db_path)  # the daemon is its database's single writer (as for `profile`)
     if backend == "local":
@@ -441,8 +445,6 @@ def tune(
         # study, tests/test_tune_storage_journal.py): they measure nothing
         hold_run_lock(db_path, ctx)
     store = _open_store(db_path)
-    from moetune.tuner.cli._run_lock import close_orphaned_runs
-
     close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
     _check_storage(url, storage is not None)  # refused --db: no studies file created
     from moetune.tuner.cli._progress import RichProgress

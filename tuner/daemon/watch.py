@@ -144,7 +144,7 @@ class FabricWatch:
         try:
             # the newest fabric event itself (a window of fabric and job_queued events together lost it behind 2000
             # job_queued events: a submit and cancel loop, or a long run of re-tunes)
-            change = next(iter(self.store.list_events(limit=1, kinds=("fabric_seen", "fabric_changed"))), None)
+            change = next(iter(self._fabric_events()), None)
             d = (change["details"] or {}) if change is not None and change["kind"] == "fabric_changed" else {}
             old_fp = d.get("old_fingerprint")
             # a change of GPUs only (a replaced GPU of the same model: old_fp is the fingerprint now) is finished the

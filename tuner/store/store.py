@@ -329,7 +329,6 @@ SQLITE_CANNOT_WRITE = ("readonly database", "unable to open database file")
 # SQLite's primary result codes (the low byte of an extended code) of a disk that took no more: SQLITE_FULL ("database
 # or disk is full"), and SQLITE_IOERR ("disk I/O error"), SQLite's usual answer on a full disk, where the -wal or -shm
 # cannot grow (SQLITE_IOERR_SHMSIZE, _WRITE, _FSYNC, ...) before the database file itself is written
-SQLITE_DISK_CODES = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
 
 
 def sqlite_code(e: BaseException) -> int | None:
@@ -837,14 +836,15 @@ class Store:
         """Mark `interrupted` the runs left `running` by a process that is gone (killed with kill -9, or stopped by a
         full disk before its `finish_run`), by the owner each recorded (`run_owner`); the ids marked. A row of a live
         process, of another host, or without an owner (stored before schema 0008) is never touched."""
-        with self._write() as s:
+        with self._read() as s:  # the write lock only where a row is to be closed (every tune and profile asks)
             rows = s.execute(select(TuningRun.id, TuningRun.owner)
                              .where(TuningRun.status == "running", TuningRun.owner.is_not(None))).all()
-            gone = [r.id for r in rows if owner_gone(r.owner)]
-            if gone:
+        gone = [r.id for r in rows if owner_gone(r.owner)]
+        if gone:
+            with self._write() as s:  # still running: a row its run finished meanwhile is left as it ended
                 s.execute(update(TuningRun).where(TuningRun.id.in_(gone), TuningRun.status == "running")
                           .values(status="interrupted", ended=now()))
-            return gone
+        return gone
 
     @_retried
     def list_runs(self, limit: int = 100) -> list[Row]:
