@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.tuner.cli._args import path_option
+from moetune.tuner.store.lock_files import lock_holder
 
 app = typer.Typer(help="The profile database: migrations, checks, where it is.", no_args_is_help=True)
 
@@ -93,24 +94,6 @@ def say_upgraded(store: Any) -> None:
                          "older moetune sharing this file cannot open it any more)"))
 
 
-def _lock_holder(fd: int) -> int | None:
-    """The pid a daemon wrote in its lock file `fd`, while that process lives (None: none written yet, or the holder
-    is not the daemon that wrote it: one starting, or another migration)."""
-    try:
-        pid = int(os.pread(fd, 32, 0).split()[0])
-    except (ValueError, IndexError, OSError):
-        return None
-    if pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-    except PermissionError:
-        pass  # another user's live process
-    except OSError:
-        return None
-    return pid
-
-
 def _open_daemon_lock(path: str | Path) -> tuple[Path, int | None, OSError | None]:
     """(the lock a daemon serving `path` holds, an fd of it opened read-only (flock needs no write access; a link is
     not followed) or None, why it could not be opened: None where there is none, so none served yet)."""
@@ -138,7 +121,7 @@ def serving_daemon(path: str | Path) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released at once (close): only a probe
         except OSError:
-            return _lock_holder(fd)
+            return lock_holder(fd)
         return None
     finally:
         os.close(fd)
@@ -162,7 +145,7 @@ def no_daemon_serving(path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            pid = _lock_holder(fd)
+            pid = lock_holder(fd)
             if pid is not None:
                 raise fail(f"daemon pid {pid} is serving this database ({path}); stop it first", 1) from None
             raise fail(f"another moetune process holds {lock} (a daemon starting, or another migration of {path}); "

@@ -83,6 +83,7 @@ from moetune.tuner.daemon.jobs import (
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
+from moetune.tuner.store.lock_files import LockFileUnusable, LockHeld, release_lock_file, take_lock_file
 
 log = logging.getLogger("moetune.daemon")
 
@@ -313,42 +314,27 @@ def check_socket_path(p: Path) -> None:
     _owner_record(p).unlink(missing_ok=True)
 
 
+def _take_lock(path: Path, what: str, busy: str) -> int:
+    """`lock_files.take_lock_file` of `path` (this process's pid written in it), its refusals as the daemon says them:
+    DaemonConfigError naming `what` when the file cannot be used, DaemonBusy(`busy`) when another process holds it."""
+    try:
+        return take_lock_file(path)
+    except LockFileUnusable as e:
+        if e.foreign:
+            raise DaemonConfigError(f"{what} {path} is {e.why}: refusing to use it") from None
+        raise DaemonConfigError(f"cannot open {what} {path}: {e.why}") from None
+    except LockHeld:
+        raise DaemonBusy(busy) from None
+
+
 def lock_database(db_path: str | Path) -> int:
     """The fd of the daemon's flock beside the database `db_path`, this process's pid written in it (`db migrate`
     names the daemon it finds holding it); DaemonBusy when another daemon (or a migration) holds it."""
     from moetune.tuner.store.store import daemon_lock_path
 
     path = daemon_lock_path(db_path)
-    fd, _st = _flock_own_file(path, "the database lock",
-                              f"another moetune daemon is using the database {db_path} ({path} is locked; or a "
-                              "`moetune db upgrade/downgrade` of it is running)")
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def _flock_own_file(path: Path, what: str, busy: str) -> tuple[int, os.stat_result]:
-    """(fd, its stat) of `path` opened (created 0600 if absent) and exclusively flocked: never through a symbolic link
-    (a planted one would have us create, lock or truncate its target), only a regular file of this user
-    (DaemonConfigError otherwise, naming `what`); DaemonBusy(`busy`) when another process holds the lock."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    except OSError as e:
-        why = "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e))
-        raise DaemonConfigError(f"cannot open {what} {path}: {why}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        os.close(fd)
-        raise DaemonConfigError(f"{what} {path} is not a regular file of this user (uid {os.getuid()}): refusing to "
-                                "use it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise DaemonBusy(busy) from None
-    return fd, st
+    return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
+                      "locked; or a `moetune db upgrade/downgrade` of it is running)")
 
 
 def lock_socket_path(p: Path) -> int:
@@ -357,26 +343,13 @@ def lock_socket_path(p: Path) -> int:
     IPC path before binding it: two daemons starting at once on one path (with different databases) would both
     pass the check and the second would remove the first's live socket. Taken before the check, held while serving:
     DaemonBusy when another daemon holds it."""
-
     lock = p.with_name(f".{p.name}{LOCK_SUFFIX}")
-    while True:
-        fd, st = _flock_own_file(lock, "the socket lock",
-                                 f"another daemon is listening on {p} (or starting on it: {lock} is locked)")
-        try:
-            now_st = os.lstat(lock)
-        except FileNotFoundError:
-            now_st = None
-        if now_st is not None and (now_st.st_dev, now_st.st_ino) == (st.st_dev, st.st_ino):
-            return fd
-        os.close(fd)  # the file was removed (its daemon exited) between our open and our flock: take the new one
+    return _take_lock(lock, "the socket lock", f"another daemon is listening on {p} (or starting on it: {lock} is locked)")
 
 
 def _release_socket_lock(p: Path, fd: int) -> None:
     """Remove the lock file while it is still the one `fd` holds (ours), then release the lock."""
-    with contextlib.suppress(OSError):
-        st = os.fstat(fd)
-        _unlink_if(p.with_name(f".{p.name}{LOCK_SUFFIX}"), (st.st_dev, st.st_ino))
-    os.close(fd)
+    release_lock_file(p.with_name(f".{p.name}{LOCK_SUFFIX}"), fd)
 
 
 def _record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
