@@ -37,6 +37,7 @@ def hold_run_lock(db_path: str | Path, ctx: Any) -> None:
     try:
         fd = take_run_lock(db_path)
     except RunBusy as e:
+        refuse_serving_daemon(db_path)  # the holder is a daemon started since the first check (it holds this lock too)
         abort(str(e), e.exit_code)
     if fd is not None:
         ctx.call_on_close(lambda: release_run_lock(db_path, fd))

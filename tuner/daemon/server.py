@@ -29,7 +29,9 @@ re-tune, which runs benchmarks on the node's GPUs) is answered `forbidden` unles
 IPC the daemon's own user or root (read from the kernel's peer credentials, SO_PEERCRED) and, with
 `group_may_retune`, members of `group`; on TCP a CURVE client whose public key is also in the admin list
 (`admins/` beside the secret key); plain-text TCP carries no identity, so never.
-The daemon is the single writer of its database; everyone else opens it read-only.
+The daemon is the single writer of its database; everyone else opens it read-only. It holds the database's run
+lock (`lock_files.take_run_lock`) while it serves, as a measuring run (`moetune profile`, `tune --backend local`) does:
+its re-tune jobs measure and write as one does, so it refuses to start beside one, and one refuses to start beside it.
 """
 
 from __future__ import annotations
@@ -83,7 +85,15 @@ from moetune.tuner.daemon.jobs import (
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
-from moetune.tuner.store.lock_files import LockFileUnusable, LockHeld, release_lock_file, take_lock_file
+from moetune.tuner.store.lock_files import (
+    LockFileUnusable,
+    LockHeld,
+    RunBusy,
+    release_lock_file,
+    release_run_lock,
+    take_lock_file,
+    take_run_lock,
+)
 
 log = logging.getLogger("moetune.daemon")
 
@@ -335,6 +345,21 @@ def lock_database(db_path: str | Path) -> int:
     path = daemon_lock_path(db_path)
     return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
                       "locked; or a `moetune db upgrade/downgrade` of it is running)")
+
+
+def lock_runs(db_path: str | Path) -> int | None:
+    """Take the run lock of the database `db_path` for this daemon's lifetime (the fd; None where no lock file can be
+    made, as for a bring-up): its re-tune jobs measure on the node's GPUs and write profiles as a bring-up does. A
+    bring-up started after the daemon refuses its database (`refuse_serving_daemon`, then this lock); one started
+    before holds the lock: DaemonBusy, naming it, and nothing is opened or re-tuned beside it. Never waited for (no
+    deadlock with a run that holds it and waits for nothing); the kernel drops it when its holder dies."""
+    try:
+        return take_run_lock(db_path)
+    except RunBusy as e:
+        who = f"pid {e.pid}" if e.pid is not None else "its pid unknown"
+        raise DaemonBusy(f"a bring-up is running on the database {db_path} ({who}: `moetune profile` or `moetune tune "
+                         "--backend local`); start the daemon once it has ended (or stop it): the daemon's re-tunes "
+                         "would measure and write beside it") from None
 
 
 def lock_socket_path(p: Path) -> int:
@@ -680,6 +705,7 @@ class Daemon(FabricWatch):
         db_path: str = "",
         job_capacity: int = 4,
         db_lock_fd: int | None = None,  # the database's lock, taken before the store opened (run_daemon); closed here
+        run_lock_fd: int | None = None,  # its run lock (lock_runs), taken with it there; released here
     ):
         check_endpoint(endpoint, "socket")
         if not 64 <= max_request_bytes <= MAX_REQUEST_BYTES_LIMIT:
@@ -742,6 +768,7 @@ class Daemon(FabricWatch):
         # socket path -> (dev, inode) of the socket bound there and of its owner record (None: not written)
         self._bound_paths: dict[Path, tuple[tuple[int, int], tuple[int, int] | None]] = {}
         self._lock_fd: int | None = db_lock_fd
+        self._run_lock_fd: int | None = run_lock_fd
         self._socket_locks: dict[Path, int] = {}  # socket path -> the fd of its lock (lock_socket_path)
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
@@ -863,6 +890,9 @@ class Daemon(FabricWatch):
         for p, fd in self._socket_locks.items():  # last: the next daemon on this socket may start now
             _release_socket_lock(p, fd)
         self._socket_locks = {}
+        if self._run_lock_fd is not None:  # before the database lock: a bring-up refused by either may start now
+            release_run_lock(self.db_path, self._run_lock_fd)
+            self._run_lock_fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -881,10 +911,19 @@ class Daemon(FabricWatch):
 
     def _lock_database(self) -> None:
         """An exclusive flock next to the database (released by the kernel when the process dies, even
-        on kill -9): a second daemon on the same database refuses to start. Held already where `run_daemon` took it
-        before opening the store (`db_lock_fd`)."""
+        on kill -9): a second daemon on the same database refuses to start. Then its run lock (`lock_runs`): none
+        starts beside a bring-up running on it. Held already where `run_daemon` took them before opening the store
+        (`db_lock_fd`, `run_lock_fd`)."""
         if self.db_path and self._lock_fd is None:
             self._lock_fd = lock_database(self.db_path)
+        if self.db_path and self._run_lock_fd is None:
+            try:
+                self._run_lock_fd = lock_runs(self.db_path)
+            except BaseException:  # refused (start() closes nothing yet): the database lock is not kept either
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+                raise
 
     def install_signal_handlers(self) -> None:
         def _handler(signum: int, _frame: Any) -> None:
@@ -1426,13 +1465,16 @@ def run_daemon(
     pub = pub_socket or (derive_pub_endpoint(endpoint) if socket or not d.pub_socket else d.pub_socket)
     db_path = db or cfg.store.db
     db_lock: int | None = None
+    run_lock: int | None = None
+    where = Path(db_path).expanduser()
     if not store_hook:
         # the database's lock before the store opens (and may migrate) it: a `db upgrade/downgrade` running now holds
         # it, and an open that migrated under it would undo the downgrade. Where the folder does not exist yet (the
         # store makes moetune's own), the daemon takes the lock at start as before: nothing to migrate there
-        where = Path(db_path).expanduser()
         db_lock = lock_database(where) if where.parent.is_dir() else None
-    try:  # the lock taken above is not left open behind a store or a configuration refused here
+    try:  # the locks taken here are not left open behind a store or a configuration refused here
+        if db_lock is not None:  # and the run lock: a bring-up running on it is refused before the store opens
+            run_lock = lock_runs(where)
         if store_hook:
             store = _load_hook(store_hook)(db_path)
         else:
@@ -1465,8 +1507,11 @@ def run_daemon(
             metrics_option=metrics_option,
             db_path=str(getattr(store, "path", db_path)),  # as the store opened it (~ expanded): its lock goes beside it
             db_lock_fd=db_lock,
+            run_lock_fd=run_lock,
         )
     except BaseException:
+        if run_lock is not None:
+            release_run_lock(where, run_lock)
         if db_lock is not None:
             os.close(db_lock)
         raise
