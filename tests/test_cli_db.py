@@ -120,10 +120,12 @@ def test_profiles_list_show_delete(tmp_path):
     assert run("profiles", "delete", "999", "--yes", "--db", str(db)).exit_code == 2
 
 
-def test_profiles_delete_and_import_say_a_serving_daemon_keeps_what_it_loaded(tmp_path):
-    """`profiles delete 1 --yes` under a daemon serving the database said only "deleted profile 1": the daemon kept
-    serving its copy (it reads the profiles at start and after a re-tune job; no request reloads them). Its lock,
-    held as a serving daemon holds it with its pid inside, makes the command say so; no lock held, nothing said."""
+def test_profiles_delete_and_import_refuse_a_database_a_daemon_serves_unless_forced(tmp_path):
+    """`profiles delete 1 --yes` under a daemon serving the database said only "deleted profile 1" (then a note): the
+    daemon kept serving its copy (it reads the profiles at start and after a re-tune job; no request reloads them),
+    behind the single writer's back. Now both refuse (exit 1, naming the daemon, the database unchanged, no
+    traceback), as `profile` and `tune` do; --force writes anyway and says what the daemon still serves. The lock is
+    held as a serving daemon holds it, its pid inside; none held, nothing said."""
     import fcntl
     import os
 
@@ -134,21 +136,35 @@ def test_profiles_delete_and_import_say_a_serving_daemon_keeps_what_it_loaded(tm
     ids = [r["id"] for r in json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)]
     exported = tmp_path / "e.json"
     assert run("profiles", "export", str(exported), "--db", str(db)).exit_code == 0
+    assert run("profiles", "delete", str(ids[0]), "--yes", "--db", str(db)).exit_code == 0  # to import it again
+    before = sha(db)
     fd = os.open(daemon_lock_path(db), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, f"{os.getpid()}\n".encode())
-        r = run("profiles", "delete", str(ids[0]), "--yes", "--db", str(db))
+        refused = f"daemon pid {os.getpid()} is serving this database ({db}); stop it first"
+        r = run("profiles", "delete", str(ids[1]), "--yes", "--db", str(db))
         said = " ".join(r.output.split())
-        assert r.exit_code == 0 and f"deleted profile {ids[0]}" in said, said
-        assert (f"note: daemon pid {os.getpid()} serves {db} and keeps serving the profiles it loaded, profile "
-                f"{ids[0]} included, until it is restarted") in said, said
+        assert r.exit_code == 1 and refused in said and "--force" in said and "(nothing deleted)" in said, said
+        assert "Traceback" not in said and "deleted profile" not in said
         r = run("profiles", "import", str(exported), "--db", str(db))
         said = " ".join(r.output.split())
-        assert r.exit_code == 0 and f"note: daemon pid {os.getpid()} serves {db}" in said, said
+        assert r.exit_code == 1 and refused in said and "(database unchanged)" in said, said
+        assert sha(db) == before  # nothing written
+        r = run("profiles", "import", str(exported), "--db", str(db), "--force")
+        said = " ".join(r.output.split())
+        assert r.exit_code == 0 and "imported 1 profile(s)" in said, said
+        assert f"note: daemon pid {os.getpid()} serves {db}" in said, said
+        r = run("profiles", "delete", str(ids[1]), "--yes", "--force", "--db", str(db))
+        said = " ".join(r.output.split())
+        assert r.exit_code == 0 and f"deleted profile {ids[1]}" in said, said
+        assert (f"note: daemon pid {os.getpid()} serves {db} and keeps serving the profiles it loaded, profile "
+                f"{ids[1]} included, until it is restarted") in said, said
     finally:
         os.close(fd)  # the daemon stopped: its lock is free
-    r = run("profiles", "delete", str(ids[1]), "--yes", "--db", str(db))
+    rows = json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)
+    assert [r["key"]["token_bucket"] for r in rows] == [16]  # the forced import and delete, nothing else
+    r = run("profiles", "delete", str(rows[0]["id"]), "--yes", "--db", str(db))
     assert r.exit_code == 0 and "daemon" not in r.output, r.output
 
 

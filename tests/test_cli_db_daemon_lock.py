@@ -136,3 +136,26 @@ def test_a_daemon_starting_during_a_migration_leaves_the_database_alone(tmp_path
     assert r.returncode == 1, r.stderr
     assert "is using the database" in r.stderr and "db upgrade/downgrade" in r.stderr and "Traceback" not in r.stderr
     assert _revision(db) == "0004"
+
+
+def test_profiles_import_and_delete_are_refused_while_a_daemon_serves(tmp_path: Path) -> None:
+    """The daemon is its database's single writer and serves what it loaded: `profiles delete` and `import` under it
+    only printed a note (the daemon kept serving the deleted profile). Refused now, nothing written, no traceback;
+    --force writes anyway."""
+    with F.seeded_daemon(tmp_path) as (d, _facts):
+        with Store(d.db, readonly=True) as s:
+            ids = [pid for pid, _rec in s.list_profiles()]
+        exported = tmp_path / "e.json"
+        assert run("profiles", "export", str(exported), "--db", str(d.db))[0] == 0
+        code, text = run("profiles", "delete", str(ids[0]), "--yes", "--db", str(d.db))
+        assert code == 1 and f"daemon pid {d.proc.pid} is serving this database ({d.db}); stop it first" in text, text
+        assert "Traceback" not in text
+        code, text = run("profiles", "import", str(exported), "--db", str(d.db))
+        assert code == 1 and f"daemon pid {d.proc.pid} is serving this database" in text, text
+        with Store(d.db, readonly=True) as s:
+            assert [pid for pid, _rec in s.list_profiles()] == ids  # nothing deleted, nothing imported
+        assert d.wait_ready().protocol == 1  # the daemon serves on
+        code, text = run("profiles", "delete", str(ids[0]), "--yes", "--force", "--db", str(d.db))
+        assert code == 0 and f"note: daemon pid {d.proc.pid} serves {d.db}" in text, text
+    code, text = run("profiles", "delete", str(ids[1]), "--yes", "--db", str(d.db))  # stopped: allowed
+    assert code == 0, text

@@ -128,10 +128,11 @@ def serving_daemon(path: str | Path) -> int | None:
 
 
 @contextlib.contextmanager
-def no_daemon_serving(path: Path) -> Iterator[None]:
+def no_daemon_serving(path: Path, hint: str = "") -> Iterator[None]:
     """Hold the lock a daemon serving `path` holds (taken without waiting) while a migration runs: a daemon kept
-    querying the old schema ("no such column") and never rebuilt its index. Exit 1 when one holds it. The lock file is
-    not created here: one of ours would keep another user's daemon from taking it; none there, none served yet."""
+    querying the old schema ("no such column") and never rebuilt its index. Exit 1 when one holds it (`hint` ends the
+    message). The lock file is not created here: one of ours would keep another user's daemon from taking it; none
+    there, none served yet."""
     import fcntl
 
     lock, fd, why = _open_daemon_lock(path)
@@ -147,9 +148,9 @@ def no_daemon_serving(path: Path) -> Iterator[None]:
         except OSError:
             pid = lock_holder(fd)
             if pid is not None:
-                raise fail(f"daemon pid {pid} is serving this database ({path}); stop it first", 1) from None
-            raise fail(f"another moetune process holds {lock} (a daemon starting, or another migration of {path}); "
-                       "try again when it has ended", 1) from None
+                raise fail(f"daemon pid {pid} is serving this database ({path}); stop it first{hint}", 1) from None
+            raise fail(f"another moetune process holds {lock} (a daemon starting, a migration of {path}, or a "
+                       "`profiles import` or `delete` into it); try again when it has ended", 1) from None
         yield
     finally:
         os.close(fd)  # releases the flock
@@ -157,14 +158,16 @@ def no_daemon_serving(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def open_store(db: Path | None, config: Path | None, *, mode: OpenMode,
-               own: tuple[type[Exception], ...] = ()) -> Iterator[Any]:
+               own: tuple[type[Exception], ...] = (), no_daemon: str | None = None) -> Iterator[Any]:
     """Open the store for a command (see OpenMode); errors become a red message and the error's exit status (2: the
     database or the input is wrong; 1: another process holds it, or this user may not write it). `own`: errors the
-    command reports itself, raised as they are. The migrating modes (init, migrate) refuse a database a daemon serves
-    and keep one from starting on it until the command ends."""
+    command reports itself, raised as they are. The migrating modes (init, migrate), and any mode given `no_daemon`
+    (the end of the refusal: what else the user may do), refuse a database a daemon serves and keep one from starting
+    on it until the command ends."""
     path = db_path(db, config)
-    migrating = mode in ("init", "migrate")
-    with no_daemon_serving(path) if migrating else contextlib.nullcontext(), _open_store(path, mode, own) as store:
+    guarded = mode in ("init", "migrate") or no_daemon is not None
+    with (no_daemon_serving(path, no_daemon or "") if guarded else contextlib.nullcontext(),
+          _open_store(path, mode, own) as store):
         yield store
 
 

@@ -83,6 +83,13 @@ def _check_provenance(provenance: str | None) -> None:
 
 TABLE_LIMIT = 500  # rows `profiles list` draws by default
 
+# The daemon is its database's single writer and serves the profiles it loaded (at start, and when one of its re-tune
+# jobs ends; no request reloads them): `delete` and `import` refuse a database it serves unless told to write anyway.
+DAEMON_HINT = (" (it serves the profiles it loaded at start: a change written behind it is not served until it "
+               "restarts), then start it again; or pass --force to write anyway")
+FORCE_HELP = ("Write even while a daemon serves the database (it keeps serving the profiles it loaded until it "
+              "restarts, or one of its re-tune jobs ends).")
+
 
 @app.command("list")
 def list_cmd(
@@ -214,11 +221,12 @@ def _no_profile(store: Any, profile_id: int) -> NoReturn:
 def delete(
     profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+    force: bool = typer.Option(False, "--force", help=FORCE_HELP),
     db: Path | None = path_option(None, "--db", help=DB_HELP),
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Delete one profile (also one this moetune cannot read, which `moetune db check` lists)."""
-    with open_store(db, config, mode="write") as store:
+    """Delete one profile (also one this moetune cannot read, which `moetune db check` lists). Refused while a daemon serves the database, unless --force."""
+    with open_store(db, config, mode="write", no_daemon=None if force else DAEMON_HINT + " (nothing deleted)") as store:
         unreadable = store.unreadable_profiles(profile_id)  # every read skips such a row: deleting it must work
         if not unreadable and store.get_profile(profile_id) is None:
             raise fail(f"no profile {profile_id}")
@@ -230,7 +238,7 @@ def delete(
         store.delete_profile(profile_id)
         path = store.path
     out.print(f"deleted profile {profile_id}")
-    pid = serving_daemon(path)
+    pid = serving_daemon(path) if force else None  # unforced, no daemon served it (its lock was held meanwhile)
     if pid is not None:  # the database changed, not what the daemon answers (`query` still got the profile)
         err.print(escape(f"note: daemon pid {pid} serves {path} and keeps serving the profiles it loaded, profile "
                          f"{profile_id} included, until it is restarted (or one of its re-tune jobs ends)"))
@@ -312,11 +320,12 @@ def import_cmd(
              "\"invalid\") and import the rest. Without it one invalid record refuses the whole file. A problem of the "
              "file itself (format, fingerprints, two current records for one key, every record invalid) is refused either way.",
     ),
+    force: bool = typer.Option(False, "--force", help=FORCE_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = path_option(None, "--db", help=DB_HELP),
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Import profiles: all or nothing, validated before anything is written; the error names every invalid record (--skip-invalid imports the rest)."""
+    """Import profiles: all or nothing, validated before anything is written; the error names every invalid record (--skip-invalid imports the rest). Refused while a daemon serves the database, unless --force."""
     from moetune.tuner.store.store import ProfileImportError, parse_export
 
     stdin = str(path) == "-"
@@ -347,12 +356,12 @@ def import_cmd(
         parse_export(data, source=source, skip_invalid=skip_invalid)
     except ProfileImportError as e:
         raise fail(f"{e} (database unchanged)") from None
-    with open_store(db, config, mode="create") as store:
+    with open_store(db, config, mode="create", no_daemon=None if force else DAEMON_HINT + " (database unchanged)") as store:
         try:
             res = store.import_bytes(data, source=source, skip_invalid=skip_invalid)
         except ProfileImportError as e:
             raise fail(f"{e} (database unchanged)") from None
-    pid = serving_daemon(store.path) if res.inserted or res.replaced or res.completed else None
+    pid = serving_daemon(store.path) if force and (res.inserted or res.replaced or res.completed) else None
     if pid is not None:
         err.print(escape(f"note: daemon pid {pid} serves {store.path} and keeps serving the profiles it loaded, "
                          "before this import, until it is restarted (or one of its re-tune jobs ends)"))

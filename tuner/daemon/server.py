@@ -344,7 +344,8 @@ def lock_database(db_path: str | Path) -> int:
 
     path = daemon_lock_path(db_path)
     return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
-                      "locked; or a `moetune db upgrade/downgrade` of it is running)")
+                      "locked; or a `moetune db upgrade/downgrade`, `profiles import` or `profiles delete` of it is "
+                      "running)")
 
 
 def lock_runs(db_path: str | Path) -> int | None:
