@@ -24,7 +24,7 @@ from typing import Any
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, TOKEN_BUCKETS
 from moetune.runtime.shapes import get_model
 from moetune.tuner.search.progress import NoProgress, Progress
-from moetune.tuner.store.io import write_atomic
+from moetune.tuner.store.atomic_files import write_atomic
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
 MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is this fingerprint's

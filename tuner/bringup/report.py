@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from moetune.tuner.store.io import write_atomic
+from moetune.tuner.store.atomic_files import write_atomic
 
 HEADER = "# moetune bring-up report"  # report.md's first line: what marks it as this module's
 # the PNG text chunk (Software) every plot of ours carries: a plot file of that name without it is not ours

@@ -712,7 +712,7 @@ def summarize_scenarios(
     if path is None:
         typer.echo(md, nl=False)
         return
-    from moetune.tuner.store.io import write_atomic
+    from moetune.tuner.store.atomic_files import write_atomic
 
     try:
         if path.exists() and not path.is_file():  # a device or a pipe (/dev/stdout): written, never replaced

@@ -14,8 +14,6 @@ import errno
 import json
 import os
 import re
-import secrets
-import shutil
 from pathlib import Path
 
 import typer
@@ -98,27 +96,16 @@ def _cert_text(public: bytes, secret: bytes | None = None) -> str:
     return f"{head}metadata\ncurve\n{keys}"
 
 
-def _write_new(path: Path, text: str) -> None:
-    """Write `text` to `path`, a file this call creates (O_EXCL: never one it did not make; O_NOFOLLOW: no planted
-    link), mode 0600, on disk (fsync) before it returns; removed again if the write fails."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            os.fchmod(f.fileno(), 0o600)  # a default ACL of the folder can widen what the umask leaves
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:  # a full disk, Ctrl-C: the file is ours (O_EXCL), half written
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
+KEY_MODE = 0o600  # every key file, from its creation: never readable by others, not even for a moment
 
 
 def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False) -> tuple[Path, Path]:
     """Write NAME.key (public) and NAME.key_secret (public + secret), mode 0600, in a 0700 dir. Both are written
-    whole to temporary names beside them, then renamed into place: a full disk or an I/O error leaves no partial key
-    file behind, and with `force` the old pair as it was (it was unlinked before the new one was written)."""
+    whole to temporary names beside them (`atomic_files.write_temp`, the atomic writer's first half), then renamed into place:
+    a full disk or an I/O error leaves no partial key file behind, and with `force` the old pair as it was."""
     import zmq
+
+    from moetune.tuner.store.atomic_files import sync_folder, write_temp
 
     check_name(name)  # before anything is created: the name must not reach outside `directory`
     _make_dir(directory, "key directory")
@@ -131,14 +118,11 @@ def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False
         if p.is_dir() and not p.is_symlink():
             raise _WriteError(f"{what}: {p.name} is a directory", errno.EISDIR)
     pub_key, sec_key = zmq.curve_keypair()
-    tag = secrets.token_hex(6)
-    # hidden names: no `*.key` glob (an allow-list, `server_dir`) takes a temporary file for a key
-    temp = {p: p.with_name(f".{p.name}.{tag}.tmp") for p in (public, secret)}
+    temp: dict[Path, Path] = {}
     made: list[Path] = []  # the temporary files this call created and has not renamed: the only ones it removes
-    old = os.umask(0o177)
     try:
         for final, text in ((secret, _cert_text(pub_key, sec_key)), (public, _cert_text(pub_key))):
-            _write_new(temp[final], text)
+            temp[final] = write_temp(final, text.encode("ascii"), mode=KEY_MODE)
             made.append(temp[final])
         # the secret file first: it holds the public key too, so should the second rename fail, the daemon's file is
         # still a matching pair
@@ -151,7 +135,7 @@ def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False
         for tmp in made:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        os.umask(old)
+    sync_folder(directory)
     return public, secret
 
 
@@ -203,18 +187,20 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     _make_dir(clients_dir, "allow-list directory")
     _check_key_dir(clients_dir, "allow-list directory", "others could add their own keys to it")
     dest = clients_dir / (public_file.name if public_file.suffix == ".key" else f"{public_file.stem}.key")
-    if dest.exists() and not force:
+    if os.path.lexists(dest) and not force:
         raise FileExistsError(f"{dest} exists (use --force to overwrite)")
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    old = os.umask(0o177)
+    from moetune.tuner.store.atomic_files import write_atomic
+
+    # a secret key file: only its public half. Else a copy of the file as given (read whole by load_certificate above)
+    data = _cert_text(public).encode("ascii") if secret else public_file.read_bytes()
     try:
-        if secret:  # a secret key file: write only its public half
-            tmp.write_text(_cert_text(public))
-        else:
-            shutil.copyfile(public_file, tmp)
-    finally:
-        os.umask(old)
-    os.replace(tmp, dest)
+        # mode 0600 from creation; a link at `dest` is replaced, never written through; without --force a file that
+        # appeared since the check is not replaced either
+        write_atomic(dest, data, replace=force, mode=KEY_MODE, follow_links=False)
+    except FileExistsError:
+        raise FileExistsError(f"{dest} exists (use --force to overwrite)") from None
+    except OSError as e:
+        raise _WriteError(f"cannot write {dest}: {e.strerror or e}", e.errno) from None
     return dest
 
 

@@ -526,7 +526,7 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     a1.legend(fontsize=8)
     fig.suptitle(title + " (MODELLED, not measured)")
     fig.tight_layout()
-    from moetune.tuner.store.io import write_figure
+    from moetune.tuner.store.atomic_files import write_figure
 
     try:  # atomic: Ctrl-C or a full disk mid-save must not leave an earlier plot of that name truncated
         write_figure(fig, out, dpi=110)
@@ -693,7 +693,7 @@ def calibrate_cmd(
         assert out is not None
         today = _dt.date.today().isoformat()
         cal = calibrated_preset(rep, [d.name for d in data], today, fingerprint=node_fp)
-        from moetune.tuner.store.io import write_atomic
+        from moetune.tuner.store.atomic_files import write_atomic
 
         try:  # atomic: --out may be the --preset file itself; Ctrl-C or a full disk must not leave it truncated
             write_atomic(out, cal.to_toml())

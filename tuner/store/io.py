@@ -11,8 +11,6 @@ import contextlib
 import datetime as _dt
 import errno
 import os
-import secrets
-import stat
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -22,7 +20,6 @@ from sqlalchemy import String, bindparam, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
-from moetune.runtime.paths import foreign_link_reason
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.tuner.store._rows import (
     decide,
@@ -32,6 +29,7 @@ from moetune.tuner.store._rows import (
     row_from_record,
 )
 from moetune.tuner.store._schema import StoreError, is_sqlite_file
+from moetune.tuner.store.atomic_files import follow_own_links, write_atomic
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Fingerprint, Profile
 from moetune.tuner.store.validate import (
     FieldError,
@@ -157,95 +155,6 @@ def export_profiles(store: Store, path: str | Path, *, status: str | None = None
     n = len(msgspec.json.decode(data)["profiles"])
     write_atomic(written, data, replace=replace)
     return n
-
-
-def _put_new(tmp: Path, path: Path) -> None:
-    """Make `tmp` the file `path` only if there is none: a hard link fails with EEXIST when one appeared since the
-    caller looked. A filesystem without hard links: checked, then renamed (the old window, narrowed)."""
-    try:
-        os.link(tmp, path)
-    except OSError as e:  # EEXIST (a file appeared) is not in the list below: raised
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-            raise
-        if os.path.lexists(path):
-            raise FileExistsError(errno.EEXIST, "file exists", str(path)) from None
-        os.replace(tmp, path)
-        return
-    os.unlink(tmp)
-
-
-_MAX_LINKS = 40  # as the kernel's ELOOP
-
-
-def follow_own_links(path: Path) -> Path:
-    """`path`, or the file its chain of symbolic links names when each link is this user's or root's (a dangling
-    link: the path it names). Another user's link raises PermissionError naming the link and its owner: in a shared
-    folder such as /tmp, `--out /tmp/p.json` must not follow another user's link to this user's ~/.bashrc (the
-    kernel's fs.protected_symlinks refuses that when it follows the link; a link resolved by hand is not). Only the
-    last component is followed here: the folders on the way are the kernel's to follow, with its checks."""
-    for _ in range(_MAX_LINKS):
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return path
-        if not stat.S_ISLNK(st.st_mode):
-            return path
-        why = foreign_link_reason(path, st, os.getuid())
-        if why is not None:
-            raise PermissionError(errno.EACCES, f"refusing to write through {why}", str(path))
-        path = path.parent / os.readlink(path)  # an absolute target replaces the folder
-    raise OSError(errno.ELOOP, "too many levels of symbolic links", str(path))
-
-
-def write_atomic(path: Path, data: str | bytes, *, replace: bool = True) -> None:
-    """Replace `path` with `data` (str: UTF-8) atomically: a crash or a full disk mid-write leaves the previous file
-    whole (a new temporary file in the same directory, fsynced, then os.replace); an existing file keeps its
-    permissions. `replace=False`: FileExistsError when `path` exists by the time the file is put in place (a hard
-    link, which never replaces, instead of os.replace: no window between the check and the write). A symlink is
-    written through, as a plain write would: the link stays and the file it names is replaced (os.replace on the
-    link itself would turn it into a regular file, leaving the file it named stale), if it is this user's or root's
-    (`follow_own_links`: another user's link is refused, PermissionError). Used by the export, `bench
-    summarize`, `model calibrate --out`, the bring-up's state file, report and node model."""
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    path = follow_own_links(path)  # its target (a dangling link: the file it names is created)
-    old_mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    # 0o666 less the umask, like any new file; O_EXCL: never write into a file we did not create
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if old_mode is not None:
-                os.fchmod(f.fileno(), old_mode)
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the file
-        if replace:
-            os.replace(tmp, path)
-        else:
-            _put_new(tmp, path)
-    except BaseException:  # Ctrl-C included: remove our temporary file, the old file stays as it was
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # the rename itself survives a power loss once the directory is synced (not every filesystem allows it)
-    with contextlib.suppress(OSError):
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-def write_figure(fig: Any, path: Path, **savefig_kw: Any) -> None:
-    """Save a matplotlib figure to `path` atomically (`write_atomic`): rendered in memory first, so Ctrl-C or a full
-    disk mid-save leaves an earlier plot of that name whole (fig.savefig(path) truncated it first). The format
-    is the file's suffix, as savefig reads it (none: matplotlib's savefig.format); a ValueError for one it cannot
-    write, before anything is written."""
-    import io as _io
-
-    buf = _io.BytesIO()
-    fig.savefig(buf, format=path.suffix[1:].lower() or None, **savefig_kw)
-    write_atomic(path, buf.getvalue())
 
 
 def _key_text(key: ProfileKey) -> str:
