@@ -474,6 +474,25 @@ def test_env_allow_list_is_launcher_env() -> None:
         assert launcher_env.env_refusal(name, val) is not None, name
 
 
+def test_the_group_default_exports_only_what_launcher_env_may_produce() -> None:
+    """The policy default a multi-host group falls back to (`autoload._group_default`) built its env from rank 0's
+    family unfiltered, while every other path keeps only what launcher_env may produce: a database row's family
+    `proxy:libfabric/BAD VALUE` put NVSHMEM_LIBFABRIC_PROVIDER='BAD VALUE' in the resolution every rank received."""
+    from moetune.runtime.profiles.client import Resolution
+
+    for family in ("proxy:libfabric/BAD VALUE", "proxy:libfabric/cxi/../../x"):
+        res = Resolution(knobs=default_knobs("proxy"), source="database", profile_hash="h", status="current",
+                         family=family)
+        got = autoload._group_default(res, 2, None, "hosts disagree")
+        assert all(launcher_env.env_refusal(k, v) is None for k, v in got.env.items()), got.env
+        assert got.env == {"NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_REMOTE_TRANSPORT": "libfabric"}
+        assert got.message.startswith("hosts disagree; transport family ") and "not exporting" in got.message
+    good = Resolution(knobs=default_knobs("proxy"), source="database", profile_hash="h", status="current",
+                      family="proxy:libfabric/cxi")
+    got = autoload._group_default(good, 2, None, "hosts disagree")
+    assert got.env == launcher_env.launcher_env(got.knobs, "proxy:libfabric/cxi", 2) and got.message == "hosts disagree"
+
+
 def test_reply_env_filtered_before_export(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = {"NCCL_NET_PLUGIN": "libevil.so", "LD_PRELOAD": "/tmp/x.so", "NVSHMEM_REMOTE_TRANSPORT": "none",
            "NCCL_MIN_NCHANNELS": "a"}

@@ -63,7 +63,7 @@ from moetune.runtime.profiles.client import (
     policy_or_default,
     warn_fallback,
 )
-from moetune.runtime.profiles.launcher_env import apply_env, launcher_env
+from moetune.runtime.profiles.launcher_env import allowed_env, apply_env, launcher_env
 from moetune.runtime.shapes import DTYPES, ModelShape
 
 __all__ = ["ProfileMismatch", "apply_env", "autoload_group_profile", "autoload_knobs", "autoload_profile",
@@ -295,8 +295,12 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str) -> Resolu
     knobs, source = policy_or_default(family)
     if runtime_transport_problem(knobs.transport, device) is not None:
         family, (knobs, source) = "collective", (default_knobs("collective"), "default")
+    # as every other path (client.resolve): only what launcher_env may produce. The family is rank 0's resolution's,
+    # which came from a daemon reply or a database row: its provider string is not checked by anything before this
+    env, refused = allowed_env(launcher_env(knobs, family, nodes))
+    message = "; ".join([why, *(f"transport family {family}: not exporting {x}" for x in refused[:8])])
     return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
-                      env=launcher_env(knobs, family, nodes), family=family, message=why)
+                      env=env, family=family, message=message)
 
 
 def autoload_group_profile(
@@ -350,7 +354,7 @@ def autoload_group_profile(
                 why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
                        f"measured per node, so every host must resolve the same one")
                 final = _group_default(mine, nodes, device, why)
-                warn_fallback(f"moetune: using the policy default on every rank ({why})")
+                warn_fallback(f"moetune: using the policy default on every rank ({final.message})")
         payload = msgspec.json.encode(final)
     try:
         got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
