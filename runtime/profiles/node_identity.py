@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,15 +243,16 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
     return None, tuple(checked)
 
 
-def from_fingerprint_rows(rows: list[tuple]) -> tuple[NodeIdentity | None, str]:
+def from_fingerprint_rows(rows: Iterable[tuple]) -> tuple[NodeIdentity | None, str]:
     """The newest recorded fingerprint whose facts match this node, or (None, why not).
 
-    `rows`: (hash, facts JSON, last_seen) from the store's `fingerprints` table, newest first.
+    `rows`: (hash, facts JSON, last_seen) from the store's `fingerprints` table, newest first; taken one at a time, none
+    after the first that matches (a cursor: the older rows are never read).
     """
-    if not rows:
-        return None, "no fingerprint recorded in the database"
     reasons: list[str] = []
+    any_row = False
     for fp, raw, seen in rows:
+        any_row = True
         try:
             facts = json.loads(raw) if isinstance(raw, str | bytes) else raw
         except (ValueError, RecursionError):  # RecursionError: nested past json's depth limit
@@ -272,4 +274,6 @@ def from_fingerprint_rows(rows: list[tuple]) -> tuple[NodeIdentity | None, str]:
         if why is None:
             return NodeIdentity(fp, software_hash(facts), f"database fingerprint {fp} (last seen {seen})", checked), ""
         reasons.append(f"{fp}: {why}")
+    if not any_row:
+        return None, "no fingerprint recorded in the database"
     return None, "no recorded fingerprint matches this node (" + "; ".join(reasons[:3]) + ")"
