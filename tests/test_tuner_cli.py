@@ -195,7 +195,7 @@ needs_real = pytest.mark.skipif(
 
 @needs_real
 def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
-    fabric_model = importlib.import_module("moetune.tuner.fabric_model.predict")  # the package re-exports a function `predict`
+    fabric_model = importlib.import_module("moetune.tuner.fabric_model.predict")
 
     preset = "ndr-ibrc-h100x8" if "ndr-ibrc-h100x8" in fabric_model.list_presets() else fabric_model.list_presets()[0]
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", preset,

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure import results as R
+from moetune.tuner.measure.stats import Summary
 
 ROOT = Path(__file__).resolve().parents[2]
 # The scenarios, their driver scripts (bench/*.py), summary.csv and BENCHMARKS.md belong to a source checkout: ROOT
@@ -232,6 +233,12 @@ class Stat:
     p90: float | None = None
     n: int = 1
     unit: str = ""
+
+    @classmethod
+    def of(cls, values: Sequence[float], unit: str) -> Stat:
+        """Median, p10, p90 and n of a sample, by the one shared summary (tuner/measure/stats.py `Summary.of`)."""
+        s = Summary.of(values)
+        return cls(s.median, s.p10, s.p90, s.n, unit)
 
 
 @dataclass
@@ -536,11 +543,11 @@ def search_metrics(d: dict[str, Any]) -> dict[str, dict[str, Stat]]:
         m = {}
         # all three come from the fabric model's latencies: predictions, labelled so (results.is_modelled)
         if evals:
-            m["evals_to_3pct"] = _summary(evals, "evaluations MODELLED")
+            m["evals_to_3pct"] = Stat.of(evals, "evaluations MODELLED")
         if gaps:
-            m["median_gap_pct"] = _summary(gaps, "% MODELLED")
+            m["median_gap_pct"] = Stat.of(gaps, "% MODELLED")
         if hits:
-            m["hit_rate_pct"] = _summary(hits, "% MODELLED")
+            m["hit_rate_pct"] = Stat.of(hits, "% MODELLED")
         out[name] = m
     return out
 
@@ -592,13 +599,6 @@ def model_metrics(d: dict[str, Any]) -> dict[str, Stat]:
 
 def _parse_model(_: str, out: Path) -> dict[str, Stat]:
     return model_metrics(json.loads((out / "model.json").read_text()))
-
-
-def _summary(values: Sequence[float], unit: str) -> Stat:
-    """Median, p10, p90 of a sample (a tiny local summary; tuner/measure/stats.py will hold the shared one)."""
-    v = sorted(values)
-    q = statistics.quantiles(v, n=10, method="inclusive") if len(v) > 1 else [v[0]] * 9
-    return Stat(statistics.median(v), q[0], q[-1], len(v), unit)
 
 
 DRIVERS["daemon-load"] = _one_script_per_case("daemon_load.py", _parse_daemon, out_flag=True)

@@ -1,7 +1,7 @@
 """A persistent `moetune bench ep` world: launch the ranks once, then run many cases through them.
 
 `python -m moetune.tuner.measure.worker --world 2 --backend gloo` (or `moetune bench ep --serve`) spawns the
-ranks (the same spawn + loopback rendezvous as `moetune bench ep`, runtime/launch.py), prints one line
+ranks (the same spawn + loopback rendezvous as `moetune bench ep`, runtime/testing/launch.py), prints one line
 `{"ready": true, ...}` once every rank has joined the process group, then reads one JSON case per line on
 stdin and writes one JSON line per case on stdout:
 

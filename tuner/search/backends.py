@@ -244,8 +244,7 @@ class ModelBackend(BenchmarkBackend):
         if preset is None and predictor is None:
             raise ValueError("ModelBackend needs a preset (name, path or Preset) or a predictor")
         if predictor is None:
-            # The fabric model loads only when a preset is modelled. Named by its module path: the package
-            # `moetune.tuner.fabric_model` re-exports a *function* called `predict`.
+            # The fabric model loads only when a preset is modelled (imported here, not at module level).
             from moetune.tuner.fabric_model.predict import forced_fit_warning
             from moetune.tuner.fabric_model.presets import load_preset
 
