@@ -145,7 +145,10 @@ def rule2_inside_the_runtime(g: Graph) -> list[str]:
     return out
 
 
-LAYERS = {"fabric": 1, "fabric_model": 1, "store": 1, "measure": 1, "search": 2, "bringup": 3, "daemon": 3, "cli": 4}
+# `progress` (tuner/progress.py: the progress sink's protocol) sits below every tuner layer, beside the runtime: any
+# layer may take a sink; it imports nothing of moetune (rank 0: importing even the runtime is a violation)
+LAYERS = {"progress": 0, "fabric": 1, "fabric_model": 1, "store": 1, "measure": 1, "search": 2, "bringup": 3,
+          "daemon": 3, "cli": 4}
 
 
 def _layer(module: str) -> tuple[str, int] | None:
@@ -330,7 +333,8 @@ PLANTED: dict[str, list[tuple[str, str, str]]] = {
           ("runtime/buffer/facade.py", "def h():\n    from ..testing.launch import free_port\n", "testing.launch")],
     "3": [("tuner/measure/stats.py", "from moetune.tuner.search import tune\n", "layer measure"),
           ("tuner/fabric/facts.py", "from ..fabric_model import routing\n", "layer fabric"),
-          ("tuner/search/tune.py", "def k():\n    from moetune.tuner.cli import main\n", "layer search")],
+          ("tuner/search/tune.py", "def k():\n    from moetune.tuner.cli import main\n", "layer search"),
+          ("tuner/progress.py", "from moetune.runtime import knobs\n", "layer progress")],
     "4": [("migrations/versions/0001.py", "from moetune.tuner.store import store\n", "imports moetune.tuner.store ")],
     "5": [("tuner/search/tune.py", "def p():\n    from rich.progress import Progress\n", "rich.progress"),
           ("runtime/testing/launch.py", "import typer\n", "typer")],
@@ -373,9 +377,10 @@ def test_running_the_runtime_loads_no_tuner(tmp_path: Path) -> None:
     code = """
 import importlib, pkgutil, sys, warnings
 import moetune.runtime as rt, moetune.runtime.buffer as b, moetune.runtime.megakernel as mk
+import moetune.runtime.transports as tr
 for m in pkgutil.walk_packages(rt.__path__, "moetune.runtime."):
     importlib.import_module(m.name)
-for pkg in (rt, b, mk):
+for pkg in (rt, b, mk, tr):
     for name in pkg.__all__:
         getattr(pkg, name)
 import torch

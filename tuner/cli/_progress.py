@@ -1,4 +1,4 @@
-"""The drawing of `moetune.tuner.search.progress.Progress`, on stderr so `--json` stays clean.
+"""The drawing of `moetune.tuner.progress.Progress`, on stderr so `--json` stays clean.
 
 On a terminal: a Rich bar per task. Anywhere else (a CI log, the systemd journal, `2>log`) Rich Live draws nothing
 until it stops, so a long tune looked hung for minutes: there it prints plain lines instead, one as each step

@@ -35,15 +35,13 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
 from moetune.tuner.fabric_model.presets import Preset, load_preset, read_text_file
-
-if TYPE_CHECKING:  # typing only: fabric_model sits below search, so the caller hands the sink down (import rule 3)
-    from moetune.tuner.search.progress import Progress
+from moetune.tuner.progress import Progress
 
 # Parameters fitted by default, per preset family of measurement.
 # "a+b" ties parameters (fitted as one value).

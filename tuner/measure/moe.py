@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
@@ -23,9 +23,7 @@ from moetune.runtime.testing import bounds
 from moetune.runtime.testing.timing import graphs_of, time_calls
 from moetune.tuner.measure.outputs import WrongOutput, rel_err_problem
 from moetune.tuner.measure.stats import Summary
-
-if TYPE_CHECKING:  # typing only: measure sits below search, so the caller hands the sink down (import rule 3)
-    from moetune.tuner.search.progress import Progress
+from moetune.tuner.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -343,7 +341,7 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
     every engine's against the fp32 reference (`rel_err_vs_reference`): no engine's output goes unchecked. The
     megakernel runs with `knobs` (default: the `engine=megakernel` defaults). `rest_s`: idle seconds before
     every timed block (`settle`; 0: blocks back to back, each after the previous one's load). `progress`: a
-    sink (`tuner.search.progress.Progress`, drawn by the caller) given one task of every (engine, S) case
+    sink (`tuner.progress.Progress`, drawn by the caller) given one task of every (engine, S) case
     that runs: `update(task, done, description="ENGINE S=N")` as case done+1 starts, `update(task, done)` as
     it ends; the caller closes it."""
     import torch

@@ -1,31 +1,6 @@
-"""Progress of long work, reported without drawing it: library code takes a sink, the CLI draws it.
+"""The progress sink, re-exported where the search and the bring-up import it: it lives in `tuner/progress.py`,
+below every tuner layer, so that the fabric model and the measurements can take one too."""
 
-typer and rich live only in `tuner/cli/` (import rule 5); `tuner/cli/_progress.py` has the Rich sink.
-"""
+from moetune.tuner.progress import NoProgress, Progress
 
-from __future__ import annotations
-
-from typing import Any, Protocol
-
-
-class Progress(Protocol):
-    """One bar per task: `add` a task (a study, the micro-benchmarks), `update` it, `close` at the end."""
-
-    def add(self, description: str, total: int, done: int = 0) -> Any: ...
-
-    def update(self, task: Any, done: int, best: float | None = None, description: str | None = None) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NoProgress:
-    """The silent sink (daemon jobs, tests, `--json` output)."""
-
-    def add(self, description: str, total: int, done: int = 0) -> Any:
-        return None
-
-    def update(self, task: Any, done: int, best: float | None = None, description: str | None = None) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+__all__ = ["NoProgress", "Progress"]
