@@ -439,8 +439,8 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "The benchmark worker prints a failing case's full traceback (debug).", "tuner/measure/worker.py"),
     EnvVariable("MOETUNE_GIT_SHA", "40-hex commit, optionally `-dirty`", "unset",
                 "`moetune bench run` / `bench moe` / `bench knobs`: the commit to stamp on results where the tree "
-                "is no git checkout of its own (an exported tree on a GPU machine: bench/megakernel_device.sh sets "
-                "it); git_dirty is true when it ends in `-dirty` (the copy had changes on top of that commit), else "
+                "is no git checkout of its own (an exported tree on a GPU machine: bench/tools/sync_megakernel_device.sh "
+                "writes it to SHA_FULL); git_dirty is true when it ends in `-dirty` (the copy had changes on top of that commit), else "
                 "whoever sets it vouches that the tree is exactly that commit. In a git checkout git decides (HEAD "
                 "and its changes); where the two disagree git's is stamped, with a warning, unless the checkout's "
                 ".git does not know the named commit (a stale .git copied with a newer tree): then the variable's "

@@ -188,7 +188,7 @@ def test_committed_summary_and_benchmarks_md_agree() -> None:
 
 
 def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
-    """A tree copied to a GPU machine without a .git of its own (bench/megakernel_device.sh: an exported folder):
+    """A tree copied to a GPU machine without a .git of its own (bench/tools/sync_megakernel_device.sh: an exported folder):
     MOETUNE_GIT_SHA (hex only) stamps it, clean unless it ends in -dirty; without it, 'unknown'. A repository around
     the tree (an export unpacked inside another checkout) is not its git."""
     calls = {"rev-parse": "/somewhere/else", "status": ""}

@@ -476,7 +476,7 @@ def test_no_row_is_stamped_with_a_commit_made_after_it_ran() -> None:
     every host-staged launch with the commit that added its raw files, after the run: runs 33-37 all with dbac03e,
     though four commits changed code between run 33 and run 37 (and dbac03e changed code after run 37), so the summary
     pooled five code versions as one tree state. Rows with git_sha "unknown" say why in their note. The one documented
-    exception: the megakernel's run 8 (bench/import_megakernel.py: its tree was 711d9d4's content, committed a
+    exception: the megakernel's run 8 (bench/tools/import_megakernel.py: its tree was 711d9d4's content, committed a
     minute after the run)."""
     import datetime as dt
     import subprocess

@@ -196,7 +196,7 @@ def test_facts_dict_round_trip() -> None:
 def test_h200x2_capture_from_the_gpu_node() -> None:
     path = CAPTURES / "h200x2"
     if not path.is_dir():
-        pytest.skip("tests/captures/h200x2 is absent: run bench/gpu_fabric.sh on the H200 node and commit its capture")
+        pytest.skip("tests/captures/h200x2 is absent: run `moetune fabric capture` on the H200 node and commit it there")
     f = discover(path)
     assert f.gpu_count == 2 and "H200" in f.gpu_model
     assert sorted(f.transport_names) == sorted(["nvlink", "host_staged", "collective"])

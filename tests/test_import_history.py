@@ -1,5 +1,5 @@
 """The imported rows of bench/results/summary.csv carry the commit that recorded their raw file's content
-(bench/import_history.py `added_sha`), checked against the archived raw files and the git history."""
+(bench/tools/import_history.py `added_sha`), checked against the archived raw files and the git history."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _history() -> None:
 
 @pytest.fixture(scope="module")
 def ih():
-    spec = importlib.util.spec_from_file_location("import_history", ROOT / "bench/import_history.py")
+    spec = importlib.util.spec_from_file_location("import_history", ROOT / "bench/tools/import_history.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod

@@ -757,7 +757,8 @@ def test_moe_layer_hands_a_misaligned_x_to_the_megakernel_as_an_aligned_copy(fak
 
 
 def _bench_tool(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """bench/megakernel_bench.py as a module, with CUDA events and synchronize stood in for (no GPU here)."""
+    """bench/tools/megakernel_profile.py (phase_times) as a module, with CUDA events and synchronize stood in for (no GPU
+    here)."""
     import importlib.util
     from pathlib import Path
 
@@ -773,7 +774,7 @@ def _bench_tool(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    path = Path(__file__).resolve().parents[1] / "bench" / "megakernel_bench.py"
+    path = Path(__file__).resolve().parents[1] / "bench" / "tools" / "megakernel_profile.py"
     spec = importlib.util.spec_from_file_location("_mk_bench", path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]

@@ -1248,7 +1248,7 @@ def test_l2_evict_weights_setting_rule_and_source() -> None:
 def _profile_tool():
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "megakernel_profile.py"
+    path = Path(__file__).resolve().parents[1] / "bench" / "tools" / "megakernel_profile.py"
     spec = importlib.util.spec_from_file_location("_mk_profile", path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]

@@ -713,7 +713,7 @@ def test_imported_megakernel_rows_are_in_the_summary() -> None:
 
     rows = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
     imported = [r for r in rows if r["source"] == "imported"]
-    # runs 5 and 8 (bench/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181, 184, 186 and 188
+    # runs 5 and 8 (bench/tools/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181, 184, 186 and 188
     # (`bench run --from-report`)
     assert {r["git_sha"][:7] for r in imported} == {"610d837", "711d9d4", "afe36cb", "bd3e980", "ad3607d", "2bffafd",
                                                      "ea0d939", "64c2f2d", "950ab6c", "54fc1b9", "06e9eca"}

@@ -446,7 +446,7 @@ class MegakernelMoE:
     def _launch_params(self, x: torch.Tensor, s: int, out: torch.Tensor, *, given: bool) -> _lib.MkParams:
         """The launch template of S = `s` >= 1 tokens (its token bucket's config) with this launch's own fields set:
         what `_run` passes to the library, and what benchmarks that time its entry points one by one take
-        (bench/megakernel_bench.py phase_times). x and out: contiguous, 16-byte aligned, on the layer's device."""
+        (bench/tools/megakernel_profile.py phase_times). x and out: contiguous, 16-byte aligned, on the layer's device."""
         cfg = self.launch.for_tokens(s)  # this S's token bucket's config (set_bucket_config), else self.config
         bm = cfg.pick_bm(s, self.model.topk, self.model.experts)
         p = self._template(bm, s, cfg)

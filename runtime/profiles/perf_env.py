@@ -18,7 +18,7 @@ the libraries read them (upper case, digits, `_`), minus
   follow from the stored knobs, so they are part of the profile already.
 
 The variables the project's GPU scripts export on purpose (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1:
-bench/device_env.sh, runtime/testing) are recorded like any other: the tuner and the runtime never set them, so
+bench/tools/device_env.sh, runtime/testing) are recorded like any other: the tuner and the runtime never set them, so
 they are not part of every measurement, and a job that leaves NVLink SHARP on runs other NCCL/NVSHMEM
 algorithms than a profile measured with it off. TORCH_SYMM_MEM_DISABLE_MULTICAST is different: the runtime's
 one-sided transports set it to 1 themselves (`os.environ.setdefault`, before torch reads it), so unset and

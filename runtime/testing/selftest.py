@@ -1,4 +1,4 @@
-"""Multi-GPU self-checks of the one-sided transports (used by tests/test_gpu_onesided.py and bench/).
+"""Multi-GPU self-checks of the one-sided transports (used by tests/test_gpu_onesided.py and bench/tools/onesided_ep.py).
 
 `spawn_world(fn, world, kwargs)` starts one process per GPU (NCCL process group over 127.0.0.1),
 runs `fn(rank, world, **kwargs)` in each, and returns each rank's JSON-able result; a rank that raises

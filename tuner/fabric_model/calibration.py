@@ -157,7 +157,7 @@ def _finite_or_none(value: Any) -> Any:
 # finite number, "ms" one whose value in µs (x 1000, as the fit reads it) is finite too, "str" a string, "dict" a
 # JSON object, "fabric" one of FABRICS. Optional fields are checked where present.
 _POS_INT, _POS_NUM, _POS_MS, _STR, _DICT, _BOOL, _FABRIC = "int", "num", "ms", "str", "dict", "bool", "fabric"
-# The fabrics a collective row may name (tuner/measure/micro.py, bench/gpu_model_baseline.py): nvlink, host_staged
+# The fabrics a collective row may name (tuner/measure/micro.py, bench/tools/gpu_model_baseline.py): nvlink, host_staged
 # and, on a node without GPUs, collective (gloo between host processes: micro.py's CPU rows, modelled as the direct
 # collective, p2p); anything else (a typo such as "host-staged") would silently be modelled as NVLink p2p: refused.
 FABRICS = ("nvlink", "host_staged", "collective")

@@ -7,7 +7,7 @@ when, and by which exact command. `source` says how the row was made: `measured`
 `modelled` (by `moetune bench run` too, but the number is a prediction of the fabric model or of a modelled
 search, not a measurement; its `unit` carries `MODELLED` as well: `x MODELLED`, `% MODELLED`), `smoke` (a
 plumbing check on tiny sizes: not a measurement) or `imported` (a number recorded before this table existed; its
-SHA is the commit whose code ran where that is established (the host-staged runs: bench/import_history.py
+SHA is the commit whose code ran where that is established (the host-staged runs: bench/tools/import_history.py
 RUN_CODE), `unknown` with the reason in the note where it is not, else the commit that added the raw result file;
 an imported prediction's unit carries `MODELLED`).
 

@@ -998,7 +998,7 @@ def _git(*args: str) -> str:
 
 def _given_sha() -> tuple[str, bool]:
     """MOETUNE_GIT_SHA: (the commit a copied tree is, whether the tree had changes on top of it): hex, 7-40
-    digits, with "-dirty" appended when the copy was not exactly that commit (bench/sync_megakernel_device.sh
+    digits, with "-dirty" appended when the copy was not exactly that commit (bench/tools/sync_megakernel_device.sh
     writes it so); ("", False) when unset or malformed."""
     v = os.environ.get("MOETUNE_GIT_SHA", "").strip().lower()
     m = re.fullmatch(r"([0-9a-f]{7,40})(-dirty)?", v)
@@ -1009,7 +1009,7 @@ def code_stamp() -> tuple[str, bool]:
     """(git SHA, dirty) of the code that runs. Where this tree is a git checkout of its own (git's top level is ROOT),
     git decides: HEAD, and dirty where `git status` shows any change, untracked files included (a scenario or driver
     not yet added ran, and the commit does not hold it). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
-    one (an exported tree on a GPU machine: bench/megakernel_device.sh sets it), and a tree whose .git does not know
+    one (an exported tree on a GPU machine: bench/tools/sync_megakernel_device.sh writes it), and a tree whose .git does not know
     the commit the variable names (a stale .git copied with a newer tree: the variable's commit, always dirty, as
     unverified); where both exist and disagree otherwise,
     git's HEAD and dirtiness are stamped and a warning says so (before, the variable won: a dirty checkout was stamped

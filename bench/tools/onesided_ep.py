@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """EP exchange benchmark of the one-sided transports against NCCL, world 2 (one process per GPU).
 
+A tool, not a benchmark (bench/tools/README.md): its numbers are not rows of bench/results/summary.csv; a probe of
+the one-sided exchanges below EPBuffer (raw exchange, `--busy-us`). EPBuffer end to end: `moetune bench ep` and the
+scenario ep-roundtrip-qwen3-s128.
+
 For each model (hidden H, top-k k, experts E) and S tokens per rank: random top-k routing (uniform),
 dispatch sends each token once to every rank holding one of its experts (DeepEP-style, rows of
 H x 2 bytes, bf16), combine sends the same rows back. Timed with CUDA events after a barrier,
@@ -17,7 +21,7 @@ iteration, for every transport alike: the host then issues the calls while the G
 events time what the GPU does (as a kernel-time profile would), not the host's issue latency of an
 idle stream. Rows record `busy_prelude_us`.
 
-    python bench/onesided_ep.py [--out DIR] [--iters 30] [--quick] [--busy-us 300] [--dry-run]
+    python bench/tools/onesided_ep.py [--out DIR] [--iters 30] [--quick] [--busy-us 300] [--dry-run]
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Per-trial wall time of LocalBackend: persistent bench worker vs one `moetune bench ep` subprocess per trial.
 
-    python bench/worker_trial_time.py [--backend gloo|nccl] [--world 2] [--trials 5] [--model custom:256,128,16,4]
+A tool, not a benchmark (bench/tools/README.md): its numbers are not rows of bench/results/summary.csv; a check of
+the tuner's trial overhead (docs/tuner.md cites it), which spawns torch worlds per trial: too slow for the
+scenarios' smoke test.
+
+    python bench/tools/worker_trial_time.py [--backend gloo|nccl] [--world 2] [--trials 5] [--model custom:256,128,16,4]
                                       [--tokens 128] [--out bench_out]
 
 Runs `trials` evaluations (repeats=1, metric=comm as in `moetune profile`) with each mode and prints the

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Time the EP buffer's own kernels (csrc/ep_pack.cu) on ONE GPU, each replayed from a CUDA graph.
 
+A tool, not a benchmark (bench/tools/README.md): its numbers are not rows of bench/results/summary.csv; a probe of
+single kernels below EPBuffer (one GPU). EPBuffer end to end: `moetune bench ep` and the ep scenarios.
+
 For each model, world size and S tokens (uniform routing): the plan as one CTA (mode 1) and as a grid
 (mode 2), both checked equal first; the row-packing kernel; combine's reduce kernel. A graph holds
 `--reps` back-to-back launches of one kernel; the time per launch is the replay time / reps (median over
 `--iters` replays, CUDA events), so host issue is not in it. Output: $OUT/ep_kernels.jsonl, a table.
 
-    python bench/ep_kernels.py [--out DIR] [--tokens 128,1024,4096,16384] [--worlds 2,8] [--dry-run]
+    python bench/tools/ep_kernels.py [--out DIR] [--tokens 128,1024,4096,16384] [--worlds 2,8] [--dry-run]
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-# Sourced at the start of every device command: installs the carried wheels (.whl/) into /tmp/site,
-# makes this checkout importable as `moetune`, and keeps NVLink multicast off everywhere.
+# Sourced at the start of every device command, from the tree's root (`source bench/tools/device_env.sh`):
+# installs the carried wheels (.whl/) into /tmp/site, makes this checkout importable as `moetune` (and puts a
+# `moetune` command on PATH), and keeps NVLink multicast off everywhere. OUT defaults to ./bench_out.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OUT=${OUT:-$PWD/bench_out}
 mkdir -p "$OUT"

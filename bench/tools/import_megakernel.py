@@ -1,13 +1,16 @@
 """One-off import of the megakernel's measured runs (bench/results/megakernel/run5_final.json, run8_sweep.json)
 into bench/results/summary.csv as `source=imported` rows of scenario moe-megakernel-vs-unfused.
 
-Cases: `megakernel` and `unfused`; the unfused figures of those runs are bench/megakernel_bench.py's plain torch
-path (gate GEMM, softmax/top-k, stable sort, two torch._grouped_mm, weighted index_add_: the steps of
-MoELayer.local_forward, not the layer object), said in every row's note. Metrics `graph_us[S=N]` (one CUDA graph
-per input, replayed) and `layer_us[S=N]` (eager), median of 50 single calls. Run 8's JSON names d994fa1 but its
-tree was 711d9d4's content (bench/results/megakernel/README.md): the rows carry 711d9d4.
+Cases: `megakernel` and `unfused`; the unfused figures of those runs are bench/megakernel_bench.py's (since removed:
+`moetune bench moe` times the same path as engine `torch`) plain torch path (gate GEMM, softmax/top-k, stable sort,
+two torch._grouped_mm, weighted index_add_: the steps of MoELayer.local_forward, not the layer object), said in
+every row's note. Metrics `graph_us[S=N]` (one CUDA graph per input, replayed) and `layer_us[S=N]` (eager), median
+of 50 single calls. Run 8's JSON names d994fa1 but its tree was 711d9d4's content
+(bench/results/megakernel/README.md): the rows carry 711d9d4.
 
-    python bench/import_megakernel.py            # appends to bench/results/summary.csv (once: re-running refuses)
+A tool: kept so that the import can be reviewed (re-running it refuses).
+
+    python bench/tools/import_megakernel.py            # appends to bench/results/summary.csv (once: re-running refuses)
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT.parent))
 RUNS = (("run5_final.json", "610d8371d85c6007b76cbfdb36ee793263fb0fad", "run5"),
         ("run8_sweep.json", "711d9d49dc2baa4193a883f545f0366c87268391", "run8"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot probe of the GPU box: what the one-sided transports and discovery can rely on.
-# Usage (on the device): bash bench/probe_device.sh  (writes $OUT/probe.txt)
+# Usage (on the device): bash bench/tools/probe_device.sh  (writes $OUT/probe.txt)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-./bench_out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/probe.txt") 2>&1

@@ -1,6 +1,9 @@
 """Anatomy of a host-staged transfer on 2 GPUs: what the copy engines give, and what the host_staged
 transport makes of it.
 
+A tool, not a benchmark (bench/tools/README.md): its numbers are not rows of bench/results/summary.csv; a probe of
+the copy engines below the host_staged transport. The transport end to end: the scenario host-staged-fp8-pipelined.
+
 Per rank, both ranks at once (as in an exchange), median of --iters after --warmup, GPU time from CUDA events:
   raw_d2h / raw_h2d   one cudaMemcpyAsync of --mb MB between device memory and pinned host memory
   raw_both            both at once, on two streams (the link's two directions)
@@ -9,7 +12,7 @@ Per rank, both ranks at once (as in an exchange), median of --iters after --warm
   host_n{N}           the host's time to post those N chunks
   pieces{R}           one such block staged in pieces of R rows (chunk_tokens=R): double buffering in one call
 Writes one JSON line per environment setting to --out/host_staged_micro.jsonl.
-  source bench/device_env.sh; python3 bench/host_staged_micro.py --out $OUT/micro
+  source bench/tools/device_env.sh; python3 bench/tools/host_staged_micro.py --out $OUT/micro
 """
 
 from __future__ import annotations

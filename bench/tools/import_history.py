@@ -1,6 +1,6 @@
 """One-off conversion of the 2026-11-30 lab notebook (bench/results/*) into summary.csv rows, source=imported.
 
-    python bench/import_history.py RESULTS_DIR > rows.csv   (RESULTS_DIR: the unpacked archive)
+    python bench/tools/import_history.py RESULTS_DIR > rows.csv   (RESULTS_DIR: the unpacked archive)
 
 Each row's git SHA is the commit that recorded its raw file's content (`added_sha`), except the host-staged
 launches: those carry the commit whose code ran (`RUN_CODE`), or "unknown" with the reason in the note where no
@@ -8,16 +8,16 @@ commit can be shown to be it (the commit that added a run's raw files came after
 Its date is the day of the run, its hardware the machine BENCHMARKS.md names. Only numbers the raw files hold are written; a failed case
 becomes a row with an empty median and note FAILED. Kept so the conversion can be reviewed and re-run.
 
-    python bench/import_history.py --fix-quantiles RESULTS_DIR   (rewrites bench/results/summary.csv in place)
+    python bench/tools/import_history.py --fix-quantiles RESULTS_DIR   (rewrites bench/results/summary.csv in place)
 
 corrects the rows the first import wrote with other statistics in the p10 / p90 columns (`fix_quantile_rows`);
 
-    python bench/import_history.py --fix-run-commits   (rewrites bench/results/summary.csv in place)
+    python bench/tools/import_history.py --fix-run-commits   (rewrites bench/results/summary.csv in place)
 
 restamps the host-staged launches the first import stamped with the commit that added their raw files
 (`fix_run_commits`);
 
-    python bench/import_history.py --fix-content-commits RESULTS_DIR   (rewrites bench/results/summary.csv in place)
+    python bench/tools/import_history.py --fix-content-commits RESULTS_DIR   (rewrites bench/results/summary.csv in place)
 
 restamps the other imported rows whose commit was the first one to add a file of their raw file's name, not the
 one that recorded the content they hold (`fix_content_commits`).
@@ -36,7 +36,7 @@ from typing import Any
 from moetune.tuner.measure import results as R
 from moetune.tuner.measure import scenarios as S
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H200 = {"gpu": "NVIDIA H200", "gpu_count": 2, "torch": "2.11.0+cu130", "nccl": "2.28.9", "cuda": "13.0",
         "hardware": "2x NVIDIA H200 (NV18 NVLink), driver 580.159.04", "fabric_fingerprint": "fb7949d8f6691bdd"}
 CPU = {"gpu": "none", "gpu_count": 0, "hardware": "2 CPU cores (Intel Xeon VM), no GPU"}

@@ -1,19 +1,22 @@
 """Re-measure the NCCL all-to-all baseline (bench/results/2026-11-30_h200x2_nccl_baseline.jsonl) with warm-up,
 for the fabric model's calibration.
 
+A tool, not a benchmark (bench/tools/README.md): its numbers are not rows of bench/results/summary.csv; it writes
+calibration data for `moetune model calibrate --data`, not a benchmark's rows.
+
 One command on the 2x H200 box (writes JSON lines to $OUT, default ./bench_out, prints a table last):
 
-    OUT=./bench_out python bench/gpu_model_baseline.py
+    OUT=./bench_out python bench/tools/gpu_model_baseline.py
 
-Same experiment as shared/data/h200x2_baseline.jsonl (NCCL all_to_all_single, world 2, bf16, uniform
+Same experiment as bench/results/2026-11-30_h200x2_nccl_baseline.jsonl (NCCL all_to_all_single, world 2, bf16, uniform
 routing, k copies per token, one call = dispatch only; fp8 payload = 1 byte per element; host_staged =
 NCCL_P2P_DISABLE=1), but every configuration gets `--warmup` untimed calls before `--iters` timed ones
 (CUDA events per call, median). Then calibrate:
 
     moetune model calibrate --preset nvlink-h200x2 --data $OUT/h200x2_nccl_baseline_warm.jsonl \
-        --data bench/results/2026-11-30_h200x2_proxy_probe.jsonl --out tuner/presets/nvlink-h200x2.toml
+        --data bench/results/2026-11-30_h200x2_proxy_probe.jsonl --out tuner/fabric_model/presets/nvlink-h200x2.toml
 
-CPU smoke test (gloo, tiny sizes, no GPU):  python bench/gpu_model_baseline.py --cpu
+CPU smoke test (gloo, tiny sizes, no GPU):  python bench/tools/gpu_model_baseline.py --cpu
 """
 
 from __future__ import annotations

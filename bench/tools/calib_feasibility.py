@@ -1,8 +1,14 @@
 """Can the nvlink-h200x2 collective model fit both NCCL baselines within 20%? (CPU only, seconds.)
 
-    python bench/calib_feasibility.py > bench/results/2026-11-30_h200x2_run11/calibration_feasibility.txt
+A tool, not a benchmark (bench/tools/README.md): its numbers are not rows of bench/results/summary.csv; an analysis
+of committed measurements (the fabric model's calibration), not a measurement.
 
-On one node the model's NCCL all-to-all (tuner/fabric_model.py `_phase_collective`, NVLink path) is
+    python bench/tools/calib_feasibility.py > calibration_feasibility.txt
+
+It reads 2026-11-30_h200x2_run2c/h200x2_nccl_baseline_warm.jsonl, which is in bench/results/archive/2026-11-30.tar.xz:
+unpack that under bench/results/ first (the last output: bench/results/2026-12-05_cpu_modelled/).
+
+On one node the model's NCCL all-to-all (tuner/fabric_model/predict.py `_phase_collective`, NVLink path) is
     t = (alpha_us + per_peer_us) + max(sync_us, remote_bytes / intra_gbps)
 so its three free numbers are A = alpha + per_peer, sync and the bandwidth. This script takes each
 row's remote bytes from the model itself, grid-searches (A, sync, bandwidth) for the smallest possible
@@ -22,8 +28,8 @@ import numpy as np
 from moetune.tuner.fabric_model.calibration import calibrate, read_rows, rows_to_points
 from moetune.tuner.fabric_model.predict import load_preset
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"  # = shared/data/h200x2_baseline.jsonl
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"  # the 2026-11-30 NCCL baseline (the "shared" file)
 WARM = ROOT / "bench/results/2026-11-30_h200x2_run2c/h200x2_nccl_baseline_warm.jsonl"
 PROBE = ROOT / "bench/results/2026-11-30_h200x2_proxy_probe.jsonl"
 RUN11 = ROOT / "bench/results/2026-11-30_h200x2_run11/2026-11-30_h200x2_run11_nccl_baseline_warm.jsonl"
@@ -77,12 +83,16 @@ def show(title: str, rows: list[Row], extra: list[Row] = ()) -> None:
 
 
 def main() -> int:
+    if not WARM.is_file():
+        print(f"{WARM.relative_to(ROOT)} is missing: unpack bench/results/archive/2026-11-30.tar.xz under bench/results/",
+              file=sys.stderr)
+        return 2
     sh, wa = nvlink_rows(SHARED, "shared"), nvlink_rows(WARM, "warm")
     cold = [r for r in sh if r[1] == COLD]
     go = [r for r in wa if r[1] == GO]
     sh_nc = [r for r in sh if r[1] != COLD]
     wa_ng = [r for r in wa if r[1] != GO]
-    print("# python bench/calib_feasibility.py (CPU analysis of the committed 2x H200 measurements: "
+    print("# python bench/tools/calib_feasibility.py (CPU analysis of the committed 2x H200 measurements: "
           f"{SHARED.relative_to(ROOT)}, {WARM.relative_to(ROOT)}; 2026-11-30)")
     print("nvlink-h200x2, collective/nvlink rows; minimax over (A, sync, bandwidth); MODELLED predictions")
     show("shared, all rows", sh)
@@ -98,7 +108,7 @@ def main() -> int:
     show("run 11 warm (30 warm-up + 150 timed calls per row), all rows", r11)
     show("run 11 + shared (the same calls measured twice)", r11 + sh)
 
-    print("\nthe shipped preset (tuner/presets/nvlink-h200x2.toml: run 11 + the shared file's S >= 4096 rows + proxy probe) per file:")
+    print("\nthe shipped preset (tuner/fabric_model/presets/nvlink-h200x2.toml: run 11 + the shared file's S >= 4096 rows + proxy probe) per file:")
     shipped = load_preset("nvlink-h200x2")
     for path, tag in ((RUN11, "run11"), (SHARED, "shared"), (WARM, "warm")):
         pts = rows_to_points(read_rows([path]))[0]

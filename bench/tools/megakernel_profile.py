@@ -1,7 +1,13 @@
 """Drive the megakernel for ncu: build the layer for S tokens, run `--calls` forwards (routing + persistent kernel).
 
+A tool for profiles and timelines, not a benchmark: the whole layer's numbers are `moetune bench moe` / `bench
+knobs` and the moe-* scenarios (rows in bench/results/summary.csv). On a GPU machine, from a copy of the tree after
+`source bench/tools/device_env.sh`:
+
     ncu --clock-control none --kernel-name regex:'k_experts|k_logits|k_topk' --launch-skip 3 --launch-count 3 \
-        python bench/megakernel_profile.py --tokens 1
+        python bench/tools/megakernel_profile.py --tokens 1
+    python3 bench/tools/megakernel_profile.py --tokens 1024 --trace --calls 20     # per-kernel time, gaps
+    python3 bench/tools/megakernel_profile.py --tokens 1 --calls 3 --timeline $OUT/timeline.jsonl
 
 `--trace`: instead, replay one captured CUDA graph of the layer `--calls` times under torch.profiler and print
 each kernel's mean device time and the mean gap between consecutive kernels of a replay, at the clocks a
@@ -386,12 +392,42 @@ def summarize_decode(tl: dict) -> None:
             print(f"  {name:10s} n={len(v):4d} min {v[0]:7.2f} p50 {v[len(v) // 2]:7.2f} max {v[-1]:7.2f} us")
 
 
+def phase_times(mk, xs: list[torch.Tensor], warmup: int, iters: int) -> dict[str, float]:
+    """Median µs of the routing launches and of the persistent launch, each between its own events (eager). A decode
+    launch (`decode_grid`) routes inside its one kernel: routing reads ~0 and the second figure is the whole layer.
+    Each call's launch fields are set as a forward sets them (`MegakernelMoE._launch_params`, its token bucket's
+    config included), and a launch the library refuses raises with the library's error text."""
+    import ctypes
+
+    from moetune.runtime.megakernel import _lib
+
+    s = xs[0].shape[0]
+    out = torch.empty_like(xs[0])
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    with torch.cuda.device(mk.device):  # the library launches on the current device (as a forward does)
+        stream = torch.cuda.current_stream(mk.device).cuda_stream
+        for j in range(warmup + iters):
+            p = mk._launch_params(xs[j % len(xs)], s, out, given=False)  # x: fresh randn tensors, aligned
+            ref = ctypes.byref(p)
+            e = ev[j - warmup] if j >= warmup else None
+            if e:
+                e[0].record()
+            if not p.decode:
+                _lib.check(mk.lib, mk.lib.mk_route(ref, stream), "mk_route")
+            if e:
+                e[1].record()
+            _lib.check(mk.lib, mk.lib.mk_experts(ref, stream), "mk_experts")
+            if e:
+                e[2].record()
+    torch.cuda.synchronize(mk.device)
+    return {"mk_route_us": statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in ev),
+            "mk_experts_us": statistics.median(e[1].elapsed_time(e[2]) * 1e3 for e in ev)}
+
+
 def route_splits(tokens: list[int]) -> None:
     """Routing (mk_route: k_logits + k_topk) between CUDA events, each call followed by the experts kernel, median of
-    60 after 20 (megakernel_bench's phase_times), against the cap on the gate GEMM's H splits
-    (`MegakernelMoE.logit_splits`), 16 first and last."""
-    from megakernel_bench import phase_times  # (this folder)
-
+    60 after 20 (`phase_times`), against the cap on the gate GEMM's H splits (`MegakernelMoE.logit_splits`), 16 first
+    and last."""
     from moetune.runtime.megakernel import MegakernelMoE
     from moetune.runtime.shapes import get_model
 
