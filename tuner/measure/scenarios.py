@@ -1351,8 +1351,10 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
     mine = [r for r in rows if r["scenario"] == s.name and (R.fnum(r["median"]) is not None or _failed(r))]
     real = [r for r in mine if r["source"] != "smoke"]
     use = real or mine
-    head = [f"### {s.name}", "", " ".join(s.question.split()),
-            f"Driver `{s.driver}`; needs {s.needs.describe()} ({s.needs.hardware}).", ""]
+    # the heading, then the question and what the scenario needs as one paragraph (BENCHMARKS.md stays a page a
+    # reader takes in: ARCHITECTURE's <= 200 lines for every scenario's headline)
+    head = [f"### {s.name}", f"{' '.join(s.question.split())} Driver `{s.driver}`; needs {s.needs.describe()} "
+            f"({s.needs.hardware}).", ""]
     if not use:
         return [*head, f"No rows yet: `moetune bench run {s.name}`.", ""]
     # the latest launch (ties on the date broken by the launch and its batch, never by the rows' order), then its batch
@@ -1399,8 +1401,8 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         kind = f"MODELLED (predictions, not measurements; rows {made})"
     lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {latest['hardware']}"
              f"{', GPU ' + latest['gpu'] if latest['gpu'] not in ('', 'none') else ''}; metric `{metric}` ({unit}); "
-             f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} within a launch, median over the "
-             f"launches that ran both (> 1: better than `{bname}`; -: never run beside it).", "",
+             f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} (> 1: better than `{bname}`).",
+             "",
              "| case | launches | median | p10 | p90 | ratio |", "| --- | --- | --- | --- | --- | --- |"]
     also: dict[str, list[str]] = {}  # why -> the cases with numbers that failed so in other launches of the batch
     for c in shown:
@@ -1456,7 +1458,8 @@ def summarize(scenarios: dict[str, Scenario], rows: list[dict[str, str]], source
         "launches) and appends stamped rows (git SHA, versions, GPU, fabric fingerprint, exact command). Tables",
         "show each scenario's latest batch (one git SHA and dirty flag, one machine, one kind of run): per case the",
         "median over launches of each launch's median / p10 / p90, and the ratio to the baseline paired within each",
-        "launch. The run history, the reasoning and",
+        "launch (baseline / case for times, case / baseline for rates: > 1 is better; the median over the launches",
+        "that ran both; - where the case never ran beside the baseline). The run history, the reasoning and",
         *imported,
         "",
     ]
