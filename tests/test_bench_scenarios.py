@@ -98,6 +98,19 @@ def test_a_scenario_setting_a_variable_that_cannot_work_is_refused_when_read(tmp
         S.load(tmp_path / "y.toml")
 
 
+@pytest.mark.timeout(180)
+def test_the_ep_driver_hands_a_cases_options_to_its_buffer(tmp_path: Path) -> None:
+    """A case's runtime options reach the EP buffer of that case only (one spawned world for both cases): three chunk
+    weights for two pipeline chunks are refused there, naming the option; the case without options runs."""
+    args = {"model": "custom:64,32,8,2", "tokens": 8, "iters": 2, "warmup": 1, "layer": False, "layout": "dense",
+            "knobs": "pipeline_depth=2"}
+    cases = [S.Resolved("plain", dict(args), {}), S.Resolved("weights", dict(args), {}, {"chunk_weights": [1.0, 2.0, 3.0]})]
+    out = S.DRIVERS["ep"](cases, S.Ctx(world=2, backend="gloo", smoke=True, tmp=tmp_path))
+    assert not out[0].error and out[0].metrics, out[0]
+    assert "chunk_weights" in out[1].error and not out[1].metrics, out[1]
+    assert out[1].command.startswith("MOETUNE_EP_CHUNK_WEIGHTS=1.0,2.0,3.0 moetune bench ep"), out[1].command
+
+
 def test_plan_puts_the_baseline_first_and_last() -> None:
     s = SCENARIOS["host-staged-fp8-pipelined"]
     seq = [c.name for c in S.plan(s, None, smoke=False)]
