@@ -25,7 +25,7 @@ from moetune.runtime import _proc
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.search import study as study_mod
-from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.backends import CallableBackend, Measurement, TuneWorkload
 from moetune.tuner.search.interrupt_guard import deliver, guarded
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
@@ -337,3 +337,49 @@ def test_tune_interrupted_inside_ask_says_so_and_resumes(tmp_path: Path, monkeyp
     assert r.exit_code == 0, r.output
     assert [row["trials"] for row in json.loads(r.output)] == [8]
     assert _running(study) == []
+
+
+class _Raising(CallableBackend):
+    """A backend whose evaluate raises (CallableBackend turns an exception of `fn` into a failed measurement)."""
+
+    def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: Any = None) -> Any:
+        v = float(self.fn(knobs, workload))  # type: ignore[arg-type]
+        return Measurement(v, 0.0, [v], True)
+
+
+@pytest.mark.parametrize("cut_by", ["second Ctrl-C", "error"])
+def test_a_trial_failed_before_its_objective_tagged_it_is_cut_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   cut_by: str) -> None:
+    """A second Ctrl-C landing in the objective's own clean-up of the first (before it tagged the trial `interrupted`),
+    or an error raised out of the objective: Optuna fails the trial with neither the tag nor a measurement's `error`.
+    It was counted a finished, failed trial (and the policy default it carried was never measured); it is cut short:
+    none of the budget, no failure, its warm-start point measured when the study is opened again."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    space = _space()
+    calls: list[int] = []
+
+    def first_cut(k: Knobs, _w: Any) -> float:
+        calls.append(1)
+        if len(calls) == 1:  # the first trial: the policy default (the warm start comes first)
+            if cut_by == "error":
+                raise RuntimeError("backend broke")
+            raise KeyboardInterrupt
+        return value(k)
+
+    def second_interrupt(_e: BaseException) -> str:  # lands in the objective's handler, before the tag is written
+        raise KeyboardInterrupt
+
+    study = open_study("moetune/t", url, seed=0)
+    with monkeypatch.context() as mp:
+        mp.setattr(study_mod, "cut_short_by", second_interrupt)
+        with pytest.raises((KeyboardInterrupt, RuntimeError)):
+            run_study(study, space, _Raising(first_cut), WL, trials=TRIALS)
+    [t] = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    assert INTERRUPTED not in t.user_attrs and "error" not in t.user_attrs and t.user_attrs["warm_start"]
+    assert finished_trials(study) == 0  # none of the budget
+    res = run_study(open_study("moetune/t", url, seed=0), space, _Raising(first_cut), WL, trials=TRIALS)
+    assert res.trials == res.complete == TRIALS and res.failed == 0
+    assert res.default_value == pytest.approx(value(space.policy.defaults))  # its point enqueued again
+    # opened again: neither counted nor its point enqueued a second time
+    res = run_study(open_study("moetune/t", url, seed=0), space, _Raising(first_cut), WL, trials=TRIALS)
+    assert res.trials == TRIALS and len(calls) == TRIALS + 1 and _running(study) == []

@@ -18,8 +18,8 @@
   measures something else opens its own study.
 - Trial budget: finished trials (complete, pruned, failed) of the study count, so a rerun after a
   crash only runs what is missing and several workers on one study stop together. A trial cut short
-  (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted`: it
-  is not a finished trial, and a warm-start point it carried is enqueued again (the policy default is
+  (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted` (a FAIL with
+  no `error` is one too: `is_interrupted`): it is not a finished trial, and a warm-start point it carried is enqueued again (the policy default is
   measured even when its first run was the one interrupted). No trial this process made RUNNING is left so by an
   interrupt or an error, wherever it lands (inside Optuna's `ask()` or `tell()` too: `fail_in_flight`).
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
@@ -634,7 +634,8 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: i
                n_startup_trials: int = 10, pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
     """Create or load the study. On SQLite this process registers itself in it and fails the running trials of
     processes that are gone (`fail_interrupted`), before it asks for any trial. With heartbeats (a server storage) a
-    running trial without a heartbeat is given one (`beat_unbeaten`) and the stale ones are failed."""
+    running trial without a heartbeat is given one (`beat_unbeaten`) and the stale ones are failed. A trial failed
+    before its objective tagged it has its warm-start point enqueued again (`record_untagged`)."""
     st = make_storage(storage) if isinstance(storage, str) else storage
     study = optuna.create_study(study_name=name, storage=st, direction="minimize", load_if_exists=True,
                                 sampler=make_sampler(seed, n_startup_trials), pruner=pruner or optuna.pruners.NopPruner())
@@ -645,6 +646,7 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: i
         with warnings.catch_warnings():  # "experimental": a note for Optuna users, not ours
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)  # before the budget is counted (Optuna's loop does it per trial)
+    record_untagged(study)
     return study
 
 
@@ -834,6 +836,23 @@ def fail_interrupted(study: optuna.Study) -> int:
     return n
 
 
+def record_untagged(study: optuna.Study) -> int:
+    """Record in the study (`interrupted:<id>`, as a stale trial is) each FAIL trial cut short before its objective
+    tagged it (no `interrupted` tag, no `error`: `is_interrupted`), and enqueue again the warm-start point it carried,
+    which its objective's handler did not. Each is claimed by one INSERT (`_claim_study_attr`): of two processes
+    opening the study at once one enqueues it, once. Returns how many this call recorded."""
+    recorded = interrupted_ids(study)
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        if INTERRUPTED in t.user_attrs or "error" in t.user_attrs or t._trial_id in recorded:
+            continue
+        if not _claim_study_attr(study, f"{INTERRUPTED}:{t._trial_id}", "failed before its objective tagged it"):
+            continue
+        n += 1
+        requeue_warm_start(study, t._trial_id)
+    return n
+
+
 def cut_short_by(e: BaseException) -> str:
     """What the `interrupted` attr of a trial that `e` cut short says: Ctrl-C or SIGTERM where `e` is one or was
     raised while one unwound (Optuna's "UnboundLocalError: ... 'updated_state'" after an interrupt in its tell)."""
@@ -906,7 +925,12 @@ def _interrupted_ids(storage: optuna.storages.BaseStorage, study_id: int) -> set
 
 
 def is_interrupted(t: optuna.trial.FrozenTrial, ids: set[int] | frozenset[int] = frozenset()) -> bool:
-    return t.state == TrialState.FAIL and (INTERRUPTED in t.user_attrs or t._trial_id in ids)
+    """A FAIL trial cut short, not a failed measurement: tagged `interrupted`, recorded in the study (`ids`), or
+    failed with no `error`. The objective writes a failed measurement's `error` before it returns (before Optuna's
+    FAIL); its interrupt handler's tag can be missed (a second Ctrl-C before it is written, an error raised out of the
+    objective), and Optuna then fails the trial with neither: such a trial measured nothing."""
+    return t.state == TrialState.FAIL and (INTERRUPTED in t.user_attrs or t._trial_id in ids
+                                           or "error" not in t.user_attrs)
 
 
 def finished_trials(study: optuna.Study) -> int:
@@ -1029,8 +1053,8 @@ class _Objective:
         if m.infeasible:
             trial.set_user_attr("infeasible", m.error or "infeasible")
             raise optuna.TrialPruned(f"infeasible: {m.error}")
-        if not m.ok:
-            trial.set_user_attr("error", m.error or "failed")
+        if not m.ok or math.isnan(m.median_us):  # a FAIL with its `error`: a failure, not a trial cut short
+            trial.set_user_attr("error", m.error or ("failed" if not m.ok else "no time measured (NaN)"))
             return math.nan  # recorded as FAIL; the study goes on
         trial.set_user_attr("spread_us", float(m.spread_us))
         if m.pruned:
@@ -1062,20 +1086,29 @@ def _claim_warm_point(study: optuna.Study, params: dict[str, Any], name: str) ->
     enqueued it (Optuna#2925). The claim is one INSERT of a study system attr: Optuna's table has a unique
     (study_id, key), so of two processes exactly one inserts it. A process killed between its claim and its
     enqueue loses that point for the study (TPE still runs). Another storage (in memory) is one process's: True."""
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _claim_study_attr(study, WARM_POINT_KEY + digest, {"name": name, "worker": current_worker()})
+
+
+def _claim_study_attr(study: optuna.Study, key: str, value: Any) -> bool:
+    """Set study system attr `key` unless it is set: one INSERT on an RDB storage (Optuna's table has a unique
+    (study_id, key); Optuna's own setter overwrites), so of two processes exactly one gets True. Another storage (in
+    memory) is one process's: set when missing."""
     import sqlalchemy
 
     backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
     if not isinstance(backend, optuna.storages.RDBStorage):
+        if key in study._storage.get_study_system_attrs(study._study_id):
+            return False
+        study._storage.set_study_system_attr(study._study_id, key, value)
         return True
-    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
     try:
-        with backend.engine.begin() as conn:
+        with uninterrupted(), backend.engine.begin() as conn:  # a storage call as Optuna's are (`GuardedRDBStorage`)
             conn.execute(sqlalchemy.text("INSERT INTO study_system_attributes (study_id, key, value_json) "
                                          "VALUES (:s, :k, :v)"),
-                         {"s": study._study_id, "k": WARM_POINT_KEY + digest,
-                          "v": json.dumps({"name": name, "worker": current_worker()})})
+                         {"s": study._study_id, "k": key, "v": json.dumps(value)})
     except sqlalchemy.exc.IntegrityError:
-        return False  # another process (or an earlier run) enqueued it
+        return False  # another process (or an earlier run) set it
     return True
 
 
