@@ -3,6 +3,7 @@ command exits 1 and a rerun tunes that bucket again; a failed microbenchmark is 
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -89,6 +90,29 @@ def test_a_bucket_whose_trials_all_failed_is_shown_fails_the_command_and_is_tune
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3, states
     report = (profile_cli.db.parent / "report" / "report.md").read_text()
     assert "every trial failed" not in report
+
+
+def test_why_a_bucket_gave_nothing_comes_from_the_tune_not_a_second_read_of_the_study(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first failure of a bucket without a result is recorded where the study is tuned (its StudyResult) and
+    passed on: the bring-up loaded the study again by name from the storage it guessed, and said nothing of the
+    cause where that read failed."""
+    from rich.console import Console
+
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    plan = Plan(models=["qwen3-30b"], tokens=[16], trials=3, repeats=1, iters=5, compare_rounds=1)
+    b = Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                console=Console(file=io.StringIO()), capture=CAPTURES / "h200x1",
+                storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=times_out)
+
+    def unreadable(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("the studies file cannot be read now")
+
+    monkeypatch.setattr(optuna, "load_study", unreadable)
+    [row] = b.stage_tune()
+    assert row["failed"].startswith("not stored: every trial failed (") and "timed out after 0.5 s" in row["failed"]
+    assert any("timed out after 0.5 s" in why for why in b.failed), b.failed
 
 
 class Bench:

@@ -254,8 +254,10 @@ def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Pa
 
     import optuna
 
-    from moetune.tuner.cli.tune import _first_failure
-    from moetune.tuner.search.study import open_study
+    from moetune.tuner.search.study import first_failure, open_study
+
+    def _first_failure(url: str, name: str) -> str:
+        return first_failure(optuna.load_study(study_name=name, storage=url))
 
     # host:pid without a run id: an earlier process whose pid this one reuses, i.e. a process that is gone
     gone = f"{socket.gethostname()}:{os.getpid()}"

@@ -613,23 +613,15 @@ class Bringup:
                                       == (k.hidden, k.intermediate, k.experts, k.topk))})
         return out
 
-    def _no_result(self, r: Any) -> str:
-        """Why the study of `r` (a TuneResult) gave no candidate: every trial failed, and the first failure's error."""
-        why = ""
-        try:
-            import optuna
-
-            from moetune.tuner.search.study import default_storage_url, first_failure
-
-            url = self.storage or default_storage_url(self.store.path)
-            why = first_failure(optuna.load_study(study_name=r.study.study_name, storage=url))
-        except Exception:  # the reason is a courtesy: never fail the stage for it
-            why = ""
+    @staticmethod
+    def _no_result(r: Any) -> str:
+        """Why the study of `r` (a TuneResult) gave no candidate: every trial failed, and the first failure's error
+        (recorded by the tune as it summed the study up: the study is not loaded again here)."""
         s = r.study
         what = ("every trial failed" if s.trials and s.failed == s.trials else
                 f"no successful trial ({s.failed} failed, {s.pruned} pruned of {s.trials})" if s.trials else
                 str(r.reason or "no trial ran"))
-        return f"{what} ({why})" if why else what
+        return f"{what} ({s.first_error})" if s.first_error else what
 
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default (and the current stored profile) for every bucket, measured side by

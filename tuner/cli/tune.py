@@ -538,7 +538,7 @@ def tune(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         _budget_ended(results, trials, timeout, budget_from)
-        _no_success(no_trial, len(results), url)
+        _no_success(no_trial, len(results))
         _nothing_stored(results)
         return
     from rich import box
@@ -580,7 +580,7 @@ def tune(
     if scale:
         c.print(f"[yellow]note[/yellow]: {escape(scale)}")
     _budget_ended(results, trials, timeout, budget_from)
-    _no_success(no_trial, len(results), url)
+    _no_success(no_trial, len(results))
     _nothing_stored(results)
 
 
@@ -721,20 +721,7 @@ def _budget_ended(results: list, asked: int, timeout: float | None, source: str)
     err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume", soft_wrap=False)
 
 
-def _first_failure(url: str, study_name: str) -> str:
-    """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded.
-    A trial cut short (its process died, Ctrl-C) says nothing of the setting: a real failure's error comes first."""
-    try:
-        import optuna
-
-        from moetune.tuner.search.study import first_failure, make_storage
-
-        return first_failure(optuna.load_study(study_name=study_name, storage=make_storage(url)))
-    except Exception:  # the reason is a courtesy: never fail the summary for it
-        return ""
-
-
-def _no_success(failed: list, total: int, url: str) -> None:
+def _no_success(failed: list, total: int) -> None:
     """Name the studies without a successful trial on stderr; exit 1 when that is every study (nothing measured)."""
     if not failed:
         return
@@ -744,7 +731,7 @@ def _no_success(failed: list, total: int, url: str) -> None:
             err.print(f"[yellow]{what}: no trial, the time budget ended before this study started[/yellow]",
                       soft_wrap=False)
             continue
-        why = _first_failure(url, r.study.study_name)
+        why = r.study.first_error  # recorded as the tune summed the study up (a real failure before a cut trial)
         err.print(f"[yellow]{what}: no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""),
                   soft_wrap=False)
     if len(failed) == total:

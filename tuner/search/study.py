@@ -953,8 +953,11 @@ def failed_before(study: optuna.Study) -> int:
 def first_failure(study: optuna.Study) -> str:
     """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded. A trial
     cut short (its process died, Ctrl-C) says nothing of the setting: a real failure's error comes first."""
-    cut = interrupted_ids(study)
-    failed = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.FAIL and t.user_attrs.get("error")]
+    return _first_error(study.get_trials(deepcopy=False), interrupted_ids(study))
+
+
+def _first_error(trials: Sequence[optuna.trial.FrozenTrial], cut: set[int]) -> str:
+    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("error")]
     first = next((t for t in failed if not is_interrupted(t, cut)), failed[0] if failed else None)
     return str(first.user_attrs["error"]) if first is not None else ""
 
@@ -981,6 +984,9 @@ class StudyResult:
     pruned: int
     default_value: float | None = None
     top: list[Knobs] = field(default_factory=list)
+    # the error of the first failed trial (`first_failure`), read as the study is summed up: why a study without a
+    # successful trial gave nothing, for the caller to say without loading the study again ("" where none failed)
+    first_error: str = ""
 
 
 @dataclass
@@ -1199,7 +1205,8 @@ def summarize_study(study: optuna.Study, space: SearchSpace, workload: TuneWorkl
     count = {s: sum(1 for t in trials if t.state == s and not is_interrupted(t, cut)) for s in FINISHED}
     return StudyResult(study.study_name, space.policy.family, workload, best_knobs, best,
                        trials=sum(count.values()), complete=count[TrialState.COMPLETE], failed=count[TrialState.FAIL],
-                       pruned=count[TrialState.PRUNED], default_value=default_value, top=top)
+                       pruned=count[TrialState.PRUNED], default_value=default_value, top=top,
+                       first_error=_first_error(trials, cut))
 
 
 # ---------------------------------------------------------------------------------------------------
