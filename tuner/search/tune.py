@@ -408,7 +408,9 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
               neighbour: BucketPrior | None = None, inert: str = "", recheck: bool = True,
               stop: Callable[[], bool] | None = None) -> TuneResult:
     until = None if timeout_s is None else time.monotonic() + timeout_s  # this study's end of the time budget
-    run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label) if store is not None else None
+    started = store_now()  # the run's row is made once the study is open (or at its end: `finally`)
+    run_id: int | None = None
+    repeat = False
     status = "failed"
     result: StudyResult | None = None
     study: optuna.Study | None = None
@@ -418,6 +420,13 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         study.set_user_attr("key", key.to_dict())
         # a study of failed trials only runs its whole budget again (`failed_before`): its bar counts from 0
         base = failed_before(study)
+        # The study holds its trials and a run of it is recorded done: run again (`tune`/`profile` a second time) it
+        # runs no trial, and a second "done" row recorded the same work twice. The first row stands for it: this run
+        # makes a row only where it ends otherwise (failed, interrupted), which the history must show (`finally`).
+        repeat = (store is not None and finished_trials(study) - base >= trials
+                  and store.has_done_run(study_name=name, storage=_redact(url)))
+        if store is not None and not repeat:
+            run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
         task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study) - base)
 
         def cb(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
@@ -473,6 +482,9 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         status = "interrupted"
         raise
     finally:
+        if store is not None and run_id is None and not (repeat and status == "done"):
+            # it ended before its row was made (opening the study failed), or a repeat ended otherwise than done
+            run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
         if store is not None and run_id is not None:
             best_value = result.best.median_us if result is not None and result.best is not None else None
             store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),

@@ -812,11 +812,13 @@ class Store:
             return [_row(m) for m in s.scalars(q)]
 
     # -- tuning runs -------------------------------------------------------------------------------
-    def start_run(self, *, study_name: str, storage: str, backend: str) -> int:
+    def start_run(self, *, study_name: str, storage: str, backend: str, started: str | None = None) -> int:
+        """A `running` row of this process; `started`: when the run began where the row is made after it (a `now()`
+        text; default now)."""
         with self._write() as s:
             r = TuningRun(
-                study_name=study_name, storage=storage, backend=backend, status="running", trials=0, started=now(),
-                owner=run_owner(),
+                study_name=study_name, storage=storage, backend=backend, status="running", trials=0,
+                started=started or now(), owner=run_owner(),
             )
             s.add(r)
             s.flush()
@@ -845,6 +847,14 @@ class Store:
                 s.execute(update(TuningRun).where(TuningRun.id.in_(gone), TuningRun.status == "running")
                           .values(status="interrupted", ended=now()))
         return gone
+
+    @_retried
+    def has_done_run(self, *, study_name: str, storage: str) -> bool:
+        """Whether a run of study `study_name` in `storage` (as `start_run` recorded them) ended `done`."""
+        with self._read() as s:
+            return s.execute(select(TuningRun.id).where(TuningRun.study_name == study_name,
+                                                        TuningRun.storage == storage, TuningRun.status == "done")
+                             .limit(1)).first() is not None
 
     @_retried
     def list_runs(self, limit: int = 100) -> list[Row]:

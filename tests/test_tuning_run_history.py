@@ -1,0 +1,68 @@
+"""The `tuning_runs` history of a study run again: a study that finished, tuned again with the same settings (`moetune
+tune` or `moetune profile` run a second time), runs no trial; it recorded a second `done` row of the same work. The
+first row stands for it: nothing new is recorded, unless the run adds trials or ends otherwise (failed, interrupted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.shapes import get_model
+from moetune.tuner.store.store import Store
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _tune(store: Store, tmp_path: Path, trials: int, **kw: Any) -> Any:
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    return tune_profiles_detailed(store, None, models=[get_model("qwen3-30b")], tokens=[128], backend="model",
+                                  preset="nvlink-h200x2", trials=trials, storage=f"sqlite:///{tmp_path / 'st.db'}",
+                                  families=["nvlink"], **kw)
+
+
+def test_a_finished_study_tuned_again_records_no_second_done_row(tmp_path: Path) -> None:
+    with Store(tmp_path / "m.db") as s:
+        _tune(s, tmp_path, 4)
+        [first] = s.list_runs()
+        assert (first["status"], first["trials"]) == ("done", 4)
+        again = _tune(s, tmp_path, 4)
+        assert again[0].study.trials == 4 and again[0].record is not None  # the result is given as before
+        assert [dict(r) for r in s.list_runs()] == [dict(first)]  # the first row, as it was
+        _tune(s, tmp_path, 6)  # more trials asked: the study runs again, a run of its own
+        runs = s.list_runs()
+        assert [(r["status"], r["trials"]) for r in runs] == [("done", 6), ("done", 4)]
+
+
+def test_a_finished_study_whose_rerun_fails_records_the_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.search import tune
+
+    with Store(tmp_path / "m.db") as s:
+        _tune(s, tmp_path, 3)
+
+        def broken(*_a: Any, **_k: Any) -> Any:
+            raise RuntimeError("disk gone")
+
+        monkeypatch.setattr(tune, "_write_profile", broken)
+        with pytest.raises(RuntimeError, match="disk gone"):
+            _tune(s, tmp_path, 3)
+        runs = s.list_runs()
+        assert [(r["status"], r["trials"]) for r in runs] == [("failed", 3), ("done", 3)]
+        assert runs[0]["started"] <= runs[0]["ended"]
+
+
+def test_tune_run_twice_keeps_one_done_row(tmp_path: Path) -> None:
+    from moetune.tuner.cli import app
+
+    db = tmp_path / "m.db"
+    args = ["tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
+            "--trials", "3", "--db", str(db), "--json"]
+    for _ in range(2):
+        r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
+        assert r.exit_code == 0, r.output
+    with Store(db) as s:
+        assert [(r["status"], r["trials"]) for r in s.list_runs()] == [("done", 3)]
