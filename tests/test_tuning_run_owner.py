@@ -128,3 +128,35 @@ def test_an_interrupted_run_records_the_trials_that_finished(tmp_path: Path) -> 
                                    families=["nvlink"], on_trial=stop_after_three)
         [run] = s.list_runs()
     assert run["status"] == "interrupted" and run["trials"] >= 2, run
+
+
+KILLED_MID_TUNE = """
+import os, signal, sys
+from moetune.runtime.shapes import get_model
+from moetune.tuner.search.tune import tune_profiles_detailed
+from moetune.tuner.store.store import Store
+seen = []
+def kill_after_three(_name, _study, _trial):
+    seen.append(1)
+    if len(seen) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+s = Store(sys.argv[1])
+tune_profiles_detailed(s, None, models=[get_model("qwen3-30b")], tokens=[128], backend="model", preset="nvlink-h200x2",
+                       trials=10, storage="sqlite:///" + sys.argv[2], families=["nvlink"], on_trial=kill_after_three)
+"""
+
+
+def test_a_killed_runs_row_keeps_the_trials_it_had_finished(tmp_path: Path) -> None:
+    """A run killed with kill -9 after trials had finished: its row, closed `interrupted` by the next run, recorded
+    trials 0. The row counts the finished trials as they finish, so the count reached stands."""
+    db = tmp_path / "m.db"
+    p = subprocess.run([sys.executable, "-c", KILLED_MID_TUNE, str(db), str(tmp_path / "st.db")],
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    with Store(db) as s:
+        [run] = s.list_runs()
+        assert run["status"] == "running"
+        assert s.close_orphaned_runs() == [run["id"]]
+        [run] = s.list_runs()
+    assert run["status"] == "interrupted" and run["trials"] == 3 and run["best_value"] is not None, run

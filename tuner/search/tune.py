@@ -67,6 +67,7 @@ from moetune.tuner.search.study import (
     study_config,
     study_name,
 )
+from moetune.tuner.store import StoreError
 from moetune.tuner.store import now as store_now
 
 if TYPE_CHECKING:
@@ -429,8 +430,14 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
         task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study) - base)
 
+        noted = [-1]  # the finished trials the run's row holds
+
         def cb(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
-            bar.update(task, finished_trials(s) - base, _best_value(s))
+            done, best = finished_trials(s), _best_value(s)
+            bar.update(task, done - base, best)
+            if run_id is not None and done != noted[0]:
+                noted[0] = done
+                _note_run(store, run_id, done, best)
             if on_trial is not None:
                 on_trial(name, s, t)
 
@@ -489,6 +496,15 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             best_value = result.best.median_us if result is not None and result.best is not None else None
             store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),
                              best_value=best_value)
+
+
+def _note_run(store: Any, run_id: int, trials: int, best: float | None) -> None:
+    """The count reached, in the run's row as trials finish (what a run killed before its `finish_run` keeps). Best
+    effort: the study holds the trials, and a store that cannot be written fails the profile's write itself."""
+    try:
+        store.note_run(run_id, trials=trials, best_value=best)
+    except StoreError as e:
+        log.debug("tuning run %s: trial count not recorded: %s", run_id, e)
 
 
 def _finished_or_0(study: optuna.Study | None) -> int:

@@ -834,10 +834,19 @@ class Store:
             if n != 1:
                 raise StoreError(f"no tuning run {run_id}")
 
+    def note_run(self, run_id: int, *, trials: int, best_value: float | None) -> None:
+        """The trials a `running` run has finished so far and its best value: kept as they are reached, so a run that
+        never gets to `finish_run` (kill -9, a full disk) keeps them when `close_orphaned_runs` closes it. A row that
+        has ended is left as it is."""
+        with self._write() as s:
+            s.execute(update(TuningRun).where(TuningRun.id == run_id, TuningRun.status == "running")
+                      .values(trials=trials, best_value=best_value))
+
     def close_orphaned_runs(self) -> list[int]:
         """Mark `interrupted` the runs left `running` by a process that is gone (killed with kill -9, or stopped by a
-        full disk before its `finish_run`), by the owner each recorded (`run_owner`); the ids marked. A row of a live
-        process, of another host, or without an owner (stored before schema 0008) is never touched."""
+        full disk before its `finish_run`), by the owner each recorded (`run_owner`); the ids marked. Their `trials`
+        and `best_value` stay those the run reached (`note_run`). A row of a live process, of another host, or without
+        an owner (stored before schema 0008) is never touched."""
         with self._read() as s:  # the write lock only where a row is to be closed (every tune and profile asks)
             rows = s.execute(select(TuningRun.id, TuningRun.owner)
                              .where(TuningRun.status == "running", TuningRun.owner.is_not(None))).all()
