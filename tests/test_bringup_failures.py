@@ -203,6 +203,55 @@ def test_an_interrupted_compare_stage_resumes_with_the_buckets_left(tmp_path: Pa
     assert sorted(r["tokens"] for r in again.state.result("compare")) == [16, 64]
 
 
+@pytest.mark.parametrize("written_by", ["this version", "an older version"])
+def test_compared_buckets_are_kept_under_their_own_state_key(tmp_path: Path, written_by: str) -> None:
+    """The buckets the compare stage compared and stored are kept in the state under `compared` (kept once the stage
+    is done, cleared only by --restart), not as a special case of the unfinished stages' `partial` parts; a state an
+    older version wrote (`partial.compare`) still resumes without measuring them again."""
+    from rich.console import Console
+
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    calls: list[int] = []
+    cut = {"at": None}
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        calls.append(wl.tokens)
+        if cut["at"] == wl.tokens:
+            cut["at"] = None
+            raise KeyboardInterrupt
+        return flat(knobs, wl)
+
+    def bringup() -> Any:
+        plan = Plan(models=["qwen3-30b"], tokens=[16, 64], trials=3, repeats=1, iters=5, compare_rounds=1)
+        return Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                       console=Console(file=io.StringIO()), capture=CAPTURES / "h200x1",
+                       storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=measure)
+
+    b = bringup()
+    for stage in ("discover", "microbench", "calibrate", "tune"):
+        b.state.mark(stage, [] if stage == "microbench" else {"skipped": "test"} if stage == "calibrate"
+                     else getattr(b, f"stage_{stage}")())
+    cut["at"] = 64
+    with pytest.raises(KeyboardInterrupt):
+        b.stage_compare()
+    saved = json.loads(b.state.path.read_text())
+    assert [k.split("/")[2] for k in saved["compared"]] == ["S=16"] and "compare" not in saved.get("partial", {})
+    if written_by == "an older version":
+        saved.setdefault("partial", {})["compare"] = saved.pop("compared")
+        b.state.path.write_text(json.dumps(saved))
+
+    calls.clear()
+    again = bringup()
+    again.run()
+    assert 16 not in calls and 64 in calls, calls
+    saved = json.loads(again.state.path.read_text())
+    assert sorted(k.split("/")[2] for k in saved["compared"]) == ["S=16", "S=64"]  # kept once the stage is done
+    assert "compare" not in saved.get("partial", {})
+    again.state.restart()
+    assert "compared" not in again.state.data
+
+
 def test_a_finished_bring_up_writes_its_report_again(profile_cli: Any, monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Path) -> None:
     """Once the report stage was done, a rerun named the earlier report, deleted or not, and ignored --report-dir."""

@@ -28,9 +28,6 @@ from moetune.tuner.store.atomic_files import write_atomic
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
 MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is this fingerprint's
-# stages whose finished parts are kept once done: run again after a stage before it ran (`Bringup.run`), the compare
-# stage measures only the buckets whose tuned setting is new, not again those it compared and stored
-KEPT_PARTS = ("compare",)
 
 
 @dataclass
@@ -161,7 +158,8 @@ LEGACY_STATE = "bringup-{}.json"  # the state file of every database of a folder
 
 
 class BringupState:
-    """Completed stages and their results (and a stage's finished parts), persisted atomically after each."""
+    """Completed stages and their results (an unfinished stage's finished parts, the buckets compared), persisted
+    atomically after each."""
 
     def __init__(self, path: Path, fingerprint: str, plan: Plan, *, persist: bool = True, db: str = ""):
         self.path = path
@@ -189,6 +187,9 @@ class BringupState:
             # Resume only the same node and the same plan; anything else starts over.
             elif old.get("fingerprint") == fingerprint and old.get("plan") == asdict(plan):
                 self.data = old
+                kept = (old.get("partial") or {}).pop("compare", None)
+                if kept and "compared" not in old:  # an older version kept them as the compare stage's partial parts
+                    old["compared"] = kept
             else:
                 if old.get("fingerprint") == fingerprint and old.get("study_tag"):
                     # a new plan on this node tunes in the studies of its latest restart, not in those it gave up
@@ -224,8 +225,7 @@ class BringupState:
             self.data.setdefault("failed", {})[stage] = list(failed)
         else:
             self.data.get("failed", {}).pop(stage, None)
-            if stage not in KEPT_PARTS:
-                self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
+            self.data.get("partial", {}).pop(stage, None)  # the stage's result now holds its parts
         self.save()
 
     def partial(self, stage: str) -> dict[str, Any]:
@@ -234,6 +234,17 @@ class BringupState:
 
     def keep_partial(self, stage: str, parts: dict[str, Any]) -> None:
         self.data.setdefault("partial", {})[stage] = parts
+        self.save()
+
+    def compared(self) -> dict[str, Any]:
+        """The buckets the compare stage compared and stored, by part ("FAMILY/MODEL/S=N/EPn": the tuned setting it
+        compared and its row). Unlike `partial` parts they are kept once the stage is done: run again after the tune
+        stage ran again, it measures only the buckets whose tuned setting is new. Cleared by `restart` (and a state
+        that starts over); a state of an older version kept them as `partial` parts of "compare" (read as these)."""
+        return dict(self.data.get("compared") or {})
+
+    def keep_compared(self, parts: dict[str, Any]) -> None:
+        self.data["compared"] = parts
         self.save()
 
     @property
@@ -645,7 +656,7 @@ class Bringup:
         tuned_rows = self.state.result("tune") or []
         # each bucket compared (and stored) is kept at once: a rerun after an interruption, or after an earlier stage
         # ran again, compares only the buckets left, not again one whose profile and row it stored
-        finished = self.state.partial("compare")
+        finished = self.state.compared()
         # a bar: this stage runs rounds x 2 settings x repeats per bucket, minutes on a GPU node
         task = self.progress.add("tuned vs default", len(tuned_rows))
         for i, t in enumerate(tuned_rows):
@@ -741,7 +752,7 @@ class Bringup:
                                                   for k, v in row.items()})
             out.append(row)
             finished[part] = {"tuned": tuned_as, "row": row}
-            self.state.keep_partial("compare", finished)
+            self.state.keep_compared(finished)
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
         return out
 
