@@ -252,6 +252,92 @@ def test_compared_buckets_are_kept_under_their_own_state_key(tmp_path: Path, wri
     assert "compared" not in again.state.data
 
 
+def _compare_bringup(tmp_path: Path, calls: list[int]) -> Any:
+    """A bring-up of S=16 and S=64 with the stages before compare done; `calls` gets each measured token count."""
+    from rich.console import Console
+
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        calls.append(wl.tokens)
+        return flat(knobs, wl)
+
+    plan = Plan(models=["qwen3-30b"], tokens=[16, 64], trials=3, repeats=1, iters=5, compare_rounds=1)
+    b = Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                console=Console(file=io.StringIO()), capture=CAPTURES / "h200x1",
+                storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=measure)
+    for stage in ("discover", "microbench", "calibrate", "tune"):
+        if not b.state.done(stage):
+            b.state.mark(stage, [] if stage == "microbench" else {"skipped": "test"} if stage == "calibrate"
+                         else getattr(b, f"stage_{stage}")())
+    return b
+
+
+def _compared_rows(b: Any) -> list[dict[str, Any]]:
+    return [m["extra"] for m in b.store.list_measurements(fingerprint=b.facts.fingerprint)
+            if m["kind"] == "tuned_vs_default"]
+
+
+def test_a_bucket_stored_before_the_state_was_saved_is_not_compared_again(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after the S=16 bucket's profile and row were stored, before the state kept it: the rerun measured S=16
+    again (a second tuned_vs_default row, the profile measured anew). It finds what was stored and keeps it."""
+    from moetune.tuner.bringup.flow import BringupState
+
+    calls: list[int] = []
+    b = _compare_bringup(tmp_path, calls)
+    real = BringupState.keep_compared
+
+    def killed(self: Any, parts: dict[str, Any]) -> None:
+        raise KeyboardInterrupt  # as a kill at this point: the state file is not written
+
+    with monkeypatch.context() as mp:
+        mp.setattr(BringupState, "keep_compared", killed)
+        with pytest.raises(KeyboardInterrupt):
+            b.stage_compare()
+    assert BringupState.keep_compared is real
+    [stored] = _compared_rows(b)
+    assert stored["tokens"] == 16 and "compared" not in json.loads(b.state.path.read_text())
+    profiles = b.store.list_profiles()
+
+    calls.clear()
+    again = _compare_bringup(tmp_path, calls)  # a new process, the same state file
+    rows = again.stage_compare()
+    assert 16 not in calls and 64 in calls, calls
+    assert sorted(r["tokens"] for r in _compared_rows(again)) == [16, 64]  # no second row of S=16
+    assert len(again.store.list_profiles()) == len(profiles) + 1
+    row16 = next(r for r in rows if r["tokens"] == 16)
+    assert {k: v for k, v in stored.items() if k in row16} == row16 and "compared_as" not in row16
+    assert sorted(again.state.compared()) == sorted(f"megakernel/qwen3-30b/S={n}/EP1" for n in (16, 64))
+
+
+def test_a_bucket_is_stored_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between the bucket's profile and its tuned_vs_default row: the profile was stored without the row that
+    says it was compared. Both are one transaction: neither is stored, and the rerun compares the bucket."""
+    from moetune.tuner.store.store import Store
+
+    calls: list[int] = []
+    b = _compare_bringup(tmp_path, calls)
+    real = Store.add_measurement
+
+    def killed(self: Any, **kw: Any) -> int:
+        if kw.get("kind") == "tuned_vs_default":
+            raise KeyboardInterrupt
+        return real(self, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Store, "add_measurement", killed)
+        with pytest.raises(KeyboardInterrupt):
+            b.stage_compare()
+    assert b.store.list_profiles() == [] and _compared_rows(b) == []
+    calls.clear()
+    again = _compare_bringup(tmp_path, calls)
+    again.stage_compare()
+    assert 16 in calls and 64 in calls
+    assert sorted(r["tokens"] for r in _compared_rows(again)) == [16, 64]
+    assert sorted(r.key.token_bucket for _i, r in again.store.list_profiles()) == [16, 64]
+
+
 def test_a_finished_bring_up_writes_its_report_again(profile_cli: Any, monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Path) -> None:
     """Once the report stage was done, a rerun named the earlier report, deleted or not, and ignored --report-dir."""

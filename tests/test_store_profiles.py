@@ -252,3 +252,22 @@ def test_default_path_comes_from_config(tmp_path, monkeypatch):
     monkeypatch.setenv("MOETUNE_STORE_DB", str(tmp_path / "env.db"))
     with Store() as s:
         assert s.path == tmp_path / "env.db"
+
+
+def test_atomic_writes_are_stored_together_or_not_at_all(tmp_path) -> None:
+    """`Store.atomic`: a profile and the measurement that records its comparison (the bring-up's compare stage) are
+    one transaction; an interrupt between them leaves neither."""
+    with Store(tmp_path / "a.db") as s:
+        with pytest.raises(KeyboardInterrupt), s.atomic():
+            assert s.put_profile(rec(10.0))[0]
+            raise KeyboardInterrupt
+        assert s.list_profiles() == []
+        with s.atomic():
+            s.put_profile(rec(10.0))
+            with s.atomic():  # nested: the outer one's transaction
+                s.add_measurement(fingerprint="fp-a", kind="k", transport="nvlink", size_bytes=None, value=1.0,
+                                  spread=0.0, unit="us")
+        assert len(s.list_profiles()) == 1 and len(s.list_measurements(kind="k")) == 1
+        s.add_measurement(fingerprint="fp-a", kind="k", transport="nvlink", size_bytes=None, value=2.0, spread=0.0,
+                          unit="us")  # after it: a transaction of its own again
+        assert len(s.list_measurements(kind="k")) == 2

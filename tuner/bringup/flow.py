@@ -28,6 +28,9 @@ from moetune.tuner.store.atomic_files import write_atomic
 
 STAGES = ("discover", "microbench", "calibrate", "tune", "compare", "report")
 MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is this fingerprint's
+# the key of a tuned_vs_default row's `extra` that names the comparison it records: {"run": the state's
+# `compare_token`, "part": the bucket, "tuned": the tuned setting compared} (`Bringup._stored_comparisons`)
+COMPARED_AS = "compared_as"
 
 
 @dataclass
@@ -246,6 +249,15 @@ class BringupState:
     def keep_compared(self, parts: dict[str, Any]) -> None:
         self.data["compared"] = parts
         self.save()
+
+    def compare_token(self) -> str:
+        """This bring-up's mark on the tuned_vs_default rows its compare stage stores (saved before the first): a
+        rerun finds a bucket it stored before the state kept it. A restart, or a state that starts over, has its own:
+        a row of an earlier bring-up is never taken for one of this one."""
+        if not self.data.get("compare_token"):
+            self.data["compare_token"] = secrets.token_hex(8)
+            self.save()
+        return str(self.data["compare_token"])
 
     @property
     def study_tag(self) -> str:
@@ -657,6 +669,9 @@ class Bringup:
         # each bucket compared (and stored) is kept at once: a rerun after an interruption, or after an earlier stage
         # ran again, compares only the buckets left, not again one whose profile and row it stored
         finished = self.state.compared()
+        # and what a run killed after storing a bucket, before the state kept it, stored: found by its row's mark
+        token = self.state.compare_token()
+        in_store = self._stored_comparisons(token)
         # a bar: this stage runs rounds x 2 settings x repeats per bucket, minutes on a GPU node
         task = self.progress.add("tuned vs default", len(tuned_rows))
         for i, t in enumerate(tuned_rows):
@@ -672,6 +687,13 @@ class Bringup:
             tuned_as = {"knobs": t["knobs"], "study": t.get("study"), "routing": t.get("routing")}
             if (finished.get(part) or {}).get("tuned") == tuned_as:
                 out.append(finished[part]["row"])
+                continue
+            mark = {"run": token, "part": part, "tuned": tuned_as}
+            if (in_store.get(part) or {}).get("mark") == mark:
+                # its profile and row were stored (one transaction) before the run ended: kept, not measured again
+                out.append(in_store[part]["row"])
+                finished[part] = {"tuned": tuned_as, "row": in_store[part]["row"]}
+                self.state.keep_compared(finished)
                 continue
             tuned = Knobs.from_dict(t["knobs"])
             default = load_policy(t["family"]).defaults  # the policy default the runtime falls back to
@@ -701,59 +723,77 @@ class Bringup:
             # The side-by-side measurement decides what is stored, by the rules of `moetune tune`: the tuned
             # setting only when its gain beats the noise of the default and of the current profile; a failed tuned
             # run gives way to the default.
-            choice = (SideBySide(default, md, force=inert if inc is not None and inc != default else None)
-                      if inert else side_by_side(tuned if mt.ok or not md.ok else default, inc, default, got))
-            if choice.knobs is None or choice.meas is None:  # the current profile held its own
-                stored = "current profile"
-                written, reason = False, choice.why
-                force = metric_force(current, be.label, None)
-                if current is not None and choice.incumbent is not None and (
-                        current.backend == be.label or current.provenance != "measured" or force):
-                    # its fresh number replaces the stored one (the same knobs from the same source, or another
-                    # metric's number: `metric_force`)
-                    written, how = self._store_decision(t, current.knobs, choice.incumbent, force, be.label,
-                                                        be.perf_environment(), routing)
-                    reason += f" ({how})" if written else ""
-            else:
-                stored = "tuned" if choice.knobs == tuned and tuned != default else "policy default"
-                force = metric_force(current if same_routing else None, be.label, choice.force)
-                written, reason = self._store_decision(t, choice.knobs, choice.meas, force, be.label,
-                                                       be.perf_environment(), routing)
-            keep_tuned = stored == "tuned"
-            row = asdict(BucketResult(
-                model=t["model"], tokens=t["tokens"], family=t["family"],
-                default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
-                tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
-                knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
-                written=written, reason=reason, source=be.label, ep_size=ep))
-            row["stored"] = stored
-            if mi is not None:
-                row["current_us"] = mi.median_us if mi.ok else float("nan")
-                row["current_spread"] = mi.spread_us if mi.ok else 0.0
-            if current is not None and not same_routing:
-                row["current_routing"] = current.tuned_routing  # not compared: measured under another routing
-            few = too_few_samples(*got.values())
-            if stored == "current profile":
-                row["why_default"] = choice.why
-            elif not keep_tuned:
-                row["why_default"] = ("the tuned setting is the default" if tuned == default else
-                                      f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the default "
-                                      f"{md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the spread"
-                                      + (f" ({few})" if few else "")
-                                      if mt.ok and md.ok else f"tuned run failed: {mt.error}")
-            # The value column takes a number: the tuned time, or where that run failed the default's (the
-            # bucket is still reported); a failed time is null in `extra` (JSON has no NaN).
-            shown = mt if mt.ok else md
-            if shown.ok:
-                self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
-                                           transport=t["family"], size_bytes=None, value=shown.median_us,
-                                           spread=shown.spread_us, unit="us",
-                                           extra={k: None if isinstance(v, float) and not math.isfinite(v) else v
-                                                  for k, v in row.items()})
+            # the bucket's profile and its tuned_vs_default row (marked as this run's comparison of this tuned
+            # setting) in one transaction: a run killed in between stored neither, so a rerun measures the bucket
+            # again; one killed after it finds the row (`_stored_comparisons`) and measures nothing again
+            with self.store.atomic():
+                choice = (SideBySide(default, md, force=inert if inc is not None and inc != default else None)
+                          if inert else side_by_side(tuned if mt.ok or not md.ok else default, inc, default, got))
+                if choice.knobs is None or choice.meas is None:  # the current profile held its own
+                    stored = "current profile"
+                    written, reason = False, choice.why
+                    force = metric_force(current, be.label, None)
+                    if current is not None and choice.incumbent is not None and (
+                            current.backend == be.label or current.provenance != "measured" or force):
+                        # its fresh number replaces the stored one (the same knobs from the same source, or another
+                        # metric's number: `metric_force`)
+                        written, how = self._store_decision(t, current.knobs, choice.incumbent, force, be.label,
+                                                            be.perf_environment(), routing)
+                        reason += f" ({how})" if written else ""
+                else:
+                    stored = "tuned" if choice.knobs == tuned and tuned != default else "policy default"
+                    force = metric_force(current if same_routing else None, be.label, choice.force)
+                    written, reason = self._store_decision(t, choice.knobs, choice.meas, force, be.label,
+                                                           be.perf_environment(), routing)
+                keep_tuned = stored == "tuned"
+                row = asdict(BucketResult(
+                    model=t["model"], tokens=t["tokens"], family=t["family"],
+                    default_us=md.median_us if md.ok else float("nan"), default_spread=md.spread_us if md.ok else 0.0,
+                    tuned_us=mt.median_us if mt.ok else float("nan"), tuned_spread=mt.spread_us if mt.ok else 0.0,
+                    knobs=",".join(f"{k}={v}" for k, v in tuned.to_dict().items() if v != default.to_dict().get(k)),
+                    written=written, reason=reason, source=be.label, ep_size=ep))
+                row["stored"] = stored
+                if mi is not None:
+                    row["current_us"] = mi.median_us if mi.ok else float("nan")
+                    row["current_spread"] = mi.spread_us if mi.ok else 0.0
+                if current is not None and not same_routing:
+                    row["current_routing"] = current.tuned_routing  # not compared: measured under another routing
+                few = too_few_samples(*got.values())
+                if stored == "current profile":
+                    row["why_default"] = choice.why
+                elif not keep_tuned:
+                    row["why_default"] = ("the tuned setting is the default" if tuned == default else
+                                          f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the default "
+                                          f"{md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the spread"
+                                          + (f" ({few})" if few else "")
+                                          if mt.ok and md.ok else f"tuned run failed: {mt.error}")
+                # The value column takes a number: the tuned time, or where that run failed the default's (the
+                # bucket is still reported); a failed time is null in `extra` (JSON has no NaN). Where both failed
+                # there is no row (nor its mark): a rerun killed before the state kept the bucket measures it again.
+                shown = mt if mt.ok else md
+                if shown.ok:
+                    extra = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+                    self.store.add_measurement(fingerprint=self.facts.fingerprint, kind="tuned_vs_default",
+                                               transport=t["family"], size_bytes=None, value=shown.median_us,
+                                               spread=shown.spread_us, unit="us", extra={**extra, COMPARED_AS: mark})
             out.append(row)
             finished[part] = {"tuned": tuned_as, "row": row}
             self.state.keep_compared(finished)
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
+        return out
+
+    def _stored_comparisons(self, token: str) -> dict[str, dict[str, Any]]:
+        """The buckets whose tuned_vs_default row this bring-up (`token`: its state's `compare_token`) stored, by part:
+        {"mark": what the row is marked with, "row": the row as the stage returned it}. The latest row of a part."""
+        out: dict[str, dict[str, Any]] = {}
+        for m in self.store.list_measurements(fingerprint=self.facts.fingerprint, kind="tuned_vs_default"):
+            extra = dict(m["extra"] or {})
+            mark = extra.pop(COMPARED_AS, None)
+            if not isinstance(mark, dict) or mark.get("run") != token or not isinstance(mark.get("part"), str):
+                continue
+            # a failed time was stored as null (JSON has no NaN): the row had NaN there
+            row = {k: float("nan") if v is None and k.endswith("_us") else v for k, v in extra.items()}
+            out[mark["part"]] = {"mark": mark, "row": row}
         return out
 
     def _store_decision(self, t: dict, knobs: Any, m: Any, force: str | None, backend: str,

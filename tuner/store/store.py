@@ -459,6 +459,7 @@ class Store:
         self._damaged: str | None = None  # why the file is damaged, once found: every later write refuses (`damaged`)
         existing = False  # a non-empty file was there before this open (what `intact` scans)
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
+        self._atomic = threading.local()  # .session: this thread's write session of an `atomic` body
         if self.memory:
             if readonly:
                 raise StoreError("an in-memory database cannot be read-only")
@@ -637,12 +638,31 @@ class Store:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        shared = getattr(self._atomic, "session", None)
+        if shared is not None:  # inside `atomic`: its transaction, committed (or rolled back) at its end
+            yield shared
+            return
         if self.readonly:
             raise StoreError(f"{self.path} is opened read-only")
         self.refuse_if_damaged()
         self._after_fork()
         with self._db_errors(), Session(self._writer, expire_on_commit=False) as s, s.begin():
             yield s
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """The writes this thread makes in the body (`put_profile`, `add_measurement`, ...) in one transaction: all
+        stored at its end, or none where it raises (an interrupt included). A nested `atomic` is the outer one's.
+        Reads in the body see the database without its writes (they are not committed yet)."""
+        if getattr(self._atomic, "session", None) is not None:
+            yield
+            return
+        with self._write() as s:
+            self._atomic.session = s
+            try:
+                yield
+            finally:
+                self._atomic.session = None
 
     def optuna_storage(self) -> Any:
         """An Optuna RDBStorage on this same file (Optuna keeps its own `alembic_version`), with the
