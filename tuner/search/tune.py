@@ -411,7 +411,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     until = None if timeout_s is None else time.monotonic() + timeout_s  # this study's end of the time budget
     started = store_now()  # the run's row is made once the study is open (or at its end: `finally`)
     run_id: int | None = None
-    repeat = False
+    repeat = row_asked = False
     status = "failed"
     result: StudyResult | None = None
     study: optuna.Study | None = None
@@ -427,6 +427,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         repeat = (store is not None and finished_trials(study) - base >= trials
                   and store.has_done_run(study_name=name, storage=_redact(url)))
         if store is not None and not repeat:
+            row_asked = True  # a store that cannot make it now (busy) is not asked again at the end
             run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
         task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study) - base)
 
@@ -489,9 +490,13 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         status = "interrupted"
         raise
     finally:
-        if store is not None and run_id is None and not (repeat and status == "done"):
-            # it ended before its row was made (opening the study failed), or a repeat ended otherwise than done
-            run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
+        if store is not None and run_id is None and not row_asked and not (repeat and status == "done"):
+            # it ended by an error or an interrupt before its row was made (opening the study), or a repeat did: the
+            # history shows it; a store that cannot be written now does not hide the error that ended the run
+            try:
+                run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
+            except StoreError as e:
+                log.debug("run of %s ended %s; not recorded: %s", name, status, e)
         if store is not None and run_id is not None:
             best_value = result.best.median_us if result is not None and result.best is not None else None
             store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),
