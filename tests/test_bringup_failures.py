@@ -338,6 +338,31 @@ def test_a_bucket_is_stored_whole_or_not_at_all(tmp_path: Path, monkeypatch: pyt
     assert sorted(r.key.token_bucket for _i, r in again.store.list_profiles()) == [16, 64]
 
 
+def test_profile_json_shows_progress_on_stderr_and_a_resumed_studys_best_before_the_report(
+        profile_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--json` turned the progress off (stdout is JSON; the stage lines were already on stderr). The progress lines
+    go to stderr too. A resumed study's best, given after its "resumed" line, was printed only when the progress
+    closed: after "→ report"."""
+    from moetune.tuner.bringup import flow
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])  # no subprocesses
+    MEASURE["fn"] = flat
+    r = profile_cli("--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["profiles"]
+    assert "megakernel qwen3-30b S=16: 3/3 done, best" in r.stderr and "tuned vs default: 1/1 done" in r.stderr
+    state = next(profile_cli.db.parent.glob("*bringup-*.json"))
+    saved = json.loads(state.read_text())
+    saved["done"] = {k: v for k, v in saved["done"].items() if k in ("discover", "microbench", "calibrate")}
+    state.write_text(json.dumps(saved))  # the tune stage runs again: its study is resumed, finished
+    r = profile_cli("--json")
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    best = next(i for i, ln in enumerate(lines) if ln.startswith("megakernel qwen3-30b S=16: 3/3 done, best"))
+    assert lines[best - 1].startswith("megakernel qwen3-30b S=16: resumed, 3/3 done"), lines
+    assert best < lines.index("→ report"), lines
+
+
 def test_a_finished_bring_up_writes_its_report_again(profile_cli: Any, monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Path) -> None:
     """Once the report stage was done, a rerun named the earlier report, deleted or not, and ignored --report-dir."""

@@ -104,3 +104,33 @@ def test_tune_prints_progress_lines_to_a_piped_stderr(tmp_path: Path, monkeypatc
     err = r.stderr
     assert re.search(r"qwen3-30b S=128: started, 0/3 done, elapsed \d:\d\d:\d\d", err), err
     assert re.search(r"qwen3-30b S=128: 3/3 done, best [\d.,]+ µs MODELLED, elapsed \d:\d\d:\d\d", err), err
+
+
+def test_a_resumed_finished_studys_best_is_said_in_its_place() -> None:
+    """A study resumed with its trials done: its "resumed, 3/3 done" line has no best yet (the bar is made before the
+    study is read), and the best given after it was printed only when the progress closed, after the lines that
+    followed it (`moetune profile`'s "→ report"). It is printed when it comes."""
+    con, buf = _pipe()
+    bar = RichProgress(con, every_s=60, heartbeat_s=0)
+    task = bar.add("megakernel qwen3-30b S=16", total=3, done=3)
+    bar.update(task, 3, best=300.0)
+    con.print("→ report")
+    bar.close()
+    assert buf.getvalue().splitlines() == [
+        "megakernel qwen3-30b S=16: resumed, 3/3 done, elapsed 0:00:00",
+        "megakernel qwen3-30b S=16: 3/3 done, best 300.0 µs, elapsed 0:00:00",
+        "→ report"], buf.getvalue()
+
+
+def test_tune_json_keeps_its_progress_on_stderr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--json` turned the progress off: a long tune printed nothing until its JSON. The lines go to stderr, and
+    stdout holds the JSON alone."""
+    import json
+
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    r = CliRunner().invoke(app, ["tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b",
+                                 "--tokens", "128", "--trials", "3", "--from", str(ROOT / "tests/captures/h200x2"),
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    assert [row["trials"] for row in json.loads(r.stdout)] == [3]
+    assert re.search(r"qwen3-30b S=128: 3/3 done, best [\d.,]+ µs MODELLED, elapsed \d:\d\d:\d\d", r.stderr), r.stderr

@@ -335,7 +335,7 @@ def test_tune_interrupted_inside_ask_says_so_and_resumes(tmp_path: Path, monkeyp
     assert r.exit_code == 0 and "fail 1 (1 interrupted, not counted)" in r.output and "running" not in r.output, r.output
     r = runner.invoke(app, tune)
     assert r.exit_code == 0, r.output
-    assert [row["trials"] for row in json.loads(r.output)] == [8]
+    assert [row["trials"] for row in json.loads(r.stdout)] == [8]
     assert _running(study) == []
 
 

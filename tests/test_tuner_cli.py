@@ -81,7 +81,7 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128,1024", "--backend", "model", "--preset", "fake-ibrc-x4",
              "--nodes", "2", "--trials", "12", "--storage", url, "--db", str(db), "--json")
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)
+    rows = json.loads(r.stdout)  # the progress lines are on stderr
     assert [row["tokens"] for row in rows] == [128, 1024]
     for row in rows:
         assert row["written"] and row["family"] == "proxy:ibrc" and row["trials"] == 12
@@ -99,7 +99,7 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128,1024", "--backend", "model", "--preset", "fake-ibrc-x4",
              "--nodes", "2", "--trials", "12", "--storage", url, "--db", str(db), "--json")
     assert r.exit_code == 0, r.output
-    assert [row["stored"] for row in json.loads(r.output)] == ["kept", "kept"]
+    assert [row["stored"] for row in json.loads(r.stdout)] == ["kept", "kept"]
     r = _run("tune", "show", "--storage", url, "--json")
     assert r.exit_code == 0, r.output
     studies = json.loads(r.output)
@@ -174,7 +174,7 @@ def test_show_counts_the_finished_trials_and_calls_predictions_modelled(tmp_path
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "nvlink-h200x2",
              "--trials", "1", "--db", str(tmp_path / "m.db"), "--storage", url, "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)[0]["trials"] == 1
+    assert json.loads(r.stdout)[0]["trials"] == 1
     r = _run("tune", "show", "--storage", url, "--json")
     [listed] = json.loads(r.output)
     assert listed["trials"] == 1 and listed["modelled"]
@@ -202,7 +202,7 @@ def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
              "--nodes", "2", "--trials", "8", "--db", str(tmp_path / "m.db"),
              "--storage", f"sqlite:///{tmp_path / 'st.db'}", "--json")
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)
+    rows = json.loads(r.stdout)
     assert rows and rows[0]["best_us"] is not None and rows[0]["backend"] == f"model:{preset}"
 
 

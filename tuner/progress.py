@@ -22,7 +22,7 @@ class Progress(Protocol):
 
 
 class NoProgress:
-    """The silent sink (daemon jobs, tests, `--json` output)."""
+    """The silent sink (daemon jobs, tests). The CLI draws progress on stderr, with `--json` too."""
 
     def add(self, description: str, total: int, done: int = 0) -> Any:
         return None

@@ -123,6 +123,11 @@ class _Lines:
                     return
                 moved = True
             if not moved:
+                if t.done >= t.total and (t.done, t.best) != t.shown:
+                    # a finished task's best given after its last line (a resumed study's, whose "resumed, N/N done"
+                    # came before it was read): said now, in its place, not when the progress closes after the lines
+                    # printed since (`profile`'s "→ report")
+                    self._print(t, f"{t.done}/{t.total} done")
                 return
             if t.done >= t.total or time.monotonic() - self._last_line >= self._every:
                 self._print(t, f"{t.done}/{t.total} done")

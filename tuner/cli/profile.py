@@ -218,7 +218,7 @@ def profile(
         _fail(str(e))
     try:
         flow = Bringup(store=None, plan=plan, state_dir=db_file.parent, console=console, capture=capture,
-                       report_dir=report_dir, progress=None if as_json else RichProgress(), db_path=db_file)
+                       report_dir=report_dir, progress=RichProgress(), db_path=db_file)  # stderr, --json too
     except (DiscoveryError, ValueError) as e:  # ValueError: an EP size of the plan this node cannot measure
         _fail(str(e))
     # the default folder's report.md checked as --report-dir's is: found only after the whole bring-up, it was replaced

@@ -459,7 +459,8 @@ def tune(
     if backend == "local" and facts is not None:
         measured_store = GuardedStore(store, FabricGuard(facts, rerun=(
             "Run the tune again: it measures the node as it is now and stores under its new fingerprint.")))
-    bar = None if as_json else RichProgress(label="MODELLED" if backend == "model" else "")
+    # on stderr, with --json too: stdout holds the JSON alone, and a long tune still shows that it runs
+    bar = RichProgress(label="MODELLED" if backend == "model" else "")
     ran = [0]  # trials this run finished: what a store error after them says is kept
 
     def count(_name: str, _study: object, _trial: object) -> None:
@@ -513,8 +514,7 @@ def tune(
                       f"in {_redact(url)}: run the same command again to resume")
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
     scale = _scale_note(backend, preset, results)
     rows = []
     for r in results:
