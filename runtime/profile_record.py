@@ -7,18 +7,22 @@ Shared by the store (tuner side), the daemon's wire messages and the runtime cli
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import check_experts_divide
 
+# The one definition of a profile's statuses and provenances: the store, its CHECK constraints, the CLI and the
+# wire messages import these (the runtime may not import the tuner, so they live here).
 ProfileStatus = Literal["current", "stale", "superseded"]
+PROFILE_STATUSES: tuple[ProfileStatus, ...] = get_args(ProfileStatus)
 # What a profile's numbers are: measured on the key's fingerprint and software, predicted by this node's
-# calibrated fabric model, or predicted by a shipped preset (another machine's model).
+# calibrated fabric model, or predicted by a shipped preset (another machine's model). Most trusted first: the
+# lookups' tiers and the store's rank rule go by this order.
 Provenance = Literal["measured", "node_model", "preset"]
-PROVENANCES: tuple[str, ...] = ("measured", "node_model", "preset")
+PROVENANCES: tuple[Provenance, ...] = get_args(Provenance)
 
 # Profile families that are engines, not transports: the whole one-GPU MoE layer (ep_size 1). A lookup gets
 # one only when it names it; an EP buffer asking for "any transport" never does.

@@ -119,7 +119,7 @@ class GetProfile(_Request, tag="get_profile"):
 class ListProfiles(_Request, tag="list_profiles"):
     """A versioned snapshot of profiles (current ones by default)."""
 
-    status: Literal["current", "stale", "superseded", "all"] = "current"
+    status: Literal[ProfileStatus, "all"] = "current"
     fingerprint: Name | None = None
     limit: Annotated[int, Meta(ge=1, le=10000)] = 1000
 

@@ -92,6 +92,7 @@ from moetune.runtime.paths import (
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     PRESET_PREFIX,
+    PROVENANCES,
     ProfileKey,
     ProfileRecord,
     effective_provenance,
@@ -392,7 +393,7 @@ def query_db_profiles(
             knobs = Knobs.from_dict(json.loads(r[11]) if isinstance(r[11], str) else r[11])
             sv = json.loads(r[16]) if isinstance(r[16], str) and r[16] else {}
             prov = r[19] if len(r) > 19 else "measured"  # legacy store: the backend name decides below
-            if prov not in ("measured", "node_model", "preset"):
+            if prov not in PROVENANCES:
                 raise ValueError(f"unknown provenance {prov!r}")
             perf_env = parse_recorded(r[21]) if len(r) > 21 else None
             rec = ProfileRecord(
@@ -440,7 +441,7 @@ def _newest_matching_fingerprint(con: sqlite3.Connection) -> tuple[node_identity
     return node_identity.from_fingerprint_rows(rows())
 
 
-_PROVENANCE_RANK = {"measured": 0, "node_model": 1, "preset": 2}
+_PROVENANCE_RANK = {p: i for i, p in enumerate(PROVENANCES)}  # most trusted first
 
 
 def pick_profile(

@@ -13,6 +13,7 @@ import msgspec
 import typer
 from rich.markup import escape
 
+from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli._args import path_arg, path_option, path_text, text_option, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
@@ -30,8 +31,6 @@ from moetune.tuner.cli.db import (
 
 app = typer.Typer(help="Tuned profiles in the database: list, show, delete, export, import.", no_args_is_help=True)
 
-STATUSES = ("current", "stale", "superseded")
-PROVENANCES = ("measured", "node_model", "preset")
 MAX_ID = (1 << 63) - 1  # SQLite INTEGER
 # --fingerprint "" is the start of every fingerprint: with one stored, list and export took it silently
 FINGERPRINT_EMPTY = "an empty fingerprint is the start of every one (leave the option out for all fingerprints)"
@@ -70,8 +69,8 @@ def perf_env_lines(rec: Any) -> list[tuple[str, str]]:
 
 
 def _check_status(status: str | None) -> None:
-    if status is not None and status not in STATUSES:
-        raise typer.BadParameter(f"must be one of {', '.join(STATUSES)}, got {status!r}", param_hint="--status")
+    if status is not None and status not in PROFILE_STATUSES:
+        raise typer.BadParameter(f"must be one of {', '.join(PROFILE_STATUSES)}, got {status!r}", param_hint="--status")
 
 
 def _check_provenance(provenance: str | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from moetune.runtime import wire
-from moetune.runtime.profile_record import ProfileRecord
+from moetune.runtime.profile_record import PROVENANCES, ProfileRecord
 from moetune.runtime.profiles.autoload import launcher_env
 from moetune.runtime.profiles.client import pick_profile, provenance_of
 from moetune.runtime.shapes import get_model
@@ -26,7 +26,6 @@ log = logging.getLogger("moetune.daemon")
 CACHE_LIMIT = 4096  # encoded results kept per index version (bounded: hostile clients cannot grow it)
 LIST_CACHE_LIMIT = 64
 LIST_PAGE_MAX = 1000  # at most this many profiles in one list_profiles reply, whatever `limit` asks
-PROVENANCES = ("measured", "node_model", "preset")
 
 ShapeKey = tuple[str, int, int, int, int, int, int, str]
 

@@ -10,7 +10,13 @@ import msgspec
 from sqlalchemy import Select, String, select, type_coerce
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, effective_provenance, metric_of_backend
+from moetune.runtime.profile_record import (
+    PROVENANCES,
+    ProfileKey,
+    ProfileRecord,
+    effective_provenance,
+    metric_of_backend,
+)
 from moetune.runtime.profiles.perf_env import parse_recorded
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
@@ -20,7 +26,7 @@ log = logging.getLogger("moetune.store")
 # measured beats this node's calibrated model beats another machine's preset: a profile never replaces
 # one of a higher rank, always replaces one of a lower rank; within a rank `decide` says (same knobs: the newer
 # number; other knobs: the noise rule; another routing: only when asked).
-PROVENANCE_RANK = {"preset": 0, "node_model": 1, "measured": 2}
+PROVENANCE_RANK = {p: len(PROVENANCES) - 1 - i for i, p in enumerate(PROVENANCES)}  # PROVENANCES: most trusted first
 
 # JSON columns read as text, so one undecodable row is skipped instead of failing the whole query.
 _COLUMNS = (

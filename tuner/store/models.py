@@ -24,6 +24,8 @@ from typing import Any
 from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, MetaData, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES
+
 # The label a backend implies (`local:*` measured, `model:node:*` node_model, other `model:*` preset, anything
 # else node_model; prefixes compared case-sensitively) and the `measured_on` a label implies, as the runtime
 # defines them. Re-exported here because migrations import only this module (docs/architecture.md, import rule
@@ -42,8 +44,14 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-PROFILE_STATUSES = ("current", "stale", "superseded")
-PROVENANCES = ("measured", "node_model", "preset")
+
+
+def _sql_in(values: tuple[str, ...]) -> str:
+    """`'a', 'b'`: the values of a CHECK ... IN (...) written from the runtime's tuple (one definition; a change of
+    it still needs a migration, which the schema-drift test asks for)."""
+    return ", ".join(f"'{v}'" for v in values)
+
+
 # The columns that make a profile key (ProfileKey's fields, same names).
 PROFILE_KEY_COLUMNS = (
     "fingerprint",
@@ -153,8 +161,8 @@ class Profile(Base):
     perf_env: Mapped[dict[str, str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
 
     __table_args__ = (
-        CheckConstraint("status IN ('current', 'stale', 'superseded')", name="status"),
-        CheckConstraint("provenance IN ('measured', 'node_model', 'preset')", name="provenance"),
+        CheckConstraint(f"status IN ({_sql_in(PROFILE_STATUSES)})", name="status"),
+        CheckConstraint(f"provenance IN ({_sql_in(PROVENANCES)})", name="provenance"),
         CheckConstraint("latency_us >= 0 AND spread_us >= 0", name="latency"),
         # At most one current profile per key: a partial unique index.
         Index(

@@ -13,6 +13,7 @@ import msgspec
 from moetune.runtime.knobs import TRANSPORTS
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
+    PROFILE_STATUSES,
     PROVENANCES,
     TOKEN_BUCKETS,
     ProfileRecord,
@@ -24,7 +25,6 @@ from moetune.runtime.profiles.perf_env import perf_env_problem
 from moetune.runtime.shapes import DTYPES
 from moetune.tuner.store.models import Fingerprint, Profile
 
-STATUSES = ("current", "stale", "superseded")
 # The text a record stores and the column that holds it: SQLite does not enforce a String(N), so a record is held
 # to the length the schema declares (taken from the models: one place says it).
 TEXT_COLUMNS = (
@@ -170,8 +170,8 @@ def check_record(rec: ProfileRecord) -> None:
     if rec.key.token_bucket not in TOKEN_BUCKETS:
         raise FieldError("key.token_bucket", f"{rec.key.token_bucket} is not a token bucket "
                                              f"({', '.join(map(str, TOKEN_BUCKETS))})")
-    if rec.status not in STATUSES:
-        raise FieldError("status", f"must be one of {', '.join(STATUSES)}, got {rec.status!r}")
+    if rec.status not in PROFILE_STATUSES:
+        raise FieldError("status", f"must be one of {', '.join(PROFILE_STATUSES)}, got {rec.status!r}")
     if rec.provenance not in PROVENANCES:
         raise FieldError("provenance", f"must be one of {', '.join(PROVENANCES)}, got {rec.provenance!r}")
     # The label alone never makes a number measured (the client reads such a record as modelled): stored as
