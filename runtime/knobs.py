@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -25,15 +26,17 @@ CombineLanes = Literal["auto", "own", "shared"]
 Engine = Literal["unfused", "megakernel"]
 MkCore = Literal["mma", "wgmma"]
 
-TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy", "ibgda", "host_staged", "collective")
-SIGNALLINGS: tuple[str, ...] = ("coupled", "decoupled")
-FENCE_MODES: tuple[str, ...] = ("proxy_drain", "nic_ordered", "none")
-QP_MAPPINGS: tuple[str, ...] = ("round_robin", "peer_hash")
-COMPRESSIONS: tuple[str, ...] = ("none", "fp8_e4m3")
-WAIT_MODES: tuple[str, ...] = ("memop", "kernel")
-COMBINE_LANES: tuple[str, ...] = ("auto", "own", "shared")
-ENGINES: tuple[str, ...] = ("unfused", "megakernel")
-MK_CORES: tuple[str, ...] = ("mma", "wgmma")
+# Each choice spelt once, in its Literal; the tuples are read from them.
+TRANSPORTS: tuple[str, ...] = typing.get_args(Transport)
+SIGNALLINGS: tuple[str, ...] = typing.get_args(Signalling)
+FENCE_MODES: tuple[str, ...] = typing.get_args(FenceMode)
+QP_MAPPINGS: tuple[str, ...] = typing.get_args(QpMapping)
+COMPRESSIONS: tuple[str, ...] = typing.get_args(Compression)
+SCALE_GRANULARITIES: tuple[str, ...] = typing.get_args(ScaleGranularity)
+WAIT_MODES: tuple[str, ...] = typing.get_args(WaitMode)
+COMBINE_LANES: tuple[str, ...] = typing.get_args(CombineLanes)
+ENGINES: tuple[str, ...] = typing.get_args(Engine)
+MK_CORES: tuple[str, ...] = typing.get_args(MkCore)
 MK_MAX_SPLIT_K = 16
 # The megakernel's m-tile rows (csrc/megakernel: 16 decode, 64/128 prefill; 0 = by rows per expert) and the
 # limits of its other knobs (runtime/megakernel/config.py checks the same; shared memory caps stages further).
@@ -63,6 +66,9 @@ def chunk_tokens_fit(chunk_tokens: int, rows: int) -> bool:
 
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
+# Communicators per direction a collective transport's EP buffer spreads its pipeline chunks over: `channels`
+# beyond it are taken but not used (runtime/buffer/layout_choice.py, facade.py `comm_channels`).
+MAX_COMM_CHANNELS = 8
 
 # Who can enforce PUT-before-SIGNAL on each transport.
 #  - proxy: the CPU proxy drains (proxy_drain) or the queue/NIC orders it (nic_ordered);
@@ -83,6 +89,104 @@ ONE_SIDED: frozenset[str] = frozenset({"nvlink", "proxy", "ibgda"})
 QUEUED: frozenset[str] = frozenset({"proxy", "ibgda"})
 
 PER_PE = 0  # group_size value meaning "one group per remote PE" (the default)
+
+
+@dataclass(frozen=True)
+class KnobValues:
+    """The values one knob takes: `choices` (a Literal's strings, or a few integers), else the integers
+    `low`..`high`. `meaning` names values that mean something of their own ((0, "auto")); one of them outside
+    low..high (mk_stages 0) is taken besides the range."""
+
+    choices: tuple[Any, ...] = ()
+    low: int | None = None
+    high: int | None = None
+    meaning: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def is_int(self) -> bool:
+        return self.low is not None or all(type(c) is int for c in self.choices)
+
+    @property
+    def _outside(self) -> tuple[int, ...]:
+        """The named values outside low..high (taken as well)."""
+        if self.low is None or self.high is None:
+            return ()
+        return tuple(v for v, _ in self.meaning if not self.low <= v <= self.high)
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        """The smallest and largest integer taken (an integer knob's hard bounds)."""
+        if self.low is None or self.high is None:
+            return min(self.choices), max(self.choices)
+        return min((self.low, *self._outside)), max((self.high, *self._outside))
+
+    def allows(self, value: Any) -> bool:
+        if self.low is None or self.high is None:
+            return value in self.choices
+        return type(value) is int and (self.low <= value <= self.high or value in self._outside)
+
+    def refused_in(self, low: int, high: int, step: int = 1) -> list[int]:
+        """Values of low..high (by `step`) this knob refuses: all of them below its range, the first above it
+        (a wide range inside the knob's own costs nothing: only what lies outside it is looked at)."""
+        if self.low is None or self.high is None:
+            return [v for v in range(low, high + 1, step) if v not in self.choices]
+        below = [v for v in range(low, min(high, self.low - 1) + 1, step) if v not in self._outside]
+        first_above = low + max(0, -(-(self.high + 1 - low) // step)) * step  # the first value past self.high
+        return below + ([first_above] if first_above <= high and first_above not in self._outside else [])
+
+    def _named(self, value: int) -> str:
+        what = dict(self.meaning).get(value)
+        return f"{value} ({what})" if what else str(value)
+
+    def requirement(self) -> str:
+        """What "must be ..." says: `in 1..64`, `in 0..16 (0 = auto)`, `0 (auto) or in 2..12`, `0 or 1`."""
+        if self.low is None:
+            if not self.is_int:
+                return f"one of {', '.join(self.choices)}"
+            *head, last = (self._named(c) for c in self.choices)
+            return f"{', '.join(head)} or {last}"
+        inside = [f"{v} = {what}" for v, what in self.meaning if v not in self._outside]
+        extra = "".join(f"{self._named(v)} or " for v in self._outside)
+        return f"{extra}in {self.low}..{self.high}" + (f" ({'; '.join(inside)})" if inside else "")
+
+    def doc(self) -> str:
+        """The values column of docs/settings.md: `int 1..64`, `` `0` or int 2..12 ``, `` `a` / `b` ``."""
+        if self.low is None:
+            return " / ".join(f"`{c}`" for c in self.choices)
+        return "".join(f"`{v}` or " for v in self._outside) + f"int {self.low}..{self.high}"
+
+
+# THE knob table: what each knob takes. `_validate` checks each knob against it, KNOB_DOCS writes its values
+# column from it, and the tuner's policies (tuner/search/policy.py) take their hard limits from it (a policy's
+# search space may be narrower, never wider). The string knobs' choices are their Literals' (checked below).
+KNOB_VALUES: dict[str, KnobValues] = {
+    "transport": KnobValues(TRANSPORTS),
+    "signalling": KnobValues(SIGNALLINGS),
+    "group_size": KnobValues(low=0, high=MAX_GROUP_SIZE, meaning=((PER_PE, "per PE"),)),
+    "fence_mode": KnobValues(FENCE_MODES),
+    "qp_mapping": KnobValues(QP_MAPPINGS),
+    "qps_per_pe": KnobValues(low=1, high=64),
+    "compression": KnobValues(COMPRESSIONS),
+    "scale_granularity": KnobValues(SCALE_GRANULARITIES),
+    "chunk_tokens": KnobValues(low=0, high=MAX_CHUNK_TOKENS, meaning=((0, "no chunking"),)),
+    "pipeline_depth": KnobValues(low=1, high=16),
+    "num_sms": KnobValues(low=1, high=264),
+    "channels": KnobValues(low=1, high=64),
+    "staging_slots": KnobValues(low=MIN_STAGING_SLOTS, high=MAX_STAGING_SLOTS),
+    "wait_mode": KnobValues(WAIT_MODES),
+    "combine_lanes": KnobValues(COMBINE_LANES),
+    "engine": KnobValues(ENGINES),
+    "mk_bm": KnobValues(MK_BMS, meaning=((0, "auto"),)),
+    "mk_stages": KnobValues(low=2, high=MK_MAX_STAGES, meaning=((0, "auto"),)),
+    "mk_ctas_per_sm": KnobValues(low=0, high=MK_MAX_CTAS_PER_SM, meaning=((0, "as many as fit"),)),
+    "mk_processor_ctas": KnobValues(low=0, high=MK_MAX_PROCESSOR_CTAS,
+                                    meaning=((0, "every resident CTA but the scheduler"),)),
+    "mk_combine_tokens": KnobValues(low=1, high=MK_MAX_COMBINE_TOKENS, meaning=((0, "auto"),)),
+    "mk_core": KnobValues(MK_CORES),
+    "mk_split_k": KnobValues(low=1, high=MK_MAX_SPLIT_K, meaning=((1, "no split"),)),
+    "mk_bn": KnobValues(MK_BNS, meaning=((0, "auto"),)),
+    "mk_overlap": KnobValues((0, 1)),
+}
 
 
 class KnobError(ValueError):
@@ -262,8 +366,10 @@ def _check_types(k: Knobs) -> None:
 
 def _validate(k: Knobs) -> None:
     _check_types(k)
-    if not 0 <= k.group_size <= MAX_GROUP_SIZE:
-        raise KnobError(f"must be in 0..{MAX_GROUP_SIZE} (0 = per PE), got {k.group_size}", ("group_size",))
+    for name, values in _INT_VALUES.items():  # each integer knob on its own (KNOB_VALUES); combinations below
+        v = getattr(k, name)
+        if not values.allows(v):
+            raise KnobError(f"must be {values.requirement()}, got {v}", (name,))
     if k.signalling == "coupled" and k.group_size not in (PER_PE, 1):
         raise KnobError("a group size only applies when signalling=decoupled", ("group_size", "signalling"))
     allowed = ALLOWED_FENCE_MODES[k.transport]
@@ -272,8 +378,6 @@ def _validate(k: Knobs) -> None:
             f"fence_mode {k.fence_mode!r} is not possible on transport {k.transport!r} (allowed: {', '.join(allowed)})",
             ("fence_mode", "transport"),
         )
-    if not 1 <= k.qps_per_pe <= 64:
-        raise KnobError(f"must be in 1..64, got {k.qps_per_pe}", ("qps_per_pe",))
     if k.transport not in QUEUED and k.qps_per_pe != 1:
         raise KnobError(f"queue pairs only exist on proxy/ibgda, not {k.transport!r}", ("qps_per_pe", "transport"))
     # NIC-side ordering holds only when a peer's PUTs and its SIGNAL share one queue pair.
@@ -283,18 +387,8 @@ def _validate(k: Knobs) -> None:
             "use qp_mapping=peer_hash or qps_per_pe=1",
             ("fence_mode", "qp_mapping", "qps_per_pe"),
         )
-    if not 0 <= k.chunk_tokens <= MAX_CHUNK_TOKENS:
-        raise KnobError(f"must be in 0..{MAX_CHUNK_TOKENS} (0 = no chunking), got {k.chunk_tokens}", ("chunk_tokens",))
-    if not 1 <= k.pipeline_depth <= 16:
-        raise KnobError(f"must be in 1..16, got {k.pipeline_depth}", ("pipeline_depth",))
-    if not 1 <= k.num_sms <= 264:
-        raise KnobError(f"must be in 1..264, got {k.num_sms}", ("num_sms",))
-    if not 1 <= k.channels <= 64:
-        raise KnobError(f"must be in 1..64, got {k.channels}", ("channels",))
     if k.compression == "none" and k.scale_granularity != "per_token":
         raise KnobError("a scale granularity only applies with compression", ("scale_granularity", "compression"))
-    if not MIN_STAGING_SLOTS <= k.staging_slots <= MAX_STAGING_SLOTS:
-        raise KnobError(f"must be in {MIN_STAGING_SLOTS}..{MAX_STAGING_SLOTS}, got {k.staging_slots}", ("staging_slots",))
     defaults = Knobs.__struct_defaults__
     for name in ("staging_slots", "wait_mode"):
         if k.transport != "host_staged" and getattr(k, name) != defaults[Knobs.__struct_fields__.index(name)]:
@@ -307,30 +401,11 @@ def _validate(k: Knobs) -> None:
 
 
 def _validate_megakernel(k: Knobs) -> None:
-    if k.mk_bm not in MK_BMS:
-        raise KnobError(f"must be 0 (auto), 16, 64 or 128, got {k.mk_bm}", ("mk_bm",))
-    if not (k.mk_stages == 0 or 2 <= k.mk_stages <= MK_MAX_STAGES):
-        raise KnobError(f"must be 0 (auto) or in 2..{MK_MAX_STAGES}, got {k.mk_stages}", ("mk_stages",))
-    if not 0 <= k.mk_ctas_per_sm <= MK_MAX_CTAS_PER_SM:
-        raise KnobError(f"must be in 0..{MK_MAX_CTAS_PER_SM} (0 = as many as fit), got {k.mk_ctas_per_sm}",
-                        ("mk_ctas_per_sm",))
-    if not 0 <= k.mk_processor_ctas <= MK_MAX_PROCESSOR_CTAS:
-        raise KnobError(f"must be in 0..{MK_MAX_PROCESSOR_CTAS} (0 = every resident CTA but the scheduler), "
-                        f"got {k.mk_processor_ctas}", ("mk_processor_ctas",))
-    if not 0 <= k.mk_combine_tokens <= MK_MAX_COMBINE_TOKENS:
-        raise KnobError(f"must be 0 (auto) or in 1..{MK_MAX_COMBINE_TOKENS}, got {k.mk_combine_tokens}",
-                        ("mk_combine_tokens",))
-    if not 1 <= k.mk_split_k <= MK_MAX_SPLIT_K:
-        raise KnobError(f"must be in 1..{MK_MAX_SPLIT_K} (1 = no split), got {k.mk_split_k}", ("mk_split_k",))
-    if k.mk_bn not in MK_BNS:
-        raise KnobError(f"must be 0 (auto), 128 or 256, got {k.mk_bn}", ("mk_bn",))
     if k.mk_bn == 256 and (k.mk_core != "wgmma" or k.mk_bm not in (0, 128)):
         raise KnobError(f"the wide tile (256) needs mk_core=wgmma and mk_bm 0 or 128, got {k.mk_core}, {k.mk_bm}",
                         ("mk_bn", "mk_core", "mk_bm"))
     if k.mk_bn == 256 and k.mk_stages > 4:
         raise KnobError(f"the wide tile holds at most 4 stages (48 KB each), got {k.mk_stages}", ("mk_stages", "mk_bn"))
-    if k.mk_overlap not in (0, 1):
-        raise KnobError(f"must be 0 or 1, got {k.mk_overlap}", ("mk_overlap",))
     if k.engine != "megakernel":
         changed = [n for n in MK_KNOBS[1:] if getattr(k, n) != _DEFAULTS[n]]
         if changed:
@@ -344,54 +419,62 @@ _FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(Knobs)}
 _CHOICES: dict[str, tuple[str, ...]] = {n: typing.get_args(tp) for n, tp in _FIELD_TYPES.items()
                                         if typing.get_origin(tp) is Literal}
 _INTS: tuple[str, ...] = tuple(n for n, tp in _FIELD_TYPES.items() if tp is int)
+_INT_VALUES: dict[str, KnobValues] = {n: KNOB_VALUES[n] for n in _INTS}
+# A knob added to the struct without its row in the table (or a table that disagrees with a Literal) fails here,
+# at import, not at the first check that misses it.
+if set(KNOB_VALUES) != set(Knobs.__struct_fields__):
+    raise AssertionError(f"KNOB_VALUES and Knobs differ: {sorted(set(KNOB_VALUES) ^ set(Knobs.__struct_fields__))}")
+for _name, _values in KNOB_VALUES.items():
+    if _values.is_int != (_name in _INTS) or (_name in _CHOICES and _values.choices != _CHOICES[_name]):
+        raise AssertionError(f"KNOB_VALUES[{_name!r}] is not what Knobs.{_name} is typed as")
+    if not _values.allows(_DEFAULTS[_name]):
+        raise AssertionError(f"Knobs.{_name} default {_DEFAULTS[_name]!r} is not in KNOB_VALUES")
 
 
-# What each knob means, for docs/settings.md (runtime/options.py generates it): name -> (values, meaning).
-KNOB_DOCS: dict[str, tuple[str, str]] = {
-    "transport": (" / ".join(f"`{t}`" for t in TRANSPORTS), "How rows move between the ranks."),
-    "signalling": ("`coupled` / `decoupled`", "One-sided transports: a signal per transfer, or one per group."),
-    "group_size": (f"int 0..{MAX_GROUP_SIZE}", "Transfers per fence when decoupled; 0 = all transfers to one peer."),
-    "fence_mode": ("`proxy_drain` / `nic_ordered` / `none`", "Who orders PUT before SIGNAL (allowed values depend "
-                   "on the transport)."),
-    "qp_mapping": ("`round_robin` / `peer_hash`", "proxy/ibgda: how transfers map to queue pairs."),
-    "qps_per_pe": ("int 1..64", "proxy/ibgda: queue pairs per remote PE."),
-    "compression": ("`none` / `fp8_e4m3`", "Dispatch rows on the wire (combine is never compressed)."),
-    "scale_granularity": ("`per_token` / `per_128`", "fp8 scales per token or per 128 values."),
-    "chunk_tokens": (f"int 0..{MAX_CHUNK_TOKENS}", "Tokens per message (proxy: rows per PUT, at most 1024 PUTs per "
-                     "peer: max_tokens / chunk_tokens <= 1024, else refused; host_staged: rows per staging slot); 0 = "
-                     "one message per peer."),
-    "pipeline_depth": ("int 1..16", "Chunks the tokens are split into (1 = no pipelining)."),
-    "num_sms": ("int 1..264", "SMs the one-sided kernels use."),
-    "channels": ("int 1..64", "Communicators (lanes) per direction the chunks are spread over (at most 8 used)."),
-    "staging_slots": (f"int {MIN_STAGING_SLOTS}..{MAX_STAGING_SLOTS}", "host_staged: slots per (lane, sender, "
-                      "receiver) ring; more let a sender run further ahead (was `MOETUNE_HS_SLOTS`)."),
-    "wait_mode": ("`memop` / `kernel`", "host_staged: a slot's flag is waited for by cuStreamWaitValue64 (`memop`, "
-                  "a watchdog thread times it) or a one-thread spin kernel (was `MOETUNE_HS_WAIT`)."),
-    "combine_lanes": ("`auto` / `own` / `shared`", "Pipelined combines on their own communicators/lanes or on the "
-                      "dispatch ones; `auto` = the transport's preference (host_staged native: shared; was "
-                      "`MOETUNE_EP_COMBINE_LANES`)."),
-    "engine": ("`unfused` / `megakernel`", "The MoE layer's engine at world 1: the unfused chain (route, sort, two "
-               "grouped GEMMs, weighted combine) or one persistent kernel after routing (needs an sm_90 GPU, bf16 "
-               "and nvcc; elsewhere the layer falls back to `unfused` with a warning)."),
-    "mk_bm": ("`0` / `16` / `64` / `128`", "megakernel: token rows per m-tile; 0 = 16 for decode, 64/128 once the "
-              "rows per expert reach 32/128."),
-    "mk_stages": (f"`0` or int 2..{MK_MAX_STAGES}", "megakernel: cp.async pipeline depth (weight tiles in flight "
-                  "per CTA; shared memory caps bm=64 at 8, bm=128 at 6); 0 = by tile and rows per expert."),
-    "mk_ctas_per_sm": (f"int 0..{MK_MAX_CTAS_PER_SM}", "megakernel: resident CTAs per SM; 0 = as many as fit."),
-    "mk_processor_ctas": (f"int 0..{MK_MAX_PROCESSOR_CTAS}", "megakernel: CTAs that run tasks; 0 = every resident "
-                          "CTA but the scheduler's."),
-    "mk_combine_tokens": (f"int 0..{MK_MAX_COMBINE_TOKENS}", "megakernel: tokens per combine tile (each runs as 4 "
-                          "column-block tasks); 0 = 2 on the 16-row tile, 4 on the wide tile up to 64 rows per expert, else 8."),
-    "mk_core": ("`mma` / `wgmma`", "megakernel: GEMM core of the 64/128-row tiles (mma.sync, or Hopper's warpgroup "
-                "MMA fed by a producer warpgroup); 16-row tiles always use mma."),
-    "mk_bn": ("`0` / `128` / `256`", "megakernel: columns per wgmma GEMM task; 256 = the 128 x 256 wide tile (two "
-              "consumer warpgroups of m64n256k16); 0 = 256 where the shape allows (hidden, 2 x intermediate multiples "
-              "of 256), else 128."),
-    "mk_overlap": ("`0` / `1`", "megakernel: 1 = the wgmma tiles overlap consecutive tasks (the producer warpgroup "
-                   "claims and loads the next task while the consumers finish the current one)."),
-    "mk_split_k": (f"int 1..{MK_MAX_SPLIT_K}", "megakernel: decode split-K, parts per GEMM task over K (1 = none); "
-                   "applies while a 16-row launch's m-tiles fit the partial buffer (16)."),
+# What each knob means, for docs/settings.md (runtime/options.py generates it). Its values column is written from
+# KNOB_VALUES: KNOB_DOCS is name -> (values, meaning).
+_KNOB_MEANINGS: dict[str, str] = {
+    "transport": "How rows move between the ranks.",
+    "signalling": "One-sided transports: a signal per transfer, or one per group.",
+    "group_size": "Transfers per fence when decoupled; 0 = all transfers to one peer.",
+    "fence_mode": "Who orders PUT before SIGNAL (allowed values depend on the transport).",
+    "qp_mapping": "proxy/ibgda: how transfers map to queue pairs.",
+    "qps_per_pe": "proxy/ibgda: queue pairs per remote PE.",
+    "compression": "Dispatch rows on the wire (combine is never compressed).",
+    "scale_granularity": "fp8 scales per token or per 128 values.",
+    "chunk_tokens": (f"Tokens per message (proxy: rows per PUT, at most {MAX_SLOTS} PUTs per peer: max_tokens / "
+                     f"chunk_tokens <= {MAX_SLOTS}, else refused; host_staged: rows per staging slot); 0 = one message "
+                     "per peer."),
+    "pipeline_depth": "Chunks the tokens are split into (1 = no pipelining).",
+    "num_sms": "SMs the one-sided kernels use.",
+    "channels": (f"Communicators (lanes) per direction the chunks are spread over (at most {MAX_COMM_CHANNELS} "
+                 "used)."),
+    "staging_slots": ("host_staged: slots per (lane, sender, receiver) ring; more let a sender run further ahead "
+                      "(was `MOETUNE_HS_SLOTS`)."),
+    "wait_mode": ("host_staged: a slot's flag is waited for by cuStreamWaitValue64 (`memop`, a watchdog thread times "
+                  "it) or a one-thread spin kernel (was `MOETUNE_HS_WAIT`)."),
+    "combine_lanes": ("Pipelined combines on their own communicators/lanes or on the dispatch ones; `auto` = the "
+                      "transport's preference (host_staged native: shared; was `MOETUNE_EP_COMBINE_LANES`)."),
+    "engine": ("The MoE layer's engine at world 1: the unfused chain (route, sort, two grouped GEMMs, weighted "
+               "combine) or one persistent kernel after routing (needs an sm_90 GPU, bf16 and nvcc; elsewhere the "
+               "layer falls back to `unfused` with a warning)."),
+    "mk_bm": "megakernel: token rows per m-tile; 0 = 16 for decode, 64/128 once the rows per expert reach 32/128.",
+    "mk_stages": ("megakernel: cp.async pipeline depth (weight tiles in flight per CTA; shared memory caps bm=64 at "
+                  "8, bm=128 at 6); 0 = by tile and rows per expert."),
+    "mk_ctas_per_sm": "megakernel: resident CTAs per SM; 0 = as many as fit.",
+    "mk_processor_ctas": "megakernel: CTAs that run tasks; 0 = every resident CTA but the scheduler's.",
+    "mk_combine_tokens": ("megakernel: tokens per combine tile (each runs as 4 column-block tasks); 0 = 2 on the "
+                          "16-row tile, 4 on the wide tile up to 64 rows per expert, else 8."),
+    "mk_core": ("megakernel: GEMM core of the 64/128-row tiles (mma.sync, or Hopper's warpgroup MMA fed by a "
+                "producer warpgroup); 16-row tiles always use mma."),
+    "mk_bn": ("megakernel: columns per wgmma GEMM task; 256 = the 128 x 256 wide tile (two consumer warpgroups of "
+              "m64n256k16); 0 = 256 where the shape allows (hidden, 2 x intermediate multiples of 256), else 128."),
+    "mk_overlap": ("megakernel: 1 = the wgmma tiles overlap consecutive tasks (the producer warpgroup claims and "
+                   "loads the next task while the consumers finish the current one)."),
+    "mk_split_k": ("megakernel: decode split-K, parts per GEMM task over K (1 = none); applies while a 16-row "
+                   "launch's m-tiles fit the partial buffer (16)."),
 }
+KNOB_DOCS: dict[str, tuple[str, str]] = {n: (KNOB_VALUES[n].doc(), m) for n, m in _KNOB_MEANINGS.items()}
 
 
 def default_knobs(transport: str) -> Knobs:

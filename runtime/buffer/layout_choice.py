@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import math
 
+from moetune.runtime.knobs import MAX_COMM_CHANNELS as MAX_COMM_CHANNELS
+
 # Automatic dense layout (EPBuffer(dense=None)): when one dispatch's dense send to a peer is at most this many
 # bytes (latency-bound: the saved host sync and kernels matter more than bytes), or when uniform routing
 # sends all but this fraction of the tokens to every rank anyway (e.g. 2 ranks with top-8).
 DENSE_AUTO_MAX_BYTES = 2 << 20
 DENSE_AUTO_MAX_WASTE = 0.10
 
-# Communicators per direction a collective transport's EP buffer spreads its pipeline chunks over (facade.py
-# `comm_channels` = min(knobs.channels, MAX_COMM_CHANNELS); chunk c goes on communicator c mod comm_channels).
-MAX_COMM_CHANNELS = 8
+# MAX_COMM_CHANNELS (runtime/knobs.py, beside the `channels` knob it caps): communicators per direction a
+# collective transport's EP buffer spreads its pipeline chunks over (facade.py `comm_channels` =
+# min(knobs.channels, MAX_COMM_CHANNELS); chunk c goes on communicator c mod comm_channels).
 
 
 def equal_chunk_size(tokens: int, chunks: int) -> int:

@@ -20,63 +20,25 @@ from typing import Any
 
 from moetune.runtime.knobs import (
     ALLOWED_FENCE_MODES,
-    COMBINE_LANES,
     COMPRESSIONS,
-    ENGINES,
-    FENCE_MODES,
-    MAX_CHUNK_TOKENS,
-    MAX_GROUP_SIZE,
-    MAX_STAGING_SLOTS,
-    MIN_STAGING_SLOTS,
-    MK_CORES,
+    KNOB_VALUES,
     MK_KNOBS,
-    MK_MAX_COMBINE_TOKENS,
-    MK_MAX_CTAS_PER_SM,
-    MK_MAX_PROCESSOR_CTAS,
-    MK_MAX_SPLIT_K,
-    MK_MAX_STAGES,
-    QP_MAPPINGS,
     QUEUED,
-    SIGNALLINGS,
+    SCALE_GRANULARITIES,
     TRANSPORTS,
-    WAIT_MODES,
     KnobError,
     Knobs,
 )
 from moetune.runtime.profiles.policy_defaults import policy_file_candidates
 
-SCALE_GRANULARITIES: tuple[str, ...] = ("per_token", "per_128")
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.__struct_fields__)
-# Knobs that take values from a fixed vocabulary.
-CATEGORICAL: dict[str, tuple[str, ...]] = {
-    "signalling": SIGNALLINGS,
-    "fence_mode": FENCE_MODES,
-    "qp_mapping": QP_MAPPINGS,
-    "compression": COMPRESSIONS,
-    "scale_granularity": SCALE_GRANULARITIES,
-    "wait_mode": WAIT_MODES,
-    "combine_lanes": COMBINE_LANES,
-    "engine": ENGINES,
-    "mk_core": MK_CORES,
-}
-# Integer knobs and their hard limits (runtime/knobs.py validation).
-INTEGER: dict[str, tuple[int, int]] = {
-    "group_size": (0, MAX_GROUP_SIZE),
-    "qps_per_pe": (1, 64),
-    "chunk_tokens": (0, MAX_CHUNK_TOKENS),
-    "pipeline_depth": (1, 16),
-    "num_sms": (1, 264),
-    "channels": (1, 64),
-    "staging_slots": (MIN_STAGING_SLOTS, MAX_STAGING_SLOTS),
-    "mk_bm": (0, 128),
-    "mk_stages": (0, MK_MAX_STAGES),
-    "mk_ctas_per_sm": (0, MK_MAX_CTAS_PER_SM),
-    "mk_processor_ctas": (0, MK_MAX_PROCESSOR_CTAS),
-    "mk_combine_tokens": (0, MK_MAX_COMBINE_TOKENS),
-    "mk_split_k": (1, MK_MAX_SPLIT_K),
-    "mk_bn": (0, 256),
-    "mk_overlap": (0, 1),
-}
+# What a policy's [knobs] may offer, from the runtime's one knob table (runtime/knobs.py KNOB_VALUES): a policy
+# narrows a knob's values to its search space, never widens them (`_knob_spec` checks each against the table).
+# Knobs that take values from a fixed vocabulary (transport is the family's, never searched).
+CATEGORICAL: dict[str, tuple[str, ...]] = {n: v.choices for n, v in KNOB_VALUES.items()
+                                           if not v.is_int and n != "transport"}
+# Integer knobs and their hard limits.
+INTEGER: dict[str, tuple[int, int]] = {n: v.limits for n, v in KNOB_VALUES.items() if v.is_int}
 # Families that are not a transport: the MoE megakernel runs the layer on one GPU (ep_size 1); its policy's
 # transport is the one a world-1 layer builds its (idle) EP buffer with.
 FAMILY_TRANSPORT: dict[str, str] = {"megakernel": "collective"}
@@ -364,6 +326,10 @@ def _knob_spec(name: str, raw: Any, source: str) -> KnobSpec:
         lo, hi = INTEGER[name]
         if step < 1 or low > high or low < lo or high > hi:
             raise PolicyError(source, key, f"need {lo} <= min <= max <= {hi} and step >= 1, got {raw}")
+        refused = KNOB_VALUES[name].refused_in(low, high, step)  # inside the limits, a gap (mk_stages 1)
+        if refused:
+            raise PolicyError(source, key, f"the range takes {refused[0]}, which the knob refuses: it must be "
+                                           f"{KNOB_VALUES[name].requirement()}")
         return KnobSpec(name, low=low, high=high, step=step)
     if not isinstance(raw, list) or not raw:
         raise PolicyError(source, key, f"must be a non-empty list of values or a {{min, max, step}} range, got {raw!r}")
@@ -374,10 +340,10 @@ def _knob_spec(name: str, raw: Any, source: str) -> KnobSpec:
         if bad:
             raise PolicyError(source, key, f"unknown value(s) {bad}; allowed: {', '.join(CATEGORICAL[name])}")
     else:
-        lo, hi = INTEGER[name]
-        bad = [v for v in raw if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi]
+        bad = [v for v in raw if not isinstance(v, int) or isinstance(v, bool) or not KNOB_VALUES[name].allows(v)]
         if bad:
-            raise PolicyError(source, key, f"value(s) {bad} are not integers in {lo}..{hi}")
+            raise PolicyError(source, key, f"value(s) {bad} are not integers the knob takes: it must be "
+                                           f"{KNOB_VALUES[name].requirement()}")
     return KnobSpec(name, choices=tuple(raw))
 
 
