@@ -11,9 +11,11 @@ profile client loads with `load_client_config`: only an error in what it reads (
 is raised; any other is named and that setting left at its default.
 Paths in a file (`[store] db`, the CURVE key files) are relative to that file's directory.
 
-The `[runtime]` section holds the EP data path's options (runtime/options.py: `RuntimeOptions`); its
-variables are the options' own (`MOETUNE_HS_NATIVE`, ...), applied by `RuntimeOptions.resolve`, not here.
-This module only type-checks the section; the options check the values.
+The `[runtime]` section holds the EP data path's options (runtime/options.py: `RuntimeOptions`, the one
+definition of their names, types and defaults). This module keeps the table as the files give it, with where each
+key came from; `RuntimeOptions.from_config` checks it (an unknown key, a wrong type or a bad value names the key and
+the file). Its variables are the options' own (`MOETUNE_HS_NATIVE`, ...), applied by `RuntimeOptions.resolve`.
+(options.py imports this module for that and for the settings doc, so this one cannot import it: no import cycles.)
 """
 
 from __future__ import annotations
@@ -88,31 +90,14 @@ class ClientConfig:
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """Mirrors `RuntimeOptions` (runtime/options.py; a test keeps the two in step), in TOML types."""
-
-    hs_native: bool = True
-    symm: str = "torch"
-    onesided_timeout_s: float = 20.0
-    megakernel_timeout_s: float = 2.0
-    chunk_weights: str = ""  # comma-separated positive numbers, one per pipeline chunk ("" = equal)
-    proxy_batch: int = 1
-    proxy_peer_access: bool = True
-    proxy_cpu: str = "numa"  # "numa", "none" or a CPU list ("12", "8-15,40")
-    proxy_host_wait: bool = True
-    plan_mode: int = 0
-    nvl_gather: bool = True
-    fused_pack: bool = True
-    fused_fp8: bool = True
-
-
-@dataclass(frozen=True)
 class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # the [runtime] table as the files set it (a later file's key over an earlier one's), checked by
+    # RuntimeOptions.from_config: key -> TOML value (where each came from: `origin`)
+    runtime: Mapping[str, Any] = field(default_factory=dict)
     # Where the values came from, in the order applied (files and "environment").
     sources: tuple[str, ...] = ()
     # (section, key) -> the file or variable that set it (keys left at their default are absent)
@@ -123,7 +108,7 @@ class Config:
         return Path(self.store.db)
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+        return {**{name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}, RUNTIME: dict(self.runtime)}
 
     def origin_of(self, section: str, key: str) -> str:
         """Where `section.key` was set: a file, a variable, or "defaults"."""
@@ -135,11 +120,13 @@ _SECTIONS: dict[str, type] = {
     "daemon": DaemonConfig,
     "tune": TuneConfig,
     "client": ClientConfig,
-    "runtime": RuntimeConfig,
 }
 SECTIONS = _SECTIONS  # the schema, for the settings doc (runtime/options.py)
-# Sections whose keys have no MOETUNE_<SECTION>_<KEY> variable (runtime: the options' own variables).
-_NO_ENV = frozenset({"runtime"})
+# The data path's options: a section whose schema is RuntimeOptions' (runtime/options.py checks it), with no
+# MOETUNE_<SECTION>_<KEY> variables (the options' own variables instead).
+RUNTIME = "runtime"
+_KNOWN_SECTIONS = (*_SECTIONS, RUNTIME)
+_NO_ENV = frozenset({RUNTIME})
 
 
 def env_name(section: str, key: str) -> str:
@@ -154,6 +141,7 @@ def _fields(section: str) -> dict[str, type]:
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+TYPE_NAMES = _TYPE_NAMES  # for the settings doc
 
 
 # what an empty value (the key's default) stands for, where load_config puts a value in its place: an explicit
@@ -170,7 +158,13 @@ def type_name(section: str, key: str) -> str:
 
 def _check_value(section: str, key: str, value: Any, where: str) -> Any:
     """Type-check one value from a file; returns it (ints widened to float where a number is wanted)."""
-    want = _fields(section)[key]
+    return check_toml_value(section, key, _fields(section)[key], value, where)
+
+
+def check_toml_value(section: str, key: str, want: type, value: Any, where: str) -> Any:
+    """`section.key`'s value from a file, of Python type `want` (bool, int, float or str), type-checked: returned
+    (ints widened to float where a number is wanted, which must be finite), else a ConfigError naming the key and
+    `where`. RuntimeOptions.from_config checks the [runtime] table with it."""
     ok = (
         (want is bool and isinstance(value, bool))
         or (want is int and isinstance(value, int) and not isinstance(value, bool))
@@ -284,12 +278,18 @@ def _apply_file(path: Path, values: dict[str, dict[str, Any]], origin: dict[tupl
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{where}: cannot read: {e}") from None
     for section, table in data.items():
-        if section not in _SECTIONS:
-            report(section, None, ConfigError(f"unknown section [{section}] in {where} (known: {', '.join(_SECTIONS)})"))
+        if section not in _KNOWN_SECTIONS:
+            report(section, None, ConfigError(f"unknown section [{section}] in {where} (known: "
+                                              f"{', '.join(_KNOWN_SECTIONS)})"))
             continue
         if not isinstance(table, dict):
             report(section, None, ConfigError(f"{section} in {where}: expected a table [{section}], got "
                                               f"{type(table).__name__}"))
+            continue
+        if section == RUNTIME:  # kept as given: RuntimeOptions.from_config checks it against the options
+            for key, value in table.items():
+                values[RUNTIME][key] = value
+                origin[(RUNTIME, key)] = where
             continue
         known = _fields(section)
         for key, value in table.items():
@@ -393,7 +393,7 @@ def load_client_config(env: Mapping[str, str] = os.environ) -> tuple[Config, lis
 
 
 def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> Config:
-    values: dict[str, dict[str, Any]] = {s: dataclasses.asdict(cls()) for s, cls in _SECTIONS.items()}
+    values: dict[str, dict[str, Any]] = {**{s: dataclasses.asdict(cls()) for s, cls in _SECTIONS.items()}, RUNTIME: {}}
     origin: dict[tuple[str, str], str] = {}
     sources: list[str] = []
     files = config_files(config_file, env)
@@ -423,7 +423,8 @@ def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> 
         # environment included), as default_endpoint finds it: the client and the config agree on one rule
         values["client"]["socket"] = values["daemon"]["socket"] if daemon_socket_set else paths.find_daemon_socket(env)
     values["daemon"]["log_level"] = values["daemon"]["log_level"].lower()
-    return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, sources=tuple(sources), origin=origin)
+    return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, runtime=values[RUNTIME],
+                  sources=tuple(sources), origin=origin)
 
 
 def resolve_db_path(db: Path | str | None = None, config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Path:

@@ -7,7 +7,8 @@ side-by-side measurement. Options are explicit objects, as DeepEP's `Config`: `E
 hands them to its transport, which never reads the environment itself.
 
 Where a value comes from (later wins): the defaults, the `[runtime]` section of the TOML config
-(runtime/config.py), the option's `MOETUNE_*` variable, then what the caller passes. `RuntimeOptions.resolve`
+(runtime/config.py keeps the table; `RuntimeOptions.from_config` checks it against these fields: there is no second
+definition of the options), the option's `MOETUNE_*` variable, then what the caller passes. `RuntimeOptions.resolve`
 does this once per EP buffer; nothing here is read at import time. Every rank of an EP group must run the
 same options: their digest joins the knobs' digest in the buffer's cross-rank agreement. The exceptions are
 `PROCESS_LOCAL_OPTIONS` (today `proxy_cpu`): they only place a thread within one process, so ranks may set them
@@ -58,6 +59,11 @@ PROCESS_LOCAL_OPTIONS: frozenset[str] = frozenset({"proxy_cpu"})
 
 class RuntimeOptionError(ValueError):
     """A runtime option has a bad value; the message names the option, its variable and where it came from."""
+
+
+class RuntimeConfigError(_config.ConfigError, RuntimeOptionError):
+    """A bad key or value in the config's `[runtime]` table: a config error (named by key and file, as any other
+    section's) and a bad runtime option."""
 
 
 @dataclass(frozen=True)
@@ -209,19 +215,20 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @classmethod
     def from_config(cls, config: _config.Config) -> RuntimeOptions:
-        """The defaults with the config's `[runtime]` section applied (errors name the key and the file)."""
-        section = dataclasses.asdict(config.runtime)
+        """The defaults with the config's `[runtime]` table applied, each key checked against the options' fields
+        (its TOML type: CONFIG_TYPES; its value: as the option is). RuntimeConfigError names the key, the file and
+        what is wrong."""
         data = cls().to_dict()
-        for name, value in section.items():
-            if name == "chunk_weights":
-                value = _parse_floats(value, f"runtime.chunk_weights in {config.origin_of('runtime', name)}")
-            data[name] = value
-        try:
-            return cls.from_dict(data)
-        except RuntimeOptionError as e:
-            bad = [n for n in section if n in str(e)]
-            where = config.origin_of("runtime", bad[0]) if bad else "the config"
-            raise RuntimeOptionError(f"{e} (from {where})") from None
+        for name, value in config.runtime.items():
+            where = config.origin_of(_config.RUNTIME, name)
+            if name not in CONFIG_TYPES:
+                raise RuntimeConfigError(f"unknown key runtime.{name} in {where} (known: {', '.join(CONFIG_TYPES)})")
+            try:
+                value = _config.check_toml_value(_config.RUNTIME, name, CONFIG_TYPES[name], value, where)
+            except _config.ConfigError as e:
+                raise RuntimeConfigError(str(e)) from None
+            data[name] = _option_from_config(name, value, where)
+        return cls.from_dict(data)
 
 
 def _field_of(message: str) -> str:
@@ -277,6 +284,32 @@ def _validate(o: RuntimeOptions) -> None:
 # each field's type, from the struct's own annotations (_check_types); the float fields are stored as floats
 _FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(RuntimeOptions)}
 _FLOATS: tuple[str, ...] = tuple(n for n, tp in _FIELD_TYPES.items() if tp is float)
+
+
+def _toml_type(name: str, tp: Any) -> type:
+    if tp in (bool, int, float, str):
+        return tp
+    if typing.get_origin(tp) is Literal or name == "chunk_weights":  # a choice; the weights as text, "1,3"
+        return str
+    raise TypeError(f"RuntimeOptions.{name}: no TOML type for {tp!r}")
+
+
+# The TOML type of each option's `[runtime]` key, from the options' own annotations.
+CONFIG_TYPES: dict[str, type] = {n: _toml_type(n, tp) for n, tp in _FIELD_TYPES.items()}
+
+
+def _option_from_config(name: str, value: Any, where: str) -> Any:
+    """One `[runtime]` key's value (of its CONFIG_TYPES type) as the option takes it, checked as the option is; a
+    RuntimeConfigError names the key and `where` (not the option's variable: the file set it)."""
+    raw = value
+    try:
+        if name == "chunk_weights":
+            value = _parse_floats(raw, repr(raw))
+        # built directly: _validate's own words ("expected one of torch, ipc"), not msgspec's
+        return getattr(RuntimeOptions(**{name: value}), name)
+    except RuntimeOptionError as e:
+        msg = str(e).removeprefix(f"runtime option {name} ({_doc(name).env}) = ").replace(repr(value), repr(raw), 1)
+        raise RuntimeConfigError(f"runtime.{name} in {where}: {msg}") from None
 
 _CPU_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 
@@ -489,7 +522,11 @@ def _config_rows() -> list[str]:
             if (section, f.name) in _config.EMPTY_MEANS:  # said in full: `db = ""` is this default, not "no database"
                 default = f"(empty: {_esc(_config.EMPTY_MEANS[(section, f.name)])})"
             rows.append(f"| `{section}.{f.name}` | {_config.type_name(section, f.name)} | "
-                        f"{default} | {f'`{var}`' if var else '(the option variable below)'} |")
+                        f"{default} | `{var}` |")
+    d = RuntimeOptions()
+    for name, tp in CONFIG_TYPES.items():  # the [runtime] table: the options themselves
+        rows.append(f"| `{_config.RUNTIME}.{name}` | {_config.TYPE_NAMES[tp]} | {_cell(getattr(d, name))} | "
+                    "(the option variable below) |")
     return rows
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moetune.runtime import _once
-from moetune.runtime.config import ConfigError, load_config
+from moetune.runtime.config import ConfigError
 from moetune.runtime.options import (
     MAX_CPU_INDEX,
     PROCESS_LOCAL_OPTIONS,
@@ -239,11 +239,11 @@ def test_a_bad_proxy_cpu_from_a_variable_or_the_config_says_where(tmp_path: Path
     env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     cfg = tmp_path / "moetune.toml"
     cfg.write_text('[runtime]\nproxy_cpu = "far"\n')
-    with pytest.raises(RuntimeOptionError, match=rf"proxy_cpu.*'far'.*{cfg.name}"):
+    with pytest.raises(RuntimeOptionError, match=rf"runtime\.proxy_cpu in .*{cfg.name}: 'far'"):
         RuntimeOptions.resolve(env={**env, "MOETUNE_CONFIG": str(cfg)})
     cfg.write_text("[runtime]\nproxy_cpu = 12\n")  # TOML: a string, as every CPU list
     with pytest.raises(ConfigError, match=r"runtime\.proxy_cpu.*expected a string"):
-        load_config(env={**env, "MOETUNE_CONFIG": str(cfg)})
+        RuntimeOptions.resolve(env={**env, "MOETUNE_CONFIG": str(cfg)})
 
 
 # -- the transport's choice ---------------------------------------------------------------------------------------
