@@ -87,6 +87,9 @@ class ClientConfig:
     # public half must be in the daemon's allow-list; "" = a throwaway key pair (refused by the daemon).
     curve_server_key_file: str = ""
     curve_secret_key_file: str = ""
+    # an EP buffer / MoE layer built without knobs looks up its tuned profile (daemon, then database); false: the
+    # policy defaults, asking nothing (`client_autoload`; its variable is MOETUNE_AUTOLOAD, the name it always had)
+    autoload: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,9 +132,20 @@ _KNOWN_SECTIONS = (*_SECTIONS, RUNTIME)
 _NO_ENV = frozenset({RUNTIME})
 
 
+# Keys whose variable is not MOETUNE_<SECTION>_<KEY>: the name it had before it was a config key.
+_ENV_NAMES = {("client", "autoload"): "MOETUNE_AUTOLOAD"}
+# What a key does, where the settings doc should say more than its name (docs/settings.md, under the table).
+KEY_NOTES = {("client", "autoload"): "false (or `MOETUNE_AUTOLOAD=0`): an EP buffer or MoE layer built without "
+                                     "knobs runs the policy defaults without asking the daemon or the database (no "
+                                     "warning); true: it looks up the tuned profile. A value that is not a bool is "
+                                     "an error naming the variable or the file."}
+
+
 def env_name(section: str, key: str) -> str:
     """The variable that overrides `section.key` ("" for the [runtime] section: see runtime/options.py)."""
-    return "" if section in _NO_ENV else f"MOETUNE_{section.upper()}_{key.upper()}"
+    if section in _NO_ENV:
+        return ""
+    return _ENV_NAMES.get((section, key), f"MOETUNE_{section.upper()}_{key.upper()}")
 
 
 @functools.cache
@@ -186,18 +200,35 @@ def _finite(section: str, key: str, value: float, where: str) -> float:
     return value
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_bool(raw: str, what: str, *, empty: bool = False) -> bool:
+    """A boolean variable's text: 1/true/yes/on or 0/false/no/off (any case, white space around), "" = `empty`;
+    anything else a ConfigError naming `what` (a typo is never taken as either)."""
+    low = raw.strip().lower()
+    if low in TRUE_WORDS:
+        return True
+    if low in FALSE_WORDS:
+        return False
+    if not low:
+        return empty
+    raise ConfigError(f"{what}: expected true or false, got {raw!r}")
+
+
+def default_of(section: str, key: str) -> Any:
+    """The built-in default of `section.key` (a dataclass section's)."""
+    return getattr(_SECTIONS[section](), key)
+
+
 def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
     want = _fields(section)[key]
     where = f"environment variable {var}"
     if want is str:
         return raw
-    if want is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{section}.{key} in {where}: expected true or false, got {raw!r}")
+    if want is bool:  # empty: the key's default (false for every bool key but client.autoload)
+        return parse_bool(raw, f"{section}.{key} in {where}", empty=default_of(section, key))
     text = raw.strip()
     try:
         if want is int:  # not int(): it takes "1_000" and non-ASCII digits, which the runtime's parsers refuse
@@ -225,7 +256,7 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
     def fail(section: str, key: str, msg: str) -> None:
         where = origin.get((section, key), "defaults")
         report(section, key, ConfigError(f"{section}.{key} in {where}: {msg}"))
-        values[section][key] = getattr(_SECTIONS[section](), key)  # ignored (a lenient load): the default
+        values[section][key] = default_of(section, key)  # ignored (a lenient load): the default
         origin.pop((section, key), None)
 
     d, t, c = values["daemon"], values["tune"], values["client"]
@@ -390,6 +421,28 @@ def load_client_config(env: Mapping[str, str] = os.environ) -> tuple[Config, lis
         ignored.append(str(err))
 
     return _load(None, env, report), ignored
+
+
+class _AutoloadProblem(Exception):
+    """Carries a ConfigError about client.autoload out of a lenient load."""
+
+
+def client_autoload(env: Mapping[str, str] = os.environ) -> tuple[bool, str]:
+    """client.autoload (variable MOETUNE_AUTOLOAD, then the config files, then true) and where it was set. A bad
+    value of it is a ConfigError naming the variable or the file; the rest of the config is not this function's to
+    judge (the profile client warns about a config it cannot read, which leaves this setting at its default)."""
+
+    def report(section: str, key: str | None, err: ConfigError) -> None:
+        if section == "client" and key in ("autoload", None):  # this key, or a [client] that is no table
+            raise _AutoloadProblem(err)
+
+    try:
+        cfg = _load(None, env, report)
+    except _AutoloadProblem as p:
+        raise p.args[0] from None
+    except (ConfigError, OSError):
+        return default_of("client", "autoload"), "defaults"
+    return cfg.client.autoload, cfg.origin_of("client", "autoload")
 
 
 def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> Config:

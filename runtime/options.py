@@ -359,8 +359,7 @@ def proxy_cpu_setting(value: Any) -> tuple[str, tuple[int, ...]]:
     return "cpus", cpus
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+_TRUE, _FALSE = _config.TRUE_WORDS, _config.FALSE_WORDS  # one spelling of a bool variable (config.parse_bool)
 
 
 def _parse_env(doc: OptionDoc, raw: str) -> Any:
@@ -456,9 +455,6 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "A prebuilt csrc/ library to load instead of building one.", "runtime/csrc_build.py"),
     EnvVariable("MOETUNE_POLICY", "path (file or directory)", "unset",
                 "A user policy merged over the shipped policies (as `--policy`).", "tuner/search/policy.py"),
-    EnvVariable("MOETUNE_AUTOLOAD", "bool", "1",
-                "`0` skips the daemon and the database when an EP buffer is built without knobs (policy "
-                "defaults, no warning).", "runtime/profiles/autoload.py"),
     EnvVariable("MOETUNE_PROFILE_HASH", "string", "unset",
                 "Printed by `moetune query --format env` for launchers to record which profile a job ran; the "
                 "runtime does not read it.", "tuner/cli/query.py (written)"),
@@ -570,9 +566,13 @@ def settings_markdown() -> str:
         "",
         "TOML, read in order (later wins): `/etc/moetune/moetune.toml`, `~/.config/moetune/moetune.toml`",
         "(`$XDG_CONFIG_HOME` respected), `--config FILE` or `$MOETUNE_CONFIG`, then `MOETUNE_<SECTION>_<KEY>`",
-        "variables (the `[runtime]` section's variables are the option variables above). Unknown keys are errors.",
+        "variables (or the variable the table names; the `[runtime]` section's variables are the option variables",
+        "above). Unknown keys are errors. Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`);",
+        "an empty one is the key's default; anything else is an error naming the variable.",
         "",
         *_config_rows(),
+        "",
+        *(f"- `{section}.{key}`: {_esc(note)}" for (section, key), note in _config.KEY_NOTES.items()),
         "",
         "## Build and debug variables",
         "",

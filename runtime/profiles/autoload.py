@@ -31,7 +31,8 @@ the device), so the many layers of one model cost one lookup.
 carries it instead of `model.dtype` (an fp32 buffer of a bf16 model is not served the bf16 profile). `max_tokens`
 is the token count the profile is picked for (its nearest stored bucket): EPBuffer passes its `expected_tokens`.
 
-`MOETUNE_AUTOLOAD=0` skips the daemon and the database (policy defaults, no warning).
+`[client] autoload = false` (or `MOETUNE_AUTOLOAD=0`; config.client_autoload) skips the daemon and the database
+(policy defaults, no warning); a value that is no bool is a ConfigError naming it.
 
 `autoload_group_profile(group=..., ...)` is what an EP group uses (collective): rank 0 resolves and broadcasts the
 resolution (knobs, profile hash, source, provenance, env) as JSON in a tensor over the group (no pickle); the
@@ -48,11 +49,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import socket
 import threading
 from typing import Any
 
+from moetune.runtime.config import client_autoload
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
@@ -199,10 +200,11 @@ def autoload_profile(
             if export_env:
                 apply_env(_last.env)
             return _last
-        if os.environ.get("MOETUNE_AUTOLOAD", "1").lower() in ("0", "off", "false", "no"):
+        on, where = client_autoload()  # a typo (MOETUNE_AUTOLOAD=of) is an error, not "on"
+        if not on:
             knobs, source = policy_or_default(transport_family or "collective")
             res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}",
-                             status="default", family=transport_family, message="MOETUNE_AUTOLOAD=0")
+                             status="default", family=transport_family, message=f"client.autoload is false ({where})")
         else:
             res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client,
                            transport_family=transport_family)
@@ -321,6 +323,7 @@ def autoload_group_profile(
     (or with one rank) this is `autoload_profile`.
     """
     global _last
+    client_autoload()  # a bad value raises on every rank here, before any collective (not swallowed by a leader)
     if not _dist_on(group):
         return autoload_profile(model=model, ep_size=ep_size, nodes=1, max_tokens=max_tokens, device=device,
                                 group=group, dtype=dtype, transport_family=transport_family)
