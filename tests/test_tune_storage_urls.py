@@ -56,3 +56,25 @@ def test_url_helpers(tmp_path: Path) -> None:
     with pytest.raises(StorageRefused, match="query parameters"):
         make_storage(f"sqlite:///{tmp_path / 'x.db'}?timeout=5")
     assert not (tmp_path / "x.db").exists()
+
+
+def test_the_default_studies_file_is_beside_the_configured_database(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """default_storage_url(None) asks the config (and runtime/paths.py for its default): $XDG_DATA_HOME is honoured
+    (its own copy of the rule went to ~/.local/share), and a broken config is an error, not another folder."""
+    from moetune.runtime.config import ConfigError
+    from moetune.tuner.search.study import default_storage_url
+
+    for var in ("MOETUNE_HOME", "MOETUNE_CONFIG", "MOETUNE_STORE_DB"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    assert default_storage_url() == f"sqlite:///{tmp_path / 'xdg-data' / 'moetune' / 'moetune-studies.db'}"
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text(f'[store]\ndb = "{tmp_path / "d" / "p.db"}"\n')
+    monkeypatch.setenv("MOETUNE_CONFIG", str(cfg))
+    assert default_storage_url() == f"sqlite:///{tmp_path / 'd' / 'p-studies.db'}"
+    cfg.write_text("[store]\ndb = 5\n")
+    with pytest.raises(ConfigError, match=rf"store\.db in {cfg}: expected a string"):
+        default_storage_url()

@@ -247,17 +247,13 @@ def _tuned_in(db: Path, studies: Path) -> bool:
 def default_storage_url(db_path: str | Path | None = None) -> str:
     """SQLite file for Optuna's tables, beside the profile database (never inside it): `studies_file_name`.
     A database tuned before the studies file was per database (its runs name `moetune-studies.db` beside it) keeps
-    that file while it has no studies file of its own: its studies still resume."""
+    that file while it has no studies file of its own: its studies still resume. `db_path` None: the configured
+    database (`[store] db`, else runtime/paths.py `default_db_path`: $MOETUNE_HOME, $XDG_DATA_HOME, ~/.local/share);
+    a broken config raises its ConfigError (naming the key and the file) rather than put the studies elsewhere."""
     if db_path is None:
-        try:
-            from moetune.runtime.config import load_config
+        from moetune.runtime.config import resolve_db_path
 
-            db_path = load_config().db_path
-        except (ValueError, OSError):  # ConfigError is a ValueError: fall back to the default home
-            import os
-
-            home = os.environ.get("MOETUNE_HOME") or str(Path.home() / ".local" / "share" / "moetune")
-            db_path = Path(home) / "moetune.db"
+        db_path = resolve_db_path()
     path = Path(db_path).expanduser().resolve()
     own, shared = path.parent / studies_file_name(path), path.parent / OPTUNA_DB_NAME
     if own != shared and not own.exists() and shared.is_file() and _tuned_in(path, shared):
