@@ -50,7 +50,7 @@ WORKER = textwrap.dedent(
                                         spread_us=0.1, backend=f"worker-{me}"))
         won += ok
         if i % 50 == 0:
-            store.add_event(kind="test", reason=f"worker {me} at {i}")
+            store.add_event(kind="fabric_seen", reason=f"worker {me} at {i}")
     t1 = time.time()
     store.close()
     print(json.dumps({"me": me, "t0": t0, "t1": t1, "won": won}))
@@ -100,7 +100,7 @@ def test_two_processes_write_at_once(tmp_path):
         assert dup == []
         assert con.execute("SELECT count(*) FROM profiles WHERE fingerprint='fp-shared' AND status='current'").fetchone()[0] == 5
         # (the store's own events too: a worker re-measuring its shared keys' knobs leaves `remeasured` ones)
-        assert con.execute("SELECT count(*) FROM events WHERE kind = 'test'").fetchone()[0] == 2 * (N // 50)
+        assert con.execute("SELECT count(*) FROM events WHERE kind = 'fabric_seen'").fetchone()[0] == 2 * (N // 50)
         assert con.execute("SELECT count(*) FROM moetune_alembic_version").fetchone()[0] == 1
     finally:
         con.close()
@@ -158,7 +158,7 @@ def test_threads_share_one_store(tmp_path):
         def work(i: int) -> None:
             try:
                 for j in range(25):
-                    s.add_event(kind="t", reason=f"{i}-{j}")
+                    s.add_event(kind="fabric_seen", reason=f"{i}-{j}")
                     s.list_events(limit=3)
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(repr(e))
@@ -178,20 +178,20 @@ def test_store_survives_fork(tmp_path):
     from moetune.tuner.store.store import Store
 
     with Store(tmp_path / "f.db") as s:
-        s.add_event(kind="parent", reason="before fork")
+        s.add_event(kind="fabric_seen", reason="before fork")
         parent_pool = id(s.engine.pool)
         pid = os.fork()
         if pid == 0:  # child: must not reuse the parent's pooled connection
             code = 0
             try:
-                s.add_event(kind="child", reason="in child")
+                s.add_event(kind="fabric_changed", reason="in child")
                 code = 0 if id(s.engine.pool) != parent_pool else 2  # a fresh pool, not the parent's
             except BaseException:
                 code = 1
             os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert [e.kind for e in s.list_events()] == ["child", "parent"]
-        s.add_event(kind="parent", reason="after fork")
+        assert [e.kind for e in s.list_events()] == ["fabric_changed", "fabric_seen"]
+        s.add_event(kind="fabric_seen", reason="after fork")
         with s.engine.connect() as c:
             assert c.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"

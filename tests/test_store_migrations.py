@@ -45,7 +45,7 @@ def populate(s: Store) -> None:
             intermediate=1024, experts=64, topk=6, dtype="bfloat16", token_bucket=b,
         )
         s.put_profile(ProfileRecord(key=key, knobs=default_knobs("nvlink"), latency_us=10.0 * b, spread_us=1.0, backend="m"))
-    s.add_event(kind="hardware", reason="test")
+    s.add_event(kind="fabric_changed", reason="test")
 
 
 def test_empty_database_upgrades_itself_with_own_version_table(tmp_path):

@@ -206,10 +206,30 @@ def test_measurements_runs_fingerprints_events(store):
     assert r.status == "complete" and r.trials == 40 and r.best_value == 12.5 and r.ended
     with pytest.raises(StoreError):
         store.finish_run(999, status="x", trials=0, best_value=None)
-    e1 = store.add_event(kind="hardware", reason="NIC mlx5_1 gone", details={"nic": "mlx5_1"})
-    e2 = store.add_event(kind="software", reason="driver 570 -> 575")
+    e1 = store.add_event(kind="fabric_changed", reason="NIC mlx5_1 gone", details={"nic": "mlx5_1"})
+    e2 = store.add_event(kind="fabric_seen", reason="driver 570 -> 575")
     assert [e.id for e in store.list_events()] == [e2, e1]
     assert len(store.list_events(limit=1)) == 1
+    assert [e.id for e in store.list_events(kinds=("fabric_changed",))] == [e1]
+
+
+def test_event_kinds_are_the_one_list(store):
+    """Event kinds are an EventKind (models.py): a writer's typo is refused before anything is written, and a filter
+    naming no kind is refused rather than matching nothing."""
+    from moetune.tuner.store.models import EVENT_KINDS, Event
+
+    assert "job_finished" in EVENT_KINDS and "fabric_changed" in EVENT_KINDS
+    with pytest.raises(ValueError, match=r"unknown event kind\(s\) 'job_finshed'; known: job_queued, "):
+        store.add_event(kind="job_finshed", reason="typo")  # type: ignore[arg-type]
+    assert store.list_events() == []
+    with pytest.raises(ValueError, match=r"'fabric_change'"):
+        store.list_events(kinds=("fabric_changed", "fabric_change"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'job_done'"):
+        store.events_after(0, kinds=("job_done",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'done'"):
+        store.open_jobs(kinds=("job_queued",), finished="done")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'hardware'"):  # every writer, not only add_event
+        Event(created="t", kind="hardware", reason="", details={})
 
 
 def test_pragmas_on_every_connection(store):

@@ -51,12 +51,13 @@ from moetune.tuner.store import StoreDamaged, StoreError
 
 if TYPE_CHECKING:
     from moetune.tuner.daemon.server import TuneSettings
+    from moetune.tuner.store.models import EventKind
     from moetune.tuner.store.store import Store
 
 log = logging.getLogger("moetune.daemon.jobs")
 
 # job_cancelled: a user's cancel of a running job, recorded when asked (its job_finished comes when the job ends)
-JOB_EVENTS = ("job_queued", "job_started", "job_cancelled", "job_finished")
+JOB_EVENTS: tuple[EventKind, ...] = ("job_queued", "job_started", "job_cancelled", "job_finished")
 # (busy: True / False / None when it cannot be told, what was seen): are other processes on this node's GPUs?
 GpuProbe = Callable[[], tuple[bool | None, str]]
 # how often a job held for want of fabric facts looks again (an attribute read: the discovery rounds set them)
@@ -544,7 +545,7 @@ class JobManager:
     def start(self) -> None:
         self._thread.start()
 
-    def _event(self, kind: str, job: Job, reason: str) -> bool:
+    def _event(self, kind: EventKind, job: Job, reason: str) -> bool:
         """Record one of the job's events; False (logged) where the store refused it."""
         try:
             self.store.add_event(kind=kind, reason=reason, details=job.details())

@@ -19,10 +19,10 @@ and add `AND provenance = 'measured'` for what may be applied as tuned (column a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, MetaData, String, text
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, validates
 
 from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES
 
@@ -176,6 +176,34 @@ class Profile(Base):
     )
 
 
+# What an event records: the one list of the events table's kinds. The store writes no other (Event checks it, as
+# Store.add_event does) and a `kinds=` filter naming another is refused (a typo would match nothing, silently).
+EventKind = Literal[
+    # the daemon's re-tune jobs (tuner/daemon/jobs.py; details.job_id names the job)
+    "job_queued", "job_started", "job_cancelled", "job_deferred", "job_finished",
+    # the daemon's view of the fabric (tuner/daemon/watch.py)
+    "fabric_seen", "fabric_changed",
+    # profiles of a fingerprint marked stale, or current again (Store.mark_stale / restore_stale)
+    "stale", "restored",
+    # a replacement the numbers alone do not explain (_rows.replacement_event: the decision's rule)
+    "remeasured", "routing",
+    # a file imported (io.import_file)
+    "import_completed",
+    # written by migrations (as plain SQL, with these spellings frozen there): values a downgrade dropped and an
+    # upgrade gave back, and rows relabelled
+    "provenance_dropped", "provenance_restored", "routing_dropped", "routing_restored", "perf_env_dropped",
+    "perf_env_restored", "relabelled",
+]
+EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+
+
+def check_event_kinds(kinds: tuple[str, ...] | list[str]) -> None:
+    """ValueError naming each kind of `kinds` that is not an EventKind."""
+    unknown = [k for k in kinds if k not in EVENT_KINDS]
+    if unknown:
+        raise ValueError(f"unknown event kind(s) {', '.join(map(repr, unknown))}; known: {', '.join(EVENT_KINDS)}")
+
+
 class Event(Base):
     """Something that happened: hardware or software changed, profiles went stale, a run ended."""
 
@@ -183,6 +211,11 @@ class Event(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     created: Mapped[str] = mapped_column(String(40), index=True)
-    kind: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(64))  # an EventKind (rows an older moetune wrote may hold others)
     reason: Mapped[str] = mapped_column(String(4096))
     details: Mapped[dict[str, Any]]
+
+    @validates("kind")
+    def _known_kind(self, _key: str, kind: str) -> str:
+        check_event_kinds([kind])  # every writer, not only add_event (mark_stale, imports, replacements)
+        return kind

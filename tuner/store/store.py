@@ -98,10 +98,12 @@ from moetune.tuner.store.io import (
 from moetune.tuner.store.models import (
     PROFILE_KEY_COLUMNS,
     Event,
+    EventKind,
     Fingerprint,
     Measurement,
     Profile,
     TuningRun,
+    check_event_kinds,
 )
 from moetune.tuner.store.validate import check_record
 
@@ -1141,7 +1143,9 @@ class Store:
             return int(s.scalar(q) or 0)
 
     # -- events ------------------------------------------------------------------------------------
-    def add_event(self, *, kind: str, reason: str, details: dict | None = None) -> int:
+    def add_event(self, *, kind: EventKind, reason: str, details: dict | None = None) -> int:
+        """Record an event; ValueError for a `kind` that is no EventKind (before anything is written)."""
+        check_event_kinds([kind])
         with self._write() as s:
             e = Event(created=now(), kind=kind, reason=reason, details=dict(details or {}))
             s.add(e)
@@ -1149,12 +1153,14 @@ class Store:
             return e.id
 
     @_retried
-    def list_events(self, limit: int = 100, *, kinds: tuple[str, ...] | None = None,
+    def list_events(self, limit: int = 100, *, kinds: tuple[EventKind, ...] | None = None,
                     before_id: int | None = None) -> list[Row]:
-        """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds; with
-        `before_id`, only those older than that event (page back with the last one's id)."""
+        """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds (ValueError
+        for one that is no EventKind: it would match nothing); with `before_id`, only those older than that event
+        (page back with the last one's id)."""
         q = select(Event).order_by(Event.id.desc()).limit(limit)
         if kinds is not None:
+            check_event_kinds(kinds)
             q = q.where(Event.kind.in_(kinds))
         if before_id is not None:
             q = q.where(Event.id < before_id)
@@ -1162,20 +1168,23 @@ class Store:
             return [_row(e) for e in s.scalars(q)]
 
     @_retried
-    def events_after(self, after_id: int, *, kinds: tuple[str, ...], limit: int = 500) -> list[Row]:
+    def events_after(self, after_id: int, *, kinds: tuple[EventKind, ...], limit: int = 500) -> list[Row]:
         """Oldest first: up to `limit` events of `kinds` whose id is above `after_id` (page on with the last one's id)."""
+        check_event_kinds(kinds)
         q = select(Event).where(Event.id > after_id, Event.kind.in_(kinds)).order_by(Event.id).limit(limit)
         with self._read() as s:
             return [_row(e) for e in s.scalars(q)]
 
     @_retried
-    def open_jobs(self, *, kinds: tuple[str, ...], finished: str, also: str = "") -> tuple[list[int], list[Row], int]:
+    def open_jobs(self, *, kinds: tuple[EventKind, ...], finished: EventKind,
+                  also: str = "") -> tuple[list[int], list[Row], int]:
         """The jobs whose events (of `kinds`, naming their job by an integer `details.job_id`) include none of kind
         `finished`: their ids (ascending); their events of `kinds` and those of any job whose integer `details.<also>`
         names one of them, oldest first; and the highest job id an event of `kinds` names (0: none). Found by job id,
         in SQL, however old the job and however many events came after its own (a window of the newest events lost a
         job that ran long while others came and went): one pass over the events of `kinds` (each one's JSON read
         once), and only the events asked for are read into Python."""
+        check_event_kinds([*kinds, finished])
         cols = [Event.id.label("id"), _json_int(Event.details, "job_id").label("jid"), Event.kind.label("kind"),
                 (_json_int(Event.details, also) if also else literal(None, Integer)).label("also")]
         # LIMIT -1 OFFSET 0: SQLite cannot flatten it into the queries below (which would evaluate the JSON functions
