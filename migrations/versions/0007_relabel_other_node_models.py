@@ -12,9 +12,10 @@ node's measured_on, and `db check` failed right after a clean upgrade. 0004 rela
 measured (and with the backend alone, so one of another node's model became node_model too).
 
 This upgrade relabels every row, in every status (current, stale and superseded history alike), whose stored
-label is not the effective one (`effective_provenance` with the key's fingerprint: the one rule, imported from the
-runtime's record module, not restated), with the label and measured_on the effective record has
-(`effective_measured_on`: a preset's `preset:NAME`, `preset:node:<fp>` for another node's model). Each changed row
+label is not the effective one (`effective_provenance` with the key's fingerprint: the runtime record module's rule,
+copied below as it was when this migration was written, 2026-12, so that a later change of the rule does not change
+what this upgrade does), with the label and measured_on the effective record has (`effective_measured_on`: a
+preset's `preset:NAME`, `preset:node:<fp>` for another node's model). Each changed row
 gets an event (kind `relabelled`) holding its old and new label and measured_on, so nothing it said is lost. No
 row is deleted; keys, statuses, numbers and dates are untouched (so the partial unique index on current keys
 cannot be violated). The downgrade changes nothing, as 0004's: the schema is the same, and the old label was a
@@ -29,12 +30,57 @@ import json
 import sqlalchemy as sa
 from alembic import op
 
-from moetune.tuner.store.models import effective_measured_on, effective_provenance
-
 revision = "0007"
 down_revision = "0006"
 branch_labels = None
 depends_on = None
+
+
+# -- frozen: runtime/profile_record.py's rules as they were when this migration was written -------------------
+# Not imported: a change of the runtime's rule must not change what this upgrade does to a database at 0006.
+_PROVENANCES = ("measured", "node_model", "preset")
+_NODE_MODEL_BACKEND = "model:node:"
+_PRESET_PREFIX = "preset:"
+
+
+def _provenance_of_backend(backend: str, fingerprint: str | None = None) -> str:
+    if backend.startswith(_NODE_MODEL_BACKEND):
+        if fingerprint is not None and backend.removeprefix(_NODE_MODEL_BACKEND) != fingerprint:
+            return "preset"
+        return "node_model"
+    if backend.startswith("model:"):
+        return "preset"
+    if backend.startswith("local:"):
+        return "measured"
+    return "node_model"
+
+
+def _unlabelled_provenance(backend: str, fingerprint: str | None = None) -> str:
+    p = _provenance_of_backend(backend, fingerprint)
+    return "node_model" if p == "measured" else p
+
+
+def _effective_provenance(provenance: str, backend: str, fingerprint: str | None = None) -> str:
+    if provenance == "measured" and _provenance_of_backend(backend) != "measured":
+        return _unlabelled_provenance(backend, fingerprint)
+    if provenance == "node_model" and _provenance_of_backend(backend, fingerprint) == "preset":
+        return "preset"
+    return provenance if provenance in _PROVENANCES else _unlabelled_provenance(backend, fingerprint)
+
+
+def _default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
+    if provenance == "preset":
+        return _PRESET_PREFIX + backend.removeprefix("model:")
+    if provenance == "measured":
+        return fingerprint
+    return ""
+
+
+def _effective_measured_on(provenance: str, measured_on: str, backend: str, fingerprint: str) -> str:
+    prov = _effective_provenance(provenance, backend, fingerprint)
+    if prov == provenance or prov == "node_model":
+        return measured_on
+    return _default_measured_on(prov, backend, fingerprint)
 
 
 def upgrade() -> None:
@@ -45,10 +91,10 @@ def upgrade() -> None:
     ).fetchall()
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
     for row in rows:
-        label = effective_provenance(row.provenance, row.backend, row.fingerprint)
+        label = _effective_provenance(row.provenance, row.backend, row.fingerprint)
         if label == row.provenance:
             continue
-        measured_on = effective_measured_on(row.provenance, row.measured_on, row.backend, row.fingerprint)
+        measured_on = _effective_measured_on(row.provenance, row.measured_on, row.backend, row.fingerprint)
         bind.execute(
             sa.text("UPDATE profiles SET provenance = :label, measured_on = :measured_on WHERE id = :id"),
             {"label": label, "measured_on": measured_on, "id": row.id},

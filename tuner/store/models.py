@@ -26,15 +26,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, validates
 
 from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES
 
-# The label a backend implies (`local:*` measured, `model:node:*` node_model, other `model:*` preset, anything
-# else node_model; prefixes compared case-sensitively) and the `measured_on` a label implies, as the runtime
-# defines them. Re-exported here because migrations import only this module (docs/architecture.md, import rule
-# 4): a migration that relabels rows uses these instead of restating the rule.
-from moetune.runtime.profile_record import default_measured_on as default_measured_on
-from moetune.runtime.profile_record import effective_measured_on as effective_measured_on
-from moetune.runtime.profile_record import effective_provenance as effective_provenance
-from moetune.runtime.profile_record import provenance_of_backend as provenance_of_backend
-
 # Stable constraint names so batch migrations on SQLite can find them.
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
