@@ -41,6 +41,17 @@ def test_registered_transport_implements_what_it_declares(name: str) -> None:
         assert "channels" in params
 
 
+def test_graph_capture_is_promised_by_each_transport_itself() -> None:
+    """graph_capturable is a correctness promise: the base class does not make it (a new transport would inherit it
+    untested); each capturable transport declares it in its own class body, where a capture test backs it."""
+    assert base.EPTransport.graph_capturable is False
+    capturable = {n for n in registered_transports() if get_transport(n).graph_capturable}
+    assert capturable == {"collective", "nvlink", "host_staged"}
+    for name in capturable:
+        assert "graph_capturable" in vars(get_transport(name)), name
+    assert get_transport("proxy").graph_capturable is False  # its call epoch comes from the host
+
+
 def test_the_buffer_does_not_probe_its_transport() -> None:
     root = Path(base.__file__).resolve().parents[1] / "buffer"
     probes = []

@@ -60,7 +60,9 @@ class EPTransport(ABC):
     # the registry name, and the value of the knob `transport` this class runs (the constructor refuses others)
     name: ClassVar[str]
     device_counts: ClassVar[bool] = False
-    graph_capturable: ClassVar[bool] = True
+    # a correctness promise (a replay moves the right rows): a transport makes it itself, where a capture test
+    # proves it; a new one is not capturable until it does
+    graph_capturable: ClassVar[bool] = False
     async_exchange: ClassVar[bool] = False
     dense_collectives: ClassVar[bool] = False
     fused_counts: ClassVar[bool] = False

@@ -57,6 +57,8 @@ def _group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> Any
 
 class CollectiveTransport(EPTransport):
     name: ClassVar[str] = "collective"
+    # NCCL collectives capture (the dense layout never syncs with the host): tests/test_buffer_streams.py replays one
+    graph_capturable: ClassVar[bool] = True
     async_exchange: ClassVar[bool] = True
     dense_collectives: ClassVar[bool] = True
 

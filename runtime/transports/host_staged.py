@@ -103,6 +103,7 @@ class _StagedWork:
 class HostStagedTransport(CollectiveTransport):
     name: ClassVar[str] = "host_staged"
     # full/empty flags with constant values: a replay takes the slots in the captured order on every rank
+    # (runtime_cases.case_gpu_host_staged replays captures, tests/test_runtime_gpu.py)
     graph_capturable: ClassVar[bool] = True
 
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *, channels: int = 1,

@@ -32,6 +32,8 @@ from moetune.runtime.transports.base import Availability
 
 class NvlinkTransport(OneSidedTransport):
     name: ClassVar[str] = "nvlink"
+    # counts and signals stay on the GPU: selftest.epbuffer_worker replays a capture (tests/test_gpu_onesided.py)
+    graph_capturable: ClassVar[bool] = True
     fused_counts: ClassVar[bool] = True
     strided_combine: ClassVar[bool] = True
     gathers_tokens: ClassVar[bool] = True
