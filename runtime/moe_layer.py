@@ -9,9 +9,11 @@ The local experts run as two grouped GEMMs (`torch._grouped_mm` over the rows so
 where torch has it and it works for this device and dtype (probed once, checked against a plain matmul),
 otherwise as a loop over experts. The layer is forward-only (inference): parameters do not require grad.
 
-At world 1 the layer has two engines (the knob `engine`, or `engine=` here): `unfused` runs `local_forward`
-(the chain below, no exchange) and `megakernel` runs routing + one persistent kernel (`runtime/megakernel`)
-on the same weight tensors. How the engine is chosen and when it falls back: runtime/megakernel/engine.py.
+The layer checks its arguments and inputs, holds the weights and the EP buffer, and hands every call to ONE
+engine (`runtime/engines/`), chosen at construction (the knob `engine`, or `engine=` here): `unfused` runs the
+torch chain (world 1: `local_forward`, no exchange; world > 1: dispatch → `experts` → combine) and `megakernel`
+(world 1) routing + one persistent kernel (`runtime/megakernel`) on the same weight tensors. How the engine is
+chosen and when it falls back: runtime/engines/choice.py.
 
 Weights are generated deterministically from `seed` (one generator per expert, on the layer's device), so
 every rank builds only its own experts and `dense_reference` rebuilds any expert for verification.
@@ -30,11 +32,11 @@ from torch import nn
 
 from moetune.runtime import _args
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
+from moetune.runtime.engines.base import MoEEngine
+from moetune.runtime.engines.choice import choose_engine
+from moetune.runtime.engines.unfused import UnfusedEngine
 from moetune.runtime.knobs import ENGINES, MK_KNOBS, Knobs
-from moetune.runtime.megakernel import engine as _engine
-from moetune.runtime.megakernel.config import MegakernelConfig
 from moetune.runtime.options import RuntimeOptions
-from moetune.runtime.pipeline import pipelined_moe
 from moetune.runtime.routing import expert_ids_problem, routed_inputs_problem
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.weights import _generator, check_seed, expert_weights, gate_weight
@@ -162,20 +164,9 @@ class MoELayer(nn.Module):
         first = self.buffer.rank * epr
         self.local_experts = range(first, first + epr)
         self._gate_f32: tuple[int, int, torch.Tensor] | None = None  # the gate in fp32 (_build_weights)
-        self.engine = "unfused"
-        self.engine_note = ""
-        self.engine_knobs: Knobs | None = None  # the knob set the megakernel runs with
+        self._engine: MoEEngine = UnfusedEngine()  # the engine every call goes to (_setup_engine chooses it)
+        self.engine_note = ""  # why the engine is not the one the knobs or the profile named
         self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
-        self.megakernel: Any = None
-        # the megakernel's per token bucket knobs when they come from stored profiles ({bucket: knobs}; None with
-        # explicit knobs, which hold for every S); buckets are resolved on the first eager call of each S
-        self.engine_buckets: dict[int, Knobs] | None = None
-        self._mk_seen: set[int] = set()  # token counts whose bucket is resolved (the hot path's one set lookup)
-        self._mk_base: Any = None  # the construction bucket's MegakernelConfig once it runs (other buckets' fallback)
-        self._mk_ptrs: tuple[int, int, int] = (0, 0, 0)  # the parameters' data pointers the megakernel reads
-        # True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
-        # parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way
-        self.weights_tiled = False
         self.register_state_dict_post_hook(_state_dict_row_major)
         self.register_load_state_dict_pre_hook(_load_state_dict_tiled)
         self.register_load_state_dict_post_hook(_load_state_dict_rebind)
@@ -207,172 +198,44 @@ class MoELayer(nn.Module):
 
     # -- engine ------------------------------------------------------------------------------------------
     def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:
-        """Pick the engine (runtime/megakernel/engine.py has the rules) and build the megakernel when chosen."""
-        if engine == "unfused":
-            return
-        world1 = self.buffer.world == 1
-        wanted: Knobs | None = None
-        profiled = False  # the knobs come from a stored profile (per token bucket), not from the caller
-        if knobs is not None:
-            wanted = knobs if knobs.engine == "megakernel" else None
-            if engine == "megakernel" and wanted is None:
-                wanted = knobs.replace(engine="megakernel")
-        elif engine == "megakernel" or (world1 and _engine.megakernel_problem(self.device, self.dtype, self.model) is None):
-            if world1:
-                from moetune.runtime.profiles.autoload import autoload_profile
+        """Choose the engine (runtime/engines/choice.py has the rules) and build it."""
+        choice = choose_engine(self, engine, knobs, max_tokens)
+        self._engine, self.engine_note, self.engine_resolution = choice.engine, choice.note, choice.resolution
 
-                res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=self.expected_tokens,
-                                       device=self.device, transport_family=_engine.ENGINE_FAMILY, dtype=self.dtype)
-                self.engine_resolution = res
-                profiled = True
-                if res.knobs.engine == "megakernel":
-                    wanted = res.knobs
-                elif engine == "megakernel":
-                    wanted = res.knobs.replace(engine="megakernel")
-            else:
-                wanted = Knobs(engine="megakernel")
-        elif world1 and self.device.type == "cuda":  # auto on a GPU that cannot run it: say so once
-            why = _engine.megakernel_problem(self.device, self.dtype, self.model)
-            self.engine_note = str(why)
-            _engine.warn_fallback_once(str(why))
-            return
-        if wanted is None:
-            return
-        if not world1:
-            why: str | None = (f"it runs the layer on one GPU (world 1); this group has {self.buffer.world} ranks")
-        else:
-            why = _engine.megakernel_problem(self.device, self.dtype, self.model)
-        config: Any = None
-        if why is None:
-            # the library's limits for this shape, settings and max_tokens: a fallback (or MegakernelUnavailable)
-            # now, not an error at the first forward
-            try:
-                config = MegakernelConfig.from_knobs(wanted, self.buffer.options)
-                why = _engine.limits_problem(self.model, max_tokens, config)
-                if why is None and profiled:
-                    # scratch sized for any bucket's tiles (_scratch_knobs); the construction bucket's own config
-                    # is installed for its bucket below, the others on their first call
-                    self._mk_base = config
-                    config = MegakernelConfig.from_knobs(_scratch_knobs(wanted), self.buffer.options)
-                    why = _engine.limits_problem(self.model, max_tokens, config)
-            except ValueError as e:  # ConfigError: a setting out of range
-                why = f"{type(e).__name__}: {e}"
-        if why is None:
-            from moetune.runtime.megakernel.weights import tile_, untile_
+    # what the layer shows of its engine (names tests, benchmarks and docs use)
+    @property
+    def engine(self) -> str:
+        """The engine that runs: "unfused" or "megakernel"."""
+        return self._engine.name
 
-            # the megakernel reads the expert weights k-tiled: this layer's parameters become that layout in place
-            # (no second copy of the weights); state_dict / load_state_dict convert (the hooks in __init__)
-            tile_(self.w_gate_up.data)
-            tile_(self.w_down.data)
-            try:
-                self.megakernel = _engine.build_megakernel(
-                    self.model, max_tokens=max_tokens, device=self.device, seed=self.seed, config=config,
-                    w_gate_up=self.w_gate_up.data, w_down=self.w_down.data, gate=self.gate.data, tiled=True)
-                self.weights_tiled = True
-                self._mk_ptrs = self._param_ptrs()
-            except (RuntimeError, ValueError, OSError) as e:  # build/load errors, a setting that does not fit
-                why = f"{type(e).__name__}: {e}"
-                untile_(self.w_gate_up.data)  # the unfused path reads them row-major
-                untile_(self.w_down.data)
-        if why is not None:
-            self.engine_note = why
-            if engine == "megakernel":
-                raise _engine.MegakernelUnavailable(f"engine='megakernel' was asked for, but the megakernel cannot "
-                                                    f"run here: {why}")
-            _engine.warn_fallback_once(why)
-            return
-        self.engine = "megakernel"
-        self.engine_knobs = wanted
-        if profiled:
-            self.engine_buckets = {}
-            # the construction profile is the other buckets' fallback only once it runs; until then (or if it cannot)
-            # what runs is the config the scratch was sized by
-            base = self._mk_base
-            self._mk_base, self.engine_knobs = None, _scratch_knobs(wanted)
-            if self._mk_install(_bucket_of(self.expected_tokens), wanted):
-                self._mk_base, self.engine_knobs = base, wanted
+    @property
+    def megakernel(self) -> Any:
+        """The MegakernelMoE the megakernel engine launches; None for the unfused engine."""
+        return self._engine.megakernel
 
-    # -- the megakernel's per token bucket profiles ---------------------------------------------------------
-    def _mk_install(self, bucket: int, knobs: Knobs) -> bool:
-        """Run S of `bucket` with `knobs`' tiles, or (where they do not fit the scratch, or cannot launch) with the
-        construction bucket's, else with the config the scratch was sized by, warning once. Returns whether `knobs`
-        were installed; `engine_buckets[bucket]` records the knobs that run."""
-        why: str | None
-        try:
-            why = self.megakernel.set_bucket_config(bucket, MegakernelConfig.from_knobs(knobs, self.buffer.options))
-        except ValueError as e:  # ConfigError: a stored setting out of range
-            why = f"{type(e).__name__}: {e}"
-        assert self.engine_buckets is not None and self.engine_knobs is not None
-        if why is None:
-            self.engine_buckets[bucket] = knobs
-            return True
-        import warnings
+    @property
+    def engine_knobs(self) -> Knobs | None:
+        """The knob set the megakernel runs with; None for the unfused engine."""
+        return self._engine.knobs
 
-        # nothing installed where the fallback fails too: the bucket's launches run LaunchConfigs.base
-        if self._mk_base is not None and self.megakernel.set_bucket_config(bucket, self._mk_base) is None:
-            ran, what = self.engine_knobs, f"the construction profile (bucket {_bucket_of(self.expected_tokens)})"
-        else:
-            ran, what = _scratch_knobs(self.engine_knobs), "the config the scratch buffers were sized by"
-        # once per layer and bucket: a bucket is installed once (_mk_bucket skips resolved ones)
-        warnings.warn(f"moetune: the megakernel profile for token bucket {bucket} is not applied ({why}); launches of "
-                      f"that bucket run {what}", RuntimeWarning, stacklevel=3)
-        self.engine_buckets[bucket] = ran
-        return False
+    @property
+    def engine_buckets(self) -> dict[int, Knobs] | None:
+        """The megakernel's per token bucket knobs when they come from stored profiles ({bucket: knobs}; None with
+        explicit knobs, which hold for every S, and for the unfused engine); buckets are resolved on the first eager
+        call of each S."""
+        return self._engine.buckets
 
-    def _mk_bucket(self, s: int) -> None:
-        """Resolve S's token bucket's megakernel profile on its first eager call (one lookup per bucket, cached).
-        While a CUDA graph is captured nothing is looked up (no I/O in a capture): the launch runs the scratch's
-        base config (auto tiles) and the bucket is resolved at its next eager call; `resolve_buckets()` before
-        capturing avoids that."""
-        if s in self._mk_seen or s < 1:
-            return
-        assert self.engine_buckets is not None
-        bucket = _bucket_of(s)
-        if bucket not in self.engine_buckets:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return
-            from moetune.runtime.profiles.autoload import autoload_profile
-
-            res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=bucket, device=self.device,
-                                   transport_family=_engine.ENGINE_FAMILY, dtype=self.dtype)
-            knobs = res.knobs if res.knobs.engine == "megakernel" else res.knobs.replace(engine="megakernel")
-            self._mk_install(bucket, knobs)
-        self._mk_seen.add(s)
+    @property
+    def weights_tiled(self) -> bool:
+        """True while the expert weights hold the megakernel's k-tiled layout (runtime/megakernel/weights.py): the
+        parameters keep their shapes, and state_dict / load_state_dict speak the row-major layout either way."""
+        return self._engine.tiled_weights
 
     def resolve_buckets(self) -> dict[int, Knobs]:
         """Look up the megakernel profile of every token bucket a call of 1..max_tokens tokens falls in, now (call it
         before capturing CUDA graphs). Returns {bucket: knobs}; {} where the knobs are not per bucket (explicit
         knobs, or the unfused engine)."""
-        if self.engine_buckets is None:
-            return {}
-        from moetune.runtime.profile_record import TOKEN_BUCKETS
-
-        firsts = sorted({1, self.max_tokens} | {b for b in TOKEN_BUCKETS if b <= self.max_tokens})
-        for s in firsts:  # every bucket an S of 1..max_tokens falls in (nearest_bucket rises with S)
-            self._mk_bucket(s)
-        return dict(self.engine_buckets)
-
-    def _param_ptrs(self) -> tuple[int, int, int]:
-        return self.w_gate_up.data_ptr(), self.w_down.data_ptr(), self.gate.data_ptr()
-
-    def _sync_megakernel(self) -> None:
-        """Hand the megakernel the parameters again where their storage changed since it was given them
-        (`load_state_dict(assign=True)`, `.to()`, `.float()`, a parameter assigned anew): three data pointers
-        compared per call, so a stale pointer is never launched."""
-        if self._param_ptrs() == self._mk_ptrs:
-            return
-        mk = self.megakernel
-        for name in ("w_gate_up", "w_down", "gate"):
-            t = getattr(self, name)
-            if t.dtype != torch.bfloat16 or t.device != mk.device:
-                raise ValueError(f"MoELayer: the megakernel engine runs bfloat16 weights on {mk.device}, but {name} "
-                                 f"is now {t.dtype} on {t.device} (after .to(), .float(), .half() or "
-                                 f"load_state_dict(assign=True)?); build a new layer with the dtype and device wanted "
-                                 f"(engine='unfused' for other dtypes)")
-            if not t.is_contiguous():  # the kernels read the storage in place; the layer owns its parameters
-                t.data = t.data.contiguous()
-        mk.rebind(self.w_gate_up.data, self.w_down.data, self.gate.data)
-        self._mk_ptrs = self._param_ptrs()
+        return self._engine.resolve_buckets(self.max_tokens)
 
     def close(self) -> None:
         """Free the layer's communication: close the EPBuffer it built (its proxy thread stops, its symmetric buffers
@@ -394,14 +257,12 @@ class MoELayer(nn.Module):
         `MegakernelError`) if a launch since the last `clear_error()` reported one (the record is sticky: every
         later check raises it until cleared); a host sync. The unfused engine has no such record (its errors raise
         at the call): nothing to do."""
-        if self.megakernel is not None:
-            self.megakernel.check()
+        self._engine.check()
 
     def clear_error(self) -> None:
         """Forget the megakernel's error record after handling it (`check()` raises it until then); the launches
         after this run and report afresh. Nothing to do for the unfused engine."""
-        if self.megakernel is not None:
-            self.megakernel.clear_error()
+        self._engine.clear_error()
 
     def _row_major_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_gate_up, w_down) row-major: the parameters, or where they hold the megakernel's k-tiled layout new
@@ -506,7 +367,7 @@ class MoELayer(nn.Module):
         self._check_x(x)
         why = routed_inputs_problem(x.shape[0], self.model.topk, self.device, topk_idx, topk_weights)
         if why is None and self.buffer.check_inputs:
-            why = expert_ids_problem(topk_idx, self.model.experts, distinct=self.megakernel is not None)
+            why = expert_ids_problem(topk_idx, self.model.experts, distinct=self._engine.distinct_expert_ids)
         if why is not None:
             raise ValueError(why)
 
@@ -517,61 +378,19 @@ class MoELayer(nn.Module):
         topk], on the layer's device. Ids that break that raise ValueError (a host sync; see `_check_local` for when
         it is skipped)."""
         self._refuse_closed()
-        if self.megakernel is not None:
+        if self.buffer.world == 1:  # one rank (every megakernel layer): checked here; the EP buffer checks at world > 1
             self._check_local(x, topk_idx, topk_weights)
-            self._sync_megakernel()
-            if self.engine_buckets is not None:
-                self._mk_bucket(x.shape[0])
-            return self.megakernel.forward_routed(x, topk_idx, topk_weights, check_ids=False)  # checked here
-        if self.buffer.world == 1:
-            self._check_local(x, topk_idx, topk_weights)
-            return self.local_forward(x, topk_idx.long(), topk_weights)
-        if self.buffer.num_chunks > 1:
-            # its own experts return one row per received row: no per-chunk agreement (a host sync per chunk)
-            return pipelined_moe(self.buffer, x, topk_idx, topk_weights, self.experts, agree=False)
-        recv_x, meta, handle = self.buffer.dispatch(x, topk_idx, topk_weights)
-        return self.buffer.combine(self.experts(recv_x, meta), handle)
+        return self._engine.forward_routed(self, x, topk_idx, topk_weights)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._refuse_closed()
-        if self.megakernel is not None or self.buffer.world == 1:  # one rank: no exchange, checked once here
+        if self.buffer.world == 1:  # one rank (every megakernel layer): no exchange, checked once here
             self._check_x(x)
-            if self.megakernel is not None:  # routing + one persistent kernel, no host sync (capturable)
-                self._sync_megakernel()
-                if self.engine_buckets is not None:
-                    self._mk_bucket(x.shape[0])
-                return self.megakernel.forward(x)
-            return self.local_forward(x, *self.route(x))
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.model.hidden:
-            # Still take part in the collective input check so every rank reports the problem.
-            s = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
-            idx = torch.zeros(s, self.model.topk, dtype=torch.int64, device=self.device)
-            return self.forward_routed(x, idx, torch.zeros(s, self.model.topk, device=self.device))
-        idx, w = self.route(x)
-        return self.forward_routed(x, idx, w)
+        return self._engine.forward(self, x)
 
 
 _TILED = ("w_gate_up", "w_down")
-
-
-def _scratch_knobs(knobs: Knobs) -> Knobs:
-    """The megakernel knobs a layer with per token bucket profiles sizes its scratch by, and runs where no bucket's
-    profile is installed: the m-tile chosen per launch (auto; its smallest, 16, sizes the scratch), so the settings
-    that hold for one tile only are auto too (a decode profile's 12 stages cannot launch the 64-row tile, which
-    csrc/megakernel/mk_moe.cu check_params caps at 9; its CTAs per SM may not fit it), and the combine tile the
-    smallest auto one, or the profile's own where that is smaller (mk_combine_tokens=1), so the profile fits."""
-    smallest = min(MegakernelConfig.AUTO_COMBINE)
-    combine = knobs.mk_combine_tokens if knobs.mk_combine_tokens < smallest else 0
-    return knobs.replace(mk_bm=0, mk_stages=0, mk_ctas_per_sm=0, mk_processor_ctas=0, mk_combine_tokens=combine)
-
-
-@functools.lru_cache(maxsize=4096)
-def _bucket_of(tokens: int) -> int:
-    """The profile ladder's token bucket of `tokens` (TOKEN_BUCKETS, nearest on a log scale)."""
-    from moetune.runtime.profile_record import nearest_bucket
-
-    return nearest_bucket(max(1, tokens))
 
 
 def _state_dict_row_major(module: MoELayer, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
@@ -599,8 +418,7 @@ def _load_state_dict_tiled(module: MoELayer, state_dict: dict[str, Any], prefix:
 def _load_state_dict_rebind(module: MoELayer, _incompatible: Any) -> None:
     """load_state_dict post-hook: with assign=True the parameters are new tensors; the megakernel reads them from
     now on (a wrong dtype or device raises here, not at the next forward)."""
-    if module.megakernel is not None:
-        module._sync_megakernel()
+    module._engine.rebind(module)
 
 
 def _agree(buf: EPBuffer, fault: Exception | None, seed: int) -> None:

@@ -139,6 +139,8 @@ def rule2_inside_the_runtime(g: Graph) -> list[str]:
         if _under(i.source, "moetune.runtime.transports") and any(
                 _under(i.target, f"moetune.runtime.{m}") for m in ("buffer", "moe_layer", "profiles")):
             out.append(_fmt(i, "transports never import the buffer, the MoE layer or the profiles"))
+        if _under(i.source, "moetune.runtime.engines") and _under(i.target, "moetune.runtime.moe_layer"):
+            out.append(_fmt(i, "engines never import the MoE layer (each call hands them the layer)"))
         if (_under(i.source, "moetune.runtime") and not any(_under(i.source, e) for e in DATA_PATH_EXEMPT)
                 and _under(i.target, "moetune.runtime.testing")):
             out.append(_fmt(i, "the data path never imports runtime.testing"))
@@ -313,6 +315,7 @@ CLEAN = {
     "runtime/shapes.py": "import dataclasses\n",
     "runtime/transports/nvlink.py": "from ..knobs import Knobs\n",
     "runtime/buffer/facade.py": "from moetune.runtime.transports import nvlink\n",
+    "runtime/engines/unfused.py": "from .base import MoEEngine\nfrom ..buffer import facade\n",
     "runtime/testing/launch.py": "import torch\nfrom moetune.runtime.buffer import facade\n",
     "tuner/fabric/facts.py": "import msgspec\nfrom moetune.runtime import knobs\n",
     "tuner/search/tune.py": "from ..fabric import facts\nfrom moetune.tuner.measure import stats\n",
@@ -330,7 +333,8 @@ PLANTED: dict[str, list[tuple[str, str, str]]] = {
     "2": [("runtime/knobs.py", "import torch\n", "runtime.knobs imports torch"),
           ("runtime/shapes.py", "from .buffer import facade\n", "buffer.facade"),
           ("runtime/transports/nvlink.py", "from ..profiles import client\n", "imports moetune.runtime.profiles"),
-          ("runtime/buffer/facade.py", "def h():\n    from ..testing.launch import free_port\n", "testing.launch")],
+          ("runtime/buffer/facade.py", "def h():\n    from ..testing.launch import free_port\n", "testing.launch"),
+          ("runtime/engines/unfused.py", "from ..moe_layer import MoELayer\n", "engines never import the MoE layer")],
     "3": [("tuner/measure/stats.py", "from moetune.tuner.search import tune\n", "layer measure"),
           ("tuner/fabric/facts.py", "from ..fabric_model import routing\n", "layer fabric"),
           ("tuner/search/tune.py", "def k():\n    from moetune.tuner.cli import main\n", "layer search"),

@@ -331,8 +331,10 @@ def test_the_layer_clears_the_megakernels_sticky_error(cpu_lib, monkeypatch: pyt
     layer = _unfused()
     layer.check()
     layer.clear_error()  # unfused: nothing to clear
-    mk = _cpu_mk(max_tokens=8)
-    monkeypatch.setattr(layer, "megakernel", mk)
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    layer = _mk_layer(engine="megakernel", max_tokens=8)  # a MegakernelMoE built on the CPU (cpu_lib)
+    mk = layer.megakernel
+    assert isinstance(mk, mk_layer.MegakernelMoE)
     mk.err[0], mk.err[1] = 1, 3  # a scheduler timeout recorded by some launch
     with pytest.raises(mk_layer.MegakernelError, match="megakernel error 1"):
         layer.check()

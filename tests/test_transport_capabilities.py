@@ -65,7 +65,7 @@ def test_the_buffer_does_not_probe_its_transport() -> None:
 
 
 # the data path's modules that hold transports or engines: none probes them (or itself) for an attribute
-_DATA_PATH = ("transports", "buffer", "megakernel", "moe_layer.py", "pipeline.py")
+_DATA_PATH = ("transports", "buffer", "megakernel", "engines", "moe_layer.py", "pipeline.py")
 _PROBED = ("self", "cls", "t", "mk")
 
 

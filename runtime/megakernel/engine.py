@@ -1,18 +1,11 @@
-"""Which engine a world-1 `MoELayer` runs: the unfused chain or the megakernel, and why not the megakernel.
+"""Whether the megakernel can run a layer here, and what a layer says when it cannot.
 
-The choice (the knob `engine`; `MoELayer(..., engine=...)` overrides it):
-- `engine="megakernel"` passed to the layer is a request: where the megakernel cannot run, the layer raises
-  `MegakernelUnavailable` naming the reason (a caller who asked for it must not get a silently slower layer).
-- Knobs with `engine=megakernel` (explicit, or from a profile) are a preference: where it cannot run, the
-  layer falls back to the unfused engine with ONE `EngineFallbackWarning` per process and reason.
-- Neither (no knobs, no engine): at world 1 on a device where the megakernel can run, the layer auto-loads the
-  profile of family `megakernel` (daemon -> read-only database -> policy default, runtime/profiles/autoload.py)
-  and runs the engine it names. On a CUDA device where it cannot run, one warning says why; on a CPU device
-  the unfused engine is the only one and is chosen silently.
-
-`megakernel_problem` is cheap (no build, no launch); building the library may still fail later, which
-`MoELayer` turns into the same request-or-fallback decision. Imports torch lazily (the autoload chain calls
-`megakernel_problem` for the `megakernel` family).
+`megakernel_problem` is cheap (no build, no launch): a CUDA sm_90 device, bf16, the shape within the kernel's
+limits and a way to get the library. `build_megakernel` is the one seam through which a layer builds
+`MegakernelMoE` (CPU tests stand a fake in). `MegakernelUnavailable` and `EngineFallbackWarning` are what the
+engine choice (runtime/engines/choice.py: which engine a `MoELayer` runs, its rules) raises or warns where the
+megakernel was asked for or named and cannot run; the megakernel engine itself is runtime/engines/megakernel.py.
+Imports torch lazily (the autoload chain calls `megakernel_problem` for the `megakernel` family).
 """
 
 from __future__ import annotations

@@ -1,0 +1,94 @@
+"""Which engine a `MoELayer` runs: the unfused chain or the megakernel, and why not the megakernel.
+
+The choice (the knob `engine`; `MoELayer(..., engine=...)` overrides it), made once, at construction:
+- `engine="unfused"` passed to the layer wins over everything.
+- `engine="megakernel"` passed to the layer is a request: where the megakernel cannot run, the layer raises
+  `MegakernelUnavailable` naming the reason (a caller who asked for it must not get a silently slower layer).
+- Knobs with `engine=megakernel` (explicit, or from a profile) are a preference: where it cannot run, the
+  layer falls back to the unfused engine with ONE `EngineFallbackWarning` per process and reason.
+- Neither (no knobs, no engine): at world 1 on a device where the megakernel can run, the layer auto-loads the
+  profile of family `megakernel` (daemon -> read-only database -> policy default, runtime/profiles/autoload.py)
+  and runs the engine it names, with that profile per token bucket. On a CUDA device where it cannot run, one
+  warning says why; on a CPU device the unfused engine is the only one and is chosen silently.
+
+Whether the megakernel can run (`MegakernelEngine.problem`: world 1, then `megakernel_problem` in
+runtime/megakernel/engine.py) is asked at most once per decision; building it may still fail later, which turns
+into the same request-or-fallback decision.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from moetune.runtime.engines.base import MoEEngine
+from moetune.runtime.engines.megakernel import MegakernelEngine
+from moetune.runtime.engines.unfused import UnfusedEngine
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.megakernel import engine as _mk
+
+if TYPE_CHECKING:
+    from moetune.runtime.moe_layer import MoELayer
+
+# the knob `engine`'s values -> the classes that run them (a test checks it against knobs.ENGINES)
+ENGINE_CLASSES: dict[str, type[MoEEngine]] = {c.name: c for c in (UnfusedEngine, MegakernelEngine)}
+
+
+class EngineChoice(NamedTuple):
+    engine: MoEEngine
+    note: str = ""  # why the engine is not the one the knobs or the profile named ("" where it is)
+    resolution: Any = None  # the autoload Resolution where the megakernel profile was looked up
+
+
+def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_tokens: int) -> EngineChoice:
+    """The engine `layer` runs (its weights and buffer built), by the rules above; builds the megakernel when it is
+    chosen. Raises `MegakernelUnavailable` where `engine="megakernel"` was asked for and it cannot run."""
+    if engine == "unfused":
+        return EngineChoice(UnfusedEngine())
+    world = layer.buffer.world
+    world1 = world == 1
+    asked: list[str | None] = []  # MegakernelEngine.problem's answer, once asked
+
+    def problem() -> str | None:
+        if not asked:
+            asked.append(MegakernelEngine.problem(layer.device, layer.dtype, layer.model, world))
+        return asked[0]
+
+    wanted: Knobs | None = None
+    resolution: Any = None
+    profiled = False  # the knobs come from a stored profile (per token bucket), not from the caller
+    if knobs is not None:
+        wanted = knobs if knobs.engine == "megakernel" else None
+        if engine == "megakernel" and wanted is None:
+            wanted = knobs.replace(engine="megakernel")
+    elif engine == "megakernel" or (world1 and problem() is None):
+        if world1:
+            from moetune.runtime.profiles.autoload import autoload_profile
+
+            resolution = autoload_profile(model=layer.model, ep_size=1, nodes=1, max_tokens=layer.expected_tokens,
+                                          device=layer.device, transport_family=_mk.ENGINE_FAMILY, dtype=layer.dtype)
+            profiled = True
+            if resolution.knobs.engine == "megakernel":
+                wanted = resolution.knobs
+            elif engine == "megakernel":
+                wanted = resolution.knobs.replace(engine="megakernel")
+        else:
+            wanted = Knobs(engine="megakernel")
+    elif world1 and layer.device.type == "cuda":  # auto on a GPU that cannot run it: say so once
+        why = str(problem())
+        _mk.warn_fallback_once(why)
+        return EngineChoice(UnfusedEngine(), note=why)
+    if wanted is None:
+        return EngineChoice(UnfusedEngine(), resolution=resolution)
+    built: MegakernelEngine | None = None
+    why_not = problem()
+    if why_not is None:
+        built, why_not = MegakernelEngine.build(layer, wanted, max_tokens, profiled=profiled)
+    if built is None:
+        why_not = str(why_not)
+        if engine == "megakernel":
+            raise _mk.MegakernelUnavailable(f"engine='megakernel' was asked for, but the megakernel cannot run here: "
+                                            f"{why_not}")
+        _mk.warn_fallback_once(why_not)
+        return EngineChoice(UnfusedEngine(), note=why_not, resolution=resolution)
+    return EngineChoice(built, resolution=resolution)
+

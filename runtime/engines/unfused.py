@@ -1,0 +1,52 @@
+"""The unfused engine: the layer as torch ops over its EP buffer.
+
+World 1: `MoELayer.local_forward` (sort by expert, two grouped GEMMs, no exchange). World > 1: the gate, then
+`dispatch` → `MoELayer.experts` → `combine` over the EP buffer (pipelined in chunks where the knobs ask for it).
+Runs any dtype on any device; the layer's parameters stay row-major and are read at every call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from moetune.runtime.engines.base import MoEEngine
+from moetune.runtime.pipeline import pipelined_moe
+
+if TYPE_CHECKING:
+    from moetune.runtime.moe_layer import MoELayer
+
+
+class UnfusedEngine(MoEEngine):
+    name: ClassVar[str] = "unfused"
+    # not for every setting: world 1 with grouped GEMMs captures (local_forward keeps everything on the device), the
+    # per-expert loop (no grouped GEMM) syncs, and at world > 1 the EP buffer's layout and transport decide
+    # (docs/runtime.md, "CUDA graphs")
+    graph_capturable: ClassVar[bool] = False
+
+    @classmethod
+    def problem(cls, device: Any, dtype: Any, model: Any, world: int) -> str | None:
+        return None  # torch ops: every device, dtype and group
+
+    def forward(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        if layer.buffer.world == 1:  # one rank: no exchange (the layer checked x)
+            return layer.local_forward(x, *layer.route(x))
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != layer.model.hidden:
+            # Still take part in the collective input check so every rank reports the problem.
+            s = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
+            idx = torch.zeros(s, layer.model.topk, dtype=torch.int64, device=layer.device)
+            return layer.forward_routed(x, idx, torch.zeros(s, layer.model.topk, device=layer.device))
+        idx, w = layer.route(x)
+        return layer.forward_routed(x, idx, w)
+
+    def forward_routed(self, layer: MoELayer, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor) -> torch.Tensor:
+        buf = layer.buffer
+        if buf.world == 1:  # the layer checked the inputs
+            return layer.local_forward(x, topk_idx.long(), topk_weights)
+        if buf.num_chunks > 1:
+            # its own experts return one row per received row: no per-chunk agreement (a host sync per chunk)
+            return pipelined_moe(buf, x, topk_idx, topk_weights, layer.experts, agree=False)
+        recv_x, meta, handle = buf.dispatch(x, topk_idx, topk_weights)
+        return buf.combine(layer.experts(recv_x, meta), handle)
