@@ -30,6 +30,7 @@ import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -229,6 +230,15 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise RuntimeConfigError(str(e)) from None
             data[name] = _option_from_config(name, value, where)
         return cls.from_dict(data)
+
+
+def load_config_checked(config_file: Path | None = None) -> _config.Config:
+    """`load_config` with its `[runtime]` table checked as `RuntimeOptions.from_config` checks it, for the commands
+    that measure or serve: a bad key stops them before their first trial (load_config keeps the table raw, since
+    config.py may not import this module). Raises ConfigError (RuntimeConfigError) naming the key and the file."""
+    cfg = _config.load_config(config_file)
+    RuntimeOptions.from_config(cfg)
+    return cfg
 
 
 def _field_of(message: str) -> str:

@@ -211,3 +211,24 @@ def test_a_client_timeout_past_a_day_is_refused_and_never_reaches_zmq(tmp_path: 
     c = ProfileClient(endpoint=f"ipc://{tmp_path}/none.sock", env=env, timeout_ms=10**20)
     assert c.timeout_ms == config_mod.MAX_CLIENT_TIMEOUT_MS
     c.close()
+
+
+@pytest.mark.parametrize("command", [
+    ["tune", "--backend", "local", "--model", "qwen3-30b", "--ep-size", "2", "--tokens", "128", "--trials", "1"],
+    ["profile", "--quick"],
+])
+def test_a_measuring_command_refuses_a_bad_runtime_key_before_it_measures(tmp_path, monkeypatch, command):
+    """load_config keeps [runtime] raw (options.py checks it); the commands that measure check it first: a bad key
+    is one clear error naming it and the file, not a failure repeated in every trial with a database written."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    cfg = write(tmp_path / "moetune.toml", '[runtime]\nsymm = "nvshmem"\n')
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "mh"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(app, [*command, "--config", str(cfg)])
+    assert r.exit_code != 0
+    assert "runtime.symm" in r.output and str(cfg) in r.output and "Traceback" not in r.output
+    assert "trial" not in r.output  # refused before any trial ran
+    assert not (tmp_path / "mh").exists()  # and before a database was made

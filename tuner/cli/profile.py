@@ -123,12 +123,13 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
     """(config, store) or a clear error (never a traceback) naming the bad key/file or database.
 
     `readonly`: the database must exist (a report of nothing would only create an empty one)."""
-    from moetune.runtime.config import ConfigError, load_config
+    from moetune.runtime.config import ConfigError
+    from moetune.runtime.options import load_config_checked
     from moetune.tuner.cli.db import say_upgraded
     from moetune.tuner.store.store import Store, StoreError
 
     try:
-        cfg = load_config(config)
+        cfg = load_config_checked(config)  # [runtime] too: a bad key fails here, not in every trial
         # intact: a damaged file is refused before any stage measures (and writes its results into it)
         store = Store(db or cfg.db_path, readonly=readonly, intact=not readonly)
         say_upgraded(store)
@@ -161,8 +162,9 @@ def profile(
 
     import optuna
 
-    from moetune.runtime.config import ConfigError, load_config
+    from moetune.runtime.config import ConfigError
     from moetune.runtime.knobs import KnobError
+    from moetune.runtime.options import load_config_checked
     from moetune.runtime.shapes import get_model
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.bringup.report import NotOurReport, foreign_report
@@ -213,7 +215,7 @@ def profile(
         _check_out_dir(report_dir, "--report-dir")
     # the node and the plan are checked before the database is opened: a refusal leaves no new database behind
     try:
-        db_file = database_path(db or load_config(config).db_path)
+        db_file = database_path(db or load_config_checked(config).db_path)
     except ConfigError as e:  # names the key and the file
         _fail(str(e))
     try:

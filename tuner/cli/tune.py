@@ -237,10 +237,11 @@ def _parse_tokens(text: str) -> list[int]:
 
 def _load_config(config: Path | None):
     """The configuration, or a clear error naming the key and file (never silently the defaults)."""
-    from moetune.runtime.config import ConfigError, load_config
+    from moetune.runtime.config import ConfigError
+    from moetune.runtime.options import load_config_checked
 
     try:
-        return load_config(config)
+        return load_config_checked(config)  # [runtime] too: a bad key fails here, not in every trial
     except ConfigError as e:
         _fail(str(e))
 

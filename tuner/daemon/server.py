@@ -1416,9 +1416,9 @@ def _load_hook(spec: str) -> Any:
 
 
 def _load_config(config: Path | None) -> Any:
-    from moetune.runtime.config import load_config
+    from moetune.runtime.options import load_config_checked
 
-    return load_config(config)
+    return load_config_checked(config)  # [runtime] too: the daemon's re-tunes measure under it
 
 
 MAX_REDISCOVER_INTERVAL_S = 365 * 24 * 3600.0  # a year; more is a mistake (past threading.TIMEOUT_MAX the wait overflows)
