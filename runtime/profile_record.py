@@ -76,6 +76,22 @@ def provenance_of_backend(backend: str, fingerprint: str | None = None) -> Prove
     return "node_model"
 
 
+# The label prefix of each provenance. A tuner backend declares its provenance (a class capability) and its label is
+# that provenance's prefix + its name, so `provenance_of_backend` reads back what the class declared, whatever the
+# name says (a modelling backend named "local:x" is labelled "model:local:x").
+PROVENANCE_PREFIX: dict[str, str] = {"measured": "local:", "node_model": NODE_MODEL_BACKEND, "preset": "model:"}
+
+
+def backend_label(provenance: Provenance, name: str) -> str:
+    """The label (`ProfileRecord.backend`) a backend of `provenance` stores under `name`: `name` where it already
+    reads as that provenance (`local:nccl` measured, `model:<preset>` a preset), else the provenance's prefix + `name`.
+    The name never decides the provenance; at most it saves writing the prefix twice."""
+    prefix = PROVENANCE_PREFIX[provenance]
+    if name.startswith(prefix) and provenance_of_backend(name) == provenance:
+        return name
+    return prefix + name
+
+
 def unlabelled_provenance(backend: str, fingerprint: str | None = None) -> Provenance:
     """The provenance of a record that carries none (an older peer or export): modelled, never measured,
     since nothing says which fingerprint and software it was measured on."""

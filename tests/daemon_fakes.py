@@ -469,17 +469,28 @@ def interrupt_before_compare(bringup: Any, monkeypatch: Any) -> None:
     monkeypatch.setattr(flow.Bringup, "stage_compare", compare)
 
 
+def measuring_fake(fn: Callable[..., Any], name: str = "local:fake") -> Any:
+    """A stand-in for the local backend: `fn(knobs, workload)` is its measurement, and its class declares what the
+    local backend's does (measured), which is what the tuner records (a name alone never makes a number measured)."""
+    from moetune.tuner.search.backends import CallableBackend
+
+    class MeasuringFake(CallableBackend):
+        provenance = "measured"
+
+    return MeasuringFake(fn, name=name)
+
+
 def fake_local_backend(monkeypatch: Any, name: str = "local:fake") -> list[dict]:
     """The tuner's backends replaced by a fake local one named `name` (no ranks launched; a trial measures
-    10 + pipeline_depth): returns the options each was built with (the CLI's local backend options)."""
+    10 + pipeline_depth; measured, as the local backend's numbers are): returns the options each was built with
+    (the CLI's local backend options)."""
     import moetune.tuner.search.tune as search
-    from moetune.tuner.search.backends import CallableBackend
 
     seen: list[dict] = []
 
-    def make(backend: Any, preset: Any = None, **kw: Any) -> CallableBackend:
+    def make(backend: Any, preset: Any = None, **kw: Any) -> Any:
         seen.append(kw)
-        return CallableBackend(lambda k, w: 10.0 + k.pipeline_depth, name=name)
+        return measuring_fake(lambda k, w: 10.0 + k.pipeline_depth, name=name)
 
     monkeypatch.setattr(search, "make_backend", make)
     return seen

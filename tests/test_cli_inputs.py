@@ -274,15 +274,16 @@ def test_tune_names_an_empty_capture_folder_once(tmp_path: Path) -> None:
 def _fake_local(monkeypatch: pytest.MonkeyPatch, fail_from: int) -> None:
     """The local backend replaced by one whose every run fails from `fail_from` tokens on (as nccl does on a node
     without GPUs), so the tune's outcome is known without launching ranks."""
+    import daemon_fakes as F
+
     import moetune.tuner.search.tune as search
-    from moetune.tuner.search.backends import CallableBackend
 
     def run(k, w):
         if w.tokens >= fail_from:
             raise RuntimeError("process group init failed: no CUDA device")
         return 10.0 + k.pipeline_depth
 
-    monkeypatch.setattr(search, "make_backend", lambda *a, **k: CallableBackend(run, name="local:fake"))
+    monkeypatch.setattr(search, "make_backend", lambda *a, **k: F.measuring_fake(run, name="local:fake"))
 
 
 def _local_tune(tmp_path: Path, tokens: str, *extra: str):

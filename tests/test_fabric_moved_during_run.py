@@ -67,8 +67,6 @@ def _fake_backend_moving(monkeypatch: pytest.MonkeyPatch, node: Node, after_tria
     """The CLI's local backend replaced by a fake (no ranks launched) whose trial `after_trials` + 1 runs on the
     changed fabric: the node moves then."""
     import moetune.tuner.search.tune as search
-    from moetune.tuner.search.backends import CallableBackend
-
     n = [0]
 
     def measure(k: Knobs, w: TuneWorkload) -> float:
@@ -78,7 +76,7 @@ def _fake_backend_moving(monkeypatch: pytest.MonkeyPatch, node: Node, after_tria
         return 10.0 + k.pipeline_depth
 
     monkeypatch.setattr(search, "make_backend",
-                        lambda backend, preset=None, **kw: CallableBackend(measure, name="local:gloo"))
+                        lambda backend, preset=None, **kw: F.measuring_fake(measure, name="local:gloo"))
 
 
 def _tune(tmp_path: Path, *extra: str) -> Any:

@@ -141,6 +141,9 @@ def test_show_reads_no_speed_up_from_search_trials(tmp_path: Path) -> None:
 
     from moetune.tuner.store.store import Store
 
+    class Noisy(CallableBackend):  # measurements: the noise of runs on a node (a prediction has none)
+        provenance = "measured"
+
     class Facts:
         fingerprint, software_hash, gpu_count = "a" * 64, "b" * 64, 2
         software: dict = {}  # noqa: RUF012
@@ -151,14 +154,14 @@ def test_show_reads_no_speed_up_from_search_trials(tmp_path: Path) -> None:
     url, db = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "p.db"
     with Store(db) as store:
         res = tune_profiles_detailed(store, Facts(), models=[MODELS["qwen3-30b"]], tokens=[128], trials=8, storage=url,
-                                     backend=CallableBackend(lambda k, w: 100.0 + rng.uniform(-15, 15), name="model:noise"))
+                                     backend=Noisy(lambda k, w: 100.0 + rng.uniform(-15, 15), name="local:noise"))
         stored = store.get_current(res[0].record.key)
     name = res[0].study.study_name
     r = _run("tune", "show", "--storage", url, "--db", str(db), "--study", name, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["default_us"] is not None and "speedup_vs_default" not in d
-    assert d["stored"]["latency_us"] == stored.latency_us and d["stored"]["backend"] == "model:noise"
+    assert d["stored"]["latency_us"] == stored.latency_us and d["stored"]["backend"] == "local:noise"
     r = _run("tune", "show", "--storage", url, "--db", str(db), "--study", name)
     assert r.exit_code == 0, r.output
     assert "×" not in r.output and "not side by side" in r.output and "stored for this key" in r.output

@@ -216,7 +216,7 @@ def test_kill_9_mid_study_then_rerun_completes(tmp_path: Path) -> None:
     # as tune.py builds it: the bucket's token count bounds the PUT grid (and is in the study config)
     m = MODELS["qwen3-30b"]
     space = SearchSpace(load_policy("proxy:ibrc"), experts=m.experts, ep_size=4, tokens=_wl().tokens, topk=m.topk)
-    name = study_name(_key(), "callable", "qwen3-30b", study_config(space, CallableBackend(synthetic), _wl()))
+    name = study_name(_key(), CallableBackend(synthetic).label, "qwen3-30b", study_config(space, CallableBackend(synthetic), _wl()))
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{sdb}")
     assert finished_trials(study) == trials
     states = [t.state for t in study.trials]

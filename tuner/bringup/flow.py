@@ -737,14 +737,12 @@ class Bringup:
                             current.backend == be.label or current.provenance != "measured" or force):
                         # its fresh number replaces the stored one (the same knobs from the same source, or another
                         # metric's number: `metric_force`)
-                        written, how = self._store_decision(t, current.knobs, choice.incumbent, force, be.label,
-                                                            be.perf_environment(), routing)
+                        written, how = self._store_decision(t, current.knobs, choice.incumbent, force, be, routing)
                         reason += f" ({how})" if written else ""
                 else:
                     stored = "tuned" if choice.knobs == tuned and tuned != default else "policy default"
                     force = metric_force(current if same_routing else None, be.label, choice.force)
-                    written, reason = self._store_decision(t, choice.knobs, choice.meas, force, be.label,
-                                                           be.perf_environment(), routing)
+                    written, reason = self._store_decision(t, choice.knobs, choice.meas, force, be, routing)
                 keep_tuned = stored == "tuned"
                 row = asdict(BucketResult(
                     model=t["model"], tokens=t["tokens"], family=t["family"],
@@ -796,25 +794,21 @@ class Bringup:
             out[mark["part"]] = {"mark": mark, "row": row}
         return out
 
-    def _store_decision(self, t: dict, knobs: Any, m: Any, force: str | None, backend: str,
-                        perf: Any = None, routing: str = "uniform") -> tuple[bool, str]:
-        """Write the bucket's profile from the side-by-side measurement, with the performance environment it was
-        measured in (`perf`, a PerfEnv; None: not recorded) and its routing (the store never lets it replace a
-        profile of another routing). `force`: the current profile lost in that comparison (the store's
+    def _store_decision(self, t: dict, knobs: Any, m: Any, force: str | None, be: Any,
+                        routing: str = "uniform") -> tuple[bool, str]:
+        """Write the bucket's profile from the side-by-side measurement by `be` (the backend: its provenance, label
+        and the performance environment it measured in, `provenance_fields`) and its routing (the store never lets
+        it replace a profile of another routing). `force`: the current profile lost in that comparison (the store's
         force_reason), None: the store's own rules decide."""
-        import msgspec
-
-        from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
+        from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+        from moetune.tuner.search.backends import provenance_fields
 
         if not m.ok:
             return False, f"not stored: {m.error}"
         # the key (and software versions) the search tuned under
-        provenance = provenance_of_backend(backend)
         rec = ProfileRecord(key=ProfileKey(**t["key"]), knobs=knobs, latency_us=m.median_us, spread_us=m.spread_us,
-                            backend=backend, software_versions=t["software_versions"], provenance=provenance,
-                            measured_on=self.facts.fingerprint, routing=routing,
-                            perf_env=dict(perf.variables) if perf is not None and provenance == "measured"
-                            else msgspec.UNSET)
+                            software_versions=t["software_versions"], measured_on=self.facts.fingerprint,
+                            routing=routing, **provenance_fields(be))
         return self.store.put_profile(rec, force_reason=force)
 
     def stage_report(self) -> str:

@@ -414,13 +414,13 @@ def tune(
         # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)
         local_opts = {"world": world or ep_size or (gpus if gpus >= 2 else 2),
                       "comm_backend": comm or ("nccl" if gpus else "gloo"), "repeats": repeats, "timeout_s": trial_timeout}
-        from moetune.tuner.search.tune import unmeasured_key
+        from moetune.tuner.search.backends import unmeasured_key
 
         why = unmeasured_key(local_opts["world"], ep_size or local_opts["world"], nodes, family or ["collective"])
         if why:  # refused before anything runs: a profile stored as MEASURED for a group that never ran
             _fail(f"{why} (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes})")
         source = f"{CAPTURE_OPT} {capture}" if capture is not None else "discovery"
-        from moetune.tuner.search.tune import cpu_comm_on_gpus
+        from moetune.tuner.search.backends import cpu_comm_on_gpus
 
         why = cpu_comm_on_gpus(local_opts["comm_backend"], gpus, family or ["collective"])
         if why:  # refused before any database is created: a CPU number stored as the GPU node's profile

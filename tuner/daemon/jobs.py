@@ -51,6 +51,7 @@ from moetune.tuner.store import StoreDamaged, StoreError
 
 if TYPE_CHECKING:
     from moetune.tuner.daemon.server import TuneSettings
+    from moetune.tuner.search.backends import BenchmarkBackend
     from moetune.tuner.store.models import EventKind
     from moetune.tuner.store.store import Store
 
@@ -299,7 +300,7 @@ def megakernel_refusal(facts: Any, backend: str) -> str:
     return ""
 
 
-def megakernel_backend(tune: TuneSettings) -> Any:
+def megakernel_backend(tune: TuneSettings) -> BenchmarkBackend:
     """The backend that measures the megakernel family: the one GPU, in this process (as `moetune profile`'s
     bring-up measures it, Bringup._mk_backend). Tests replace it with one whose measurement is injected."""
     from moetune.tuner.search.backends import LocalBackend
@@ -413,9 +414,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                     timeout_s=left(), ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], on_trial=on_trial,
                     stop=ctx.cancel.is_set))
         finally:
-            close = getattr(mk_be, "close", None)
-            if callable(close):
-                close()
+            mk_be.close()  # every backend has one (a no-op where nothing is held)
     ctx.check_cancel()
     return written
 

@@ -31,10 +31,16 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.runtime.profile_record import COMM_METRIC
+from moetune.runtime.profile_record import (
+    COMM_METRIC,
+    NODE_MODEL_BACKEND,
+    PROVENANCES,
+    Provenance,
+    backend_label,
+)
 from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.shapes import MODELS, ModelShape
@@ -102,16 +108,44 @@ class Measurement:
 
 
 class BenchmarkBackend(ABC):
+    # What this class's numbers are (ProfileRecord.provenance), declared by every class, never read from its name:
+    # "measured" only by a backend that runs the setting on this node; the stored label (`label`), `modelled` and the
+    # provenance a profile records all follow from it.
+    provenance: ClassVar[Provenance]
+    # Its numbers are runs on this node, with noise and seconds each: the winner is measured again side by side with
+    # the incumbent and the policy default before it is stored, and trials are pruned (between repeats, on a
+    # neighbour bucket's evidence). A prediction (or a synthetic objective) is neither noisy nor costly.
+    remeasures: ClassVar[bool] = False
     name: str = "backend"
+    world: int | None = None  # the ranks one measurement launches on this node (None: it launches none)
+    repeats: int = 1  # runs per trial
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if getattr(cls, "provenance", None) not in PROVENANCES:  # a forgotten declaration is no default
+            raise TypeError(f"{cls.__name__} must declare its provenance (one of {', '.join(PROVENANCES)})")
 
     @property
     def label(self) -> str:
-        """What measured a profile (ProfileRecord.backend), e.g. `model:ndr-ibrc-h100x8`, `local:nccl`."""
-        return self.name
+        """What measured a profile (ProfileRecord.backend), e.g. `model:ndr-ibrc-h100x8`, `local:nccl`: the name
+        under the prefix of the class's provenance (`backend_label`)."""
+        return backend_label(self.provenance, self.name)
 
     @property
     def modelled(self) -> bool:
-        return False
+        return self.provenance != "measured"
+
+    def refusal(self, *, ep_size: int, nodes: int, families: Sequence[str], gpu_count: int) -> str:
+        """Why this backend's numbers cannot stand for profiles of (ep_size, nodes) on a node of `gpu_count` GPUs,
+        '' when they can (a prediction stands for what it predicts)."""
+        return ""
+
+    def for_family(self, family: str, error_budget: float | None) -> None:
+        """Set up for a study of `family`, whose policy allows compressed settings `error_budget` of measured error
+        (a backend that measures no error ignores it)."""
+
+    def close(self) -> None:
+        """Free what the backend holds (processes, GPU memory); nothing to free by default."""
 
     def supports(self, family: str) -> bool:
         return True
@@ -171,6 +205,17 @@ class BenchmarkBackend(ABC):
         return out
 
 
+def provenance_fields(be: BenchmarkBackend) -> dict[str, Any]:
+    """What a profile of `be`'s numbers records of where they come from (ProfileRecord fields): the provenance its
+    class declares, its label, and for a measurement the performance environment its runs ran in (a prediction ran
+    in no process: none recorded). The ONE place a record's provenance is taken from a backend (tune, bring-up)."""
+    out: dict[str, Any] = {"provenance": be.provenance, "backend": be.label}
+    perf = be.perf_environment() if be.provenance == "measured" else None
+    if perf is not None:
+        out["perf_env"] = dict(perf.variables)
+    return out
+
+
 # A setting measured by fewer samples than this in a side-by-side comparison shows no run-to-run noise (one run's
 # median has none), so no gain over another setting is called on it.
 MIN_COMPARE_SAMPLES = 2
@@ -187,7 +232,13 @@ def too_few_samples(*measured: Measurement) -> str:
 
 
 class CallableBackend(BenchmarkBackend):
-    """`fn(knobs, workload) -> float` (µs) or a Measurement; exceptions become failed measurements."""
+    """`fn(knobs, workload) -> float` (µs) or a Measurement; exceptions become failed measurements.
+
+    An arbitrary function's numbers are no measurement on this node nor its calibrated model: a preset's rank (the
+    lowest), whatever `name` says (`name="local:x"` is labelled `model:local:x`). A test that stands in for a
+    measuring backend subclasses it and declares `provenance = "measured"`."""
+
+    provenance: ClassVar[Provenance] = "preset"
 
     def __init__(self, fn: Callable[[Knobs, TuneWorkload], float | Measurement], name: str = "callable"):
         self.fn = fn
@@ -237,7 +288,10 @@ def preset_link_rates(preset: Preset) -> dict[str, float]:
 
 
 class ModelBackend(BenchmarkBackend):
-    """The fabric model on a preset (or a predictor callable for tests). Deterministic: spread 0."""
+    """The fabric model on a preset (or a predictor callable for tests). Deterministic: spread 0. Its numbers are
+    a preset's prediction; `NodeModelBackend` is this node's calibrated model."""
+
+    provenance: ClassVar[Provenance] = "preset"
 
     def __init__(self, preset: Any = None, *, predictor: Callable[[Knobs, TuneWorkload], Any] | None = None,
                  routing: str | None = None, tile: int | None = None):
@@ -262,9 +316,13 @@ class ModelBackend(BenchmarkBackend):
         self.routing = routing
         self.name = f"model:{_preset_name(self.preset)}" if self.preset is not None else "model:custom"
 
-    @property
-    def modelled(self) -> bool:
-        return True
+    def as_node_model(self, fingerprint: str) -> NodeModelBackend:
+        """This preset as the calibrated model of the node `fingerprint` (the caller checked that it is one:
+        `node_model_refusal`), labelled `model:node:<fingerprint>`."""
+        node = NodeModelBackend.__new__(NodeModelBackend)
+        node.__dict__.update(self.__dict__)  # the loaded preset as it is (no second load, no second warning)
+        node.name = NODE_MODEL_BACKEND + fingerprint
+        return node
 
     def settings(self) -> dict[str, Any]:
         # the preset's content, not only its name: a recalibrated node model predicts other numbers
@@ -325,6 +383,12 @@ class ModelBackend(BenchmarkBackend):
         if not math.isfinite(lat) or lat <= 0:
             return Measurement.failed(f"model returned a non-positive latency {lat}")
         return Measurement(lat, 0.0, [lat], True, details=_jsonable(details))
+
+
+class NodeModelBackend(ModelBackend):
+    """The fabric model on this node's calibrated preset (`ModelBackend.as_node_model`): this node's model."""
+
+    provenance: ClassVar[Provenance] = "node_model"
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -563,12 +627,44 @@ def _default_comm_backend(world: int) -> str:
         return "gloo"
 
 
+def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]) -> str:
+    """Why a local measurement of `world` ranks on this one host cannot stand for (ep_size, nodes), '' when it can.
+
+    The local backend launches `world` ranks on this node only; what it stores is MEASURED, so the key must be
+    what ran: ep_size == world on 1 node. The megakernel family runs in this process on one GPU (ep_size 1 and
+    nodes 1 are checked where it is chosen), whatever the world."""
+    if all(f == MEGAKERNEL for f in families):
+        return ""
+    if world == ep_size and nodes == 1:
+        return ""
+    return (f"the local backend measures {world} rank(s) on this one node, but the profile would be stored for "
+            f"EP size {ep_size} over {nodes} node(s), which was never measured: a local tune stores only the "
+            f"EP size it runs (ep_size = world = {world}, nodes = 1). Tune EP {ep_size} with world {ep_size} on one "
+            "node" + (f" (a {nodes}-node EP group cannot be measured from one host)" if nodes > 1 else "")
+            + ", or predict it with the model backend (stored as MODELLED)")
+
+
+def cpu_comm_on_gpus(comm_backend: str, gpu_count: int, families: Sequence[str]) -> str:
+    """Why a local measurement with `comm_backend` cannot stand for a node of `gpu_count` GPUs, '' when it can.
+
+    gloo runs the ranks as CPU processes: its number says nothing of the node's GPUs and NCCL, yet it would be
+    stored MEASURED under the node's fingerprint and software and served to its GPU jobs as tuned. So gloo is
+    measured only on a node without GPUs (its facts say 0). The megakernel runs on the GPU in this process,
+    whatever the comm backend."""
+    if comm_backend != "gloo" or gpu_count <= 0 or all(f == MEGAKERNEL for f in families):
+        return ""
+    return (f"the local backend with gloo measures CPU processes, but this node has {gpu_count} GPU(s): the number "
+            "would be stored as the GPU node's measured profile and served to its NCCL/GPU jobs as tuned. Measure "
+            "the GPUs with NCCL (`--comm nccl`), or tune gloo on a node (or capture) without GPUs")
+
+
 # What metric "comm" minimises (and a profile's latency_us holds for a "comm" tune): the bench's round trip.
 COMM_FIGURE = "roundtrip_us"
 
 
 class LocalBackend(BenchmarkBackend):
-    """The real runtime: one bench run per repeat, with a timeout, in its own process group.
+    """The real runtime: one bench run per repeat, with a timeout, in its own process group. Its numbers are
+    measured on this node.
 
     `metric`: which figure of the bench result is minimised: "layer" (`layer_us`: the whole layer, so
     pipelining that overlaps communication with expert compute counts), or "comm" (`roundtrip_us`: dispatch
@@ -583,6 +679,9 @@ class LocalBackend(BenchmarkBackend):
     `command`: the argv prefix to run instead of `moetune bench ep` per run (tests point it at fakes;
     implies `persistent=False`).
     """
+
+    provenance: ClassVar[Provenance] = "measured"
+    remeasures: ClassVar[bool] = True
 
     def __init__(self, *, world: int = 2, comm_backend: str | None = None, repeats: int = 3, timeout_s: float = 120.0,
                  metric: str = "layer", family: str | None = None, command: Sequence[str] | None = None,
@@ -608,6 +707,7 @@ class LocalBackend(BenchmarkBackend):
         self.env = dict(env) if env is not None else None
         self.verify_compression = verify_compression
         self.error_budget = error_budget
+        self._explicit_budget = error_budget is not None  # else each family's policy sets it (`for_family`)
         self.iters = iters  # timed iterations inside each repeat (None: the bench's default)
         self.name = f"local:{self.comm_backend}"
         self._runtime_has: dict[str, bool] = {}
@@ -635,8 +735,18 @@ class LocalBackend(BenchmarkBackend):
         # the metric is in the label a profile records (`metric_of_backend`): a round trip (comm) is never
         # compared with a whole layer; "layer" keeps the label it always had (stored rows and study names)
         if self.family == MEGAKERNEL:
-            return "local:megakernel"
-        return f"{self.name}:{COMM_METRIC}" if self.metric == COMM_METRIC else self.name
+            return backend_label(self.provenance, MEGAKERNEL)
+        return backend_label(self.provenance, f"{self.name}:{COMM_METRIC}" if self.metric == COMM_METRIC else self.name)
+
+    def refusal(self, *, ep_size: int, nodes: int, families: Sequence[str], gpu_count: int) -> str:
+        # what it stores is measured: the key must be the group it ran, on the GPUs (or CPUs) the node has
+        return (unmeasured_key(self.world, ep_size, nodes, families)
+                or cpu_comm_on_gpus(self.comm_backend, gpu_count, families))
+
+    def for_family(self, family: str, error_budget: float | None) -> None:
+        self.family = family
+        if not self._explicit_budget:  # the measured-error check of compressed trials follows the family's policy
+            self.error_budget = error_budget
 
     def inert_reason(self, family: str, workload: TuneWorkload) -> str:
         if family != MEGAKERNEL:

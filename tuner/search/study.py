@@ -65,7 +65,6 @@ from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
-    LocalBackend,
     Measurement,
     TuneWorkload,
 )
@@ -1139,7 +1138,7 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
               warm_start: bool = True, cross: BucketPrior | None = None) -> StudyResult:
     """Run (or resume) a study until it holds `trials` finished trials or `timeout_s` passes."""
     if prune is None:
-        prune = isinstance(backend, LocalBackend) and backend.repeats > 1
+        prune = backend.remeasures and backend.repeats > 1
     if prune and isinstance(study.pruner, optuna.pruners.NopPruner):
         study.pruner = optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=0)
     family = space.policy.family

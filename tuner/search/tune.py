@@ -22,21 +22,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
 import optuna
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import (
     COMM_METRIC,
     LAYER_METRIC,
-    MEGAKERNEL_FAMILY,
     PRESET_PREFIX,
     ProfileKey,
     ProfileRecord,
     is_preset_fingerprint,
     metric_of_backend,
     nearest_bucket,
-    provenance_of_backend,
 )
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.search.backends import (
@@ -48,6 +45,7 @@ from moetune.tuner.search.backends import (
     preset_family,
     preset_gpus_per_node,
     preset_link_rates,
+    provenance_fields,
     too_few_samples,
 )
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
@@ -204,37 +202,6 @@ def make_backend(backend: str | BenchmarkBackend, preset: str | None = None, **l
     raise ValueError(f"unknown backend {backend!r}; expected model or local")
 
 
-def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]) -> str:
-    """Why a local measurement of `world` ranks on this one host cannot stand for (ep_size, nodes), '' when it can.
-
-    The local backend launches `world` ranks on this node only; what it stores is MEASURED, so the key must be
-    what ran: ep_size == world on 1 node. The megakernel family runs in this process on one GPU (ep_size 1 and
-    nodes 1 are checked where it is chosen), whatever the world."""
-    if all(f == MEGAKERNEL_FAMILY for f in families):
-        return ""
-    if world == ep_size and nodes == 1:
-        return ""
-    return (f"the local backend measures {world} rank(s) on this one node, but the profile would be stored for "
-            f"EP size {ep_size} over {nodes} node(s), which was never measured: a local tune stores only the "
-            f"EP size it runs (ep_size = world = {world}, nodes = 1). Tune EP {ep_size} with world {ep_size} on one "
-            "node" + (f" (a {nodes}-node EP group cannot be measured from one host)" if nodes > 1 else "")
-            + ", or predict it with the model backend (stored as MODELLED)")
-
-
-def cpu_comm_on_gpus(comm_backend: str, gpu_count: int, families: Sequence[str]) -> str:
-    """Why a local measurement with `comm_backend` cannot stand for a node of `gpu_count` GPUs, '' when it can.
-
-    gloo runs the ranks as CPU processes: its number says nothing of the node's GPUs and NCCL, yet it would be
-    stored MEASURED under the node's fingerprint and software and served to its GPU jobs as tuned. So gloo is
-    measured only on a node without GPUs (its facts say 0). The megakernel runs on the GPU in this process,
-    whatever the comm backend."""
-    if comm_backend != "gloo" or gpu_count <= 0 or all(f == MEGAKERNEL_FAMILY for f in families):
-        return ""
-    return (f"the local backend with gloo measures CPU processes, but this node has {gpu_count} GPU(s): the number "
-            "would be stored as the GPU node's measured profile and served to its NCCL/GPU jobs as tuned. Measure "
-            "the GPUs with NCCL (`--comm nccl`), or tune gloo on a node (or capture) without GPUs")
-
-
 def gloo_ranks_problem(world: int, gpu_count: int, cpus: int | None = None) -> str:
     """Why `world` gloo ranks (a node without GPUs: one CPU process each) cannot be measured on `cpus` CPUs ('' when
     they can): more ranks than CPUs share them, and a trial takes minutes (8 ranks on 2 CPUs)."""
@@ -290,7 +257,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
             why = node_model_refusal(be.preset, facts.fingerprint)
             if why:
                 raise ValueError(f"--node-model: {why}")
-            be.name = f"model:node:{facts.fingerprint}"
+            be = be.as_node_model(facts.fingerprint)
             fam = preset_family(be.preset)
             if families is None:
                 families = [fam]
@@ -303,7 +270,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     # no GPU: the two host processes a bring-up measures there (EP 1 exchanges nothing: a 10 µs "profile")
     gpn = facts.gpu_count or 2
     if ep_size is None:  # a local measurement stands for the ranks it launches on this node, nothing else
-        ep_size = be.world if isinstance(be, LocalBackend) and nodes == 1 else int(gpn) * nodes
+        ep_size = be.world if be.world is not None and nodes == 1 else int(gpn) * nodes
     if ep_size % nodes:
         raise ValueError(f"ep_size {ep_size} is not divisible by nodes {nodes}")
     gpus_per_node = ep_size // nodes
@@ -339,13 +306,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
             raise
     if not policies:
         raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
-    if isinstance(be, LocalBackend):
-        why = (unmeasured_key(be.world, ep_size, nodes, list(policies))
-               or cpu_comm_on_gpus(be.comm_backend, facts.gpu_count, list(policies)))
-        if why:
-            raise ValueError(why)
-    # The measured-error check of compressed trials follows each family's policy unless set explicitly.
-    explicit_budget = isinstance(be, LocalBackend) and be.error_budget is not None
+    why = be.refusal(ep_size=ep_size, nodes=nodes, families=list(policies), gpu_count=facts.gpu_count)
+    if why:
+        raise ValueError(why)
     url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
     rates = facts_link_rates(facts)
@@ -365,10 +328,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                                      ep_size=ep_size, nodes=nodes, hidden=model.hidden, intermediate=model.intermediate,
                                      experts=model.experts, topk=model.topk, dtype=model.dtype, token_bucket=bucket)
                     wl = TuneWorkload(model=model, tokens=bucket, nodes=nodes, gpus_per_node=gpus_per_node, routing=routing)
-                    if isinstance(be, LocalBackend):
-                        be.family = fam
-                        if not explicit_budget:
-                            be.error_budget = pol.error_budget
+                    be.for_family(fam, pol.error_budget)
                     # no knob acts on what is measured here (the megakernel's decode kernel): the default only
                     inert = be.inert_reason(fam, wl)
                     pinned = be.pinned_knobs(pol.transport) | (frozenset(pol.knobs) if inert else frozenset())
@@ -397,7 +357,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                                     recheck=recheck, stop=stop)
                     out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
     finally:
-        if be is not backend and isinstance(be, LocalBackend):
+        if be is not backend:
             be.close()  # built here (a backend name): end its persistent bench workers
     return out
 
@@ -458,7 +418,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
                     extra.append((f"bucket_transfer:{neighbour.bucket}:{i}", kp))
         # Cross-bucket pruning pays where a measurement is expensive (the local backend: a process launch
         # per run); a model prediction costs about a millisecond, so there every sampled point is evaluated.
-        cross = neighbour if isinstance(be, LocalBackend) else None
+        cross = neighbour if be.remeasures else None
         before = finished_trials(study)
         result = run_study(study, space, be, wl, trials=trials, timeout_s=timeout_s, callbacks=[cb], extra_warm=extra,
                            cross=cross)
@@ -468,7 +428,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         # --timeout, so nothing is written and a rerun does it. A search the budget cut midway is checked and
         # stored as before: skipping it stored nothing, run after run.
         spent = (until is not None and time.monotonic() >= until and recheck and not inert
-                 and isinstance(be, LocalBackend) and result.best_knobs is not None
+                 and be.remeasures and result.best_knobs is not None
                  and finished_trials(study) == before)
         stopped = False
         if spent:
@@ -623,22 +583,20 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     knobs, meas = result.best_knobs, result.best
     incumbent = store.get_current(key) if store is not None else None
     # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
-    provenance = "measured" if isinstance(be, LocalBackend) else provenance_of_backend(be.label)
+    origin = provenance_fields(be)  # what the backend's class declares, never what its label says
+    provenance = origin["provenance"]
     on_node = provenance != "preset"  # measured here, or predicted by this node's own calibrated model
     # where the numbers come from: this node's fingerprint, or the preset's `preset:NAME:DIGEST` (the digest of its
     # content: an edited copy of a shipped preset keeps the name, and must not read as the shipped one's)
     measured_on = facts.fingerprint if on_node or is_preset_fingerprint(facts.fingerprint) else ""
     software = {str(k): str(v) for k, v in dict(facts.software).items()}
-    # the NCCL/NVSHMEM/FI environment the ranks measured in (a prediction has none: not recorded)
-    perf = be.perf_environment()  # None from a backend that measures nothing (a prediction)
 
     def record(kn: Knobs, m: Measurement) -> ProfileRecord:
         now = store_now()  # to the microsecond: one second held a replaced row and the re-measurement replacing it
+        # (with the NCCL/NVSHMEM/FI environment the ranks measured in; a prediction records none)
         return ProfileRecord(key=key, knobs=kn, latency_us=float(m.median_us), spread_us=float(m.spread_us),
-                             backend=be.label, status="current", software_versions=dict(software), created=now,
-                             updated=now, provenance=provenance, measured_on=measured_on,
-                             routing=result.workload.routing,
-                             perf_env=dict(perf.variables) if perf is not None else msgspec.UNSET)
+                             status="current", software_versions=dict(software), created=now, updated=now,
+                             measured_on=measured_on, routing=result.workload.routing, **origin)
 
     if not recheck:
         # the caller (the bring-up's compare stage) measures this side by side and is the only writer: a best stored
@@ -650,7 +608,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     if inert:
         if incumbent is not None and incumbent.knobs != knobs:
             side_by_side_why = inert
-    elif isinstance(be, LocalBackend):
+    elif be.remeasures:
         # Measure the winner again beside the incumbent and the policy default: same conditions, one comparison.
         inc = incumbent.knobs if incumbent is not None else None
         cands = list(dict.fromkeys(k for k in (knobs, inc, default) if k is not None))
