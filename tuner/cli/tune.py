@@ -528,6 +528,9 @@ def tune(
             "best_us": rec.latency_us if rec else None, "spread_us": rec.spread_us if rec else None,
             "default_us": r.study.default_value, "written": r.written, "stored": r.stored, "reason": r.reason,
             "backend": rec.backend if rec else None, "knobs": rec.knobs.to_dict() if rec else None,
+            # what the numbers are, in every row (a table says MODELLED in its title only): the stored record's
+            # provenance, else (nothing stored) the backend's
+            "provenance": r.effective_provenance, "modelled": r.effective_provenance != "measured",
             "trials_asked": trials, "stopped_by_timeout": r.budget_ended,
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
             "extrapolation": scale,  # the EP size tuned at lies beyond the preset's measured scale (model predict's)

@@ -180,6 +180,13 @@ class TuneResult:
     kept: bool = False
     # `stop` said so before the side-by-side check: the study ran, nothing of it was compared or stored
     stopped: bool = False
+    # what the backend's numbers are (its class's provenance), whether or not a record was made
+    provenance: str = "preset"
+
+    @property
+    def effective_provenance(self) -> str:
+        """The record's provenance as the runtime takes it, else (nothing recorded) the backend's."""
+        return str(self.record.effective_provenance) if self.record is not None else self.provenance
 
     @property
     def stored(self) -> str:
@@ -445,7 +452,8 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             reason = f"{reason} before the time budget ended ({result.trials} of {trials} trials ran)"
         # after the write: an incumbent that held its own (or a measured one a prediction did not displace) is kept
         kept = not written and store is not None and store.get_current(key) is not None
-        return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept, stopped=stopped)
+        return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept, stopped=stopped,
+                          provenance=be.provenance)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
