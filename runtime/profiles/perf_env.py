@@ -18,9 +18,13 @@ the libraries read them (upper case, digits, `_`), minus
   follow from the stored knobs, so they are part of the profile already.
 
 The variables the project's GPU scripts export on purpose (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1:
-bench/tools/device_env.sh, runtime/testing) are recorded like any other: the tuner and the runtime never set them, so
-they are not part of every measurement, and a job that leaves NVLink SHARP on runs other NCCL/NVSHMEM
-algorithms than a profile measured with it off. TORCH_SYMM_MEM_DISABLE_MULTICAST is different: the runtime's
+bench/tools/device_env.sh, runtime/testing) are recorded like any other: neither the runtime nor the tuner's profile
+measurements (the local backend's ranks, the bring-up's tune) set them, so they are not part of every measurement,
+and a job that leaves NVLink SHARP on runs other NCCL/NVSHMEM algorithms than a profile measured with it off. The
+one place the tuner sets them is the bring-up's microbenchmarks, whose rows calibrate the node's fabric model: they
+run with NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (`tuner/measure/micro.py` MEASUREMENT_ENV, NVLS
+must stay off on the machines measured), a declared setting each row records with the environment it ran in (and
+the calibrated model, `[calibration] measurement_env`). TORCH_SYMM_MEM_DISABLE_MULTICAST is different: the runtime's
 one-sided transports set it to 1 themselves (`os.environ.setdefault`, before torch reads it), so unset and
 "1" are the same run; `RUNTIME_DEFAULTS` drops it at that value (a process that already built a transport
 must not differ from one that has not yet), and only another value is recorded.

@@ -102,6 +102,9 @@ class FitReport:
     fitted: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # parameter -> why the rows do not constrain it
     problems: list[str] = field(default_factory=list)  # why the fit cannot be trusted; empty: usable
+    # the variables every row fitted says it was measured under (`measurement_env` of tuner/measure/micro.py rows:
+    # NCCL_NVLS_ENABLE=0 ...); None where a row says nothing of it (a file of another tool, an older bring-up)
+    measurement_env: dict[str, str] | None = None
 
     @property
     def usable(self) -> bool:
@@ -623,7 +626,21 @@ def calibrate(
         p.predicted_us = p.evaluate(fitted)
     problems += _check(fitted, points, clusters, nic_line_rate_gbs, arbitrary)
     return FitReport(preset=fitted, points=points, skipped=skipped, params_before=before,
-                     params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems)
+                     params_after=fitted.numeric(), fitted=list(values), kept=kept, problems=problems,
+                     measurement_env=common_measurement_env(rows))
+
+
+def common_measurement_env(rows: Iterable[dict[str, Any]]) -> dict[str, str] | None:
+    """The variables (name=value) every one of `rows` records in its `measurement_env`; None when a row records
+    none (unknown: never taken for "nothing set")."""
+    common: dict[str, str] | None = None
+    for row in rows:
+        env = row.get("measurement_env")
+        if not isinstance(env, dict):
+            return None
+        pairs = {str(k): str(v) for k, v in env.items()}
+        common = pairs if common is None else {k: v for k, v in common.items() if pairs.get(k) == v}
+    return common
 
 
 def _fit(preset: Preset, points: list[Point], clusters: list[tuple[set[str], list[str]]], rounds: int,
@@ -720,6 +737,8 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str, *, fi
         calib["world"] = max(worlds)
     if fingerprint:
         calib["fingerprint"] = fingerprint
+    if report.measurement_env:  # the NCCL settings its measurements ran under (NVLS off), as NAME=VALUE
+        calib["measurement_env"] = [f"{k}={v}" for k, v in sorted(report.measurement_env.items())]
     if report.kept:
         calib["kept"] = sorted(report.kept)  # not constrained by the data: the preset's sourced values
     if report.problems:

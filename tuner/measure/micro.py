@@ -7,7 +7,10 @@ One small base class with plain implementations, as the transports and tuning ba
   concurrency (Perseus Fig. 5 shape) for each fence mode and signalling, and the cost of one fence.
 
 Each benchmark runs in a subprocess (`python -m moetune.tuner.measure.micro RUNNER ...`) so that
-environment-level settings take effect and a hang is bounded by a timeout.
+environment-level settings take effect and a hang is bounded by a timeout. The subprocess runs under
+`MEASUREMENT_ENV` (NVLink SHARP off), a declared measurement setting: every row records it (`extra.measurement_env`)
+and the whole performance environment it ran in (`extra.perf_env`, as runtime/profiles/perf_env.py extracts it),
+so a stored row (and the node model calibrated on it) says under which NCCL environment it was measured.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from moetune.tuner.measure.stats import Summary
+
+# What every microbenchmark subprocess runs under, over the caller's environment: NCCL's NVLink SHARP (NVLS)
+# collectives stay off (the machines these calibrate must run with NVLS off), and torch's symmetric memory
+# without multicast objects, as the runtime's one-sided transports set it themselves. Declared, not silent: each
+# row records it (`Microbenchmark.run`).
+MEASUREMENT_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
 QUICK_SIZES: tuple[int, ...] = (1024, 16384, 262144, 4194304)
@@ -71,8 +80,17 @@ class Microbenchmark(ABC):
     def _argv_transport(self) -> str:
         return self.transport
 
+    def measurement_env(self) -> dict[str, str]:
+        """The variables this benchmark sets over the caller's environment: its own (`env`), then MEASUREMENT_ENV."""
+        return {**self.env(), **MEASUREMENT_ENV}
+
     def run(self, sizes: Sequence[int], *, iters: int = 20, timeout_s: float = 120.0) -> list[MicroResult]:
-        env = {**os.environ, **self.env(), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+        from moetune.runtime.profiles.perf_env import performance_environment
+
+        env = {**os.environ, **self.measurement_env()}
+        # what each row says it was measured under: the settings declared here, and the whole NCCL/NVSHMEM/FI
+        # environment of the process (the caller's variables too)
+        recorded = {"measurement_env": self.measurement_env(), "perf_env": performance_environment(env).variables}
         cmd = [sys.executable, "-m", "moetune.tuner.measure.micro", self.runner,
                ",".join(str(s) for s in sizes), str(iters), self._argv_transport()]
         try:
@@ -82,7 +100,8 @@ class Microbenchmark(ABC):
         if proc.returncode != 0:
             raise RuntimeError(f"microbenchmark {self.transport} failed: {failure_summary(proc.stderr or proc.stdout)}")
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        return [MicroResult(**r) for r in rows]
+        return [MicroResult(**{**r, "extra": {**(r.get("extra") or {}), **{k: dict(v) for k, v in recorded.items()}}})
+                for r in rows]
 
 
 class CollectiveA2A(Microbenchmark):
