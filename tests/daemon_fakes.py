@@ -204,6 +204,7 @@ def write_forced_preset(path: Path, base: str = "nvlink-h200x2", fingerprint: st
             self.preset, self.fitted, self.kept, self.points = preset, [], [], []
             self.params_after = preset.numeric()
             self.problems = ["too few rows: 1 distinct row for 7 fitted parameters"]
+            self.measurement_env = None  # the rows said nothing of it
 
         def summary(self) -> dict[str, Any]:
             return {"points": 1, "mean_abs_rel_err": 0.0, "max_abs_rel_err": 0.0}
