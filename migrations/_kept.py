@@ -1,5 +1,6 @@
 """What a downgrade that drops a profile column keeps in an event, and how the upgrade that adds the column back
-gives it back (migrations 0005 `routing`, 0006 `perf_env`; 0003 does the same for provenance with its own rules).
+gives it back (migrations 0005 `routing`, 0006 `perf_env`, 0009 `runtime_options`; 0003 does the same for provenance
+with its own rules).
 
 Each kept value names the row it belonged to by more than its id: a moetune at the older schema may delete a row
 and give its id to a new one (SQLite reuses the highest id), or store new numbers for it. A value goes back only

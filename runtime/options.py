@@ -56,6 +56,28 @@ MAX_CPU_INDEX = 65535
 # the wire protocol nor the buffers, so ranks may differ in them (MOETUNE_PROXY_CPU set per local rank, CPU lists
 # of nodes with different layouts) and RuntimeOptions.digest(), which the ranks compare, leaves them out.
 PROCESS_LOCAL_OPTIONS: frozenset[str] = frozenset({"proxy_cpu"})
+# Options that change the data path: which kernels, copies, buffers and waits do the work. A tuned profile's numbers
+# hold only for the values it was measured under, so every measured profile records these (`data_path`; the runtime
+# compares them with the job's: runtime/profiles/tuned_options.py) and a tuner study is resumed only under the same.
+DATA_PATH_OPTIONS: tuple[str, ...] = (
+    "hs_native",  # host_staged: the copy engines through shared host memory, or NCCL's own staging
+    "symm",  # symmetric memory from torch (multicast-capable) or plain CUDA IPC handles: other buffers and copies
+    "chunk_weights",  # the dense layout's chunk sizes: another pipeline
+    "proxy_batch",  # how many PUTs the proxy issues as one batch
+    "proxy_peer_access",  # direct P2P copies between the local GPUs, or staged ones
+    "proxy_host_wait",  # each call completes on the host, or stays asynchronous (another synchronisation)
+    "plan_mode",  # the plan kernel's shape
+    "nvl_gather",  # nvlink's exchange builds the wire rows from the tokens, or packs them first
+    "fused_pack",  # the compiled pack kernels, or the torch ops
+    "fused_fp8",  # fp8 quantisation in one launch each, or the torch ops
+)
+# The rest, and why they are not in a profile's record: they never change what a run that completes does.
+NOT_DATA_PATH_OPTIONS: dict[str, str] = {
+    "onesided_timeout_s": "how long a peer's wait may last before it is an error: a run that completes is the same",
+    "megakernel_timeout_s": "how long the megakernel may go without progress before it is an error",
+    "proxy_cpu": "which CPUs the proxy thread may run on: process-local, set per rank and per node layout "
+                 "(PROCESS_LOCAL_OPTIONS), no part of the group's data path",
+}
 
 
 class RuntimeOptionError(ValueError):
@@ -173,6 +195,11 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def replace(self, **changes: Any) -> RuntimeOptions:
         return RuntimeOptions.from_dict({**self.to_dict(), **changes})
 
+    def data_path(self) -> dict[str, Any]:
+        """The DATA_PATH_OPTIONS and their values, as JSON has them (what a measured profile records)."""
+        d = self.to_dict()
+        return {name: list(d[name]) if isinstance(d[name], tuple) else d[name] for name in DATA_PATH_OPTIONS}
+
     def digest(self) -> str:
         """Stable short hash (ranks compare it next to the knobs' digest) of every option but
         PROCESS_LOCAL_OPTIONS, which ranks may set differently."""
@@ -239,6 +266,32 @@ def load_config_checked(config_file: Path | None = None) -> _config.Config:
     cfg = _config.load_config(config_file)
     RuntimeOptions.from_config(cfg)
     return cfg
+
+
+def data_path_digest(values: Mapping[str, Any]) -> str:
+    """A short hash of recorded data-path options (`RuntimeOptions.data_path`, or some of them): equal values, equal
+    digests."""
+    return hashlib.sha256(msgspec.json.encode(dict(values), order="sorted")).hexdigest()[:16]
+
+
+def data_path_problem(values: object) -> str | None:
+    """Why `values` is not a record of data-path options this moetune writes (None when it is one): a mapping of
+    DATA_PATH_OPTIONS names (an older moetune may have known fewer) to their canonical values, as
+    `RuntimeOptions.data_path` gives them. Anything else (another option, a value that does not validate or is not
+    spelt canonically) is refused, whoever recorded or sent it."""
+    if not isinstance(values, Mapping):
+        return f"expected a mapping of option names to values, got {type(values).__name__}"
+    unknown = sorted(str(k)[:64] for k in values if k not in DATA_PATH_OPTIONS)
+    if unknown:
+        return f"{', '.join(map(repr, unknown[:4]))} is not a data-path option (known: {', '.join(DATA_PATH_OPTIONS)})"
+    try:
+        canonical = RuntimeOptions.from_dict({**RuntimeOptions().to_dict(), **dict(values)}).data_path()
+    except RuntimeOptionError as e:
+        return str(e)
+    want = {k: canonical[k] for k in values}
+    if msgspec.json.encode(want, order="sorted") != msgspec.json.encode(dict(values), order="sorted"):
+        return "values not spelt as this moetune records them"
+    return None
 
 
 def _field_of(message: str) -> str:
@@ -564,6 +617,10 @@ def settings_markdown() -> str:
         "",
         "Order (later wins): default, config `[runtime]` key, variable, `EPBuffer(options=...)`.",
         "Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`); an empty variable is unset.",
+        "The options that change the data path "
+        f"({', '.join(f'`{n}`' for n in DATA_PATH_OPTIONS)}) are recorded with every measured profile;",
+        "a tuned profile is applied as tuned only to a job running the values it was measured under (the others",
+        f"change no data path: {', '.join(f'`{n}`' for n in NOT_DATA_PATH_OPTIONS)}).",
         "",
         "| option (`[runtime]` key) | variable | type | default | meaning |",
         "| --- | --- | --- | --- | --- |",

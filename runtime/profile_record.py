@@ -12,6 +12,7 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from moetune.runtime.knobs import Knobs
+from moetune.runtime.options import data_path_digest
 from moetune.runtime.shapes import check_experts_divide
 
 # The one definition of a profile's statuses and provenances: the store, its CHECK constraints, the CLI and the
@@ -241,6 +242,12 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and says where they differ, and never exports it. Left out: not recorded (a modelled profile, which no
     # process measured, or a measurement by an older moetune): unknown, never taken to match.
     perf_env: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
+    # The data-path runtime options the measuring ranks ran under (runtime/options.py DATA_PATH_OPTIONS: hs_native,
+    # symm, fused_pack, ...; `RuntimeOptions.data_path`), a readable copy (the store keeps its digest beside it). NOT
+    # part of the key: the runtime compares it with the job's options (runtime/profiles/tuned_options.py) and applies
+    # the profile as tuned only where they agree. Left out: not recorded (a modelled profile, or a measurement by an
+    # older moetune): unknown, never taken to match.
+    runtime_options: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
@@ -263,6 +270,17 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return None if self.perf_env is msgspec.UNSET else dict(self.perf_env)
 
     @property
+    def tuned_runtime_options(self) -> dict[str, Any] | None:
+        """The data-path runtime options the numbers were measured under, None when not recorded."""
+        return None if self.runtime_options is msgspec.UNSET else dict(self.runtime_options)
+
+    @property
+    def runtime_options_digest(self) -> str | None:
+        """The digest of the recorded runtime options (`data_path_digest`), None when not recorded."""
+        opts = self.tuned_runtime_options
+        return None if opts is None else data_path_digest(opts)
+
+    @property
     def effective_provenance(self) -> Provenance:
         """The provenance the runtime goes by (`effective_provenance`: "measured" only from a measuring backend)."""
         return effective_provenance(str(self.provenance), self.backend, self.key.fingerprint)
@@ -274,8 +292,10 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if prov == self.provenance:
             return self
         on = effective_measured_on(str(self.provenance), self.measured_on, self.backend, self.key.fingerprint)
-        # a modelled profile records no performance environment (no process measured it): an import refuses one
-        return msgspec.structs.replace(self, provenance=prov, measured_on=on, perf_env=msgspec.UNSET)
+        # a modelled profile records no performance environment nor runtime options (no process measured it): an
+        # import refuses them
+        return msgspec.structs.replace(self, provenance=prov, measured_on=on, perf_env=msgspec.UNSET,
+                                       runtime_options=msgspec.UNSET)
 
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
         """Measured (by a measuring backend) on exactly this fabric and software: what the runtime's client requires
@@ -288,7 +308,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def profile_hash(self) -> str:
-        """Hash of key + knobs: what all ranks compare to be sure they hold the same profile. Not perf_env, routing or
-        the latencies: they say where the numbers come from, not what a rank applies (each rank compares its own
-        environment with perf_env at lookup)."""
+        """Hash of key + knobs: what all ranks compare to be sure they hold the same profile. Not perf_env,
+        runtime_options, routing or the latencies: they say where the numbers come from, not what a rank applies (each
+        rank compares its own environment and options with them at lookup)."""
         return profile_hash_of(self.key, self.knobs)

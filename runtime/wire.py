@@ -80,6 +80,15 @@ PerfEnvMap = Annotated[
     dict[Annotated[str, Meta(max_length=128)], Annotated[str, Meta(max_length=256)]], Meta(max_length=512)
 ]
 
+# Recorded data-path runtime options as a reply may carry them: bounded here, names and values checked by the client
+# (runtime/options.py data_path_problem).
+OptionsMap = Annotated[
+    dict[Annotated[str, Meta(max_length=64)],
+         bool | int | float | Annotated[str, Meta(max_length=64)]
+         | Annotated[list[float], Meta(max_length=64)]],
+    Meta(max_length=64),
+]
+
 
 # -- requests --------------------------------------------------------------------------------------
 class _Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -196,6 +205,9 @@ class ProfileResult(msgspec.Struct, kw_only=True):
     # The client only compares it with the job's (names checked by runtime/profiles/perf_env.perf_env_problem,
     # a reply with any other name is a bad reply) and never exports it.
     perf_env: PerfEnvMap | msgspec.UnsetType = msgspec.UNSET
+    # The data-path runtime options the profile was measured under (ProfileRecord.runtime_options; left out: not
+    # recorded, as an older daemon's replies do). The client compares them with the job's options.
+    runtime_options: OptionsMap | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:
@@ -222,6 +234,7 @@ class ProfileResult(msgspec.Struct, kw_only=True):
             provenance=rec.provenance,
             measured_on=rec.measured_on,
             perf_env=rec.perf_env,
+            runtime_options=rec.runtime_options,
         )
 
 

@@ -23,6 +23,7 @@ import daemon_fakes as F
 from moetune.runtime import wire
 from moetune.runtime.config import ConfigError, load_config
 from moetune.runtime.knobs import default_knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.profiles import autoload, node_identity
 from moetune.runtime.profiles.client import EnvMismatchWarning, FallbackWarning, ProfileClient, Resolution
@@ -44,9 +45,12 @@ def qkey(fp: str = FP, sw: str = "5" * 16, bucket: int = 64) -> ProfileKey:
 
 
 def measured(key: ProfileKey, perf_env: dict[str, str] | None, num_sms: int = 40) -> ProfileRecord:
+    """A measurement by this moetune (its runtime options recorded: the defaults, which these jobs run), or with
+    `perf_env` None an older moetune's (neither recorded)."""
     return ProfileRecord(key=key, knobs=default_knobs("nvlink").replace(num_sms=num_sms), latency_us=20.0,
                          spread_us=0.1, backend="local:nccl", provenance="measured",
-                         perf_env=msgspec.UNSET if perf_env is None else perf_env)
+                         perf_env=msgspec.UNSET if perf_env is None else perf_env,
+                         runtime_options=msgspec.UNSET if perf_env is None else RuntimeOptions().data_path())
 
 
 def resolve(c: ProfileClient) -> tuple[Resolution, list[str], list[str]]:

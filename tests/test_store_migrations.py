@@ -228,7 +228,7 @@ def test_0004_relabels_rows_labelled_measured_by_a_backend_that_does_not_measure
     database_at_0003(path)
     before = profile_rows(path)
     with Store(path) as s:  # upgrades on first use
-        assert s.current_revision() == head_revision() == "0008"
+        assert s.current_revision() == head_revision() == "0009"
         assert s.check()["ok"]
         assert labels(s) == {(k[0], k[1], k[2]): v for k, v in AT_0003.items()}
         # The preset's number at 4096 tokens is no measurement: find_profile offers it as a preset only.
@@ -251,8 +251,10 @@ def test_0004_relabels_rows_labelled_measured_by_a_backend_that_does_not_measure
     # No row deleted; keys, statuses, numbers and dates are as they were: only the two label columns moved.
     after = profile_rows(path)
     assert len(after) == len(before) == len(AT_0003)
-    # (0005 then adds the routing column, "" for every row, and 0006 the perf_env column, NULL: not recorded)
-    assert [r[:-4] for r in after] == [r[:-2] for r in before] and {r[-2:] for r in after} == {("", None)}
+    # (0005 then adds the routing column, "" for every row, 0006 the perf_env column, NULL: not recorded, and 0009 the
+    # runtime_options and runtime_options_digest columns, NULL: not recorded)
+    assert [r[:-6] for r in after] == [r[:-2] for r in before]
+    assert {r[-4:] for r in after} == {("", None, None, None)}
     # `moetune profiles list` lists only the real measurement as measured.
     r = CliRunner().invoke(app, ["profiles", "list", "--provenance", "measured", "--json", "--db", str(path)])
     assert r.exit_code == 0, r.output

@@ -249,7 +249,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             # rank 0 resolves (the activation dtype this buffer runs at, the expected token count) and broadcasts
             self.resolution = autoload_group_profile(model=model, ep_size=self.world, group=group,
                                                      max_tokens=self.expected_tokens, device=self.device,
-                                                     dtype=self.dtype)
+                                                     dtype=self.dtype, options=self.options)
             knobs = self.resolution.knobs
             # the loaded knobs' own checks (fp8 in this torch build, the transport here) may fail on one rank only
             self._agree_loaded(self._check_knobs(knobs, dense))

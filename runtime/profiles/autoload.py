@@ -55,6 +55,7 @@ from typing import Any
 
 from moetune.runtime.config import client_autoload
 from moetune.runtime.knobs import Knobs, default_knobs
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
     ProfileClient,
@@ -174,9 +175,13 @@ def autoload_profile(
     transport_family: str | None = None,
     dtype: Any = None,
     export_env: bool = True,
+    options: RuntimeOptions | None = None,
 ) -> Resolution:
     """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ (unless
     `export_env=False`: the group path exports the agreed env instead).
+
+    `options`: the caller's RuntimeOptions (an EP buffer's; None: what the config and MOETUNE_* variables say); a
+    tuned profile measured under other data-path options is not applied as tuned (client.py).
 
     `dtype`: the activation dtype the caller runs at (None: `model.dtype`); it replaces the model's in the key.
     `nodes` defaults to `group_nodes(group)`. Never raises for what the daemon, the database or the
@@ -193,7 +198,8 @@ def autoload_profile(
     # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets. The
     # device too: which transports can run (transport_ok) depends on it, so a CUDA device's nvlink profile must
     # not be handed to a layer on the CPU.
-    key = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device))
+    key = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device),
+           None if options is None else options.digest())  # other options may be served another profile
     with _lock:
         if use_cache and client is None and key in _cache:
             _last = _cache[key]
@@ -207,7 +213,7 @@ def autoload_profile(
                              status="default", family=transport_family, message=f"client.autoload is false ({where})")
         else:
             res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client,
-                           transport_family=transport_family)
+                           transport_family=transport_family, options=options)
         if export_env:
             apply_env(res.env)
         log.info("moetune: knobs from %s (profile %s, %.1f ms%s)", res.source, res.profile_hash, res.elapsed_ms,
@@ -220,7 +226,7 @@ def autoload_profile(
 
 def _resolve(
     *, model: ModelShape, ep_size: int, nodes: int, max_tokens: int, device: Any, client: ProfileClient | None,
-    transport_family: str | None = None,
+    transport_family: str | None = None, options: RuntimeOptions | None = None,
 ) -> Resolution:
     own = client is None
     try:
@@ -228,7 +234,7 @@ def _resolve(
         try:
             return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
                              transport_family=transport_family,
-                             transport_ok=lambda name: runtime_transport_problem(name, device))
+                             transport_ok=lambda name: runtime_transport_problem(name, device), options=options)
         finally:
             if own:
                 c.close()
@@ -314,6 +320,7 @@ def autoload_group_profile(
     group: Any = None,
     dtype: Any = None,
     transport_family: str | None = None,
+    options: RuntimeOptions | None = None,
 ) -> Resolution:
     """One resolution for every rank of `group` (collective; see the module docstring): rank 0's, broadcast.
 
@@ -326,7 +333,7 @@ def autoload_group_profile(
     client_autoload()  # a bad value raises on every rank here, before any collective (not swallowed by a leader)
     if not _dist_on(group):
         return autoload_profile(model=model, ep_size=ep_size, nodes=1, max_tokens=max_tokens, device=device,
-                                group=group, dtype=dtype, transport_family=transport_family)
+                                group=group, dtype=dtype, transport_family=transport_family, options=options)
     import msgspec
     import torch.distributed as dist
 
@@ -339,7 +346,7 @@ def autoload_group_profile(
     if leader:
         try:
             mine = autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
-                                    dtype=dtype, transport_family=transport_family, export_env=False)
+                                    dtype=dtype, transport_family=transport_family, export_env=False, options=options)
         except Exception as e:  # autoload_profile does not raise; a bug must not leave the other ranks waiting
             knobs = default_knobs("collective")
             mine = Resolution(knobs=knobs, source="default", profile_hash=f"default:{knobs.digest()}",

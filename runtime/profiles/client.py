@@ -36,6 +36,13 @@ served, the resolution says so (`env_status`, `env_diff`) and one warning per pr
 (`EnvMismatchWarning`); `env_mismatch = "refuse"` (config `client.env_mismatch`) passes such a profile, and one whose
 environment was not recorded, over instead, so the chain ends at the policy default; "ignore" serves it silently.
 
+The runtime options (hs_native, symm, fused_pack, ...: the data-path ones, runtime/options.py DATA_PATH_OPTIONS): a
+tuned profile carries those it was measured under (`ProfileRecord.runtime_options`; not recorded: "unknown", never
+taken to match). They are compared with the job's (`resolve(options=...)`, an EP buffer's; else what the config and
+`env` resolve): a profile measured under other options is never applied as tuned (passed over, the fallback warning
+names each option, as an environment difference is named); an unrecorded one is judged as an unrecorded environment
+is (served, or passed over with `env_mismatch = "refuse"`), and the resolution says which (`options_status`).
+
 Where things are found: `moetune.runtime.paths` (the config's client.socket and `default_endpoint` both follow
 `find_daemon_socket`; `client_db_path`; `endpoint_problem`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint,
 database path, fingerprint, software hash and transport families of the node), and the client reads it only there.
@@ -73,6 +80,7 @@ from moetune.runtime.config import (
     load_client_config,
 )
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.options import RuntimeOptions, data_path_problem
 from moetune.runtime.paths import (
     INFO_NAME,
     PUB_SOCKET_NAME,
@@ -110,6 +118,7 @@ from moetune.runtime.profiles.perf_env import (
     perf_env_problem,
     performance_environment,
 )
+from moetune.runtime.profiles.tuned_options import OptionsComparison, compare_options, parse_recorded_options
 from moetune.runtime.shapes import ModelShape, get_model
 
 __all__ = [
@@ -272,6 +281,7 @@ _PROFILE_COLUMNS = (
 )
 _PROVENANCE_COLUMNS = ", provenance, measured_on"  # a store from before issue 19 has neither
 _PERF_ENV_COLUMN = ", perf_env"  # a store from before migration 0006 has none
+_OPTIONS_COLUMNS = ", runtime_options, runtime_options_digest"  # a store from before migration 0009 has neither
 
 
 def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (), timeout_s: float = 0.05) -> list[tuple]:
@@ -319,7 +329,7 @@ def forget_reported_identities() -> None:
 # The store's schema revisions whose `profiles` table this runtime reads (migrations/versions; a test holds the two
 # equal): a database at another revision was written by a newer moetune, refused as every `moetune` command refuses
 # it (its columns may mean what this runtime does not know)
-KNOWN_SCHEMA_REVISIONS = frozenset({"0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"})
+KNOWN_SCHEMA_REVISIONS = frozenset({"0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"})
 _VERSION_TABLE = "moetune_alembic_version"
 
 
@@ -360,7 +370,8 @@ def query_db_profiles(
     (`moetune.tuner.store.models`, table `profiles`). Rows that do not parse are skipped. Each record's
     provenance is the column's where the store has one, else what the backend name says (`provenance_of`); its
     perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
-    tuner records (`perf_env_problem`) is skipped.
+    tuner records (`perf_env_problem`) is skipped; so are its runtime options (migration 0009), a row whose recorded
+    options are not data-path options as the tuner records them, or not those its digest column names, skipped.
     """
     newer = newer_schema_problem(db_path, timeout_s) if check_schema else ""  # (False: the caller checked it)
     if newer:
@@ -375,7 +386,9 @@ def query_db_profiles(
         where += " AND transport_family = ?"
         args.append(transport_family)
     rows: list[tuple] = []
-    extras = (_PROVENANCE_COLUMNS + _PERF_ENV_COLUMN, _PROVENANCE_COLUMNS, "")  # newest schema first
+    # newest schema first
+    extras = (_PROVENANCE_COLUMNS + _PERF_ENV_COLUMN + _OPTIONS_COLUMNS, _PROVENANCE_COLUMNS + _PERF_ENV_COLUMN,
+              _PROVENANCE_COLUMNS, "")
     for i, extra in enumerate(extras):
         try:
             rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{extra}{where}", args, timeout_s)
@@ -396,11 +409,13 @@ def query_db_profiles(
             if prov not in PROVENANCES:
                 raise ValueError(f"unknown provenance {prov!r}")
             perf_env = parse_recorded(r[21]) if len(r) > 21 else None
+            options = parse_recorded_options(r[22], r[23]) if len(r) > 23 else None
             rec = ProfileRecord(
                 key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
                 status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",
                 updated=r[18] or "", provenance=prov, measured_on=str(r[20] or "") if len(r) > 20 else "",
                 perf_env=msgspec.UNSET if perf_env is None else perf_env,
+                runtime_options=msgspec.UNSET if options is None else options,
             )
             rec = msgspec.structs.replace(rec, provenance=provenance_of(rec))
             out.append(rec)
@@ -560,7 +575,7 @@ def _reply_problem(r: wire.ProfileResult, **request: Any) -> str | None:
     """Why a get_profile reply must not be used (None when it may): it does not answer the request
     (`_reply_mismatch`), its profile_hash is not the hash of its key and knobs (what the store keys a profile by;
     ranks and hosts compare it to agree on one profile), or its recorded perf_env holds more than performance
-    variables (forged)."""
+    variables (forged), or its recorded runtime_options are not data-path options as this moetune records them."""
     mismatch = _reply_mismatch(r, **request)
     if mismatch is not None:
         return f"reply does not answer the request: {mismatch}"
@@ -569,7 +584,10 @@ def _reply_problem(r: wire.ProfileResult, **request: Any) -> str | None:
         return (f"reply's profile_hash {r.profile_hash[:64]!r} is not the hash of its key and knobs ({want}): "
                 "not a profile a daemon stores")
     bad_env = None if r.perf_env is msgspec.UNSET else perf_env_problem(dict(r.perf_env))
-    return None if bad_env is None else f"reply's perf_env does not validate: {bad_env}"
+    if bad_env is not None:
+        return f"reply's perf_env does not validate: {bad_env}"
+    bad_opts = None if r.runtime_options is msgspec.UNSET else data_path_problem(dict(r.runtime_options))
+    return None if bad_opts is None else f"reply's runtime_options do not validate: {bad_opts}"
 
 
 def is_loopback_host(host: str) -> bool:
@@ -606,6 +624,11 @@ class Resolution(msgspec.Struct, kw_only=True):
     # a default). Only compared: the recorded variables are never exported.
     env_status: str = ""
     env_diff: list[str] = []
+    # A tuned profile's recorded data-path runtime options (runtime/profiles/tuned_options.py) against this job's:
+    # "same" or "unknown" (not recorded: measured by an older moetune); "" where nothing was measured. A profile
+    # measured under other options is never applied as tuned (the lookup passes it over and the message says why).
+    options_status: str = ""
+    options_diff: list[str] = []
 
 
 _ids = itertools.count(1)
@@ -1012,11 +1035,14 @@ class ProfileClient:
         transport_family: str | None = None,
         budget_ms: int | None = None,
         transport_ok: Callable[[str], str | None] | None = None,
+        options: RuntimeOptions | None = None,
     ) -> Resolution:
         """Daemon -> read-only database -> policy defaults, inside `budget_ms` (default timeout_ms).
 
         `transport_ok(name)` says why this runtime cannot run transport `name` (None when it can); a
-        profile needing such a transport is passed over. Never raises for what the daemon or the database
+        profile needing such a transport is passed over. `options`: the runtime options the job runs (an EP buffer's;
+        None: what one built here without options resolves from the config and `env`); a tuned profile measured
+        under other data-path options is passed over. Never raises for what the daemon or the database
         hold; one warning names every source passed over and why.
         """
         t0 = time.monotonic()
@@ -1024,16 +1050,22 @@ class ProfileClient:
         problems: list[str] = []
         info = read_daemon_info(self.endpoint, self._env)
         job_env = performance_environment(self._env).variables  # compared with a tuned profile's, never exported
+        job_opts = self._job_options(options)  # likewise: the data-path runtime options this job runs
 
-        def finish(res: Resolution, headline: str, env_cmp: EnvComparison | None = None) -> Resolution:
+        def finish(res: Resolution, headline: str, env_cmp: EnvComparison | None = None,
+                   opts_cmp: OptionsComparison | None = None) -> Resolution:
             res.elapsed_ms = (time.monotonic() - t0) * 1000
             if env_cmp is not None:
                 res.env_status, res.env_diff = env_cmp.status, list(env_cmp.differences)
+            if opts_cmp is not None:
+                res.options_status, res.options_diff = opts_cmp.status, list(opts_cmp.differences)
             if problems:
                 res.message = "; ".join(problems)
                 warn_fallback(f"moetune: {headline} ({res.message})")
             if env_cmp is not None:
                 self._say_env(res, env_cmp)
+            if opts_cmp is not None and opts_cmp.status == "unknown":
+                log.info("moetune: tuned profile %s: %s", res.profile_hash, opts_cmp.summary())
             return res
 
         # 1. the daemon (it knows the node: it discovered the fabric)
@@ -1044,7 +1076,8 @@ class ProfileClient:
                                  transport_family=transport_family)
             if bad is not None:
                 raise BadReply(bad)
-            verdict, why, env_cmp, prov = self._judge_reply(r, info, transport_ok, job_env, t0 + budget)
+            verdict, why, (env_cmp, opts_cmp), prov = self._judge_reply(r, info, transport_ok, job_env, t0 + budget,
+                                                                        job_opts)
             if verdict is None:
                 problems.append(f"daemon served profile {r.profile_hash}: {why}")
             else:
@@ -1060,7 +1093,7 @@ class ProfileClient:
                                  key=r.key, family=r.key.transport_family, epoch=self.epoch, provenance=prov,
                                  tuned=verdict == "tuned")
                 return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
-                              else "daemon reply partly refused", env_cmp)
+                              else "daemon reply partly refused", env_cmp, opts_cmp)
         except (DaemonUnavailable, DaemonError, BadReply) as e:
             problems.append(f"daemon: {e}")
 
@@ -1080,8 +1113,8 @@ class ProfileClient:
                     recs = [x for x in recs if is_preset_fingerprint(x.key.fingerprint) and x.provenance == "preset"]
                     problems.append(f"database {db}: this node's identity is unknown ({why_no_ident}), so only a "
                                     "preset's MODELLED profiles are considered")
-                rec, verdict, env_cmp, passed = self._pick_trusted(recs, tokens, ident, transport_ok, transport_family,
-                                                                   job_env)
+                rec, verdict, (env_cmp, opts_cmp), passed = self._pick_trusted(recs, tokens, ident, transport_ok,
+                                                                               transport_family, job_env, job_opts)
                 if rec is None and recs and not passed:  # stored, only at buckets too far from this one
                     have = ", ".join(map(str, sorted({x.key.token_bucket for x in recs})))
                     problems.append(f"database {db}: this shape/EP size/nodes has profiles at token buckets {have}, "
@@ -1106,7 +1139,7 @@ class ProfileClient:
                                      env=env, key=rec.key, family=rec.key.transport_family, provenance=rec.provenance,
                                      tuned=verdict == "tuned")
                     return finish(res, "using a MODELLED profile, not a tuned one" if verdict == "modelled"
-                                  else "tuned profile not served by the daemon", env_cmp)
+                                  else "tuned profile not served by the daemon", env_cmp, opts_cmp)
         except (OSError, sqlite3.Error) as e:
             problems.append(f"database {db}: {e}")
 
@@ -1130,8 +1163,8 @@ class ProfileClient:
 
     def _judge_reply(
         self, r: wire.ProfileResult, info: Mapping[str, Any] | None, transport_ok: Callable[[str], str | None] | None,
-        job_env: Mapping[str, str], deadline: float,
-    ) -> tuple[str | None, str, EnvComparison | None, str]:
+        job_env: Mapping[str, str], deadline: float, job_opts: Mapping[str, Any] | None = None,
+    ) -> tuple[str | None, str, tuple[EnvComparison | None, OptionsComparison | None], str]:
         """`_judge` of a get_profile reply that answers its request (`_reply_problem`), plus its provenance: what
         `resolve` and `TrackedProfile` decide of it. This node's identity: the fabric the answering daemon reports,
         checked against what THIS process reads (`node_identity.from_reported_facts`). Not daemon.json's identity
@@ -1147,9 +1180,11 @@ class ProfileClient:
         if not is_preset_fingerprint(r.key.fingerprint):
             ident, why_no_ident = self._reported_identity(r.key, why_no_ident, deadline)
         recorded = None if r.perf_env is msgspec.UNSET else dict(r.perf_env)
+        opts = None if r.runtime_options is msgspec.UNSET else dict(r.runtime_options)
         prov = provenance_of(r)
-        verdict, why, env_cmp = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env, why_no_ident)
-        return verdict, why, env_cmp, prov
+        verdict, why, cmps = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env, why_no_ident,
+                                         opts, job_opts)
+        return verdict, why, cmps, prov
 
     def _reported_identity(self, key: ProfileKey, why_not: str, deadline: float) -> tuple[node_identity.NodeIdentity | None, str]:
         """This node's identity as the daemon's `fabric` reply reports it, when its facts are this node's
@@ -1186,39 +1221,49 @@ class ProfileClient:
     def _judge(
         self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,
         transport_ok: Callable[[str], str | None] | None, recorded_env: Mapping[str, str] | None,
-        job_env: Mapping[str, str], why_no_ident: str = "",
-    ) -> tuple[str | None, str, EnvComparison | None]:
-        """("tuned" | "modelled" | None, why, env comparison): may this profile be applied here, and as what?
+        job_env: Mapping[str, str], why_no_ident: str = "", recorded_opts: Mapping[str, Any] | None = None,
+        job_opts: Mapping[str, Any] | None = None,
+    ) -> tuple[str | None, str, tuple[EnvComparison | None, OptionsComparison | None]]:
+        """("tuned" | "modelled" | None, why, (env comparison, options comparison)): may this profile be applied here,
+        and as what?
 
         A measured profile is tuned only for this node's identity (`ident`; None: unknown, `why_no_ident` says why):
         never when it is unknown. The one place a profile's recorded performance environment (`recorded_env`, None:
         not recorded) meets the job's: a tuned profile's comparison is returned (for the resolution to say) or, under
         env_mismatch = refuse, refuses it; a modelled one is not compared (its numbers were never measured in any
-        environment)."""
+        environment). Its recorded data-path runtime options (`recorded_opts`, None: not recorded) meet the job's
+        (`job_opts`, None: unreadable) here too: measured under other options, it is not applied as tuned (whatever
+        env_mismatch says: its numbers are another data path's); unrecorded, it is judged as an unrecorded
+        environment is."""
+        none: tuple[None, None] = (None, None)
         why = _transport_problem(key.transport_family, knobs, transport_ok)
         if why is not None:
-            return None, why, None
+            return None, why, none
         if ident is None and (provenance == "measured" or not is_preset_fingerprint(key.fingerprint)):
             # nothing says this node is the one it was measured (or calibrated) on: the database path's rule too
             what = "measured" if provenance == "measured" else f"MODELLED ({provenance})"
             return None, (f"{what} on fingerprint {key.fingerprint}, software {key.software}, but this node's "
-                          f"identity is unknown ({why_no_ident or 'nothing recorded'}): not applied"), None
+                          f"identity is unknown ({why_no_ident or 'nothing recorded'}): not applied"), none
         foreign = ident is not None and (key.fingerprint != ident.fingerprint or key.software != ident.software)
         if provenance == "measured":
             if foreign:
                 assert ident is not None
                 return None, (f"measured on another node or software (fingerprint {key.fingerprint}, software "
-                              f"{key.software}; this node: {ident.fingerprint}, {ident.software})"), None
+                              f"{key.software}; this node: {ident.fingerprint}, {ident.software})"), none
+            opts_cmp = compare_options(recorded_opts, job_opts, key.transport_family)
+            if opts_cmp.status == "differs":
+                return None, (f"{opts_cmp.summary()}: not applied as tuned (its numbers are another data path's; "
+                              "re-tune under these options, or run the ones it was tuned under)"), none
             env_cmp = compare_perf_env(recorded_env, job_env, key.transport_family)
-            refusal = self._env_refusal(env_cmp)
-            return (None, refusal, None) if refusal is not None else ("tuned", "", env_cmp)
+            refusal = self._env_refusal(env_cmp) or self._options_refusal(opts_cmp)
+            return (None, refusal, none) if refusal is not None else ("tuned", "", (env_cmp, opts_cmp))
         label = f"MODELLED ({provenance}, fingerprint {key.fingerprint}), not measured on this node"
         if foreign and not is_preset_fingerprint(key.fingerprint):
-            return None, f"{label}, and for another node", None
+            return None, f"{label}, and for another node", none
         if not self.allow_modelled:
             return (None, f"{label}; not applied as tuned (allow_modelled=True or MOETUNE_CLIENT_ALLOW_MODELLED=1 "
-                    "to use it)", None)
-        return "modelled", label, None
+                    "to use it)", none)
+        return "modelled", label, none
 
     def _env_refusal(self, cmp: EnvComparison) -> str | None:
         """Why a tuned profile is not used in this job's performance environment (None: it is): only with
@@ -1227,6 +1272,27 @@ class ProfileClient:
             return None
         return (f"{cmp.summary()}; client.env_mismatch = refuse uses only a profile measured in this job's "
                 "NCCL/NVSHMEM/FI environment" + (" (re-tune to record it)" if cmp.status == "unknown" else ""))
+
+    def _options_refusal(self, cmp: OptionsComparison) -> str | None:
+        """Why a tuned profile whose runtime options are unknown is not used (None: it is): only with
+        env_mismatch = "refuse", the policy of an unrecorded environment."""
+        if self.env_mismatch != "refuse" or cmp.status != "unknown":
+            return None
+        return (f"{cmp.summary()}; client.env_mismatch = refuse uses only a profile measured under this job's "
+                "runtime options (re-tune to record them)")
+
+    def _job_options(self, options: RuntimeOptions | None) -> dict[str, Any] | None:
+        """This job's data-path runtime options: `options` (an EP buffer's), else what a buffer built here without
+        any resolves (the config's [runtime] table, the MOETUNE_* variables of `env`); None where they do not
+        resolve (the buffer refuses them too): a tuned profile's options are then unknown here, never "the same"."""
+        if options is None:
+            try:
+                options = RuntimeOptions.resolve(env=self._env)
+            except (ValueError, OSError) as e:  # RuntimeOptionError, ConfigError, an unreadable config file
+                log.info("moetune: this job's runtime options do not resolve (%s); a tuned profile's are compared "
+                         "with nothing", e)
+                return None
+        return options.data_path()
 
     def _say_env(self, res: Resolution, cmp: EnvComparison) -> None:
         """Say how the tuned profile's environment compares with this job's: a differing one in the resolution's
@@ -1246,17 +1312,17 @@ class ProfileClient:
     def _pick_trusted(
         self, recs: list[ProfileRecord], tokens: int, ident: node_identity.NodeIdentity | None,
         transport_ok: Callable[[str], str | None] | None, transport_family: str | None,
-        job_env: Mapping[str, str],
-    ) -> tuple[ProfileRecord | None, str | None, EnvComparison | None, list[str]]:
+        job_env: Mapping[str, str], job_opts: Mapping[str, Any] | None = None,
+    ) -> tuple[ProfileRecord | None, str | None, tuple[EnvComparison | None, OptionsComparison | None], list[str]]:
         """The nearest-bucket tuned profile, else (with allow_modelled) a modelled one, as `_judge` judged it
         (verdict and environment comparison); plus what was passed over (a tuned one whose environment
         `_judge` refuses, among others)."""
         by: dict[str, list[ProfileRecord]] = {"tuned": [], "modelled": []}
-        env_of: dict[int, EnvComparison | None] = {}  # id(record): its comparison, for the one picked
+        env_of: dict[int, tuple[EnvComparison | None, OptionsComparison | None]] = {}  # id(record): its comparisons
         passed: list[str] = []
         for r in recs:
             verdict, why, env_of[id(r)] = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok,
-                                                      r.tuned_perf_env, job_env)
+                                                      r.tuned_perf_env, job_env, "", r.tuned_runtime_options, job_opts)
             if verdict is None:
                 passed.append(f"{r.profile_hash}: {why}")
             else:
@@ -1270,7 +1336,7 @@ class ProfileClient:
                 rec = pick_profile(group, tokens, transport_family=transport_family)
                 if rec is not None:
                     return rec, verdict, env_of[id(rec)], passed
-        return None, None, None, passed
+        return None, None, (None, None), passed
 
 
 def _other_presets(recs: list[ProfileRecord], rec: ProfileRecord) -> list[str]:
@@ -1418,7 +1484,7 @@ class TrackedProfile:
             c = self.client
             verdict, why, _, _ = c._judge_reply(res, read_daemon_info(c.endpoint, c._env), self.transport_ok,
                                                 performance_environment(c._env).variables,
-                                                time.monotonic() + c.timeout_ms / 1000)
+                                                time.monotonic() + c.timeout_ms / 1000, c._job_options(None))
             self.client.version = res.version  # the snapshot's version (a refused profile's too: it was read)
             self.client.restarted = False
             if verdict is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -46,7 +47,9 @@ def _record_json(pid: int, rec: Any) -> dict[str, Any]:
     # perf_env always present: the variables, or null where it was not recorded (unknown, never "none set")
     env = rec.tuned_perf_env
     d = {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash, "perf_env": env,
-         "perf_env_digest": perf_env_digest(env) if env is not None else None}
+         "perf_env_digest": perf_env_digest(env) if env is not None else None,
+         # likewise the data-path runtime options: null where not recorded
+         "runtime_options": rec.tuned_runtime_options, "runtime_options_digest": rec.runtime_options_digest}
     # provenance and measured_on as the runtime takes them (as the table shows them): a row stored as measured whose
     # backend does not measure read "measured" here while the table said PRESET; the stored labels beside them
     eff = rec.as_effective()
@@ -66,6 +69,17 @@ def perf_env_lines(rec: Any) -> list[tuple[str, str]]:
     rows = [("perf_env", f"{len(env)} variable(s), digest {perf_env_digest(env)}" if env
              else f"none set (digest {perf_env_digest(env)})")]
     return rows + [(f"perf_env.{name}", value) for name, value in sorted(env.items())]
+
+
+def runtime_options_lines(rec: Any) -> list[tuple[str, str]]:
+    """(field, value) rows of `profiles show` for the data-path runtime options a profile was measured under."""
+    opts = rec.tuned_runtime_options
+    if opts is None:
+        why = ("not recorded: measured by an older moetune" if rec.provenance == "measured"
+               else "not recorded: a prediction, run under no options")
+        return [("runtime_options", f"unknown ({why})")]
+    rows = [("runtime_options", f"{len(opts)} option(s), digest {rec.runtime_options_digest}")]
+    return rows + [(f"runtime_options.{name}", json.dumps(value)) for name, value in sorted(opts.items())]
 
 
 def _check_status(status: str | None) -> None:
@@ -178,7 +192,7 @@ def show(
     if origin:
         rows.append(("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]"))
     rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
-    for name, value in perf_env_lines(rec):
+    for name, value in perf_env_lines(rec) + runtime_options_lines(rec):
         rows.append((escape(name), escape(value)))
     for name, value in sorted(rec.software_versions.items()):
         rows.append((escape(f"software.{name}"), escape(str(value))))

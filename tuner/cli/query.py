@@ -224,13 +224,17 @@ def shell_comment(text: str) -> str:
 
 
 def env_notes(res: Resolution) -> list[str]:
-    """What `--format env` says (as shell comments) about the tuned profile's NCCL/NVSHMEM/FI environment."""
+    """What `--format env` says (as shell comments) about the tuned profile's NCCL/NVSHMEM/FI environment and runtime
+    options."""
+    notes: list[str] = []
     if res.env_status == "differs":
-        return ["tuned in another NCCL/NVSHMEM/FI environment than this one (not exported, only compared):",
-                *[f"  {d}" for d in res.env_diff]]
-    if res.env_status == "unknown":
-        return ["the NCCL/NVSHMEM/FI environment this profile was tuned in was not recorded"]
-    return []
+        notes += ["tuned in another NCCL/NVSHMEM/FI environment than this one (not exported, only compared):",
+                  *[f"  {d}" for d in res.env_diff]]
+    elif res.env_status == "unknown":
+        notes.append("the NCCL/NVSHMEM/FI environment this profile was tuned in was not recorded")
+    if res.options_status == "unknown":
+        notes.append("the runtime options this profile was tuned under were not recorded")
+    return notes
 
 
 def print_json(obj: Any) -> None:
@@ -322,7 +326,8 @@ def register(app: typer.Typer) -> None:
         out = {"source": res.source, "profile_hash": res.profile_hash, "status": res.status,
                "provenance": provenance, "measured_on": measured_on, "preset_shipped": shipped,
                "knobs": res.knobs.to_dict(), "env": res.env, "key": res.key.to_dict() if res.key else None,
-               "family": res.family, "message": res.message, "env_status": res.env_status, "env_diff": res.env_diff}
+               "family": res.family, "message": res.message, "env_status": res.env_status, "env_diff": res.env_diff,
+               "options_status": res.options_status}
         if fmt == "json":
             typer.echo(json.dumps(out))
             return
@@ -352,6 +357,9 @@ def register(app: typer.Typer) -> None:
         if res.env_status:
             t.add_row("tuned environment", {"same": "the same as here", "unknown": "unknown (not recorded)"}.get(
                 res.env_status, "[yellow]differs[/yellow]: " + escape("; ".join(res.env_diff))))
+        if res.options_status:  # a profile tuned under other options is never served as tuned: same or unknown
+            t.add_row("tuned runtime options", {"same": "the same as here"}.get(
+                res.options_status, "[yellow]unknown (not recorded)[/yellow]"))
         con.print(t)
         if caught or res.source != "daemon":
             con.print(f"[yellow]not from the daemon: {res.message}[/yellow]")

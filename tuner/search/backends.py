@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.options import RuntimeOptions, data_path_digest
 from moetune.runtime.profile_record import (
     COMM_METRIC,
     NODE_MODEL_BACKEND,
@@ -43,6 +44,7 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
+from moetune.runtime.profiles.tuned_options import relevant_options
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.measure.outputs import WrongOutput, ep_report_problem
 from moetune.tuner.measure.stats import Summary, half_range
@@ -171,6 +173,12 @@ class BenchmarkBackend(ABC):
         model's prediction ran in no process's environment)."""
         return None
 
+    def runtime_options(self) -> RuntimeOptions | None:
+        """The runtime options (MOETUNE_* variables, the config's [runtime] table) this backend's measurements run
+        under, whose data-path ones are recorded with every profile it measures; None for a backend that runs no
+        runtime (a prediction, a synthetic objective)."""
+        return None
+
     @abstractmethod
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
         """Measure one knob set. Never raises for a bad setting or a failed run: returns ok=False."""
@@ -207,12 +215,16 @@ class BenchmarkBackend(ABC):
 
 def provenance_fields(be: BenchmarkBackend) -> dict[str, Any]:
     """What a profile of `be`'s numbers records of where they come from (ProfileRecord fields): the provenance its
-    class declares, its label, and for a measurement the performance environment its runs ran in (a prediction ran
-    in no process: none recorded). The ONE place a record's provenance is taken from a backend (tune, bring-up)."""
+    class declares, its label, and for a measurement the performance environment and the data-path runtime options
+    its runs ran under (a prediction ran in no process: none recorded). The ONE place a record's provenance is taken
+    from a backend (tune, bring-up)."""
     out: dict[str, Any] = {"provenance": be.provenance, "backend": be.label}
     perf = be.perf_environment() if be.provenance == "measured" else None
     if perf is not None:
         out["perf_env"] = dict(perf.variables)
+    opts = be.runtime_options() if be.provenance == "measured" else None
+    if opts is not None:  # every data-path option, whatever the family: the runtime compares those that act on it
+        out["runtime_options"] = opts.data_path()
     return out
 
 
@@ -778,12 +790,26 @@ class LocalBackend(BenchmarkBackend):
         acting = relevant_to(self.perf_environment().variables, self.family)
         if acting:
             out["perf_env"] = perf_env_digest(acting)
+        # and under other data-path runtime options (hs_native, fused_pack, ...): another data path's trials. Always
+        # where any acts: a study from before they were recorded (its options unknown) is not resumed
+        options = relevant_options(self.runtime_options().data_path(), self.family)
+        if options:
+            out["runtime_options"] = data_path_digest(options)
         return out
 
     def perf_environment(self) -> PerfEnv:
         """The performance environment of the ranks this backend launches (or of this process, for the in-process
         megakernel): `env`, else this process's, without the variables the knobs set (`knob_environment`)."""
         return performance_environment(os.environ if self.env is None else self.env)
+
+    def runtime_options(self) -> RuntimeOptions:
+        """The runtime options the ranks this backend launches resolve (an EP buffer built without options reads the
+        config's [runtime] table and the MOETUNE_* variables of `env`, else of this process). ValueError naming the
+        option where they do not resolve: every run would fail on it."""
+        try:
+            return RuntimeOptions.resolve(env=os.environ if self.env is None else self.env)
+        except ValueError as e:  # RuntimeOptionError, ConfigError
+            raise ValueError(f"the runtime options the measuring ranks would run under do not resolve: {e}") from None
 
     def close(self) -> None:
         """End the persistent workers (a later run starts fresh ones) and drop the in-process megakernel trials'

@@ -18,6 +18,7 @@ from moetune.runtime.profile_record import (
     metric_of_backend,
 )
 from moetune.runtime.profiles.perf_env import parse_recorded
+from moetune.runtime.profiles.tuned_options import parse_recorded_options
 from moetune.tuner.store.models import PROFILE_KEY_COLUMNS, Event, Profile
 from moetune.tuner.store.validate import canonical_routing
 
@@ -44,6 +45,8 @@ _COLUMNS = (
     Profile.measured_on,
     Profile.routing,
     type_coerce(Profile.perf_env, String).label("perf_env"),
+    type_coerce(Profile.runtime_options, String).label("runtime_options"),
+    Profile.runtime_options_digest,
 )
 
 
@@ -67,6 +70,7 @@ def record_from_row(row: Any) -> ProfileRecord:
         knobs = Knobs.from_dict(msgspec.json.decode(row.knobs or "null"))
         versions = msgspec.json.decode(row.software_versions or "{}", type=dict[str, str])
         perf_env = parse_recorded(row.perf_env)
+        options = parse_recorded_options(row.runtime_options, row.runtime_options_digest)
         return ProfileRecord(
             key=key,
             knobs=knobs,
@@ -81,6 +85,7 @@ def record_from_row(row: Any) -> ProfileRecord:
             measured_on=row.measured_on,
             routing=row.routing or msgspec.UNSET,
             perf_env=msgspec.UNSET if perf_env is None else perf_env,
+            runtime_options=msgspec.UNSET if options is None else options,
         )
     except (KnobError, ValueError, TypeError, msgspec.DecodeError) as e:
         raise UnreadableRow(row.id, str(e)) from None
@@ -119,6 +124,8 @@ def current_of(key: ProfileKey) -> Select[Any]:
         Profile.routing,
         Profile.updated,
         type_coerce(Profile.perf_env, String).label("perf_env"),
+        type_coerce(Profile.runtime_options, String).label("runtime_options"),
+        Profile.runtime_options_digest,
     ).where(*key_filter(key), Profile.status == "current")
 
 
@@ -213,7 +220,8 @@ def decide(
         )
     same_knobs = (old.profile_hash, old.backend, old.measured_on) == (new.profile_hash, new.backend, new.measured_on)
     if same_knobs and newer:
-        if (old.latency_us, old.spread_us) == (new.latency_us, new.spread_us) and _same_perf_env(old, new):
+        if ((old.latency_us, old.spread_us) == (new.latency_us, new.spread_us) and _same_perf_env(old, new)
+                and _same_options(old, new)):
             return Decision(
                 False, f"kept the current profile {old.id}: the same knobs with the same numbers", "unchanged"
             )
@@ -257,9 +265,11 @@ def replacement_event(old: Any, new: ProfileRecord, new_id: int, decision: Decis
         "profile_hash": new.profile_hash,
         "provenance": str(new.provenance),
         "from": {"profile": old.id, "latency_us": old.latency_us, "spread_us": old.spread_us,
-                 "routing": old.routing or "", "updated": old.updated, "perf_env": _stored_perf_env(old)},
+                 "routing": old.routing or "", "updated": old.updated, "perf_env": _stored_perf_env(old),
+                 "runtime_options": _stored_options(old)},
         "to": {"profile": new_id, "latency_us": float(new.latency_us), "spread_us": float(new.spread_us),
-               "routing": canonical_routing(new.tuned_routing), "perf_env": new.tuned_perf_env},
+               "routing": canonical_routing(new.tuned_routing), "perf_env": new.tuned_perf_env,
+               "runtime_options": new.tuned_runtime_options},
     }
     return Event(created=ts, kind=decision.rule, reason=decision.reason, details=details)
 
@@ -290,6 +300,8 @@ def row_from_record(rec: ProfileRecord, ts: str, *, keep_times: bool = False, st
         measured_on=rec.measured_on,
         routing=canonical_routing(rec.tuned_routing),
         perf_env=rec.tuned_perf_env,
+        runtime_options=rec.tuned_runtime_options,
+        runtime_options_digest=rec.runtime_options_digest,
     )
 
 
@@ -304,6 +316,21 @@ def _same_perf_env(old: Any, new: ProfileRecord) -> bool:
     """Whether the stored row (a `current_of` row) recorded the same performance environment as `new`."""
     try:
         return parse_recorded(old.perf_env) == new.tuned_perf_env
+    except ValueError:  # an unreadable stored one: not the same
+        return False
+
+
+def _stored_options(old: Any) -> dict[str, Any] | None:
+    try:
+        return parse_recorded_options(old.runtime_options, old.runtime_options_digest)
+    except ValueError:
+        return None
+
+
+def _same_options(old: Any, new: ProfileRecord) -> bool:
+    """Whether the stored row (a `current_of` row) recorded the same runtime options as `new`."""
+    try:
+        return parse_recorded_options(old.runtime_options, old.runtime_options_digest) == new.tuned_runtime_options
     except ValueError:  # an unreadable stored one: not the same
         return False
 

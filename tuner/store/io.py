@@ -66,9 +66,10 @@ class ImportResult(msgspec.Struct, kw_only=True):
     kept_superseded: int = 0  # imported current profiles that did not replace the stored one (kept as history)
     skipped: int = 0  # already in the database (`_already_stored`), nothing to add
     # already in the database, but the row had lost a field the record carries (a schema downgrade and upgrade
-    # dropped its routing / perf_env): the field was filled in (`_fill_in`), nothing else of the row changed
+    # dropped its routing / perf_env / runtime_options): the field was filled in (`_fill_in`), nothing else of the
+    # row changed
     completed: int = 0
-    # already in the database with another routing / perf_env than the record's: kept as stored, each named
+    # already in the database with another routing / perf_env / runtime_options than the record's: kept as stored
     differing: list[str] = []
     fingerprints: int = 0  # fingerprint rows added
     invalid: list[str] = []  # with skip_invalid: the records left out, "profiles[i] (key): why"
@@ -456,7 +457,8 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                 result.current += row.status == "current"
             if completed:  # what was written into rows that existed, and from where
                 s.add(Event(created=ts, kind="import_completed", details={"source": source, "profiles": completed},
-                            reason=f"import of {source} filled in the routing / performance environment of "
+                            reason=f"import of {source} filled in the routing / performance environment / "
+                                   f"runtime options of "
                                    f"{len(completed)} stored profile(s) that had lost it (the same measurement: "
                                    "key, knobs, creation date, numbers, backend and label all equal)"))
     except IntegrityError as e:
@@ -486,6 +488,8 @@ _IN_BATCH = 500  # values in one IN (...): SQLite builds limited to 999 bound pa
 _STORED_COLUMNS = (Profile.id, Profile.status, Profile.profile_hash, Profile.created, Profile.latency_us,
                    Profile.spread_us, Profile.backend, Profile.provenance, Profile.measured_on, Profile.routing,
                    Profile.updated, type_coerce(Profile.perf_env, String).label("perf_env"),
+                   type_coerce(Profile.runtime_options, String).label("runtime_options"),
+                   Profile.runtime_options_digest,
                    type_coerce(Profile.software_versions, String).label("software_versions"))
 
 
@@ -523,24 +527,26 @@ def _already_stored(rows: list[Any], rec: ProfileRecord) -> Any:
     to the second stored a re-measurement of the same knobs in the same second as the row it replaced: the two
     differ in their numbers only). A record without `created` (the format allows leaving it out) was stamped with
     the time of the import that stored it, so it is matched on everything else it says: numbers, backend,
-    provenance, measured_on, routing, performance environment and software versions (not its status, which the
-    replacement gate decided)."""
+    provenance, measured_on, routing, performance environment, runtime options and software versions (not its status,
+    which the replacement gate decided)."""
     if rec.created:
         when, nums = _instant(rec.created), (float(rec.latency_us), float(rec.spread_us))
         return next((row for row in rows if _instant(row.created) == when and (row.latency_us, row.spread_us) == nums),
                     None)
     says = (float(rec.latency_us), float(rec.spread_us), rec.backend, str(rec.provenance), rec.measured_on,
-            canonical_routing(rec.tuned_routing), rec.tuned_perf_env, dict(rec.software_versions))
+            canonical_routing(rec.tuned_routing), rec.tuned_perf_env, rec.tuned_runtime_options,
+            dict(rec.software_versions))
     return next((
         row for row in rows
         if (row.latency_us, row.spread_us, row.backend, row.provenance, row.measured_on, row.routing or "",
-            _json_text(row.perf_env), _json_text(row.software_versions)) == says
+            _json_text(row.perf_env), _json_text(row.runtime_options), _json_text(row.software_versions)) == says
     ), None)
 
 
 def _fill_in(s: Any, row: Any, rec: ProfileRecord) -> tuple[dict[str, Any], str]:
-    """For `rec` already stored as `row`: write into the row the routing / perf_env the record carries and the row
-    lacks (a downgrade below 0005/0006 and back dropped them); returns (the fields written, what differs).
+    """For `rec` already stored as `row`: write into the row the routing / perf_env / runtime options the record
+    carries and the row lacks (a downgrade below 0005/0006/0009 and back dropped them); returns (the fields written,
+    what differs).
 
     Only into an empty column, and only where the row is the record's measurement beyond `_already_stored`'s match
     (backend, provenance and measured_on equal too): a row measured later has another creation date or other
@@ -560,6 +566,12 @@ def _fill_in(s: Any, row: Any, rec: ProfileRecord) -> tuple[dict[str, Any], str]
         filled["perf_env"] = env
     elif env is not None and have is not None and have != env:
         differs.append("another performance environment stored than the file's")
+    opts, stored = rec.tuned_runtime_options, _json_text(row.runtime_options)
+    if opts is not None and stored is None and row.provenance == "measured":
+        filled["runtime_options"] = opts
+        filled["runtime_options_digest"] = rec.runtime_options_digest
+    elif opts is not None and stored is not None and stored != opts:
+        differs.append("other runtime options stored than the file's")
     if filled:
         done = s.execute(update(Profile).where(Profile.id == row.id, *_empty(filled)).values(**filled))
         if done.rowcount != 1:  # changed under us: nothing said as filled that was not
@@ -567,12 +579,15 @@ def _fill_in(s: Any, row: Any, rec: ProfileRecord) -> tuple[dict[str, Any], str]
         row.routing = filled.get("routing", row.routing)
         if "perf_env" in filled:
             row.perf_env = msgspec.json.encode(env).decode()
+        if "runtime_options" in filled:
+            row.runtime_options = msgspec.json.encode(opts).decode()
+            row.runtime_options_digest = filled["runtime_options_digest"]
     return filled, "; ".join(differs)
 
 
 def _empty(fields: dict[str, Any]) -> list[Any]:
     """The conditions that the columns `fields` names are still empty (never overwrite a recorded value)."""
-    return [Profile.routing == "" if f == "routing" else Profile.perf_env.is_(None) for f in fields]
+    return [Profile.routing == "" if f == "routing" else getattr(Profile, f).is_(None) for f in fields]
 
 
 def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:

@@ -12,7 +12,9 @@ Plain `sqlite3` readers (the runtime's fallback, which has no SQLAlchemy) read c
       AND nodes = ? AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?
 
 and add `AND provenance = 'measured'` for what may be applied as tuned (column added by migration 0003).
-`perf_env` (migration 0006) is the JSON of the measuring process's performance environment, NULL when not recorded.
+`perf_env` (migration 0006) is the JSON of the measuring process's performance environment, NULL when not recorded;
+`runtime_options` and `runtime_options_digest` (migration 0009) the data-path runtime options it ran under and their
+digest, NULL when not recorded.
 
 (`knobs` is the JSON of `Knobs.to_dict()`; open with `file:PATH?mode=ro`, uri=True.)
 """
@@ -150,6 +152,12 @@ class Profile(Base):
     # measured the numbers (runtime/profiles/perf_env.py); NULL = not recorded (a modelled profile, a row from
     # before 0006): unknown, never taken to match a job's. Not part of the key.
     perf_env: Mapped[dict[str, str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # Added by migration 0009: the data-path runtime options (hs_native, symm, fused_pack, ...: runtime/options.py
+    # DATA_PATH_OPTIONS) the measuring ranks ran under, a readable copy, and its digest (`data_path_digest`); NULL =
+    # not recorded (a modelled profile, a row from before 0009): unknown, never taken to match a job's. Not part of
+    # the key: the runtime applies a profile as tuned only under the options it was measured under.
+    runtime_options: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    runtime_options_digest: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_sql_in(PROFILE_STATUSES)})", name="status"),

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from moetune.runtime.knobs import TRANSPORTS
+from moetune.runtime.options import data_path_problem
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     PROFILE_STATUSES,
@@ -196,6 +197,14 @@ def check_record(rec: ProfileRecord) -> None:
         why = perf_env_problem(env)
         if why is not None:
             raise FieldError("perf_env", why)
+    opts = rec.tuned_runtime_options
+    if opts is not None:
+        # as perf_env: only a measurement ran under runtime options
+        if rec.provenance != "measured":
+            raise FieldError("runtime_options", f"recorded for a {rec.provenance} profile; only a measurement has them")
+        why = data_path_problem(opts)
+        if why is not None:
+            raise FieldError("runtime_options", why)
     for where, obj in (("key", rec.key.to_dict()), ("knobs", rec.knobs.to_dict())):
         big = _big_ints(obj, where)
         if big:

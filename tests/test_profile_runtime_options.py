@@ -1,0 +1,411 @@
+"""Tuned profiles record the data-path runtime options they were measured under (hs_native, symm, fused_pack,
+proxy_host_wait, ...: MOETUNE_* variables or the config's [runtime] table), the study digest includes them, and the
+runtime applies a profile as tuned only under the options it was measured under. Before, a profile tuned with one set
+of data-path options was applied as tuned to a job running others, and studies resumed across option changes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+from test_client_perf_env import FP, QWEN, db_client, qkey
+
+from moetune.runtime import wire
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.options import (
+    DATA_PATH_OPTIONS,
+    NOT_DATA_PATH_OPTIONS,
+    RuntimeOptions,
+    data_path_digest,
+    data_path_problem,
+)
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles import autoload, node_identity
+from moetune.runtime.profiles.client import FallbackWarning, ProfileClient, Resolution, query_db_profiles
+from moetune.runtime.profiles.tuned_options import compare_options
+from moetune.runtime.shapes import ModelShape
+from moetune.tuner.cli import app
+from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+from moetune.tuner.store.store import Store
+from moetune.tuner.store.validate import FieldError
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+pytestmark = pytest.mark.timeout(120)
+DEFAULTS = RuntimeOptions().data_path()
+OTHER = RuntimeOptions(fused_pack=False).data_path()
+SMALL = ModelShape(name="custom:256,128,16,2", hidden=256, intermediate=128, experts=16, topk=2)
+FAKE_BENCH = r'''
+import json, sys
+print(json.dumps({"dispatch_us": {"median": 10.0, "p10": 9.9, "p90": 10.1},
+                  "combine_us": {"median": 10.0, "p10": 9.9, "p90": 10.1},
+                  "layer_us": {"median": 30.0, "p10": 29.9, "p90": 30.1},
+                  "world": int(sys.argv[sys.argv.index("--world") + 1]), "backend": "nccl"}))
+'''
+
+
+class _Fam:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def measured(key: ProfileKey, options: dict[str, Any] | None, num_sms: int = 40) -> ProfileRecord:
+    return ProfileRecord(key=key, knobs=default_knobs("nvlink").replace(num_sms=num_sms), latency_us=20.0,
+                         spread_us=0.1, backend="local:nccl", provenance="measured", perf_env={},
+                         runtime_options=msgspec.UNSET if options is None else options)
+
+
+@pytest.fixture
+def node_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[list[ProfileRecord]], Path]]:
+    """A database of this (pretended) node holding the given profiles; no daemon (as test_client_perf_env's)."""
+    facts = {"gpus": [], "software": {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}}
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    sw = node_identity.software_hash(facts)
+    autoload.clear_cache()
+
+    def make(recs: list[ProfileRecord]) -> Path:
+        db = tmp_path / "moetune.db"
+        store = F.open_store(db)
+        store.upsert_fingerprint(FP, facts)
+        for r in recs:
+            ok, why = store.put_profile(msgspec.structs.replace(r, key=msgspec.structs.replace(r.key, software=sw)))
+            assert ok, why
+        store.close()
+        return db
+
+    yield make
+    autoload.clear_cache()
+
+
+def _resolve(c: ProfileClient, **kw: Any) -> tuple[Resolution, list[str]]:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = c.resolve(model=QWEN, ep_size=2, tokens=100, **kw)
+    finally:
+        c.close()
+    return res, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+
+
+# -- which options are recorded ---------------------------------------------------------------------------------
+def test_every_option_is_decided_data_path_or_not() -> None:
+    """A new option must be put on one side (the record or the reasons it is left out), never forgotten."""
+    fields = set(RuntimeOptions.__struct_fields__)
+    assert set(DATA_PATH_OPTIONS) | set(NOT_DATA_PATH_OPTIONS) == fields
+    assert not set(DATA_PATH_OPTIONS) & set(NOT_DATA_PATH_OPTIONS)
+    assert {"hs_native", "symm", "fused_pack", "proxy_host_wait"} <= set(DATA_PATH_OPTIONS)
+    assert {"proxy_cpu", "onesided_timeout_s", "megakernel_timeout_s"} == set(NOT_DATA_PATH_OPTIONS)
+    assert list(DEFAULTS) == list(DATA_PATH_OPTIONS) and json.loads(json.dumps(DEFAULTS)) == DEFAULTS
+    assert data_path_problem(DEFAULTS) is None and data_path_problem({"fused_pack": False}) is None
+    for bad in ({"proxy_cpu": "numa"}, {"fused_pack": 1}, {"plan_mode": 9}, {"chunk_weights": [1, 2]}, ["symm"]):
+        assert data_path_problem(bad) is not None, bad
+
+
+def test_the_comparison_names_each_option_and_never_takes_unknown_for_same() -> None:
+    assert compare_options(DEFAULTS, DEFAULTS, "nvlink").status == "same"
+    cmp = compare_options(DEFAULTS, OTHER, "nvlink")
+    assert cmp.status == "differs" and cmp.differences == ("fused_pack: tuned with true, job has false",)
+    assert compare_options(None, DEFAULTS, "nvlink").status == "unknown"
+    assert compare_options(DEFAULTS, None, "nvlink").status == "unknown"
+    older = {k: v for k, v in DEFAULTS.items() if k != "fused_fp8"}  # a moetune that knew fewer options
+    assert compare_options(older, DEFAULTS, "nvlink").status == "unknown"
+    assert compare_options(older, OTHER, "nvlink").status == "differs"
+    # the megakernel reads none of them: nothing to doubt
+    assert compare_options(None, OTHER, "megakernel").status == "same"
+    assert compare_options(DEFAULTS, OTHER, "megakernel").status == "same"
+
+
+# -- the tuner: recorded with every measured profile, part of the study digest ---------------------------------
+def test_other_data_path_options_are_another_study_and_other_options_are_not() -> None:
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import study_config
+
+    space = SearchSpace(load_policy("collective"), experts=16, ep_size=2, tokens=64, topk=2)
+    wl = TuneWorkload(model=SMALL, tokens=64)
+
+    def config(env: dict[str, str], **kw: Any) -> str:
+        return study_config(space, LocalBackend(world=2, command=["x"], env={"HOME": "/nonexistent", **env}, **kw), wl)
+
+    base = config({})
+    assert config({"MOETUNE_FUSED_PACK": "0"}) != base != config({"MOETUNE_SYMM": "ipc"})
+    assert config({"MOETUNE_HS_NATIVE": "0"}) != base
+    # a timeout or the proxy thread's CPUs change no data path: the same study
+    assert config({"MOETUNE_ONESIDED_TIMEOUT_S": "5", "MOETUNE_PROXY_CPU": "none"}) == base
+    # the same options from the config's [runtime] table as from their variables
+    assert "runtime_options" in LocalBackend(world=2, command=["x"], env={"HOME": "/nonexistent"}).settings()
+    # the megakernel reads none of them
+    assert "runtime_options" not in LocalBackend(world=1, family="megakernel", env={"HOME": "/nonexistent"}).settings()
+    # options that do not resolve: said, naming the option (every run would fail on it)
+    with pytest.raises(ValueError, match="MOETUNE_FUSED_PACK"):
+        LocalBackend(world=2, command=["x"], env={"MOETUNE_FUSED_PACK": "maybe"}).settings()
+
+
+def test_the_config_runtime_table_is_what_the_ranks_run(tmp_path: Path) -> None:
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text("[runtime]\nsymm = \"ipc\"\n")
+    be = LocalBackend(world=2, command=["x"], env={"HOME": str(tmp_path), "MOETUNE_CONFIG": str(cfg)})
+    assert be.runtime_options().symm == "ipc"
+
+
+def test_a_local_tune_records_its_options_and_a_modelled_one_none(tmp_path: Path) -> None:
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    class Facts:
+        fingerprint, software_hash, gpu_count = "c" * 64, "d" * 64, 2
+        software: dict = {}  # noqa: RUF012
+        link_rates: dict = {}  # noqa: RUF012
+        transports = (_Fam("collective"),)
+
+    bench = tmp_path / "fake_bench.py"
+    bench.write_text(FAKE_BENCH)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "MOETUNE_FUSED_PACK": "0", "MOETUNE_PROXY_CPU": "none"}
+    be = LocalBackend(world=2, command=[sys.executable, str(bench)], comm_backend="nccl", repeats=1, timeout_s=20,
+                      env=env)
+    store = F.open_store(tmp_path / "m.db")
+    res = tune_profiles_detailed(store, Facts(), models=[SMALL], tokens=[64], backend=be, trials=2,
+                                 families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert res[0].written, res[0].reason
+    assert res[0].record.tuned_runtime_options == OTHER
+    [(pid, stored)] = store.list_profiles()
+    assert stored.tuned_runtime_options == OTHER and stored.runtime_options_digest == data_path_digest(OTHER)
+    store.close()
+    con = sqlite3.connect(tmp_path / "m.db")  # the readable copy and its digest, as a plain sqlite3 reader sees them
+    copy, digest = con.execute("SELECT runtime_options, runtime_options_digest FROM profiles WHERE id = ?",
+                               (pid,)).fetchone()
+    con.close()
+    assert json.loads(copy) == OTHER and digest == data_path_digest(OTHER)
+    # `profiles show` says them; its JSON carries them and their digest
+    r = CliRunner().invoke(app, ["profiles", "show", str(pid), "--db", str(tmp_path / "m.db"), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["runtime_options"] == OTHER and d["runtime_options_digest"] == data_path_digest(OTHER)
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["profiles", "show", str(pid), "--db", str(tmp_path / "m.db")])
+    assert r.exit_code == 0 and "runtime_options.fused_pack" in r.output and "false" in r.output
+
+
+def test_the_store_refuses_options_on_a_modelled_profile_and_ones_it_would_not_record(tmp_path: Path) -> None:
+    store = F.open_store(tmp_path / "m.db")
+    pred = ProfileRecord(key=qkey(), knobs=default_knobs("nvlink"), latency_us=20.0, spread_us=0.0,
+                         backend="model:nvlink-h200x2", provenance="preset", runtime_options=DEFAULTS)
+    with pytest.raises(FieldError, match="runtime_options"):
+        store.put_profile(pred)
+    with pytest.raises(FieldError, match="runtime_options"):
+        store.put_profile(measured(qkey(), {"proxy_cpu": "numa"}))
+    store.close()
+
+
+def test_rows_without_the_field_stay_readable_as_unknown(tmp_path: Path) -> None:
+    """A row from before 0009 (NULL) is read as not recorded, by the store and by the runtime's sqlite reader; a
+    database still at 0008 (no column) is read by the runtime as before."""
+    path = tmp_path / "m.db"
+    with Store(path) as s:
+        assert s.put_profile(measured(qkey(), None))[0]
+        assert s.put_profile(measured(qkey(bucket=128), DEFAULTS))[0]
+        got = {r.key.token_bucket: r.tuned_runtime_options for _i, r in s.list_profiles()}
+        assert got == {64: None, 128: DEFAULTS}
+        s.downgrade("0008")
+    recs = query_db_profiles(path, ep_size=2, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate,
+                             experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype)
+    assert sorted(r.key.token_bucket for r in recs) == [64, 128]
+    assert all(r.tuned_runtime_options is None for r in recs)
+    with Store(path) as s:  # the upgrade gives the recorded options back to their row, with the digest
+        s.upgrade()
+        got = {r.key.token_bucket: (r.tuned_runtime_options, r.runtime_options_digest) for _i, r in s.list_profiles()}
+        assert got == {64: (None, None), 128: (DEFAULTS, data_path_digest(DEFAULTS))}
+        assert "runtime_options_restored" in {e.kind for e in s.list_events()}
+
+
+def test_a_row_whose_digest_is_not_its_copys_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    with Store(path) as s:
+        assert s.put_profile(measured(qkey(), DEFAULTS))[0]
+    con = sqlite3.connect(path)
+    con.execute("UPDATE profiles SET runtime_options_digest = 'ffffffffffffffff'")
+    con.commit()
+    con.close()
+    recs = query_db_profiles(path, ep_size=2, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate,
+                             experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype)
+    assert recs == []
+
+
+def test_export_and_import_carry_the_options(tmp_path: Path) -> None:
+    with Store(tmp_path / "a.db") as a:
+        assert a.put_profile(measured(qkey(), OTHER))[0]
+        doc = a.dump_profiles()
+    assert json.loads(doc)["profiles"][0]["runtime_options"] == OTHER
+    with Store(tmp_path / "b.db") as b:
+        assert b.import_bytes(doc).inserted == 1
+        [(_, rec)] = b.list_profiles()
+        assert rec.tuned_runtime_options == OTHER and rec.runtime_options_digest == data_path_digest(OTHER)
+
+
+def test_an_import_of_an_earlier_export_fills_in_options_a_row_lost(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    with Store(path) as s:
+        assert s.put_profile(measured(qkey(), OTHER))[0]
+        data = s.dump_profiles()
+    con = sqlite3.connect(path)  # as a downgrade below 0009 and back without its event left it
+    con.execute("UPDATE profiles SET runtime_options = NULL, runtime_options_digest = NULL")
+    con.commit()
+    con.close()
+    with Store(path) as s:
+        res = s.import_bytes(data)
+        assert (res.inserted, res.skipped, res.completed, res.differing) == (0, 0, 1, [])
+        [(_, rec)] = s.list_profiles()
+        assert rec.tuned_runtime_options == OTHER and rec.runtime_options_digest == data_path_digest(OTHER)
+        assert s.import_bytes(data).skipped == 1  # now it is all there
+    # another copy than the stored one: said, never written over
+    other = json.loads(data)
+    other["profiles"][0]["runtime_options"] = DEFAULTS
+    with Store(path) as s:
+        res = s.import_bytes(json.dumps(other).encode())
+        assert res.completed == 0 and res.differing and "runtime options" in res.differing[0]
+        [(_, rec)] = s.list_profiles()
+        assert rec.tuned_runtime_options == OTHER
+
+
+# -- the runtime: applied as tuned only under the options it was measured under --------------------------------
+def test_a_profile_tuned_under_other_options_is_not_applied_as_tuned(node_db, tmp_path: Path) -> None:
+    db = node_db([measured(qkey(), DEFAULTS)])
+    res, fell = _resolve(db_client(tmp_path, db, {"MOETUNE_FUSED_PACK": "0", "HOME": "/nonexistent"}))
+    assert res.source in ("policy", "default") and not res.tuned and res.status == "default"
+    assert len(fell) == 1 and "fused_pack: tuned with true, job has false" in fell[0], fell
+    assert "not applied as tuned" in fell[0]
+    # under the options it was measured under: tuned, and the resolution says they are the same
+    res, _ = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}))
+    assert res.source == "database" and res.tuned and res.options_status == "same" and res.options_diff == []
+    # an option that is no part of the data path changes nothing
+    res, _ = _resolve(db_client(tmp_path, db, {"MOETUNE_PROXY_CPU": "none", "HOME": "/nonexistent"}))
+    assert res.tuned and res.options_status == "same"
+    # the EP buffer's own options (passed by autoload) win over the variables
+    res, _ = _resolve(db_client(tmp_path, db, {"MOETUNE_FUSED_PACK": "0", "HOME": "/nonexistent"}),
+                      options=RuntimeOptions())
+    assert res.tuned and res.options_status == "same"
+    res, fell = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}), options=RuntimeOptions(symm="ipc"))
+    assert not res.tuned and 'symm: tuned with "torch", job has "ipc"' in fell[0]
+
+
+def test_a_profile_without_recorded_options_is_unknown_as_an_unrecorded_environment_is(node_db,
+                                                                                     tmp_path: Path) -> None:
+    db = node_db([measured(qkey(), None)])  # an older moetune's measurement
+    res, _ = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}))
+    assert res.source == "database" and res.tuned and res.options_status == "unknown"
+    res, fell = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}, env_mismatch="refuse"))
+    assert res.source in ("policy", "default") and "runtime options are unknown" in fell[0]
+
+
+def test_autoload_passes_the_buffers_options_and_caches_per_options(node_db, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    db = node_db([measured(qkey(), DEFAULTS)])
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{tmp_path}/nowhere/daemon.sock")
+    monkeypatch.setenv("MOETUNE_STORE_DB", str(db))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        same = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=100, options=RuntimeOptions(),
+                                         export_env=False)
+        other = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=100,
+                                          options=RuntimeOptions(fused_pack=False), export_env=False)
+    assert same.tuned and same.source == "database"
+    assert not other.tuned and "fused_pack: tuned with true, job has false" in other.message
+
+
+# -- over the wire ---------------------------------------------------------------------------------------------
+def test_the_wire_carries_the_options_and_an_old_peers_reply_still_decodes() -> None:
+    rec = measured(qkey(), OTHER)
+    res = wire.ProfileResult.from_record(rec, env={})
+    raw = msgspec.json.encode(res)
+    back = msgspec.json.decode(raw, type=wire.ProfileResult)
+    assert back.runtime_options == OTHER
+    old = msgspec.to_builtins(res)
+    del old["runtime_options"]  # an older daemon's reply: not recorded
+    assert msgspec.convert(old, wire.ProfileResult).runtime_options is msgspec.UNSET
+    # a modelled profile's reply carries none (as_effective drops them with perf_env)
+    pred = msgspec.structs.replace(rec, backend="model:x", provenance="measured")
+    assert wire.ProfileResult.from_record(pred, env={}).runtime_options is msgspec.UNSET
+
+
+DAEMON_FP = "f" * 16
+
+
+def _ok(rid: Any, res: Any) -> bytes:
+    return json.dumps({"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": res}).encode()
+
+
+@pytest.fixture
+def options_daemon(tmp_path: Path):
+    made: list[F.ReplyRouter] = []
+
+    def make(options: Any) -> F.ReplyRouter:
+        run = tmp_path / f"run{len(made)}"
+        run.mkdir(mode=0o700)
+        (run / "daemon.json").write_text(json.dumps({"fingerprint": DAEMON_FP, "software": F.this_node_software(),
+                                                     "transports": ["nvlink"], "db": str(tmp_path / "none.db"),
+                                                     "host": socket.gethostname(), "running": True,
+                                                     "epoch": "e1"}))
+        rec = measured(qkey(DAEMON_FP, F.this_node_software()), None)
+        reply = msgspec.to_builtins(wire.ProfileResult.from_record(rec, env={"NVSHMEM_REMOTE_TRANSPORT": "none"}))
+        if options is not None:
+            reply["runtime_options"] = options
+        d = F.ReplyRouter(f"ipc://{run / 'daemon.sock'}",
+                          lambda req: _ok(req["id"], F.this_node_fabric(DAEMON_FP)) if req.get("op") == "fabric"
+                          else _ok(req["id"], reply))
+        made.append(d)
+        return d
+
+    autoload.clear_cache()
+    yield make
+    autoload.clear_cache()
+    for d in made:
+        d.close()
+
+
+def test_a_daemons_profile_is_judged_by_its_options(options_daemon, tmp_path: Path) -> None:
+    def ask(options: Any, job: dict[str, str]) -> tuple[Resolution, list[str]]:
+        d = options_daemon(options)
+        return _resolve(ProfileClient(d.endpoint, db_path=tmp_path / "none.db", timeout_ms=500,
+                                      env={"HOME": "/nonexistent", **job}))
+
+    res, fell = ask(DEFAULTS, {})
+    assert res.source == "daemon" and res.tuned and res.options_status == "same" and fell == []
+    res, fell = ask(DEFAULTS, {"MOETUNE_FUSED_PACK": "0"})
+    assert res.source in ("policy", "default") and "fused_pack: tuned with true, job has false" in fell[0]
+    res, fell = ask(None, {})  # an older daemon or measurement: unknown, served under the default policy
+    assert res.source == "daemon" and res.tuned and res.options_status == "unknown"
+    res, fell = ask({"proxy_cpu": "numa"}, {})  # not what a daemon of this moetune sends: a bad reply
+    assert res.source in ("policy", "default") and "runtime_options" in fell[0]
+
+
+@pytest.mark.usefixtures("autoload_on")
+def test_an_ep_buffer_looks_up_under_its_own_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.runtime.buffer.facade import EPBuffer
+
+    seen: list[Any] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        seen.append(kw["options"])
+        knobs = default_knobs("collective")
+        return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                          family="collective")
+
+    monkeypatch.setattr(autoload, "_resolve", fake_resolve)
+    autoload.clear_cache()
+    model = ModelShape(name="t", hidden=128, intermediate=64, experts=8, topk=2, dtype="bfloat16")
+    try:
+        EPBuffer(None, None, model=model, max_tokens=64, device="cpu", options={"fused_pack": False}).close()
+        EPBuffer(None, None, model=model, max_tokens=64, device="cpu").close()  # other options: not the cached one
+    finally:
+        autoload.clear_cache()
+    assert [o.fused_pack for o in seen] == [False, True]
