@@ -678,6 +678,22 @@ def setup_logging(level: str = "info") -> None:
     root.handlers[:] = [h]
     root.setLevel(level.upper())
     root.propagate = False
+    _optuna_into_json_log(h, level)
+
+
+def _optuna_into_json_log(handler: logging.Handler, level: str) -> None:
+    """A re-tune's Optuna studies log through the "optuna" logger, which Optuna gives its own plain-text stderr
+    handler ("[I 2026-...] Trial 0 finished ..."): those lines broke the JSON log. Optuna's handler is removed and
+    its records go through the daemon's JSON handler at the daemon's level (a trial's result is an info line)."""
+    try:
+        import optuna
+    except ImportError:  # no tuner installed: nothing logs through Optuna
+        return
+    optuna.logging.disable_default_handler()  # also keeps Optuna from adding it back on a later call
+    lg = logging.getLogger("optuna")
+    lg.handlers[:] = [handler]
+    lg.setLevel(level.upper())
+    lg.propagate = False
 
 
 # -- the daemon ---------------------------------------------------------------------------------------
