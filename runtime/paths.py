@@ -296,12 +296,14 @@ def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
 
 def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.environ,
                    configured: str | Path | None = None) -> Path:
-    """The database the runtime reads when the daemon is down: `MOETUNE_STORE_DB`, else the one the
-    daemon named in `daemon.json`, else the config's `[store] db` (`configured`), else `default_db_path(env)`."""
+    """The database the runtime reads when the daemon is down: `MOETUNE_STORE_DB`, else the config's `[store] db`
+    where a config file sets it (`configured`: None when it is the default), else the one the daemon named in
+    `daemon.json`, else `default_db_path(env)`. What the user configured outranks the file a daemon left behind:
+    a stopped daemon's `daemon.json` redirected a job whose config names another database."""
     if env.get("MOETUNE_STORE_DB"):
         return Path(env["MOETUNE_STORE_DB"]).expanduser()
-    if info_db:
-        return Path(info_db)
     if configured:
         return Path(configured).expanduser()
+    if info_db:
+        return Path(info_db)
     return default_db_path(env)

@@ -58,8 +58,8 @@ def test_defaults_from_the_config_are_stated() -> None:
     assert re.search(r"--socket <str> Daemon endpoint \(default: \[client\] socket, else the daemon's \[daemon\] "
                      r"socket: ipc:// daemon\.sock in the runtime directory\)", q), q
     assert re.search(r"--db <path> Database to read when the daemon does not answer \(default: the runtime's: "
-                     r"\$MOETUNE_STORE_DB, else the daemon's database as daemon\.json names it, else \[store\] db, "
-                     r"\$MOETUNE_HOME, XDG data dir\)", q), q
+                     r"\$MOETUNE_STORE_DB, else \[store\] db where a config file sets it, else the daemon's database "
+                     r"as daemon\.json names it, else \$MOETUNE_HOME, XDG data dir\)", q), q
     assert "--db <path> Profile database (default: [store] db, $MOETUNE_HOME, XDG data dir)" in _help("report")
     assert "(trusted loopback tests only; default: config daemon.allow_insecure_tcp, false)" in _help("serve")
 

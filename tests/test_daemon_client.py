@@ -289,7 +289,8 @@ def test_a_retune_is_sent_once_whatever_the_wait(tmp_path: Path) -> None:
 def test_query_reads_the_database_the_runtime_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`moetune query` read `[store] db` (the default one) while the runtime read the database daemon.json names:
     with the daemon down, a user checking what a job gets saw the defaults where the job got a measured profile.
-    Both now follow one rule: $MOETUNE_STORE_DB, daemon.json's db, the config's [store] db, the default."""
+    Both now follow one rule: $MOETUNE_STORE_DB, the config's [store] db where a file sets it, daemon.json's db,
+    the default (tests/test_client_db_stopped_daemon.py: a configured db outranks daemon.json's)."""
     from typer.testing import CliRunner
 
     from moetune.runtime.profiles.client import ProfileClient

@@ -8,7 +8,8 @@ Change notifications: `subscribe()` connects a SUB socket FIRST, then the caller
 (`get_profile`/`list_profiles` return the daemon's change `version`), then `poll_changes()` yields only
 the changes whose version is above it. `TrackedProfile` does exactly that for one key.
 
-Fallback chain (`resolve`): daemon -> the daemon's database opened read-only with the stdlib sqlite3
+Fallback chain (`resolve`): daemon -> the daemon's database (`client_db_path`: MOETUNE_STORE_DB, a configured
+[store] db, daemon.json's, the default; a stopped daemon's is said) opened read-only with the stdlib sqlite3
 module -> policy defaults (`policy_default_knobs(family)`, else `default_knobs`), all inside a bounded
 time (`timeout_ms`, 200 ms by default). A fallback warns ONCE per resolution (warnings.warn +
 logging.WARNING), naming every source tried and why it was passed over.
@@ -220,6 +221,17 @@ def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.en
             return data
     return None
 
+
+
+def daemon_info_down(info: dict[str, Any]) -> str | None:
+    """Why the daemon a daemon.json describes is not running (None when it may be): `"running": false` (a clean
+    exit leaves the file so), or this host's pid it names is gone (a kill). Another host's pid cannot be told."""
+    if info.get("running") is not True:
+        return "stopped: its daemon.json says \"running\": false"
+    pid = info.get("pid")
+    if type(pid) is int and pid > 0 and info.get("host") == socket.gethostname() and _pid_gone(pid):
+        return f"its pid {pid} is gone"
+    return None
 
 
 def stale_daemon_reason(endpoint: str) -> str | None:
@@ -647,7 +659,8 @@ def _client_config(env: Mapping[str, str]) -> tuple[ClientConfig | None, str | N
     if ignored:
         log.warning("moetune: the profile client ignores settings it does not read that are wrong (%s); its own "
                     "[client] settings are used", "; ".join(ignored))
-    return cfg.client, cfg.store.db
+    # [store] db only where set (a file or MOETUNE_STORE_DB): its default must not outrank the daemon's daemon.json
+    return cfg.client, (cfg.store.db if cfg.origin_of("store", "db") != "defaults" else None)
 
 class ProfileClient:
     """A DEALER client for the moetune daemon (one per process; not thread-safe)."""
@@ -901,6 +914,21 @@ class ProfileClient:
         named = info.get("db") if info and isinstance(info.get("db"), str) else None
         return client_db_path(named, self._env, self._configured_db)
 
+    def fallback_db_note(self, info: dict[str, Any] | None = None) -> str | None:
+        """What to say when `fallback_db` is the database a daemon that is not running named in its daemon.json
+        (None otherwise): the file outlives the daemon (`"running": false` after a clean exit, a gone pid after a
+        kill), and reading its database instead of the configured or default one must not go unsaid."""
+        if info is None:
+            info = read_daemon_info(self.endpoint, self._env)
+        named = info.get("db") if info and isinstance(info.get("db"), str) else None
+        if named is None or self.fallback_db(info) != Path(named):
+            return None
+        down = daemon_info_down(info)
+        if down is None:
+            return None
+        return (f"database {named}: named by {Path(info.get('_dir', '?')) / INFO_NAME} of a daemon that is not "
+                f"running ({down}); set store.db or MOETUNE_STORE_DB, or pass --db, to read another")
+
     def hello(self, **kw: Any) -> wire.HelloResult:
         return self.request("hello", client=f"pid:{os.getpid()}", **kw)
 
@@ -1100,6 +1128,9 @@ class ProfileClient:
         # 2. the database, read-only: only with this node's identity known, from the database's facts checked against
         # this node (never daemon.json: a stopped or killed daemon's file predates what was installed since)
         db = self.fallback_db(info)
+        note = self.fallback_db_note(info)
+        if note is not None:
+            problems.append(note)
         try:
             ident, why_no_ident = node_identity_from_db(db)
             if ident is None and not self.allow_modelled:

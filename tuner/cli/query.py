@@ -254,7 +254,7 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option(None, "--format", show_default=False, help="table (the default: the knobs, where they came from and why), json (one object) or env (the shell `export` lines a launcher sources: the knobs' variables and MOETUNE_PROFILE_HASH)"),
         json_out: bool = typer.Option(False, "--json", help="Same as --format json (not with another --format)."),
         socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
-        db: Path = path_option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else the daemon's database as daemon.json names it, else \\[store] db, $MOETUNE_HOME, XDG data dir)."),
+        db: Path = path_option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else \\[store] db where a config file sets it, else the daemon's database as daemon.json names it, else $MOETUNE_HOME, XDG data dir)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
     ) -> None:
