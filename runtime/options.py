@@ -501,7 +501,7 @@ class EnvVariable:
 ENV_VARIABLES: tuple[EnvVariable, ...] = (
     EnvVariable("MOETUNE_HOME", "path", "unset",
                 "Moves the default database (`$MOETUNE_HOME/moetune.db`) and the daemon's socket directory "
-                "(`$MOETUNE_HOME/run`).", "runtime/paths.py"),
+                "(`$MOETUNE_HOME/run`); a relative path is taken against the current directory.", "runtime/paths.py"),
     EnvVariable("MOETUNE_CONFIG", "path", "unset",
                 "A TOML config file read after /etc/moetune/moetune.toml and the user's file (as `--config`).",
                 "runtime/config.py"),

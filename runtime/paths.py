@@ -24,9 +24,11 @@ def _home(env: Mapping[str, str]) -> Path:
 
 
 def moetune_home(env: Mapping[str, str] = os.environ) -> Path | None:
-    """`$MOETUNE_HOME` (expanded) when set and non-empty, else None."""
+    """`$MOETUNE_HOME` (expanded, made absolute against the current directory) when set and non-empty, else None.
+    Absolute: a relative one made the socket `ipc://relhome/run/daemon.sock`, which every daemon command refused
+    as no ipc:///absolute/path (after `serve` had made relhome/moetune.db)."""
     value = env.get("MOETUNE_HOME", "")
-    return Path(value).expanduser() if value else None
+    return Path(value).expanduser().absolute() if value else None
 
 
 def data_dir(env: Mapping[str, str] = os.environ) -> Path:

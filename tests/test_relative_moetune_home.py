@@ -1,0 +1,39 @@
+"""A relative MOETUNE_HOME (`MOETUNE_HOME=relhome moetune status`) made the daemon's socket
+`ipc://relhome/run/daemon.sock`, which status, query, retune and serve refused as "invalid client.socket (config)
+... expected ipc:///absolute/path" (serve after creating relhome/moetune.db). runtime/paths.py's moetune_home
+makes it absolute against the current directory, so every path under it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime import paths
+from moetune.runtime.config import load_config
+from moetune.tuner.cli import app
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_relative_moetune_home_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = {"MOETUNE_HOME": "relhome", "HOME": str(tmp_path)}
+    assert paths.moetune_home(env) == tmp_path / "relhome"
+    assert paths.default_db_path(env) == tmp_path / "relhome" / "moetune.db"
+    assert paths.runtime_dir(env) == tmp_path / "relhome" / "run"
+    cfg = load_config(env=env)
+    assert cfg.client.socket == f"ipc://{tmp_path / 'relhome' / 'run' / 'daemon.sock'}"
+    assert paths.endpoint_problem(cfg.client.socket, bind=True) is None
+
+
+def test_status_with_a_relative_moetune_home_looks_for_the_daemon_there(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = {"MOETUNE_HOME": "relhome", "HOME": str(tmp_path), "MOETUNE_CONFIG": "",
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_RUNTIME_DIR": ""}
+    r = CliRunner().invoke(app, ["status", "--timeout-ms", "50"], env=env)
+    assert r.exit_code == 1, r.output  # no daemon: not a refused socket (exit 2)
+    assert "invalid client.socket" not in r.output and "absolute" not in r.output, r.output
+    assert str(tmp_path / "relhome" / "run" / "daemon.sock") in " ".join(r.output.split()), r.output
