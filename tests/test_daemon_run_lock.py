@@ -73,7 +73,7 @@ def test_serve_refuses_while_a_bring_up_runs_and_starts_once_it_is_killed(tmp_pa
         assert e.value.pid == d.proc.pid
     finally:
         d.kill(15)
-    assert d.proc.returncode == 0
+    assert d.proc.returncode == 143  # SIGTERM
     assert not run_lock_path(db).exists()  # a daemon that stopped leaves no lock file beside the database
     fd = take_run_lock(db)
     assert fd is not None

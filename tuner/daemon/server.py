@@ -776,6 +776,7 @@ class Daemon(FabricWatch):
         self._pub_lock = threading.Lock()
         self._stop = threading.Event()
         self._stopped = threading.Event()
+        self.stopped_by: int | None = None  # the signal that stopped serve_forever, if one did (its exit status)
         self._ctx = zmq.Context()
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
@@ -945,6 +946,8 @@ class Daemon(FabricWatch):
     def install_signal_handlers(self) -> None:
         def _handler(signum: int, _frame: Any) -> None:
             log.info("signal %s: shutting down", signal.Signals(signum).name)
+            if self.stopped_by is None:  # the first signal decides the exit status (a second one only repeats it)
+                self.stopped_by = signum
             self._stop.set()
 
         signal.signal(signal.SIGTERM, _handler)
@@ -1464,7 +1467,8 @@ def run_daemon(
     log_level: str | None = None,
     curve_clients_dir: Path | None = None,
 ) -> int:
-    """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code."""
+    """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code: 143 after
+    SIGTERM, 130 after SIGINT (Ctrl-C), 0 after stop()."""
     cfg = _load_config(config)  # ConfigError (a ValueError) names the key and the file
     d = cfg.daemon
     if rediscover_interval is not None:
@@ -1535,7 +1539,9 @@ def run_daemon(
     daemon.install_signal_handlers()
     daemon.start()
     daemon.serve_forever()
-    return 0
+    # the CLI's documented statuses: 130 for Ctrl-C, 143 for SIGTERM (128 + the signal, as the shell reports a
+    # killed process); the systemd unit lists both in SuccessExitStatus, so a stop is no failure there
+    return 128 + daemon.stopped_by if daemon.stopped_by is not None else 0
 
 
 def main(argv: list[str] | None = None) -> int:
