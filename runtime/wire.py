@@ -275,6 +275,9 @@ class JobInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     message: str = ""
     created: str = ""
     finished: str = ""
+    # a running job whose cancel was asked: it ends after its current trial (state stays "running" until then, and
+    # a new field, not a state, so an older client still reads the reply)
+    cancelling: bool = False
 
 
 class JobsInfo(msgspec.Struct, kw_only=True):

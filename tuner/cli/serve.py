@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import typer
@@ -37,6 +38,14 @@ def _check_capture(capture: Path, *, read: bool) -> None:
 RETUNE_TIMEOUT_MS = 40_000
 JSON_HELP = ('Print one JSON object: the answer with "ok": true, or {"ok": false, "error": "..."} (exit 1) when '
              "the daemon cannot be reached or refuses.")
+
+
+def _job_state(job: Any) -> str:
+    """A job's state as `status` shows it: "running, cancelling (ends after its current trial)" once a cancel was
+    asked for a running job (its state stays "running" until the trial ends)."""
+    if job.state == "running" and getattr(job, "cancelling", False):
+        return "running, cancelling (ends after its current trial)"
+    return str(job.state)
 
 
 def register(app: typer.Typer) -> None:
@@ -133,9 +142,12 @@ def register(app: typer.Typer) -> None:
         if st.tune_notice:
             rows.append(("re-tune", f"[yellow]{escape(st.tune_notice)}[/]"))
         j = st.jobs
-        rows.append(("jobs", f"running: {j.running.id if j.running else '-'}, queued: {len(j.queued)}/{j.capacity}"))
-        # the running and queued jobs with their reasons (and why one waits: "deferred: ..."), then the last done
-        rows += [(f"job {r.id}", escape(f"{r.state}: {r.reason}" + (f" ({r.message})" if r.message else "")))
+        running = f"{j.running.id} (cancelling)" if j.running and j.running.cancelling else (
+            j.running.id if j.running else "-")
+        rows.append(("jobs", f"running: {running}, queued: {len(j.queued)}/{j.capacity}"))
+        # the running and queued jobs with their reasons (and why one waits: "deferred: ..."), then the last done;
+        # a cancelled running job says so until its current trial ends (it looked as if the cancel was lost)
+        rows += [(f"job {r.id}", escape(_job_state(r) + f": {r.reason}" + (f" ({r.message})" if r.message else "")))
                  for r in [*([j.running] if j.running else []), *j.queued, *j.recent[-5:]]]
         print_table(Console(), (Col("field", "word"), Col("value")), rows, title="moetune daemon", show_header=False)
 

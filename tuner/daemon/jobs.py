@@ -113,7 +113,8 @@ class Job:
     def info(self) -> JobInfo:
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
                        keys=len(self.keys), run_id=self.run_id if self.started_recorded else None, written=self.written, message=self.message,
-                       created=self.created, finished=self.finished)
+                       created=self.created, finished=self.finished,
+                       cancelling=self.state == "running" and self.cancel.is_set())
 
     def details(self) -> dict[str, Any]:
         return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
