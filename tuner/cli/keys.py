@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import typer
@@ -187,8 +188,11 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     _make_dir(clients_dir, "allow-list directory")
     _check_key_dir(clients_dir, "allow-list directory", "others could add their own keys to it")
     dest = clients_dir / (public_file.name if public_file.suffix == ".key" else f"{public_file.stem}.key")
+    if not force and _holds_public_key(dest, public):
+        # already allowed: `allow --admin` of a key on the allow-list (or `allow` again) only adds what is missing
+        return dest
     if os.path.lexists(dest) and not force:
-        raise FileExistsError(f"{dest} exists (use --force to overwrite)")
+        raise FileExistsError(f"{dest} exists (use --force to overwrite): it is not a file holding this key")
     from moetune.tuner.store.atomic_files import write_atomic
 
     # a secret key file: only its public half. Else a copy of the file as given (read whole by load_certificate above)
@@ -202,6 +206,20 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     except OSError as e:
         raise _WriteError(f"cannot write {dest}: {e.strerror or e}", e.errno) from None
     return dest
+
+
+def _holds_public_key(dest: Path, public: bytes) -> bool:
+    """Whether `dest` is a regular file (not a link: what it points at is not ours to vouch for) holding exactly the
+    public key `public`. Read only; anything unreadable or not a key is "no" (the caller then wants --force)."""
+    import zmq.auth
+
+    try:
+        if not stat.S_ISREG(os.lstat(dest).st_mode):
+            return False
+        there, _ = zmq.auth.load_certificate(str(dest))
+    except (OSError, ValueError):
+        return False
+    return there == public
 
 
 def check_admin_options(admin: bool, admins_dir: Path | None) -> None:
