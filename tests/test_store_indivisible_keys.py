@@ -54,7 +54,7 @@ def _fresh_once():
 def db_with_indivisible_rows(path: Path, bad_ids: tuple[int, ...] = (2,)) -> Path:
     """Three profiles (ids 1-3, buckets 16/64/128); the rows `bad_ids` get 127 experts, as a pre-rule import stored."""
     with Store(path) as s:
-        s.upsert_fingerprint("fp-q", {"gpus": 2})
+        s.upsert_fingerprint("fp-q", {})  # no facts: an import checks facts (`facts_problem`)
         for b in (16, 64, 128):
             s.put_profile(rec(b))
     con = sqlite3.connect(path)
@@ -143,7 +143,7 @@ def test_db_check_of_a_clean_database_reports_no_unreadable_rows(tmp_path):
 def export_with_bad_records(tmp_path: Path, bad: tuple[int, ...] = (0,)) -> Path:
     """An export of three profiles (buckets 16/64/128) whose records `bad` say 127 experts."""
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp-q", {"gpus": 2})
+        s.upsert_fingerprint("fp-q", {})  # no facts: an import checks facts (`facts_problem`)
         for b in (16, 64, 128):
             s.put_profile(rec(b))
         doc = json.loads(s.dump_profiles())

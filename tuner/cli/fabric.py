@@ -204,6 +204,14 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
     facts = row["facts"]
     if not facts:
         raise _fail(f"the store has fingerprint {row['hash']} but not its facts")
+    from moetune.tuner.fabric.facts import FactsError, read_facts
+
+    try:  # a row an older import (which did not check facts) or a hand edit stored: said, not a KeyError in the diff
+        read_facts(facts)
+    except FactsError as e:
+        raise _fail(f"the stored facts of fingerprint {row['hash']} in {path} cannot be read ({e}); compare with "
+                    "a capture instead (--against DIR), or record this node's facts again "
+                    f"(`moetune fabric show --record{db_flag(path)}`)")
     return str(row["hash"]), facts
 
 

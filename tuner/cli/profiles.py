@@ -339,6 +339,7 @@ def import_cmd(
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Import profiles: all or nothing, validated before anything is written; the error names every invalid record (--skip-invalid imports the rest). Refused while a daemon serves the database, unless --force."""
+    from moetune.tuner.fabric.facts import facts_problem
     from moetune.tuner.store.store import ProfileImportError, parse_export
 
     stdin = str(path) == "-"
@@ -366,12 +367,12 @@ def import_cmd(
         raise fail(f"{'stdin' if stdin else source} is empty: nothing to import (database unchanged)")
     _refuse_no_format(data, source)
     try:  # validate before opening: a bad file must not create (or upgrade) a database either
-        parse_export(data, source=source, skip_invalid=skip_invalid)
+        parse_export(data, source=source, skip_invalid=skip_invalid, check_facts=facts_problem)
     except ProfileImportError as e:
         raise fail(f"{e} (database unchanged)") from None
     with open_store(db, config, mode="create", no_daemon=None if force else DAEMON_HINT + " (database unchanged)") as store:
         try:
-            res = store.import_bytes(data, source=source, skip_invalid=skip_invalid)
+            res = store.import_bytes(data, source=source, skip_invalid=skip_invalid, check_facts=facts_problem)
         except ProfileImportError as e:
             raise fail(f"{e} (database unchanged)") from None
     pid = serving_daemon(store.path) if force and (res.inserted or res.replaced or res.completed) else None

@@ -256,3 +256,36 @@ class FabricFacts(msgspec.Struct, kw_only=True):
         from moetune.tuner.fabric.fingerprint import software_hash
 
         return software_hash(self.to_dict())
+
+
+class FactsError(ValueError):
+    """Facts from a file or a database row that do not decode as `FabricFacts`, or that do not hash to the fingerprint
+    recorded with them."""
+
+
+def read_facts(d: Any) -> FabricFacts:
+    """Facts kept as `to_dict()` (a store row, an export file) decoded as FabricFacts: every reader of the dict form
+    (`fingerprint`, `diff_facts`) indexes it as this struct lays it out, so a dict that does not decode would fail
+    there with a KeyError; FactsError says what is wrong instead."""
+    if not isinstance(d, dict):
+        raise FactsError(f"expected an object, got {type(d).__name__}")
+    try:
+        return FabricFacts.from_dict(d)
+    except (msgspec.ValidationError, TypeError, ValueError) as e:
+        raise FactsError(str(e)) from None
+
+
+def facts_problem(fp_hash: str, d: Any) -> str:
+    """Why facts recorded under `fp_hash` cannot be taken as that fingerprint's ('' when they can): they do not decode
+    as FabricFacts, or they hash to another fingerprint (edited by hand, or not these facts' fingerprint at all)."""
+    from moetune.tuner.fabric.fingerprint import fingerprint
+
+    try:
+        read_facts(d)
+    except FactsError as e:
+        return f"its facts are not fabric facts moetune can read ({e})"
+    computed = fingerprint(d)
+    if computed != fp_hash:
+        return (f"its facts hash to fingerprint {computed}, not to {fp_hash[:64]} (edited, or not the facts of that "
+                "fingerprint)")
+    return ""

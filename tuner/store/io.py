@@ -11,6 +11,7 @@ import contextlib
 import datetime as _dt
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,10 @@ from moetune.tuner.store.validate import (
 
 if TYPE_CHECKING:
     from moetune.tuner.store.store import Store
+
+# (fingerprint hash, its facts) -> why they cannot be stored as that fingerprint's, '' when they can. The store may not
+# import the fabric layer (tests/test_import_rules.py), so the caller hands it: `fabric.facts.facts_problem`.
+FactsCheck = Callable[[str, dict[str, Any]], str]
 
 EXPORT_FORMAT = "moetune-profiles"
 EXPORT_VERSION = 1
@@ -171,11 +176,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 32 else text[:32] + "..."
 
 
-def parse_export(data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ProfilesFile:
+def parse_export(data: bytes, *, source: str = "<data>", skip_invalid: bool = False,
+                 check_facts: FactsCheck | None = None) -> ProfilesFile:
     """Decode and validate an export document completely; ProfileImportError names every invalid profile record
     (index, key, field). `skip_invalid`: such records are left out of the document instead (`_parse` lists them);
-    a problem of the file itself (format, fingerprints, two current records for one key) is refused either way."""
-    return _parse(data, source, skip_invalid)[0]
+    a problem of the file itself (format, fingerprints, two current records for one key) is refused either way.
+    `check_facts`: each fingerprint's non-empty facts must pass it (see FactsCheck)."""
+    return _parse(data, source, skip_invalid, check_facts)[0]
 
 
 # An import is read whole into memory and validated there: a file past this is not read (an export of ~35,000
@@ -214,7 +221,8 @@ def _too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, list[str]]:
+def _parse(data: bytes, source: str, skip_invalid: bool,
+           check_facts: FactsCheck | None = None) -> tuple[ProfilesFile, list[str]]:
     """parse_export, and the records it left out ("profiles[i] (key): why")."""
     if len(data) > MAX_IMPORT_BYTES:
         raise ProfileImportError(too_big_message(source, len(data)))
@@ -266,6 +274,12 @@ def _parse(data: bytes, source: str, skip_invalid: bool) -> tuple[ProfilesFile, 
             check_fingerprint_text(f"fingerprints[{i}]", fp.hash, fp.facts)
         except FieldError as e:
             raise ProfileImportError(f"{source}: {e}") from None
+        # empty facts are a placeholder (a preset's key, a fingerprint recorded before its facts); any other facts are
+        # read later as this fingerprint's (`fabric diff`, the daemon): facts that do not decode, or describe another
+        # fabric, would be stored as this one's
+        why = check_facts(fp.hash, fp.facts) if check_facts is not None and fp.facts else ""
+        if why:
+            raise ProfileImportError(f"{source}: fingerprints[{i}] (fingerprint {fp.hash[:64]}): {why}")
         for name in ("first_seen", "last_seen"):
             try:  # as a profile's dates: a future last_seen would make it the newest fingerprint for good
                 check_import_time(name, getattr(fp, name), now)
@@ -388,7 +402,8 @@ def _invalid_message(source: str, invalid: list[str], total: int) -> str:
     return f"{source}: {len(invalid)} of {total} profile record(s) invalid, nothing imported:\n  {listed}\n{how}"
 
 
-def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ImportResult:
+def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_invalid: bool = False,
+                 check_facts: FactsCheck | None = None) -> ImportResult:
     """Import an export document: validated first, then one transaction. Never two current profiles for
     one key: an imported current profile replaces a stored one only through the replacement gate
     (`_rows.decide`: modelled never displaces measured; another routing never replaces; the same knobs replace
@@ -396,7 +411,7 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
     Records already present are skipped. An invalid record refuses the whole file, unless `skip_invalid`: then it
     is left out and named in `ImportResult.invalid`."""
 
-    doc, invalid = _parse(data, source, skip_invalid)
+    doc, invalid = _parse(data, source, skip_invalid, check_facts)
     result = ImportResult(invalid=invalid)
     ts = now()
     store.refuse_damaged()  # a bulk write: never into a file that fails SQLite's quick check
@@ -590,10 +605,11 @@ def _empty(fields: dict[str, Any]) -> list[Any]:
     return [Profile.routing == "" if f == "routing" else getattr(Profile, f).is_(None) for f in fields]
 
 
-def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
+def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False,
+                    check_facts: FactsCheck | None = None) -> ImportResult:
     path = Path(path)
     try:
         data = read_import(path)
     except OSError as e:
         raise ProfileImportError(f"cannot read {path}: {e.strerror or e}") from None
-    return import_bytes(store, data, source=str(path), skip_invalid=skip_invalid)
+    return import_bytes(store, data, source=str(path), skip_invalid=skip_invalid, check_facts=check_facts)

@@ -1219,13 +1219,16 @@ class Store:
         return _io.export_profiles(self, path, status=status, fingerprint=fingerprint, provenance=provenance,
                                    replace=replace)
 
-    def import_profiles(self, path: str | Path, *, skip_invalid: bool = False) -> ImportResult:
+    def import_profiles(self, path: str | Path, *, skip_invalid: bool = False,
+                        check_facts: _io.FactsCheck | None = None) -> ImportResult:
         """Import an export file, all or nothing; ProfileImportError (nothing written) names the problem, every
-        invalid record. `skip_invalid`: invalid records are left out (`ImportResult.invalid`), the rest imported."""
-        return _io.import_profiles(self, path, skip_invalid=skip_invalid)
+        invalid record. `skip_invalid`: invalid records are left out (`ImportResult.invalid`), the rest imported.
+        `check_facts` (`moetune.tuner.fabric.facts.facts_problem`): fingerprints' facts must pass it."""
+        return _io.import_profiles(self, path, skip_invalid=skip_invalid, check_facts=check_facts)
 
-    def import_bytes(self, data: bytes, *, source: str = "<data>", skip_invalid: bool = False) -> ImportResult:
-        return _io.import_bytes(self, data, source=source, skip_invalid=skip_invalid)
+    def import_bytes(self, data: bytes, *, source: str = "<data>", skip_invalid: bool = False,
+                     check_facts: _io.FactsCheck | None = None) -> ImportResult:
+        return _io.import_bytes(self, data, source=source, skip_invalid=skip_invalid, check_facts=check_facts)
 
 
 def _json_int(column: Any, field: str) -> Any:
