@@ -12,6 +12,18 @@ from moetune.tuner.cli._args import path_option, text_option
 from moetune.tuner.cli.query import SOCKET_EMPTY
 
 
+def _check_db_exists(db: Path, config: Path | None) -> None:
+    """Exit 2 when --db names no file (without --create): every other reader refuses a missing database ("no
+    database at ..."), and a daemon on a mistyped path served a new empty one, answering not_found to every client.
+    A --db in a folder that does not exist is left to the store, which refuses it naming the folder."""
+    from moetune.tuner.cli.db import db_path, fail
+
+    path = db_path(db, config)
+    if not path.exists() and path.parent.is_dir():
+        raise fail(f"no database at {path}: `serve --db` serves an existing database; check the path, or pass "
+                   "--create to start serving a new empty one there")
+
+
 def _check_capture(capture: Path, *, read: bool) -> None:
     """Exit 2 unless --capture is a capture directory (and, with `read`, one discovery can read): the daemon
     would otherwise serve on and only log each failed discovery. The rule is discovery's own
@@ -55,7 +67,10 @@ def register(app: typer.Typer) -> None:
     def serve(
         socket: str = typer.Option(None, "--socket", help="ROUTER endpoint (default: ipc:// in the runtime directory)."),
         pub_socket: str = typer.Option(None, "--pub-socket", help="PUB endpoint (default: next to --socket)."),
-        db: Path = path_option(None, "--db", help="Database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
+        db: Path = path_option(None, "--db", help="Database (default: \\[store] db, $MOETUNE_HOME, XDG data dir). "
+                               "It must exist unless --create: a mistyped --db is refused, not served empty."),
+        create: bool = typer.Option(False, "--create", help="Create the --db database when it does not exist (the "
+                                    "default database is created without it)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
         metrics_port: int = typer.Option(None, "--metrics-port", help="Prometheus /metrics on 127.0.0.1:PORT (0 = off; default: config daemon.metrics_port, 0)."),
         rediscover_interval: float = typer.Option(None, "--rediscover-interval", help="Seconds between fabric discoveries (0 = never; default: config daemon.rediscover_interval_s, 60)."),
@@ -91,6 +106,8 @@ def register(app: typer.Typer) -> None:
             log_level = log_level.strip().lower()
         if capture is not None:
             _check_capture(capture, read=not discover_hook)
+        if db is not None and not create:
+            _check_db_exists(db, config)
 
         try:
             code = run_daemon(socket=socket, pub_socket=pub_socket, db=str(db) if db else None, config=config,
