@@ -125,7 +125,7 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
     `readonly`: the database must exist (a report of nothing would only create an empty one)."""
     from moetune.runtime.config import ConfigError
     from moetune.runtime.options import load_config_checked
-    from moetune.tuner.cli.db import say_upgraded
+    from moetune.tuner.cli.db import say_upgraded, warn_if_damaged
     from moetune.tuner.store.store import Store, StoreError
 
     try:
@@ -133,6 +133,8 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
         # intact: a damaged file is refused before any stage measures (and writes its results into it)
         store = Store(db or cfg.db_path, readonly=readonly, intact=not readonly)
         say_upgraded(store)
+        if readonly:  # a report of a damaged file is made, with a warning (as every reader)
+            warn_if_damaged(store)
         return cfg, store
     except StoreError as e:  # names the database; exit 1 when another process holds it or this user may not write it
         _fail(str(e), e.exit_code)

@@ -304,6 +304,10 @@ def register(app: typer.Typer) -> None:
                     client_log.removeFilter(said)
         read = client.fallback_db()  # the database the lookup read (or would have): --db, else the runtime's rule
         client.close()
+        if res.source != "daemon":  # the database was read (or meant to be): a damaged one is said, as by every reader
+            from moetune.tuner.cli.db import warn_if_damaged_path
+
+            warn_if_damaged_path(Path(read))
         provenance, measured_on, backend = provenance_of(res, read)
         if fmt == "env":
             from moetune.runtime.profiles.launcher_env import allowed_env
