@@ -434,6 +434,14 @@ def tune(
                                f"{source} found {gpus} GPU(s)")
         if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is
             _fail(no_cuda)
+    from moetune.tuner.search.tune import check_tune
+
+    try:  # what the search would refuse before its first study (a family not on this fabric, ...): before any file is made
+        check_tune(facts, models=shapes, backend=backend, preset=preset,
+                   ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
+                   families=family or None, policy_override=policy, node_model=node_model, local_options=local_opts)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
     db_path = db if db is not None else cfg.db_path
     url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
     _check_storage(url, storage is not None, create=False)  # refused: no profile database created

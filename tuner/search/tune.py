@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import optuna
 
@@ -227,33 +227,20 @@ def tune_profiles(store: Any, facts: TuneFacts | None, **options: Any) -> list[P
     return [r.record for r in tune_profiles_detailed(store, facts, **options) if r.record is not None]
 
 
-def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[ModelShape], tokens: list[int],
-                           backend: str | BenchmarkBackend = "model", preset: str | None = None, trials: int = 40,
-                           timeout_s: float | None = None, ep_size: int | None = None, nodes: int = 1,
-                           progress: Progress | None = None, storage: str | None = None, seed: int | None = 0,
-                           families: Sequence[str] | None = None, policy_override: str | Path | None = None,
-                           routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
-                           on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                           node_model: bool = False, study_tag: str = "", recheck: bool = True,
-                           stop: Callable[[], bool] | None = None) -> list[TuneResult]:
-    """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
-    finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
-    `recheck=False`: the study's best is returned (`record`), not stored, without `_write_profile`'s side-by-side
-    comparison with the incumbent and the policy default, for a caller that makes that comparison itself and
-    stores what wins (the bring-up's compare stage), so it is not measured twice nor served unchecked.
-    `stop`: asked before every study and before its side-by-side check (a minute a key on a CPU node); once it says
-    True the results so far are returned, the study at hand with no record (a cancelled daemon job)."""
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
-    if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
-        raise ValueError(f"study_tag must be letters, digits, '_' or '-', got {study_tag!r}")
-    if not models or not tokens:
-        raise ValueError("nothing to tune: give at least one model and one token count")
-    if any(t < 1 for t in tokens):
-        raise ValueError(f"token counts must be >= 1, got {tokens}")
-    if nodes < 1:
-        raise ValueError(f"nodes must be >= 1, got {nodes}")
-    be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
+class _Plan(NamedTuple):
+    be: BenchmarkBackend  # the backend asked for, or its node-model form (--node-model)
+    facts: Any
+    ep_size: int
+    gpus_per_node: int
+    policies: dict[str, Policy]
+
+
+def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelShape], preset: str | None,
+          ep_size: int | None, nodes: int, families: Sequence[str] | None, policy_override: str | Path | None,
+          node_model: bool) -> _Plan:
+    """What a tune will run (its facts, EP size and the families' policies), or the ValueError that refuses it: one
+    function for the tune and `check_tune` (the CLI's check before it creates any file), so they cannot disagree."""
+    named_by = "--family"  # who asked for the families: said when one is not found
     if isinstance(be, ModelBackend) and be.preset is not None and preset is not None:
         if node_model and facts is not None:
             # A calibrated model of THIS node: profiles carry the node's key and say they are its model
@@ -267,9 +254,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
             be = be.as_node_model(facts.fingerprint)
             fam = preset_family(be.preset)
             if families is None:
-                families = [fam]
+                families, named_by = [fam], f"the family the calibrated preset models (--node-model {preset})"
             elif fam not in families:
-                raise ValueError(f"the calibrated preset models {fam!r}, not {list(families)}")
+                raise ValueError(f"the calibrated preset models family {fam}, not {', '.join(families)} (--family)")
         else:
             facts = PresetFacts.from_preset(be.preset)
     if facts is None:
@@ -297,7 +284,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     if families:
         missing = [f for f in families if f not in fams]
         if missing:
-            raise ValueError(f"transport families {missing} were not found on this fabric (found: {', '.join(fams)})")
+            what = (f"transport family {missing[0]} was" if len(missing) == 1
+                    else f"transport families {', '.join(missing)} were")
+            raise ValueError(f"{what} not found on this fabric ({named_by}; found: {', '.join(fams) or 'none'})")
         fams = [f for f in fams if f in families]
     policies: dict[str, Policy] = {}
     for f in fams:
@@ -312,10 +301,55 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                 continue
             raise
     if not policies:
-        raise ValueError(f"no transport family to tune (found {fams}; backend {be.label})")
+        raise ValueError(f"no transport family to tune (found: {', '.join(fams) or 'none'}; backend {be.label})")
     why = be.refusal(ep_size=ep_size, nodes=nodes, families=list(policies), gpu_count=facts.gpu_count)
     if why:
         raise ValueError(why)
+    return _Plan(be, facts, ep_size, gpus_per_node, policies)
+
+
+def check_tune(facts: TuneFacts | None, *, models: list[ModelShape], backend: str | BenchmarkBackend = "model",
+               preset: str | None = None, ep_size: int | None = None, nodes: int = 1,
+               families: Sequence[str] | None = None, policy_override: str | Path | None = None,
+               node_model: bool = False, local_options: Mapping[str, Any] | None = None) -> None:
+    """The ValueError `tune_profiles_detailed` would refuse these settings with before its first study (a family
+    not on this fabric, an EP size the models cannot split, ...), raised without opening or creating anything: the
+    CLI asks before it makes the profile database, the studies file and their lock."""
+    be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
+    _plan(be, facts, models=models, preset=preset, ep_size=ep_size, nodes=nodes, families=families,
+          policy_override=policy_override, node_model=node_model)
+
+
+def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[ModelShape], tokens: list[int],
+                           backend: str | BenchmarkBackend = "model", preset: str | None = None, trials: int = 40,
+                           timeout_s: float | None = None, ep_size: int | None = None, nodes: int = 1,
+                           progress: Progress | None = None, storage: str | None = None, seed: int | None = 0,
+                           families: Sequence[str] | None = None, policy_override: str | Path | None = None,
+                           routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
+                           on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
+                           node_model: bool = False, study_tag: str = "", recheck: bool = True,
+                           stop: Callable[[], bool] | None = None) -> list[TuneResult]:
+    """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
+    finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
+    `recheck=False`: the study's best is returned (`record`), not stored, without `_write_profile`'s side-by-side
+    comparison with the incumbent and the policy default, for a caller that makes that comparison itself and
+    stores what wins (the bring-up's compare stage), so it is not measured twice nor served unchecked.
+    `stop`: asked before every study and before its side-by-side check (a minute a key on a CPU node); once it says
+    True the results so far are returned, the study at hand with no record (a cancelled daemon job)."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
+        raise ValueError(f"study_tag must be letters, digits, '_' or '-', got {study_tag!r}")
+    if not models or not tokens:
+        raise ValueError("nothing to tune: give at least one model and one token count")
+    if any(t < 1 for t in tokens):
+        raise ValueError(f"token counts must be >= 1, got {tokens}")
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
+    be, facts, ep_size, gpus_per_node, policies = _plan(be, facts, models=models, preset=preset, ep_size=ep_size,
+                                                        nodes=nodes, families=families,
+                                                        policy_override=policy_override, node_model=node_model)
     url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
     rates = facts_link_rates(facts)
