@@ -260,3 +260,28 @@ def test_a_full_disk_under_the_profile_database_after_the_trials_says_free_space
     monkeypatch.undo()
     r = runner.invoke(app, [*TUNE, "--db", str(db), "--json"])
     assert r.exit_code == 0, r.output
+
+
+def test_tokens_above_the_largest_bucket_are_refused(tmp_path: Path) -> None:
+    """`--tokens 99999999999` was tuned and stored at S=65536, rc 0, while `profile` refused it: now the same rule and
+    words as `profile` (tuner/cli/_args.tokens_over_bucket), exit 2, no database made."""
+    db = tmp_path / "x.db"
+    r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--tokens", "128,99999999999",
+                            "--db", str(db)])
+    _clean_exit(r)
+    assert "99999999999 is above the largest token bucket (65536 tokens per rank)" in " ".join(r.output.split())
+    assert not db.exists()
+    r = runner.invoke(app, [*TUNE[:-1], "65536", "--db", str(db), "--json"])  # the largest itself is fine
+    assert r.exit_code == 0, r.output
+
+
+def test_counts_sharing_a_bucket_are_tuned_once_and_said_once(tmp_path: Path) -> None:
+    """`--tokens 128,128,100`: one S=128 study, and one line naming the counts that share the bucket."""
+    import json
+
+    r = runner.invoke(app, [*TUNE[:-1], "128,128,100", "--db", str(tmp_path / "x.db"), "--json"])
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    assert flat.count("share a token bucket") == 1
+    assert "128, 128, 100 (bucket 128)" in flat
+    assert [row["tokens"] for row in json.loads(r.stdout)] == [128]

@@ -20,6 +20,33 @@ def int_list(text: str, option: str) -> list[int]:
         raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
 
 
+def tokens_over_bucket(counts: list[int], option: str = "--tokens") -> str:
+    """Why `counts` are no token counts to tune or profile ('' when each is at most the largest token bucket): a
+    larger count was tuned at the largest bucket without a word (`tune --tokens 99999999999` stored S=65536). One
+    rule and message for `profile` and `tune`."""
+    from moetune.runtime.profile_record import TOKEN_BUCKETS
+
+    top = TOKEN_BUCKETS[-1]
+    over = [t for t in counts if t > top]
+    if not over:
+        return ""
+    return (f"{option}: {', '.join(map(str, over))} is above the largest token bucket ({top} tokens per rank), at "
+            f"which it would be tuned; give counts up to {top}")
+
+
+def distinct_buckets(counts: list[int], option: str = "--tokens") -> tuple[list[int], str]:
+    """`counts` with one count per token bucket (the first given, order kept), and a note naming the counts that
+    share a bucket ('' when none do): each bucket is one study, so `--tokens 128,128,100` tunes S=128 once."""
+    from moetune.runtime.profile_record import nearest_bucket
+
+    by_bucket: dict[int, list[int]] = {}
+    for t in counts:
+        by_bucket.setdefault(nearest_bucket(t), []).append(t)
+    shared = [f"{', '.join(map(str, ts))} (bucket {b})" for b, ts in by_bucket.items() if len(ts) > 1]
+    note = f"{option}: {'; '.join(shared)} share a token bucket, tuned once" if shared else ""
+    return [ts[0] for ts in by_bucket.values()], note
+
+
 EMPTY_PATH = "an empty path names no file or folder (give one; \".\" is the current folder)"
 
 

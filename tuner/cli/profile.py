@@ -11,7 +11,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.tuner.cli._args import int_list, nearest_existing, path_option, write_error_code
+from moetune.tuner.cli._args import (
+    int_list,
+    nearest_existing,
+    path_option,
+    tokens_over_bucket,
+    write_error_code,
+)
 from moetune.tuner.cli._progress import RichProgress
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
@@ -193,12 +199,8 @@ def profile(
             _fail(str(e))
         if any(t < 1 for t in toks):
             _fail(f"--tokens: token counts must be integers >= 1, got {tokens!r}")
-        from moetune.runtime.profile_record import TOKEN_BUCKETS
-
-        over = [t for t in toks if t > TOKEN_BUCKETS[-1]]
-        if over:  # tuned at the nearest bucket: the largest, without a word
-            _fail(f"--tokens: {', '.join(map(str, over))} is above the largest token bucket ({TOKEN_BUCKETS[-1]} tokens "
-                  f"per rank), at which it would be tuned; give counts up to {TOKEN_BUCKETS[-1]}")
+        if why := tokens_over_bucket(toks):  # tuned at the nearest bucket: the largest, without a word
+            _fail(why)
     if trials is not None and trials < 1:
         _fail(f"--trials must be an integer >= 1, got {trials}")
     try:

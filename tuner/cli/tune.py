@@ -19,12 +19,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.tuner.cli._args import (
+    distinct_buckets,
     int_list,
     path_option,
     path_text_option,
     routing_problem,
     seed_problem,
     text_option,
+    tokens_over_bucket,
 )
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
@@ -226,12 +228,18 @@ def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
 
 
 def _parse_tokens(text: str) -> list[int]:
+    """--tokens: counts >= 1, none above the largest token bucket, one a bucket (a note names those sharing one)."""
     try:
         out = int_list(text, "--tokens")
     except ValueError as e:
         raise typer.BadParameter(str(e).removeprefix("--tokens: "), param_hint="--tokens") from None
     if not out or any(t < 1 for t in out):
         raise typer.BadParameter(f"token counts must be integers >= 1, got {text!r}", param_hint="--tokens")
+    if why := tokens_over_bucket(out):  # profile's rule: it was tuned and stored at the largest bucket, rc 0
+        _fail(why)  # profile's words, one line
+    out, note = distinct_buckets(out)
+    if note:  # one study a bucket: said once, not a silent drop (nor the same study run again)
+        err.print(escape(note))
     return out
 
 
@@ -274,7 +282,7 @@ def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
 def tune(
     ctx: typer.Context,
     model: list[str] = typer.Option(None, "--model", "-m", help="Model shape (qwen3-30b, deepseek-v3, gpt-oss-120b, custom:H,I,E,K). Repeatable."),
-    tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket)."),
+    tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket, once a bucket; at most 65536, the largest)."),
     backend: str = text_option(None, "--backend", "-b", empty=BACKEND_EMPTY, help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
     preset: str = path_text_option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
