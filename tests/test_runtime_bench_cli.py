@@ -137,3 +137,21 @@ def test_bench_ep_no_p2p_needs_the_nccl_backend() -> None:
     res = runner.invoke(app, ["bench", "ep", "--world", "2", "--backend", "gloo", "--no-p2p"])
     assert res.exit_code == 2
     assert "--no-p2p" in res.output and "nccl" in res.output
+
+
+def test_bench_ep_refuses_tokens_above_the_cap_before_any_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench ep --tokens 99999999` started 2 ranks, then failed allocating 819 GB: now refused up front with the cap
+    `query` and `model` apply (runtime.shapes.MAX_TOKENS_PER_GPU), exit 2, no rank launched."""
+    from moetune.runtime.testing import launch as launch_mod
+
+    def no_launch(*a: object, **kw: object) -> None:
+        raise AssertionError("ranks launched")
+
+    monkeypatch.setattr(launch_mod, "launch", no_launch)
+    res = runner.invoke(app, ["bench", "ep", "--tokens", "99999999"])
+    assert res.exit_code == 2, res.output
+    assert "--tokens 99999999 is beyond what moetune handles (at most 4194304" in " ".join(res.output.split())
+    assert "Traceback" not in res.output
+    res = runner.invoke(app, ["bench", "moe", "--tokens", "16,99999999"])
+    assert res.exit_code == 2, res.output
+    assert "--tokens 99999999 is beyond" in " ".join(res.output.split())

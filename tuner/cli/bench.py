@@ -121,7 +121,7 @@ def ep(
     world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun)."),
     backend: str = typer.Option("gloo", "--backend", "--comm", help="gloo (CPU) or nccl (GPUs) (--comm, as for `moetune tune`)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
-    tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S)."),
+    tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S), 0 to 4194304."),
     knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2; none when left out or \"\")."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S (e.g. zipf:1.2)."),
     iters: int = typer.Option(20, "--iters", help="Timed iterations."),
@@ -197,6 +197,11 @@ def ep(
         _fail(f"--world {world}: {e}")
     if tokens < 0:
         _fail(f"--tokens must be >= 0, got {tokens}")
+    from moetune.runtime.shapes import MAX_TOKENS_PER_GPU, tokens_per_gpu_problem
+
+    # the cap of `query`, `model` and `tune`: 99999999 started the ranks, then failed allocating 819 GB
+    if tokens > MAX_TOKENS_PER_GPU:
+        _fail(f"--tokens {tokens_per_gpu_problem(tokens)} per rank")
     if iters < 1 or warmup < 0:
         _fail("--iters must be >= 1 and --warmup >= 0")
     if cuda_graph and backend != "nccl":
@@ -351,6 +356,11 @@ def _check_tokens(toks: list[int]) -> None:
     """--tokens of the layer benchmarks: one or more token counts, each >= 1."""
     if not toks or any(t < 1 for t in toks):
         _fail(f"--tokens must be token counts >= 1, got {','.join(map(str, toks)) or 'none'}")
+    from moetune.runtime.shapes import MAX_TOKENS_PER_GPU, tokens_per_gpu_problem
+
+    for t in toks:  # the cap `bench ep`, `query` and `model` apply
+        if t > MAX_TOKENS_PER_GPU:
+            _fail(f"--tokens {tokens_per_gpu_problem(t)} per rank")
 
 
 @app.command("moe")
