@@ -168,9 +168,26 @@ def test_profile_cli_of_another_nodes_capture_says_why_nothing_was_measured(
     summary = json.loads(r.stdout)
     why = summary["not_measured"]
     assert why and discovery.discover(cap).fingerprint in why and live.fingerprint in why, why
-    assert summary["profiles"] == [] and summary["ep_sizes"] == [8]
-    with Store(tmp_path / "p.db", readonly=True) as st:
-        assert st.list_profiles() == [] and st.list_measurements() == []
+    assert summary["profiles"] == [] and summary["ep_sizes"] == [8]  # the plan: what a bring-up there would tune
+    # nothing was tuned, and not on this node: said so (it said "EP size tuned: 8 (every GPU of this node)")
+    note = summary["ep_note"]
+    assert note.startswith("no EP size tuned: the capture is of another node (8 × ") and "this node" not in note, note
+    assert "would tune EP size 8" in note
+    report = Path(summary["report"]).read_text()
+    assert "EP size tuned: 8" not in report and note in report
+    # nothing is written for another node's capture: no database made (an empty p.db was)
+    assert summary["db"] is None and not (tmp_path / "p.db").exists()
+    r = CliRunner().invoke(app, ["profile", "--quick", "--capture", str(cap), "--db", str(tmp_path / "p.db")],
+                           env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0 and "EP size tuned: 8" not in r.output and "every GPU of this node" not in r.output, r.output
+    assert "not opened (nothing is written for a capture of another node)" in " ".join(r.output.split())
+    assert not (tmp_path / "p.db").exists()
+    F = Store  # an existing database is left as it was (not opened)
+    F(tmp_path / "p.db").close()
+    before = (tmp_path / "p.db").read_bytes()
+    r = CliRunner().invoke(app, ["profile", "--quick", "--capture", str(cap), "--db", str(tmp_path / "p.db"), "--json"],
+                           env={"MOETUNE_HOME": str(tmp_path)})
+    assert r.exit_code == 0 and (tmp_path / "p.db").read_bytes() == before, r.output
 
 
 def test_a_daemon_serving_a_capture_of_another_node_does_not_measure_for_it(tmp_path: Path,

@@ -50,6 +50,11 @@ def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         return {"calibrate": {}, "compare": [], "report": "r.md"}
 
     monkeypatch.setattr(flow.Bringup, "run", run)
+    # the capture stands for this node: a bring-up of another node's capture measures nothing, so it neither takes
+    # the run lock nor opens the database
+    from moetune.tuner.fabric import discovery
+
+    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
     return ran
 
 

@@ -69,7 +69,11 @@ def test_profile_refuses_a_damaged_database_before_any_stage(damaged: tuple[Path
     from moetune.tuner.bringup import flow
 
     bad, before = damaged
+    from moetune.tuner.fabric import discovery
+
     monkeypatch.setattr(flow.Bringup, "run", lambda self: pytest.fail("the bring-up ran"))
+    # the capture stands for this node (a capture of another node measures nothing and opens no database)
+    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
     r = CliRunner().invoke(app, ["profile", "--quick", "--capture", str(CAPTURES / "h200x1"), "--db", str(bad)])
     _refused(r, bad, before)
 

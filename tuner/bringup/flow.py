@@ -378,6 +378,14 @@ def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
                  "plan's ep_sizes")
 
 
+def captured_ep_note(sizes: list[int], node: str) -> str:
+    """The EP line of a bring-up of another node's capture (`node`: its GPUs, as `_node_line` says them): nothing is
+    measured on a capture, so no EP size is tuned; it says what a bring-up on that node would tune."""
+    would = f"EP size{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}" if sizes else "no EP size"
+    return (f"no EP size tuned: the capture is of another node ({node}), and nothing is measured on a capture; "
+            f"a bring-up on that node would tune {would}")
+
+
 class Bringup:
     """The stages of `moetune profile`, each resumable; `console` shows progress."""
 
@@ -418,6 +426,8 @@ class Bringup:
         # EP sizes (each <= the GPUs, each measured with that many ranks; default: every GPU of the node). EP
         # transports need a peer GPU: a one-GPU node tunes only the MoE megakernel (its own family, ep_size 1).
         self.ep_sizes, self.ep_note = plan_ep_sizes(plan, gpus)
+        if not self.measures:  # "EP size tuned: 8 (every GPU of this node)" was said of a capture nothing measured
+            self.ep_note = captured_ep_note(self.ep_sizes, _node_line(self.facts))
         self.tune_ep = bool(self.ep_sizes)
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)

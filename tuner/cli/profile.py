@@ -236,16 +236,25 @@ def profile(
         _fail(no_cuda)
     from moetune.tuner.cli._run_lock import close_orphaned_runs, hold_run_lock, refuse_serving_daemon
 
-    refuse_serving_daemon(db_file)
-    # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
-    hold_run_lock(db_file, ctx)
-    _cfg, store = _open(db, config)
-    close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
+    if flow.measures:
+        refuse_serving_daemon(db_file)
+        # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
+        hold_run_lock(db_file, ctx)
+        _cfg, store = _open(db, config)
+        close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
+    else:
+        from moetune.tuner.store.store import Store
+
+        # a capture of another node: no stage measures or writes (the report comes from the run's state), so the
+        # database is neither opened nor created (an empty moetune.db was made); a throwaway one stands in for it
+        store = Store(":memory:")
     flow.store = store
+    db_shown = str(store.path) if flow.measures else None  # no database was used
     if restart:  # deleting the state alone resumed the finished studies: nothing was tuned again
         flow.state.restart()
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
-                  f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db {store.path}")
+                  f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db "
+                  f"{escape(db_shown or f'{db_file} not opened (nothing is written for a capture of another node)')}")
     console.print(flow.ep_note, markup=False)
     if flow.not_measured:  # said before the stages run, and again in the report
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
@@ -278,7 +287,7 @@ def profile(
     rows = done.get("compare") or []
     failed = flow.failures()
     if as_json:
-        typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": str(store.path), "ep_sizes": flow.ep_sizes,
+        typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": db_shown, "ep_sizes": flow.ep_sizes,
                                "ep_note": flow.ep_note, "profiles": rows,
                                "not_measured": flow.not_measured or None,
                                "calibration": done.get("calibrate"), "report": done.get("report"),
