@@ -160,3 +160,14 @@ def test_nvml_hang_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     api = d.LiveSource(timeout_s=0.3).gpu_api()
     assert time.perf_counter() - t0 < 1.5
     assert api == {"api": "nvml", "gpus": [], "status": "timeout"}
+
+
+@pytest.mark.parametrize("opt", ["--db", "--config"])
+def test_show_refuses_a_database_option_without_record(tmp_path: pathlib.Path, opt: str) -> None:
+    """`fabric show --db X` without --record was accepted and opened nothing: exit 2, naming the option."""
+    path = tmp_path / "x.db"
+    r = invoke("fabric", "show", "--capture", str(CAPTURES / "h200x1"), opt, str(path))
+    assert r.exit_code == 2, r.output
+    flat = " ".join(r.output.split())
+    assert f"{opt}: names the database --record writes to" in flat and "Traceback" not in flat
+    assert not path.exists()

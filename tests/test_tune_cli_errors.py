@@ -285,3 +285,30 @@ def test_counts_sharing_a_bucket_are_tuned_once_and_said_once(tmp_path: Path) ->
     assert flat.count("share a token bucket") == 1
     assert "128, 128, 100 (bucket 128)" in flat
     assert [row["tokens"] for row in json.loads(r.stdout)] == [128]
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--backend", "model", "--world", "4"], "--world"),
+    (["--backend", "model", "--comm", "gloo"], "--comm"),
+    (["--backend", "model", "--repeats", "5"], "--repeats"),
+    (["--backend", "model", "--trial-timeout", "9"], "--trial-timeout"),
+    (["--backend", "local", "--node-model"], "--node-model"),
+])
+def test_an_option_the_backend_does_not_read_is_refused(tmp_path: Path, args: list[str], named: str) -> None:
+    """Each was accepted and did nothing (`--backend model --world 4` tuned as without it): now exit 2 naming it
+    and why, before any database."""
+    db = tmp_path / "x.db"
+    r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--tokens", "128", *args,
+                            "--db", str(db)] if "--node-model" not in args else
+                      ["tune", "-m", "qwen3-30b", "--tokens", "128", *args, "--db", str(db)])
+    _clean_exit(r)
+    flat = " ".join(r.output.split())
+    assert f"{named}: it applies to the" in flat, flat
+    assert not db.exists()
+
+
+def test_a_preset_with_the_local_backend_is_refused(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "--backend", "local", "--preset", "nvlink-h200x2",
+                            "--db", str(tmp_path / "x.db")])
+    _clean_exit(r)
+    assert "--preset: it applies to the fabric model; --backend local measures" in " ".join(r.output.split())

@@ -20,7 +20,10 @@ from moetune.tuner.store.lock_files import lock_holder
 app = typer.Typer(help="The profile database: migrations, checks, where it is.", no_args_is_help=True)
 
 # Help text is Rich markup: escape() keeps "[store]" from being read as a tag and vanishing.
-DB_HELP = escape("Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data dir).")
+# a config's `db = ""` is the documented default (docs/settings.md: a later file resets an earlier one's value), not
+# "no database" as `--db ""` would be (refused): the help says both
+DB_HELP = escape("Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data "
+                 "dir; a config's db = \"\" means this default too, while --db \"\" is refused).")
 CONFIG_HELP = "Extra config file, read after /etc/moetune/moetune.toml and ~/.config/moetune/moetune.toml."
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -144,6 +144,9 @@ def show(
     timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
 ) -> None:
     """Discover the fabric (or read a capture) and show facts, fingerprint and transport families."""
+    if not record and (db is not None or config is not None):  # accepted, and nothing was read or written
+        raise _fail(f"{'--db' if db is not None else '--config'}: names the database --record writes to; without "
+                    "--record, `fabric show` opens no database: add --record, or leave it out")
     f = _discover(from_dir, timeout_s)
     if record:  # a store error is a message and its exit status (1: busy or not writable), not a traceback
         with open_store(db, config, mode="create") as store:

@@ -243,6 +243,30 @@ def _parse_tokens(text: str) -> list[int]:
     return out
 
 
+# the options one backend alone reads: given with the other, each was accepted and did nothing
+LOCAL_ONLY = {"world": "--world", "comm": "--comm", "repeats": "--repeats", "trial_timeout": "--trial-timeout"}
+MODEL_ONLY = {"preset": "--preset", "node_model": "--node-model"}
+
+
+def _inert_options(ctx: typer.Context, backend: str) -> str:
+    """Why the options given cannot go with `backend` ('' when they can): the local backend's (ranks launched here:
+    --world, --comm, --repeats, --trial-timeout) with the model backend, which launches nothing, and the model
+    backend's (--preset, --node-model) with the local backend, which measures and predicts nothing."""
+    def given(name: str) -> bool:  # typed, not the option's default (Typer's click: by the source's name)
+        return getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+
+    if backend == "model":
+        extra = [opt for name, opt in LOCAL_ONLY.items() if given(name)]
+        why = "apply to the local backend's runs on this node; --backend model launches none (it predicts)"
+    else:
+        extra = [opt for name, opt in MODEL_ONLY.items() if given(name)]
+        why = "apply to the fabric model; --backend local measures on this node and predicts nothing"
+    if not extra:
+        return ""
+    return (f"{', '.join(extra)}: {'it applies' if len(extra) == 1 else 'they apply'}{why.removeprefix('apply')}: "
+            f"leave {'it' if len(extra) == 1 else 'them'} out, or use --backend {'local' if backend == 'model' else 'model'}")
+
+
 def _load_config(config: Path | None):
     """The configuration, or a clear error naming the key and file (never silently the defaults)."""
     from moetune.runtime.config import ConfigError
@@ -345,6 +369,9 @@ def tune(
         _fail(f"--ep-size must be >= 1, got {ep_size}")
     if comm is not None and comm not in COMM_BACKENDS:
         _fail(f"--comm must be {' or '.join(COMM_BACKENDS)}, got {comm!r}")
+    # after each value's own check (a bad value is named as such), before anything runs
+    if why := _inert_options(ctx, backend):
+        _fail(why)
     # up front: the first study refused it ("model error: ... unknown routing"), the database already made
     if why := routing_problem(routing):
         _fail(why)
