@@ -312,3 +312,29 @@ def test_a_preset_with_the_local_backend_is_refused(tmp_path: Path) -> None:
                             "--db", str(tmp_path / "x.db")])
     _clean_exit(r)
     assert "--preset: it applies to the fabric model; --backend local measures" in " ".join(r.output.split())
+
+
+def test_tune_show_says_interrupted_never_none(tmp_path: Path) -> None:
+    """A trial ended by SIGTERM/Ctrl-C has no `error`: `tune show --study` printed "trial N failed: None". Now
+    "interrupted" (study.is_interrupted), and a failed measurement keeps its own reason."""
+    import json
+
+    db = tmp_path / "x.db"
+    r = runner.invoke(app, [*TUNE, "--db", str(db), "--json"])
+    assert r.exit_code == 0, r.output
+    name = json.loads(r.stdout)[0]["study"]
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 'x-studies.db'}")
+    cut = study.ask()
+    study.tell(cut, state=optuna.trial.TrialState.FAIL)  # as Optuna fails a trial its interrupt left untagged
+    bad = study.ask()
+    bad.set_user_attr("error", "rank 1 [exit 9]")
+    study.tell(bad, state=optuna.trial.TrialState.FAIL)
+    r = runner.invoke(app, ["tune", "show", "--study", name, "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    assert "None" not in r.output, r.output
+    assert f"trial {cut.number} interrupted (not counted)" in r.output, r.output
+    assert f"trial {bad.number} failed: rank 1 [exit 9]" in r.output, r.output
+    r = runner.invoke(app, ["tune", "show", "--study", name, "--db", str(db), "--json"])
+    failed = {f["trial"]: f for f in json.loads(r.stdout)["failed"]}
+    assert failed[cut.number] == {"trial": cut.number, "interrupted": True, "error": "interrupted"}
+    assert failed[bad.number]["interrupted"] is False

@@ -909,4 +909,8 @@ def show(
     elif d["importance_note"]:
         c.print(f"importances: {d['importance_note']}")
     for f in d["failed"]:
-        c.print(f"[red]trial {f['trial']} failed:[/red] {f['error']}")
+        if f.get("interrupted"):  # cut short, not a failed measurement (not counted): its own word, not "failed: None"
+            why = "" if f["error"] in ("interrupted", None) else f" ({escape(str(f['error']))})"
+            c.print(f"[yellow]trial {f['trial']} interrupted[/yellow]{why} (not counted)")
+        else:
+            c.print(f"[red]trial {f['trial']} failed:[/red] {escape(str(f['error'] or 'no reason recorded'))}")

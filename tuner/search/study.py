@@ -1366,7 +1366,11 @@ def _describe_study(storage: str, name: str) -> dict[str, Any]:
         "trials_note": MODELLED_TRIALS_NOTE if study.user_attrs.get("modelled") else SEARCH_TRIALS_NOTE,
         "importances": importances,
         "importance_note": importance_note,
-        "failed": [{"trial": t.number, "error": t.user_attrs.get("error")} for t in trials if t.state == TrialState.FAIL][:20],
+        # an interrupted trial (SIGTERM, Ctrl-C) has no `error` of its own: "interrupted", never null (shown "None")
+        "failed": [{"trial": t.number, "interrupted": is_interrupted(t, cut),
+                    "error": str(t.user_attrs.get("error") or ("interrupted" if is_interrupted(t, cut) else
+                                                                "no reason recorded"))}
+                   for t in trials if t.state == TrialState.FAIL][:20],
     }
 
 
