@@ -255,3 +255,74 @@ def test_model_predict_table_says_which_layout_it_modelled(tmp_path: Path) -> No
     flat = re.sub(r"\s+", " ", t.output)
     for n in notes:
         assert re.sub(r"\s+", " ", n) in flat, (n, t.output)
+
+
+def _strict(root: Any, args: list[str]) -> str | None:
+    """None when `args` parses as a command line with its real values (a help example holds no placeholder)."""
+    cmd, path = root, ["moetune"]
+    while hasattr(cmd, "get_command") and args and not args[0].startswith("-"):
+        sub = cmd.get_command(Context(cmd), args[0])
+        if sub is None:
+            if getattr(cmd, "invoke_without_command", False):
+                break
+            return f"no command {' '.join(path)} {args[0]}"
+        cmd, path, args = sub, [*path, args[0]], args[1:]
+    try:
+        cmd.make_context(" ".join(path), list(args), resilient_parsing=False).close()
+    except E.ClickException as e:  # an unknown option, a bad value, a missing one: the example is wrong
+        return f"{' '.join(path)}: {e.format_message()}"
+    return None
+
+
+def test_every_help_example_is_shown_and_parses_against_its_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Examples of query, profile, tune and model predict (tuner/cli/_help.EXAMPLES): each is in its --help,
+    and each command line parses against the real command with its values (no option gone, no value refused)."""
+    from moetune.tuner.cli._help import EXAMPLES, example_lines
+
+    monkeypatch.chdir(ROOT)  # bench/plans/h200x2.toml is named from the repository's root
+    root = typer.main.get_command(app)
+    assert {("query",), ("profile",), ("tune",), ("model", "predict")} <= set(EXAMPLES)
+    bad = []
+    for path, items in EXAMPLES.items():
+        r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "300"})
+        assert r.exit_code == 0, r.output
+        shown = re.sub(r"\s+", " ", r.output)
+        assert "Examples:" in shown, (path, shown)
+        for (_why, line), run in zip(items, example_lines(path), strict=True):
+            assert line in shown, (path, line)
+            assert run.startswith(f"moetune {' '.join(path)}"), run
+            problem = _strict(root, shlex.split(run)[1:])
+            if problem:
+                bad.append(f"{line}: {problem}")
+    assert not bad, "\n".join(bad)
+    assert 'eval "$(moetune query ' in " ".join(line for _w, line in EXAMPLES[("query",)])
+
+
+def test_the_plan_files_of_profiles_help_load(tmp_path: Path) -> None:
+    """The plan `profile --help` shows, and the file it names, load as `--plan` loads them."""
+    from moetune.tuner.bringup.flow import Plan
+    from moetune.tuner.cli._help import PLAN_SAMPLE, examples
+
+    assert "bench/plans/h200x2.toml" in examples(("profile",))
+    sample = tmp_path / "plan.toml"
+    sample.write_text(PLAN_SAMPLE)
+    for file in (sample, ROOT / "bench" / "plans" / "h200x2.toml"):
+        plan = Plan.from_file(file, Plan())
+        plan.validate("plan")
+        assert plan.models == ["qwen3-30b"] and plan.tokens == [1024, 4096], file
+
+
+def test_the_help_examples_that_run_quickly_run(tmp_path: Path) -> None:
+    """query (both forms), model predict and the model-backend tune run as shown (the tune with fewer trials)."""
+    from moetune.tuner.cli._help import example_lines
+
+    for path in (("query",), ("model", "predict")):
+        for line in example_lines(path):
+            r = _run(*shlex.split(line)[1:], home=tmp_path)
+            assert r.exit_code == 0, (line, r.output)
+    env = _run(*shlex.split(example_lines(("query",))[1])[1:], home=tmp_path)
+    assert "export MOETUNE_PROFILE_HASH=" in env.stdout
+    tune = example_lines(("tune",))[0]
+    assert "--backend model" in tune
+    r = _run(*shlex.split(tune)[1:], "--trials", "2", home=tmp_path)
+    assert r.exit_code == 0, r.output

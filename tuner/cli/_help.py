@@ -142,3 +142,56 @@ def _keep_longest_words(table: Any, console: Any, options: Any, widths: list[int
         out[-1] -= add
         need -= add
     return out
+
+
+# -- examples under a command's --help (its epilog) ---------------------------------------------------------------
+# Each is (what it does, the command line as typed). tests/test_docs_commands.py parses every command line against
+# the real command (and runs the cheap ones), so an example cannot name an option that is gone or a value refused.
+QUERY_ENV = "moetune query --model qwen3-30b --ep 8 --tokens 128 --format env"
+EXAMPLES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
+    ("query",): (
+        ("the tuned knobs, where they came from and why", "moetune query --model qwen3-30b --ep 8 --tokens 128"),
+        ("export them into this shell before a launcher starts the job", f'eval "$({QUERY_ENV})"'),
+    ),
+    ("profile",): (
+        ("a short bring-up of this node (one model, two buckets, few trials)", "moetune profile --quick"),
+        ("the plan of a file (the 2 x H200 node's; a sample below)",
+         "moetune profile --plan bench/plans/h200x2.toml"),
+    ),
+    ("tune",): (
+        ("predict with the fabric model (no GPU needed; stored as MODELLED)",
+         "moetune tune --model qwen3-30b --tokens 128,1024 --backend model --preset nvlink-h200x2"),
+        ("measure on this node: 2 ranks launched here (nccl with GPUs, else gloo)",
+         "moetune tune --model qwen3-30b --tokens 128 --backend local --world 2 --trials 20"),
+        ("the studies kept (--study NAME: one of them)", "moetune tune show"),
+    ),
+    ("model", "predict"): (
+        ("one knob set's predicted latency on a preset",
+         "moetune model predict --preset nvlink-h200x2 --tokens 1024 --knobs compression=fp8_e4m3,pipeline_depth=2"),
+    ),
+}
+# a plan file, shown under `profile --help` (the test loads it as `--plan` would)
+PLAN_SAMPLE = '[plan]\nmodels = ["qwen3-30b"]\ntokens = [1024, 4096]\ntrials = 8'
+
+
+def example_lines(path: tuple[str, ...]) -> list[str]:
+    """The `moetune ...` command lines of `path`'s examples, as run (the one inside `eval "$(...)"` too)."""
+    out = []
+    for _why, line in EXAMPLES[path]:
+        m = re.fullmatch(r'eval "\$\((.*)\)"', line)
+        out.append(m.group(1) if m else line)
+    return out
+
+
+def examples(path: tuple[str, ...]) -> str:
+    """The epilog of `path`'s --help: "Examples:", each as what it does and its command line (Rich markup escaped:
+    Typer's Rich help keeps single line breaks of an epilog)."""
+    from rich.markup import escape
+
+    lines = ["Examples:"]
+    for why, line in EXAMPLES[path]:
+        lines += [f"{why}:", f"  {line}"]  # Typer's Rich help dedents the epilog: the command lines stand out
+    if path == ("profile",):
+        lines += ["a plan file (TOML): a [plan] table, or its keys at the top:", *(f"  {t}" for t in
+                                                                                   PLAN_SAMPLE.splitlines())]
+    return escape("\n".join(lines))

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.tuner.cli._args import int_list, path_option, path_text_option, routing_problem, write_error_code
+from moetune.tuner.cli._help import examples
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
@@ -129,7 +130,7 @@ def _knob_str(k) -> str:
     return ",".join(f"{x}={d[x]}" for x in keys)
 
 
-@app.command("predict")
+@app.command("predict", epilog=examples(("model", "predict")))
 def predict_cmd(
     preset: str = path_text_option(..., "--preset", "-p", help="Preset name (moetune model presets) or a .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),

@@ -18,6 +18,7 @@ from moetune.tuner.cli._args import (
     tokens_over_bucket,
     write_error_code,
 )
+from moetune.tuner.cli._help import examples
 from moetune.tuner.cli._progress import RichProgress
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
@@ -490,5 +491,5 @@ def _report_left(where: dict[str, Any]) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("profile")(profile)
+    app.command("profile", epilog=examples(("profile",)))(profile)
     app.command("report")(report)

@@ -18,6 +18,7 @@ import msgspec
 import typer
 
 from moetune.tuner.cli._args import path_option, text_option
+from moetune.tuner.cli._help import examples
 
 if TYPE_CHECKING:
     from moetune.runtime.config import Config
@@ -244,7 +245,7 @@ def print_json(obj: Any) -> None:
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
 
-    @app.command("query")
+    @app.command("query", epilog=examples(("query",)))
     def query(
         model: str = typer.Option(..., "--model", help="Model name (qwen3-30b, ...) or custom:H,I,E,K[,dtype]."),
         ep: int = typer.Option(..., "--ep", min=1, help="EP size (ranks)."),

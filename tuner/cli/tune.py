@@ -28,11 +28,12 @@ from moetune.tuner.cli._args import (
     text_option,
     tokens_over_bucket,
 )
+from moetune.tuner.cli._help import examples
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
 
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
-                  invoke_without_command=True, no_args_is_help=False)
+                  invoke_without_command=True, no_args_is_help=False, epilog=examples(("tune",)))
 
 err = Console(stderr=True, soft_wrap=True)
 
