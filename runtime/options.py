@@ -261,10 +261,16 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 def load_config_checked(config_file: Path | None = None) -> _config.Config:
     """`load_config` with its `[runtime]` table checked as `RuntimeOptions.from_config` checks it, for the commands
-    that measure or serve: a bad key stops them before their first trial (load_config keeps the table raw, since
-    config.py may not import this module). Raises ConfigError (RuntimeConfigError) naming the key and the file."""
+    that measure: a bad key stops them before their first trial (load_config keeps the table raw, since config.py
+    may not import this module). Raises ConfigError (RuntimeConfigError) naming the key and the file.
+
+    A `config_file` given here also joins this process's config chain as `$MOETUNE_CONFIG` (an absolute path), so
+    that what measures under it (`runtime_options()` here, the ranks a local backend spawns with this environment)
+    runs the options just checked, not the default chain's; the caller is a measuring command's entry point."""
     cfg = _config.load_config(config_file)
     RuntimeOptions.from_config(cfg)
+    if config_file is not None:
+        os.environ["MOETUNE_CONFIG"] = str(Path(config_file).resolve())
     return cfg
 
 

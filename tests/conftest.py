@@ -65,3 +65,13 @@ def on_captured_node(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(discovery, "discover", discover)
     monkeypatch.setattr(discovery, "live_facts", live_facts)
+
+
+@pytest.fixture(autouse=True)
+def _config_chain_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A measuring command run in-process with --config joins the process's chain as $MOETUNE_CONFIG
+    (`options.load_config_checked`, for its ranks): restored after every test, so that it leaks into none after."""
+    monkeypatch.setenv("MOETUNE_CONFIG", os.environ.get("MOETUNE_CONFIG", ""))
+    if not os.environ["MOETUNE_CONFIG"]:
+        monkeypatch.delenv("MOETUNE_CONFIG")
+    yield

@@ -232,3 +232,32 @@ def test_a_measuring_command_refuses_a_bad_runtime_key_before_it_measures(tmp_pa
     assert "runtime.symm" in r.output and str(cfg) in r.output and "Traceback" not in r.output
     assert "trial" not in r.output  # refused before any trial ran
     assert not (tmp_path / "mh").exists()  # and before a database was made
+
+
+def test_a_tune_measures_under_its_config_file(tmp_path, monkeypatch):
+    """--config joins the chain its trials run under ($MOETUNE_CONFIG for this process and the ranks it spawns):
+    it was checked, then the ranks and the recorded options came from the default chain without it."""
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.options import RuntimeOptions, load_config_checked
+    from moetune.tuner.search.backends import LocalBackend
+
+    monkeypatch.delenv("MOETUNE_CONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = write(tmp_path / "moetune.toml", "[runtime]\nfused_pack = false\n")
+    assert RuntimeOptions.resolve().fused_pack  # the default chain
+    load_config_checked(cfg)
+    assert LocalBackend(world=1).runtime_options().fused_pack is False
+    assert LocalBackend(world=1).environment(Knobs())["MOETUNE_CONFIG"] == str(cfg.resolve())
+
+
+def test_the_clients_read_past_a_bad_runtime_key(tmp_path, monkeypatch):
+    """status / query / tune show use no runtime option: a bad [runtime] value stops only what measures."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    cfg = write(tmp_path / "moetune.toml", '[runtime]\nsymm = "nvshmem"\n')
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "mh"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(app, ["status", "--config", str(cfg)])
+    assert "runtime.symm" not in r.output and "Traceback" not in r.output

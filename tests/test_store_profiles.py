@@ -291,3 +291,21 @@ def test_atomic_writes_are_stored_together_or_not_at_all(tmp_path) -> None:
         s.add_measurement(fingerprint="fp-a", kind="k", transport="nvlink", size_bytes=None, value=2.0, spread=0.0,
                           unit="us")  # after it: a transaction of its own again
         assert len(s.list_measurements(kind="k")) == 2
+
+
+def test_every_event_kind_a_migration_writes_is_a_known_kind() -> None:
+    """Migrations write events as plain SQL (their spellings frozen there): each kind they name must be an EventKind,
+    or reading those events back by kind is refused (0009's runtime_options_* were missing)."""
+    import re
+    from pathlib import Path
+
+    from moetune.tuner.store.models import EVENT_KINDS
+
+    versions = Path(__file__).resolve().parents[1] / "migrations" / "versions"
+    named = set()
+    for f in versions.glob("0*.py"):
+        text = f.read_text()
+        named |= set(re.findall(r'(?:kind|dropped|restored)="([a-z_]+)"', text))
+        named |= set(re.findall(r'^(?:DROPPED|RESTORED) = "([a-z_]+)"', text, re.M))
+    assert {"runtime_options_dropped", "provenance_restored"} <= named  # the scan finds them
+    assert named - set(EVENT_KINDS) == set()

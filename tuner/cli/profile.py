@@ -130,13 +130,14 @@ def _open(db: Path | None, config: Path | None, *, readonly: bool = False):
     """(config, store) or a clear error (never a traceback) naming the bad key/file or database.
 
     `readonly`: the database must exist (a report of nothing would only create an empty one)."""
-    from moetune.runtime.config import ConfigError
+    from moetune.runtime.config import ConfigError, load_config
     from moetune.runtime.options import load_config_checked
     from moetune.tuner.cli.db import say_upgraded, warn_if_damaged
     from moetune.tuner.store.store import Store, StoreError
 
     try:
-        cfg = load_config_checked(config)  # [runtime] too: a bad key fails here, not in every trial
+        # a bring-up measures: [runtime] checked and --config made the chain its trials run under; a report reads
+        cfg = load_config(config) if readonly else load_config_checked(config)
         # intact: a damaged file is refused before any stage measures (and writes its results into it)
         store = Store(db or cfg.db_path, readonly=readonly, intact=not readonly)
         say_upgraded(store)

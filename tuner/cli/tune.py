@@ -268,13 +268,15 @@ def _inert_options(ctx: typer.Context, backend: str) -> str:
             f"leave {'it' if len(extra) == 1 else 'them'} out, or use --backend {'local' if backend == 'model' else 'model'}")
 
 
-def _load_config(config: Path | None):
-    """The configuration, or a clear error naming the key and file (never silently the defaults)."""
-    from moetune.runtime.config import ConfigError
+def _load_config(config: Path | None, *, measuring: bool = False):
+    """The configuration, or a clear error naming the key and file (never silently the defaults). `measuring`: its
+    [runtime] table checked too (a bad key fails here, not in every trial) and --config made the chain the trials
+    measure under (`load_config_checked`); `tune show` reads no runtime option and keeps working past a bad one."""
+    from moetune.runtime.config import ConfigError, load_config
     from moetune.runtime.options import load_config_checked
 
     try:
-        return load_config_checked(config)  # [runtime] too: a bad key fails here, not in every trial
+        return load_config_checked(config) if measuring else load_config(config)
     except ConfigError as e:
         _fail(str(e))
 
@@ -343,7 +345,7 @@ def tune(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--model")
     toks = _parse_tokens(tokens)
-    cfg = _load_config(config)
+    cfg = _load_config(config, measuring=True)
     cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
     backend = backend if backend is not None else cfg_backend
     if backend not in ("model", "local"):

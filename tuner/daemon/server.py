@@ -1434,10 +1434,13 @@ def _load_hook(spec: str) -> Any:
     return getattr(importlib.import_module(mod), attr)
 
 
-def _load_config(config: Path | None) -> Any:
+def _load_config(config: Path | None, *, measuring: bool = False) -> Any:
+    """The clients (query, status, retune) read it plainly; the daemon (`measuring`) checks [runtime] too and makes
+    --config the chain its re-tunes measure under (`load_config_checked`)."""
+    from moetune.runtime.config import load_config
     from moetune.runtime.options import load_config_checked
 
-    return load_config_checked(config)  # [runtime] too: the daemon's re-tunes measure under it
+    return load_config_checked(config) if measuring else load_config(config)
 
 
 MAX_REDISCOVER_INTERVAL_S = 365 * 24 * 3600.0  # a year; more is a mistake (past threading.TIMEOUT_MAX the wait overflows)
@@ -1469,7 +1472,7 @@ def run_daemon(
 ) -> int:
     """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code: 143 after
     SIGTERM, 130 after SIGINT (Ctrl-C), 0 after stop()."""
-    cfg = _load_config(config)  # ConfigError (a ValueError) names the key and the file
+    cfg = _load_config(config, measuring=True)  # ConfigError (a ValueError) names the key and the file
     d = cfg.daemon
     if rediscover_interval is not None:
         check_rediscover_interval(rediscover_interval, "--rediscover-interval")

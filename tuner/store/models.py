@@ -191,7 +191,7 @@ EventKind = Literal[
     # written by migrations (as plain SQL, with these spellings frozen there): values a downgrade dropped and an
     # upgrade gave back, and rows relabelled
     "provenance_dropped", "provenance_restored", "routing_dropped", "routing_restored", "perf_env_dropped",
-    "perf_env_restored", "relabelled",
+    "perf_env_restored", "runtime_options_dropped", "runtime_options_restored", "relabelled",
 ]
 EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
 
