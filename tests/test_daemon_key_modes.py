@@ -133,7 +133,7 @@ def test_serve_names_the_file_and_mode_without_a_traceback(tmp_path: Path) -> No
     cfg = tmp_path / "srv.toml"
     cfg.write_text(f'[daemon]\ncurve_secret_key_file = "{secret}"\n')
     # a process of its own: `serve` sets up the daemon's logging, which must not leak into the other tests
-    r = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve", "--config", str(cfg),
+    r = subprocess.run([sys.executable, "-c", "from moetune.tuner.cli import main; main()", "serve", "--config", str(cfg), "--create",
                         "--db", str(tmp_path / "moetune.db"), "--socket", f"tcp://127.0.0.1:{free_port()}",
                         "--rediscover-interval", "0"], capture_output=True, text=True, timeout=50)
     assert r.returncode == 2, r.stderr

@@ -32,10 +32,31 @@ def run(tmp_path: Path, *args: str):
 
 def test_a_missing_db_is_refused_and_nothing_is_created(tmp_path: Path, started: list[dict[str, Any]]) -> None:
     typo = tmp_path / "typo.db"
-    r = run(tmp_path, "--db", str(typo))
-    assert r.exit_code == 2, r.output
-    assert f"no database at {typo}" in r.stderr and "--create" in r.stderr and "Traceback" not in r.output
-    assert not started and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert run(tmp_path, "--db", str(typo)).exit_code == 0  # the stub: the CLI asks the daemon not to create it
+    assert [c["create_db"] for c in started] == [False]
+
+
+def test_the_daemon_refuses_it_and_makes_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    typo = tmp_path / "typo.db"
+    # a process of its own: run_daemon sets up the daemon's logging first, which must not leak into other tests
+    r = subprocess.run([sys.executable, "-c", "import sys; from moetune.tuner.daemon.server import run_daemon; "
+                        f"run_daemon(db={str(typo)!r}, create_db=False, socket='ipc://{tmp_path}/d.sock')"],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode != 0 and f"no database at {typo}" in r.stderr and "--create" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no database, no lock file beside it
+
+
+def test_a_bad_config_is_named_before_the_missing_db(tmp_path: Path) -> None:
+    """The configuration is checked first: a user told to pass --create would only then learn the config was bad."""
+    from moetune.tuner.daemon.server import run_daemon
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[daemon]\nrediscover_interval_s = -1\n")
+    with pytest.raises(ValueError, match="rediscover_interval"):  # raised before the daemon's logging is set up
+        run_daemon(db=str(tmp_path / "typo.db"), create_db=False, config=cfg, socket=f"ipc://{tmp_path}/d.sock")
 
 
 def test_create_serves_a_new_database(tmp_path: Path, started: list[dict[str, Any]]) -> None:

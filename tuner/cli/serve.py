@@ -12,18 +12,6 @@ from moetune.tuner.cli._args import path_option, text_option
 from moetune.tuner.cli.query import SOCKET_EMPTY
 
 
-def _check_db_exists(db: Path, config: Path | None) -> None:
-    """Exit 2 when --db names no file (without --create): every other reader refuses a missing database ("no
-    database at ..."), and a daemon on a mistyped path served a new empty one, answering not_found to every client.
-    A --db in a folder that does not exist is left to the store, which refuses it naming the folder."""
-    from moetune.tuner.cli.db import db_path, fail
-
-    path = db_path(db, config)
-    if not path.exists() and path.parent.is_dir():
-        raise fail(f"no database at {path}: `serve --db` serves an existing database; check the path, or pass "
-                   "--create to start serving a new empty one there")
-
-
 def _check_capture(capture: Path, *, read: bool) -> None:
     """Exit 2 unless --capture is a capture directory (and, with `read`, one discovery can read): the daemon
     would otherwise serve on and only log each failed discovery. The rule is discovery's own
@@ -106,14 +94,12 @@ def register(app: typer.Typer) -> None:
             log_level = log_level.strip().lower()
         if capture is not None:
             _check_capture(capture, read=not discover_hook)
-        if db is not None and not create:
-            _check_db_exists(db, config)
-
         try:
             code = run_daemon(socket=socket, pub_socket=pub_socket, db=str(db) if db else None, config=config,
                               metrics_port=metrics_port, rediscover_interval=rediscover_interval, capture=capture,
                               allow_insecure_tcp=allow_insecure_tcp, store_hook=store_hook, discover_hook=discover_hook,
-                              retune_hook=retune_hook, log_level=log_level, curve_clients_dir=curve_clients_dir)
+                              retune_hook=retune_hook, log_level=log_level, curve_clients_dir=curve_clients_dir,
+                              create_db=create or db is None)
         except (DaemonConfigError, ValueError, OverflowError, OSError, RuntimeError, zmq.ZMQError) as e:
             typer.secho(f"moetune serve: {e}", fg="red", err=True)
             # 2: the configuration is wrong; a store error says its own (1: held by another process, not writable)

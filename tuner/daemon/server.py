@@ -1469,9 +1469,11 @@ def run_daemon(
     retune_hook: str | None = None,
     log_level: str | None = None,
     curve_clients_dir: Path | None = None,
+    create_db: bool = True,
 ) -> int:
     """Build a Daemon from config + options and serve until SIGTERM/SIGINT. Returns the exit code: 143 after
-    SIGTERM, 130 after SIGINT (Ctrl-C), 0 after stop()."""
+    SIGTERM, 130 after SIGINT (Ctrl-C), 0 after stop(). `create_db=False` (`serve --db` without --create): a
+    database file that does not exist is refused (DaemonConfigError), after the configuration was checked."""
     cfg = _load_config(config, measuring=True)  # ConfigError (a ValueError) names the key and the file
     d = cfg.daemon
     if rediscover_interval is not None:
@@ -1491,6 +1493,12 @@ def run_daemon(
     db_lock: int | None = None
     run_lock: int | None = None
     where = Path(db_path).expanduser()
+    if not store_hook and not create_db and not where.exists() and where.parent.is_dir():
+        # every other reader refuses a missing database; a daemon on a mistyped path served a new empty one, answering
+        # not_found to every client (a --db in a missing folder: the store names the folder). Checked after the
+        # configuration and the endpoints, before any lock file is made beside it
+        raise DaemonConfigError(f"no database at {where}: `serve --db` serves an existing database; check the path, "
+                                "or pass --create to start serving a new empty one there")
     if not store_hook:
         # the database's lock before the store opens (and may migrate) it: a `db upgrade/downgrade` running now holds
         # it, and an open that migrated under it would undo the downgrade. Where the folder does not exist yet (the
