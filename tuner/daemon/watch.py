@@ -64,24 +64,6 @@ class FabricWatch:
                     return d
         return None
 
-    def _recorded_fabric(self) -> dict[str, Any] | None:
-        """Where no daemon recorded a fabric event yet: the newest fingerprint the store holds facts of (what `moetune
-        profile`, a local tune or `fabric show --record` discovered), in a fabric event's form, so that a fabric that
-        changed between the bring-up and the daemon's first start is a change (its profiles stale, re-tuned), not a
-        first discovery. None when there is none (a preset's key has no facts; facts that do not decode are no base)."""
-        from moetune.tuner.fabric.facts import FactsError, read_facts
-
-        for row in self.store.list_fingerprints():  # newest last_seen first
-            d = row["facts"]
-            if not d:
-                continue
-            try:
-                f = read_facts(d)
-            except FactsError:
-                continue
-            return {"fingerprint": row["hash"], "identity": identity(f), "facts": d}
-        return None
-
     def _discover_once(self) -> Any:
         """Run discovery once and record the outcome (status op, metrics); None when it failed."""
         try:
@@ -109,12 +91,11 @@ class FabricWatch:
         if facts is None:
             return
         last = self._last_fabric_event()
-        base = last if last is not None else self._recorded_fabric()
-        if base is not None and not same_hardware(base.get("fingerprint"), base.get("identity"), facts):
+        if last is not None and not same_hardware(last.get("fingerprint"), last.get("identity"), facts):
             if why := incomplete(facts):
                 self._kept(facts, why)  # nothing served until a round reads everything (as after a failure)
                 return
-            self._fabric_changed(base.get("fingerprint"), base.get("facts") or {}, facts, rebuild=False)
+            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
             return
         self.facts = facts
         self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
@@ -330,8 +311,7 @@ class FabricWatch:
             return
         if old is None:
             last = self._last_fabric_event()
-            base = last if last is not None else self._recorded_fabric()  # as `_startup_discovery`
-            if base is None or same_hardware(base.get("fingerprint"), base.get("identity"), facts):
+            if last is None or same_hardware(last.get("fingerprint"), last.get("identity"), facts):
                 with self._commit_lock:
                     # the facts are adopted once their writes are in (a failed write: the next round tries again)
                     self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
@@ -349,7 +329,7 @@ class FabricWatch:
             if why := incomplete(facts):
                 self._kept(facts, why)
                 return
-            self._fabric_changed(base.get("fingerprint"), base.get("facts") or {}, facts)
+            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts)
             return
         if why := incomplete(facts):
             self._kept(facts, why)
