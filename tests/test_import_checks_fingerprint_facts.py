@@ -90,14 +90,14 @@ def test_facts_that_do_not_decode_are_refused(tmp_path: Path, export: dict[str, 
         assert not db.exists()
 
 
-def test_facts_of_another_fabric_are_refused(tmp_path: Path, export: dict[str, Any]) -> None:
-    """Facts that decode, but hash to another fingerprint than the one recorded with them."""
+def test_facts_that_hash_otherwise_today_still_import(tmp_path: Path, export: dict[str, Any]) -> None:
+    """Facts that decode but hash to another fingerprint than the one recorded with them import: the fingerprint's rule
+    changed on 2026-12-04 without a new version, so an export of a database profiled before then has such facts
+    (refusing them refused every such export, review). Decoding is what `fabric diff` and the daemon need."""
     doc = copy.deepcopy(export)
     doc["fingerprints"][0]["facts"]["gpus"][0]["memory_mib"] += 1024
     r = run("profiles", "import", str(_write(tmp_path, doc)), "--db", str(tmp_path / "dst.db"))
-    assert r.exit_code == 2, r.output
-    assert "hash to fingerprint" in r.stderr and export["fingerprints"][0]["hash"][:8] in r.stderr, r.stderr
-    assert not (tmp_path / "dst.db").exists()
+    assert r.exit_code == 0, r.output
 
 
 def test_a_placeholder_without_facts_still_imports(tmp_path: Path) -> None:

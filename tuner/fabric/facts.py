@@ -277,15 +277,11 @@ def read_facts(d: Any) -> FabricFacts:
 
 def facts_problem(fp_hash: str, d: Any) -> str:
     """Why facts recorded under `fp_hash` cannot be taken as that fingerprint's ('' when they can): they do not decode
-    as FabricFacts, or they hash to another fingerprint (edited by hand, or not these facts' fingerprint at all)."""
-    from moetune.tuner.fabric.fingerprint import fingerprint
-
+    as FabricFacts (what `fabric diff` and the daemon read them as). Their hash is not compared with `fp_hash`: the
+    fingerprint's rule changed on 2026-12-04 without a new FINGERPRINT_VERSION, so facts an earlier moetune recorded
+    hash otherwise today, and refusing them refused every export of a database profiled before then."""
     try:
         read_facts(d)
     except FactsError as e:
         return f"its facts are not fabric facts moetune can read ({e})"
-    computed = fingerprint(d)
-    if computed != fp_hash:
-        return (f"its facts hash to fingerprint {computed}, not to {fp_hash[:64]} (edited, or not the facts of that "
-                "fingerprint)")
     return ""
