@@ -71,6 +71,43 @@ DATA_PATH_OPTIONS: tuple[str, ...] = (
     "fused_pack",  # the compiled pack kernels, or the torch ops
     "fused_fp8",  # fp8 quantisation in one launch each, or the torch ops
 )
+# The profile families each data-path option acts on, from where the runtime reads it. A profile of another family
+# (and the tuner's study of it) is neither compared on nor keyed by it: its numbers never ran that code.
+# - hs_native: host_staged only (transports/host_staged.py picks the copy engines or NCCL's staging).
+# - symm, plan_mode, fused_pack: the one-sided transports (device_counts: transports/_onesided.py's SymmBuffer; the
+#   device-resident layout's plan and pack kernels, buffer/_resident.py and facade.py `self.resident`).
+# - chunk_weights: the dense layout, which only the dense_collectives transports (collective, host_staged) run.
+# - proxy_batch, proxy_peer_access, proxy_host_wait: proxy only (transports/proxy.py).
+# - nvl_gather: nvlink only (gathers_tokens, buffer/facade.py).
+# - fused_fp8: every EP transport (facade.py quantises fp8 rows whatever the transport; the library is loaded apart).
+# The megakernel (one GPU, no EP transport) reads none. A family missing here (a transport registered later) is
+# taken to be acted on by every option: nothing is known of what it reads.
+_ONESIDED: frozenset[str] = frozenset({"nvlink", "proxy"})
+_TRANSPORTS: frozenset[str] = frozenset({"collective", "host_staged", "nvlink", "proxy"})
+DATA_PATH_FAMILIES: dict[str, frozenset[str]] = {
+    "hs_native": frozenset({"host_staged"}),
+    "symm": _ONESIDED,
+    "chunk_weights": frozenset({"collective", "host_staged"}),
+    "proxy_batch": frozenset({"proxy"}),
+    "proxy_peer_access": frozenset({"proxy"}),
+    "proxy_host_wait": frozenset({"proxy"}),
+    "plan_mode": _ONESIDED,
+    "nvl_gather": frozenset({"nvlink"}),
+    "fused_pack": _ONESIDED,
+    "fused_fp8": _TRANSPORTS,
+}
+# The families the table above knows (the megakernel among them: acted on by none).
+DATA_PATH_KNOWN_FAMILIES: frozenset[str] = _TRANSPORTS | {"megakernel"}
+
+
+def options_acting_on(family: str | None) -> tuple[str, ...]:
+    """The DATA_PATH_OPTIONS that act on profiles of `family` (DATA_PATH_FAMILIES): all of them for None or a family
+    the table does not know."""
+    if family is None or family not in DATA_PATH_KNOWN_FAMILIES:
+        return DATA_PATH_OPTIONS
+    return tuple(name for name in DATA_PATH_OPTIONS if family in DATA_PATH_FAMILIES[name])
+
+
 # The rest, and why they are not in a profile's record: they never change what a run that completes does.
 NOT_DATA_PATH_OPTIONS: dict[str, str] = {
     "onesided_timeout_s": "how long a peer's wait may last before it is an error: a run that completes is the same",

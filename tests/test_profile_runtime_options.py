@@ -26,17 +26,21 @@ from test_client_perf_env import FP, QWEN, db_client, qkey
 from moetune.runtime import wire
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.options import (
+    DATA_PATH_FAMILIES,
+    DATA_PATH_KNOWN_FAMILIES,
     DATA_PATH_OPTIONS,
     NOT_DATA_PATH_OPTIONS,
     RuntimeOptions,
     data_path_digest,
     data_path_problem,
+    options_acting_on,
 )
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ENGINE_FAMILIES, ProfileKey, ProfileRecord
 from moetune.runtime.profiles import autoload, node_identity
 from moetune.runtime.profiles.client import FallbackWarning, ProfileClient, Resolution, query_db_profiles
 from moetune.runtime.profiles.tuned_options import compare_options
 from moetune.runtime.shapes import ModelShape
+from moetune.runtime.transports.registry import registered_transports
 from moetune.tuner.cli import app
 from moetune.tuner.search.backends import LocalBackend, TuneWorkload
 from moetune.tuner.store.store import Store
@@ -127,6 +131,31 @@ def test_the_comparison_names_each_option_and_never_takes_unknown_for_same() -> 
     assert compare_options(DEFAULTS, OTHER, "megakernel").status == "same"
 
 
+def test_each_option_is_compared_only_for_the_families_it_acts_on() -> None:
+    """Before, every option was compared for every transport family: recorded defaults against a job with symm=ipc,
+    proxy_batch=4, hs_native=False "differed" for collective, nvlink and host_staged alike."""
+    assert set(DATA_PATH_FAMILIES) == set(DATA_PATH_OPTIONS)
+    assert set(registered_transports()) | ENGINE_FAMILIES == DATA_PATH_KNOWN_FAMILIES
+    assert all(fams <= DATA_PATH_KNOWN_FAMILIES - ENGINE_FAMILIES for fams in DATA_PATH_FAMILIES.values())
+    job = RuntimeOptions(symm="ipc", proxy_batch=4, hs_native=False).data_path()
+
+    def names(family: str) -> set[str]:
+        cmp = compare_options(DEFAULTS, job, family)
+        return {d.split(":")[0] for d in cmp.differences} if cmp.status == "differs" else set()
+
+    assert compare_options(DEFAULTS, job, "collective").status == "same"
+    assert names("host_staged") == {"hs_native"}
+    assert names("nvlink") == {"symm"}
+    assert names("proxy") == {"symm", "proxy_batch"}
+    # a family the table does not know (a transport registered later): every option may act on it
+    assert names("custom") == {"symm", "proxy_batch", "hs_native"}
+    assert set(options_acting_on(None)) == set(DATA_PATH_OPTIONS) and options_acting_on("megakernel") == ()
+    # an older record missing an option that does not act here is not "unknown"
+    older = {k: v for k, v in DEFAULTS.items() if k != "proxy_batch"}
+    assert compare_options(older, DEFAULTS, "collective").status == "same"
+    assert compare_options(older, DEFAULTS, "proxy").status == "unknown"
+
+
 # -- the tuner: recorded with every measured profile, part of the study digest ---------------------------------
 def test_other_data_path_options_are_another_study_and_other_options_are_not() -> None:
     from moetune.tuner.search.policy import load_policy
@@ -140,7 +169,7 @@ def test_other_data_path_options_are_another_study_and_other_options_are_not() -
         return study_config(space, LocalBackend(world=2, command=["x"], env={"HOME": "/nonexistent", **env}, **kw), wl)
 
     base = config({})
-    assert config({"MOETUNE_FUSED_PACK": "0"}) != base != config({"MOETUNE_SYMM": "ipc"})
+    assert config({"MOETUNE_FUSED_PACK": "0"}) != base != config({"MOETUNE_SYMM": "ipc"})  # no family: all act
     assert config({"MOETUNE_HS_NATIVE": "0"}) != base
     # a timeout or the proxy thread's CPUs change no data path: the same study
     assert config({"MOETUNE_ONESIDED_TIMEOUT_S": "5", "MOETUNE_PROXY_CPU": "none"}) == base
@@ -151,6 +180,32 @@ def test_other_data_path_options_are_another_study_and_other_options_are_not() -
     # options that do not resolve: said, naming the option (every run would fail on it)
     with pytest.raises(ValueError, match="MOETUNE_FUSED_PACK"):
         LocalBackend(world=2, command=["x"], env={"MOETUNE_FUSED_PACK": "maybe"}).settings()
+
+
+def test_an_option_changes_only_the_studies_of_the_families_it_acts_on() -> None:
+    """Before, every data-path option was in every family's study name: a collective study was started anew for
+    symm=ipc or proxy_batch=4, which its trials never read."""
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import study_config
+
+    space = SearchSpace(load_policy("collective"), experts=16, ep_size=2, tokens=64, topk=2)
+    wl = TuneWorkload(model=SMALL, tokens=64)
+
+    def config(family: str, env: dict[str, str]) -> str:
+        be = LocalBackend(world=2, command=["x"], env={"HOME": "/nonexistent", **env}, family=family)
+        return study_config(space, be, wl)
+
+    others = {"MOETUNE_SYMM": "ipc", "MOETUNE_PROXY_BATCH": "4", "MOETUNE_NVL_GATHER": "0",
+              "MOETUNE_FUSED_PACK": "0", "MOETUNE_PLAN_MODE": "1"}
+    assert config("collective", others) == config("collective", {})
+    assert config("collective", {"MOETUNE_HS_NATIVE": "0"}) == config("collective", {})
+    assert config("host_staged", {"MOETUNE_HS_NATIVE": "0"}) != config("host_staged", {})
+    assert config("collective", {"MOETUNE_EP_CHUNK_WEIGHTS": "1,2"}) != config("collective", {})
+    assert config("collective", {"MOETUNE_FUSED_FP8": "0"}) != config("collective", {})
+    assert config("nvlink", {"MOETUNE_SYMM": "ipc"}) != config("nvlink", {})
+    assert config("nvlink", {"MOETUNE_PROXY_BATCH": "4", "MOETUNE_HS_NATIVE": "0"}) == config("nvlink", {})
+    assert config("proxy", {"MOETUNE_PROXY_BATCH": "4"}) != config("proxy", {})
 
 
 def test_the_config_runtime_table_is_what_the_ranks_run(tmp_path: Path) -> None:
@@ -296,6 +351,10 @@ def test_a_profile_tuned_under_other_options_is_not_applied_as_tuned(node_db, tm
     assert res.tuned and res.options_status == "same"
     res, fell = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}), options=RuntimeOptions(symm="ipc"))
     assert not res.tuned and 'symm: tuned with "torch", job has "ipc"' in fell[0]
+    # options that do not act on nvlink (host_staged's, the proxy's): still tuned, the same
+    res, fell = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}),
+                         options=RuntimeOptions(hs_native=False, proxy_batch=4, proxy_host_wait=False))
+    assert res.tuned and res.options_status == "same" and not any("runtime options" in w for w in fell), fell
 
 
 def test_a_profile_without_recorded_options_is_unknown_as_an_unrecorded_environment_is(node_db,

@@ -4,7 +4,8 @@ A profile's numbers hold for its knobs, its performance environment (perf_env.py
 the data path (`runtime/options.py` DATA_PATH_OPTIONS: hs_native, symm, fused_pack, proxy_host_wait, ...; set through
 MOETUNE_* variables, the config's `[runtime]` table or `EPBuffer(options=...)`). A measured profile records them
 (`ProfileRecord.runtime_options`, a readable copy, and its digest in the store); the runtime compares them with the
-job's here, as it compares the performance environment: a profile measured under other options is not applied as
+job's here, on the options that act on the profile's family (`options.DATA_PATH_FAMILIES`: symm never on a collective
+profile, hs_native only on host_staged's), as it compares the performance environment: a profile measured under other options is not applied as
 tuned (its numbers are another data path's), one that recorded none (an older moetune measured it) is "unknown",
 never taken to match (served, or passed over with `client.env_mismatch = "refuse"`, as an unrecorded environment is).
 """
@@ -17,18 +18,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from moetune.runtime.options import DATA_PATH_OPTIONS, data_path_digest, data_path_problem
+from moetune.runtime.options import data_path_digest, data_path_problem, options_acting_on
 from moetune.runtime.profile_record import ENGINE_FAMILIES
 
 OptionsStatus = Literal["same", "differs", "unknown"]
 
 
 def relevant_options(values: Mapping[str, Any], family: str | None) -> dict[str, Any]:
-    """The data-path options that act on `family` (None: all of them). The engine families (the megakernel: one GPU's
-    kernel, no EP transport) read none of them: only its own timeout, which is no data-path option."""
+    """The data-path options of `values` that act on `family` (`options.DATA_PATH_FAMILIES`; None: all of them). The
+    engine families (the megakernel: one GPU's kernel, no EP transport) read none of them: only its own timeout,
+    which is no data-path option."""
     if family in ENGINE_FAMILIES:
         return {}
-    return {k: v for k, v in values.items() if k in DATA_PATH_OPTIONS}
+    acting = options_acting_on(family)
+    return {k: v for k, v in values.items() if k in acting}
 
 
 def parse_recorded_options(text: str | bytes | None, digest: str | None = None) -> dict[str, Any] | None:

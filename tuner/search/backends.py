@@ -790,8 +790,9 @@ class LocalBackend(BenchmarkBackend):
         acting = relevant_to(self.perf_environment().variables, self.family)
         if acting:
             out["perf_env"] = perf_env_digest(acting)
-        # and under other data-path runtime options (hs_native, fused_pack, ...): another data path's trials. Always
-        # where any acts: a study from before they were recorded (its options unknown) is not resumed
+        # and under other data-path runtime options that act on the family (options.DATA_PATH_FAMILIES: hs_native
+        # for host_staged, symm for nvlink/proxy, ...): another data path's trials. Always where any acts: a study
+        # from before they were recorded (its options unknown) is not resumed
         options = relevant_options(self.runtime_options().data_path(), self.family)
         if options:
             out["runtime_options"] = data_path_digest(options)
