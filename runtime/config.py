@@ -105,6 +105,9 @@ class Config:
     sources: tuple[str, ...] = ()
     # (section, key) -> the file or variable that set it (keys left at their default are absent)
     origin: Mapping[tuple[str, str], str] = field(default_factory=dict, compare=False, repr=False)
+    # (section, key) set, by a file or a variable, to "" (the default's spelling: README's `db = ""`): `origin` names
+    # where, but the value in effect is the default's, which `configured` does not count
+    set_empty: frozenset[tuple[str, str]] = field(default_factory=frozenset, compare=False, repr=False)
 
     @property
     def db_path(self) -> Path:
@@ -116,6 +119,11 @@ class Config:
     def origin_of(self, section: str, key: str) -> str:
         """Where `section.key` was set: a file, a variable, or "defaults"."""
         return self.origin.get((section, key), "defaults")
+
+    def configured(self, section: str, key: str) -> bool:
+        """Whether a file or a variable set `section.key` to a value of its own: not left at its default, nor set
+        empty (`[store] db = ""`, an exported `MOETUNE_STORE_DB=""`), which means the default."""
+        return (section, key) in self.origin and (section, key) not in self.set_empty
 
 
 _SECTIONS: dict[str, type] = {
@@ -462,6 +470,8 @@ def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> 
     _check_ranges(values, origin, report)
 
     run = paths.runtime_dir(env)
+    # the keys set to "" (the last file or variable to set them), before the defaults below fill them in
+    set_empty = frozenset(k for k in origin if k[0] in _SECTIONS and values[k[0]].get(k[1]) == "")
     daemon_socket_set = bool(values["daemon"]["socket"])
     if not values["store"]["db"]:
         values["store"]["db"] = str(paths.default_db_path(env))
@@ -477,7 +487,7 @@ def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> 
         values["client"]["socket"] = values["daemon"]["socket"] if daemon_socket_set else paths.find_daemon_socket(env)
     values["daemon"]["log_level"] = values["daemon"]["log_level"].lower()
     return Config(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()}, runtime=values[RUNTIME],
-                  sources=tuple(sources), origin=origin)
+                  sources=tuple(sources), origin=origin, set_empty=set_empty)
 
 
 def resolve_db_path(db: Path | str | None = None, config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> Path:

@@ -299,10 +299,10 @@ def default_endpoint(env: Mapping[str, str] = os.environ) -> str:
 def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.environ,
                    configured: str | Path | None = None) -> Path:
     """The database the runtime reads when the daemon is down: `MOETUNE_STORE_DB`, else the config's `[store] db`
-    where a config file sets it (`configured`: None when it is the default), else the one the daemon named in
+    where a config file sets it (`configured`: None or "" when it is the default: left unset, or set empty), else the one the daemon named in
     `daemon.json`, else `default_db_path(env)`. What the user configured outranks the file a daemon left behind:
     a stopped daemon's `daemon.json` redirected a job whose config names another database."""
-    if env.get("MOETUNE_STORE_DB"):
+    if env.get("MOETUNE_STORE_DB"):  # exported but empty: unset (the default), as the config reads it
         return Path(env["MOETUNE_STORE_DB"]).expanduser()
     if configured:
         return Path(configured).expanduser()

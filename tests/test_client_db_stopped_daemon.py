@@ -62,6 +62,27 @@ def test_a_configured_db_outranks_a_stopped_daemons_daemon_json(tmp_path: Path,
     assert seen == [tmp_path / "Y.db"]
 
 
+@pytest.mark.parametrize("how", ["config", "variable"])
+def test_an_empty_db_setting_is_the_default_and_does_not_outrank_daemon_json(tmp_path: Path, how: str) -> None:
+    """`[store] db = ""` (README: the default) and an exported-but-empty MOETUNE_STORE_DB counted as configured (by
+    where they were set, not what): the default database outranked the one the daemon named in daemon.json."""
+    home = tmp_path / "home"
+    daemon_db = tmp_path / "X.db"
+    _daemon_json(home / "run", daemon_db)
+    env = {"MOETUNE_HOME": str(home), "HOME": str(tmp_path)}
+    if how == "config":
+        cfg = tmp_path / "c.toml"
+        cfg.write_text('[store]\ndb = ""\n')
+        env["MOETUNE_CONFIG"] = str(cfg)
+    else:
+        env["MOETUNE_STORE_DB"] = ""
+    c = ProfileClient(env=env, timeout_ms=50)
+    try:
+        assert c.fallback_db() == daemon_db
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("state", ["stopped", "killed"])
 def test_reading_a_daemon_that_is_not_running_s_database_is_said(tmp_path: Path, state: str) -> None:
     home = tmp_path / "home"

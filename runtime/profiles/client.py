@@ -659,8 +659,9 @@ def _client_config(env: Mapping[str, str]) -> tuple[ClientConfig | None, str | N
     if ignored:
         log.warning("moetune: the profile client ignores settings it does not read that are wrong (%s); its own "
                     "[client] settings are used", "; ".join(ignored))
-    # [store] db only where set (a file or MOETUNE_STORE_DB): its default must not outrank the daemon's daemon.json
-    return cfg.client, (cfg.store.db if cfg.origin_of("store", "db") != "defaults" else None)
+    # [store] db only where set to a path (a file or MOETUNE_STORE_DB): its default must not outrank the daemon's
+    # daemon.json, nor must db = "" or an exported-but-empty MOETUNE_STORE_DB, which README documents as the default
+    return cfg.client, (cfg.store.db if cfg.configured("store", "db") else None)
 
 class ProfileClient:
     """A DEALER client for the moetune daemon (one per process; not thread-safe)."""
