@@ -662,8 +662,13 @@ def settings_markdown() -> str:
         "Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`); an empty variable is unset.",
         "The options that change the data path "
         f"({', '.join(f'`{n}`' for n in DATA_PATH_OPTIONS)}) are recorded with every measured profile;",
-        "a tuned profile is applied as tuned only to a job running the values it was measured under (the others",
-        f"change no data path: {', '.join(f'`{n}`' for n in NOT_DATA_PATH_OPTIONS)}).",
+        "a profile that recorded them is applied as tuned only to a job running the same values of the options that",
+        "act on its transport family (" + "; ".join(f"`{n}` on {', '.join(sorted(DATA_PATH_FAMILIES[n]))}"
+                                                    for n in DATA_PATH_OPTIONS) + ").",
+        "A profile that recorded none (an older moetune measured it) has unknown options: it is applied as tuned by",
+        "default, and passed over only with `client.env_mismatch = \"refuse\"`. Megakernel profiles are never",
+        "compared (the kernel reads none of these options). The others change no data path: "
+        f"{', '.join(f'`{n}`' for n in NOT_DATA_PATH_OPTIONS)}.",
         "",
         "| option (`[runtime]` key) | variable | type | default | meaning |",
         "| --- | --- | --- | --- | --- |",
