@@ -283,6 +283,49 @@ def test_rows_without_the_field_stay_readable_as_unknown(tmp_path: Path) -> None
         assert "runtime_options_restored" in {e.kind for e in s.list_events()}
 
 
+def test_the_upgrade_gives_back_only_options_it_would_record(tmp_path: Path) -> None:
+    """0009's upgrade restored any dict a downgrade's event kept: one that fails data_path_problem (an event edited,
+    or written by another program) made a good measured row unreadable. It stays NULL (unknown) now."""
+    path = tmp_path / "m.db"
+    with Store(path) as s:
+        assert s.put_profile(measured(qkey(), DEFAULTS))[0]
+        assert s.put_profile(measured(qkey(bucket=128), OTHER))[0]
+        s.downgrade("0008")
+    con = sqlite3.connect(path)
+    (eid, details), = con.execute("SELECT id, details FROM events WHERE kind = 'runtime_options_dropped'").fetchall()
+    kept = json.loads(details)
+    for entry in kept["profiles"].values():
+        if entry["runtime_options"] == DEFAULTS:
+            entry["runtime_options"] = {**DEFAULTS, "plan_mode": 9}
+    con.execute("UPDATE events SET details = ? WHERE id = ?", (json.dumps(kept), eid))
+    con.commit()
+    con.close()
+    with Store(path) as s:
+        s.upgrade()
+        got = {r.key.token_bucket: r.tuned_runtime_options for _i, r in s.list_profiles()}
+        assert got == {64: None, 128: OTHER}  # both rows readable; the bad value not restored
+
+
+def test_0009s_frozen_check_agrees_with_data_path_problem_today() -> None:
+    """The migration's copy of the check (it may not import the runtime) is today's data_path_problem."""
+    import importlib.util
+
+    f = Path(__file__).resolve().parents[1] / "migrations" / "versions" / "0009_profile_runtime_options.py"
+    spec = importlib.util.spec_from_file_location("m0009", f)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert tuple(mod._OPTION_NAMES) == DATA_PATH_OPTIONS
+    samples: list[Any] = [DEFAULTS, OTHER, {}, {"fused_pack": False}, {"symm": "ipc"}, {"symm": "nvshmem"},
+                          {"proxy_batch": 4}, {"proxy_batch": 0}, {"proxy_batch": True}, {"proxy_batch": 2.0},
+                          {"plan_mode": 2}, {"plan_mode": 3}, {"plan_mode": -1}, {"chunk_weights": [1.0, 2.5]},
+                          {"chunk_weights": [1, 2]}, {"chunk_weights": [0.0]}, {"chunk_weights": [float("inf")]},
+                          {"chunk_weights": [float("nan")]}, {"chunk_weights": []}, {"chunk_weights": "1,2"},
+                          {"hs_native": 1}, {"nvl_gather": "no"}, {"proxy_cpu": "numa"}, ["symm"], None]
+    for v in samples:
+        assert mod._valid_options(v) == (data_path_problem(v) is None), v
+
+
 def test_a_row_whose_digest_is_not_its_copys_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "m.db"
     with Store(path) as s:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import msgspec
 import sqlalchemy as sa
@@ -39,16 +40,43 @@ def _digest(values: dict) -> str:
     return hashlib.sha256(msgspec.json.encode(dict(values), order="sorted")).hexdigest()[:16]
 
 
+# runtime.options.data_path_problem as of this revision, frozen here (a migration must not run live runtime logic):
+# the DATA_PATH_OPTIONS names and their canonical JSON values. A kept value that fails it would make its measured row
+# unreadable (the store refuses such a record): it stays NULL (unknown) instead.
+_OPTION_NAMES = ("hs_native", "symm", "chunk_weights", "proxy_batch", "proxy_peer_access", "proxy_host_wait",
+                 "plan_mode", "nvl_gather", "fused_pack", "fused_fp8")
+_BOOLS = frozenset({"hs_native", "proxy_peer_access", "proxy_host_wait", "nvl_gather", "fused_pack", "fused_fp8"})
+
+
+def _valid_options(values: object) -> bool:
+    if not isinstance(values, dict) or any(k not in _OPTION_NAMES for k in values):
+        return False
+    for name, v in values.items():
+        if name in _BOOLS:
+            ok = type(v) is bool
+        elif name == "symm":
+            ok = v in ("torch", "ipc")
+        elif name == "proxy_batch":
+            ok = type(v) is int and v >= 1
+        elif name == "plan_mode":
+            ok = type(v) is int and 0 <= v <= 2
+        else:  # chunk_weights: floats (spelt as floats) > 0 and finite
+            ok = isinstance(v, list) and all(type(w) is float and 0 < w < math.inf for w in v)
+        if not ok:
+            return False
+    return True
+
+
 def upgrade() -> None:
     with op.batch_alter_table("profiles") as batch:
         batch.add_column(sa.Column("runtime_options", sa.JSON(none_as_null=True), nullable=True))
         batch.add_column(sa.Column("runtime_options_digest", sa.String(16), nullable=True))
     bind = op.get_bind()
     # a downgrade's kept options, back on their rows; only a measured row has them (the store refuses them on a
-    # modelled one), so a row relabelled since gets none
+    # modelled one), so a row relabelled since gets none; and only options this revision would record
     _kept.restore(bind, dropped="runtime_options_dropped", restored="runtime_options_restored",
                   column="runtime_options", empty="runtime_options IS NULL", only="provenance = 'measured'",
-                  valid=lambda v: isinstance(v, dict), stored=json.dumps)
+                  valid=_valid_options, stored=json.dumps)
     for row_id, text in bind.execute(sa.text("SELECT id, runtime_options FROM profiles WHERE runtime_options IS NOT "
                                              "NULL AND runtime_options_digest IS NULL")).fetchall():
         bind.execute(sa.text("UPDATE profiles SET runtime_options_digest = :d WHERE id = :id"),
