@@ -117,6 +117,10 @@ def test_a_profile_that_meets_the_daemons_run_lock_says_a_daemon_serves(tmp_path
 
     ran: list[Any] = []
     monkeypatch.setattr(flow.Bringup, "run", lambda self: ran.append(self) or {})
+    from moetune.tuner.fabric import discovery
+
+    # the capture stands for this node (another node's capture measures nothing: no lock, no database)
+    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
     db = tmp_path / "m.db"
     answers = iter([None])  # the first check finds no daemon; the daemon starts right after it
     monkeypatch.setattr(cli_db, "serving_daemon", lambda path: next(answers, os.getpid()))
