@@ -169,3 +169,48 @@ def test_tune_refuses_a_database_a_daemon_serves(tmp_path: Path) -> None:
         os.close(fd)
     r = CliRunner().invoke(app, args, env={"MOETUNE_HOME": str(tmp_path)})
     assert r.exit_code == 0, r.output
+
+
+def test_a_first_profile_in_a_missing_data_folder_holds_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  fake_run: list[Any]) -> None:
+    # the default database in moetune's own data folder, not made yet: the lock file could not be opened there, and
+    # the run went on unlocked (the store then made the folder): a daemon or a second bring-up was not refused
+    from moetune.tuner.cli import app
+    from moetune.tuner.store.lock_files import run_lock_path
+
+    home = tmp_path / "home"
+    db = home / "moetune.db"
+    locked: list[bool] = []
+
+    from moetune.tuner.bringup import flow
+
+    def run(self: Any) -> dict:
+        fd = os.open(run_lock_path(db), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked.append(False)
+        except OSError:
+            locked.append(True)
+        finally:
+            os.close(fd)
+        return {"calibrate": {}, "compare": [], "report": "r.md"}
+
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    monkeypatch.setenv("MOETUNE_HOME", str(home))
+    r = CliRunner().invoke(app, ["profile", "--capture", str(CAPTURES / "h200x1")],
+                           env={"COLUMNS": "400", "MOETUNE_HOME": str(home)})
+    assert r.exit_code == 0, r.output
+    assert locked == [True]
+    assert home.is_dir()
+
+
+def test_a_profile_in_a_missing_folder_of_its_own_is_refused_not_unlocked(tmp_path: Path,
+                                                                          fake_run: list[Any]) -> None:
+    # not moetune's folder: nothing is created, and the store's refusal is what the user reads (no traceback)
+    db = tmp_path / "typo" / "m.db"
+    r = _profile(db, tmp_path)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, said
+    assert "the folder" in said and "does not exist" in said, said
+    assert "Traceback" not in said and (r.exception is None or isinstance(r.exception, SystemExit)), said
+    assert fake_run == [] and not db.parent.exists()

@@ -33,11 +33,14 @@ def hold_run_lock(db_path: str | Path, ctx: Any) -> None:
     closes (the command returned or failed; a CliRunner test runs the next one in the same process), else when the
     process ends. Exit 1 with the holder's pid when another run holds it."""
     from moetune.tuner.cli.db import abort
+    from moetune.tuner.store.store import StoreError
 
     try:
         fd = take_run_lock(db_path)
     except RunBusy as e:
         refuse_serving_daemon(db_path)  # the holder is a daemon started since the first check (it holds this lock too)
+        abort(str(e), e.exit_code)
+    except StoreError as e:  # a missing folder that is not moetune's: the store's own refusal, said here
         abort(str(e), e.exit_code)
     if fd is not None:
         ctx.call_on_close(lambda: release_run_lock(db_path, fd))

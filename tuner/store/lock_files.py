@@ -129,7 +129,16 @@ def take_run_lock(db_path: str | Path) -> int | None:
     """Take the run lock of `db_path` without waiting: its fd (`release_run_lock` releases it), this process's pid
     written in it. RunBusy when another process holds it. None where no lock file can be made (a folder this user
     may not write, a file of another user or a link planted there): the run goes on unguarded, as the store then
-    says itself what it cannot write."""
+    says itself what it cannot write.
+
+    The database's folder is made first where it is moetune's own data folder (as the store would make it, same
+    rule and mode): a first run on the default database took no lock there (no folder), then the store made it.
+    StoreError, as the store's own, where the folder is missing and not moetune's (the store refuses it anyway)."""
+    from moetune.tuner.store._folders import make_parent
+    from moetune.tuner.store._schema import StoreError
+    from moetune.tuner.store.store import database_path
+
+    make_parent(database_path(db_path), StoreError)
     try:
         return take_lock_file(run_lock_path(db_path))
     except LockFileUnusable:
