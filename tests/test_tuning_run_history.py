@@ -66,3 +66,41 @@ def test_tune_run_twice_keeps_one_done_row(tmp_path: Path) -> None:
         assert r.exit_code == 0, r.output
     with Store(db) as s:
         assert [(r["status"], r["trials"]) for r in s.list_runs()] == [("done", 3)]
+
+
+def test_a_finished_study_whose_rerun_writes_a_profile_records_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # a repeat still runs the profile's write: one that replaced the current profile was hidden from the history
+    from moetune.tuner.search import tune
+
+    with Store(tmp_path / "m.db") as s:
+        _tune(s, tmp_path, 3)
+        real = tune._write_profile
+
+        def wrote(*a: Any, **k: Any) -> Any:
+            rec, _written, _why = real(*a, **k)
+            return rec, True, "replaced the current profile"
+
+        monkeypatch.setattr(tune, "_write_profile", wrote)
+        _tune(s, tmp_path, 3)
+        assert [(r["status"], r["trials"]) for r in s.list_runs()] == [("done", 3), ("done", 3)]
+
+
+def test_a_finished_study_whose_rerun_remeasures_records_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a backend that re-measures (the local one: the side-by-side check, minutes on GPUs) measured on the repeat
+    # even where the incumbent held its own and nothing was reported written
+    from moetune.tuner.search import backends, tune
+
+    with Store(tmp_path / "m.db") as s:
+        _tune(s, tmp_path, 3)
+        calls: list[int] = []
+
+        def held(*_a: Any, **_k: Any) -> Any:
+            calls.append(1)
+            return None, False, "the incumbent held its own"
+
+        monkeypatch.setattr(backends.ModelBackend, "remeasures", True)
+        monkeypatch.setattr(tune, "_write_profile", held)
+        _tune(s, tmp_path, 3)
+        assert calls == [1]
+        assert [(r["status"], r["trials"]) for r in s.list_runs()] == [("done", 3), ("done", 3)]

@@ -412,7 +412,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     until = None if timeout_s is None else time.monotonic() + timeout_s  # this study's end of the time budget
     started = store_now()  # the run's row is made once the study is open (or at its end: `finally`)
     run_id: int | None = None
-    repeat = row_asked = False
+    repeat = row_asked = acted = False  # acted: this run re-measured or wrote a profile (a repeat then has a row)
     status = "failed"
     result: StudyResult | None = None
     study: optuna.Study | None = None
@@ -477,8 +477,12 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         elif stopped := stop is not None and stop():
             record, written, reason = None, False, "stopped before the side-by-side check"
         else:
+            # a backend that re-measures does so side by side here (minutes on GPUs), and may write the incumbent's
+            # fresh number even where it returns written=False: a repeat that got this far is a run of its own
+            acted = recheck and not inert and be.remeasures and result.best is not None
             record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
                                                      inert=inert, recheck=recheck)
+            acted = acted or written
         status = "done" if result.best_knobs is not None else "no_result"
         # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
         cut = spent or (timeout_s is not None and result.trials < trials)
@@ -492,8 +496,9 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         status = "interrupted"
         raise
     finally:
-        if store is not None and run_id is None and not row_asked and not (repeat and status == "done"):
-            # it ended by an error or an interrupt before its row was made (opening the study), or a repeat did: the
+        if store is not None and run_id is None and not row_asked and not (repeat and status == "done" and not acted):
+            # it ended by an error or an interrupt before its row was made (opening the study), or a repeat did, or a
+            # repeat re-measured or wrote a profile (only a pure no-op rerun leaves the first row to stand for it): the
             # history shows it; a store that cannot be written now does not hide the error that ended the run
             try:
                 run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
