@@ -250,17 +250,25 @@ def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkey
 
 
 def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Path) -> None:
-    """When no study succeeds, `moetune tune` names the first failure: an earlier trial whose process died says
-    nothing of what to fix, so the first real failure's error is shown."""
+    """When no study succeeds, `moetune tune` names the first failure (`StudyResult.first_error`, recorded as the
+    study is summed up): an earlier trial whose process died says nothing of what to fix, so the first real
+    failure's error is shown."""
     import os
     import socket
 
     import optuna
 
-    from moetune.tuner.search.study import first_failure, open_study
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import open_study, summarize_study
+
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=1024, nodes=1, gpus_per_node=2)
+    space = SearchSpace(load_policy("host_staged"), experts=128, ep_size=2)
 
     def _first_failure(url: str, name: str) -> str:
-        return first_failure(optuna.load_study(study_name=name, storage=url))
+        return summarize_study(optuna.load_study(study_name=name, storage=url), space, wl).first_error
 
     # host:pid without a run id: an earlier process whose pid this one reuses, i.e. a process that is gone
     gone = f"{socket.gethostname()}:{os.getpid()}"

@@ -945,13 +945,9 @@ def failed_before(study: optuna.Study) -> int:
     return 0 if completed(study) else finished_trials(study)
 
 
-def first_failure(study: optuna.Study) -> str:
-    """The error of the study's first failed trial (what a user needs to fix), or "" where none is recorded. A trial
-    cut short (its process died, Ctrl-C) says nothing of the setting: a real failure's error comes first."""
-    return _first_error(study.get_trials(deepcopy=False), interrupted_ids(study))
-
-
 def _first_error(trials: Sequence[optuna.trial.FrozenTrial], cut: set[int]) -> str:
+    """The error of the first failed trial (what a user needs to fix), or "" where none is recorded. A trial cut short
+    (its process died, Ctrl-C: its id in `cut`) says nothing of the setting: a real failure's error comes first."""
     failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("error")]
     first = next((t for t in failed if not is_interrupted(t, cut)), failed[0] if failed else None)
     return str(first.user_attrs["error"]) if first is not None else ""
@@ -979,7 +975,7 @@ class StudyResult:
     pruned: int
     default_value: float | None = None
     top: list[Knobs] = field(default_factory=list)
-    # the error of the first failed trial (`first_failure`), read as the study is summed up: why a study without a
+    # the error of the first failed trial (`_first_error`), read as the study is summed up: why a study without a
     # successful trial gave nothing, for the caller to say without loading the study again ("" where none failed)
     first_error: str = ""
 
