@@ -167,6 +167,11 @@ def test_fabric_and_profile_open_errors_keep_the_store_errors_status(tmp_path: P
             raise exc("the database says no")
 
     monkeypatch.setattr(store_mod, "Store", Refuse)
+    from moetune.tuner.fabric import discovery
+
+    # the capture stands for this node: on a GPU machine the laptop's capture is another node's, whose bring-up opens
+    # no database (a throwaway in-memory store, which this Refuse would refuse too)
+    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
     db = tmp_path / "m.db"
     db.touch()  # there: fabric diff says of a missing database itself that there is nothing to compare with
     for args in (["fabric", "show", "--record", "--from", CAPTURE], ["fabric", "diff", "--from", CAPTURE],
