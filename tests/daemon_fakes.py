@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -491,7 +492,13 @@ def fake_local_backend(monkeypatch: Any, name: str = "local:fake") -> list[dict]
 
     def make(backend: Any, preset: Any = None, **kw: Any) -> Any:
         seen.append(kw)
-        return measuring_fake(lambda k, w: 10.0 + k.pipeline_depth, name=name)
+        fake = measuring_fake(lambda k, w: 10.0 + k.pipeline_depth, name=name)
+        if "world" in kw:  # refuses what the local backend refuses (an unmeasured group, gloo on GPUs): check_tune asks it
+            from moetune.tuner.search.backends import LocalBackend
+
+            fake.world, fake.comm_backend = kw["world"], kw.get("comm_backend", "gloo")
+            fake.refusal = types.MethodType(LocalBackend.refusal, fake)
+        return fake
 
     monkeypatch.setattr(search, "make_backend", make)
     return seen

@@ -289,7 +289,8 @@ def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Pa
 
 @needs_real
 @pytest.mark.parametrize("node_model", [False, True])
-def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool) -> None:
+def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool,
+                                               caplog: pytest.LogCaptureFixture) -> None:
     """A model the calibration checks refused (written with --force) may still be tuned on when the user points at
     it, but `moetune tune` says, before and after, that it is a forced model (before: not a word; its profiles were
     stored as this node's like any calibrated model's), and the JSON rows carry its warning. Shipped presets and
@@ -318,6 +319,9 @@ def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool)
     assert r.exit_code == 0, r.output
     assert r.stderr.count("FORCED MODEL") == 2 and "REFUSED" in r.stderr and "too few rows" in r.stderr, r.stderr
     assert "without --force" in r.stderr and ("THIS NODE" in r.stderr) == node_model
+    # the backend is built once (check_tune's plan is what the tune runs): its log warning is said once, not twice
+    said = [x for x in caplog.messages if "is a forced fit the calibration checks refused" in x]
+    assert len(said) == 1, said
     rows = json.loads(r.stdout)
     assert rows and all("too few rows" in row["forced_model"] for row in rows)
 

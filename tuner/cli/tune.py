@@ -452,17 +452,7 @@ def tune(
         # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)
         local_opts = {"world": world or ep_size or (gpus if gpus >= 2 else 2),
                       "comm_backend": comm or ("nccl" if gpus else "gloo"), "repeats": repeats, "timeout_s": trial_timeout}
-        from moetune.tuner.search.backends import unmeasured_key
-
-        why = unmeasured_key(local_opts["world"], ep_size or local_opts["world"], nodes, family or ["collective"])
-        if why:  # refused before anything runs: a profile stored as MEASURED for a group that never ran
-            _fail(f"{why} (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes})")
         source = f"{CAPTURE_OPT} {capture}" if capture is not None else "discovery"
-        from moetune.tuner.search.backends import cpu_comm_on_gpus
-
-        why = cpu_comm_on_gpus(local_opts["comm_backend"], gpus, family or ["collective"])
-        if why:  # refused before any database is created: a CPU number stored as the GPU node's profile
-            _fail(f"--comm gloo: {why} ({source} found {gpus} GPU(s))")
         from moetune.tuner.search.tune import gloo_ranks_problem
 
         why = gloo_ranks_problem(local_opts["world"], gpus) if local_opts["comm_backend"] == "gloo" else ""
@@ -475,11 +465,15 @@ def tune(
     from moetune.tuner.search.tune import check_tune
 
     try:  # what the search would refuse before its first study (a family not on this fabric, ...): before any file is made
-        check_tune(facts, models=shapes, backend=backend, preset=preset,
+        plan = check_tune(facts, models=shapes, backend=backend, preset=preset,
                    ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
                    families=family or None, policy_override=policy, node_model=node_model, local_options=local_opts)
     except (ValueError, OSError) as e:
-        _fail(str(e))
+        # an unmeasured EP group or gloo on a GPU node: LocalBackend.refusal says why; the flags that chose it here
+        where = (f" (--world {local_opts['world']}, --ep-size {ep_size or local_opts['world']}, --nodes {nodes}, "
+                 f"--comm {local_opts['comm_backend']}; {source} found {facts.gpu_count} GPU(s))"
+                 if backend == "local" and facts is not None else "")
+        _fail(f"{e}{where}")
     db_path = db if db is not None else cfg.db_path
     url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
     _check_storage(url, storage is not None, create=False)  # refused: no profile database created
@@ -529,7 +523,7 @@ def tune(
                 timeout_s=timeout, ep_size=ep_size or (local_opts.get("world") if backend == "local" else None),
                 nodes=nodes, progress=bar, storage=storage, seed=seed, families=family or None,
                 policy_override=policy, routing=routing, local_options=local_opts, node_model=node_model,
-                on_trial=count)
+                on_trial=count, plan=plan)  # check_tune's plan: built (and its warnings said) once
         except Exception as e:
             from sqlite3 import Error as SqliteError
 

@@ -235,6 +235,9 @@ class _Plan(NamedTuple):
     policies: dict[str, Policy]
 
 
+TunePlan = _Plan  # the public name of what `check_tune` returns and `tune_profiles_detailed(plan=)` takes
+
+
 def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelShape], preset: str | None,
           ep_size: int | None, nodes: int, families: Sequence[str] | None, policy_override: str | Path | None,
           node_model: bool) -> _Plan:
@@ -311,13 +314,15 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
 def check_tune(facts: TuneFacts | None, *, models: list[ModelShape], backend: str | BenchmarkBackend = "model",
                preset: str | None = None, ep_size: int | None = None, nodes: int = 1,
                families: Sequence[str] | None = None, policy_override: str | Path | None = None,
-               node_model: bool = False, local_options: Mapping[str, Any] | None = None) -> None:
+               node_model: bool = False, local_options: Mapping[str, Any] | None = None) -> TunePlan:
     """The ValueError `tune_profiles_detailed` would refuse these settings with before its first study (a family
     not on this fabric, an EP size the models cannot split, ...), raised without opening or creating anything: the
-    CLI asks before it makes the profile database, the studies file and their lock."""
+    CLI asks before it makes the profile database, the studies file and their lock.
+    Returns the plan it built (backend, facts, EP size, policies): handed to `tune_profiles_detailed(plan=...)`
+    it is not built again, so its warnings (a forced-fit preset, a skipped family) are said once."""
     be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
-    _plan(be, facts, models=models, preset=preset, ep_size=ep_size, nodes=nodes, families=families,
-          policy_override=policy_override, node_model=node_model)
+    return _plan(be, facts, models=models, preset=preset, ep_size=ep_size, nodes=nodes, families=families,
+                 policy_override=policy_override, node_model=node_model)
 
 
 def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[ModelShape], tokens: list[int],
@@ -328,8 +333,10 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
                            node_model: bool = False, study_tag: str = "", recheck: bool = True,
-                           stop: Callable[[], bool] | None = None) -> list[TuneResult]:
-    """`study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
+                           stop: Callable[[], bool] | None = None, plan: TunePlan | None = None) -> list[TuneResult]:
+    """`plan`: what `check_tune` returned for these same settings (its backend, facts, EP size and policies), used
+    as it is instead of being built again (which would log its warnings a second time).
+    `study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
     finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
     `recheck=False`: the study's best is returned (`record`), not stored, without `_write_profile`'s side-by-side
     comparison with the incumbent and the policy default, for a caller that makes that comparison itself and
@@ -346,10 +353,11 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
         raise ValueError(f"token counts must be >= 1, got {tokens}")
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
-    be = make_backend(backend, preset, facts=facts, **dict(local_options or {}))
-    be, facts, ep_size, gpus_per_node, policies = _plan(be, facts, models=models, preset=preset, ep_size=ep_size,
-                                                        nodes=nodes, families=families,
-                                                        policy_override=policy_override, node_model=node_model)
+    if plan is None:
+        plan = _plan(make_backend(backend, preset, facts=facts, **dict(local_options or {})), facts, models=models,
+                     preset=preset, ep_size=ep_size, nodes=nodes, families=families,
+                     policy_override=policy_override, node_model=node_model)
+    be, facts, ep_size, gpus_per_node, policies = plan
     url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
     rates = facts_link_rates(facts)
