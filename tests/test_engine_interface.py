@@ -110,3 +110,13 @@ def test_the_layer_shows_its_engines_state(monkeypatch: pytest.MonkeyPatch) -> N
     assert (un.engine, un.weights_tiled, un.engine_knobs, un.engine_buckets, un.megakernel) == (
         "unfused", False, None, None, None)
     assert un.resolve_buckets() == {}
+
+
+def test_every_declared_capability_and_hook_is_used_by_the_layer() -> None:
+    """A capability or optional hook the layer never reads is a contract nobody keeps (graph_capturable and resolve
+    were such): each one the base class declares is read or called in runtime/moe_layer.py."""
+    src = (Path(base.__file__).resolve().parents[1] / "moe_layer.py").read_text()
+    hooks = [n for n, v in vars(base.MoEEngine).items()
+             if inspect.isfunction(v) and not n.startswith("_") and n not in ("problem", "forward", "forward_routed")]
+    for name in [*base.CAPABILITIES, *hooks]:
+        assert f"_engine.{name}" in src, name

@@ -6,9 +6,10 @@ The layer keeps what every engine shares (arguments, weights, the input checks a
 each call to its engine; an engine takes the layer as an argument and keeps no reference to it.
 
 Lifecycle: `problem(...)` (a class method, cheap: may it run a layer here, and why not), construction by
-`choice.choose_engine`, then per call `forward` / `forward_routed` (the layer has checked the inputs at world 1),
-`resolve` of a call's token bucket where the engine's settings are per bucket, `rebind` after the layer's
-parameters were replaced, `check` / `clear_error` of a device-side error record.
+`choice.choose_engine`, then per call `forward` / `forward_routed` (the layer has checked the inputs at world 1;
+an engine whose settings are per token bucket settles the call's bucket itself), `resolve_buckets` before CUDA
+graphs are captured, `rebind` after the layer's parameters were replaced, `check` / `clear_error` of a
+device-side error record.
 
 Capabilities: what tells the engines apart is declared here, once, as class attributes with their defaults; the
 layer reads them instead of testing which engine it holds. `CAPABILITIES` lists them (a test checks every engine
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 
 # name -> what it promises (a test checks that every engine class declares each as a bool)
 CAPABILITIES: dict[str, str] = {
-    "graph_capturable": "every forward, whatever the layer's settings, is free of host syncs once its token buckets "
-                        "are resolved (`MoELayer.resolve_buckets()`): a CUDA-graph replay of it is valid",
     "distinct_expert_ids": "forward_routed needs a token's expert ids to be distinct (the layer's input check at "
                            "world 1 refuses repeats)",
     "tiled_weights": "while the engine runs, the layer's expert parameters hold the megakernel's k-tiled layout "
@@ -42,7 +41,6 @@ class MoEEngine(ABC):
 
     # the value of the knob `engine` (and of `MoELayer.engine`) this class runs
     name: ClassVar[str]
-    graph_capturable: ClassVar[bool] = False
     distinct_expert_ids: ClassVar[bool] = False
     tiled_weights: ClassVar[bool] = False
 
@@ -70,10 +68,6 @@ class MoEEngine(ABC):
 
     # -- optional hooks: the defaults are those of an engine with nothing per bucket, no copy of the parameters
     # and no device-side error record -----------------------------------------------------------------------
-    def resolve(self, tokens: int) -> None:
-        """Settle the settings a call of `tokens` tokens runs with (per token bucket). Default: one setting for every
-        S, nothing to do."""
-
     def resolve_buckets(self, max_tokens: int) -> dict[int, Knobs]:
         """Resolve every token bucket a call of 1..max_tokens tokens falls in, now (before capturing CUDA graphs).
         Returns {bucket: knobs}; {} where the settings are not per bucket."""

@@ -34,7 +34,6 @@ _PARAMS = ("w_gate_up", "w_down", "gate")  # the layer's parameters the megakern
 
 class MegakernelEngine(MoEEngine):
     name: ClassVar[str] = "megakernel"
-    graph_capturable: ClassVar[bool] = True  # routing + one persistent kernel, no host sync
     distinct_expert_ids: ClassVar[bool] = True  # its per-expert row lists hold one row per token
     tiled_weights: ClassVar[bool] = True
 

@@ -23,7 +23,6 @@ class UnfusedEngine(MoEEngine):
     # not for every setting: world 1 with grouped GEMMs captures (local_forward keeps everything on the device), the
     # per-expert loop (no grouped GEMM) syncs, and at world > 1 the EP buffer's layout and transport decide
     # (docs/runtime.md, "CUDA graphs")
-    graph_capturable: ClassVar[bool] = False
 
     @classmethod
     def problem(cls, device: Any, dtype: Any, model: Any, world: int) -> str | None:
