@@ -465,19 +465,15 @@ def proxy_cpu_setting(value: Any) -> tuple[str, tuple[int, ...]]:
     return "cpus", cpus
 
 
-_TRUE, _FALSE = _config.TRUE_WORDS, _config.FALSE_WORDS  # one spelling of a bool variable (config.parse_bool)
-
-
 def _parse_env(doc: OptionDoc, raw: str) -> Any:
     kind = RuntimeOptions.__annotations__[doc.name]
     text = raw.strip()
     where = f"runtime option {doc.name} ({doc.env}={raw!r})"
-    if kind == "bool":
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise RuntimeOptionError(f"{where}: expected 1/0 (or true/false, yes/no, on/off)")
+    if kind == "bool":  # config.parse_bool: one reading of a bool variable; a RuntimeOptionError, as for the others
+        try:
+            return _config.parse_bool(raw, where)
+        except _config.ConfigError as e:
+            raise RuntimeOptionError(str(e)) from None
     if kind == "int":
         value = int_of_text(text)  # not int(): it takes "1_0" as 10
         if value is None:

@@ -124,3 +124,15 @@ def test_the_buffer_takes_its_options_from_the_config(env: dict[str, str], tmp_p
 def test_ranks_compare_the_options_digest() -> None:
     a, b = RuntimeOptions(), RuntimeOptions(symm="ipc")
     assert a.digest() == RuntimeOptions().digest() and a.digest() != b.digest()
+
+
+def test_a_bool_variable_is_read_by_config_parse_bool_and_named_when_bad() -> None:
+    """A bool option's variable takes config.parse_bool's words (one reading of a bool variable); a bad one is a
+    RuntimeOptionError naming the option and its variable."""
+    from moetune.runtime.options import OPTION_DOCS, RuntimeOptionError, RuntimeOptions
+
+    doc = next(d for d in OPTION_DOCS if RuntimeOptions.__annotations__[d.name] == "bool")
+    assert getattr(RuntimeOptions.from_env({doc.env: " On "}), doc.name) is True
+    assert getattr(RuntimeOptions.from_env({doc.env: "no"}), doc.name) is False
+    with pytest.raises(RuntimeOptionError, match=f"{doc.name} \\({doc.env}='maybe'\\).*expected true or false"):
+        RuntimeOptions.from_env({doc.env: "maybe"})

@@ -228,9 +228,16 @@ def daemon_info_down(info: dict[str, Any]) -> str | None:
     exit leaves the file so), or this host's pid it names is gone (a kill). Another host's pid cannot be told."""
     if info.get("running") is not True:
         return "stopped: its daemon.json says \"running\": false"
+    pid = _gone_pid(info)
+    return None if pid is None else f"its pid {pid} is gone"
+
+
+def _gone_pid(info: dict[str, Any]) -> int | None:
+    """The pid a daemon.json names when it is this host's and gone, else None (another host's pid, or a daemon.json
+    without a host (older moetune), cannot be told): the one check of `daemon_info_down` and `stale_daemon_reason`."""
     pid = info.get("pid")
     if type(pid) is int and pid > 0 and info.get("host") == socket.gethostname() and _pid_gone(pid):
-        return f"its pid {pid} is gone"
+        return pid
     return None
 
 
@@ -255,13 +262,11 @@ def stale_daemon_reason(endpoint: str) -> str | None:
         return None
     if not isinstance(data, dict) or data.get("running") is not True:
         return None
-    named, pid, host = data.get("endpoint"), data.get("pid"), data.get("host")
+    named = data.get("endpoint")
     if not isinstance(named, str) or ipc_path(named) != p:
         return None
-    # no host recorded (a daemon.json of a moetune before it was): cannot tell it is this host's pid
-    if type(pid) is not int or pid <= 0 or host != socket.gethostname():
-        return None
-    if not _pid_gone(pid):
+    pid = _gone_pid(data)  # None: another host's, no host recorded, or alive (or reused)
+    if pid is None:
         return None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(0.2)
