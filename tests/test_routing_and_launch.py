@@ -106,3 +106,32 @@ def test_free_port_never_hands_out_one_port_twice(monkeypatch) -> None:
     monkeypatch.setattr(L, "_handed_out", set())
     monkeypatch.setattr(socket, "socket", OnePortTwice)
     assert [L.free_port(), L.free_port()] == [50001, 50002]
+
+
+def test_a_group_that_did_not_form_is_started_once_more(monkeypatch) -> None:
+    """Every rank failing to form the group (a port race between concurrent launches under xdist: "Connection closed
+    by peer" from Gloo) starts the ranks once more on fresh ports; a failure of fn, or a second rendezvous failure,
+    is raised."""
+    import pickle
+
+    from moetune.runtime.testing import launch as L
+
+    calls: list[int] = []
+    rendezvous = {0: L.RENDEZVOUS + "RuntimeError: Gloo connectFullMesh failed", 1: L.RENDEZVOUS + "RuntimeError: x"}
+
+    def once(*_a, **_k):
+        calls.append(1)
+        return ({}, dict(rendezvous)) if len(calls) == 1 else ({0: pickle.dumps("a"), 1: pickle.dumps("b")}, {})
+
+    monkeypatch.setattr(L, "_launch_once", once)
+    assert L.launch(_group_facts, 2) == ["a", "b"] and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(L, "_launch_once", lambda *_a, **_k: calls.append(1) or ({}, dict(rendezvous)))
+    with pytest.raises(L.LaunchError):
+        L.launch(_group_facts, 2)
+    assert len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(L, "_launch_once", lambda *_a, **_k: calls.append(1) or ({0: pickle.dumps(1)}, {1: "ValueError"}))
+    with pytest.raises(L.LaunchError):
+        L.launch(_group_facts, 2)
+    assert len(calls) == 1  # fn ran and failed: not started again

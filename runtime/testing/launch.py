@@ -94,7 +94,11 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
     os.environ.update(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # share the cores between the ranks
     try:
-        init_dist(rank, world, backend=backend, port=port, timeout_s=timeout_s)
+        try:
+            init_dist(rank, world, backend=backend, port=port, timeout_s=timeout_s)
+        except Exception as e:  # the group did not form: `launch` may start the ranks again on another port
+            q.put((rank, False, f"{RENDEZVOUS}{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+            return
         result = fn(rank, world, *args)
         # plain pickle (bytes): tensors are copied, not shared through file descriptors that vanish when
         # this process exits before the parent reads them
@@ -115,6 +119,12 @@ def destroy_group_quietly() -> None:
         pass
 
 
+# Prefixes the error of a rank whose process group did not form (before `fn` ran): where every rank failed so, the
+# group's rendezvous lost a race for its ports (another process took the master port picked by free_port, or
+# connected to a Gloo pair's listening port: "Connection closed by peer"), and nothing of `fn` has run.
+RENDEZVOUS = "process group not formed: "
+
+
 def launch(
     fn: Callable[..., Any],
     world: int,
@@ -131,6 +141,22 @@ def launch(
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    for attempt in range(2):
+        results, errors = _launch_once(fn, world, backend, args, timeout_s, join_timeout_s, env)
+        # once more on fresh ports where no rank got past forming the group (nothing of fn ran): a port race
+        # between concurrent launches, not a failure of fn
+        if attempt == 0 and errors and not results and len(errors) == world and all(
+                str(e).startswith(RENDEZVOUS) for e in errors.values()):
+            continue
+        break
+    if errors:
+        raise LaunchError(errors)
+    return [pickle.loads(results[r]) for r in range(world)]
+
+
+def _launch_once(fn: Callable[..., Any], world: int, backend: str, args: tuple, timeout_s: float,
+                 join_timeout_s: float | None, env: dict[str, str] | None) -> tuple[dict[int, Any], dict[int, str]]:
+    """One start of the ranks on a port of their own: (results, errors) by rank."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -172,9 +198,7 @@ def launch(
         # interrupted (Ctrl-C, SIGTERM raised as KeyboardInterrupt) or failed here: no result is wanted, end the
         # ranks now (waiting 5 s for each to finish its run kept a SIGTERM'd `bench ep` alive world x 5 s)
         _end_ranks(procs, grace_s=5.0 if waited else 0.0)
-    if errors:
-        raise LaunchError(errors)
-    return [pickle.loads(results[r]) for r in range(world)]
+    return results, errors
 
 
 def _end_ranks(procs: list[Any], grace_s: float) -> None:
