@@ -408,6 +408,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     finally:
         if be is not backend:
             be.close()  # built here (a backend name): end its persistent bench workers
+        # the studies file's engine is this call's: disposed here, not by a finaliser at some later point (whose WAL
+        # checkpoint rewrote the files then), and not kept by a daemon after each re-tune job
+        st.engine.dispose()
     return out
 
 
