@@ -411,3 +411,33 @@ def test_report_from_the_database_keeps_the_bring_ups_notes_and_plots(profile_cl
     after = (out / "report.md").read_text()
     assert (out / "importances.png").is_file() and "](importances.png)" in after
     assert after[after.index("## Notes"):] == notes
+
+
+@pytest.mark.parametrize("where", ["option", "plan"])
+def test_token_counts_sharing_a_bucket_are_tuned_once(profile_cli: Any, monkeypatch: pytest.MonkeyPatch,
+                                                      where: str) -> None:
+    """`tokens = [16, 16, 15]` (a plan's or --tokens) went to the tuner as given, which tuned bucket 16 once without
+    a word; like tune, profile now passes one count a bucket and says on stderr which counts shared it."""
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.search import tune
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])
+    studies: list[list[int]] = []
+    real = tune.tune_profiles_detailed
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        studies.append(list(kw["tokens"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tune, "tune_profiles_detailed", counting)
+    MEASURE["fn"] = flat
+    if where == "plan":
+        plan = profile_cli.db.parent.parent / "plan.toml"
+        plan.write_text(plan.read_text().replace("tokens = [16]", "tokens = [16, 16, 15]"))
+        r = profile_cli()
+    else:
+        r = profile_cli("--tokens", "16,16,15")
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert said.count("share a token bucket, tuned once") == 1 and "16, 16, 15 (bucket 16)" in said, said
+    assert studies == [[16]], studies

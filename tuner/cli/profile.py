@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.tuner.cli._args import (
+    distinct_buckets,
     int_list,
     nearest_existing,
     path_option,
@@ -217,6 +218,12 @@ def profile(
         plan.validate(f"plan file {plan_file}" if plan_file is not None else "plan")
     except ValueError as e:
         _fail(str(e))
+    # one study a bucket, as tune: `tokens = [128, 128, 100]` was tuned as bucket 128 once without a word; said once
+    # on stderr, never a silent drop
+    plan.tokens, note = distinct_buckets(plan.tokens, "--tokens" if toks else
+                                         f"plan file {plan_file}: tokens" if plan_file is not None else "tokens")
+    if note:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: {note}", markup=False)
     if report_dir is not None:
         _check_out_dir(report_dir, "--report-dir")
     # the node and the plan are checked before the database is opened: a refusal leaves no new database behind
