@@ -489,12 +489,12 @@ class _TrackClient(ProfileClient):
     """A ProfileClient whose get_profile and fabric answers, queued changes and subscription are faked; its judgement
     is the real one, with this node FP/SW (the daemon reports this node's facts, which the client checks)."""
 
-    def __init__(self, answer: Any, **kw: Any) -> None:
+    def __init__(self, answer: Any, job_env: dict[str, str] | None = None, **kw: Any) -> None:
         run = Path(tempfile.mkdtemp(prefix="moetune-track-")) / "run"  # mkdtemp: 0700, as a runtime directory must be
         run.mkdir(mode=0o700)
         (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "host": socket.gethostname(),
                                                      "running": True, "epoch": "e1"}))
-        super().__init__(f"ipc://{run}/daemon.sock", env={"HOME": str(run.parent)}, **kw)
+        super().__init__(f"ipc://{run}/daemon.sock", env={"HOME": str(run.parent), **(job_env or {})}, **kw)
         self.answer, self.changes = answer, []
         self.version, self.epoch, self.restarted = 0, "e1", False
 
@@ -567,6 +567,33 @@ def test_a_tracked_modelled_profile_is_kept_with_allow_modelled_and_not_called_t
     assert t.current is not None and t.error is None and not t.tuned
     t = client.TrackedProfile(_TrackClient(msgspec.convert(result(), wire.ProfileResult)), QUERY)  # type: ignore[arg-type]
     assert t.current is not None and t.tuned
+
+
+def test_a_tracked_profile_is_judged_under_the_tracking_jobs_options() -> None:
+    """Before: track() took no options and judged every fetch under the config's and variables' options, never the
+    job's own (an EP buffer built with explicit ones): a profile tuned under other data-path options stayed `current`
+    and tuned, and one tuned under the job's was refused because of a variable the job had overridden."""
+    from moetune.runtime.options import RuntimeOptions
+
+    tuned = msgspec.convert(result(runtime_options=RuntimeOptions().data_path()), wire.ProfileResult)
+    t = _TrackClient(tuned).track(options=RuntimeOptions(fused_pack=False), **QUERY)
+    assert t.current is None and isinstance(t.error, client.ProfileRefused), t.error
+    assert "fused_pack: tuned with true, job has false" in str(t.error)
+    assert t.options == RuntimeOptions(fused_pack=False)
+    # the job's options win over the variables, as in resolve(options=...)
+    t = _TrackClient(tuned, job_env={"MOETUNE_FUSED_PACK": "0"}).track(options=RuntimeOptions(), **QUERY)
+    assert t.current == tuned and t.tuned and t.error is None
+    t = _TrackClient(tuned, job_env={"MOETUNE_FUSED_PACK": "0"}).track(**QUERY)  # None: the variables, as before
+    assert t.current is None and "fused_pack" in str(t.error)
+    # and so is every later fetch: a refresh keeps judging under them
+    c = _TrackClient(tuned, job_env={"MOETUNE_FUSED_PACK": "0"})
+    t = c.track(options=RuntimeOptions(), **QUERY)
+    c.changes = [wire.Change(version=2, epoch="e1", kind="profile_updated", ts=0.0)]
+    c.answer = msgspec.structs.replace(tuned, version=2)
+    t.refresh()
+    assert t.current == c.answer and t.tuned
+    with pytest.raises(TypeError, match="options must be a RuntimeOptions"):
+        _TrackClient(tuned).track(options={"fused_pack": False}, **QUERY)  # type: ignore[arg-type]
 
 
 def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:

@@ -39,8 +39,8 @@ environment was not recorded, over instead, so the chain ends at the policy defa
 
 The runtime options (hs_native, symm, fused_pack, ...: the data-path ones, runtime/options.py DATA_PATH_OPTIONS): a
 tuned profile carries those it was measured under (`ProfileRecord.runtime_options`; not recorded: "unknown", never
-taken to match). They are compared with the job's (`resolve(options=...)`, an EP buffer's; else what the config and
-`env` resolve): a profile measured under other options is never applied as tuned (passed over, the fallback warning
+taken to match). They are compared with the job's (`resolve(options=...)` and `track(options=...)`, an EP buffer's;
+else what the config and `env` resolve): a profile measured under other options is never applied as tuned (passed over, the fallback warning
 names each option, as an environment difference is named); an unrecorded one is judged as an unrecorded environment
 is (served, or passed over with `env_mismatch = "refuse"`), and the resolution says which (`options_status`).
 
@@ -1052,11 +1052,14 @@ class ProfileClient:
                 out.append(ch)
         return out
 
-    def track(self, *, transport_ok: Callable[[str], str | None] | None = None, **query: Any) -> TrackedProfile:
-        """`query`: get_profile's fields; `transport_ok` as for `resolve`. Tracking needs the daemon (its change
-        notices): with none answering this raises DaemonUnavailable, where `resolve` would fall back to the database;
-        `refresh()` raises it too when the daemon stops answering between a change notice and the fetch."""
-        return TrackedProfile(self, query, transport_ok)
+    def track(self, *, transport_ok: Callable[[str], str | None] | None = None, options: RuntimeOptions | None = None,
+              **query: Any) -> TrackedProfile:
+        """`query`: get_profile's fields; `transport_ok` and `options` as for `resolve` (`options`: the runtime
+        options of the job that tracks, an EP buffer's; None: the config's and `env`'s): every fetch is judged under
+        them. Tracking needs the daemon (its change notices): with none answering this raises DaemonUnavailable,
+        where `resolve` would fall back to the database; `refresh()` raises it too when the daemon stops answering
+        between a change notice and the fetch."""
+        return TrackedProfile(self, query, transport_ok, options)
 
     # -- the fallback chain ----------------------------------------------------------------------
     def resolve(
@@ -1496,14 +1499,19 @@ class TrackedProfile:
     """One key's profile kept current: subscribe, snapshot, then apply newer changes (Clone pattern).
 
     `current` is only a profile `resolve` would apply (the same reply checks and judgement: node identity,
-    allow_modelled, `transport_ok`, env_mismatch = refuse); `tuned` says whether it is applied as tuned (else it is
-    MODELLED, allowed by allow_modelled). Otherwise `current` is None and `error` says why."""
+    allow_modelled, `transport_ok`, the data-path runtime options `options`, env_mismatch = refuse); `tuned` says
+    whether it is applied as tuned (else it is MODELLED, allowed by allow_modelled). Otherwise `current` is None and
+    `error` says why. `options`: the tracking job's RuntimeOptions (None: what the config and the client's `env`
+    resolve at each fetch), as `resolve(options=...)` takes them."""
 
     def __init__(self, client: ProfileClient, query: dict[str, Any],
-                 transport_ok: Callable[[str], str | None] | None = None):
+                 transport_ok: Callable[[str], str | None] | None = None, options: RuntimeOptions | None = None):
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise TypeError(f"TrackedProfile: options must be a RuntimeOptions or None, got {type(options).__name__}")
         self.client = client
         self.query = query
         self.transport_ok = transport_ok
+        self.options = options  # every fetch is judged under these (a profile tuned under others is refused)
         self.current: wire.ProfileResult | None = None
         self.tuned = False
         self.error: DaemonError | BadReply | ProfileRefused | None = None
@@ -1521,7 +1529,7 @@ class TrackedProfile:
             c = self.client
             verdict, why, _, _ = c._judge_reply(res, read_daemon_info(c.endpoint, c._env), self.transport_ok,
                                                 performance_environment(c._env).variables,
-                                                time.monotonic() + c.timeout_ms / 1000, c._job_options(None))
+                                                time.monotonic() + c.timeout_ms / 1000, c._job_options(self.options))
             self.client.version = res.version  # the snapshot's version (a refused profile's too: it was read)
             self.client.restarted = False
             if verdict is None:
