@@ -511,3 +511,78 @@ def test_an_ep_buffer_looks_up_under_its_own_options(monkeypatch: pytest.MonkeyP
     finally:
         autoload.clear_cache()
     assert [o.fused_pack for o in seen] == [False, True]
+
+
+def test_autoload_knobs_forwards_the_callers_options(node_db, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: autoload_knobs took no options, so it always looked up under the config's and variables' options."""
+    tuned = measured(qkey(), DEFAULTS)
+    db = node_db([tuned])
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{tmp_path}/nowhere/daemon.sock")
+    monkeypatch.setenv("MOETUNE_STORE_DB", str(db))
+    monkeypatch.setenv("MOETUNE_FUSED_PACK", "0")  # the job's own options override it
+    kw: dict[str, Any] = {"model": QWEN, "ep_size": 2, "nodes": 1, "max_tokens": 100}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert autoload.autoload_knobs(**kw, options=RuntimeOptions()) == tuned.knobs
+        assert autoload.last_resolution().tuned  # type: ignore[union-attr]
+        assert autoload.autoload_knobs(**kw, options=RuntimeOptions(symm="ipc")) != tuned.knobs
+        assert autoload.autoload_knobs(**kw) != tuned.knobs  # None: the variables, as before
+    # a group of several ranks goes through autoload_group_profile, with the same options
+    seen: list[Any] = []
+
+    def group_profile(**kw: Any) -> Resolution:
+        seen.append(kw["options"])
+        return Resolution(knobs=tuned.knobs, source="daemon", profile_hash="h", status="current")
+
+    monkeypatch.setattr(autoload, "_dist_on", lambda group=None: True)
+    monkeypatch.setattr(autoload, "autoload_group_profile", group_profile)
+    mine = RuntimeOptions(fused_pack=False)
+    assert autoload.autoload_knobs(model=QWEN, ep_size=2, max_tokens=100, options=mine) == tuned.knobs
+    assert seen == [mine]
+
+
+def test_whether_a_profiles_transport_runs_is_asked_under_the_callers_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the lookup asked a transport's availability under the config's and variables' options (host_staged's
+    depends on hs_native on a GPU; there an unreadable MOETUNE_* variable made it 'availability check failed' and passed
+    its profile over), not the options of the EP buffer that looks up, which its own knobs are checked under."""
+    from moetune.runtime.transports.base import Availability
+    from moetune.runtime.transports.host_staged import HostStagedTransport
+
+    asked: list[Any] = []
+
+    def availability(cls: Any, device: Any = None, options: Any = None) -> Availability:
+        asked.append(options)
+        return Availability(options is None or options.hs_native, "test")
+
+    monkeypatch.setattr(HostStagedTransport, "availability", classmethod(availability))
+    monkeypatch.setattr(autoload, "_availability", {})
+    mine = RuntimeOptions(hs_native=False)
+
+    class Client:
+        def resolve(self, *, transport_ok: Callable[[str], str | None], **kw: Any) -> Resolution:
+            assert kw["options"] is mine
+            knobs = default_knobs("collective")
+            return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                              message=str(transport_ok("host_staged")))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(autoload, "ProfileClient", Client)
+    monkeypatch.setattr(autoload, "client_autoload", lambda: (True, "test"))
+    autoload.clear_cache()
+    try:
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=100, device="cpu", options=mine,
+                                        export_env=False)
+    finally:
+        autoload.clear_cache()
+    assert asked == [mine] and res.message == "test"
+    # cached per options: other options are asked again, the same ones are not
+    assert autoload.runtime_transport_problem("host_staged", "cpu", RuntimeOptions()) is None
+    assert autoload.runtime_transport_problem("host_staged", "cpu", mine) == "test"
+    assert asked == [mine, RuntimeOptions()]
+    # the group's fallback (hosts that resolved different profiles) checks rank 0's default under them too
+    hs = Resolution(knobs=default_knobs("host_staged"), source="daemon", profile_hash="h", status="current",
+                    family="host_staged")
+    assert autoload._group_default(hs, 2, "cpu", "test", mine).family == "collective"
+    assert autoload._group_default(hs, 2, "cpu", "test", RuntimeOptions()).family == "host_staged"

@@ -765,7 +765,7 @@ def test_autoload_cache_never_hands_one_devices_resolution_to_another(monkeypatc
             pass
 
     monkeypatch.setattr(autoload, "ProfileClient", Client)
-    monkeypatch.setattr(autoload, "_availability", {("nvlink", "cuda:0"): None, ("nvlink", "cpu"): "needs CUDA"})
+    monkeypatch.setattr(autoload, "_availability", {("nvlink", "cuda:0", None): None, ("nvlink", "cpu", None): "needs CUDA"})
     autoload.clear_cache()
     try:
         on = {d: autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=128, device=d).knobs.transport

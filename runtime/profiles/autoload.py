@@ -1,6 +1,6 @@
 """Auto-load the tuned knobs when an EP buffer or MoE layer is made without explicit knobs.
 
-`autoload_knobs(model=..., ep_size=..., group=..., max_tokens=..., device=...)`:
+`autoload_knobs(model=..., ep_size=..., group=..., max_tokens=..., device=..., options=...)`:
 1. asks the daemon (`get_profile`, one round trip) for the current profile of this node's fabric, the
    model shape, the EP size and node count, at the token bucket nearest `max_tokens`; the daemon
    fills in the fingerprint of the fabric it discovered;
@@ -26,6 +26,11 @@ the device), so the many layers of one model cost one lookup.
 
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
+
+`options` (every entry point here takes it: the caller's RuntimeOptions, an EP buffer's or MoE layer's; None: what
+the config's `[runtime]` table and the MOETUNE_* variables resolve) are the runtime options the job runs: a tuned
+profile measured under other data-path options is not applied as tuned (client.py), whether a profile's transport
+can run here is asked under them (host_staged's answer depends on hs_native), and results are cached per options.
 
 `dtype` is the activation dtype the caller runs at (a `ModelShape.dtype` name or a torch dtype); the lookup key
 carries it instead of `model.dtype` (an fp32 buffer of a bf16 model is not served the bf16 profile). `max_tokens`
@@ -125,14 +130,16 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-_availability: dict[tuple[str, str], str | None] = {}
+_availability: dict[tuple[str, str, str | None], str | None] = {}
 
 
-def runtime_transport_problem(name: str, device: Any = None) -> str | None:
+def runtime_transport_problem(name: str, device: Any = None, options: RuntimeOptions | None = None) -> str | None:
     """Why this runtime cannot run transport `name` on `device` (None when it can): not in the transport
     registry (a served `ibgda`), its module missing, or (with a `device`; EPBuffer always gives one)
-    unavailable there (nvlink on a CPU device). Cached per process: availability may load the compiled library."""
-    ck = (name, str(device))
+    unavailable there (nvlink on a CPU device) under `options` (the caller's RuntimeOptions, as EPBuffer checks its
+    knobs' transport; None: the config's and variables'). Cached per process, device and options: availability may
+    load the compiled library."""
+    ck = (name, str(device), None if options is None else options.digest())
     if ck in _availability:
         return _availability[ck]
     if name == MEGAKERNEL_FAMILY:  # not a transport: the one-GPU MoE kernel (its device, arch and build checks)
@@ -152,7 +159,7 @@ def runtime_transport_problem(name: str, device: Any = None) -> str | None:
         if device is not None:
             import torch
 
-            avail = cls.availability(torch.device(device))
+            avail = cls.availability(torch.device(device), options)
             why = None if avail.ok else avail.reason
     except (KeyError, ImportError, TypeError) as e:
         why = str(e).strip("'\"")
@@ -234,7 +241,8 @@ def _resolve(
         try:
             return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
                              transport_family=transport_family,
-                             transport_ok=lambda name: runtime_transport_problem(name, device), options=options)
+                             transport_ok=lambda name: runtime_transport_problem(name, device, options),
+                             options=options)
         finally:
             if own:
                 c.close()
@@ -248,15 +256,16 @@ def _resolve(
 
 def autoload_knobs(
     *, model: ModelShape, ep_size: int, nodes: int | None = None, max_tokens: int, device: Any = None, group: Any = None,
-    dtype: Any = None,
+    dtype: Any = None, options: RuntimeOptions | None = None,
 ) -> Knobs:
     """Knobs for an EP buffer / MoE layer made without explicit knobs (see the module docstring). With a
-    process group of more than one rank this is `autoload_group_profile` (collective): every rank gets rank 0's."""
+    process group of more than one rank this is `autoload_group_profile` (collective): every rank gets rank 0's.
+    `options`: the caller's RuntimeOptions, as `autoload_profile` takes them (None: the config's and variables')."""
     if _dist_on(group) and nodes is None:
         return autoload_group_profile(model=model, ep_size=ep_size, max_tokens=max_tokens, device=device, group=group,
-                                      dtype=dtype).knobs
+                                      dtype=dtype, options=options).knobs
     return autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
-                            group=group, dtype=dtype).knobs
+                            group=group, dtype=dtype, options=options).knobs
 
 
 # -- one resolution for a whole group ----------------------------------------------------------------------
@@ -295,13 +304,15 @@ def _all_gather_text(text: str, group: Any, device: Any) -> list[str]:
     return [bytes(b.cpu().tolist()[: int(k.item())]).decode(errors="replace") for b, k in zip(bufs, ns, strict=True)]
 
 
-def _group_default(res: Resolution, nodes: int, device: Any, why: str) -> Resolution:
-    """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it."""
+def _group_default(res: Resolution, nodes: int, device: Any, why: str,
+                   options: RuntimeOptions | None = None) -> Resolution:
+    """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it under
+    `options` (the group's RuntimeOptions)."""
     family = res.family or "collective"
     if family.startswith("nvlink") and nodes > 1:
         family = "collective"
     knobs, source = policy_or_default(family)
-    if runtime_transport_problem(knobs.transport, device) is not None:
+    if runtime_transport_problem(knobs.transport, device, options) is not None:
         family, (knobs, source) = "collective", (default_knobs("collective"), "default")
     # as every other path (client.resolve): only what launcher_env may produce. The family is rank 0's resolution's,
     # which came from a daemon reply or a database row: its provider string is not checked by anything before this
@@ -363,7 +374,7 @@ def autoload_group_profile(
                 detail = ", ".join(f"rank {r}: {h}" for r, h in per_host.items())
                 why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
                        f"measured per node, so every host must resolve the same one")
-                final = _group_default(mine, nodes, device, why)
+                final = _group_default(mine, nodes, device, why, options)
                 warn_fallback(f"moetune: using the policy default on every rank ({final.message})")
         payload = msgspec.json.encode(final)
     try:
