@@ -199,3 +199,26 @@ def test_split_room_is_what_a_launch_indexes() -> None:
     assert split_room(MegakernelConfig(bm=16, split_k1=2, split_k2=2, split_max_tiles=8), 500) == (8, 2)
     assert split_room(MegakernelConfig(bm=16, split_k1=2, split_k2=2), 10) == (10, 2)  # no more than the layer's
     assert split_room(MegakernelConfig(bm=64, split_k1=2, split_k2=2), 500) == (0, 1)  # bm=16 launches only
+
+
+def test_a_layer_built_with_options_looks_up_every_profile_under_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the EP buffer's lookup had the layer's options, but the megakernel's (construction and per token
+    bucket) were made under the config's and variables' options, so one layer resolved under two sets of options."""
+    from moetune.runtime.options import RuntimeOptions
+
+    use_fake_megakernel(monkeypatch)
+    seen: list[tuple[str, Any]] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        seen.append((kw["transport_family"] or "ep", kw["options"]))
+        knobs = Knobs(engine="megakernel") if kw["transport_family"] == "megakernel" else Knobs()
+        return Resolution(knobs=knobs, source="daemon", profile_hash=f"h:{knobs.digest()}", status="current",
+                          family=kw["transport_family"] or "collective", tuned=True)
+
+    monkeypatch.setattr(autoload, "_resolve", fake_resolve)
+    mine = RuntimeOptions(fused_pack=False, megakernel_timeout_s=5.0)
+    layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=torch.bfloat16, options=mine)
+    assert layer.engine == "megakernel" and layer.buffer.options == mine
+    layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))  # bucket 1's profile, looked up on its first call
+    assert [family for family, _ in seen] == ["ep", "megakernel", "megakernel"]
+    assert all(o == mine for _, o in seen), seen

@@ -8,7 +8,9 @@ The choice (the knob `engine`; `MoELayer(..., engine=...)` overrides it), made o
   layer falls back to the unfused engine with ONE `EngineFallbackWarning` per process and reason.
 - Neither (no knobs, no engine): at world 1 on a device where the megakernel can run, the layer auto-loads the
   profile of family `megakernel` (daemon -> read-only database -> policy default, runtime/profiles/autoload.py)
-  and runs the engine it names, with that profile per token bucket. On a CUDA device where it cannot run, one
+  and runs the engine it names, with that profile per token bucket (every lookup under the layer's buffer's
+  RuntimeOptions, as the buffer's own: none of them acts on a megakernel profile, but the lookup is keyed and
+  cached by the options the layer runs, never re-resolved from the config). On a CUDA device where it cannot run, one
   warning says why; on a CPU device the unfused engine is the only one and is chosen silently.
 
 Whether the megakernel can run (`MegakernelEngine.problem`: world 1, then `megakernel_problem` in
@@ -64,8 +66,10 @@ def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_
         if world1:
             from moetune.runtime.profiles.autoload import autoload_profile
 
+            # under the buffer's options, as the buffer's own lookup: the layer's options end to end
             resolution = autoload_profile(model=layer.model, ep_size=1, nodes=1, max_tokens=layer.expected_tokens,
-                                          device=layer.device, transport_family=_mk.ENGINE_FAMILY, dtype=layer.dtype)
+                                          device=layer.device, transport_family=_mk.ENGINE_FAMILY, dtype=layer.dtype,
+                                          options=layer.buffer.options)
             profiled = True
             if resolution.knobs.engine == "megakernel":
                 wanted = resolution.knobs

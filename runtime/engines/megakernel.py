@@ -188,7 +188,7 @@ class MegakernelEngine(MoEEngine):
             from moetune.runtime.profiles.autoload import autoload_profile
 
             res = autoload_profile(model=self.model, ep_size=1, nodes=1, max_tokens=bucket, device=self.device,
-                                   transport_family=_mk.ENGINE_FAMILY, dtype=self.dtype)
+                                   transport_family=_mk.ENGINE_FAMILY, dtype=self.dtype, options=self.options)
             knobs = res.knobs if res.knobs.engine == "megakernel" else res.knobs.replace(engine="megakernel")
             self.install(bucket, knobs)
         self._seen.add(tokens)
