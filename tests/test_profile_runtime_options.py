@@ -394,6 +394,8 @@ def test_a_profile_tuned_under_other_options_is_not_applied_as_tuned(node_db, tm
     assert res.tuned and res.options_status == "same"
     res, fell = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}), options=RuntimeOptions(symm="ipc"))
     assert not res.tuned and 'symm: tuned with "torch", job has "ipc"' in fell[0]
+    with pytest.raises(TypeError, match="options must be a RuntimeOptions or None, got dict"):  # not an AttributeError
+        _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}), options={"symm": "ipc"})
     # options that do not act on nvlink (host_staged's, the proxy's): still tuned, the same
     res, fell = _resolve(db_client(tmp_path, db, {"HOME": "/nonexistent"}),
                          options=RuntimeOptions(hs_native=False, proxy_batch=4, proxy_host_wait=False))

@@ -1325,6 +1325,8 @@ class ProfileClient:
         """This job's data-path runtime options: `options` (an EP buffer's), else what a buffer built here without
         any resolves (the config's [runtime] table, the MOETUNE_* variables of `env`); None where they do not
         resolve (the buffer refuses them too): a tuned profile's options are then unknown here, never "the same"."""
+        if options is not None and not isinstance(options, RuntimeOptions):  # a caller's mistake, not the daemon's
+            raise TypeError(f"options must be a RuntimeOptions or None, got {type(options).__name__}")
         if options is None:
             try:
                 options = RuntimeOptions.resolve(env=self._env)
