@@ -24,7 +24,8 @@ app = typer.Typer(help="The profile database: migrations, checks, where it is.",
 # "no database" as `--db ""` would be (refused): the help says both
 DB_HELP = escape("Database file (default: [store] db from the config, else $MOETUNE_HOME/moetune.db, else the XDG data "
                  "dir; a config's db = \"\" means this default too, while --db \"\" is refused).")
-CONFIG_HELP = "Extra config file, read after /etc/moetune/moetune.toml and ~/.config/moetune/moetune.toml."
+CONFIG_HELP = ("Extra config file, read after /etc/moetune/moetune.toml and ~/.config/moetune/moetune.toml "
+               "($XDG_CONFIG_HOME/moetune/moetune.toml where that is set).")
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
