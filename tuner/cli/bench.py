@@ -130,7 +130,7 @@ def ep(
     layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = _json_opt(),
     transport: str | None = text_option(None, "--transport", empty=TRANSPORT_EMPTY, help="Override the knobs' transport (collective, host_staged, ...)."),
-    impl: str = typer.Option("moetune", "--impl", help="moetune (packed EPBuffer) or plain (unpacked all_to_all_single baseline)."),
+    impl: str = typer.Option("moetune", "--impl", help="moetune (EPBuffer, in the wire layout --layout picks) or plain (unpacked all_to_all_single baseline)."),
     seed: int = typer.Option(0, "--seed", help=f"Seed of activations, routing and weights (0 to {SEED_MAX})."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
