@@ -18,7 +18,7 @@ NOT_SETTINGS = {"MOETUNE_UNRELATED_THING"}
 def test_settings_doc_is_what_the_generator_writes() -> None:
     doc = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
     assert doc == settings_markdown(), (
-        "docs/settings.md is stale: run `python -m moetune.runtime.options --markdown > docs/settings.md`")
+        "docs/settings.md is stale: run `python -m moetune.runtime.settings_doc > docs/settings.md`")
 
 
 def _names_in_code() -> dict[str, str]:
@@ -47,3 +47,21 @@ def test_the_check_sees_an_undocumented_name() -> None:
     new = "MOETUNE_" + "SOMETHING_NEW"  # split so that this file does not use the name itself
     assert new not in documented_variables()
     assert NAME.findall(f'os.environ.get("{new}")') == [new]
+
+
+def test_the_generator_command_writes_the_doc_and_nothing_on_stderr() -> None:
+    """`python -m moetune.runtime.options --markdown` warned on stderr (runpy: the module was already imported by
+    moetune.runtime); the command the doc names runs clean."""
+    import subprocess
+    import sys
+
+    from moetune.runtime.settings_doc import COMMAND
+
+    doc = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert f"`{COMMAND}`" in doc
+    module = COMMAND.split()[2]
+    r = subprocess.run([sys.executable, "-W", "error", "-m", module], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout == doc
+    r = subprocess.run([sys.executable, "-m", module, "--markdown"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "takes no arguments" in r.stderr
