@@ -21,9 +21,11 @@ proves was ours. daemon.json beside it is replaced only when it carries our mark
 names it and no other daemon at another endpoint, still running, wrote it (a user's file there is left alone; a
 start-up that fails removes the one it wrote). `tcp://`
 needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then clients are authenticated
-by pyzmq's ZAP authenticator against the allow-list of client public keys as read and checked at start; key files and lists other local
+by pyzmq's ZAP authenticator against the allow-list of client public keys as read and checked at start (the ZAP
+domain enforced: without a handler libzmq would let every CURVE client in); key files and lists other local
 users could read (the secret key) or change are refused (`check_key_path`). One bad frame never ends the
-serving loop: it is answered with an error (or its connection dropped).
+serving loop: it is answered with an error (or its connection dropped). Every frame a peer sends is capped
+(ZMQ_MAXMSGSIZE: the ROUTER near the request cap, the PUB, whose peers send only subscriptions, at 1 KiB).
 Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
 re-tune, which runs benchmarks on the node's GPUs) is answered `forbidden` unless the peer is an admin: on
 IPC the daemon's own user or root (read from the kernel's peer credentials, SO_PEERCRED) and, with
@@ -105,6 +107,9 @@ __all__ = ["CACHE_LIMIT", "Daemon", "DaemonBusy", "DaemonConfigError", "ProfileI
 # buffered whole before the serving loop sees (and drops) it, so peers allowed to connect are trusted not
 # to flood (IPC: the owner and its group; TCP: the CURVE allow-list).
 MAXMSG_SLACK = 1024
+# ZMQ_MAXMSGSIZE of the PUB socket: what its peers send it are subscriptions (one frame: 1 byte + a topic prefix, a
+# change kind), never more than this; a bigger frame drops that connection (libzmq buffers a frame whole first)
+SUBSCRIPTION_MAX_BYTES = 1024
 MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
 LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
 RETUNE_QUEUE = 8  # retune requests waiting for the retune worker; more are answered `busy`
@@ -1017,6 +1022,10 @@ class Daemon(FabricWatch):
             public, secret = load_curve_keys(self.curve_secret_key_file)
             self._start_authenticator()
             s.zap_domain = ZAP_DOMAIN.encode()
+            # with no ZAP handler bound libzmq lets every CURVE client in ("Stonehouse", its legacy default): the
+            # allow-list would hold only while the authenticator's thread is there. Enforced, a missing handler
+            # refuses every client instead
+            s.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
             s.curve_secretkey = secret
             s.curve_publickey = public
             s.curve_server = True
@@ -1059,6 +1068,7 @@ class Daemon(FabricWatch):
         self._bind_one(r, self.endpoint)
         p = self._ctx.socket(zmq.PUB)
         p.linger = 0
+        p.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES)  # a peer's oversized "subscription" drops its connection
         self._pub = p
         self._bind_one(p, self.pub_endpoint)
         pull = self._ctx.socket(zmq.PULL)
