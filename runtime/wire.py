@@ -40,6 +40,10 @@ from moetune.runtime.profile_record import (
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_REQUEST_BYTES = 65536
+# The largest frame a client takes (ZMQ_MAXMSGSIZE of its DEALER and SUB sockets): a reply or change notice over it
+# drops the connection before libzmq has buffered it whole. The largest a daemon sends, a list_profiles page of
+# LIST_PAGE_MAX profiles, is about 1 MB.
+MAX_REPLY_BYTES = 16 << 20
 
 # -- error codes -----------------------------------------------------------------------------------
 E_BAD_JSON = "bad_json"  # the frame is not valid JSON

@@ -23,8 +23,10 @@ node's calibrated model or a shipped preset) is used only with `allow_modelled=T
 that does not validate (not JSON, wrong types, another protocol version, unknown fields) is `BadReply`
 and falls back like a silent daemon; so is a reply that does not answer the request (another key, a bucket
 the daemon would not pick, a profile that is not current, a profile_hash that is not the hash of its key and
-knobs). A profile whose transport this runtime does not have falls back too. Sockets and `daemon.json` are used
-only from a runtime directory this user may trust (`paths.untrusted_dir_reason`); environment variables only as
+knobs). A profile whose transport this runtime does not have falls back too. A reply or change notice over
+`wire.MAX_REPLY_BYTES` drops the connection (ZMQ_MAXMSGSIZE) before it is buffered. Sockets and `daemon.json` are used
+only from a runtime directory this user may trust (`paths.untrusted_dir_reason`), `daemon.json` only as a regular file
+of at most MAX_INFO_BYTES (never a link or a FIFO); environment variables only as
 `launcher_env` computes them here from the profile's knobs (a reply's own `env` is never exported). A tcp://
 endpoint is used only with CURVE (or, explicitly, plain text on loopback); the PUB endpoint a daemon names must
 be reached like its request socket.
@@ -212,14 +214,33 @@ def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.en
         if why is not None:
             log.warning("moetune: ignoring %s: %s", f, why)
             continue
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+        data = _read_info_file(f)
         if isinstance(data, dict):
             data["_dir"] = str(d)
             return data
     return None
+
+
+MAX_INFO_BYTES = 1 << 20  # a daemon's daemon.json is a few hundred bytes: a bigger file is not one it wrote
+
+
+def _read_info_file(f: Path) -> Any:
+    """The JSON in the daemon.json at `f`, as the daemon wrote it (a regular file, never a link, at most MAX_INFO_BYTES):
+    else None. Opened O_NONBLOCK and read only when regular: a FIFO there blocked the open for ever (the resolution is
+    bounded in time), and a file of any size was read whole."""
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, MAX_INFO_BYTES + 1)
+        return json.loads(raw) if len(raw) <= MAX_INFO_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
 
 
 
@@ -786,6 +807,7 @@ class ProfileClient:
             s = self._ctx.socket(zmq.DEALER)
             try:
                 s.linger = 0
+                s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY_BYTES)  # whoever answers cannot have us buffer any size
                 self._secure(s)
                 if self._curve:
                     # A name of its own: pyzmq's default (inproc://monitor.s-<fd>) can still be bound by the monitor
@@ -987,6 +1009,7 @@ class ProfileClient:
         s = self._ctx.socket(zmq.SUB)
         try:
             s.linger = 0
+            s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY_BYTES)  # as the request socket: bounded notices
             self._secure(s)
             for t in topics:
                 s.setsockopt(zmq.SUBSCRIBE, t.encode())
