@@ -27,12 +27,19 @@ def make_parent(path: Path, error: type[Exception]) -> None:
     # a file where the data folder should be ($MOETUNE_HOME=a file) said "[Errno 17] File exists"
     if parent.exists():
         raise error(f"cannot create {path}: {_own_folder(parent)} is a file, not a folder")
+    # never writable by group or others, whatever the umask (a service's UMask=0000 made it 0777: anyone could replace
+    # the database, or plant a link as its -journal, and the daemon's socket check then refused $MOETUNE_HOME/run's
+    # parent); readable as the umask says: other users' jobs may read the database
+    old = os.umask(0)
+    os.umask(old | 0o022)
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except NotADirectoryError:  # a file above it ($MOETUNE_HOME=a-file/sub)
         raise error(f"cannot create {path}: {_own_folder(parent)} is under a file, not a folder") from None
     except OSError as e:
         raise error(f"cannot create the folder of {path}: {e}") from None
+    finally:
+        os.umask(old)
 
 
 def _own_folder(parent: Path) -> str:
