@@ -183,3 +183,17 @@ def test_keys_generate_and_allow_refuse_a_directory_others_may_write(tmp_path: P
     r = CliRunner().invoke(app, ["keys", "allow", str(pub), str(tmp_path / "keys")])
     assert r.exit_code == 2 and f"{clients} (mode 770" in r.output and "Traceback" not in r.output
     assert list(clients.iterdir()) == [] and _mode(clients) == 0o770
+
+
+def test_folders_made_above_a_key_folder_are_this_users_only_whatever_the_umask(tmp_path: Path) -> None:
+    """mkdir(parents=True, mode=0o700) gives the mode to the last folder alone: under umask 0 the parents came out
+    0777, so anyone could rename the key folder away and put their own in its place."""
+    old = os.umask(0)
+    try:
+        r = CliRunner().invoke(app, ["keys", "generate", str(tmp_path / "a" / "b" / "keys")])
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    for p in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "keys"):
+        assert _mode(p) == 0o700, (p, oct(_mode(p)))
+    assert os.umask(old) == old  # the process's umask is given back

@@ -69,6 +69,9 @@ def _make_dir(directory: Path, what: str) -> None:
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{what} {directory} is a file, not a directory: give a directory (it is created when "
                          "missing), or move the file away")
+    # mkdir's mode is the last folder's alone: the parents it makes followed the umask (0777 under UMask=0000), and
+    # the daemon then refused a key folder others could rename away; every folder made here is this user's only
+    old = os.umask(0o077)
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     except FileExistsError:  # a file in the way further up, or a dangling link
@@ -77,6 +80,8 @@ def _make_dir(directory: Path, what: str) -> None:
         raise ValueError(f"cannot create the {what} {directory}: a folder above it is a file") from None
     except OSError as e:
         raise _WriteError(f"cannot create the {what} {directory}: {e.strerror or e}", e.errno) from None
+    finally:
+        os.umask(old)
 
 
 def check_public_file(public_file: Path) -> None:
