@@ -325,6 +325,22 @@ def test_unchecked_wide_ids_stay_invalid_when_narrowed(cpu_lib, monkeypatch: pyt
     assert not 0 <= got[0][0] < TINY.experts and not 0 <= got[1][0] < TINY.experts, got
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32])
+def test_narrow_integer_ids_reach_the_kernel_as_given(cpu_lib, monkeypatch: pytest.MonkeyPatch,
+                                                      dtype: torch.dtype) -> None:
+    """Before: ids of another integer dtype than int32 were clamped to [-1, experts] in their own dtype: uint8 took -1
+    as 255, so every id became `experts` (out of range: the launch aborted, error 4); int8 raised an overflow with 128
+    experts, uint16 / uint32 had no clamp. Now they reach the int32 scratch as given."""
+    model = ModelShape(name="e128", hidden=128, intermediate=64, experts=128, topk=2, dtype="bfloat16")
+    mk = mk_layer.MegakernelMoE(model, max_tokens=8, device="cpu")
+    seen: list[list[list[int]]] = []
+    monkeypatch.setattr(mk, "_run", lambda x, s, out, given: seen.append(mk.topk_idx[:s].tolist()) or x)
+    picks = [[0, 1], [3, 2], [127, 5]]
+    mk.forward_routed(_x(3), torch.tensor(picks, dtype=torch.int64).to(dtype), torch.full((3, 2), 0.5),
+                      check_ids=False)
+    assert seen == [picks]
+
+
 def test_the_layer_clears_the_megakernels_sticky_error(cpu_lib, monkeypatch: pytest.MonkeyPatch) -> None:
     """check() raises a recorded device error after any number of later forwards; MoELayer.clear_error() forgets it
     (a serving loop that handled one timeout is not stuck raising it), and is a no-op on the unfused engine."""

@@ -387,8 +387,11 @@ class MegakernelMoE:
         if why is not None:
             raise ValueError(f"megakernel: {why}")
         self._check_out(out, s, x)
-        if topk_idx.dtype != torch.int32:  # narrowing would wrap an unchecked 2**32 + 3 into expert 3: keep it invalid
-            topk_idx = topk_idx.clamp(-1, self.model.experts)
+        if topk_idx.dtype != torch.int32:
+            # narrowing would wrap an unchecked 2**32 + 3 into expert 3: keep it invalid. Clamped as int64, not in its
+            # own dtype: uint8 takes the bound -1 as 255 (every id became `experts`, out of range), int8 cannot hold
+            # 128 experts, and torch has no clamp for uint16 / uint32
+            topk_idx = topk_idx.to(torch.int64).clamp(-1, self.model.experts)
         self.topk_idx[:s].copy_(topk_idx)
         self.topk_w[:s].copy_(topk_weights)
         return self._run(x, s, out, given=True)
