@@ -280,6 +280,32 @@ def test_dtype_or_storage_changes_are_caught_before_a_launch(fake_mk) -> None:
         _mk_layer().load_state_dict({k: v.float() for k, v in layer.state_dict().items()}, assign=True)
 
 
+def test_the_unfused_engine_names_parameters_of_another_dtype_device_or_shape() -> None:
+    """Before: the unfused engine ran on whatever the parameters had become; after .float() / .half(), or an fp32
+    checkpoint loaded with assign=True, the first matmul failed with "expected m1 and m2 to have the same dtype".
+    Now the call (and the load) names the parameter, as the megakernel engine does."""
+    x = _x(3)
+    want = _unfused()(x)
+    for change in (lambda m: m.float(), lambda m: m.half()):
+        layer = _unfused()
+        change(layer)
+        with pytest.raises(ValueError, match=r"w_gate_up is now torch.float(32|16) .* build a new layer"):
+            layer(x)
+        with pytest.raises(ValueError, match="w_gate_up is now"):
+            layer.forward_routed(x, _picks(3), torch.full((3, TINY.topk), 0.5))
+    layer = _unfused()
+    sd = layer.state_dict()
+    with pytest.raises(ValueError, match=r"w_gate_up is now torch.float32"):
+        layer.load_state_dict({k: v.float() for k, v in sd.items()}, assign=True)
+    layer = _unfused()
+    layer.gate = torch.nn.Parameter(layer.gate.detach()[:, :64].clone(), requires_grad=False)
+    with pytest.raises(ValueError, match=r"gate is now torch.bfloat16 \(4, 64\)"):
+        layer(x)
+    layer = _unfused()
+    layer.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)  # its own dtype: runs as before
+    assert torch.equal(layer(x), want)
+
+
 def test_megakernel_moe_rebind_checks_and_updates_templates(cpu_lib) -> None:
     mk = _cpu_mk()
     mk._params[(16, 3)] = p = _lib.MkParams()

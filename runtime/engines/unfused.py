@@ -2,7 +2,10 @@
 
 World 1: `MoELayer.local_forward` (sort by expert, two grouped GEMMs, no exchange). World > 1: the gate, then
 `dispatch` → `MoELayer.experts` → `combine` over the EP buffer (pipelined in chunks where the knobs ask for it).
-Runs any dtype on any device; the layer's parameters stay row-major and are read at every call.
+Runs any dtype on any device; the layer's parameters stay row-major and are read at every call, in the dtype and on
+the device the layer was built with (its inputs' and its buffer's): a call (and `load_state_dict(assign=True)`) first
+checks that they still are, so `.float()`, `.to()` or a checkpoint of another dtype is named, not left to a dtype
+mismatch deep in a matmul.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class UnfusedEngine(MoEEngine):
         return None  # torch ops: every device, dtype and group
 
     def forward(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        self.rebind(layer)
         if layer.buffer.world == 1:  # one rank: no exchange (the layer checked x)
             return layer.local_forward(x, *layer.route(x))
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != layer.model.hidden:
@@ -41,6 +45,7 @@ class UnfusedEngine(MoEEngine):
 
     def forward_routed(self, layer: MoELayer, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
+        self.rebind(layer)
         buf = layer.buffer
         if buf.world == 1:  # the layer checked the inputs
             return layer.local_forward(x, topk_idx.long(), topk_weights)
@@ -49,3 +54,17 @@ class UnfusedEngine(MoEEngine):
             return pipelined_moe(buf, x, topk_idx, topk_weights, layer.experts, agree=False)
         recv_x, meta, handle = buf.dispatch(x, topk_idx, topk_weights)
         return buf.combine(layer.experts(recv_x, meta), handle)
+
+    def rebind(self, layer: MoELayer) -> None:
+        """Nothing to hand over (the parameters are read at every call), but they must still be what the layer was
+        built with: ValueError naming the first that is not (its dtype, device or shape)."""
+        m = layer.model
+        e = len(layer.local_experts)
+        for name, shape in (("w_gate_up", (e, 2 * m.intermediate, m.hidden)), ("w_down", (e, m.hidden, m.intermediate)),
+                            ("gate", (m.experts, m.hidden))):
+            t = getattr(layer, name)
+            if t.dtype != layer.dtype or t.device != layer.device or t.shape != shape:
+                raise ValueError(f"MoELayer: the layer runs {layer.dtype} {name} {shape} on {layer.device} (its inputs' "
+                                 f"and its buffer's), but {name} is now {t.dtype} {tuple(t.shape)} on {t.device} (after "
+                                 f".to(), .float(), .half() or load_state_dict(assign=True)?); build a new layer with "
+                                 f"the dtype and device wanted, or load weights of its own dtype")
