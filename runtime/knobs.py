@@ -458,7 +458,9 @@ _KNOB_MEANINGS: dict[str, str] = {
     "engine": ("The MoE layer's engine at world 1: the unfused chain (route, sort, two grouped GEMMs, weighted "
                "combine) or one persistent kernel after routing (needs an sm_90 GPU, bf16 and nvcc; elsewhere the "
                "layer falls back to `unfused` with a warning)."),
-    "mk_bm": "megakernel: token rows per m-tile; 0 = 16 for decode, 64/128 once the rows per expert reach 32/128.",
+    "mk_bm": ("megakernel: token rows per m-tile; 0 = by the average rows per expert: on the wide tile (mk_bn "
+              "256, auto where the shape allows) 16 below 10 rows, else 128; otherwise 16 below 32 rows, else 64 (128 "
+              "from 128 rows with mk_core=mma)."),
     "mk_stages": ("megakernel: cp.async pipeline depth (weight tiles in flight per CTA; shared memory caps bm=64 at "
                   "8, bm=128 at 6); 0 = by tile and rows per expert."),
     "mk_ctas_per_sm": "megakernel: resident CTAs per SM; 0 = as many as fit.",

@@ -108,6 +108,26 @@ def test_pick_bm():
     assert MegakernelConfig(bm=64).pick_bm(1, 8, 128) == 64
 
 
+def test_the_mk_bm_help_says_what_auto_picks():
+    """The knob's help (and the settings doc, made from it) said "64/128 once the rows per expert reach 32/128"; the
+    default core (wgmma) never picks 128 that way, and the auto wide tile (the Qwen3-30B shape's) runs 128 from 10
+    rows per expert. Each rule it states now is pick_bm's (E=1, topk=1: S is the rows per expert)."""
+    from moetune.runtime.knobs import KNOB_DOCS
+
+    text = KNOB_DOCS["mk_bm"][1]
+    c = MegakernelConfig()
+    wide, narrow = c.resolve(2048, 768), c.resolve(2880, 2880)  # bn auto: 256, 128
+    assert (wide.bn, narrow.bn) == (256, 128)
+    assert f"16 below {c.wide_switch_rows} rows, else 128" in text
+    assert [wide.pick_bm(r, 1, 1) for r in (c.wide_switch_rows - 1, c.wide_switch_rows, 4096)] == [16, 128, 128]
+    assert f"16 below {c.bm_switch_rows} rows, else 64 (128 from {c.bm_large_rows} rows with mk_core=mma)" in text
+    assert [narrow.pick_bm(r, 1, 1) for r in (c.bm_switch_rows - 1, c.bm_switch_rows, 4096)] == [16, 64, 64]
+    mma = MegakernelConfig(core="mma").resolve(2048, 768)
+    assert [mma.pick_bm(r, 1, 1) for r in (c.bm_large_rows - 1, c.bm_large_rows)] == [64, 128]
+    settings = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    assert text in settings
+
+
 # ---- the scheduler model ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bm", [16, 64, 128])
 @pytest.mark.parametrize(("s", "mode"), [(1, "uniform"), (7, "zipf"), (100, "uniform"), (300, "zipf"), (50, "one")])

@@ -48,7 +48,7 @@ class ConfigError(ValueError):
 class MegakernelConfig:
     bm: int = 0               # rows per m-tile: 16 (decode), 64 or 128 (prefill); 0 = by rows per expert
     bm_switch_rows: int = 32  # bm=0: use 64 once the average rows per expert (S*topk/E) reaches this
-    bm_large_rows: int = 128  # bm=0: use 128 once the average rows per expert reaches this
+    bm_large_rows: int = 128  # bm=0, core mma: use 128 once the average rows per expert reaches this (wgmma: 64)
     # bm=0 with the wide tile (bn 256, or auto resolving to it): run it once the average rows per expert reaches
     # this, the bm=16 decode tile below. Runs 43-44 (one process each, graph µs, decode tile / wide tile): 8 rows per
     # expert (S=128) 322.6, 322.0 / 321.3 (run 43: 321.8 / 323.6), 10 (S=160) 330.1 / 324.1, 12 (S=192) 338.5 /
