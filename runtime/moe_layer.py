@@ -101,7 +101,7 @@ class MoELayer(nn.Module):
     `expected_tokens` (1..max_tokens; None: the buffer's): the token count the auto-loaded profiles are picked for.
 
     Not thread-safe: one layer instance must not be called from two threads at once (the megakernel's launch
-    templates and scratch buffers, the EP buffer's staging and the cached fp32 gate are shared by every call).
+    templates and scratch buffers and the EP buffer's staging are shared by every call).
 
     `close()` frees the EPBuffer the layer built (its proxy thread and symmetric buffers); forward afterwards raises.
     """
@@ -163,7 +163,6 @@ class MoELayer(nn.Module):
         epr = self.buffer.experts_per_rank
         first = self.buffer.rank * epr
         self.local_experts = range(first, first + epr)
-        self._gate_f32: tuple[int, int, torch.Tensor] | None = None  # the gate in fp32 (_build_weights)
         self._engine: MoEEngine = UnfusedEngine()  # the engine every call goes to (_setup_engine chooses it)
         self.engine_note = ""  # why the engine is not the one the knobs or the profile named
         self.engine_resolution: Any = None  # the autoload Resolution when the megakernel profile was looked up
@@ -187,8 +186,7 @@ class MoELayer(nn.Module):
         self.w_gate_up = nn.Parameter(torch.stack(w1s), requires_grad=False)  # [E_local, 2I, H]
         self.w_down = nn.Parameter(torch.stack(w2s), requires_grad=False)  # [E_local, H, I]
         self.gate = nn.Parameter(gate_weight(model, seed=seed, device=self.device, dtype=self.dtype), requires_grad=False)
-        # the unfused path's constants: the gate in fp32 (route() widens it every call otherwise; remade when the
-        # gate is written, e.g. by load_state_dict) and searchsorted's expert edges 1..E (int64, as the expert ids)
+        # the unfused path's constant: searchsorted's expert edges 1..E (int64, as the expert ids)
         self.register_buffer("_expert_ends", torch.arange(1, len(self.local_experts) + 1, device=self.device),
                              persistent=False)
         if use_grouped_mm is None:
@@ -275,15 +273,11 @@ class MoELayer(nn.Module):
         return from_tiled(self.w_gate_up), from_tiled(self.w_down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`route` with this layer's gate; its fp32 copy is kept while the gate's data and version stay the same
-        (the same bits: widening bf16 to fp32 is exact)."""
-        g = self.gate
-        if g.is_inference():  # made under inference_mode: no version counter to tell a rewrite by
-            return route(x, g, self.model.topk)
-        key = (g.data_ptr(), g._version)
-        if self._gate_f32 is None or self._gate_f32[:2] != key:
-            self._gate_f32 = (*key, g.detach().float())
-        return route(x, self._gate_f32[2], self.model.topk)
+        """`route` with this layer's gate, widened to fp32 in the call. No fp32 copy is kept across calls: no test
+        tells when one is stale (a write through `gate.data`, e.g. `gate.data.copy_(w)`, leaves the version counter
+        as it was, and a CUDA graph captured with the copy would replay it after any in-place write to the gate,
+        which the megakernel and the expert weights read as written)."""
+        return route(x, self.gate, self.model.topk)
 
     @torch.no_grad()
     def experts(self, recv_x: torch.Tensor, meta: RecvMeta) -> torch.Tensor:

@@ -115,6 +115,22 @@ def test_world1_layer_follows_a_rewritten_gate_and_keeps_bf16_accuracy() -> None
         assert torch.equal(frozen(x), MoELayer(model, knobs=Knobs(), max_tokens=32, seed=4)(x))
 
 
+def test_world1_layer_follows_a_gate_written_through_data() -> None:
+    """Before: the unfused layer kept an fp32 copy of the gate keyed by its data pointer and version counter; a write
+    through `gate.data` (`layer.gate.data.copy_(w)`, a common way to load weights) leaves the version as it was, so
+    the layer went on routing by the old gate (and the megakernel, which reads the gate in place, by the new one)."""
+    model = ModelShape(name="t", hidden=64, intermediate=32, experts=8, topk=3, dtype="bfloat16")
+    layer = MoELayer(model, knobs=Knobs(), max_tokens=32, seed=4)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    first, _ = layer.route(x)
+    out = layer(x)
+    layer.gate.data.copy_(torch.flip(layer.gate.data, [0]))  # expert e's gate row becomes expert 7 - e's
+    again, w = layer.route(x)
+    assert torch.equal(again, 7 - first)
+    assert not torch.equal(layer(x), out)
+    assert torch.equal(layer(x), layer.local_forward(x, again, w))
+
+
 def test_wire_row_is_once_per_rank_with_small_metadata() -> None:
     m = get_model("qwen3-30b")
     buf = EPBuffer(knobs=Knobs(), model=m, max_tokens=4)
