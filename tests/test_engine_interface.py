@@ -100,6 +100,23 @@ def test_a_fallback_asks_once_too(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(calls) == 2
 
 
+def test_a_request_the_megakernel_cannot_serve_looks_up_no_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: engine="megakernel" without knobs looked the megakernel profile up (daemon, database; on a miss a "NO
+    tuned profile ... policy default" warning) and only then raised MegakernelUnavailable for a layer on the CPU."""
+    from moetune.runtime.profiles import autoload
+
+    families: list[str] = []
+    real = autoload.autoload_profile
+    monkeypatch.setattr(autoload, "autoload_profile",
+                        lambda **kw: families.append(kw["transport_family"]) or real(**kw))
+    with pytest.raises(E.MegakernelUnavailable, match=r"cannot run here: no CUDA device \(the layer is on cpu\)"):
+        MoELayer(TINY, None, None, max_tokens=16, device="cpu", dtype=torch.bfloat16, engine="megakernel")
+    assert E.ENGINE_FAMILY not in families
+    use_fake_megakernel(monkeypatch)  # where it can run, the request still runs the stored profile
+    layer = MoELayer(TINY, None, None, max_tokens=16, device="cpu", dtype=torch.bfloat16, engine="megakernel")
+    assert layer.engine == "megakernel" and families.count(E.ENGINE_FAMILY) == 1
+
+
 def test_the_layer_shows_its_engines_state(monkeypatch: pytest.MonkeyPatch) -> None:
     use_fake_megakernel(monkeypatch)
     monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)

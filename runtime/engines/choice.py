@@ -3,7 +3,8 @@
 The choice (the knob `engine`; `MoELayer(..., engine=...)` overrides it), made once, at construction:
 - `engine="unfused"` passed to the layer wins over everything.
 - `engine="megakernel"` passed to the layer is a request: where the megakernel cannot run, the layer raises
-  `MegakernelUnavailable` naming the reason (a caller who asked for it must not get a silently slower layer).
+  `MegakernelUnavailable` naming the reason (a caller who asked for it must not get a silently slower layer), before
+  any profile is looked up.
 - Knobs with `engine=megakernel` (explicit, or from a profile) are a preference: where it cannot run, the
   layer falls back to the unfused engine with ONE `EngineFallbackWarning` per process and reason.
 - Neither (no knobs, no engine): at world 1 on a device where the megakernel can run, the layer auto-loads the
@@ -55,6 +56,9 @@ def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_
             asked.append(MegakernelEngine.problem(layer.device, layer.dtype, layer.model, world))
         return asked[0]
 
+    if engine == "megakernel" and problem() is not None:  # refused before any profile lookup: a daemon round trip
+        raise _unavailable(str(problem()))  # and its "NO tuned profile" warning for an engine that cannot run here
+
     wanted: Knobs | None = None
     resolution: Any = None
     profiled = False  # the knobs come from a stored profile (per token bucket), not from the caller
@@ -90,9 +94,11 @@ def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_
     if built is None:
         why_not = str(why_not)
         if engine == "megakernel":
-            raise _mk.MegakernelUnavailable(f"engine='megakernel' was asked for, but the megakernel cannot run here: "
-                                            f"{why_not}")
+            raise _unavailable(why_not)
         _mk.warn_fallback_once(why_not)
         return EngineChoice(UnfusedEngine(), note=why_not, resolution=resolution)
     return EngineChoice(built, resolution=resolution)
 
+
+def _unavailable(why: str) -> _mk.MegakernelUnavailable:
+    return _mk.MegakernelUnavailable(f"engine='megakernel' was asked for, but the megakernel cannot run here: {why}")
