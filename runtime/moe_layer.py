@@ -93,7 +93,10 @@ class MoELayer(nn.Module):
     With the megakernel, `w_gate_up` / `w_down` hold its k-tiled layout in place (`weights_tiled`; shapes unchanged,
     runtime/megakernel/weights.py): `state_dict` and `load_state_dict` convert, so checkpoints stay row-major, and
     `experts` / `local_forward` compute on row-major copies. Parameters replaced by `load_state_dict(assign=True)`
-    or `.to()` are handed to the megakernel again (it runs bf16 on the layer's device only: anything else raises).
+    or `.to()` are handed to the megakernel again (it runs bf16 on the layer's device only: anything else raises);
+    the unfused engine too runs the dtype and device the layer was built with (its inputs' and its buffer's), and a
+    call after `.float()`, `.half()`, `.to()` or an assigned checkpoint of another dtype raises ValueError naming the
+    parameter.
 
     `max_tokens` (an int >= 1) is the most tokens S one call takes, whatever the engine. `buffer`: an EPBuffer to
     use instead of building one; it must agree with `model`, `max_tokens` and whichever of `group`, `knobs`, `dtype`,
