@@ -285,6 +285,26 @@ def test_a_mislabelled_row_ranks_as_modelled_in_filters_lookups_and_the_gate(tmp
         assert s.get_current(key).latency_us == 500.0
 
 
+def test_tune_show_says_the_stored_profile_of_a_mislabelled_row_is_what_its_backend_says(tmp_path: Path) -> None:
+    """`tune show` (`stored_for_key`: what the database holds for a study's key, the number a speed-up is read from)
+    printed the stored label: a hand-edited "measured" row on a modelling backend was shown as measured, where
+    list/show/export, `query` and the runtime take it as the preset it is."""
+    import sqlite3
+
+    from moetune.tuner.search.study import stored_for_key
+
+    db = tmp_path / "m.db"
+    fill(db)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE profiles SET provenance = 'measured', measured_on = 'fp-cli' WHERE token_bucket = 128")
+    with Store(db) as s:
+        key = s.get_profile(2).key
+        got = stored_for_key(s, key.to_dict(), None)
+        assert got is not None and got["provenance"] == "preset", got
+        measured = stored_for_key(s, s.get_profile(1).key.to_dict(), None)
+        assert measured is not None and measured["provenance"] == "measured", measured
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_an_output_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     """`export - >/dev/full`, `list --json >/dev/full`, `export - >&-` and `delete ID <&-` ended in tracebacks."""

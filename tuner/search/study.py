@@ -1306,15 +1306,17 @@ def describe_study(storage: str, name: str, store: Any = None) -> dict[str, Any]
 
 
 def stored_for_key(store: Any, key: dict[str, Any] | None, best_knobs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The current profile `store` holds for a study's `key` (a dict): its knobs, number, source and provenance, and
-    whether its knobs are the study's best; None when it holds none (or the study recorded no key)."""
+    """The current profile `store` holds for a study's `key` (a dict): its knobs, number, source and provenance (its
+    effective one, as the runtime takes it), and whether its knobs are the study's best; None when it holds none (or the study recorded no key)."""
     if not key:
         return None
     rec = store.get_current(ProfileKey(**key))
     if rec is None:
         return None
     return {"knobs": rec.knobs.to_dict(), "latency_us": rec.latency_us, "spread_us": rec.spread_us,
-            "backend": rec.backend, "provenance": str(rec.provenance), "updated": rec.updated,
+            # what the numbers are, as list/show/query and the runtime take them (a hand-edited "measured" label on a
+            # modelling backend is modelled)
+            "backend": rec.backend, "provenance": str(rec.effective_provenance), "updated": rec.updated,
             "is_study_best": best_knobs is not None and rec.knobs.to_dict() == dict(best_knobs)}
 
 
