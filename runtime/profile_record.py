@@ -152,6 +152,29 @@ def one_metric(records: list[ProfileRecord]) -> list[ProfileRecord]:
     return records
 
 
+UNIFORM_ROUTING = "uniform"  # what `moetune tune` and a bring-up tune under unless told otherwise
+
+
+def one_routing(records: list[ProfileRecord]) -> list[ProfileRecord]:
+    """`records` whose latencies may be compared, for a pick by latency among families: where they were measured
+    under different routings (each recorded: `ProfileRecord.routing`), those of one routing only (a zipf layer is
+    slower than a uniform one whatever the knobs: two workloads, never compared, as the store never compares them):
+    uniform where it is there (the tuner's default, and what the runtime assumes of traffic it cannot know), else
+    the first by name. A record that does not say its routing (an older moetune's) is compared with any, as the
+    store's rule has it."""
+    routings = {r.tuned_routing for r in records} - {""}
+    if len(routings) <= 1:
+        return records
+    keep = UNIFORM_ROUTING if UNIFORM_ROUTING in routings else min(routings)
+    return [r for r in records if r.tuned_routing in ("", keep)]
+
+
+def comparable(records: list[ProfileRecord]) -> list[ProfileRecord]:
+    """`records` of one routing (`one_routing`) and one metric (`one_metric`): those a pick by latency among
+    families compares."""
+    return one_metric(one_routing(records))
+
+
 def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
     """Hash of key + knobs (`ProfileRecord.profile_hash`): what all ranks compare, and what a daemon's reply must
     carry for its key and knobs."""

@@ -106,10 +106,10 @@ from moetune.runtime.profile_record import (
     PROVENANCES,
     ProfileKey,
     ProfileRecord,
+    comparable,
     effective_provenance,
     is_preset_fingerprint,
     nearest_bucket_within,
-    one_metric,
     profile_hash_of,
 )
 from moetune.runtime.profiles import node_identity, sqlite_open
@@ -317,9 +317,15 @@ _PROFILE_COLUMNS = (
     "fingerprint, software, transport_family, ep_size, nodes, hidden, intermediate, experts, topk, dtype, "
     "token_bucket, knobs, latency_us, spread_us, backend, status, software_versions, created, updated"
 )
-_PROVENANCE_COLUMNS = ", provenance, measured_on"  # a store from before issue 19 has neither
-_PERF_ENV_COLUMN = ", perf_env"  # a store from before migration 0006 has none
-_OPTIONS_COLUMNS = ", runtime_options, runtime_options_digest"  # a store from before migration 0009 has neither
+_BASE_COLUMNS = len(_PROFILE_COLUMNS.split(","))
+# The columns after _PROFILE_COLUMNS each schema has, newest first (read by name: `query_db_profiles`)
+_EXTRA_COLUMNS: tuple[tuple[str, ...], ...] = (
+    ("provenance", "measured_on", "routing", "perf_env", "runtime_options", "runtime_options_digest"),  # 0009
+    ("provenance", "measured_on", "routing", "perf_env"),  # 0006 .. 0008: no runtime options
+    ("provenance", "measured_on", "routing"),  # 0005: no perf_env
+    ("provenance", "measured_on"),  # 0003, 0004: no routing
+    (),  # from before issue 19 (migration 0003): no provenance either
+)
 
 
 def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (), timeout_s: float = 0.05) -> list[tuple]:
@@ -407,7 +413,7 @@ def query_db_profiles(
     The ONE place the runtime reads profiles from the database. Columns as defined by moetune's store
     (`moetune.tuner.store.models`, table `profiles`). Rows that do not parse are skipped. Each record's
     provenance is the column's where the store has one, else what the backend name says (`provenance_of`); its
-    perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
+    routing the column's (migration 0005; "" or no column: not recorded); its perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
     tuner records (`perf_env_problem`) is skipped; so are its runtime options (migration 0009), a row whose recorded
     options are not data-path options as the tuner records them, or not those its digest column names, skipped.
     """
@@ -424,15 +430,14 @@ def query_db_profiles(
         where += " AND transport_family = ?"
         args.append(transport_family)
     rows: list[tuple] = []
-    # newest schema first
-    extras = (_PROVENANCE_COLUMNS + _PERF_ENV_COLUMN + _OPTIONS_COLUMNS, _PROVENANCE_COLUMNS + _PERF_ENV_COLUMN,
-              _PROVENANCE_COLUMNS, "")
-    for i, extra in enumerate(extras):
+    names: tuple[str, ...] = ()
+    for i, names in enumerate(_EXTRA_COLUMNS):  # newest schema first
+        extra = "".join(f", {c}" for c in names)
         try:
             rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{extra}{where}", args, timeout_s)
             break
         except sqlite3.OperationalError as e:
-            if "no such column" not in str(e) or i == len(extras) - 1:
+            if "no such column" not in str(e) or i == len(_EXTRA_COLUMNS) - 1:
                 raise
     out: list[ProfileRecord] = []
     for r in rows:
@@ -443,17 +448,23 @@ def query_db_profiles(
             )
             knobs = Knobs.from_dict(json.loads(r[11]) if isinstance(r[11], str) else r[11])
             sv = json.loads(r[16]) if isinstance(r[16], str) and r[16] else {}
-            prov = r[19] if len(r) > 19 else "measured"  # legacy store: the backend name decides below
+            x = dict(zip(names, r[_BASE_COLUMNS:], strict=True))
+            prov = x.get("provenance", "measured")  # legacy store: the backend name decides below
             if prov not in PROVENANCES:
                 raise ValueError(f"unknown provenance {prov!r}")
-            perf_env = parse_recorded(r[21]) if len(r) > 21 else None
-            options = parse_recorded_options(r[22], r[23]) if len(r) > 23 else None
+            perf_env = parse_recorded(x["perf_env"]) if "perf_env" in x else None
+            options = (parse_recorded_options(x["runtime_options"], x["runtime_options_digest"])
+                       if "runtime_options" in x else None)
+            # the routing the numbers were measured under ("" or NULL: not recorded): which latencies a pick among
+            # families may compare (`one_routing`)
+            routing = x.get("routing")
             rec = ProfileRecord(
                 key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
                 status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",
-                updated=r[18] or "", provenance=prov, measured_on=str(r[20] or "") if len(r) > 20 else "",
+                updated=r[18] or "", provenance=prov, measured_on=str(x.get("measured_on") or ""),
                 perf_env=msgspec.UNSET if perf_env is None else perf_env,
                 runtime_options=msgspec.UNSET if options is None else options,
+                routing=str(routing) if isinstance(routing, str) and routing.strip() else msgspec.UNSET,
             )
             rec = msgspec.structs.replace(rec, provenance=provenance_of(rec))
             out.append(rec)
@@ -505,8 +516,9 @@ def pick_profile(
 
     With several fingerprints (fingerprint unknown) the most recently updated fingerprint wins; with
     several transport families at the chosen bucket, measured beats the node model beats a preset, then
-    the lowest latency wins (unless one family is asked for), compared among whole-layer numbers where round trips
-    are stored beside them (`one_metric`). Engine families (`megakernel`: a whole layer's
+    the lowest latency wins (unless one family is asked for), compared among numbers of one routing (`one_routing`:
+    uniform where numbers of several routings are there) and among whole-layer numbers where round trips are
+    stored beside them (`one_metric`). Engine families (`megakernel`: a whole layer's
     latency, not an exchange's) are picked only by name.
     """
     recs = [r for r in records if r.status == "current"]
@@ -530,8 +542,8 @@ def pick_profile(
     def rank(r: ProfileRecord) -> int:
         return _PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK))
 
-    best = min(rank(r) for r in at)  # the best provenance first, then one metric among its records
-    return min(one_metric([r for r in at if rank(r) == best]), key=lambda r: r.latency_us)
+    best = min(rank(r) for r in at)  # the best provenance first, then one routing and metric among its records
+    return min(comparable([r for r in at if rank(r) == best]), key=lambda r: r.latency_us)
 
 
 

@@ -47,11 +47,11 @@ from moetune.runtime.profile_record import (
     PROVENANCES,
     ProfileKey,
     ProfileRecord,
+    comparable,
     effective_measured_on,
     effective_provenance,
     nearest_bucket_within,
     node_model_label_problem,
-    one_metric,
     provenance_of_backend,
 )
 from moetune.runtime.profiles import sqlite_open
@@ -972,7 +972,8 @@ class Store:
         steps of the bucket ladder away (further: None, the caller falls back). Measured profiles come
         first: a modelled one is returned only where no measured one is stored for this shape
         (never with `measured_only`). Without `transport_family`, the fastest family at that bucket, among numbers of
-        one metric (`one_metric`: whole layers where round trips sit beside them).
+        one routing (`one_routing`: uniform where several routings are stored) and one metric (`one_metric`: whole
+        layers where round trips sit beside them).
         The record carries its `provenance`; `rec.is_tuned_for(fingerprint, software)` says whether it
         may be applied as tuned. An unknown dtype is a ValueError (moetune writes `bfloat16`, not `bf16`)."""
         from moetune.runtime.shapes import DTYPES
@@ -1008,7 +1009,7 @@ class Store:
             bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for _i, r in got}), max_bucket_steps)
             if bucket is None:
                 continue
-            return min(one_metric([r for _i, r in got if r.key.token_bucket == bucket]), key=lambda r: r.latency_us)
+            return min(comparable([r for _i, r in got if r.key.token_bucket == bucket]), key=lambda r: r.latency_us)
         return None
 
     @_retried
