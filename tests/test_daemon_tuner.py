@@ -85,3 +85,45 @@ def test_a_retune_whose_predictions_do_not_displace_measurements_says_so(tmp_pat
     assert {r.provenance for r in rows if r.status == "superseded"} == {"node_model"}
     finished = [e for e in store.list_events(limit=50) if e["kind"] == "job_finished"]
     assert finished and finished[0]["details"]["kept"] == 2 and finished[0]["details"]["no_result"] == []
+
+
+def test_a_job_that_wrote_predictions_says_they_are_modelled(tmp_path: Path) -> None:
+    """A re-tune job with the model backend said "3 profile(s) written" in its message (`moetune status`, the
+    job_finished event), as a measuring job says it: nothing said the profiles it wrote were predictions."""
+    from moetune.runtime.profile_record import ProfileKey
+    from moetune.tuner.daemon.jobs import JobManager
+    from moetune.tuner.fabric.discovery import discover
+
+    cap = tmp_path / "capture"
+    facts = F.make_capture(cap, "dgx-h100")
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, facts, ep_size=8, buckets=(64, 1024))
+
+    def retune(ctx) -> list:
+        out = []
+        # keys of their own (other buckets): a prediction never displaces the measured profiles seeded
+        for k, backend, bucket in zip(ctx.keys, (f"model:node:{ctx.facts.fingerprint}", "local:fake"), (128, 4096),
+                                      strict=True):
+            nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint,
+                               "software": ctx.facts.software_hash, "token_bucket": bucket})
+            rec = F.make_record(nk, latency_us=1.0, num_sms=32, backend=backend)
+            assert ctx.store.put_profile(rec)[0]
+            out.append(rec)
+        return out
+
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: discover(cap), retune=retune, on_done=lambda j, w: done.append(j),
+                    tune=TuneSettings(backend="model", trials=3, timeout_s=60), gpu_probe=lambda: (False, "idle"))
+    jm.start()
+    try:
+        jm.submit(reason="retune --all", old_fingerprint=facts.fingerprint, keys=[r.key for r in seeded],
+                  all_current=True)
+        deadline = time.monotonic() + 60
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        jm.stop()
+    assert done, "the job did not finish"
+    job = done[0]
+    assert job.state == "done" and job.written == 2, job.message
+    assert "2 profile(s) written" in job.message and "1 of them MODELLED (node_model)" in job.message, job.message

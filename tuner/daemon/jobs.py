@@ -443,6 +443,18 @@ def _said(items: list[str], most: int = 3) -> str:
     return "; ".join(items[:most]) + (f"; {len(items) - most} more" if len(items) > most else "")
 
 
+def _modelled(written: list[ProfileRecord]) -> str:
+    """What the job's message says of the profiles it wrote that are predictions, not measurements ("" when none): how
+    many, by provenance (`moetune status` and the job_finished event show the message; a count alone read as
+    measurements)."""
+    c = collections.Counter(str(r.effective_provenance) for r in written if r.effective_provenance != "measured")
+    if not c:
+        return ""
+    n = sum(c.values())
+    kinds = next(iter(c)) if len(c) == 1 else ", ".join(f"{k} {p}" for p, k in sorted(c.items()))
+    return f" ({'all' if n == len(written) else n} of them MODELLED ({kinds}), not measured)"
+
+
 def _outcomes(job: Job) -> str:
     """What the job's studies left besides what they wrote, for its message ("" when nothing)."""
     # a study is one profile key (a transport family of a job key): the counts are of those
@@ -811,7 +823,7 @@ class JobManager:
             if cancelled:
                 raise JobCancelled(f"job {job.id} cancelled")
             job.written = len(written)
-            job.message = f"{len(written)} profile(s) written in {time.monotonic() - t0:.1f} s"
+            job.message = f"{len(written)} profile(s) written{_modelled(written)} in {time.monotonic() - t0:.1f} s"
             job.message += _outcomes(job)
             if job.refused:
                 job.message += "; " + "; ".join(job.refused)
@@ -831,7 +843,7 @@ class JobManager:
             written = [r for i, r in self._current(job.fingerprint) or [] if i not in before]
             job.written = len(written)
             if written:
-                job.message += f" ({len(written)} profile(s) written before it stopped)"
+                job.message += f" ({len(written)} profile(s) written{_modelled(written)} before it stopped)"
             job.message += _outcomes(job)
         moved = "" if damaged else self._fabric_moved_on(job)  # its mark_stale is a write
         if moved:
