@@ -90,7 +90,10 @@ def backend_label(provenance: Provenance, name: str) -> str:
     prefix = PROVENANCE_PREFIX[provenance]
     if name.startswith(prefix) and provenance_of_backend(name) == provenance:
         return name
-    return prefix + name
+    label = prefix + name
+    # a preset named "node:<fp>" would read as the calibrated model of node <fp> (`model:node:<fp>`): the prefix once
+    # more makes it read as what it is (`model:model:node:<fp>`, as a name `model:node:<fp>` is labelled)
+    return label if provenance_of_backend(label) == provenance else prefix + label
 
 
 def unlabelled_provenance(backend: str, fingerprint: str | None = None) -> Provenance:

@@ -70,6 +70,25 @@ def test_a_callable_is_never_stored_as_measured_whatever_its_name(tmp_path: Path
     assert describe_study(f"sqlite:///{tmp_path / 'opt.db'}", res.study.study_name)["modelled"] is True
 
 
+def test_a_preset_named_like_a_nodes_model_is_labelled_as_a_preset(tmp_path: Path) -> None:
+    """A modelling backend named "node:<fp>" was labelled "model:node:<fp>": the label of the calibrated model of node
+    <fp>, which `provenance_of_backend` (what a record without a provenance is read by, and what `query`/`profiles
+    show` say of its origin) reads as node_model, outranking every preset."""
+    from moetune.runtime.profile_record import backend_label
+
+    name = "node:" + Facts.fingerprint
+    assert provenance_of_backend(backend_label("preset", name)) == "preset"
+    be = CallableBackend(lambda k, w: 10.0 + k.channels, name=name)
+    assert provenance_of_backend(be.label) == "preset" and be.label.endswith(name)
+    _res, store = _tune(tmp_path, be)
+    [(_, stored)] = store.list_profiles()
+    assert stored.provenance == "preset" and provenance_of_backend(stored.backend, Facts.fingerprint) == "preset"
+    # every declared provenance reads back from its label, whatever the name
+    for prov in ("measured", "node_model", "preset"):
+        for n in ("x", "local:x", "model:x", "node:x", "model:node:x", "local:model:node:x"):
+            assert provenance_of_backend(backend_label(prov, n)) == prov, (prov, n, backend_label(prov, n))
+
+
 def test_a_class_that_declares_measured_is_stored_as_measured(tmp_path: Path) -> None:
     be = F.measuring_fake(lambda k, w: 10.0 + k.channels, name="gloo")
     assert be.provenance == "measured" and not be.modelled and be.label == "local:gloo"
