@@ -171,3 +171,22 @@ def test_show_refuses_a_database_option_without_record(tmp_path: pathlib.Path, o
     flat = " ".join(r.output.split())
     assert f"{opt}: names the database --record writes to" in flat and "Traceback" not in flat
     assert not path.exists()
+
+
+def test_diff_of_a_gpu_swapped_for_the_same_model_is_a_change(tmp_path: pathlib.Path) -> None:
+    """Same fingerprint, another physical GPU: the daemon marks the profiles measured on the old part stale and
+    re-tunes (fabric.change.same_hardware); diff said "(not performance-relevant) GPU 0 replaced" and exit 0."""
+    root = tmp_path / "c"
+    shutil.copytree(CAPTURES / "h200x1", root)
+    smi = root / "commands" / "nvidia-smi_-q_-x"
+    smi.write_text(smi.read_text().replace("<serial>1652826069623</serial>", "<serial>1652826069999</serial>"))
+    res = invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(root))
+    assert res.exit_code == 1, res.output
+    said = " ".join(res.output.split())
+    assert "fingerprint unchanged" in said and "but on other GPUs: a change" in said, said
+    assert "- GPU 0 replaced: serial 1652826069623 → 1652826069999" in said and "not performance-relevant" not in said
+    d = json.loads(invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(root), "--json").output)
+    assert d["changed"] is True and d["fingerprint_changed"] is False and d["old"] == d["new"]
+    assert d["gpus_replaced"] == ["GPU 0 replaced: serial 1652826069623 → 1652826069999"]
+    same = invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(CAPTURES / "h200x1"), "--json")
+    assert same.exit_code == 0 and json.loads(same.output)["gpus_replaced"] == []

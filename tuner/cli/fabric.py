@@ -228,7 +228,9 @@ def diff(
     db: Path | None = path_option(None, "--db", help="Profile database (default: configured)."),
     config: Path | None = path_option(None, "--config", help="TOML config file."),
 ) -> None:
-    """Why the fabric changed: readable reasons (exit 0: same fingerprint, 1: changed)."""
+    """Why the fabric changed: readable reasons (exit 0: the same fabric, 1: changed: another fingerprint, or the same
+    one on other physical GPUs, which the daemon takes as a change too: the profiles measured on the parts replaced are
+    marked stale and re-tuned)."""
     from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
 
     if against is not None and not against.strip():  # Path("") is ".": the current folder was read as a capture
@@ -246,14 +248,20 @@ def diff(
     new = new_f.to_dict()
     reasons = diff_facts(old, new)
     same = old_hash == new_f.fingerprint
+    # a GPU swapped for another of the same model keeps the fingerprint but is a change all the same (the daemon's rule,
+    # fabric.change.same_hardware): this said "(not performance-relevant) GPU 1 replaced" and exit 0
+    replaced = [r for r in reasons if " replaced: " in r] if same else []
     if as_json:
-        typer.echo(json.dumps({"old": old_hash, "new": new_f.fingerprint, "changed": not same, "reasons": reasons}))
+        typer.echo(json.dumps({"old": old_hash, "new": new_f.fingerprint, "changed": not same or bool(replaced),
+                               "fingerprint_changed": not same, "gpus_replaced": replaced, "reasons": reasons}))
     elif same:
-        _out().print(f"fingerprint unchanged: {new_f.fingerprint}")
+        _out().print(f"fingerprint unchanged: {new_f.fingerprint}" + (
+            ", but on other GPUs: a change (the daemon marks the profiles measured on the parts replaced stale and "
+            "re-tunes them)" if replaced else ""))
         for r in reasons:
-            _out().print(f"  (not performance-relevant) {r}")
+            _out().print(f"  - {r}" if r in replaced else f"  (not performance-relevant) {r}")
     else:
         _out().print(f"fingerprint {old_hash} → {new_f.fingerprint}")
         for r in reasons or ["changed, but no readable reason found (facts from another moetune version?)"]:
             _out().print(f"  - {r}")
-    raise typer.Exit(0 if same else 1)
+    raise typer.Exit(0 if same and not replaced else 1)
