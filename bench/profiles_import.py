@@ -27,7 +27,7 @@ def key(i: int, one: bool) -> ProfileKey:
 
 def export(folder: Path, n: int, one: bool) -> bytes:
     with Store(folder / "src.db") as s:
-        s.upsert_fingerprint("f" * 16, {"gpus": []})
+        s.upsert_fingerprint("f" * 16, {"gpus": []}, origin="local")
         for i in range(n):
             s.put_profile(ProfileRecord(key=key(i, one), knobs=default_knobs("nvlink").replace(num_sms=1 + i % 128,
                                                                                                channels=1 + i // 128),

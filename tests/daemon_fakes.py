@@ -331,7 +331,7 @@ def record_fabric_seen(store: Any, facts: FakeFacts, reason: str = "first") -> N
 def record_fabric_change(store: Any, old: FakeFacts, new: FakeFacts, **details: Any) -> None:
     """What a daemon's fabric change old -> new (gpu_model H200 -> H100) writes before anything else: the new
     fingerprint and the fabric_changed event (with `details` added to the event's)."""
-    store.upsert_fingerprint(new.fingerprint, new.to_dict())
+    store.upsert_fingerprint(new.fingerprint, new.to_dict(), origin="local")
     store.add_event(kind="fabric_changed", reason="gpu_model: H200 -> H100",
                     details={"old_fingerprint": old.fingerprint, "fingerprint": new.fingerprint, "identity": None,
                              "reasons": ["gpu_model: H200 -> H100"], "facts": new.to_dict(), **details})

@@ -188,7 +188,7 @@ def test_fingerprint_filter_takes_the_start_list_shows(tmp_path: Path) -> None:
     db = tmp_path / "m.db"
     fill(db)
     with Store(db) as s:
-        s.upsert_fingerprint("fp-other", {})
+        s.upsert_fingerprint("fp-other", {}, origin="local")
     r = run("profiles", "list", "--db", str(db), "--fingerprint", "fp-c", "--json")
     assert r.exit_code == 0 and len(json.loads(r.stdout)) == 2, r.output
     r = run("profiles", "export", "-", "--db", str(db), "--fingerprint", "fp-c")

@@ -31,7 +31,7 @@ def sha(p) -> str:
 
 def fill(db, fp: str = "fp-safe") -> None:
     with Store(db) as s:
-        s.upsert_fingerprint(fp, {})  # no facts: an import checks facts against the fingerprint (`facts_problem`)
+        s.upsert_fingerprint(fp, {}, origin="local")  # no facts: an import checks facts against the fingerprint (`facts_problem`)
         key = ProfileKey(
             fingerprint=fp, software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
             intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=16,

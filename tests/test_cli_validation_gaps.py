@@ -91,7 +91,7 @@ def test_profiles_import_refuses_a_key_with_127_experts_over_ep_2(tmp_path: Path
 
     src = tmp_path / "src.db"
     with Store(src) as s:
-        s.upsert_fingerprint("fp-q", {})  # no facts: an import checks facts (`facts_problem`)
+        s.upsert_fingerprint("fp-q", {}, origin="local")  # no facts: an import checks facts (`facts_problem`)
         s.put_profile(ProfileRecord(key=_key(), knobs=default_knobs("nvlink"), latency_us=3.0, spread_us=0.5,
                                     backend="model:t"))
     r = run("profiles", "export", "-", "--db", str(src), home=tmp_path / "h")

@@ -41,7 +41,7 @@ def _seed(db: Path, rows: list[tuple[str, Any, str]]) -> None:
     """Fingerprint rows (hash, facts, last_seen) written as the store writes them, then their last_seen set."""
     store = F.open_store(db)
     for fp, facts, _seen in rows:
-        store.upsert_fingerprint(fp, facts if isinstance(facts, dict) else {})
+        store.upsert_fingerprint(fp, facts if isinstance(facts, dict) else {}, origin="local")
     store.close()
     con = sqlite3.connect(db)
     for fp, facts, seen in rows:

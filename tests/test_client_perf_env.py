@@ -76,7 +76,7 @@ def node_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[P
     def make(recs: list[ProfileRecord]) -> Path:
         db = tmp_path / "moetune.db"
         store = F.open_store(db)
-        store.upsert_fingerprint(FP, facts)
+        store.upsert_fingerprint(FP, facts, origin="local")
         for r in recs:
             r = msgspec.structs.replace(r, key=msgspec.structs.replace(r.key, software=sw))
             ok, why = store.put_profile(r)

@@ -46,7 +46,7 @@ def _key(facts: Any, family: str = "megakernel", ep: int = 1, nodes: int = 1, bu
 
 def _stale_mk(store: Any, facts: Any, fingerprint: str = "oldfabric0000000") -> ProfileKey:
     """A megakernel profile of the node's previous fingerprint, made stale (what the watch leaves)."""
-    store.upsert_fingerprint(fingerprint, {"old": True})
+    store.upsert_fingerprint(fingerprint, {"old": True}, origin="local")
     key = _key(facts, fingerprint=fingerprint)
     rec = ProfileRecord(key=key, knobs=Knobs(engine="megakernel"), latency_us=300.0, spread_us=1.0,
                         backend="local:megakernel", provenance=provenance_of_backend("local:megakernel"))
@@ -123,7 +123,7 @@ def test_a_stale_megakernel_key_is_re_measured_as_the_megakernel(tmp_path: Path,
     made = _inject(monkeypatch, measure)
     facts = _facts("h200x1")  # one H200: the node `moetune profile` tunes only the megakernel on
     store = F.open_store(tmp_path / "m.db")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     stale = _stale_mk(store, facts)
     job, written = _run_job(store, facts, [stale])
     assert job.state == "done", job.message
@@ -145,7 +145,7 @@ def test_a_model_re_tune_leaves_a_megakernel_key_stale_and_says_why(tmp_path: Pa
     monkeypatch.setattr(search, "tune_profiles_detailed", lambda store, facts, **kw: calls.append(kw) or [])
     facts = _facts("h200x2")  # calibrated: a node model exists, and it must still not stand for the megakernel
     store = F.open_store(tmp_path / "m.db")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     F.write_node_model(tmp_path, facts.fingerprint)
     stale = _stale_mk(store, facts)
     job, written = _run_job(store, facts, [stale], backend="model", node_model_dir=str(tmp_path))
@@ -244,7 +244,7 @@ def test_a_megakernel_re_tune_waits_while_the_gpus_are_busy(tmp_path: Path, monk
 
     facts = _facts("h200x1")
     store = F.open_store(tmp_path / "m.db")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     stale = _stale_mk(store, facts)
     job, written = _run_job(store, facts, [stale], probe=probe)
     assert len(seen) >= 4 and set(seen) == {0}
@@ -293,7 +293,7 @@ def test_gpu_a_stale_megakernel_key_is_re_measured_on_the_gpu(tmp_path: Path) ->
 
     facts = discover()
     store = F.open_store(tmp_path / "m.db")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     stale = _stale_mk(store, facts)
     done: list = []
     jm = J.JobManager(store=store, facts_fn=lambda: facts, retune=J.tuner_retune,

@@ -247,7 +247,7 @@ def test_the_upgrade_marks_the_profiles_stale_with_its_reason(tmp_path: Path) ->
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, types.SimpleNamespace(fingerprint=old_fp, software_hash=new.software_hash))
     old = _as_older_moetune_recorded(new.to_dict())
-    store.upsert_fingerprint(old_fp, old)
+    store.upsert_fingerprint(old_fp, old, origin="local")
     store.add_event(kind="fabric_seen", reason="first discovery",
                     details={"fingerprint": old_fp, "identity": new.identity_hash, "facts": old})
     d, store = _daemon(tmp_path, new)

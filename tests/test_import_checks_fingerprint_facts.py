@@ -41,7 +41,7 @@ def export(tmp_path: Path) -> dict[str, Any]:
     """An export of one measured profile on the h200x2 capture's fingerprint, with its facts."""
     facts = discover(CAPTURE)
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+        s.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
         s.put_profile(_record(facts.fingerprint))
         return json.loads(s.dump_profiles())
 
@@ -118,7 +118,7 @@ def test_fabric_diff_on_unreadable_stored_facts_fails_cleanly(tmp_path: Path, ex
     EDITS[edit](facts)
     db = tmp_path / "m.db"
     with Store(db) as s:  # the store's own API does not check (only the import does): as rows stored before it did
-        s.upsert_fingerprint("fp-bad", facts)
+        s.upsert_fingerprint("fp-bad", facts, origin="local")
     r = run("fabric", "diff", "--db", str(db), "--capture", str(CAPTURE))
     assert r.exit_code == 2, r.output
     assert "stored facts of fingerprint fp-bad" in r.stderr and "cannot be read" in r.stderr, r.stderr

@@ -87,7 +87,7 @@ def test_tune_stores_a_better_setting_as_measured(tmp_path: Path) -> None:
 
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=bm16_better)
     res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=40, progress=False,
                                  storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
@@ -120,7 +120,7 @@ def test_tune_measures_only_the_default_where_the_decode_kernel_runs(tmp_path: P
 
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=measure, mk_decode=lambda wl: wl.tokens == 1)
     res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[1, 128], backend=be, trials=12, progress=False,
                                  storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
@@ -143,7 +143,7 @@ def test_a_re_tune_where_the_decode_kernel_runs_replaces_knobs_that_cannot_act(t
 
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     kw: dict[str, Any] = dict(models=[QWEN], tokens=[1], trials=12, progress=False, ep_size=1, nodes=1,
                               storage=f"sqlite:///{tmp_path / 'opt.db'}", families=["megakernel"])
     old = tune_profiles_detailed(store, facts, backend=LocalBackend(
@@ -176,7 +176,7 @@ def _store_with(tmp_path: Path, knobs: Knobs, latency_us: float,
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
     backend = backend.format(fp=facts.fingerprint)
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="megakernel",
                      ep_size=1, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts,
                      topk=QWEN.topk, dtype=QWEN.dtype, token_bucket=128)
@@ -234,7 +234,7 @@ def test_a_default_only_study_whose_run_failed_runs_again(tmp_path: Path) -> Non
 
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     first = _mk_tune(tmp_path, store, facts, flaky, 1, decode=True)
     assert first.record is None or not first.written
     again = _mk_tune(tmp_path, store, facts, flaky, 1, decode=True)
@@ -254,7 +254,7 @@ def test_a_winner_within_noise_of_the_default_is_not_stored_as_tuned(tmp_path: P
 
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=almost_flat, mk_decode=lambda wl: False)
     res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=6, progress=False,
                                  storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
@@ -376,7 +376,7 @@ def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Pa
     assert not m.ok and m.infeasible and not m.samples and "relative error 1 exceeds its bound 0.01" in (m.error or "")
     store = F.open_store(tmp_path / "m.db")
     facts = _facts("h200x1")
-    store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=wrong_bm16, mk_decode=lambda wl: False)
     res = tune_profiles_detailed(store, facts, models=[QWEN], tokens=[128], backend=be, trials=40, progress=False,
                                  storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])

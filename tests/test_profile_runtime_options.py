@@ -82,7 +82,7 @@ def node_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callabl
     def make(recs: list[ProfileRecord]) -> Path:
         db = tmp_path / "moetune.db"
         store = F.open_store(db)
-        store.upsert_fingerprint(FP, facts)
+        store.upsert_fingerprint(FP, facts, origin="local")
         for r in recs:
             ok, why = store.put_profile(msgspec.structs.replace(r, key=msgspec.structs.replace(r.key, software=sw)))
             assert ok, why

@@ -33,7 +33,7 @@ def key(bucket: int, family: str = "nvlink") -> ProfileKey:
 def export(tmp_path: Path) -> dict:
     """An export of three profiles (measured, preset, node model), as a dict."""
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp-x", {"gpu": "H100", "n": 8})
+        s.upsert_fingerprint("fp-x", {"gpu": "H100", "n": 8}, origin="local")
         for b, prov, be, on in ((16, "measured", "local:nccl", "fp-x"), (128, "preset", "model:ndr-ibrc-h100x8", ""),
                                 (256, "node_model", "model:node:fp-x", "fp-x")):
             s.put_profile(ProfileRecord(key=key(b), knobs=default_knobs("nvlink"), latency_us=float(b), spread_us=0.5,
@@ -216,7 +216,7 @@ def test_an_import_reads_the_stored_rows_once_not_per_record(tmp_path: Path) -> 
 
     buckets = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"}, origin="local")
         for i in range(120):
             k = ProfileKey(**{**key(buckets[i % 10]).to_dict(), "hidden": 1024 + 64 * (i // 10)})
             s.put_profile(ProfileRecord(key=k, knobs=default_knobs("nvlink"), latency_us=10.0 + i, spread_us=0.1,
@@ -259,7 +259,7 @@ def test_an_imports_work_per_record_does_not_grow_with_the_keys_history(tmp_path
     """A hands-on tester's find: each record re-hashed its key and knobs once per stored row of its key (3,000
     records of one key: 33 s, and 60 s again, against the old code's 7 and 10). The hash is now taken once a record."""
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"}, origin="local")
         for i in range(60):
             s.put_profile(ProfileRecord(key=key(16), knobs=default_knobs("nvlink").replace(num_sms=1 + i),
                                         latency_us=100.0 - i, spread_us=0.01, backend="local:nccl",
@@ -282,7 +282,7 @@ def test_the_store_refuses_a_key_that_is_no_token_bucket(tmp_path: Path) -> None
     from moetune.tuner.store.validate import FieldError
 
     with Store(tmp_path / "m.db") as s:
-        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"}, origin="local")
         with pytest.raises(FieldError, match=r"key\.token_bucket.*22 is not a token bucket"):
             s.put_profile(ProfileRecord(key=key(22), knobs=default_knobs("nvlink"), latency_us=1.0, spread_us=0.1,
                                         backend="local:nccl", provenance="measured", measured_on="fp-x"))
@@ -314,7 +314,7 @@ def test_a_re_measurement_stored_in_the_same_second_survives_export_and_import(t
     took the current one for that row, "already present": the new database had no current profile for the key."""
     same = "2026-12-05T16:12:29Z"
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp-x", {"gpu": "H100"})
+        s.upsert_fingerprint("fp-x", {"gpu": "H100"}, origin="local")
         for lat in (12.0, 11.0):
             s.put_profile(ProfileRecord(key=key(16), knobs=default_knobs("nvlink"), latency_us=lat, spread_us=0.5,
                                         backend="local:nccl", provenance="measured", measured_on="fp-x",

@@ -54,7 +54,7 @@ def _fresh_once():
 def db_with_indivisible_rows(path: Path, bad_ids: tuple[int, ...] = (2,)) -> Path:
     """Three profiles (ids 1-3, buckets 16/64/128); the rows `bad_ids` get 127 experts, as a pre-rule import stored."""
     with Store(path) as s:
-        s.upsert_fingerprint("fp-q", {})  # no facts: an import checks facts (`facts_problem`)
+        s.upsert_fingerprint("fp-q", {}, origin="local")  # no facts: an import checks facts (`facts_problem`)
         for b in (16, 64, 128):
             s.put_profile(rec(b))
     con = sqlite3.connect(path)
@@ -133,7 +133,7 @@ def test_db_check_lists_the_unreadable_rows_and_profiles_delete_removes_one(tmp_
 
 def test_db_check_of_a_clean_database_reports_no_unreadable_rows(tmp_path):
     with Store(tmp_path / "ok.db") as s:
-        s.upsert_fingerprint("fp-q", {})
+        s.upsert_fingerprint("fp-q", {}, origin="local")
         s.put_profile(rec())
         info = s.check()
     assert info["ok"] and info["unreadable_profiles"] == []
@@ -143,7 +143,7 @@ def test_db_check_of_a_clean_database_reports_no_unreadable_rows(tmp_path):
 def export_with_bad_records(tmp_path: Path, bad: tuple[int, ...] = (0,)) -> Path:
     """An export of three profiles (buckets 16/64/128) whose records `bad` say 127 experts."""
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp-q", {})  # no facts: an import checks facts (`facts_problem`)
+        s.upsert_fingerprint("fp-q", {}, origin="local")  # no facts: an import checks facts (`facts_problem`)
         for b in (16, 64, 128):
             s.put_profile(rec(b))
         doc = json.loads(s.dump_profiles())
@@ -157,7 +157,7 @@ def export_with_bad_records(tmp_path: Path, bad: tuple[int, ...] = (0,)) -> Path
 def target_db(tmp_path: Path) -> Path:
     db = tmp_path / "dst.db"
     with Store(db) as s:
-        s.upsert_fingerprint("fp-z", {})
+        s.upsert_fingerprint("fp-z", {}, origin="local")
         s.put_profile(ProfileRecord(key=key(fp="fp-z"), knobs=default_knobs("nvlink"), latency_us=9.0,
                                     spread_us=0.5, backend="model:t"))
     return db

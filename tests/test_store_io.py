@@ -30,8 +30,8 @@ def rec(lat: float, spread: float = 1.0, **kw) -> ProfileRecord:
 
 
 def populate(s: Store) -> None:
-    s.upsert_fingerprint("fp-a", {"gpus": [{"model": "H200"}] * 2, "nvlink": True})
-    s.upsert_fingerprint("fp-b", {"gpus": 8})
+    s.upsert_fingerprint("fp-a", {"gpus": [{"model": "H200"}] * 2, "nvlink": True}, origin="local")
+    s.upsert_fingerprint("fp-b", {"gpus": 8}, origin="local")
     for b in (16, 128, 1024):
         s.put_profile(rec(10.0 * b, bucket=b))
     s.put_profile(rec(5.0, bucket=16))  # supersedes the first

@@ -187,9 +187,9 @@ def test_get_delete_profile(store):
 
 
 def test_measurements_runs_fingerprints_events(store):
-    store.upsert_fingerprint("fp-a", {"gpus": 2, "model": "H200"})
+    store.upsert_fingerprint("fp-a", {"gpus": 2, "model": "H200"}, origin="local")
     first = store.get_fingerprint("fp-a")
-    store.upsert_fingerprint("fp-a", {"gpus": 2, "model": "H200", "driver": "x"})
+    store.upsert_fingerprint("fp-a", {"gpus": 2, "model": "H200", "driver": "x"}, origin="local")
     again = store.get_fingerprint("fp-a")
     assert again.facts["driver"] == "x" and again.first_seen == first.first_seen
     run = store.start_run(study_name="s1", storage=store.url, backend="model")

@@ -294,7 +294,7 @@ def _seed_db(db: Path, facts: dict, records: list[ProfileRecord]) -> None:
     store = F.open_store(db)
     fps = {facts["_fp"]} | {r.key.fingerprint for r in records}
     for fp in fps:
-        store.upsert_fingerprint(fp, facts["facts"] if fp == facts["_fp"] else {"gpus": [{"uuid": "GPU-elsewhere"}]})
+        store.upsert_fingerprint(fp, facts["facts"] if fp == facts["_fp"] else {"gpus": [{"uuid": "GPU-elsewhere"}]}, origin="local")
     for r in records:
         ok, why = store.put_profile(r)
         assert ok, why
@@ -377,14 +377,14 @@ def test_badly_shaped_database_facts_are_unreadable_not_a_crash(tmp_path: Path, 
     and the lookup goes on to the older fingerprint of this node, whose measured profile serves as tuned."""
     db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
     store = F.open_store(db)
-    store.upsert_fingerprint("d" * 16, bad)  # newest: read first
+    store.upsert_fingerprint("d" * 16, bad, origin="local")  # newest: read first
     store.close()
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
     assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
     # alone: no identity, said as unreadable facts; the chain ends at the policy default, never raising
     db2 = tmp_path / "only-bad.db"
     store = F.open_store(db2)
-    store.upsert_fingerprint("d" * 16, bad)
+    store.upsert_fingerprint("d" * 16, bad, origin="local")
     store.close()
     ident, why = client.node_identity_from_db(db2)
     assert ident is None and "unreadable facts" in why, why
@@ -412,9 +412,9 @@ def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_pa
     identity and passed over the profiles measured here. Neither it nor any fingerprint without facts is this node."""
     db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
     store = F.open_store(db)
-    store.upsert_fingerprint("preset:pcie4-consumer-4090x4:b0a1b0a1b0a1b0a1", {})  # newest: as tune --preset writes it
+    store.upsert_fingerprint("preset:pcie4-consumer-4090x4:b0a1b0a1b0a1b0a1", {}, origin="local")  # newest: as tune --preset writes it
     for i in range(20):  # placeholders, as the store adds for a profile's key: more than the lookup's old window of 16
-        store.upsert_fingerprint(f"{i:016x}", {})
+        store.upsert_fingerprint(f"{i:016x}", {}, origin="local")
     store.close()
     ident, why = client.node_identity_from_db(db)
     assert ident is not None and ident.fingerprint == "c" * 16, why
@@ -846,7 +846,7 @@ def test_this_nodes_fingerprint_behind_many_newer_foreign_ones_is_still_found(tm
         assert store.import_bytes(json.dumps(doc).encode()).fingerprints == len(others)
     else:
         for h, f in others:  # as other nodes' daemons record theirs
-            store.upsert_fingerprint(h, f)
+            store.upsert_fingerprint(h, f, origin="local")
     store.close()
     rows = client.db_read(db, "SELECT hash FROM fingerprints ORDER BY last_seen DESC LIMIT 16")
     assert "c" * 16 not in {h for (h,) in rows}  # this node's row is past the old window

@@ -59,7 +59,7 @@ def reply(rec: ProfileRecord, **over: Any) -> wire.ProfileResult:
 def seed(db: Path, fp: str, facts: dict, recs: list[ProfileRecord]) -> None:
     store = F.open_store(db)
     try:
-        store.upsert_fingerprint(fp, facts)
+        store.upsert_fingerprint(fp, facts, origin="local")
         for r in recs:
             ok, why = store.put_profile(r)
             assert ok, why

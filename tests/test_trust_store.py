@@ -154,7 +154,7 @@ def test_upgrade_from_0002_labels_existing_rows(tmp_path):
     with pytest.raises(Exception, match=f"moetune db upgrade --db {re.escape(str(path))}"):
         Store(path, readonly=True)
     with Store(path) as s:
-        assert s.current_revision() == head_revision() == "0009"
+        assert s.current_revision() == head_revision() == "0010"
         assert s.check()["ok"]
         got = {r.backend: (r.provenance, r.measured_on) for _i, r in s.list_profiles()}
     assert got == {
@@ -211,7 +211,7 @@ def test_one_corrupt_row_is_skipped_with_a_warning(tmp_path, caplog):
 # -- import validation ------------------------------------------------------------------------------
 def _doc(tmp_path: Path) -> dict:
     with Store(tmp_path / "src.db") as s:
-        s.upsert_fingerprint("fp", {"gpus": 2})
+        s.upsert_fingerprint("fp", {"gpus": 2}, origin="local")
         s.put_profile(rec(10.0, "local:nccl", provenance="measured", bucket=16))
         s.put_profile(rec(12.0, "model:nvlink-h200x2", bucket=128))
         return json.loads(s.dump_profiles())

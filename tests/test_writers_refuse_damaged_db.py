@@ -210,7 +210,7 @@ def test_once_a_scan_finds_the_file_damaged_no_write_of_the_store_is_made(tmp_pa
         assert store.damaged == str(scan.value) and f"{good} is damaged" in store.damaged
         before = _files(good)
         writes = [lambda: store.add_event(kind="fabric_seen", reason="x", details={}),
-                  lambda: store.upsert_fingerprint("fp2", {"a": 1}),
+                  lambda: store.upsert_fingerprint("fp2", {"a": 1}, origin="local"),
                   lambda: store.mark_stale(fingerprint="fp", reason="fabric changed"),
                   lambda: store.refuse_damaged(),  # a sound pass earlier in this open no longer counts
                   lambda: store.upgrade()]

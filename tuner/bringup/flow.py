@@ -467,7 +467,7 @@ class Bringup:
     def stage_discover(self) -> dict:
         if self.measures:  # this node: recorded as seen. Another node's capture is not (`fabric diff` compares this
             # node with the fingerprint the store saw last: it reported a change of the node to the capture's)
-            self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict())
+            self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict(), origin="local")
         return {"fingerprint": self.facts.fingerprint, "transports": [[t.name, t.reason] for t in self.facts.transports]}
 
     def stage_microbench(self) -> list[dict]:

@@ -150,7 +150,9 @@ def show(
     f = _discover(from_dir, timeout_s)
     if record:  # a store error is a message and its exit status (1: busy or not writable), not a traceback
         with open_store(db, config, mode="create") as store:
-            store.upsert_fingerprint(f.fingerprint, f.to_dict())
+            # a capture's facts are recorded as another node's (even one of this node: the daemon's first start
+            # compares the node with what it recorded as its own only)
+            store.upsert_fingerprint(f.fingerprint, f.to_dict(), origin="local" if from_dir is None else "capture")
     if as_json:
         typer.echo(json.dumps(_summary(f), indent=1))
     else:

@@ -517,7 +517,7 @@ def tune(
                 # this node, discovered live and measured on: its facts recorded (as `profile` and the daemon do),
                 # so the runtime's read-only fallback knows the node and serves the profiles measured here (a
                 # placeholder fingerprint without facts identifies no node: `query` fell back to the defaults)
-                store.upsert_fingerprint(facts.fingerprint, facts.to_dict())
+                store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
             results = tune_profiles_detailed(
                 measured_store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
                 timeout_s=timeout, ep_size=ep_size or (local_opts.get("world") if backend == "local" else None),

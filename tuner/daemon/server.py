@@ -61,7 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import zmq
@@ -710,6 +710,7 @@ class Daemon(FabricWatch):
         endpoint: str,
         pub_endpoint: str | None = None,
         discover: Callable[[], Any] | None = None,
+        fabric_origin: Literal["local", "capture"] = "local",  # 'capture': `discover` reads a capture, not this node
         diff: Callable[[dict, dict], list[str]] = default_diff,
         retune_job: RetuneFn | None = None,
         tune: TuneSettings | None = None,
@@ -741,6 +742,9 @@ class Daemon(FabricWatch):
                                     "the two endpoints must differ (set daemon.pub_socket / --pub-socket to another one, "
                                     "or leave it unset for the one beside the socket)")
         self._discover = discover
+        if fabric_origin not in ("local", "capture"):
+            raise DaemonConfigError(f"fabric_origin must be 'local' or 'capture', not {fabric_origin!r}")
+        self.fabric_origin = fabric_origin
         self._diff = diff
         self.tune = tune or TuneSettings()
         check_rediscover_interval(rediscover_interval_s, "rediscover_interval_s")
@@ -1539,6 +1543,7 @@ def run_daemon(
         retune = _load_hook(retune_hook) if retune_hook else None
         daemon = Daemon(
             store=store, endpoint=endpoint, pub_endpoint=pub, discover=discover, retune_job=retune,
+            fabric_origin="local" if capture is None else "capture",
             tune=TuneSettings(backend=cfg.tune.backend, trials=cfg.tune.trials, timeout_s=cfg.tune.timeout_s,
                               run_on_busy_gpus=cfg.tune.run_on_busy_gpus),
             rediscover_interval_s=d.rediscover_interval_s if rediscover_interval is None else rediscover_interval,

@@ -44,6 +44,9 @@ class FabricWatch:
 
     store: Any
     facts: Any
+    # where the discovered facts come from (`Store.upsert_fingerprint`): 'local' (this node), 'capture' (a daemon
+    # serving a capture: another node's facts, never compared with this node's bring-up)
+    fabric_origin: str
     interval: float
     metrics: Any
     jobs: Any
@@ -98,7 +101,7 @@ class FabricWatch:
             self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
             return
         self.facts = facts
-        self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
+        self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=self.fabric_origin)
         if last is None or (last.get("identity") is None and identity(facts) is not None):
             # the first discovery, or the first since GPU identities are recorded: the base to compare with
             self.store.add_event(kind="fabric_seen", reason="first discovery" if last is None else "GPU identities recorded",
@@ -221,7 +224,7 @@ class FabricWatch:
         try:
             from moetune.tuner.daemon.jobs import tuning_key
 
-            self.store.upsert_fingerprint(facts.fingerprint, new_dict)
+            self.store.upsert_fingerprint(facts.fingerprint, new_dict, origin=self.fabric_origin)
             recorded = self._recorded_change(old_fp, facts)
             with self._commit_lock:
                 # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
@@ -314,7 +317,7 @@ class FabricWatch:
             if last is None or same_hardware(last.get("fingerprint"), last.get("identity"), facts):
                 with self._commit_lock:
                     # the facts are adopted once their writes are in (a failed write: the next round tries again)
-                    self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts))
+                    self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=self.fabric_origin)
                     if last is None:
                         self.store.add_event(kind="fabric_seen", reason="first discovery",
                                              details={"fingerprint": facts.fingerprint, "identity": identity(facts),

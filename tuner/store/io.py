@@ -81,6 +81,9 @@ class ImportResult(msgspec.Struct, kw_only=True):
 
 
 class ExportedFingerprint(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A fingerprint and its facts as exported. Not where they came from (`fingerprints.origin`, `node`): to the store
+    that imports them they are another node's (origin 'import'), whatever they were to the one that exported them."""
+
     hash: str
     facts: dict[str, Any]
     first_seen: str
@@ -419,11 +422,16 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
         with store._write() as s:
             for fp in doc.fingerprints:
                 have = s.scalar(select(Fingerprint).where(Fingerprint.hash == fp.hash))
+                # another node's facts, whatever origin the exporting store gave them: 'import' here (the file
+                # carries no origin). A row this node recorded as its own is left as it is: the same hash seen here
+                # is this node's, and its facts name this node's GPUs
                 if have is None:
-                    s.add(Fingerprint(hash=fp.hash, facts=fp.facts, first_seen=fp.first_seen, last_seen=fp.last_seen))
+                    s.add(Fingerprint(hash=fp.hash, facts=fp.facts, first_seen=fp.first_seen, last_seen=fp.last_seen,
+                                      origin="import"))
                     result.fingerprints += 1
-                elif not have.facts and fp.facts:  # a placeholder learns its facts
+                elif not have.facts and fp.facts and have.origin != "local":  # a placeholder learns its facts
                     have.facts = fp.facts
+                    have.origin = "import"
             s.flush()
             wanted = sorted({rec.key.fingerprint for rec in doc.profiles})
             known = {h for i in range(0, len(wanted), _IN_BATCH) for h in
@@ -432,7 +440,7 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
             completed: dict[str, dict[str, Any]] = {}
             for rec in doc.profiles:
                 if rec.key.fingerprint not in known:
-                    store._ensure_fingerprint(s, rec.key.fingerprint, ts)
+                    store._ensure_fingerprint(s, rec.key.fingerprint, ts, "import")
                     known.add(rec.key.fingerprint)
                     result.fingerprints += 1
                 rows = stored.of(rec.key)

@@ -14,7 +14,8 @@ Plain `sqlite3` readers (the runtime's fallback, which has no SQLAlchemy) read c
 and add `AND provenance = 'measured'` for what may be applied as tuned (column added by migration 0003).
 `perf_env` (migration 0006) is the JSON of the measuring process's performance environment, NULL when not recorded;
 `runtime_options` and `runtime_options_digest` (migration 0009) the data-path runtime options it ran under and their
-digest, NULL when not recorded.
+digest, NULL when not recorded. `fingerprints.origin` and `fingerprints.node` (migration 0010): where a fingerprint's
+facts came from ('local', 'import', 'capture'; NULL: not recorded) and which node recorded a 'local' row.
 
 (`knobs` is the JSON of `Knobs.to_dict()`; open with `file:PATH?mode=ro`, uri=True.)
 """
@@ -66,8 +67,15 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, dict[str, str]: JSON}  # noqa: RUF012
 
 
+# Where a fingerprint row's facts came from (migration 0010): 'local' measured or discovered on the node that recorded
+# them (`moetune profile`, a tune of this node, `fabric show --record` of this node, the daemon's discovery), 'import'
+# from a profiles file, 'capture' a capture read (`fabric show --record --capture`, a daemon serving one): another node's
+FingerprintOrigin = Literal["local", "import", "capture"]
+FINGERPRINT_ORIGINS: tuple[FingerprintOrigin, ...] = get_args(FingerprintOrigin)
+
+
 class Fingerprint(Base):
-    """A fabric fingerprint: the hash and the canonical facts it was computed from."""
+    """A fabric fingerprint: the hash and the canonical facts it was computed from, and where they came from."""
 
     __tablename__ = "fingerprints"
 
@@ -76,6 +84,12 @@ class Fingerprint(Base):
     facts: Mapped[dict[str, Any]]
     first_seen: Mapped[str] = mapped_column(String(40))
     last_seen: Mapped[str] = mapped_column(String(40))
+    # Added by migration 0010: FINGERPRINT_ORIGINS, and for 'local' the node that recorded them (`_owner.node_id`).
+    # NULL: not recorded (a row from before 0010, a placeholder without facts): never taken for this node's
+    origin: Mapped[str | None] = mapped_column(String(16))
+    node: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (CheckConstraint(f"origin IN ({_sql_in(FINGERPRINT_ORIGINS)})", name="origin"),)
 
 
 class TuningRun(Base):

@@ -57,7 +57,7 @@ from moetune.runtime.profile_record import (
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
 from moetune.tuner.store._folders import make_parent, not_writable
-from moetune.tuner.store._owner import owner_gone, run_owner
+from moetune.tuner.store._owner import node_id, owner_gone, run_owner
 from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
@@ -96,10 +96,12 @@ from moetune.tuner.store.io import (
     parse_export,
 )
 from moetune.tuner.store.models import (
+    FINGERPRINT_ORIGINS,
     PROFILE_KEY_COLUMNS,
     Event,
     EventKind,
     Fingerprint,
+    FingerprintOrigin,
     Measurement,
     Profile,
     TuningRun,
@@ -748,21 +750,39 @@ class Store:
 
     # -- fingerprints ------------------------------------------------------------------------------
     @staticmethod
-    def _ensure_fingerprint(s: Session, fp_hash: str, ts: str) -> None:
+    def _ensure_fingerprint(s: Session, fp_hash: str, ts: str, origin: str | None) -> None:
+        """A placeholder row (no facts) for `fp_hash` where there is none. `origin`: where the key came from
+        ('import' for an imported profile's); None where nothing says (a measurement or profile stored under a key:
+        a placeholder has no facts to be any node's), learnt with the facts (`upsert_fingerprint`)."""
         s.execute(
             sqlite_insert(Fingerprint)
-            .values(hash=fp_hash, facts={}, first_seen=ts, last_seen=ts)
+            .values(hash=fp_hash, facts={}, first_seen=ts, last_seen=ts, origin=origin)
             .on_conflict_do_nothing(index_elements=["hash"])
         )
 
-    def upsert_fingerprint(self, fp_hash: str, facts: dict) -> None:
-        """Record a fingerprint and its canonical facts (updates facts and last_seen when known)."""
+    def upsert_fingerprint(self, fp_hash: str, facts: dict, *, origin: FingerprintOrigin, node: str | None = None) -> None:
+        """Record a fingerprint and its canonical facts (updates facts and last_seen when known), and where they came
+        from (`FINGERPRINT_ORIGINS`): 'local' for this node's own (discovered or measured here), recorded with this
+        node's id (`node`, default `_owner.node_id()`); 'capture' or 'import' for another node's. A row recorded
+        'local' stays this node's: the same hash read from a capture or another node's file changes nothing of it
+        (its facts are this node's; a capture's would name another node's GPUs). A 'local' record over a capture's
+        or an import's row makes it this node's."""
         if not fp_hash:
             raise ValueError("fingerprint hash must not be empty")
+        if origin not in FINGERPRINT_ORIGINS:
+            raise ValueError(f"fingerprint origin must be one of {', '.join(FINGERPRINT_ORIGINS)}, not {origin!r}")
+        if node is not None and origin != "local":
+            raise ValueError(f"a fingerprint of origin {origin!r} is another node's: it records no node of this one")
         ts = now()
-        stmt = sqlite_insert(Fingerprint).values(hash=fp_hash, facts=facts, first_seen=ts, last_seen=ts)
+        who = (node or node_id()) if origin == "local" else None
+        stmt = sqlite_insert(Fingerprint).values(hash=fp_hash, facts=facts, first_seen=ts, last_seen=ts, origin=origin,
+                                                 node=who)
         stmt = stmt.on_conflict_do_update(
-            index_elements=["hash"], set_={"facts": stmt.excluded.facts, "last_seen": stmt.excluded.last_seen}
+            index_elements=["hash"],
+            set_={"facts": stmt.excluded.facts, "last_seen": stmt.excluded.last_seen, "origin": stmt.excluded.origin,
+                  "node": stmt.excluded.node},
+            # another node's facts never replace this node's (nor move its last_seen: the daemon's base is the newest)
+            where=None if origin == "local" else or_(Fingerprint.origin.is_(None), Fingerprint.origin != "local"),
         )
         with self._write() as s:
             s.execute(stmt)
@@ -777,6 +797,17 @@ class Store:
     def list_fingerprints(self) -> list[Row]:
         with self._read() as s:
             return [_fp_row(fp) for fp in s.scalars(select(Fingerprint).order_by(Fingerprint.last_seen.desc()))]
+
+    @_retried
+    def local_fingerprints(self, node: str | None = None) -> list[Row]:
+        """The fingerprints this node recorded as its own (origin 'local', `node`: default `_owner.node_id()`),
+        newest last_seen first: what its bring-up, tunes and daemon discovered here. Never an imported row, a
+        capture's, another node's local one (a shared database) or one of unknown origin (from before 0010)."""
+        who = node or node_id()
+        with self._read() as s:
+            return [_fp_row(fp) for fp in s.scalars(
+                select(Fingerprint).where(Fingerprint.origin == "local", Fingerprint.node == who)
+                .order_by(Fingerprint.last_seen.desc(), Fingerprint.id.desc()))]
 
     # -- measurements ------------------------------------------------------------------------------
     def add_measurement(
@@ -795,7 +826,7 @@ class Store:
         """Store one measurement; returns its id. An unknown fingerprint gets a placeholder row."""
         ts = now()
         with self._write() as s:
-            self._ensure_fingerprint(s, fingerprint, ts)
+            self._ensure_fingerprint(s, fingerprint, ts, None)
             m = Measurement(
                 fingerprint=fingerprint,
                 kind=kind,
@@ -921,7 +952,7 @@ class Store:
         check_record(rec)
         ts = now()
         with self._write() as s:
-            self._ensure_fingerprint(s, rec.key.fingerprint, ts)
+            self._ensure_fingerprint(s, rec.key.fingerprint, ts, None)
             if rec.status != "current":
                 s.add(row_from_record(rec, ts))
                 return False, f"stored as {rec.status}"
