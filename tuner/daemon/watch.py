@@ -4,6 +4,10 @@ Every `rediscover_interval_s` the fabric is discovered again; on a fingerprint c
 an event with `diff_facts` reasons (a replaced GPU included), marks the old fingerprint's profiles
 `stale`, rebuilds the index, publishes `fabric_changed` and `profile_stale`, and queues a re-tune job.
 An incomplete discovery (a command timed out) is never taken for a change: the known facts are kept.
+Before any daemon recorded a fabric event (its first start), the base is the newest fingerprint this node recorded
+as its own (`moetune profile`, a tune of this node: origin 'local' with this node's id): a fabric that changed since
+the bring-up is a change too. Another node's facts in the store (imported, a capture's) are never the base; with
+none of this node's the first discovery is recorded as such.
 `FabricWatch` is mixed into `Daemon`; it uses the daemon's store, index and job manager.
 """
 
@@ -67,6 +71,29 @@ class FabricWatch:
                     return d
         return None
 
+    def _bringup_fabric(self) -> dict[str, Any] | None:
+        """Where no daemon recorded a fabric event yet: the newest fingerprint THIS node recorded as its own, with
+        facts that read (`Store.local_fingerprints`: what `moetune profile`, a tune of this node or `fabric show
+        --record` discovered here), in a fabric event's form, so that a fabric that changed between the bring-up and
+        the daemon's first start is a change (its profiles stale, re-tuned), not a first discovery. Never another
+        node's facts (imported, a capture's, another node's in a shared database) nor a row from before origins were
+        recorded (migration 0010): with none of this node's, None (a first discovery, as before). None too for a
+        daemon serving a capture: what it discovers is not this node."""
+        from moetune.tuner.fabric.facts import FactsError, read_facts
+
+        if self.fabric_origin != "local":
+            return None
+        for row in self.store.local_fingerprints():  # newest last_seen first
+            d = row["facts"]
+            if not d:  # a placeholder: no facts to compare with
+                continue
+            try:
+                f = read_facts(d)
+            except FactsError:
+                continue  # facts that do not decode (a hand edit) are no base
+            return {"fingerprint": row["hash"], "identity": identity(f), "facts": d}
+        return None
+
     def _discover_once(self) -> Any:
         """Run discovery once and record the outcome (status op, metrics); None when it failed."""
         try:
@@ -94,11 +121,13 @@ class FabricWatch:
         if facts is None:
             return
         last = self._last_fabric_event()
-        if last is not None and not same_hardware(last.get("fingerprint"), last.get("identity"), facts):
+        # no daemon event yet: this node's bring-up is the base (a change since it is a change, not a first discovery)
+        base = last if last is not None else self._bringup_fabric()
+        if base is not None and not same_hardware(base.get("fingerprint"), base.get("identity"), facts):
             if why := incomplete(facts):
                 self._kept(facts, why)  # nothing served until a round reads everything (as after a failure)
                 return
-            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts, rebuild=False)
+            self._fabric_changed(base.get("fingerprint"), base.get("facts") or {}, facts, rebuild=False)
             return
         self.facts = facts
         self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=self.fabric_origin)
@@ -314,7 +343,8 @@ class FabricWatch:
             return
         if old is None:
             last = self._last_fabric_event()
-            if last is None or same_hardware(last.get("fingerprint"), last.get("identity"), facts):
+            base = last if last is not None else self._bringup_fabric()  # as `_startup_discovery`
+            if base is None or same_hardware(base.get("fingerprint"), base.get("identity"), facts):
                 with self._commit_lock:
                     # the facts are adopted once their writes are in (a failed write: the next round tries again)
                     self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=self.fabric_origin)
@@ -332,7 +362,7 @@ class FabricWatch:
             if why := incomplete(facts):
                 self._kept(facts, why)
                 return
-            self._fabric_changed(last.get("fingerprint"), last.get("facts") or {}, facts)
+            self._fabric_changed(base.get("fingerprint"), base.get("facts") or {}, facts)
             return
         if why := incomplete(facts):
             self._kept(facts, why)
