@@ -190,3 +190,24 @@ def test_diff_of_a_gpu_swapped_for_the_same_model_is_a_change(tmp_path: pathlib.
     assert d["gpus_replaced"] == ["GPU 0 replaced: serial 1652826069623 → 1652826069999"]
     same = invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(CAPTURES / "h200x1"), "--json")
     assert same.exit_code == 0 and json.loads(same.output)["gpus_replaced"] == []
+
+
+def test_diff_of_the_live_node_compares_with_its_own_facts_not_a_newer_capture(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default base was the store's newest fingerprint with facts, whoever's: after `fabric show --from CAPTURE
+    --record` (another node's facts) a diff of this unchanged node said "changed" (exit 1)."""
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
+    other = invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record")
+    assert other.exit_code == 0, other.output
+    alone = invoke("fabric", "diff")
+    assert alone.exit_code == 2, alone.output
+    said = " ".join(alone.output.split())
+    assert "no discovered fingerprint of this node yet (only 1 of other nodes or captures" in said, said
+    assert invoke("fabric", "show", "--record").exit_code == 0  # this node's own facts
+    time.sleep(0.01)
+    assert invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record").exit_code == 0  # newer again
+    res = invoke("fabric", "diff", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["changed"] is False
+    # a capture is still compared with the newest facts of any origin
+    assert invoke("fabric", "diff", "--from", str(CAPTURES / "dgx-h100")).exit_code == 0

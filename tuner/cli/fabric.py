@@ -183,7 +183,10 @@ def capture(
                    f"transports: {', '.join(f.transport_names)}")
 
 
-def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None) -> tuple[str, dict[str, Any]]:
+def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | None = None, *,
+                  this_node: bool = False) -> tuple[str, dict[str, Any]]:
+    """The stored facts `fp_hash` (a hash or prefix) names; with none, the newest stored facts: of this node alone
+    where `this_node` (the live node is compared: another node's imported or captured facts are not its past)."""
     path = db_path(db, config)
     if not path.exists():  # the store's "run `moetune db upgrade`" leads to "no fingerprint yet": say the way at once
         raise _fail(f"no database at {path}: nothing recorded to compare with; record this node's fabric with "
@@ -191,19 +194,28 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
     with open_store(db, config, mode="read") as store:  # an existing database at head, never created or migrated
         row = store.get_fingerprint(fp_hash) if fp_hash is not None else None
         allrows = list(store.list_fingerprints()) if row is None else []  # read in the same open only when needed
+        own = [r for r in store.local_fingerprints() if r["facts"]] if fp_hash is None and this_node else []
     rows: list[Any] = [row] if row is not None else []
     if not rows:
-        # the default is the latest fingerprint with facts: a model tune records its preset's key (no facts) too,
-        # which is no discovered fabric to compare with
-        rows = [r for r in allrows if r["facts"]] if fp_hash is None else \
-            [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
+        # the live node's default is its latest recorded fabric (origin local, this node's id), else the latest of
+        # unknown origin (recorded before migration 0010); never another node's imported or captured facts, which a
+        # store holds too and which made a diff of this node a "change". A capture is compared with the latest facts
+        # of any origin. A model tune records its preset's key (no facts) too: no discovered fabric to compare with.
+        if fp_hash is not None:
+            rows = [r for r in allrows if str(r["hash"]).startswith(fp_hash)]
+        elif this_node:
+            rows = own or [r for r in allrows if r["facts"] and r.get("origin") is None]
+        else:
+            rows = [r for r in allrows if r["facts"]]
         if fp_hash is not None and len(rows) > 1:
             raise _fail(f"fingerprint prefix {fp_hash} is ambiguous ({len(rows)} stored fingerprints match)")
     if not rows:
         if fp_hash:
             raise _fail(f"fingerprint {fp_hash} is not in the store")
-        held = f" (only {len(allrows)} without facts, such as a model tune's preset:... key)" if allrows else ""
-        raise _fail(f"the store holds no discovered fingerprint yet{held}; record one with "
+        others = sum(1 for r in allrows if r["facts"]) if this_node else 0
+        held = (f" (only {others} of other nodes or captures: pass --against HASH to compare with one)" if others
+                else f" (only {len(allrows)} without facts, such as a model tune's preset:... key)" if allrows else "")
+        raise _fail(f"the store holds no discovered fingerprint{' of this node' if this_node else ''} yet{held}; record one with "
                     "`moetune fabric show --record` or pass --against DIR")
     row = rows[0]
     facts = row["facts"]
@@ -223,7 +235,7 @@ def _stored_facts(fp_hash: str | None, db: Path | None = None, config: Path | No
 @app.command("diff")
 def diff(
     against: str | None = typer.Option(None, "--against", help="A stored fingerprint hash (or prefix) or a capture DIR; "
-                                       "default: the most recently seen fingerprint in the store."),
+                                       "default: this node's most recently recorded fingerprint (with --from: the store's most recent one)."),
     from_dir: Path | None = path_option(None, "--from", "--capture", help="Compare this capture instead of the live node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
@@ -237,12 +249,12 @@ def diff(
 
     if against is not None and not against.strip():  # Path("") is ".": the current folder was read as a capture
         raise _fail("--against is empty: give a stored fingerprint hash (or its first 4+ hex digits) or a "
-                    "capture directory, or leave --against out to compare with the most recently seen fingerprint")
+                    "capture directory, or leave --against out to compare with this node's most recently recorded fingerprint")
     if against is not None and Path(against).is_dir():
         old_f = _discover(Path(against), timeout_s)
         old_hash, old = old_f.fingerprint, old_f.to_dict()
     elif against is None or re.fullmatch(r"[0-9a-fA-F]{4,64}", against):
-        old_hash, old = _stored_facts(against.lower() if against else None, db, config)
+        old_hash, old = _stored_facts(against.lower() if against else None, db, config, this_node=from_dir is None)
         old_hash = fingerprint(old) if old.get("gpus") is not None else old_hash
     else:
         raise _fail(f"--against {against!r} is neither a capture directory nor a fingerprint hash")
