@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from moetune.runtime.buffer.facade import EPBuffer, Handle, RecvMeta
+from moetune.runtime.buffer.facade import EPBuffer, Handle, RecvMeta, _calls_of
 
 ExpertFn = Callable[[torch.Tensor, RecvMeta], torch.Tensor]
 
@@ -41,7 +41,16 @@ def pipelined_moe(
     device. With `agree` (default: buffer.check_inputs), an expert_fn that raises or returns wrong rows on one rank
     is an error on every rank: one tiny all-gather and host sync per chunk, which stalls the host until that
     chunk's experts ran (less overlap). Without it, that rank raises alone. `MoELayer` passes agree=False: its own
-    experts return one row per received row by construction, and the tuner measures the layer so."""
+    experts return one row per received row by construction, and the tuner measures the layer so.
+
+    One call of the buffer from start to end: another thread's call of it meanwhile raises RuntimeError (later chunks'
+    transfers still read the buffer's reused send rows while expert_fn runs on earlier ones)."""
+    with _calls_of(buffer, "pipelined_moe"):
+        return _pipelined(buffer, x, topk_idx, topk_weights, expert_fn, agree)
+
+
+def _pipelined(buffer: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+               expert_fn: ExpertFn, agree: bool | None) -> torch.Tensor:
     agree = buffer.check_inputs if agree is None else agree
     if buffer.resident:  # one-sided transports: one exchange per direction, no host sync to overlap with
         recv_x, meta, h = buffer.dispatch(x, topk_idx, topk_weights)

@@ -364,3 +364,46 @@ def test_a_second_thread_inside_a_buffer_call_is_refused(monkeypatch) -> None:
     recv_x, meta, h = buf.dispatch(x, idx, w)  # this thread now: nobody inside
     assert torch.allclose(buf.combine((recv_x * meta.weights.sum(1, keepdim=True)).contiguous(), h),
                           x * w.sum(1, keepdim=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_second_thread_is_refused_while_pipelined_moe_runs_the_experts(dense: bool) -> None:
+    """pipelined_moe is a sequence of the buffer's calls (plan, pack, post_dispatch, unpack, post_combine, ...) whose
+    later chunks' transfers still read the reused send/stage rows while expert_fn runs on an earlier chunk; each step
+    held the one-thread guard only for itself, so another thread's dispatch (or close()) between two steps ran
+    without a word. Now the whole pipelined_moe is one call: the other thread's dispatch and close raise, the
+    pipeline finishes right, and the buffer serves (and closes) after."""
+    import threading
+
+    from moetune.runtime.pipeline import pipelined_moe, weighted_rows
+
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(pipeline_depth=2), model=model, max_tokens=16, dense=dense)
+    inside, go = threading.Event(), threading.Event()
+    x = torch.randn(8, 64)
+    idx, w = generate_routing(8, 8, 2, seed=1)
+
+    def held_experts(recv_x, meta):  # thread A stops inside its first chunk's experts
+        inside.set()
+        assert go.wait(10)
+        return weighted_rows(recv_x, meta)
+
+    got: dict[str, object] = {}
+    t = threading.Thread(target=lambda: got.setdefault("a", pipelined_moe(buf, x, idx, w, held_experts)))
+    t.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match="another thread is inside a call of this buffer"):
+            buf.dispatch(x, idx, w)
+        with pytest.raises(RuntimeError, match="another thread is inside a call of this buffer"):
+            pipelined_moe(buf, x, idx, w, weighted_rows)
+        with pytest.raises(RuntimeError, match=r"EPBuffer.close: another thread is inside a call"):
+            buf.close()
+    finally:
+        go.set()
+        t.join(10)
+    assert torch.allclose(got["a"], x * w.sum(1, keepdim=True), atol=1e-6)
+    assert torch.allclose(pipelined_moe(buf, x, idx, w, weighted_rows), x * w.sum(1, keepdim=True), atol=1e-6)
+    buf.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipelined_moe(buf, x, idx, w, weighted_rows)

@@ -38,7 +38,7 @@ Three wire layouts: packed and dense for the collective transports, device-resid
   another CUDA stream than the previous call's waits for that stream's work queued so far (one event, no host
   wait; eager calls: a graph replay is ordered by the stream it is replayed on), so switching streams is safe but
   serialises them; two threads calling one buffer at the same time need two buffers (a call made while another
-  thread is inside one raises RuntimeError).
+  thread is inside one raises RuntimeError; pipelined_moe is one call from start to end, and close() refuses too).
 
 One row, all bytes (uint8):
 
@@ -74,10 +74,11 @@ Signalling, fences, QPs and num_sms belong to the one-sided transports and are i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -149,31 +150,43 @@ def _combine_shares(cls: type[EPTransport], device: torch.device, knobs: Knobs, 
 _M = TypeVar("_M", bound=Callable[..., Any])
 
 
+@contextlib.contextmanager
+def _calls_of(buf: EPBuffer, what: str) -> Iterator[None]:
+    """The span of one EPBuffer call (`_one_thread`) or of a sequence of them that shares state between its steps
+    (pipelined_moe: its later chunks' transfers still read the send and stage rows while it runs the experts on
+    earlier ones): the outermost one of a thread runs `_enter` first (a closed buffer refused, the CUDA stream
+    ordered), and none runs while another thread is inside one: every call reuses the buffer's stage, send and
+    receive rows and its host state (epochs, the handle's scratch), so two threads at once would mix their tokens
+    silently. The same thread may nest (dispatch calls plan, pack, ...); a nested step still refuses a buffer closed
+    meanwhile (by an expert_fn, say)."""
+    me = threading.get_ident()
+    with buf._caller_lock:
+        if buf._caller not in (None, me):
+            raise RuntimeError(f"EPBuffer.{what}: another thread is inside a call of this buffer; one EPBuffer serves "
+                               "one thread at a time (its rows are reused by every call): give each thread its own "
+                               "buffer")
+        buf._caller, buf._depth = me, buf._depth + 1
+        outermost = buf._depth == 1
+    try:
+        if outermost:
+            buf._enter()
+        else:
+            buf._refuse_closed()
+        yield
+    finally:
+        with buf._caller_lock:
+            buf._depth -= 1
+            if buf._depth == 0:
+                buf._caller = None
+
+
 def _one_thread(method: _M) -> _M:
-    """An EPBuffer call: the outermost one of a thread runs `_enter` first (a closed buffer refused, the CUDA stream
-    ordered), and none runs while another thread is inside one of the buffer's calls: every call reuses the buffer's
-    stage, send and receive rows and its host state (epochs, the handle's scratch), so two threads at once would mix
-    their tokens silently. The same thread may nest (dispatch calls plan, pack, ...)."""
+    """An EPBuffer call, run inside `_calls_of` (one thread at a time, a closed buffer refused, streams ordered)."""
 
     @functools.wraps(method)
     def call(self: EPBuffer, *args: Any, **kwargs: Any) -> Any:
-        me = threading.get_ident()
-        with self._caller_lock:
-            if self._caller not in (None, me):
-                raise RuntimeError(f"EPBuffer.{method.__name__}: another thread is inside a call of this buffer; one "
-                                   "EPBuffer serves one thread at a time (its rows are reused by every call): give "
-                                   "each thread its own buffer")
-            self._caller, self._depth = me, self._depth + 1
-            outermost = self._depth == 1
-        try:
-            if outermost:
-                self._enter()
+        with _calls_of(self, method.__name__):
             return method(self, *args, **kwargs)
-        finally:
-            with self._caller_lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._caller = None
 
     return call  # type: ignore[return-value]
 
@@ -840,10 +853,15 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     def close(self) -> None:
         """Free the transport: stop its proxy thread (joined), free its symmetric buffers / staging. Every rank
         closes its own (peers may still write into symmetric buffers: close after the last exchange on every rank).
-        A second call does nothing; a dispatch or combine afterwards raises RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
+        A second call does nothing; a dispatch or combine afterwards raises RuntimeError. RuntimeError while another
+        thread is inside a call of this buffer (its transfers would run on a freed transport): close after it returns."""
+        with self._caller_lock:
+            if self._caller not in (None, threading.get_ident()):
+                raise RuntimeError("EPBuffer.close: another thread is inside a call of this buffer (its transfers use "
+                                   "the transport close() frees); close the buffer after that call returns")
+            if self._closed:
+                return
+            self._closed = True
         if self.transport is not None:
             self.transport.close()
 
