@@ -393,3 +393,24 @@ def case_rows_without_a_local_slot(rank: int, world: int, dense: bool) -> list[f
         return buf.combine(eo, h)[:, 0].tolist()
     finally:
         buf.close()
+
+
+def case_unchecked_bad_ids(rank: int, world: int, dense: bool) -> tuple[str, float]:
+    """check_inputs=False; rank 1 routes one slot of token 0 to expert 99 (8 experts). The packed layout's counts
+    exchange refuses it on every rank ('err'); the dense layout cannot see it: ('ok', how far the identity round trip
+    is from x * sum(w)), token 0 of rank 1 missing that slot's share."""
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=dense, check_inputs=False)
+    try:
+        x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+        if rank == 1:
+            idx = idx.clone()
+            idx[0, 0] = 99
+        try:
+            rx, meta, h = buf.dispatch(x, idx, w)
+        except ValueError as e:
+            return "err", 0.0 if "out of range" in str(e) else -1.0
+        y = buf.combine((rx * meta.weights.sum(1, keepdim=True)).contiguous(), h)
+        return "ok", float((y - x * w.sum(1, keepdim=True)).abs().max())
+    finally:
+        buf.close()

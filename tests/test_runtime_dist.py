@@ -159,3 +159,20 @@ def test_rows_without_a_local_slot_add_nothing_in_either_layout(dense: bool) -> 
     term, uninitialised memory) corrupted the output, in the dense layout only. Both layouts now give 1."""
     res = launch(runtime_cases.case_rows_without_a_local_slot, 2, args=(dense,))
     assert res == [[1.0, 1.0], [1.0, 1.0]], res
+
+
+def test_unchecked_bad_expert_ids_behave_as_the_docs_say() -> None:
+    """docs/runtime.md said that with check_inputs=False only the rank with the wrong input knows and the others fail
+    at the timeout; for an expert id out of range that holds in no layout: the packed layout refuses it on every rank
+    (its counts exchange checks every dispatch), the dense one drops that share of the token silently. The docs (and
+    EPBuffer's check_inputs doc) now say both."""
+    assert launch(runtime_cases.case_unchecked_bad_ids, 2, args=(False,)) == [("err", 0.0), ("err", 0.0)]
+    (s0, e0), (s1, e1) = launch(runtime_cases.case_unchecked_bad_ids, 2, args=(True,))
+    assert (s0, s1) == ("ok", "ok") and e0 < 1e-5 and e1 > 1e-3  # rank 1's token 0 lost a share, no error anywhere
+    text = " ".join((Path(__file__).parents[1] / "docs" / "runtime.md").read_text().split())
+    assert "With `check_inputs=False` the packed layout still raises on every rank" in text
+    assert "an expert id out of range is not seen at all there" in text and "silently missing" in text
+    from moetune.runtime import EPBuffer
+
+    doc = " ".join((EPBuffer.__doc__ or "").split())
+    assert "never see an expert id out of range" in doc

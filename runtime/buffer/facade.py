@@ -215,7 +215,10 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         device: where the tensors live (None: the current CUDA device with NCCL, else the CPU).
         dtype: activation dtype, bfloat16 / float16 / float32 (None: the model's).
         check_inputs: check dispatch/combine inputs on every rank so a wrong one is an error everywhere (one tiny
-            exchange and host sync; False allows CUDA-graph capture of the device-resident layout).
+            exchange and host sync; False allows CUDA-graph capture of the dense and device-resident layouts). False
+            is for routing known to be good: the dense and device-resident layouts then never see an expert id out
+            of range (that share of the token is silently missing from the output), and a wrong shape, dtype or
+            device raises on its own rank only (the packed layout's counts exchange checks every dispatch anyway).
         dense: the dense layout (True), the packed or device-resident one (False), or chosen from the shapes (None).
         options: `RuntimeOptions`, or a mapping of option names overriding the `MOETUNE_*` variables and the
             config's `[runtime]` section (None: those alone); see docs/settings.md.
