@@ -51,7 +51,9 @@ receiver keeps the slots whose expert it holds (expert - rank × E/world in [0, 
 Combine: one row per received row goes back (the expert side has already summed its local experts per
 (token, rank)); the source adds the rows of each token, one per rank that held its experts (packed: one
 index_add over all chunks; dense: inside the reduce-scatter). Combine is never compressed (activation
-dtype); with bf16 the per-token sum over ranks is accumulated in bf16. On a GPU, fp8 quantisation into the
+dtype); with bf16 the per-token sum over ranks is accumulated in bf16, and on a GPU index_add's atomics add a
+token's rows in no fixed order, so the packed and device-resident combines may differ in the last bits from run to
+run (a fixed-order fp32 sum is not built: it needs a two-GPU machine to check and time). On a GPU, fp8 quantisation into the
 rows and dequantisation are one launch each (csrc/ep_fp8.cu, the bytes of fp8.py's torch ops).
 
 Knobs used by the collective transport: compression / scale_granularity (fp8 dispatch), pipeline_depth
