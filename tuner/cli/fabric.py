@@ -244,8 +244,7 @@ def diff(
 ) -> None:
     """Why the fabric changed: readable reasons (exit 0: the same fabric, 1: changed).
 
-    Changed: another fingerprint, or the same one on other physical GPUs, which the daemon takes as a change too (the
-    profiles measured on the parts replaced are marked stale and re-tuned)."""
+    Changed: another fingerprint, or the same one on other physical GPUs, which the daemon takes as a change too (the profiles measured on the parts replaced are marked stale and re-tuned)."""
     from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
 
     if against is not None and not against.strip():  # Path("") is ".": the current folder was read as a capture
