@@ -23,6 +23,7 @@ _LAZY = {
     "StoreError": "._schema",
     "StoreFull": "._schema",
     "StoreNotWritable": "._schema",
+    "StoreReplaced": "._schema",
     "VERSION_TABLE": "._schema",
     "head_revision": "._schema",
     "is_sqlite_file": "._schema",

@@ -39,6 +39,15 @@ class StoreDamaged(StoreError):
     check` names the problem, a backup (or `sqlite3 .recover`) mends it."""
 
 
+class StoreReplaced(StoreDamaged):
+    """The database file a writing store opened was deleted, moved away or replaced by another file since (`mv`, a
+    backup restored over it): its connections still write the file they opened, which is no longer at the path (its
+    writes would be lost when the process ends, or mixed into the new file by its -wal), so nothing more is written.
+    A restart opens the file now at the path. Exit 1: nothing is wrong in what was given."""
+
+    exit_code = 1
+
+
 class StoreNotDatabase(StoreError):
     """SQLite finds no database in the file ("file is not a database": another kind of file, or a damaged header).
     A command given it exits 2 (the wrong file); `moetune db check` reports it as NOT OK, exit 1."""

@@ -79,6 +79,7 @@ from moetune.tuner.store._schema import (
     StoreFull,
     StoreNotDatabase,
     StoreNotWritable,
+    StoreReplaced,
     Upgraded,
     db_option,
     head_revision,
@@ -135,6 +136,7 @@ __all__ = [
     "StoreFull",
     "StoreNotDatabase",
     "StoreNotWritable",
+    "StoreReplaced",
     "database_path",
     "head_revision",
     "is_sqlite_file",
@@ -461,6 +463,9 @@ class Store:
         self.memory = str(path) == ":memory:"
         self._checked_sound = False  # refuse_damaged passed (a full scan: once per open store)
         self._damaged: str | None = None  # why the file is damaged, once found: every later write refuses (`damaged`)
+        # (dev, inode) of the file a writing store opened (`_check_same_file`); None until the file exists
+        self._file_id: tuple[int, int] | None = None
+        self._replaced: str | None = None  # why the file at the path is no longer that one, once seen (`damaged`)
         existing = False  # a non-empty file was there before this open (what `intact` scans)
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         self._atomic = threading.local()  # .session: this thread's write session of an `atomic` body
@@ -503,6 +508,7 @@ class Store:
             # check_schema=False: a read-only look at a database at any revision (`moetune db current/check`).
             if check_schema and (upgrade or readonly):
                 self.upgraded = self._ensure_schema(upgrade=upgrade and not readonly)
+            self._check_same_file()  # records the file opened (a writing store's)
         except BaseException:
             self.close()
             raise
@@ -573,16 +579,48 @@ class Store:
 
     @property
     def damaged(self) -> str | None:
-        """Why this store's file is damaged (the StoreDamaged message), once a scan or a statement found it: no write
-        is made from then on; None while none was found."""
-        return self._damaged
+        """Why this store's file is damaged (the StoreDamaged message), once a scan or a statement found it, or is no
+        longer the file at its path (the StoreReplaced message, `_check_same_file`): no write is made from then on;
+        None while neither was found."""
+        return self._damaged or self._replaced
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:  # gone (or its folder): no file there
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_same_file(self) -> None:
+        """StoreReplaced when the file this writing store opened is no longer the one at its path: deleted, moved away
+        or replaced (a backup restored over it) while the store was open (the daemon's stays open for weeks). SQLite
+        went on writing the file it had open: a deleted file's rows were lost when the process ended, every write
+        said it succeeded, and a replaced file got the old one's rows mixed in through its -wal. Latched: every later
+        write refuses, the file put back or not (a restart opens what is there then)."""
+        if self.readonly or self.memory or self._replaced is not None:
+            return
+        now_id = self._file_identity()
+        if self._file_id is None:  # not created yet when the store opened: the file the first write made
+            self._file_id = now_id
+            return
+        if now_id == self._file_id:
+            return
+        what = "deleted (or moved away)" if now_id is None else "replaced by another file"
+        self._replaced = (f"{self.path} was {what} while this process had it open: nothing more is written by this "
+                          "process (its writes would go to the file it opened, no longer at that path, and be lost); "
+                          "restart it to use the database now at that path (or put the right file back first)")
+        log.error("%s", self._replaced)
 
     def _latch_damaged(self, message: str) -> None:
         if self._damaged is None:
             self._damaged = message
 
     def refuse_if_damaged(self) -> None:
-        """StoreDamaged when this store found its file damaged (`damaged`): called before every write."""
+        """StoreDamaged when this store found its file damaged, StoreReplaced when the file at its path is no longer
+        the one it opened (`damaged`): called before every write."""
+        self._check_same_file()
+        if self._replaced is not None:
+            raise StoreReplaced(self._replaced)
         if self._damaged is not None:
             raise StoreDamaged(self._damaged)
 
