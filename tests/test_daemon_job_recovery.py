@@ -212,3 +212,18 @@ def test_a_cancelled_queued_job_leaves_the_workers_queue_at_once() -> None:
     finally:
         release.set()
         jm.stop(timeout=5)
+
+
+def test_a_restarted_daemon_closes_the_study_runs_of_the_job_killed_with_it(tmp_path: Path) -> None:
+    """A daemon killed mid-job left the `running` rows of the studies its job ran (`tune_profiles`' own, named after
+    the study, not moetune-daemon-job-N): the next daemon's recovery marks them `interrupted`. Before, only `moetune
+    tune`/`profile` closed them, and neither runs beside a daemon: `running` for as long as it served."""
+    from test_tuning_run_owner import _killed_run, _status
+
+    db = tmp_path / "m.db"
+    killed = _killed_run(db)  # a study's run row of a process killed with kill -9
+    store = F.open_store(db)
+    live = store.start_run(study_name="live", storage="x", backend="model")  # this process's: left alone
+    J.recover_jobs(store)
+    st = _status(db)
+    assert st[killed][0] == "interrupted" and st[live][0] == "running", st

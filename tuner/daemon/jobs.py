@@ -1004,6 +1004,13 @@ def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
                 store.finish_run(r["id"], status="failed", trials=0, best_value=None)
             except StoreError as e:
                 log.error("cannot mark run %s failed: %s", r["id"], e)
+    # and the rows of the studies a killed job ran (`tune_profiles`' own runs, named after their study), and of any
+    # other run whose process is gone: `interrupted`, as `moetune tune` and `profile` close them at their start. Those
+    # refuse to run beside a daemon, so nothing else closed them while it served: `running` for good
+    try:
+        store.close_orphaned_runs()
+    except StoreError as e:
+        log.error("cannot mark the runs of stopped processes interrupted: %s", e)
     return resume, max_id + 1
 
 
