@@ -973,9 +973,9 @@ def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
         # the cancel: both are written as they happen, from two threads)
         if jid in cancelled:
             _close_run(store, d, "cancelled")
-            store.add_event(kind="job_finished", reason=f"job {jid} cancelled; the daemon stopped before it ended",
-                            details={**d, "state": "cancelled", "message": "cancelled (the daemon stopped before the "
-                                     "job ended; not resumed)"})
+            close_job(store, jid, reason=f"job {jid} cancelled; the daemon stopped before it ended",
+                       details={**d, "state": "cancelled", "message": "cancelled (the daemon stopped before the "
+                                "job ended; not resumed)"})
             continue
         keys = [k for k in d.get("keys") or [] if isinstance(k, dict)]
         if kind == "job_started":
@@ -994,7 +994,7 @@ def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
             why = f"job {jid} re-queued after a restart"
         if jid in resumed_as or not left:
             how = f"resumed as job {resumed_as[jid]}" if jid in resumed_as else "nothing left to resume"
-            store.add_event(kind="job_finished", reason=f"{why}; {how}", details=closed)
+            close_job(store, jid, reason=f"{why}; {how}", details=closed)
             continue
         resume.append(Resumable(jid, {**d, "keys": left}, why, closed))
     # runs left `running` without a job event (e.g. killed between start_run and the event)
@@ -1012,6 +1012,18 @@ def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
     except StoreError as e:
         log.error("cannot mark the runs of stopped processes interrupted: %s", e)
     return resume, max_id + 1
+
+
+def close_job(store: Any, jid: int, *, reason: str, details: dict[str, Any]) -> bool:
+    """Write the job_finished that closes job `jid` of the last daemon; a store error (a full disk, the lock held past
+    the busy timeout) is logged, never raised: the job stays open in the store and the next start closes it (or
+    resumes it) then. Raised, it ended the daemon's start: exit 1, restarted by its service to fail the same way."""
+    try:
+        store.add_event(kind="job_finished", reason=reason, details=details)
+        return True
+    except StoreError as e:
+        log.error("cannot close job %s of the last daemon (%s): %s; the next start does", jid, reason, e)
+        return False
 
 
 def _close_run(store: Any, d: dict[str, Any], status: str) -> None:

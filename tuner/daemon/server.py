@@ -79,6 +79,7 @@ from moetune.tuner.daemon.jobs import (
     JobManager,
     Resumable,
     RetuneFn,
+    close_job,
     keys_from_details,
     recover_jobs,
     tune_notice_of,
@@ -1403,8 +1404,8 @@ class Daemon(FabricWatch):
             d = r.details
             keys = keys_from_details(d)
             if not keys:  # keys an older moetune wrote that this one cannot read: nothing is queued
-                self.store.add_event(kind="job_finished", details=r.finish_details,
-                                     reason=f"{r.why}; nothing to resume (its keys cannot be read)")
+                close_job(self.store, r.job_id, details=r.finish_details,
+                          reason=f"{r.why}; nothing to resume (its keys cannot be read)")
                 continue
             try:
                 job = self.jobs.submit(reason=f"resumed job {r.job_id} after a restart",
@@ -1418,7 +1419,8 @@ class Daemon(FabricWatch):
                 # records any event resumes it; once one is recorded, it names the old job, which is closed then)
                 log.error("job %s: its resumption's event was not recorded; left open in the store", r.job_id)
                 continue
-            self.store.add_event(kind="job_finished", reason=f"{r.why}; resuming", details=r.finish_details)
+            # not written (a full disk): the old job stays open, and the next start closes it (its resumption names it)
+            close_job(self.store, r.job_id, reason=f"{r.why}; resuming", details=r.finish_details)
 
     def _job_started(self, job: Job) -> None:
         # the notice was about the last job's settings: this one runs under those now in force, and its end sets a

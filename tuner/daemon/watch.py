@@ -114,6 +114,24 @@ class FabricWatch:
         log.warning("incomplete discovery ignored", extra={"fingerprint": facts.fingerprint, "why": why})
 
     def _startup_discovery(self) -> None:
+        """The start's discovery and its writes. A write the store refuses (a full disk, the lock held past the busy
+        timeout, a file found damaged or replaced) does not stop the start: the facts are not adopted (as after a failed
+        discovery: the daemon serves what the store holds), status says why, and the next discovery round writes them
+        again. Raised, it ended the start: `moetune serve` exited 1 and its service restarted it, to fail the same way
+        every few seconds, serving nothing, until the disk had room."""
+        from moetune.tuner.store import StoreError
+
+        try:
+            self._startup_discovery_writes()
+        except StoreError as e:
+            with self._commit_lock:
+                self.facts = None
+            self._last_discovery = (now(), False, f"the fabric's facts could not be recorded ({e}); the next "
+                                                  "discovery round records them"[:1000])
+            log.error("start-up discovery not recorded: %s; serving what the database holds, the next discovery "
+                      "round retries", e)
+
+    def _startup_discovery_writes(self) -> None:
         if self._discover is None:
             self._last_discovery = (now(), False, "no discovery configured")
             return
@@ -373,6 +391,9 @@ class FabricWatch:
         while not self._stop.wait(self.interval):
             try:
                 self.rediscover()
-            except Exception:  # broad: the discovery thread's loop must outlive one bad round
+            except Exception as e:  # broad: the discovery thread's loop must outlive one bad round
                 log.exception("discovery round failed")
+                # status says it (a round whose discovery went through, then its writes failed on a full disk, left
+                # "ok" there while the change or the facts were not recorded)
+                self._last_discovery = (now(), False, f"discovery round failed: {type(e).__name__}: {e}"[:1000])
 
