@@ -72,3 +72,26 @@ def test_a_link_or_a_folder_is_never_used(tmp_path: Path) -> None:
     folder.mkdir()
     with pytest.raises(LockFileUnusable):
         take_lock_file(folder)
+
+
+def test_a_full_disk_that_takes_no_pid_still_gives_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pid only names the holder: a write of it that fails (ENOSPC on a full disk, where the empty file took only
+    an inode) leaves the lock taken, not an OSError out of the daemon's start with the lock's fd left open."""
+    import errno
+
+    lock = tmp_path / "x.lock"
+    real = os.pwrite
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    fd = take_lock_file(lock)
+    monkeypatch.setattr(os, "pwrite", real)
+    try:
+        with pytest.raises(LockHeld) as e:  # held: a second taker is refused, no holder named
+            take_lock_file(lock)
+        assert e.value.pid is None and lock.read_bytes() == b""
+    finally:
+        release_lock_file(lock, fd)
+    os.close(take_lock_file(lock))  # released: free again

@@ -89,8 +89,15 @@ def take_lock_file(path: Path) -> int:
         if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
             break
         os.close(fd)  # its holder ended and removed the file between our open and our flock: take the new one
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the pid only names the holder in a refusal (`lock_holder`): the flock is the lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        # a full disk (ENOSPC; the empty file needed only an inode): the lock is held all the same, its holder named
+        # nowhere. Raised, it ended the start of a daemon (or a run) that needs no room for it, with its fd (the lock)
+        # left open; a daemon's service restarted it every few seconds, to fail the same way
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # no half-written pid (a pid of another process would be named as the holder)
     return fd
 
 
