@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY, ProfileKey, ProfileRecord
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.runtime.wire import JobInfo
-from moetune.tuner.store import StoreDamaged, StoreError
+from moetune.tuner.store import StoreBusy, StoreDamaged, StoreError, StoreFull
 
 if TYPE_CHECKING:
     from moetune.tuner.daemon.server import TuneSettings
@@ -1015,13 +1015,14 @@ def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
 
 
 def close_job(store: Any, jid: int, *, reason: str, details: dict[str, Any]) -> bool:
-    """Write the job_finished that closes job `jid` of the last daemon; a store error (a full disk, the lock held past
-    the busy timeout) is logged, never raised: the job stays open in the store and the next start closes it (or
-    resumes it) then. Raised, it ended the daemon's start: exit 1, restarted by its service to fail the same way."""
+    """Write the job_finished that closes job `jid` of the last daemon; a write that fails for now (a full disk: StoreFull;
+    the lock held past the busy timeout: StoreBusy) is logged, not raised: the job stays open in the store and the next
+    start closes it (or resumes it) then. Raised, it ended the daemon's start: exit 1, restarted by its service to
+    fail the same way. Any other store error (a file this user may not write, a damaged one) is raised: refused."""
     try:
         store.add_event(kind="job_finished", reason=reason, details=details)
         return True
-    except StoreError as e:
+    except (StoreFull, StoreBusy) as e:
         log.error("cannot close job %s of the last daemon (%s): %s; the next start does", jid, reason, e)
         return False
 

@@ -114,16 +114,17 @@ class FabricWatch:
         log.warning("incomplete discovery ignored", extra={"fingerprint": facts.fingerprint, "why": why})
 
     def _startup_discovery(self) -> None:
-        """The start's discovery and its writes. A write the store refuses (a full disk, the lock held past the busy
-        timeout, a file found damaged or replaced) does not stop the start: the facts are not adopted (as after a failed
-        discovery: the daemon serves what the store holds), status says why, and the next discovery round writes them
-        again. Raised, it ended the start: `moetune serve` exited 1 and its service restarted it, to fail the same way
-        every few seconds, serving nothing, until the disk had room."""
-        from moetune.tuner.store import StoreError
+        """The start's discovery and its writes. A write that fails for now (a full disk: StoreFull; the lock held past
+        the busy timeout: StoreBusy) does not stop the start: the facts are not adopted (as after a failed discovery:
+        the daemon serves what the store holds), status says why, and the next discovery round writes them again.
+        Raised, it ended the start: `moetune serve` exited 1 and its service restarted it, to fail the same way every
+        few seconds, serving nothing, until the disk had room. A file this user may not write, or a damaged one, is
+        still refused at start (a setting to fix, not a wait)."""
+        from moetune.tuner.store import StoreBusy, StoreFull
 
         try:
             self._startup_discovery_writes()
-        except StoreError as e:
+        except (StoreFull, StoreBusy) as e:
             with self._commit_lock:
                 self.facts = None
             self._last_discovery = (now(), False, f"the fabric's facts could not be recorded ({e}); the next "
