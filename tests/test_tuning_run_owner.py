@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from typer.testing import CliRunner
 
@@ -128,6 +129,37 @@ def test_an_interrupted_run_records_the_trials_that_finished(tmp_path: Path) -> 
                                    families=["nvlink"], on_trial=stop_after_three)
         [run] = s.list_runs()
     assert run["status"] == "interrupted" and run["trials"] >= 2, run
+
+
+def test_a_store_that_cannot_close_the_row_does_not_hide_what_ended_the_run(tmp_path: Path,
+                                                                            caplog: Any) -> None:
+    """A Ctrl-C (or an error) ended the run and then its row could not be closed (a full disk): the StoreFull from
+    `finish_run` replaced the KeyboardInterrupt; now the interrupt propagates and the store's error is logged."""
+    import pytest
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store import StoreError
+
+    def stop_at_once(_name: str, _study: object, _trial: object) -> None:
+        raise KeyboardInterrupt
+
+    def full(*_a: object, **_k: object) -> None:
+        raise StoreError("database or disk is full")
+
+    with Store(tmp_path / "m.db") as s:
+        s.finish_run = full  # type: ignore[method-assign]
+        caplog.set_level("WARNING", logger="moetune.tuner.search.tune")
+        with pytest.raises(KeyboardInterrupt):
+            tune_profiles_detailed(s, None, models=[get_model("qwen3-30b")], tokens=[128], backend="model",
+                                   preset="nvlink-h200x2", trials=3, storage=f"sqlite:///{tmp_path / 'st.db'}",
+                                   families=["nvlink"], on_trial=stop_at_once)
+        assert "its row could not be closed: database or disk is full" in caplog.text
+        # a run that ended well still says that its row could not be closed
+        with pytest.raises(StoreError, match="disk is full"):
+            tune_profiles_detailed(s, None, models=[get_model("qwen3-30b")], tokens=[64], backend="model",
+                                   preset="nvlink-h200x2", trials=1, storage=f"sqlite:///{tmp_path / 'st.db'}",
+                                   families=["nvlink"])
 
 
 KILLED_MID_TUNE = """

@@ -425,6 +425,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     run_id: int | None = None
     repeat = row_asked = acted = False  # acted: this run re-measured or wrote a profile (a repeat then has a row)
     status = "failed"
+    raising = False  # an exception ends the run: a store error closing its row must not replace it (`finally`)
     result: StudyResult | None = None
     study: optuna.Study | None = None
     try:
@@ -504,7 +505,10 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept, stopped=stopped,
                           provenance=be.provenance)
     except KeyboardInterrupt:
-        status = "interrupted"
+        status, raising = "interrupted", True
+        raise
+    except BaseException:
+        raising = True
         raise
     finally:
         if store is not None and run_id is None and not row_asked and not (repeat and status == "done" and not acted):
@@ -517,8 +521,16 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
                 log.debug("run of %s ended %s; not recorded: %s", name, status, e)
         if store is not None and run_id is not None:
             best_value = result.best.median_us if result is not None and result.best is not None else None
-            store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),
-                             best_value=best_value)
+            try:
+                store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),
+                                 best_value=best_value)
+            except StoreError as e:
+                if not raising:
+                    raise
+                # a full disk's error replaced the error or the Ctrl-C that ended the run; the row stays 'running'
+                # with its owner recorded, whose process is gone: the next tune, profile or daemon start marks it
+                # interrupted (Store.close_orphaned_runs)
+                log.warning("run of %s ended %s; its row could not be closed: %s", name, status, e)
 
 
 def _note_run(store: Any, run_id: int, trials: int, best: float | None) -> None:
