@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,17 +67,7 @@ def test_a_retune_whose_predictions_do_not_displace_measurements_says_so(tmp_pat
     jm = JobManager(store=store, facts_fn=lambda: discover(cap), retune=tuner_retune,
                     on_done=lambda j, w: done.append(j), tune=TuneSettings(backend="model", trials=3, timeout_s=60),
                     gpu_probe=lambda: (False, "idle (test)"))
-    jm.start()
-    try:
-        jm.submit(reason="retune --all", old_fingerprint=facts.fingerprint, keys=[r.key for r in seeded],
-                  all_current=True)
-        deadline = time.monotonic() + 60
-        while not done and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        jm.stop()
-    assert done, "the job did not finish"
-    job = done[0]
+    job = _retune_all(jm, facts, seeded, done)
     assert job.state == "done" and job.written == 0 and job.kept == 2, job.message
     assert "0 profile(s) written" in job.message and "2 profile key(s) kept their current profile" in job.message
     assert job.message.count("a node_model profile never displaces it") == 2 and len(job.kept_why) == 2
@@ -114,6 +105,13 @@ def test_a_job_that_wrote_predictions_says_they_are_modelled(tmp_path: Path) -> 
     done: list = []
     jm = JobManager(store=store, facts_fn=lambda: discover(cap), retune=retune, on_done=lambda j, w: done.append(j),
                     tune=TuneSettings(backend="model", trials=3, timeout_s=60), gpu_probe=lambda: (False, "idle"))
+    job = _retune_all(jm, facts, seeded, done)
+    assert job.state == "done" and job.written == 2, job.message
+    assert "2 profile(s) written" in job.message and "1 of them MODELLED (node_model)" in job.message, job.message
+
+
+def _retune_all(jm: Any, facts: Any, seeded: list, done: list) -> Any:
+    """Run one `retune --all` job of the seeded keys on `jm` to its end; the finished job."""
     jm.start()
     try:
         jm.submit(reason="retune --all", old_fingerprint=facts.fingerprint, keys=[r.key for r in seeded],
@@ -124,6 +122,4 @@ def test_a_job_that_wrote_predictions_says_they_are_modelled(tmp_path: Path) -> 
     finally:
         jm.stop()
     assert done, "the job did not finish"
-    job = done[0]
-    assert job.state == "done" and job.written == 2, job.message
-    assert "2 profile(s) written" in job.message and "1 of them MODELLED (node_model)" in job.message, job.message
+    return done[0]
