@@ -828,7 +828,9 @@ class Bringup:
                           measurements=self.state.result("microbench") or [],
                           tuned=list(self.state.result("compare") or []),  # every bucket, a failed run too
                           importances=self._importances(),
-                          transports=[(t.name, t.reason) for t in self.facts.transports])
+                          transports=[(t.name, t.reason) for t in self.facts.transports],
+                          unavailable=[(t.name, t.reason) for t in self.facts.unavailable],
+                          warnings=list(self.facts.warnings))
         if self.not_measured:
             data.notes.append(self.not_measured)
         cal = self.state.result("calibrate") or {}
@@ -955,7 +957,8 @@ def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
                                  "unit": r["unit"], "extra": extra})
     data = ReportData(node=_node_line(facts), fingerprint=facts.fingerprint, measurements=measurements,
                       tuned=list(tuned.values()),  # every bucket, one whose tuned run failed too
-                      transports=[(t.name, t.reason) for t in facts.transports])
+                      transports=[(t.name, t.reason) for t in facts.transports],
+                      unavailable=[(t.name, t.reason) for t in facts.unavailable], warnings=list(facts.warnings))
     # the bring-up's notes and importances (`stage_report`), from its state beside this database: without them this
     # report dropped the notes and deleted the importances plot of the bring-up's report
     kept = _bringup_report_data(Path(store.path), facts.fingerprint)

@@ -42,6 +42,9 @@ class ReportData:
     tuned: list[dict] = field(default_factory=list)
     importances: dict[str, dict[str, float]] = field(default_factory=dict)  # study -> {param: importance}
     transports: list[tuple[str, str]] = field(default_factory=list)  # (family, reason)
+    # the families discovery found this node cannot run, with why (no NVLink, no ACTIVE IB port, no GPUDirect RDMA)
+    unavailable: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what discovery could not read (its facts are incomplete)
     notes: list[str] = field(default_factory=list)
 
 
@@ -264,6 +267,12 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
         md += ["## Transports found", "", "| family | why |", "| --- | --- |"]
         md += [f"| `{name}` | {reason} |" for name, reason in data.transports]
         md.append("")
+    if data.unavailable:  # what this node cannot run is said, never only left out of the table above
+        md += ["## Transports not available on this node (not tuned)", "", "| family | why not |", "| --- | --- |"]
+        md += [f"| `{name}` | {reason} |" for name, reason in data.unavailable]
+        md.append("")
+    if data.warnings:
+        md += ["## Discovery warnings", "", *[f"- {w}" for w in data.warnings], ""]
     plots = [
         ("latency.png", "Latency against message size (measured)",
          lambda p: _plot_curves(data.measurements, "latency", "one-way latency (µs)", p, "Latency (measured)")),

@@ -264,6 +264,8 @@ def profile(
     console.print(f"node [bold]{flow.facts.gpu_count} GPU(s)[/] {flow.facts.gpu_model or ''} · fingerprint "
                   f"{flow.facts.fingerprint} · transports {', '.join(flow.facts.transport_names)} · db "
                   f"{escape(db_shown or f'{db_file} not opened (nothing is written for a capture of another node)')}")
+    for line in node_limits(flow.facts):  # what discovery did not read, and what this node cannot run and why
+        console.print(line, style="yellow" if line.startswith("warning") else None, markup=False)
     console.print(flow.ep_note, markup=False)
     if flow.not_measured:  # said before the stages run, and again in the report
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
@@ -298,6 +300,8 @@ def profile(
     if as_json:
         typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": db_shown, "ep_sizes": flow.ep_sizes,
                                "ep_note": flow.ep_note, "profiles": rows,
+                               "unavailable": [{"family": t.name, "why": t.reason} for t in flow.facts.unavailable],
+                               "discovery_warnings": list(flow.facts.warnings),
                                "not_measured": flow.not_measured or None,
                                "calibration": done.get("calibrate"), "report": done.get("report"),
                                "failed": failed}, indent=1))
@@ -344,6 +348,17 @@ def profile(
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
     _failed_parts(console, failed)
+
+
+def node_limits(facts: Any) -> list[str]:
+    """What the start of a bring-up says of the node beyond the transports it found: each discovery warning (what
+    was not read: the facts are incomplete) and the transport families it cannot run, each with why (no NVLink
+    between PCIe-only GPUs, no ACTIVE InfiniBand port, no GPUDirect RDMA, one GPU). Only the families found were
+    named, so a node without NVLink or a NIC said nothing of why none was tuned."""
+    out = [f"warning: discovery: {w}" for w in facts.warnings]
+    if facts.unavailable:
+        out.append("not available here (not tuned): " + "; ".join(f"{t.name}: {t.reason}" for t in facts.unavailable))
+    return out
 
 
 def _failed_parts(console: Console, failed: list[str]) -> None:

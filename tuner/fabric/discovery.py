@@ -458,6 +458,10 @@ class CaptureSource(Source):
         try:
             data = p.read_bytes()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            want = self._sizes.get(path.lstrip("/"))
+            if want is not None:  # a file the capture wrote, lost since: not "absent on the node" (as `run` says)
+                raise CaptureError(p, f"missing: the manifest records this file ({want} bytes), but it is not in the "
+                                      "capture (copy the capture again)") from None
             return None
         except OSError as e:
             raise CaptureError(p, f"cannot read: {e.strerror or e}")
@@ -1216,7 +1220,13 @@ def discover_from(src: Source) -> FabricFacts:
     )
 
     # GPUDirect RDMA
-    mods = parse_modules(src.read_text(PROC_MODULES), src.where(PROC_MODULES), src)
+    mods_text = src.read_text(PROC_MODULES)
+    mods = parse_modules(mods_text, src.where(PROC_MODULES), src)
+    if mods_text is None and facts.gpus:
+        # unread, not "no module loaded": GPUDirect RDMA (nvidia_peermem) is unknown, and the NIC transports that need
+        # it were classified unavailable without a word (a capture copied without its proc/ folder)
+        facts.warnings.append(f"{src.where(PROC_MODULES)} was not read (missing): whether nvidia_peermem is loaded is "
+                              "unknown, so GPUDirect RDMA through it is taken as absent; facts are incomplete")
     nvver = src.read_text(PROC_NV_VERSION) or ""
     kernel = (src.read_text(PROC_OSRELEASE) or "").strip()
     open_km = "Open Kernel Module" in nvver
