@@ -92,6 +92,24 @@ def test_a_bucket_whose_trials_all_failed_is_shown_fails_the_command_and_is_tune
     assert "every trial failed" not in report
 
 
+def test_the_json_summary_of_a_failed_bucket_is_standard_json(profile_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that failed has no time: null in --json, as in the stored rows (JSON has no NaN). `NaN` was printed,
+    which jq and every strict reader refuse, so the summary of a failed bring-up could not be read."""
+    from moetune.tuner.bringup import flow
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])
+    MEASURE["fn"] = times_out
+    r = profile_cli("--json")
+    assert r.exit_code == 1, r.output
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    out = json.loads(r.stdout, parse_constant=refuse)
+    (row,) = out["profiles"]
+    assert row["default_us"] is None and row["tuned_us"] is None and not row["written"], row
+
+
 def test_why_a_bucket_gave_nothing_comes_from_the_tune_not_a_second_read_of_the_study(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first failure of a bucket without a result is recorded where the study is tuned (its StudyResult) and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -297,14 +298,14 @@ def profile(
             _fail(f"{e} (finished stages are kept; rerun to continue)")
     rows = done.get("compare") or []
     failed = flow.failures()
-    if as_json:
-        typer.echo(json.dumps({"fingerprint": flow.facts.fingerprint, "db": db_shown, "ep_sizes": flow.ep_sizes,
+    if as_json:  # a failed run's time is NaN: null here (JSON has no NaN; `NaN` broke jq and every strict reader)
+        typer.echo(json.dumps(_json_safe({"fingerprint": flow.facts.fingerprint, "db": db_shown, "ep_sizes": flow.ep_sizes,
                                "ep_note": flow.ep_note, "profiles": rows,
                                "unavailable": [{"family": t.name, "why": t.reason} for t in flow.facts.unavailable],
                                "discovery_warnings": list(flow.facts.warnings),
                                "not_measured": flow.not_measured or None,
                                "calibration": done.get("calibrate"), "report": done.get("report"),
-                               "failed": failed}, indent=1))
+                               "failed": failed}), indent=1, allow_nan=False))
         _failed_parts(Console(stderr=True, highlight=False), failed)
         return
     cells = []
@@ -348,6 +349,17 @@ def profile(
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
     _failed_parts(console, failed)
+
+
+def _json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float (a failed run's NaN time) as None, as the stored rows hold it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def node_limits(facts: Any) -> list[str]:
