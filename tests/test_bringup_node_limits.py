@@ -73,3 +73,13 @@ def test_a_hand_made_capture_without_proc_modules_warns_naming_it(tmp_path: Path
     assert "ibgda: mlx5 ports ACTIVE but no GPUDirect RDMA" in said, said
     report = next((tmp_path / "home").glob("report-*/report.md")).read_text()
     assert "## Discovery warnings" in report and "proc/modules was not read" in report, report
+
+
+def test_a_capture_without_the_driver_version_warns_instead_of_dropping_dma_buf_in_silence(tmp_path: Path) -> None:
+    cap = tmp_path / "cap"
+    shutil.copytree(CAPTURES / "aws-p5", cap)  # EFA with GPUDirect RDMA through dma-buf (the open kernel module)
+    (cap / "proc" / "driver" / "nvidia" / "version").unlink()
+    facts = discover(cap)
+    assert not facts.complete, "read as a proprietary module (no dma-buf), another fingerprint, with no word"
+    (w,) = facts.warnings
+    assert w.startswith(f"{cap / 'proc' / 'driver' / 'nvidia' / 'version'} was not read (missing)"), w

@@ -1222,13 +1222,19 @@ def discover_from(src: Source) -> FabricFacts:
     # GPUDirect RDMA
     mods_text = src.read_text(PROC_MODULES)
     mods = parse_modules(mods_text, src.where(PROC_MODULES), src)
-    if mods_text is None and facts.gpus:
-        # unread, not "no module loaded": GPUDirect RDMA (nvidia_peermem) is unknown, and the NIC transports that need
-        # it were classified unavailable without a word (a capture copied without its proc/ folder)
-        facts.warnings.append(f"{src.where(PROC_MODULES)} was not read (missing): whether nvidia_peermem is loaded is "
-                              "unknown, so GPUDirect RDMA through it is taken as absent; facts are incomplete")
-    nvver = src.read_text(PROC_NV_VERSION) or ""
-    kernel = (src.read_text(PROC_OSRELEASE) or "").strip()
+    nvver_text, kernel_text = src.read_text(PROC_NV_VERSION), src.read_text(PROC_OSRELEASE)
+    if facts.gpus:
+        # unread is not "no module loaded", "no open kernel module" or "an old kernel": GPUDirect RDMA is unknown, and
+        # the NIC transports that need it were classified unavailable (another fingerprint) without a word (a capture
+        # copied without its proc/ folder)
+        for path, text, what in ((PROC_MODULES, mods_text, "whether nvidia_peermem is loaded"),
+                                 (PROC_NV_VERSION, nvver_text, "the kernel module's flavour (open or proprietary)"),
+                                 (PROC_OSRELEASE, kernel_text, "the kernel release")):
+            if text is None:
+                facts.warnings.append(f"{src.where(path)} was not read (missing): {what} is unknown, so GPUDirect "
+                                      "RDMA that depends on it is taken as absent; facts are incomplete")
+    nvver = nvver_text or ""
+    kernel = (kernel_text or "").strip()
     open_km = "Open Kernel Module" in nvver
     if not versions.get("driver"):
         m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", nvver)
