@@ -83,3 +83,18 @@ def test_a_capture_without_the_driver_version_warns_instead_of_dropping_dma_buf_
     assert not facts.complete, "read as a proprietary module (no dma-buf), another fingerprint, with no word"
     (w,) = facts.warnings
     assert w.startswith(f"{cap / 'proc' / 'driver' / 'nvidia' / 'version'} was not read (missing)"), w
+
+
+def test_a_capture_without_its_package_versions_is_refused_or_warned_of(tmp_path: Path) -> None:
+    from moetune.tuner.fabric.discovery import CaptureError
+
+    written = tmp_path / "written"
+    shutil.copytree(CAPTURES / "h200x2", written)  # written by `moetune fabric capture`: it always has the file
+    (written / "python" / "packages.json").unlink()
+    with pytest.raises(CaptureError, match=r"packages\.json: missing"):
+        discover(written)  # was read as a node without torch, NCCL or moetune: another software hash, no word
+    hand = tmp_path / "hand"
+    shutil.copytree(CAPTURES / "rtx4090x4", hand)
+    (hand / "python" / "packages.json").unlink()
+    facts = discover(hand)
+    assert any("packages.json was not read (missing)" in w for w in facts.warnings), facts.warnings

@@ -431,6 +431,7 @@ class CaptureSource(Source):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.unread: list[str] = []  # what discovery could not read from it (warnings of its facts)
         self.manifest: dict[str, Any] = read_capture_manifest(self.root)
         self._sizes: dict[str, int] = {}
         files = self.manifest.get("files", {})
@@ -503,6 +504,12 @@ class CaptureSource(Source):
     def packages(self) -> dict[str, str | None]:
         p = self.root / PACKAGES_FILE
         if not p.exists():
+            if "files" in self.manifest:  # `moetune fabric capture` always writes it: lost since
+                raise CaptureError(p, "missing: `moetune fabric capture` writes the Python package versions here, "
+                                      "but the file is not in the capture (copy the capture again)")
+            # a hand-made capture without it: every version unknown ("none"), said, not a node without torch in silence
+            self.unread.append(f"{p} was not read (missing): the Python package versions (torch, NCCL, NVSHMEM, "
+                               "moetune) are unknown; facts are incomplete")
             return {}
         try:
             d = json.loads(p.read_text())
@@ -1257,6 +1264,7 @@ def discover_from(src: Source) -> FabricFacts:
     facts.libfabric = Libfabric(providers=providers, version=parse_fi_version(fv.stdout) if fv.ok else "")
 
     facts.software = _software(src.packages(), versions, facts.libfabric.version)
+    facts.warnings += getattr(src, "unread", [])
     facts.tools = {**tools, **facts.tools}
     if nvver and not facts.gpus:
         xml_state = tools.get(" ".join(SMI_XML), "missing")
