@@ -57,3 +57,15 @@ def test_comm_studies_are_not_resumed_across_the_change() -> None:
     # a study whose trials minimised dispatch + combine must not be resumed by one minimising the round trip
     assert LocalBackend(metric="comm").settings()["comm_figure"] == "roundtrip_us"
     assert "comm_figure" not in LocalBackend(metric="layer").settings()
+
+
+@pytest.mark.parametrize("layer", ["null", "{\"median\": 0.0}", "{\"median\": -5.0}", "{\"median\": NaN}"])
+def test_layer_needs_the_whole_layer(tmp_path: Path, layer: str) -> None:
+    # metric layer scored a result without layer_us (or with a median that is no timing) by dispatch_us + combine_us
+    # (here 3 µs, no expert work) or by that median: the fastest trial of the study, not a failed one
+    p = tmp_path / "no_layer_bench.py"
+    line = ('{"dispatch_us": {"median": 1.0}, "combine_us": {"median": 2.0}, "roundtrip_us": {"median": 4.0}, '
+            f'"layer_us": {layer}}}')
+    p.write_text(f"print({line!r})")
+    m = LocalBackend(command=[sys.executable, str(p)], repeats=1, timeout_s=20).evaluate(Knobs(), WL)
+    assert not m.ok and "layer_us" in (m.error or "") and m.samples == []
