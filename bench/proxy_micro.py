@@ -134,8 +134,12 @@ def run_micro(args, out_rows: list[dict]) -> None:
 
 
 def _pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+    """The p-th percentile of `xs` as every timing in summary.csv has it (tuner/measure/stats.py: linear interpolation
+    between the sorted samples). The nearest sample's rank before: these rows' p10 / p90 were another statistic than
+    the other scenarios' beside them (of 20 samples 0..19, p10 2 instead of 1.9)."""
+    from moetune.tuner.measure.stats import quantile
+
+    return quantile(sorted(xs), p / 100)
 
 
 ACK_SHAPES = ((1, 1), (1, 4), (8, 1), (8, 4), (8, 8))  # (emulated peers, QPs per peer)
