@@ -33,3 +33,26 @@ def test_proxy_micro_quantiles_are_the_shared_ones(monkeypatch: pytest.MonkeyPat
     s = Summary.of(xs)
     assert pm._pct(xs, 10) == pytest.approx(s.p10) and pm._pct(xs, 90) == pytest.approx(s.p90)
     assert pm._pct(xs, 50) == pytest.approx(s.median)
+
+
+RATES_OUT = "read-sum 0.0421 0.0400 0.0433 TB/s\nread-gemv 0.0310 0.0302 0.0322 TB/s\n"
+
+
+@pytest.mark.parametrize(("device", "smoke", "fails"), [("device cpu\n", False, True), ("", False, True),
+                                                        ("device NVIDIA_H100_80GB_HBM3\n", False, False),
+                                                        ("device cpu\n", True, False)])
+def test_gpu_rates_on_the_cpu_is_no_gpu_rate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, device: str,
+                                             smoke: bool, fails: bool) -> None:
+    # bench/gpu_rates.py times the same work on the CPU where its process sees no CUDA device: outside a smoke run
+    # those CPU rates were stored as `measured` rows of gpu-rates, stamped with the GPU the parent process saw
+    from moetune.tuner.measure import scenarios as S
+
+    monkeypatch.setattr(S, "_run_script", lambda script, args, env, ctx: (device + RATES_OUT, "python bench/gpu_rates.py"))
+    cases = [S.Resolved(n, {"iters": 20}, {}) for n in ("read-sum", "read-gemv")]
+    out = S.DRIVERS["gpu-rates"](cases, S.Ctx(world=1, backend="none", smoke=smoke, tmp=tmp_path))
+    if fails:
+        assert all(not r.metrics and "no CUDA device" in r.error for r in out)
+    else:
+        assert [r.error for r in out] == ["", ""]
+        assert out[0].metrics["read_tbps"].median == pytest.approx(0.0421) and out[0].metrics["read_tbps"].n == 20
+

@@ -713,16 +713,19 @@ def run_fabric_model(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     return res
 
 
-def _one_script_picks_lines(script: str, parse: Callable[[str, dict[str, Any]], tuple[str, dict[str, Stat]] | None]
-                            ) -> DriverFn:
+def _one_script_picks_lines(script: str, parse: Callable[[str, dict[str, Any]], tuple[str, dict[str, Stat]] | None],
+                            problem: Callable[[str, Ctx], str] | None = None) -> DriverFn:
     """A single-shot driver: bench/<script> runs once with the first case's args and prints a line per case;
-    `parse(line, args)` gives (case name, metrics) of a line that is one, None otherwise."""
+    `parse(line, args)` gives (case name, metrics) of a line that is one, None otherwise. `problem(stdout, ctx)`:
+    why the whole output is no measurement ("" when it is one): every case then fails with it."""
     def run(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
         args = dict(cases[0].args) if cases else {}
         try:
             stdout, cmd = _run_script(script, args, cases[0].env if cases else {}, ctx)
         except RuntimeError as e:
             return [CaseResult(c.name, {}, f"python bench/{script}", str(e)) for c in cases]
+        if problem is not None and (why := problem(stdout, ctx)):
+            return [CaseResult(c.name, {}, cmd, why) for c in cases]
         seen = dict(got for ln in stdout.splitlines() if (got := parse(ln.strip(), args)) is not None)
         return [CaseResult(c.name, seen.get(c.name, {}), cmd,
                            "" if c.name in seen else f"no line for {c.name} in the output") for c in cases]
@@ -756,10 +759,21 @@ def _rates_line(ln: str, args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | 
     return f[0], {metric: Stat(med, p10, p90, int(args.get("iters", 1)), f[4])}
 
 
-for _name, _script, _parse in (("runtime-host-cost", "runtime_host_cost.py", _host_cost_line),
-                               ("profiles-import", "profiles_import.py", _import_line),
-                               ("gpu-rates", "gpu_rates.py", _rates_line)):
-    driver(_name, single_shot=True)(_one_script_picks_lines(_script, _parse))
+def _rates_problem(stdout: str, ctx: Ctx) -> str:
+    """Why bench/gpu_rates.py's output is no GPU rate ("" when it is one): outside a smoke run, a process that saw no
+    CUDA device (its `device cpu` line; none at all) timed the same work on the CPU, and its lines (CPU rates) were
+    stored as measured rows stamped with the GPU the parent process saw."""
+    dev = next((ln.split()[1] for ln in stdout.splitlines() if ln.startswith("device ") and len(ln.split()) == 2), None)
+    if ctx.smoke or dev not in (None, "cpu"):
+        return ""
+    return (f"bench/gpu_rates.py ran on {'the CPU' if dev else 'no named device'} (its process saw no CUDA device): "
+            "CPU rates, not this GPU's")
+
+
+for _name, _script, _parse, _problem in (("runtime-host-cost", "runtime_host_cost.py", _host_cost_line, None),
+                                         ("profiles-import", "profiles_import.py", _import_line, None),
+                                         ("gpu-rates", "gpu_rates.py", _rates_line, _rates_problem)):
+    driver(_name, single_shot=True)(_one_script_picks_lines(_script, _parse, _problem))
 
 
 def _proxy_micro_rows(case: Resolved, ctx: Ctx, folder: str, **flags: Any) -> tuple[list[dict[str, Any]], str]:
