@@ -56,3 +56,31 @@ def test_gpu_rates_on_the_cpu_is_no_gpu_rate(monkeypatch: pytest.MonkeyPatch, tm
         assert [r.error for r in out] == ["", ""]
         assert out[0].metrics["read_tbps"].median == pytest.approx(0.0421) and out[0].metrics["read_tbps"].n == 20
 
+
+def test_compare_knobs_makes_its_cuda_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    # compare_knobs(device="cuda:N") timed and captured on the current device's stream (bench_moe already made its
+    # device current): on another GPU its events bracketed nothing the layers ran
+    import contextlib
+
+    import torch
+
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe_compare as MC
+
+    entered: list[torch.device] = []
+    seen: list[object] = []
+
+    @contextlib.contextmanager
+    def device(d: torch.device):  # type: ignore[no-untyped-def]
+        entered.append(d)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(MC, "_compare_knobs", lambda *a, **k: seen.append((list(entered), k["dev"])) or {"cases": []})
+    variants = {"base": Knobs(engine="megakernel")}
+    assert MC.compare_knobs(get_model("qwen3-30b"), [1], variants, device="cuda:1") == {"cases": []}
+    assert seen == [([torch.device("cuda", 1)], torch.device("cuda", 1))]
+    entered.clear()
+    MC.compare_knobs(get_model("qwen3-30b"), [1], variants, device="cpu")
+    assert entered == []

@@ -76,6 +76,22 @@ def paired(samples: Mapping[str, Sequence[float]], base: str) -> dict[str, dict[
 def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[str, Knobs], *, iters: int = 200,
                   warmup: int = 20, rotate: int = 8, chained: int = 20, seed: int = 0, device: str | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`_compare_knobs` with `device` (a CUDA one) the current device throughout, as `moe.bench_moe` makes it: the
+    timers, graphs and syncs use the current device's stream, so with another GPU current they timed that GPU's idle
+    stream while the layers launched on theirs, and captured graphs that hold none of the layers' launches."""
+    import contextlib
+
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        return _compare_knobs(model, tokens, variants, iters=iters, warmup=warmup, rotate=rotate, chained=chained,
+                              seed=seed, dev=dev, progress=progress)
+
+
+def _compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[str, Knobs], *, iters: int,
+                   warmup: int, rotate: int, chained: int, seed: int, dev: Any,
+                   progress: Callable[[str], None] | None) -> dict[str, Any]:
     """Every variant (the first is the base) at every S, side by side: {"cases": [{variant, S, single_us, chain_us,
     minus_base_us, chain_minus_base_us, rel_err_vs_base}], ...}; the quantiles are µs (chains: per forward).
 
@@ -102,7 +118,6 @@ def compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[st
     if min(iters, rotate, chained) < 1 or warmup < 0:
         raise ValueError(f"iters, rotate and chained must be >= 1 and warmup >= 0, got {iters}, {rotate}, {chained}, "
                          f"{warmup}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     layers: dict[str, Any] = {}
