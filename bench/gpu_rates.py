@@ -40,6 +40,9 @@ def timed(fn: Callable[[], object], iters: int, batch: int, warmup: int, cuda: b
             out.append((time.perf_counter() - t0) / batch)
             continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # one untimed call first: the GPU is busy when `a` is recorded, so the sample holds no launch gap or ramp
+        # from idle (after the previous sample's sync the first timed call waited for its own launch)
+        fn()
         a.record()
         for _ in range(batch):
             fn()

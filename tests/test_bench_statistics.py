@@ -84,3 +84,32 @@ def test_compare_knobs_makes_its_cuda_device_current(monkeypatch: pytest.MonkeyP
     entered.clear()
     MC.compare_knobs(get_model("qwen3-30b"), [1], variants, device="cpu")
     assert entered == []
+
+
+def test_gpu_rates_samples_start_on_a_busy_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bench/gpu_rates.py says its samples hold no launch gap or ramp from idle, but each began with the GPU drained by
+    # the previous sample's sync: its first event waited for the first call's launch. Faked events: each sample's
+    # start is recorded behind a call queued after that sync
+    gr = _script(monkeypatch, "bench/gpu_rates.py")
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self) -> None:
+            log.append("record")
+
+        def synchronize(self) -> None:
+            log.append("sync")
+
+        def elapsed_time(self, other: Event) -> float:
+            return 1.0
+
+    monkeypatch.setattr(gr.torch.cuda, "Event", Event)
+    monkeypatch.setattr(gr.torch.cuda, "synchronize", lambda *a: log.append("sync"))
+    out = gr.timed(lambda: log.append("call"), iters=3, batch=2, warmup=1, cuda=True)
+    assert out == [pytest.approx(1e-3 / 2)] * 3
+    # every sample: after a sync, a call is queued before the start event is recorded
+    starts = [i for i, e in enumerate(log) if e == "record"][::2]
+    assert all(log[i - 1] == "call" and "sync" in log[:i] for i in starts), log
