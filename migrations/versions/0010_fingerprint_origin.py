@@ -3,7 +3,7 @@ them (fingerprints.node).
 
 Revision ID: 0010
 Revises: 0009
-Create Date: 2026-12-10
+Create Date: 2026-12-06
 
 A store holds other nodes' facts beside this node's: `moetune profiles import` brings another node's fingerprints,
 `fabric show --record --capture` records a capture's. The daemon's first start compares the node with what this
