@@ -35,6 +35,7 @@ from moetune.tuner.bringup import flow
 
 class Facts:
     gpu_count, gpu_model, fingerprint, transport_names = 1, "test", "f" * 16, ["nvlink"]
+    warnings, unavailable = [], []  # what the start of a bring-up says of the node (profile.node_limits)
 
 class FakeBringup:  # the bring-up flow reduced to a study whose trial is interrupted
     def __init__(self, **kw):
