@@ -1034,7 +1034,9 @@ MT_API int mt_proxy_enqueue(void* h, const void* reqs, int n, double timeout_s) 
   return 0;
 }
 
-// Wait until the proxy consumed everything a host producer enqueued, then until every QP stream is idle.
+// Wait until the proxy consumed everything a host producer enqueued, then until every QP stream is idle; both
+// within timeout_s (a stream is polled, never synchronised: work stuck on it, such as a copy behind a spinning kernel
+// on a hardware queue it shares, would hold a cudaStreamSynchronize forever).
 MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
   Engine* e = static_cast<Engine*>(h);
   uint64_t deadline = mono_ns() + mt::timeout_ns(timeout_s);
@@ -1048,7 +1050,16 @@ MT_API int mt_proxy_quiesce(void* h, double timeout_s) {
     MT_REQUIRE(mono_ns() < deadline, 213, "proxy did not drain its FIFO within %.1f s", timeout_s);
     cpu_relax();
   }
-  for (auto s : e->streams) MT_CUDA(cudaStreamSynchronize(s));
+  for (size_t q = 0; q < e->streams.size(); ++q) {
+    for (;;) {
+      const cudaError_t qe = cudaStreamQuery(e->streams[q]);
+      if (qe == cudaSuccess) break;
+      if (qe != cudaErrorNotReady) MT_CUDA(qe);
+      MT_REQUIRE(mono_ns() < deadline, 213, "proxy QP stream %d did not complete its transfers within %.1f s", (int)q,
+                 timeout_s);
+      cpu_relax();
+    }
+  }
   MT_REQUIRE(e->err.load() == 0, 211, "proxy thread failed: %s", e->errmsg.c_str());
   return 0;
 }

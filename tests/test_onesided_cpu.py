@@ -773,6 +773,41 @@ def test_host_completed_calls_survive_hardware_queue_aliasing_in_host_simulation
     assert failures and all("error record" in f for f in failures), failures
 
 
+def test_quiesce_is_bounded_when_a_qp_stream_never_completes_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """mt_proxy_quiesce(timeout) must end within its timeout, in a reported error, when a QP stream stays busy: here
+    the engine's stream shares one simulated hardware queue with work that waits for a word nobody writes (as a copy
+    behind a spinning kernel). Before: its cudaStreamSynchronize waited as long as the blocker did (8 s here, forever
+    on a GPU) and then returned success."""
+    from moetune.runtime.transports.proxy import OP_WRITE64, Request
+
+    lib = sim_lib
+    lib.mtsim_set_async(1, 0)
+    lib.mtsim_set_alias(1)
+    sink: list = []
+    gate = (ctypes.c_uint64 * 1)()
+    h = None
+    try:
+        h = _sim_engine(lib, None, sink)
+        queue = lib.mtsim_stream_create()  # the one hardware queue: also the engine's QP stream
+        lib.mtsim_stream_wait_word(queue, ctypes.cast(gate, ctypes.POINTER(ctypes.c_uint64)), 1, 8.0)
+        req = (Request * 1)(Request(OP_WRITE64, 0, 0, 0, 0, 8, 0, 7, 0, 0))
+        assert lib.mt_proxy_enqueue(h, req, 1, 5.0) == 0, lib.mt_last_error()
+        t0 = time.monotonic()
+        rc = lib.mt_proxy_quiesce(h, 0.5)
+        took = time.monotonic() - t0
+        assert rc == 213 and b"did not complete" in lib.mt_last_error(), (rc, lib.mt_last_error())
+        assert took < 4.0, took
+        gate[0] = 1  # the blocker ends: the write lands and the engine quiesces
+        assert lib.mt_proxy_quiesce(h, 10.0) == 0, lib.mt_last_error()
+        assert sink[1][1] == 7
+    finally:
+        gate[0] = 1
+        if h is not None:
+            lib.mt_proxy_destroy(h)
+        lib.mtsim_set_alias(0)
+        lib.mtsim_set_async(0, 0)
+
+
 def _engine_cpu(lib: ctypes.CDLL, h: ctypes.c_void_p) -> list:
     """mt_proxy_cpu + mt_proxy_cpu_list: [requested CPUs, state, errno, current, tid] (csrc/proxy_engine.h
     MtProxyCpuField; the requested set as a sorted tuple, () when none)."""

@@ -16,7 +16,7 @@ typedef int CUresult;
 typedef void* CUstream;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long cuuint64_t;
-enum { cudaSuccess = 0, CUDA_SUCCESS = 0, cudaErrorMemoryAllocation = 2 };
+enum { cudaSuccess = 0, CUDA_SUCCESS = 0, cudaErrorMemoryAllocation = 2, cudaErrorNotReady = 600 };
 enum cudaMemcpyKind { cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriverEntryPointSymbolNotFound = 1 };
 #define cudaStreamNonBlocking 1
@@ -50,6 +50,7 @@ void stream_delete(void* s);
 void stream_copy(void* s, void* d, const void* src, size_t n);
 void stream_write64(void* s, uint64_t* addr, uint64_t v);
 void stream_sync(void* s);
+bool stream_idle(void* s);
 }
 
 inline const char* cudaGetErrorName(cudaError_t) { return "simError"; }
@@ -74,6 +75,8 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   mtsim::stream_sync(s);
   return cudaSuccess;
 }
+// Not ready while the stream (async mode: its worker thread) still has operations queued or running.
+inline cudaError_t cudaStreamQuery(cudaStream_t s) { return mtsim::stream_idle(s) ? cudaSuccess : cudaErrorNotReady; }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   *s = mtsim::stream_new();
   return cudaSuccess;

@@ -94,6 +94,10 @@ struct Stream {
     std::unique_lock<std::mutex> g(mu);
     idle.wait(g, [this] { return busy == 0; });
   }
+  bool is_idle() {
+    std::lock_guard<std::mutex> g(mu);
+    return busy == 0;
+  }
 };
 
 // Hardware-queue aliasing model: with alias_n > 0 every new stream is one of alias_n shared queues
@@ -148,6 +152,7 @@ void stream_write64(void* s, uint64_t* addr, uint64_t v) {
 void stream_sync(void* s) {
   if (s != nullptr) static_cast<Stream*>(s)->sync();
 }
+bool stream_idle(void* s) { return s == nullptr || static_cast<Stream*>(s)->is_idle(); }
 }  // namespace mtsim
 
 // Test hook: asynchronous streams (1) with every copy delayed by delay_us, or synchronous ones (0).
