@@ -43,6 +43,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -887,7 +888,19 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     delete e;
     return (int)ce;
   }
-  e->th = std::thread([e] { e->loop(); });
+  // std::thread throws where the system refuses a thread (EAGAIN: a pids cgroup, RLIMIT_NPROC, ~48 engines a rank);
+  // an exception out of this C entry point would end the process (std::terminate): an error code instead
+  try {
+#ifdef MT_HOST_SIM
+    if (mtsim::thread_errno != 0) throw std::system_error(mtsim::thread_errno, std::generic_category());
+#endif
+    e->th = std::thread([e] { e->loop(); });
+  } catch (const std::system_error& ex) {
+    mt::set_error("mt_proxy_create: the proxy thread could not be started: %s", ex.what());
+    e->release();  // the registered pages too, as above
+    delete e;
+    return 209;
+  }
   // wait (bounded) for the thread to come up
   for (int i = 0; i < 2000 && !e->running.load(); ++i) std::this_thread::sleep_for(std::chrono::microseconds(500));
   *out = e;

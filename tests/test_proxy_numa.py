@@ -382,6 +382,34 @@ def test_a_failed_create_releases_the_placed_pages(sim: ctypes.CDLL, faults) -> 
     undone(sim, before)  # placed (mapped, registered), then released: unregistered and unmapped
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["no-cpu-set", "cpu-set"])
+def test_a_thread_the_system_refuses_is_an_error_not_the_end_of_the_process(sim_path: Path, pinned: bool) -> None:
+    """std::thread throws where the system refuses a thread (EAGAIN: a pids cgroup, RLIMIT_NPROC). mt_proxy_create
+    must return an error code and message and release what it allocated (the placed pages too); before, the exception
+    left the C entry point and std::terminate ended the process. In a child process, since that is what it did."""
+    script = f"""
+import ctypes, os, sys
+lib = ctypes.CDLL({str(sim_path)!r})
+lib.mt_last_error.restype = ctypes.c_char_p
+pages = (ctypes.c_longlong * 3)()
+lib.mtsim_page_counters(pages)
+before = list(pages)
+lib.mtsim_set_thread_errno(11)  # EAGAIN
+one = (ctypes.c_uint64 * 1)(0)
+h = ctypes.c_void_p()
+cpus = (ctypes.c_int * 1)(min(os.sched_getaffinity(0)))
+rc = lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, cpus if {pinned} else None, 1 if {pinned} else 0,
+                         ctypes.byref(h))
+lib.mtsim_page_counters(pages)
+print(rc, h.value, before[:2] == list(pages)[:2], lib.mt_last_error().decode())
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"the process ended: {r.returncode} {r.stderr[-500:]}"
+    rc, handle, released, message = r.stdout.strip().split(" ", 3)
+    assert (rc, handle, released) == ("209", "None", "True"), r.stdout
+    assert "proxy thread could not be started" in message and "unavailable" in message, message
+
+
 # -- the Python side ------------------------------------------------------------------------------------------------
 def test_proxy_engine_reports_the_placement_and_logs_a_fallback_once(sim: ctypes.CDLL, faults, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch,

@@ -40,6 +40,7 @@ extern int mbind_errno, register_error, malloc_error;  // injected failures (0: 
 extern long long page_maps, pages_mapped, page_bytes_mapped;
 extern int madvise_errno, devptr_error;  // injected: madvise's errno, cudaHostGetDevicePointer's error on registered pages
 // injected: cudaMemcpyAsync fails with copy_fault_err (copying nothing) for a source in [copy_fault_lo, copy_fault_hi)
+extern int thread_errno;  // injected: mt_proxy_create's thread fails to start (std::system_error with this errno)
 extern int copy_fault_err;
 extern uintptr_t copy_fault_lo, copy_fault_hi;
 void host_register(void* p, size_t n);

@@ -25,6 +25,7 @@ int mbind_errno = 0, register_error = 0, malloc_error = 0;
 long long page_maps = 0, pages_mapped = 0, page_bytes_mapped = 0;
 int madvise_errno = 0, devptr_error = 0;
 int copy_fault_err = 0;
+int thread_errno = 0;
 uintptr_t copy_fault_lo = 0, copy_fault_hi = 0;
 static std::string sysfs_cpu_dir_text;
 
@@ -229,6 +230,9 @@ MT_API void mtsim_set_copy_fault(int err, uint64_t lo, uint64_t hi) {
   mtsim::copy_fault_hi = (uintptr_t)hi;
   mtsim::copy_fault_err = err;
 }
+// A system that refuses threads: mt_proxy_create's std::thread throws std::system_error(err) (0: none). Set while no
+// engine is being created.
+MT_API void mtsim_set_thread_errno(int err) { mtsim::thread_errno = err; }
 // [the FIFO pages' mappings now, their bytes mapped now, their mmaps so far] (Engine::place_pages and release)
 MT_API void mtsim_page_counters(long long* out) {
   out[0] = __atomic_load_n(&mtsim::pages_mapped, __ATOMIC_RELAXED);
