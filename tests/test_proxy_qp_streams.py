@@ -263,6 +263,15 @@ def test_the_ack_is_written_on_the_streams_the_call_picked(lib: ctypes.CDLL, map
         lib.mtsim_set_async(0, 0)
 
 
+def test_the_readme_says_an_ack_is_written_on_the_picked_streams() -> None:
+    """csrc/README.md describes the engine: an ACK goes on the streams picked since the previous ACK (every stream only
+    once the engine failed), as the test above sees; it said every stream, which the engine stopped doing."""
+    readme = " ".join((Path(__file__).resolve().parents[1] / "csrc" / "README.md").read_text().split())
+    assert "an `ACK` is written on every stream" not in readme
+    assert "completion word on every QP stream" not in readme
+    assert "An `ACK` is written on the streams picked since the previous ACK only" in readme
+
+
 def case_world_1_acks(rank: int, world: int, mapping: str, fence: str) -> tuple[int, int, list[str]]:
     """The body of the GPU test below, on its one spawned rank (the proxy transport needs a process group): 30
     exchanges with idle gaps; returns the acks and ack_writes the calls added, and any call that went wrong."""
