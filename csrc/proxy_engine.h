@@ -12,7 +12,8 @@ enum MtOp : uint32_t {
   MT_OP_PUT = 1,      // copy `bytes` from device address `src` to peer's data region + dst_off
   MT_OP_SIGNAL = 2,   // fence (per fence_mode), then write `value` into peer's signal slot signal_idx
   MT_OP_WRITE64 = 3,  // write immediate `value` at peer's control region + dst_off (self-validating word)
-  MT_OP_ACK = 4,      // after everything issued so far on each stream: write `value` to local ack[stream]
+  MT_OP_ACK = 4,      // behind everything issued so far: write `value` to local ack[stream] on each stream picked
+                      // since the previous ACK (AckSet below; every stream once the engine failed)
 };
 enum MtFlags : uint32_t {
   MT_F_SIGNAL = 1,  // PUT followed by fence + signal (coupled put-with-signal)
