@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from moetune.runtime.knobs import num_scale_groups  # the rule the fabric model shares (torch-free)
+
 E4M3_MAX = 448.0
 _TARGET = 440.0  # what a group's max |x| maps to (below E4M3_MAX: headroom for bf16 rounding)
 FP8_LAYER_REL_ERR_BOUND = 0.08
@@ -28,16 +30,6 @@ _TINY = 1e-30  # floor for a group maximum: keeps 440 / max finite even in bf16
 
 def fp8_available() -> bool:
     return hasattr(torch, "float8_e4m3fn")
-
-
-def num_scale_groups(hidden: int, granularity: str) -> int:
-    if granularity == "per_token":
-        return 1
-    if granularity == "per_128":
-        if hidden % 128:
-            raise ValueError(f"scale_granularity per_128 needs hidden divisible by 128, got hidden={hidden}")
-        return hidden // 128
-    raise ValueError(f"unknown scale granularity {granularity!r} (per_token or per_128)")
 
 
 def quantise(x: torch.Tensor, granularity: str = "per_token") -> tuple[torch.Tensor, torch.Tensor]:

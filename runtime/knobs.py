@@ -64,6 +64,20 @@ def chunk_tokens_fit(chunk_tokens: int, rows: int) -> bool:
     (csrc/proxy_xchg.h `chunking`); the runtime refuses it and the tuner never offers it."""
     return chunk_tokens <= 0 or rows <= 0 or -(-rows // chunk_tokens) <= MAX_SLOTS
 
+
+def num_scale_groups(hidden: int, granularity: str) -> int:
+    """fp8 scales per token row of `hidden` values: 1 per token, or hidden / 128 per 128 channels (ValueError where
+    128 does not divide hidden, or for an unknown granularity). Here, torch-free, for the fabric model; the runtime
+    (runtime/fp8.py, the EP buffer's knob check) uses the same function."""
+    if granularity == "per_token":
+        return 1
+    if granularity == "per_128":
+        if hidden % 128:
+            raise ValueError(f"scale_granularity per_128 needs hidden divisible by 128, got hidden={hidden}")
+        return hidden // 128
+    raise ValueError(f"unknown scale granularity {granularity!r} (per_token or per_128)")
+
+
 # host_staged's ring of staging slots per (lane, sender, receiver): 2 is double buffering
 MIN_STAGING_SLOTS, MAX_STAGING_SLOTS = 2, 16
 # Communicators per direction a collective transport's EP buffer spreads its pipeline chunks over: `channels`

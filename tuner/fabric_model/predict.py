@@ -87,7 +87,7 @@ import msgspec
 import numpy as np
 
 from moetune.runtime.buffer.layout_choice import MAX_COMM_CHANNELS, equal_chunk_bounds, picks_dense
-from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs
+from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, num_scale_groups
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import DTYPES, ModelShape, get_model, tokens_per_gpu_problem
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
@@ -383,6 +383,16 @@ def _check_queued(preset: Preset, p: _P, knobs: Knobs) -> None:
         raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
 
 
+def _check_runtime_takes(w: Workload, knobs: Knobs) -> None:
+    """KnobError for a setting the runtime's EP buffer refuses on this workload (facade.py `check_knobs`), so no
+    MODELLED number stands for a run that cannot happen: fp8 scales per 128 channels need hidden % 128 == 0."""
+    if knobs.compression == "fp8_e4m3":
+        try:
+            num_scale_groups(w.model.hidden, knobs.scale_granularity)
+        except ValueError as e:
+            raise KnobError(f"{w.model.name}: {e}", ("scale_granularity",)) from None
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -393,7 +403,7 @@ def _token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool, layout: str
     one activation-dtype row. `nccl_k_copies`: the bare payload (fp8: + scales), as the NCCL baseline."""
     h = model.hidden
     fp8 = dispatch and knobs.compression == "fp8_e4m3"
-    scales = (1 if knobs.scale_granularity == "per_token" else math.ceil(h / 128)) if fp8 else 0
+    scales = num_scale_groups(h, knobs.scale_granularity) if fp8 else 0
     payload = h if fp8 else h * DTYPES[model.dtype]
     if not dispatch or layout != "runtime":  # nccl_k_copies or expert_tiles: bare copies of the payload
         return float(payload + 4 * scales)
@@ -1172,6 +1182,7 @@ def predict(
     _check_transport(preset, knobs)
     p = _params(preset)
     w = workload
+    _check_runtime_takes(w, knobs)
     loads, hits = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
         # the runtime's proxy takes any group size (a last partial group); the tile layout's groups must divide
