@@ -127,10 +127,11 @@ def test_two_rank_proxy_sends_each_token_once_per_rank() -> None:
     assert c.bytes_on_wire == pytest.approx(DSV3_ROWS_2 * 7168 * 2 + 8 + 2 * 8, rel=1e-12)
 
 
-@pytest.mark.parametrize(("chunk", "puts"), [(0, 1), (256, 16), (1000, 5), (4096, 1), (1, 1021)])
+@pytest.mark.parametrize(("chunk", "puts"), [(0, 1), (256, 16), (1000, 5), (4096, 1), (4, 1021)])
 def test_proxy_puts_per_peer_follow_chunk_tokens(chunk: int, puts: int) -> None:
-    """4081.7 expected rows -> a count of 4082: ceil(4082 / chunk) PUTs; chunk 1 would be 4082 PUTs, more than
-    the 1024 signal slots, so the chunk grows to ceil(4082 / 1024) = 4 rows: ceil(4082 / 4) = 1021 PUTs."""
+    """4081.7 expected rows -> a count of 4082: ceil(4082 / chunk) PUTs; chunk 4, the smallest the runtime takes at
+    S = 4096 (4096 / 4 = 1024 signal slots; a smaller one is refused, tests/test_fabric_model_runtime_refusals.py):
+    ceil(4082 / 4) = 1021 PUTs."""
     w = Workload(DSV3, 4096, 1, 2)
     coupled = predict("nvlink-h200x2", w, _proxy(signalling="coupled", chunk_tokens=chunk), phase="dispatch")
     assert coupled.transfers == puts

@@ -205,8 +205,9 @@ def test_zipf_routing_is_deterministic_and_skewed() -> None:
 def test_periodic_extrapolation_is_exact(preset: str, knobs: Knobs, routing: str, layout: str, monkeypatch) -> None:
     gpn = load_preset(preset).gpus_per_node
     w = Workload(QWEN, 6144, 4, gpn, routing=routing, tile=8)
-    if layout == "runtime":  # ~630 rows per peer: 4-row PUTs make long periodic runs
-        knobs = knobs.replace(chunk_tokens=4)
+    if layout == "runtime":  # ~630 rows per peer: 6-row PUTs (the smallest chunk the runtime takes at S = 6144,
+        # 1024 signal slots) make long periodic runs
+        knobs = knobs.replace(chunk_tokens=6)
     before = model_queue.STATS["advanced"]
     fast = predict(preset, w, knobs, layout=layout)
     assert model_queue.STATS["advanced"] > before  # the periodic shortcut was taken

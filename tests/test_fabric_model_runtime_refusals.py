@@ -4,6 +4,9 @@ served to a runtime that refuses it.
 
 * fp8 scales per 128 channels need hidden % 128 == 0 (runtime/fp8.py `num_scale_groups`, EPBuffer's check_knobs
   refuses the knobs otherwise); the model rounded the groups up and predicted.
+* proxy / ibgda: a chunk_tokens that cuts max_tokens (= S, as the tuner builds the buffer) rows for one peer into
+  more than MAX_SLOTS PUTs (runtime/transports/proxy.py `check_chunk_tokens`, from EPBuffer; the search space's
+  `chunk_fits`); the model let the chunks grow as the kernel would (csrc/proxy_xchg.h `chunking`) and predicted.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import sys
 
 import pytest
 
-from moetune.runtime.knobs import KnobError, Knobs, num_scale_groups
+from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, chunk_tokens_fit, num_scale_groups
 from moetune.tuner.fabric_model.predict import Workload, predict
 
 ODD = "custom:200,768,128,8"  # hidden 200: not a multiple of 128
@@ -43,3 +46,24 @@ def test_the_scale_group_rule_is_the_runtimes_and_torch_free() -> None:
         import moetune.tuner.fabric_model.predict  # noqa: F401
 
         assert "torch" not in sys.modules
+
+
+@pytest.mark.parametrize(("preset", "transport", "fence"), [("ndr-ibrc-h100x8", "proxy", "proxy_drain"),
+                                                            ("nvlink-h200x2", "proxy", "proxy_drain"),
+                                                            ("ndr-ibgda-h100x8", "ibgda", "nic_ordered")])
+def test_chunk_tokens_over_the_signal_slots_is_refused(preset: str, transport: str, fence: str) -> None:
+    nodes = 1 if preset == "nvlink-h200x2" else 2
+    gpn = 2 if nodes == 1 else 8
+    w = Workload("qwen3-30b", 4096, nodes, gpn)
+    k = Knobs(transport=transport, fence_mode=fence, chunk_tokens=2)  # 4096 rows / 2 = 2048 PUTs > 1024
+    assert not chunk_tokens_fit(2, 4096)
+    with pytest.raises(KnobError, match=f"more than the {MAX_SLOTS} signal slots") as e:
+        predict(preset, w, k)
+    assert e.value.knobs == ("chunk_tokens",)
+    # the smallest chunk the runtime takes at S = 4096 (exactly MAX_SLOTS PUTs at most), and fewer tokens
+    assert predict(preset, w, k.replace(chunk_tokens=4)).latency_us > 0
+    assert predict(preset, Workload("qwen3-30b", 2048, nodes, gpn), k).latency_us > 0
+    # the per-expert tile layout reads chunk_tokens as NIC messages per tile, not the runtime's PUTs: not refused
+    if preset != "nvlink-h200x2":
+        assert predict(preset, Workload("qwen3-30b", 4096, nodes, gpn, tile=8), k.replace(chunk_tokens=1),
+                       layout="expert_tiles").latency_us > 0

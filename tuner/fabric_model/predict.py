@@ -33,7 +33,8 @@ S x P(token needs r) (`routing.rank_hits`: exact hypergeometric under uniform ro
 * proxy: the runtime packs the rows for every peer first (one pack kernel, csrc/ep_pack.cu: a grid over
   every SM, so HBM-bound; combine sends the expert output as it is), then its single producer thread
   posts per peer ONE PUT, or ceil(rows / chunk_tokens) PUTs of chunk_tokens rows, the last one partial
-  (csrc/proxy_xchg.h produce_exchange; at most MT_MAX_SLOTS = 1024 per peer, larger chunks then); coupled:
+  (csrc/proxy_xchg.h produce_exchange; at most MT_MAX_SLOTS = 1024 per peer: a chunk_tokens giving more for S rows
+  is refused, as the runtime refuses it); coupled:
   a signal (and fence) per PUT, decoupled: one per group_size PUTs (0: one per peer; a last partial group
   is allowed, so any group size is valid). The model replays these requests on the queue above; intra-node
   peers go over NVLink (same rows, same signal count) unless the preset's proxy serves them.
@@ -87,7 +88,7 @@ import msgspec
 import numpy as np
 
 from moetune.runtime.buffer.layout_choice import MAX_COMM_CHANNELS, equal_chunk_bounds, picks_dense
-from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, num_scale_groups
+from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, chunk_tokens_fit, num_scale_groups
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import DTYPES, ModelShape, get_model, tokens_per_gpu_problem
 from moetune.tuner.fabric_model.presets import Preset, PresetError, list_presets, load_preset
@@ -383,14 +384,25 @@ def _check_queued(preset: Preset, p: _P, knobs: Knobs) -> None:
         raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
 
 
-def _check_runtime_takes(w: Workload, knobs: Knobs) -> None:
+def _check_runtime_takes(w: Workload, knobs: Knobs, layout: str) -> None:
     """KnobError for a setting the runtime's EP buffer refuses on this workload (facade.py `check_knobs`), so no
-    MODELLED number stands for a run that cannot happen: fp8 scales per 128 channels need hidden % 128 == 0."""
+    MODELLED number stands for a run that cannot happen: fp8 scales per 128 channels need hidden % 128 == 0; the
+    queued transports' chunk_tokens may cut the max_tokens (= S, as the tuner builds the buffer) rows a call may send
+    one peer into at most MAX_SLOTS PUTs (runtime/transports/proxy.py `check_chunk_tokens`; the search space's
+    `chunk_fits`), where the kernel would silently cut larger chunks (`chunking`). Layout `expert_tiles` reads
+    chunk_tokens as NIC messages per tile instead: not checked there."""
     if knobs.compression == "fp8_e4m3":
         try:
             num_scale_groups(w.model.hidden, knobs.scale_granularity)
         except ValueError as e:
             raise KnobError(f"{w.model.name}: {e}", ("scale_granularity",)) from None
+    if (knobs.transport in ("proxy", "ibgda") and layout == "runtime"
+            and not chunk_tokens_fit(knobs.chunk_tokens, w.tokens_per_gpu)):
+        S, ck = w.tokens_per_gpu, knobs.chunk_tokens
+        raise KnobError(f"chunk_tokens={ck} would cut up to {S} rows (the tokens per GPU) for one peer into "
+                        f"{-(-S // ck)} PUTs, more than the {MAX_SLOTS} signal slots a peer has: the runtime refuses "
+                        f"it (the kernel would cut larger chunks); use chunk_tokens >= {-(-S // MAX_SLOTS)} or 0 (one "
+                        "PUT per peer)", ("chunk_tokens",))
 
 
 def _align(n: int, a: int) -> int:
@@ -1182,7 +1194,7 @@ def predict(
     _check_transport(preset, knobs)
     p = _params(preset)
     w = workload
-    _check_runtime_takes(w, knobs)
+    _check_runtime_takes(w, knobs, layout)
     loads, hits = _route(w)
     if knobs.transport in ("proxy", "ibgda"):
         # the runtime's proxy takes any group size (a last partial group); the tile layout's groups must divide
