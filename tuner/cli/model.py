@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -91,20 +92,28 @@ def _preset_facts(pr: Any) -> dict[str, Any]:
     return {"preset_file": pr.path, "preset_warning": (pr.calibration or {}).get("warning")}
 
 
-def scale_note(pr: Any, gpus: int, what: str, up_to: bool = False) -> str | None:
+def scale_note(pr: Any, gpus: int, what: str, up_to: bool = False, tokens: Iterable[int] = ()) -> str | None:
     """Where `gpus` (the most GPUs predicted; `up_to`: a sweep over nodes) lies beyond the most ranks the preset's
-    calibration measured together (its `[calibration] world`): a note saying that `what` ("this prediction", "this sweep",
-    "this tune") extrapolates; None where it does not, or where the preset records no measured scale (none is guessed).
-    `model predict`, `model sweep` and `tune --backend model` print it."""
-    from moetune.tuner.fabric_model.predict import calibrated_world
+    calibration measured together (its `[calibration] world`), or one of `tokens` (the tokens per GPU predicted) lies
+    outside the tokens per GPU its rows measured (`[calibration] tokens`): a note saying that `what` ("this
+    prediction", "this sweep", "this tune") extrapolates; None where it does not, or where the preset records no
+    measured scale or range (none is guessed). `model predict`, `model sweep` and `tune --backend model` print it."""
+    from moetune.tuner.fabric_model.predict import calibrated_tokens, calibrated_world
 
+    notes = []
     world = calibrated_world(pr)
-    if world is None or gpus <= world:
-        return None
-    # "ranks": the rows' world counts the processes of the measured all-to-all (GPUs, or gloo host processes)
-    return (f"preset {pr.name} was calibrated on measurements of at most {world} ranks ([calibration] world = "
-            f"{world}); at {'up to ' if up_to else ''}{gpus} GPUs {what} extrapolates {gpus / world:g}x beyond the "
-            "measured scale")
+    if world is not None and gpus > world:
+        # "ranks": the rows' world counts the processes of the measured all-to-all (GPUs, or gloo host processes)
+        notes.append(f"preset {pr.name} was calibrated on measurements of at most {world} ranks ([calibration] world = "
+                     f"{world}); at {'up to ' if up_to else ''}{gpus} GPUs {what} extrapolates {gpus / world:g}x beyond "
+                     "the measured scale")
+    span = calibrated_tokens(pr)
+    outside = sorted({t for t in tokens if span and not span[0] <= t <= span[1]})
+    if span and outside:
+        notes.append(f"preset {pr.name} was calibrated on measurements of {span[0]} to {span[1]} tokens per GPU "
+                     f"([calibration] tokens); at {', '.join(str(t) for t in outside)} tokens per GPU {what} "
+                     "extrapolates outside the measured range")
+    return "; ".join(notes) or None
 
 
 def _workload(w: Any, swept: str | None = None) -> dict[str, Any]:
@@ -169,7 +178,7 @@ def predict_cmd(
         _fail(f"unsafe or invalid knobs (not predicted): {e}")
     except ValueError as e:
         _fail(str(e))
-    scale = scale_note(pr, w.pes, "this prediction")
+    scale = scale_note(pr, w.pes, "this prediction", tokens=[w.tokens_per_gpu])
     if as_json:
         out = {"label": LABEL, **res.to_dict(), **_preset_facts(pr), "extrapolation": scale,
                "workload": {**_workload(w), "layout": layout, "phase": phase}, "knobs": k.to_dict()}
@@ -443,7 +452,10 @@ def sweep_cmd(
     # the most GPUs a modelled point has (a sweep over nodes varies them; n/a points predict nothing)
     gpus = max((r["x"] if over == "nodes" else w0.nodes) * w0.gpus_per_node
                for rows in series.values() for r in rows if "error" not in r) if drawable else 0
-    scale = scale_note(pr, gpus, "this sweep", up_to=over == "nodes")
+    # the tokens per GPU of the modelled points (a sweep over tokens varies them)
+    tokens = {r["x"] if over == "tokens" else w0.tokens_per_gpu
+              for rows in series.values() for r in rows if "error" not in r}
+    scale = scale_note(pr, gpus, "this sweep", up_to=over == "nodes", tokens=tokens)
     if as_json:
         typer.echo(json.dumps({"label": LABEL, "preset": pr.name, **_preset_facts(pr), "extrapolation": scale,
                                "model": w0.model.name, "over": over,

@@ -706,8 +706,8 @@ def _model_preset_warning(preset: str | None) -> str:
 
 def _scale_note(backend: str, preset: str | None, results: list) -> str | None:
     """The model backend's note where the EP size it predicted at lies beyond the most ranks the preset's calibration
-    measured together (`[calibration] world`), as `model predict` says it; None elsewhere, or where the preset records
-    no measured scale. Advice only: a preset file that cannot be read again (edited or removed during the tune) gives
+    measured together (`[calibration] world`), or a token count outside the tokens per GPU its rows measured
+    (`[calibration] tokens`), as `model predict` says it; None elsewhere, or where the preset records neither. Advice only: a preset file that cannot be read again (edited or removed during the tune) gives
     none, never a failure of a tune whose profiles are stored."""
     if backend != "model" or preset is None or not results:
         return None
@@ -719,7 +719,7 @@ def _scale_note(backend: str, preset: str | None, results: list) -> str | None:
     except (OSError, ValueError):  # PresetError is a ValueError
         return None
     gpus = max(r.study.workload.nodes * r.study.workload.gpus_per_node for r in results)
-    return scale_note(pr, gpus, "this tune")
+    return scale_note(pr, gpus, "this tune", tokens=[r.study.workload.tokens for r in results])
 
 
 def _forced_note(preset: str, warning: str, node_model: bool) -> str:

@@ -86,6 +86,7 @@ class Point:
     group: str
     predicted_us: float = 0.0
     world: int | None = None  # the ranks the row measured together, where the row says (its "world")
+    tokens: int | None = None  # the tokens per GPU the row measured, where the row says (its "S")
 
     @property
     def rel_err(self) -> float:
@@ -326,7 +327,8 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
         return Point(name, float(row["ms"]) * 1e3,
                      lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
                                                      layout="nccl_k_copies").dispatch_us,
-                     group=f"collective/{fabric}", world=int(row["world"]) if "world" in row else None)
+                     group=f"collective/{fabric}", world=int(row["world"]) if "world" in row else None,
+                     tokens=int(row["S"]))
     elif probe == "proxy_ce":
         mode = row.get("mode")
         size, transfers = int(row["size"]), int(row["transfers"])
@@ -735,6 +737,9 @@ def calibrated_preset(report: FitReport, data_names: list[str], date: str, *, fi
     worlds = [p.world for p in report.points if p.world]
     if worlds:  # the scale measured, where rows say it (never the default a row without "world" is modelled at)
         calib["world"] = max(worlds)
+    tokens = [p.tokens for p in report.points if p.tokens]
+    if tokens:  # the tokens per GPU measured, where rows say it: predictions outside are noted as extrapolated
+        calib["tokens"] = [min(tokens), max(tokens)]
     if fingerprint:
         calib["fingerprint"] = fingerprint
     if report.measurement_env:  # the NCCL settings its measurements ran under (NVLS off), as NAME=VALUE

@@ -102,6 +102,7 @@ __all__ = [
     "PresetError",
     "TransferPrediction",
     "Workload",
+    "calibrated_tokens",
     "calibrated_world",
     "chunking",
     "forced_fit_warning",
@@ -291,6 +292,17 @@ def calibrated_world(preset: object) -> int | None:
     calib = getattr(preset, "calibration", None)
     world = calib.get("world") if isinstance(calib, Mapping) else None
     return world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None
+
+
+def calibrated_tokens(preset: object) -> tuple[int, int] | None:
+    """(least, most) tokens per GPU the rows of the preset's calibration measured (`[calibration] tokens`); None where
+    the preset records no range (a datasheet preset, a calibration of rows that state no S, an older moetune's file)."""
+    calib = getattr(preset, "calibration", None)
+    tokens = calib.get("tokens") if isinstance(calib, Mapping) else None
+    if (isinstance(tokens, list | tuple) and len(tokens) == 2
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tokens)):
+        return int(tokens[0]), int(tokens[1])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -324,6 +324,12 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
     if world is not None and not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
         raise PresetError(f"{where}: calibration.world (the most ranks a fitted row measured together) must be a "
                           f"positive integer, got {world!r}")
+    tokens = data.get("calibration", {}).get("tokens")
+    if tokens is not None and not (isinstance(tokens, list) and len(tokens) == 2
+                                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tokens)
+                                   and tokens[0] <= tokens[1]):
+        raise PresetError(f"{where}: calibration.tokens (the least and most tokens per GPU a fitted row measured) must "
+                          f"be [least, most], two positive integers, least <= most, got {tokens!r}")
     params: dict[str, dict[str, Any]] = {}
     for section in (*REQUIRED, *OPTIONAL):
         if section not in data:
