@@ -90,13 +90,16 @@ def test_dense_combine_sum_in_fp32_has_no_conversions() -> None:
 
 
 def test_dense_dispatch_is_the_stage_write_then_the_staging() -> None:
-    """No pack kernel: EP 4 dense, depth 1, one piece per peer (chunk_tokens 0): 3 pieces, each down (4096 x 4192
-    B at 24 GB/s) and up (at 25 GB/s) after two 6 us copy overheads; host memory (4 GPUs x 2 x the bytes at 180
-    GB/s) binds less. Before it only the stage write (facade.py `_write_stage`: three copies, 5 us launches; x's
-    2048 bf16 read and the 4192-byte wire row written per token at 1008 GB/s); no counts, no send-row gather."""
+    """No pack kernel: EP 4 dense, depth 1, one piece per peer (chunk_tokens 0): 3 pieces, the first down (4096 x
+    4192 B at 24 GB/s) and up (at 25 GB/s) after two 6 us copy overheads, each further one a stage later (down, the
+    slower direction, and one overhead: the pieces overlap, tests/test_fabric_model_staged_overlap.py); host memory
+    (4 GPUs x 2 x the bytes at 180 GB/s) binds less. Before it only the stage write (facade.py `_write_stage`: three
+    copies, 5 us launches; x's 2048 bf16 read and the 4192-byte wire row written per token at 1008 GB/s); no counts,
+    no send-row gather."""
     out = 3 * 4096 * 4192
     r = predict(PCIE, Workload(QWEN, 4096, 1, 4), HS, phase="dispatch")
-    want = out / 24e3 + out / 25e3 + 3 * 2 * 6.0
+    a, b = out / 3 / 24e3, out / 3 / 25e3
+    want = (a + b + 2 * 6.0) + 2 * (a + 6.0)
     assert 4 * out * 2 / 180e3 < want
     assert r.phases["dispatch.staged"] == pytest.approx(want, rel=1e-12)
     stage = 3 * 5.0 + 4096 * (2048 * 2 + 4192) / 1008e3

@@ -19,7 +19,7 @@ Nothing here is a curve fit of end results; the model carries the mechanisms (do
   one FENCE, then one SIGNAL (the runtime's layout) or the group's signals, one per PUT (`expert_tiles`).
 * intra-node peers go over NVLink (no proxy: launch latency + bytes / bandwidth, signals as device
   writes) when the preset has NVLink; `host_staged` crosses PCIe twice (device→host, host→device) in
-  chunks with double buffering (pipeline_depth) and duplex links; `collective` is an NCCL all-to-all.
+  chunks with double buffering (the pieces overlap at any pipeline_depth) and duplex links; `collective` is an NCCL all-to-all.
 
 What goes on the wire follows the runtime's layouts (runtime/buffer/facade.py): every transport sends a
 token ONCE PER DESTINATION RANK that holds one of its k experts (packed layout for collective and
@@ -467,7 +467,11 @@ def _nvlink_time(p: _P, bytes_per_peer: list[float], groups: int, num_sms: int, 
 
 def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: int, gpn: int,
                  nic_bytes: float = 0.0) -> float:
-    """Device→host→device through pinned host memory (PCIe crossed twice), chunked and pipelined."""
+    """Device→host→device through pinned host memory (PCIe crossed twice), in `chunks` pieces, pipelined at any
+    `depth`: the pieces go down on one copy stream and come up on another, posted together (runtime/transports/
+    host_staged.py `_move`: send j, receive j, send j+1, ...; NCCL's staged path double-buffers its chunks alike), so
+    piece j+1 goes down while piece j comes up, whether the pieces are staging messages (chunk_tokens) or blocks of
+    other peers. Deeper pipelines (`depth` > 2) also hide part of the per-copy overhead (assumed)."""
     if bytes_out <= 0 and bytes_in <= 0:
         return 0.0
     n = max(1, chunks)
@@ -478,14 +482,12 @@ def _staged_time(p: _P, bytes_out: float, bytes_in: float, chunks: int, depth: i
     # overlap on it (unpipelined they run one after the other either way, so only the stage changes)
     link = max(a, b) if p.duplex else a + b
     ov = p.memcpy
-    if depth <= 1:
-        t = n * (a + b + c + 2 * ov + (ov if c else 0.0))
-    else:
-        # double buffering: chunk i+1 goes out while chunk i comes in; deeper pipelines hide the
-        # per-copy launch overhead too
-        hide = min(depth - 1, 4)
-        stage = max(link, c) + ov / hide
-        t = (a + b + c + 2 * ov) + (n - 1) * stage
+    # double buffering: piece i+1 goes out while piece i comes in (was charged one after the other at depth 1, so a
+    # staging message size, chunk_tokens, only ever added copy overheads there); deeper pipelines hide the per-copy
+    # launch overhead too
+    hide = max(1, min(depth - 1, 4))
+    stage = max(link, c) + ov / hide
+    t = (a + b + c + 2 * ov) + (n - 1) * stage
     # every staged byte is written to host memory once and read back once, by every GPU of the node
     host = gpn * max(bytes_out, bytes_in) * 2.0 / p.host_mem
     return max(t, host)
