@@ -132,7 +132,8 @@ def test_study_goes_on_after_hangs_and_crashes(fake_bench: list[str]) -> None:
     be = LocalBackend(command=fake_bench, repeats=1, timeout_s=1.0, family="host_staged")
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     # Force one hang and one crash first (as a user's enqueued points would be).
-    study.enqueue_trial(pol_space.params_of(_host_staged(channels=2)))
+    # (channels 2 at pipeline_depth 2: one chunk would use one lane whatever channels says, not offered)
+    study.enqueue_trial(pol_space.params_of(_host_staged(channels=2, pipeline_depth=2)))
     study.enqueue_trial(pol_space.params_of(_host_staged(pipeline_depth=4)))
     res = run_study(study, pol_space, be, WL, trials=12, prune=False)
     states = [t.state for t in study.trials]

@@ -44,11 +44,13 @@ def _behaviour(knobs, ep_size: int, rows: float | None = None) -> tuple:
         # signal per group of group_size PUTs: without chunking every group size is one PUT, one signal
         g = knobs.group_size if knobs.signalling == "decoupled" and knobs.chunk_tokens > 0 else None
         key += [knobs.signalling, g, knobs.fence_mode, knobs.qp_mapping, knobs.qps_per_pe, knobs.chunk_tokens]
-    elif t == "collective":
-        key += [knobs.pipeline_depth, knobs.channels]
-    elif t == "host_staged":
-        key += [knobs.pipeline_depth, knobs.channels, knobs.chunk_tokens, knobs.staging_slots, knobs.wait_mode,
-                knobs.combine_lanes]
+    elif t in ("collective", "host_staged"):
+        # runtime/buffer/facade.py: chunk c on lane c mod channels (lanes past the chunk count carry nothing), and
+        # pipelined combines on lanes of their own (combine_lanes) only with more than one chunk
+        depth = knobs.pipeline_depth
+        key += [depth, min(knobs.channels, depth)]
+        if t == "host_staged":
+            key += [knobs.chunk_tokens, knobs.staging_slots, knobs.wait_mode, knobs.combine_lanes if depth > 1 else None]
     return tuple(key)
 
 
@@ -100,7 +102,9 @@ def test_reviewer_counts() -> None:
     # 288 were 192 distinct runs (group sizes 1/2/4/8 with chunk_tokens 0: one PUT per peer, the same run as
     # per peer): 168 points now, 2 signalling choices without chunking + coupled / 4 groups with it
     sizes = {f: SearchSpace(load_policy(f), experts=128, ep_size=8).size() for f in ("nvlink", "proxy:ibrc", "collective")}
-    assert sizes["proxy:ibrc"] == 168 and sizes["collective"] == 27
+    # collective: 27 points were 18 distinct runs (channels past the pipeline's chunks use no lane: at depth 1 every
+    # channels value is one run, at depth 2 channels 4 is channels 2)
+    assert sizes["proxy:ibrc"] == 168 and sizes["collective"] == 18
     assert sizes["nvlink"] == 45  # per PE or a proper divisor of the CTAs per peer (cpp 2, 3, 4, 6)
 
 
@@ -293,3 +297,28 @@ def test_no_private_name_is_imported_from_another_module(path: str) -> None:
     private = [f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                for a in node.names if a.name.startswith("_")]
     assert private == [], private
+
+
+# -- collective / host_staged: channels and combine_lanes act only through the pipeline's chunks -----------------------
+
+@pytest.mark.parametrize("family", ["collective", "host_staged"])
+def test_channels_are_offered_by_the_lanes_the_chunks_use(family: str) -> None:
+    pol = load_policy(family)
+    space = SearchSpace(pol, experts=128, ep_size=8)
+    d = pol.defaults
+    assert space.channel_values(1) == (1,) and space.channel_values(2) == (1, 2)
+    assert space.channel_values(4) == pol.knobs["channels"].values()
+    # one chunk: every channels value is one run; two chunks: channels 4 uses 2 lanes like channels 2
+    assert not space.feasible(d.replace(channels=4))[0]
+    assert not space.feasible(d.replace(pipeline_depth=2, channels=4))[0]
+    assert space.feasible(d.replace(pipeline_depth=4, channels=4))[0]
+    # a set from elsewhere (a neighbour bucket, a warm start) lands on the run it is
+    assert space.project(d.replace(pipeline_depth=2, channels=4)).channels == 2
+    for k in space.enumerate():
+        assert space.knobs_from_params(space.params_of(k)) == k
+    if family == "host_staged":  # combine_lanes only with pipelined chunks
+        assert not space.feasible(d.replace(combine_lanes="own"))[0]
+        assert space.feasible(d.replace(pipeline_depth=2, combine_lanes="own"))[0]
+    # a study that offered every channels value at every depth is not resumed with the narrower grid
+    assert space.grid_rule() == {"lanes": "lanes_used_by_chunks"}
+    assert SearchSpace(load_policy("nvlink"), experts=128, ep_size=8).grid_rule() == {}

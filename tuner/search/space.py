@@ -23,7 +23,12 @@ cannot produce an infeasible setting:
 - `fence_mode` only where the transport has more than one way to order (proxy transports);
 - `qps_per_pe` only on queued transports (proxy, ibgda); `qp_mapping` only with more than one QP and
   never with `nic_ordered` (a peer's PUTs and SIGNAL must share a QP: peer_hash is implied);
-- `scale_granularity` only with compression; a compression is offered only within the error budget.
+- `scale_granularity` only with compression; a compression is offered only within the error budget;
+- collective / host_staged: the EP buffer puts pipeline chunk c on communicator (lane) c mod channels, and gives
+  pipelined combines lanes of their own only with more than one chunk (runtime/buffer/facade.py `comm_channels`,
+  `_combine_base`; the fabric model's `min(channels, calls)` lanes). So pipeline_depth is asked first, `channels`
+  only among values that use distinct lane counts, min(channels, pipeline_depth) (`channel_values`: at depth 1
+  every channels value is the same run), and `combine_lanes` only with pipeline_depth > 1 (`LANES_RULE`).
 
 Parameters with a single possible value are fixed, not asked. `check` re-validates any knob set
 (e.g. a warm-start point) against the same rules before it can be benchmarked.
@@ -109,6 +114,10 @@ PUT_GROUP_SIZES: tuple[int, ...] = (2, 4, 8)
 # config carries this marker (`SearchSpace.grid_rule`), so a study that offered the fixed set is not resumed
 # with the bounded one (Optuna refuses changed categorical choices).
 PUT_GRID_RULE = "distinct_puts_per_peer"
+# collective / host_staged: channels offered by the lanes the chunks use, combine_lanes only when pipelined (module
+# doc); in the study config (`SearchSpace.grid_rule`), so a study that offered every channels value at every depth is
+# not resumed with the narrower grid
+LANES_RULE = "lanes_used_by_chunks"
 
 
 def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, routing: str = "uniform") -> float:
@@ -254,6 +263,9 @@ class SearchSpace:
         if self._nvlink_groups:
             self.spec["group_size"] = KnobSpec("group_size", choices=tuple(sorted(
                 {g for n in self.spec["num_sms"].values() for g in self.group_values(n)})))
+        # collective / host_staged: channels and combine_lanes act only through the pipeline's chunks (module doc)
+        self._lanes = (self.transport not in ONE_SIDED and d.engine != "megakernel"
+                       and any(len(self.spec[n].values()) > 1 for n in ("channels", "combine_lanes")))
 
     def group_values(self, num_sms: int | None = None, chunk_tokens: int | None = None) -> tuple[int, ...]:
         """The group sizes offered (with decoupled signalling): per the transfers per PE, or for nvlink per
@@ -272,6 +284,28 @@ class SearchSpace:
             puts = self.puts_per_peer(ck)
             return tuple(g for g in put_group_choices(self.policy) if g < puts)
         return group_choices(self.policy, self.tpp)
+
+    def channel_values(self, pipeline_depth: int) -> tuple[int, ...]:
+        """collective / host_staged: the channels values offered at `pipeline_depth`, one per lane count the chunks
+        use (min(channels, pipeline_depth): chunk c goes on lane c mod channels, so lanes past the chunk count carry
+        nothing): of the values that use the same count the policy default, else the smallest. Every value where the
+        rule does not apply."""
+        vals = self.spec["channels"].values()
+        if not self._lanes:
+            return vals
+        d = self.policy.defaults.channels
+        keep: dict[int, int] = {}
+        for v in sorted(vals, key=lambda v: (v != d, v)):
+            keep.setdefault(min(v, max(1, pipeline_depth)), v)
+        chosen = set(keep.values())
+        return tuple(v for v in vals if v in chosen)
+
+    def combine_lane_values(self, pipeline_depth: int) -> tuple[str, ...]:
+        """The combine_lanes values offered: every one with pipelined chunks, the policy default alone without (one
+        chunk: combine runs on the dispatch lanes whatever the knob says)."""
+        if self._lanes and pipeline_depth <= 1:
+            return (self.policy.defaults.combine_lanes,)
+        return self.spec["combine_lanes"].values()
 
     # -- PUTs per peer at the workload's token count (proxy/ibgda with `tokens`) -------------------------
     def puts_per_peer(self, chunk_tokens: int) -> int:
@@ -308,9 +342,10 @@ class SearchSpace:
         so one name always offers one grid. Where a policy chunk_tokens is left out for needing more than MAX_SLOTS
         PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
         (before that rule) is not resumed without it."""
+        lanes = {"lanes": LANES_RULE} if self._lanes else {}
         if self.rows_per_peer is None:
-            return {}
-        return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {})}
+            return lanes
+        return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {}), **lanes}
 
     # -- the decision tree ---------------------------------------------------------------------------
     def _build(self, choose: Chooser) -> Knobs:
@@ -364,7 +399,16 @@ class SearchSpace:
             # Same choices for every compression value that can reach here (one compression today).
             k["scale_granularity"] = ask("scale_granularity", grans)
         for name in _PLAIN:
-            if name not in k:
+            if name in k:
+                continue
+            if self._lanes and name == "channels":
+                # lanes the chunks use: a parameter per set of choices, named by its largest value where narrower
+                chans = self.channel_values(k["pipeline_depth"])
+                full = chans == self.spec["channels"].values()
+                k[name] = ask("channels" if full else f"channels_max{max(chans)}", chans)
+            elif self._lanes and name == "combine_lanes":
+                k[name] = ask(name, self.combine_lane_values(k["pipeline_depth"]))
+            else:
                 k[name] = ask(name)
         return Knobs.from_dict(k)
 
@@ -458,6 +502,15 @@ class SearchSpace:
             v = getattr(knobs, name)
             if not s.contains(v):
                 raise KnobError(f"{v!r} is not allowed by the {p.family} policy ({list(s.values())})", (name,))
+        if self._lanes and knobs.channels not in self.channel_values(knobs.pipeline_depth):
+            raise KnobError(f"channels {knobs.channels} at pipeline_depth {knobs.pipeline_depth}: the chunks use "
+                            f"{min(knobs.channels, knobs.pipeline_depth)} lane(s), the same run as channels "
+                            f"{self._same_channels(knobs.channels, knobs.pipeline_depth)}; offered: "
+                            f"{list(self.channel_values(knobs.pipeline_depth))}", ("channels", "pipeline_depth"))
+        if self._lanes and knobs.combine_lanes not in self.combine_lane_values(knobs.pipeline_depth):
+            raise KnobError(f"combine_lanes {knobs.combine_lanes} at pipeline_depth {knobs.pipeline_depth}: one chunk, "
+                            "combine runs on the dispatch lanes whatever the knob says; only the policy default "
+                            f"({self.policy.defaults.combine_lanes}) is offered", ("combine_lanes", "pipeline_depth"))
         if knobs.signalling == "decoupled" and knobs.group_size not in self.group_values(knobs.num_sms,
                                                                                           knobs.chunk_tokens):
             if self._put_groups:
@@ -477,6 +530,11 @@ class SearchSpace:
                                 f"(num_sms {knobs.num_sms} over {self.ep_size} ranks)", ("group_size",))
             raise KnobError(f"group size {knobs.group_size} is not offered for {self.tpp} transfers per PE", ("group_size",))
 
+    def _same_channels(self, channels: int, pipeline_depth: int) -> int | None:
+        """The offered channels value that uses as many lanes as `channels` at `pipeline_depth` (None: none does)."""
+        used = min(channels, max(1, pipeline_depth))
+        return next((v for v in self.channel_values(pipeline_depth) if min(v, max(1, pipeline_depth)) == used), None)
+
     def feasible(self, knobs: Knobs) -> tuple[bool, str]:
         try:
             self.check(knobs)
@@ -493,6 +551,10 @@ class SearchSpace:
         def choose(name: str, s: KnobSpec) -> Any:
             knob = _knob_of_param(name)
             v = target.get(knob)
+            if knob == "channels" and self._lanes and isinstance(v, int) and not s.contains(v):
+                depth = chosen.get("pipeline_depth", self.spec["pipeline_depth"].values()[0])  # not asked: one value
+                same = self._same_channels(v, depth)  # as many lanes used: the same run
+                v = same if same is not None else v
             if self.rows_per_peer is not None and isinstance(v, int):
                 # proxy/ibgda at a known token count (a set from another bucket): the same run first, then nearest
                 if knob == "chunk_tokens" and not s.contains(v):
@@ -551,7 +613,9 @@ class SearchSpace:
 
 def _knob_of_param(name: str) -> str:
     """The knob an Optuna parameter sets (nvlink's `group_size_cpp<N>` and a bounded PUT group set's
-    `group_size_max<N>` set group_size)."""
+    `group_size_max<N>` set group_size; a collective / host_staged `channels_max<N>` sets channels)."""
+    if name.startswith("channels_max"):
+        return "channels"
     return "group_size" if name.startswith(("group_size_cpp", "group_size_max")) else name
 
 
