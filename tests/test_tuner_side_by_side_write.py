@@ -80,3 +80,58 @@ def test_the_record_says_its_routing(tmp_path: Path) -> None:
     assert written and rec is not None and rec.tuned_routing == "zipf:1.2"
     cur = store.get_current(KEY)
     assert cur is not None and cur.tuned_routing == "zipf:1.2"
+
+
+class WinnerFails(SideBySide):
+    """compare(): the winner's re-measurement fails (a run timed out), the others measure as set."""
+
+    def compare(self, cands, workload, rounds=2):  # type: ignore[override]
+        return [Measurement.failed("timed out after 120 s") if k == NEW else
+                Measurement(self.us[k], 1.0, [self.us[k]] * rounds, True) for k in cands]
+
+
+DEFAULT = Knobs(transport="host_staged")  # OLD's knobs
+INC = Knobs(transport="host_staged", pipeline_depth=4, chunk_tokens=0)
+
+
+def _store_other_incumbent(tmp_path: Path) -> Store:
+    store = _store_incumbent(tmp_path, 50.0)
+    ok, why = store.put_profile(ProfileRecord(
+        key=KEY, knobs=INC, latency_us=50.0, spread_us=1.0, backend="local:gloo", status="current",
+        software_versions={}, created="2026-12-02T00:00:00Z", updated="2026-12-02T00:00:00Z", provenance="measured",
+        measured_on="c" * 64, routing="uniform"), force_reason="test")
+    assert ok, why
+    return store
+
+
+def test_a_winner_that_fails_again_gives_way_to_the_default(tmp_path: Path) -> None:
+    # the bring-up's compare stage stores the default measured beside a failed winner; the tune stored nothing, and
+    # the stale incumbent (a re-tune's key) stayed current with its old number though the default beat it clearly
+    store = _store_other_incumbent(tmp_path)
+    rec, written, reason = _write_profile(store, KEY, WinnerFails({DEFAULT: 100.0, INC: 150.0}),
+                                          _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)), Facts(), default=DEFAULT)
+    assert written and rec is not None and rec.knobs == DEFAULT, reason
+    assert "failed when measured again" in reason and "100.0 µs" in reason, reason
+    cur = store.get_current(KEY)
+    assert cur is not None and cur.knobs == DEFAULT and cur.latency_us == 100.0
+
+
+def test_a_winner_that_fails_again_leaves_an_incumbent_that_beats_the_default(tmp_path: Path) -> None:
+    store = _store_other_incumbent(tmp_path)
+    rec, written, reason = _write_profile(store, KEY, WinnerFails({DEFAULT: 100.0, INC: 60.0}),
+                                          _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)), Facts(), default=DEFAULT)
+    assert rec is None and not written and "failed when measured again" in reason and "incumbent kept" in reason
+    cur = store.get_current(KEY)
+    assert cur is not None and cur.knobs == INC and cur.latency_us == 60.0  # its fresh number
+
+
+def test_a_winner_that_fails_beside_a_failed_default_stores_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "p.db")
+
+    class AllFail(SideBySide):
+        def compare(self, cands, workload, rounds=2):  # type: ignore[override]
+            return [Measurement.failed("timed out after 120 s") for _ in cands]
+
+    rec, written, reason = _write_profile(store, KEY, AllFail({}), _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)),
+                                          Facts(), default=DEFAULT)
+    assert rec is None and not written and reason.startswith("the winner failed when measured again")

@@ -683,8 +683,15 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
         inc = incumbent.knobs if incumbent is not None else None
         cands = list(dict.fromkeys(k for k in (knobs, inc, default) if k is not None))
         got = dict(zip(cands, be.compare(cands, result.workload, rounds=max(2, be.repeats)), strict=True))
+        failed = ""
         if not got[knobs].ok:
-            return None, False, f"the winner failed when measured again: {got[knobs].error}"
+            md = got.get(default) if default is not None else None
+            if md is None or not md.ok:
+                return None, False, f"the winner failed when measured again: {got[knobs].error}"
+            # a failed winner gives way to the default measured beside it (the bring-up's compare stage's rule): the
+            # default, or an incumbent that beats it, is stored with this comparison's number
+            failed = f"the search's best failed when measured again ({got[knobs].error})"
+            knobs = default  # type: ignore[assignment]
         choice = side_by_side(knobs, inc, default, got)
         if choice.knobs is None or choice.meas is None:  # the incumbent held its own
             why, mi = choice.why, choice.incumbent
@@ -695,8 +702,10 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
                 # another metric's): the fresh measurement replaces it
                 written, how = store.put_profile(record(incumbent.knobs, mi), force_reason=force)
                 why += f" ({how})" if written else ""
-            return None, False, why
+            return None, False, f"{failed}; {why}" if failed else why
         knobs, meas, kept_default = choice.knobs, choice.meas, choice.why
+        if failed:
+            kept_default = f"{failed}; the policy default re-measured side by side at {meas.median_us:.1f} µs stored"
         side_by_side_why = metric_force(incumbent, be.label, choice.force)
     rec = record(knobs, meas)
     if store is None:
