@@ -322,3 +322,32 @@ def test_channels_are_offered_by_the_lanes_the_chunks_use(family: str) -> None:
     # a study that offered every channels value at every depth is not resumed with the narrower grid
     assert space.grid_rule() == {"lanes": "lanes_used_by_chunks"}
     assert SearchSpace(load_policy("nvlink"), experts=128, ep_size=8).grid_rule() == {}
+
+
+# -- megakernel: the tile knobs only where the chosen m-tile and core read them ---------------------------------------
+
+def _mk_behaviour(k) -> tuple:
+    """What the megakernel can tell apart (runtime/megakernel/config.py): the bm=16 decode tile always runs mma with
+    128 columns and no overlap; split-K splits bm=16 tasks only; the mma core never runs the wide tile nor the
+    overlap; auto columns are the wide tile only at bm 0/128 with <= 4 stages (bm 0: the tile follows the rows, so
+    every knob may act)."""
+    bm, core = k.mk_bm, k.mk_core if k.mk_bm != 16 else "mma"
+    bn = k.mk_bn if core == "wgmma" and bm in (0, 128) and k.mk_stages <= 4 else None
+    return (bm, k.mk_stages, k.mk_ctas_per_sm, k.mk_processor_ctas, k.mk_combine_tokens, core,
+            k.mk_split_k if bm not in (64, 128) else None, bn, k.mk_overlap if core == "wgmma" else None)
+
+
+def test_every_megakernel_point_is_a_distinct_run() -> None:
+    pol = load_policy("megakernel")
+    space = SearchSpace(pol, experts=128, ep_size=1)
+    points = list(space.enumerate())
+    assert len({_mk_behaviour(k) for k in points}) == len(points), len(points)  # before: 5760 points, 1464 runs
+    d = pol.defaults
+    assert not space.feasible(d.replace(mk_bm=16, mk_core="mma"))[0]
+    assert not space.feasible(d.replace(mk_bm=64, mk_split_k=2))[0]
+    assert not space.feasible(d.replace(mk_bm=128, mk_core="mma", mk_overlap=0))[0]
+    assert space.feasible(d.replace(mk_bm=16, mk_split_k=2))[0] and space.feasible(d.replace(mk_bm=128, mk_bn=128))[0]
+    assert space.project(d.replace(mk_bm=16, mk_core="mma", mk_overlap=0)) == d.replace(mk_bm=16)
+    for k in points[::11]:
+        assert space.knobs_from_params(space.params_of(k)) == k
+    assert space.grid_rule() == {"mk_tiles": "tile_knobs_read"}  # a study of the wider grid is not resumed

@@ -28,7 +28,12 @@ cannot produce an infeasible setting:
   pipelined combines lanes of their own only with more than one chunk (runtime/buffer/facade.py `comm_channels`,
   `_combine_base`; the fabric model's `min(channels, calls)` lanes). So pipeline_depth is asked first, `channels`
   only among values that use distinct lane counts, min(channels, pipeline_depth) (`channel_values`: at depth 1
-  every channels value is the same run), and `combine_lanes` only with pipeline_depth > 1 (`LANES_RULE`).
+  every channels value is the same run), and `combine_lanes` only with pipeline_depth > 1 (`LANES_RULE`);
+- megakernel: the tile knobs the chosen m-tile and core read (runtime/megakernel/config.py; `MK_TILE_RULE`): the
+  bm=16 decode tile always runs the mma core with 128 columns and no overlap, so with mk_bm 16 mk_core, mk_bn and
+  mk_overlap stay at the policy default; split-K splits only bm=16 tasks, so with mk_bm 64/128 mk_split_k does; the
+  mma core ignores mk_bn (auto is the wide tile only on wgmma) and mk_overlap; auto mk_bn is 128 (never the wide
+  tile) with mk_bm 64 or more than 4 stages, so mk_bn is not asked there. With mk_bm 0 (by the rows) all are asked.
 
 Parameters with a single possible value are fixed, not asked. `check` re-validates any knob set
 (e.g. a warm-start point) against the same rules before it can be benchmarked.
@@ -118,6 +123,9 @@ PUT_GRID_RULE = "distinct_puts_per_peer"
 # doc); in the study config (`SearchSpace.grid_rule`), so a study that offered every channels value at every depth is
 # not resumed with the narrower grid
 LANES_RULE = "lanes_used_by_chunks"
+# megakernel: tile knobs asked only where the chosen m-tile / core reads them (module doc); in the study config too
+MK_TILE_RULE = "tile_knobs_read"
+_MK_TILE_KNOBS = ("mk_core", "mk_split_k", "mk_bn", "mk_overlap")
 
 
 def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, routing: str = "uniform") -> float:
@@ -266,6 +274,8 @@ class SearchSpace:
         # collective / host_staged: channels and combine_lanes act only through the pipeline's chunks (module doc)
         self._lanes = (self.transport not in ONE_SIDED and d.engine != "megakernel"
                        and any(len(self.spec[n].values()) > 1 for n in ("channels", "combine_lanes")))
+        # megakernel: tile knobs only where the m-tile and core read them (module doc)
+        self._mk_tiles = d.engine == "megakernel" and any(len(self.spec[n].values()) > 1 for n in _MK_TILE_KNOBS)
 
     def group_values(self, num_sms: int | None = None, chunk_tokens: int | None = None) -> tuple[int, ...]:
         """The group sizes offered (with decoupled signalling): per the transfers per PE, or for nvlink per
@@ -307,6 +317,22 @@ class SearchSpace:
             return (self.policy.defaults.combine_lanes,)
         return self.spec["combine_lanes"].values()
 
+    def mk_tile_values(self, name: str, knobs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """The values of megakernel tile knob `name` offered after mk_bm, mk_stages and mk_core of `knobs`: the policy
+        default alone where the tile they choose does not read it (module doc), else every value."""
+        vals = self.spec[name].values()
+        if not self._mk_tiles:
+            return vals
+        bm, core, stages = knobs.get("mk_bm", 0), knobs.get("mk_core", "wgmma"), knobs.get("mk_stages", 0)
+        ignored = {
+            "mk_core": bm == 16,  # the decode tile always runs mma
+            "mk_split_k": bm in (64, 128),  # split-K splits the bm=16 tasks only
+            # decode tile: 128 columns; mma: never the wide tile; auto is the wide tile only at bm 0/128, <= 4 stages
+            "mk_bn": bm in (16, 64) or core == "mma" or stages > 4,
+            "mk_overlap": bm == 16 or core == "mma",  # the wgmma tiles' overlap
+        }[name]
+        return (getattr(self.policy.defaults, name),) if ignored else vals
+
     # -- PUTs per peer at the workload's token count (proxy/ibgda with `tokens`) -------------------------
     def puts_per_peer(self, chunk_tokens: int) -> int:
         """PUTs one rank posts to a peer with `chunk_tokens` (1 without chunking); needs `tokens`."""
@@ -342,7 +368,7 @@ class SearchSpace:
         so one name always offers one grid. Where a policy chunk_tokens is left out for needing more than MAX_SLOTS
         PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
         (before that rule) is not resumed without it."""
-        lanes = {"lanes": LANES_RULE} if self._lanes else {}
+        lanes = {"lanes": LANES_RULE} if self._lanes else {"mk_tiles": MK_TILE_RULE} if self._mk_tiles else {}
         if self.rows_per_peer is None:
             return lanes
         return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {}), **lanes}
@@ -408,6 +434,8 @@ class SearchSpace:
                 k[name] = ask("channels" if full else f"channels_max{max(chans)}", chans)
             elif self._lanes and name == "combine_lanes":
                 k[name] = ask(name, self.combine_lane_values(k["pipeline_depth"]))
+            elif self._mk_tiles and name in _MK_TILE_KNOBS:
+                k[name] = ask(name, self.mk_tile_values(name, k))
             else:
                 k[name] = ask(name)
         return Knobs.from_dict(k)
@@ -511,6 +539,13 @@ class SearchSpace:
             raise KnobError(f"combine_lanes {knobs.combine_lanes} at pipeline_depth {knobs.pipeline_depth}: one chunk, "
                             "combine runs on the dispatch lanes whatever the knob says; only the policy default "
                             f"({self.policy.defaults.combine_lanes}) is offered", ("combine_lanes", "pipeline_depth"))
+        if self._mk_tiles:
+            for name in _MK_TILE_KNOBS:
+                if getattr(knobs, name) not in self.mk_tile_values(name, knobs.to_dict()):
+                    raise KnobError(f"{name} {getattr(knobs, name)!r} with mk_bm {knobs.mk_bm}, mk_core {knobs.mk_core}, "
+                                    f"mk_stages {knobs.mk_stages}: the tile they choose does not read it, the same run "
+                                    f"as the policy default ({getattr(self.policy.defaults, name)!r})",
+                                    (name, "mk_bm", "mk_core"))
         if knobs.signalling == "decoupled" and knobs.group_size not in self.group_values(knobs.num_sms,
                                                                                           knobs.chunk_tokens):
             if self._put_groups:
