@@ -45,13 +45,14 @@ def flat(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
     return {"graph_us": [300.0, 303.0, 297.0], "eager_us": [301.0] * 3}
 
 
-def _bringup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capture: str = "dgx-h100", **plan_kw: Any) -> Any:
+def _bringup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capture: str = "dgx-h100", fake: str = FAKE_BENCH,
+             **plan_kw: Any) -> Any:
     """A bring-up on `capture` whose EP runs go to the fake bench (no ranks, no GPU); worlds launched are recorded."""
     from moetune.tuner.bringup import flow
     from moetune.tuner.search.backends import LocalBackend
 
     bench = tmp_path / "fake_bench.py"
-    bench.write_text(FAKE_BENCH)
+    bench.write_text(fake)
     worlds: list[int] = []
 
     def backend(self: Any, world: int = 0) -> LocalBackend:
@@ -224,3 +225,30 @@ def test_a_node_without_gpus_refuses_experts_that_do_not_divide_over_two_up_fron
     with pytest.raises(ValueError, match=r"EP size 2 .* does not divide the experts of custom:2048,768,129,8"):
         plan_ep_sizes(Plan(models=["custom:2048,768,129,8"]), 0)
     assert plan_ep_sizes(Plan(models=["custom:2048,768,128,8"]), 0)[0] == [2]
+
+
+# fp8 on the wire: half the time, and a measured error (0.2) over every policy's budget (0.05)
+FAKE_FP8_OVER_BUDGET = FAKE_BENCH.replace(
+    't = 10.0 * world + int(knobs.get("pipeline_depth", "1"))',
+    'fp8 = knobs.get("compression", "none") != "none"\n'
+    't = (10.0 * world + int(knobs.get("pipeline_depth", "1"))) / (2 if fp8 else 1)').replace(
+    '"max_rel_err": 0.0', '"max_rel_err": 0.2 if fp8 else 0.0')
+
+
+def test_the_compare_stage_holds_a_compressed_setting_to_the_policys_error_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert FAKE_FP8_OVER_BUDGET != FAKE_BENCH
+    b = _bringup(tmp_path, monkeypatch, fake=FAKE_FP8_OVER_BUDGET, compare_rounds=2)  # 2 samples: a gain can be called
+    b.state.mark("discover", b.stage_discover())
+    b.state.mark("microbench", [])
+    b.state.mark("calibrate", {"skipped": "test"})
+    rows = [r for r in b.stage_tune() if r["family"] != "megakernel"]
+    assert rows and all(r["knobs"]["compression"] == "none" for r in rows)  # the trials refused fp8 (infeasible)
+    for r in rows:  # a tuned fp8 setting (its trial measured within the budget): the comparison measures it again
+        r["knobs"] = {**r["knobs"], "compression": "fp8_e4m3"}
+    b.state.mark("tune", rows)
+    compared = b.stage_compare()
+    assert compared and all(r["stored"] == "policy default" for r in compared), compared  # before: "tuned"
+    assert all("over the budget" in r["why_default"] for r in compared), compared
+    for _, rec in b.store.list_profiles(status="current"):
+        assert rec.knobs.compression == "none", rec

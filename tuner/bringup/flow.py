@@ -706,7 +706,8 @@ class Bringup:
                 self.state.keep_compared(finished)
                 continue
             tuned = Knobs.from_dict(t["knobs"])
-            default = load_policy(t["family"]).defaults  # the policy default the runtime falls back to
+            policy = load_policy(t["family"])
+            default = policy.defaults  # the policy default the runtime falls back to
             mk = t["family"] == MEGAKERNEL_FAMILY
             ep = 1 if mk else int(t["key"]["ep_size"])  # measured as tuned: that many ranks on this node
             if not mk and ep not in ep_backends:
@@ -715,7 +716,9 @@ class Bringup:
             routing = t.get("routing") or "uniform"  # state of an older version: the bring-up tuned uniform
             wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=ep,
                               routing=routing)
-            be.family = t["family"]
+            # the family's policy: its error budget holds a compressed setting's measured error in this comparison as
+            # in the trials (a fresh backend had none: a tuned fp8 setting over the budget here was stored)
+            be.for_family(t["family"], policy.error_budget)
             # The current stored profile is a rival too (a search's best never replaces a faster one unmeasured),
             # unless it was measured under another routing: then it is not compared, and the store keeps it.
             current = self.store.get_current(ProfileKey(**t["key"]))
