@@ -130,3 +130,27 @@ def test_an_edited_preset_of_the_same_name_has_its_own_profile_key(tmp_path: Pat
         assert store.get_current(a.record.key).latency_us == a.record.latency_us
         [c] = tune(store, str(same))
         assert c.record.key == a.record.key
+
+
+def test_one_shape_spelt_two_ways_is_one_study(tmp_path: Path) -> None:
+    # `custom:2048,768,128,8` is qwen3-30b's shape, and `custom:H,I,E,K` is `custom:H,I,E,K,bfloat16` (the daemon's
+    # re-tune spells the dtype out): each spelling was a study of its own for one key, so a rerun started over
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.study import study_model_name
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    calls: list[Knobs] = []
+    be = CallableBackend(lambda k, w: calls.append(k) or value(k))
+
+    def tune(spec: str) -> list:
+        return tune_profiles_detailed(None, Facts(), models=[get_model(spec)], tokens=[128], backend=be, trials=6,
+                                      storage=url, families=["proxy:ibrc"])
+
+    first = tune("qwen3-30b")
+    assert len(calls) == 6
+    again = tune("custom:2048,768,128,8")
+    assert len(calls) == 6 and again[0].study.study_name == first[0].study.study_name  # resumed: nothing left to run
+    assert study_model_name(get_model("custom:4096,1024,64,4")) == study_model_name(
+        get_model("custom:4096,1024,64,4,bfloat16")) == "custom:4096,1024,64,4"
+    assert study_model_name(get_model("custom:4096,1024,64,4,float16")) == "custom:4096,1024,64,4,float16"
+    assert study_model_name(get_model("deepseek-v3")) == "deepseek-v3"

@@ -63,6 +63,7 @@ from optuna.trial import TrialState
 from moetune.runtime import _proc
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey
+from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
     Measurement,
@@ -576,6 +577,23 @@ def study_name(key: ProfileKey, backend_label: str, model_name: str, config: str
     (resume after a crash); other measurement settings open another."""
     return (f"{STUDY_PREFIX}{key.transport_family}/{model_name}/S{key.token_bucket}/ep{key.ep_size}n{key.nodes}/"
             f"{backend_label}/{_short(key.fingerprint, 12)}-{_short(key.software, 8)}" + (f"-{config}" if config else ""))
+
+
+def study_model_name(model: ModelShape) -> str:
+    """The model's name in a study name: one per shape, however the shape was spelt. A known model's shape is its name
+    (`custom:2048,768,128,8` is qwen3-30b), another custom shape `custom:H,I,E,K` with `,DTYPE` unless bfloat16 (what
+    `custom:H,I,E,K` and `custom:H,I,E,K,bfloat16` both are: the daemon's re-tune spells the dtype out). A shape named
+    otherwise (a program's own ModelShape) keeps its name. Two spellings of one shape were two studies of one key: a
+    rerun started over, and the neighbouring bucket's study was not found."""
+    shape = (model.hidden, model.intermediate, model.experts, model.topk, model.dtype)
+    known = next((m.name for m in MODELS.values() if (m.hidden, m.intermediate, m.experts, m.topk, m.dtype) == shape),
+                 None)
+    if known is not None:
+        return known
+    if not model.name.startswith("custom:"):
+        return model.name
+    return f"custom:{model.hidden},{model.intermediate},{model.experts},{model.topk}" + (
+        "" if model.dtype == "bfloat16" else f",{model.dtype}")
 
 
 def study_config(space: SearchSpace, backend: BenchmarkBackend, workload: TuneWorkload) -> str:

@@ -63,6 +63,7 @@ from moetune.tuner.search.study import (
     open_study,
     run_study,
     study_config,
+    study_model_name,
     study_name,
 )
 from moetune.tuner.store import StoreError
@@ -397,11 +398,13 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                         config = f"{config}-default-only-{secrets.token_hex(4)}"
                     if study_tag:  # in the config: the neighbour bucket's study is the same run's too
                         config = f"{config}-{study_tag}"
-                    name = study_name(key, be.label, model.name, config)
+                    # one shape, one name (`custom:2048,768,128,8` is qwen3-30b): its study, and its neighbour's
+                    model_name = study_model_name(model)
+                    name = study_name(key, be.label, model_name, config)
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     res = _tune_one(store, st, url, name, key, space, be, wl, trials=1 if inert else trials,
                                     timeout_s=left, seed=seed, bar=bar, facts=facts, on_trial=on_trial,
-                                    neighbour=None if inert else neighbour_bucket(st, key, be.label, model.name,
+                                    neighbour=None if inert else neighbour_bucket(st, key, be.label, model_name,
                                                                                   config), inert=inert,
                                     recheck=recheck, stop=stop)
                     out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
