@@ -351,3 +351,35 @@ def test_every_megakernel_point_is_a_distinct_run() -> None:
     for k in points[::11]:
         assert space.knobs_from_params(space.params_of(k)) == k
     assert space.grid_rule() == {"mk_tiles": "tile_knobs_read"}  # a study of the wider grid is not resumed
+
+
+def _param_choices(space: SearchSpace) -> dict[str, set[tuple]]:
+    """Every Optuna parameter the decision tree asks over the whole grid, with each set of choices it asks it with."""
+    seen: dict[str, set[tuple]] = {}
+    for k in space.enumerate():
+        target = k.to_dict()
+
+        def choose(name: str, s: KnobSpec) -> object:
+            seen.setdefault(name, set()).add(tuple(s.values()))
+            from moetune.tuner.search.space import _knob_of_param
+
+            return target[_knob_of_param(name)]
+
+        space._build(choose)
+    return seen
+
+
+def test_each_parameter_has_one_set_of_choices(tmp_path) -> None:
+    # Optuna refuses a parameter asked with other choices in one study. A collective policy whose default is 4
+    # channels over depths 1-4 offers channels (1, 4) at depth 2 and (1, 2, 4) at depth 3: named by their largest
+    # value both were `channels_max4`
+    pol = load_policy("collective")
+    pol = dataclasses.replace(pol, defaults=pol.defaults.replace(channels=4),
+                              knobs={**pol.knobs, "channels": KnobSpec("channels", choices=(1, 2, 3, 4)),
+                                     "pipeline_depth": KnobSpec("pipeline_depth", choices=(1, 2, 3, 4))})
+    spaces = [SearchSpace(pol, experts=128, ep_size=8)]
+    spaces += [SearchSpace(load_policy(f), experts=128, ep_size=8, tokens=t, topk=8)
+               for f in [*RUNTIME_FAMILIES, "megakernel"] for t in (16, 4096)]
+    for space in spaces:
+        for name, sets in _param_choices(space).items():
+            assert len(sets) == 1, (space.policy.family, name, sets)

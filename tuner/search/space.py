@@ -428,10 +428,9 @@ class SearchSpace:
             if name in k:
                 continue
             if self._lanes and name == "channels":
-                # lanes the chunks use: a parameter per set of choices, named by its largest value where narrower
+                # lanes the chunks use: a parameter per set of choices (`_subset_param`)
                 chans = self.channel_values(k["pipeline_depth"])
-                full = chans == self.spec["channels"].values()
-                k[name] = ask("channels" if full else f"channels_max{max(chans)}", chans)
+                k[name] = ask(_subset_param(name, chans, self.spec[name].values()), chans)
             elif self._lanes and name == "combine_lanes":
                 k[name] = ask(name, self.combine_lane_values(k["pipeline_depth"]))
             elif self._mk_tiles and name in _MK_TILE_KNOBS:
@@ -646,11 +645,18 @@ class SearchSpace:
         return out
 
 
+def _subset_param(knob: str, values: tuple[Any, ...], full: tuple[Any, ...]) -> str:
+    """The Optuna parameter of `knob` offering `values`: the knob's name with all of `full`, else one name per set
+    (`channels_of_1_4`), as Optuna requires one set of choices per name."""
+    return knob if values == full else f"{knob}_of_{'_'.join(map(str, values))}"
+
+
 def _knob_of_param(name: str) -> str:
     """The knob an Optuna parameter sets (nvlink's `group_size_cpp<N>` and a bounded PUT group set's
-    `group_size_max<N>` set group_size; a collective / host_staged `channels_max<N>` sets channels)."""
-    if name.startswith("channels_max"):
-        return "channels"
+    `group_size_max<N>` set group_size; `<knob>_of_<values>` sets that knob: `_subset_param`)."""
+    for knob in ("channels", "chunk_tokens"):
+        if name.startswith(f"{knob}_of_"):
+            return knob
     return "group_size" if name.startswith(("group_size_cpp", "group_size_max")) else name
 
 
