@@ -355,14 +355,12 @@ def test_every_megakernel_point_is_a_distinct_run() -> None:
 
 def _param_choices(space: SearchSpace) -> dict[str, set[tuple]]:
     """Every Optuna parameter the decision tree asks over the whole grid, with each set of choices it asks it with."""
+    from moetune.tuner.search.space import _knob_of_param
+
     seen: dict[str, set[tuple]] = {}
     for k in space.enumerate():
-        target = k.to_dict()
-
-        def choose(name: str, s: KnobSpec) -> object:
+        def choose(name: str, s: KnobSpec, target: dict = k.to_dict()) -> object:
             seen.setdefault(name, set()).add(tuple(s.values()))
-            from moetune.tuner.search.space import _knob_of_param
-
             return target[_knob_of_param(name)]
 
         space._build(choose)
