@@ -381,3 +381,29 @@ def test_each_parameter_has_one_set_of_choices(tmp_path) -> None:
     for space in spaces:
         for name, sets in _param_choices(space).items():
             assert len(sets) == 1, (space.policy.family, name, sets)
+
+
+# -- host_staged at the bucket's token count: chunk_tokens by the staging slot it gives --------------------------------
+
+@pytest.mark.parametrize("tokens", [16, 128, 512, 4096])
+def test_host_staged_chunks_are_distinct_slots_at_the_token_count(tokens: int) -> None:
+    from moetune.runtime.buffer.layout_choice import equal_chunk_size
+
+    pol = load_policy("host_staged")
+    space = SearchSpace(pol, experts=128, ep_size=8, tokens=tokens, topk=8)
+
+    def run(k) -> tuple:  # runtime/buffer/facade.py stage_capacity: a slot of min(chunk_tokens, a chunk's tokens) rows
+        rows = equal_chunk_size(tokens, k.pipeline_depth)
+        return (*_behaviour(k, 8), min(k.chunk_tokens or rows, rows))
+
+    points = list(space.enumerate())
+    assert len({run(k) for k in points}) == len(points), (tokens, len(points))  # before: 1020 points at every count
+    d = pol.defaults
+    if tokens <= 128:  # every chunk_tokens value of the policy (>= 128) is one slot of all the tokens, as 0
+        assert {k.chunk_tokens for k in points} == {0}
+        assert not space.feasible(d.replace(chunk_tokens=256))[0]
+        assert space.project(d.replace(chunk_tokens=256)).chunk_tokens == 0
+    if tokens == 512:  # 2 chunks of 256 tokens: 256 and up are 0, 128 is its own slot
+        assert space.staged_chunk_values(2) == (0, 128)
+    assert space.grid_rule()["staging"] == "distinct_slot_rows"  # the same at every bucket: the neighbour is found
+    assert "staging" not in SearchSpace(pol, experts=128, ep_size=8).grid_rule()

@@ -33,7 +33,11 @@ cannot produce an infeasible setting:
   bm=16 decode tile always runs the mma core with 128 columns and no overlap, so with mk_bm 16 mk_core, mk_bn and
   mk_overlap stay at the policy default; split-K splits only bm=16 tasks, so with mk_bm 64/128 mk_split_k does; the
   mma core ignores mk_bn (auto is the wide tile only on wgmma) and mk_overlap; auto mk_bn is 128 (never the wide
-  tile) with mk_bm 64 or more than 4 stages, so mk_bn is not asked there. With mk_bm 0 (by the rows) all are asked.
+  tile) with mk_bm 64 or more than 4 stages, so mk_bn is not asked there. With mk_bm 0 (by the rows) all are asked;
+- host_staged at a known token count (`tokens`): a staging slot holds min(chunk_tokens, a chunk's tokens) rows
+  (runtime/buffer/facade.py `stage_capacity` of ceil(tokens / pipeline_depth) rows; host_staged.py), so every
+  chunk_tokens value at or above a pipeline chunk's tokens is the same run as 0: pipeline_depth is asked first, and
+  chunk_tokens among the values that give distinct slots (`staged_chunk_values`, `STAGING_RULE`).
 
 Parameters with a single possible value are fixed, not asked. `check` re-validates any knob set
 (e.g. a warm-start point) against the same rules before it can be benchmarked.
@@ -126,6 +130,9 @@ LANES_RULE = "lanes_used_by_chunks"
 # megakernel: tile knobs asked only where the chosen m-tile / core reads them (module doc); in the study config too
 MK_TILE_RULE = "tile_knobs_read"
 _MK_TILE_KNOBS = ("mk_core", "mk_split_k", "mk_bn", "mk_overlap")
+# host_staged with the token count: chunk_tokens offered by the slot rows they give (module doc); constant across
+# buckets, so the neighbouring bucket's study (same config) is still found
+STAGING_RULE = "distinct_slot_rows"
 
 
 def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, routing: str = "uniform") -> float:
@@ -268,6 +275,9 @@ class SearchSpace:
             for c in kept:
                 groups += [g for g in self.group_values(chunk_tokens=c) if g not in groups]
             self.spec["group_size"] = KnobSpec("group_size", choices=tuple(groups))
+        # host_staged: a slot holds min(chunk_tokens, a pipeline chunk's tokens) rows (module doc)
+        self._staged = (self.transport == "host_staged" and tokens is not None and d.engine != "megakernel"
+                        and len(self.spec["chunk_tokens"].values()) > 1)
         if self._nvlink_groups:
             self.spec["group_size"] = KnobSpec("group_size", choices=tuple(sorted(
                 {g for n in self.spec["num_sms"].values() for g in self.group_values(n)})))
@@ -316,6 +326,36 @@ class SearchSpace:
         if self._lanes and pipeline_depth <= 1:
             return (self.policy.defaults.combine_lanes,)
         return self.spec["combine_lanes"].values()
+
+    def staged_chunk_values(self, pipeline_depth: int) -> tuple[int, ...]:
+        """host_staged at the workload's token count: the chunk_tokens values offered at `pipeline_depth`, one per
+        slot size (a slot holds min(chunk_tokens, the chunk's tokens) rows, 0: the chunk's tokens): of the values that
+        give the same slot the policy default, else the smallest. Every value where the rule does not apply."""
+        vals = self.spec["chunk_tokens"].values()
+        if not self._staged:
+            return vals
+        rows = self._slot_rows(pipeline_depth)
+        d = self.policy.defaults.chunk_tokens
+        keep: dict[int, int] = {}
+        for c in sorted(vals, key=lambda c: (c != d, c)):
+            keep.setdefault(rows if c <= 0 or c >= rows else c, c)
+        chosen = set(keep.values())
+        return tuple(c for c in vals if c in chosen)
+
+    def _slot_rows(self, pipeline_depth: int) -> int:
+        """The rows of the largest block host_staged stages at this token count: one pipeline chunk's tokens."""
+        from moetune.runtime.buffer.layout_choice import equal_chunk_size
+
+        return equal_chunk_size(max(1, self.tokens or 1), max(1, pipeline_depth))
+
+    def _same_staged_chunk(self, chunk_tokens: int, pipeline_depth: int) -> int | None:
+        """The offered chunk_tokens value that gives the same slot as `chunk_tokens` at `pipeline_depth`."""
+        rows = self._slot_rows(pipeline_depth)
+
+        def slot(c: int) -> int:
+            return rows if c <= 0 or c >= rows else c
+
+        return next((c for c in self.staged_chunk_values(pipeline_depth) if slot(c) == slot(chunk_tokens)), None)
 
     def mk_tile_values(self, name: str, knobs: Mapping[str, Any]) -> tuple[Any, ...]:
         """The values of megakernel tile knob `name` offered after mk_bm, mk_stages and mk_core of `knobs`: the policy
@@ -369,6 +409,8 @@ class SearchSpace:
         PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
         (before that rule) is not resumed without it."""
         lanes = {"lanes": LANES_RULE} if self._lanes else {"mk_tiles": MK_TILE_RULE} if self._mk_tiles else {}
+        if self._staged:
+            lanes["staging"] = STAGING_RULE
         if self.rows_per_peer is None:
             return lanes
         return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {}), **lanes}
@@ -424,6 +466,11 @@ class SearchSpace:
                           if self.policy.compression_allowed(k["compression"], g))
             # Same choices for every compression value that can reach here (one compression today).
             k["scale_granularity"] = ask("scale_granularity", grans)
+        if self._staged:
+            # the slot a chunk_tokens value gives depends on a pipeline chunk's tokens: the depth first
+            k["pipeline_depth"] = ask("pipeline_depth")
+            chunks = self.staged_chunk_values(k["pipeline_depth"])
+            k["chunk_tokens"] = ask(_subset_param("chunk_tokens", chunks, self.spec["chunk_tokens"].values()), chunks)
         for name in _PLAIN:
             if name in k:
                 continue
@@ -529,6 +576,13 @@ class SearchSpace:
             v = getattr(knobs, name)
             if not s.contains(v):
                 raise KnobError(f"{v!r} is not allowed by the {p.family} policy ({list(s.values())})", (name,))
+        if self._staged and knobs.chunk_tokens not in self.staged_chunk_values(knobs.pipeline_depth):
+            raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank and pipeline_depth "
+                            f"{knobs.pipeline_depth}: a staging slot of "
+                            f"{min(knobs.chunk_tokens or self._slot_rows(knobs.pipeline_depth), self._slot_rows(knobs.pipeline_depth))} "
+                            f"rows, the same run as chunk_tokens "
+                            f"{self._same_staged_chunk(knobs.chunk_tokens, knobs.pipeline_depth)}; offered: "
+                            f"{list(self.staged_chunk_values(knobs.pipeline_depth))}", ("chunk_tokens", "pipeline_depth"))
         if self._lanes and knobs.channels not in self.channel_values(knobs.pipeline_depth):
             raise KnobError(f"channels {knobs.channels} at pipeline_depth {knobs.pipeline_depth}: the chunks use "
                             f"{min(knobs.channels, knobs.pipeline_depth)} lane(s), the same run as channels "
@@ -585,6 +639,9 @@ class SearchSpace:
         def choose(name: str, s: KnobSpec) -> Any:
             knob = _knob_of_param(name)
             v = target.get(knob)
+            if knob == "chunk_tokens" and self._staged and isinstance(v, int) and not s.contains(v):
+                same = self._same_staged_chunk(v, chosen.get("pipeline_depth", self.spec["pipeline_depth"].values()[0]))
+                v = same if same is not None else v
             if knob == "channels" and self._lanes and isinstance(v, int) and not s.contains(v):
                 depth = chosen.get("pipeline_depth", self.spec["pipeline_depth"].values()[0])  # not asked: one value
                 same = self._same_channels(v, depth)  # as many lanes used: the same run
