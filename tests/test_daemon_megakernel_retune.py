@@ -138,6 +138,30 @@ def test_a_stale_megakernel_key_is_re_measured_as_the_megakernel(tmp_path: Path,
     assert rec.provenance == "measured" and rec.backend == "local:megakernel" and rec.knobs.engine == "megakernel"
 
 
+def test_a_megakernel_key_tuned_under_zipf_is_re_measured_under_zipf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     mk_lib: Path) -> None:
+    """Its profile's routing, as for an EP key (before: every re-tune measured uniform routing, and the key came back
+    as a uniform profile)."""
+    measure = Measure()
+    _inject(monkeypatch, measure)
+    facts = _facts("h200x1")
+    store = F.open_store(tmp_path / "m.db")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
+    fp = "oldfabric0000000"
+    store.upsert_fingerprint(fp, {"old": True}, origin="local")
+    rec = ProfileRecord(key=_key(facts, fingerprint=fp), knobs=Knobs(engine="megakernel"), latency_us=300.0,
+                        spread_us=1.0, backend="local:megakernel", routing="zipf:1.2",
+                        provenance=provenance_of_backend("local:megakernel"))
+    assert store.put_profile(rec)[0]
+    store.mark_stale(fingerprint=fp, reason="fabric changed (test)")
+    job, written = _run_job(store, facts, [rec.key])
+    assert job.state == "done" and len(written) == 1, job.message
+    assert measure.workloads and {w.routing for w in measure.workloads} == {"zipf:1.2"}
+    assert [(r.key.transport_family, r.tuned_routing) for _, r in store.list_profiles(status="current")] == [
+        ("megakernel", "zipf:1.2")]
+    assert "1 key(s) re-tuned under routing zipf:1.2" in job.message
+
+
 def test_a_model_re_tune_leaves_a_megakernel_key_stale_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import moetune.tuner.search.tune as search
 

@@ -44,7 +44,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY, ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import (
+    ENGINE_FAMILIES,
+    MEGAKERNEL_FAMILY,
+    UNIFORM_ROUTING,
+    ProfileKey,
+    ProfileRecord,
+)
 from moetune.runtime.shapes import MODELS, ModelShape
 from moetune.runtime.wire import JobInfo
 from moetune.tuner.store import StoreBusy, StoreDamaged, StoreError, StoreFull
@@ -104,6 +110,8 @@ class Job:
         self.kept = 0  # keys re-tuned whose current profile stayed (the new result did not replace it)
         self.kept_why: list[str] = []  # the distinct reasons they stayed (the store's rule, the side-by-side check)
         self.no_result: list[str] = []  # keys re-tuned that got nothing (no successful trial, the budget), and why
+        # routing -> keys the re-tune tuned under it, other than uniform (each key under its profile's routing)
+        self.routings: dict[str, int] = {}
         self.deferred = ""  # why the job waits (the GPUs are busy or their state unknown), "" once it runs
         self.dropped = False  # a queued job `cancel` finished: its job_finished is written then, not by the worker
         self.persisted = False  # its job_queued write was tried (`_persist_and_enqueue`)
@@ -122,6 +130,7 @@ class Job:
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
                 "message": self.message, "impossible": self.impossible, "refused": list(self.refused),
                 "kept": self.kept, "kept_why": list(self.kept_why), "no_result": list(self.no_result),
+                "routings": dict(self.routings),
                 "resumes": self.resumes, "backend": self.backend}
 
 
@@ -153,13 +162,17 @@ def _shape_of(key: ProfileKey) -> ModelShape:
     return ModelShape(name=name, hidden=key.hidden, intermediate=key.intermediate, experts=key.experts, topk=key.topk, dtype=key.dtype)
 
 
-def group_keys(keys: list[ProfileKey]) -> dict[tuple[int, int], dict[str, tuple[ModelShape, list[int]]]]:
-    """(ep_size, nodes) -> {shape name: (shape, its token buckets)} to re-tune: each shape is one tune call with the
-    buckets its keys have, never another shape's (a cross product tuned keys nobody asked for)."""
-    groups: dict[tuple[int, int], dict[str, tuple[ModelShape, set[int]]]] = {}
+def group_keys(keys: list[ProfileKey], routing_of: Callable[[ProfileKey], str] | None = None,
+               ) -> dict[tuple[int, int], dict[tuple[str, str], tuple[ModelShape, list[int]]]]:
+    """(ep_size, nodes) -> {(routing, shape name): (shape, its token buckets)} to re-tune: each shape is one tune call
+    with the buckets its keys have, never another shape's (a cross product tuned keys nobody asked for), under the
+    routing `routing_of` says its key was tuned under (uniform without it): a call tunes one routing, and a key
+    re-tuned under another than its profile's comes back as another routing's profile (`Store.routing_of`)."""
+    groups: dict[tuple[int, int], dict[tuple[str, str], tuple[ModelShape, set[int]]]] = {}
     for k in keys:
         m = _shape_of(k)
-        groups.setdefault((k.ep_size, k.nodes), {}).setdefault(m.name, (m, set()))[1].add(k.token_bucket)
+        routing = routing_of(k) if routing_of is not None else UNIFORM_ROUTING
+        groups.setdefault((k.ep_size, k.nodes), {}).setdefault((routing, m.name), (m, set()))[1].add(k.token_bucket)
     return {g: {n: (m, sorted(b)) for n, (m, b) in shapes.items()} for g, shapes in groups.items()}
 
 
@@ -323,6 +336,10 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     no Hopper GPU, no library) they are refused and stay stale, with the reason in the job. They are never tuned as
     the node's transport families at EP 1.
 
+    Routing (EP and megakernel keys alike): each key is tuned under the routing its profile was tuned under
+    (`Store.routing_of`: a `moetune tune --routing zipf:S` profile again under zipf:S, a row that records none under
+    uniform), one call per routing; the job's message and events count the keys of each routing but uniform.
+
     Cancellation: the `on_trial` callback stops the study after its running trial, `stop` is asked before every
     study and side-by-side check, and what the calls did is tallied before JobCancelled ends the job."""
     from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
@@ -343,19 +360,24 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         log.warning("re-tune job %d: %s", ctx.job.id, msg)
 
     gpus = int(ctx.facts.gpu_count or 0)
+    # each key is tuned under the routing its profile was: the default (uniform) brought a zipf key back as a uniform
+    # profile, or, beside its current zipf profile, one the store never compares with it (the key stayed as it was)
+    routings = {k: ctx.store.routing_of(k) for k in ctx.keys}
     ep_keys = [k for k in ctx.keys if k.transport_family not in ENGINE_FAMILIES]
     mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY]
     ep_refused = False
     runnable = []
-    for (ep, nodes), shapes in sorted(group_keys(ep_keys).items()):
+    tuned: list[ProfileKey] = []
+    for (ep, nodes), shapes in sorted(group_keys(ep_keys, routings.__getitem__).items()):
         why = local_refusal(ep, nodes, gpus) if local else ""
         if why:
             n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
             refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
             ep_refused = True
             continue
-        runnable.append((ep, nodes, list(shapes.values())))
-    mk_shapes: list[tuple[ModelShape, list[int]]] = []
+        runnable.append((ep, nodes, [(r, m, b) for (r, _name), (m, b) in shapes.items()]))
+        tuned += [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
+    mk_shapes: list[tuple[str, ModelShape, list[int]]] = []
     if mk_keys:
         bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
         if bad:
@@ -366,7 +388,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         if why:
             refuse(f"{len(good)} megakernel key(s) not re-tuned: {why}; they stay stale")
         elif good:
-            mk_shapes = list(group_keys(good)[(1, 1)].values())
+            mk_shapes = [(r, m, b) for (r, _name), (m, b) in group_keys(good, routings.__getitem__)[(1, 1)].items()]
+            tuned += good
     if not runnable and not mk_shapes:
         advice = (". Re-tune them where the group can be measured, or set [tune] backend = \"model\" to predict "
                   "them (stored as node_model)") if ep_refused else ""
@@ -380,6 +403,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
             if not ctx.refused:
                 raise
             raise RetuneImpossible(f"{e} Also: " + "; ".join(ctx.refused)) from None
+    # said in the job's message and events: a routing other than uniform is no default of the tuner
+    ctx.job.routings = dict(collections.Counter(routings[k] for k in tuned if routings[k] != UNIFORM_ROUTING))
     written: list[ProfileRecord] = []
     # one time budget for the whole job, whatever the number of calls
     deadline = None if tune.timeout_s is None else time.monotonic() + tune.timeout_s
@@ -395,12 +420,13 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         # (its bench workers) for the group's shapes
         group_be = make_backend("local", facts=ctx.facts, world=ep) if be == "local" else be
         try:
-            for m, buckets in shapes:
+            for routing, m, buckets in shapes:
                 ctx.check_cancel()
+                _say_routing(ctx, routing, f"EP {ep} over {nodes} node(s)", m, buckets)
                 written += _tally(ctx.job, tune_profiles_detailed(
                     ctx.store, ctx.facts, models=[m], tokens=buckets, backend=group_be, preset=preset_file,
-                    trials=tune.trials, timeout_s=left(), ep_size=ep, nodes=nodes, on_trial=on_trial,
-                    node_model=preset_file is not None, stop=ctx.cancel.is_set))
+                    trials=tune.trials, timeout_s=left(), ep_size=ep, nodes=nodes, routing=routing,
+                    on_trial=on_trial, node_model=preset_file is not None, stop=ctx.cancel.is_set))
         finally:
             if group_be is not be:
                 group_be.close()
@@ -408,16 +434,23 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         ctx.check_cancel()
         mk_be = megakernel_backend(tune)
         try:
-            for m, buckets in mk_shapes:
+            for routing, m, buckets in mk_shapes:
                 ctx.check_cancel()
+                _say_routing(ctx, routing, "the megakernel", m, buckets)
                 written += _tally(ctx.job, tune_profiles_detailed(
                     ctx.store, ctx.facts, models=[m], tokens=buckets, backend=mk_be, trials=tune.trials,
-                    timeout_s=left(), ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], on_trial=on_trial,
-                    stop=ctx.cancel.is_set))
+                    timeout_s=left(), ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], routing=routing,
+                    on_trial=on_trial, stop=ctx.cancel.is_set))
         finally:
             mk_be.close()  # every backend has one (a no-op where nothing is held)
     ctx.check_cancel()
     return written
+
+
+def _say_routing(ctx: JobContext, routing: str, group: str, m: ModelShape, buckets: list[int]) -> None:
+    if routing != UNIFORM_ROUTING:  # the log says what the job's message counts
+        log.info("re-tune job %d: %s, %s at %s token(s) under routing %s (as its profile was tuned)", ctx.job.id, group,
+                 m.name, ",".join(map(str, buckets)), routing)
 
 
 def _tally(job: Job, results: list[Any]) -> list[ProfileRecord]:
@@ -453,6 +486,13 @@ def _modelled(written: list[ProfileRecord]) -> str:
     n = sum(c.values())
     kinds = next(iter(c)) if len(c) == 1 else ", ".join(f"{k} {p}" for p, k in sorted(c.items()))
     return f" ({'all' if n == len(written) else n} of them MODELLED ({kinds}), not measured)"
+
+
+def _routed(job: Job) -> str:
+    """What the job's message says of the keys it tuned under a routing other than uniform ("" when none): the
+    tuner's default is uniform, so a count alone read as uniform profiles."""
+    return "".join(f"; {n} key(s) re-tuned under routing {r} (as their profiles were tuned)"
+                   for r, n in sorted(job.routings.items()))
 
 
 def _outcomes(job: Job) -> str:
@@ -824,7 +864,7 @@ class JobManager:
                 raise JobCancelled(f"job {job.id} cancelled")
             job.written = len(written)
             job.message = f"{len(written)} profile(s) written{_modelled(written)} in {time.monotonic() - t0:.1f} s"
-            job.message += _outcomes(job)
+            job.message += _routed(job) + _outcomes(job)
             if job.refused:
                 job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
@@ -844,7 +884,7 @@ class JobManager:
             job.written = len(written)
             if written:
                 job.message += f" ({len(written)} profile(s) written{_modelled(written)} before it stopped)"
-            job.message += _outcomes(job)
+            job.message += _routed(job) + _outcomes(job)
         moved = "" if damaged else self._fabric_moved_on(job)  # its mark_stale is a write
         if moved:
             written = []  # nothing of the old fingerprint stays current: nothing to publish

@@ -45,6 +45,7 @@ from moetune.runtime import _once
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     PROVENANCES,
+    UNIFORM_ROUTING,
     ProfileKey,
     ProfileRecord,
     comparable,
@@ -1096,6 +1097,20 @@ class Store:
             return None
         return (effective_provenance(row.provenance, row.backend, key.fingerprint),
                 effective_measured_on(row.provenance, row.measured_on, row.backend, key.fingerprint), row.backend)
+
+    @_retried
+    def routing_of(self, key: ProfileKey) -> str:
+        """The routing `key`'s profile was tuned under (`uniform`, `zipf:S`), for a caller that tunes the key again
+        (the daemon's re-tune). Of the key's rows that record one: the current row, else the newest stale one (what
+        a fabric change left), else the newest of any status (history): a `superseded` row of another routing (a
+        `moetune tune` the store kept as history beside a zipf profile) never decides over the profile that stands.
+        `uniform` where no row records one (rows from before migration 0005 say "": the tuner's default then)."""
+        rank = case((Profile.status == "current", 0), (Profile.status == "stale", 1), else_=2)
+        with self._read() as s:
+            got = s.execute(select(Profile.routing).where(*key_filter(key), Profile.routing.is_not(None),
+                                                          Profile.routing != "")
+                            .order_by(rank, Profile.id.desc()).limit(1)).scalar()
+        return str(got) if got else UNIFORM_ROUTING
 
     @_retried
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
