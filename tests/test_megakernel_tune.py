@@ -489,6 +489,29 @@ def test_profile_on_a_one_gpu_node_tunes_the_megakernel(tmp_path: Path) -> None:
     assert "qwen3-30b S=16) run the task graph" in report and "decode kernel, which has no tile knobs" in report
 
 
+def test_a_bucket_where_no_knob_acts_says_so_in_the_compare_row(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no knob acts at the compare stage (the decode kernel) only the default runs, and the row's tuned column
+    shows that same run: its reason said "tuned 300.0 ± 1.0 µs did not beat the default 300.0 ± 1.0 µs", of a
+    setting never run; now it is why only the default was measured."""
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    plan = Plan(models=["qwen3-30b"], tokens=[16], trials=12, repeats=1, iters=5, compare_rounds=2)
+    store = F.open_store(tmp_path / "b.db")
+    b = Bringup(store=store, plan=plan, state_dir=tmp_path / "state", console=Console(file=io.StringIO(), width=200),
+                capture=CAPTURES / "h200x1", storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=bm16_better)
+    b.state.mark("discover", b.stage_discover())
+    b.state.mark("microbench", [])
+    b.state.mark("calibrate", {"skipped": "test"})
+    b.state.mark("tune", b.stage_tune())
+    assert b.state.result("tune")[0]["knobs"]["mk_bm"] == 16  # the search's winner differs from the default
+    why = "S=16 runs a kernel on which no tile knob acts: only the policy default was measured"
+    monkeypatch.setattr(LocalBackend, "inert_reason", lambda self, family, wl: why if family == "megakernel" else "")
+    [row] = b.stage_compare()
+    assert row["stored"] == "policy default" and row["why_default"] == why, row
+    assert row["tuned_us"] == row["default_us"]  # the one run measured
+
+
 def test_profile_compares_the_searchs_winner_with_the_default_once(tmp_path: Path) -> None:
     """The bring-up's compare stage measures the search's winner beside the default (rounds, spread) and stores
     what wins; the tune stage does not make that comparison too (before, the tune re-measured a tie beside the

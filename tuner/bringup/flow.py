@@ -773,11 +773,18 @@ class Bringup:
                 if stored == "current profile":
                     row["why_default"] = choice.why
                 elif not keep_tuned:
-                    row["why_default"] = ("the tuned setting is the default" if tuned == default else
-                                          f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the default "
-                                          f"{md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the spread"
-                                          + (f" ({few})" if few else "")
-                                          if mt.ok and md.ok else f"tuned run failed: {mt.error}")
+                    # where no knob acts the tuned setting was not run (its column shows the default's run, the same
+                    # run): its reason is that, not "did not beat the default" of a number it never had
+                    if inert:
+                        row["why_default"] = inert
+                    elif tuned == default:
+                        row["why_default"] = "the tuned setting is the default"
+                    elif mt.ok and md.ok:
+                        row["why_default"] = (f"tuned {mt.median_us:.1f} ± {mt.spread_us:.1f} µs did not beat the "
+                                              f"default {md.median_us:.1f} ± {md.spread_us:.1f} µs by more than the "
+                                              "spread" + (f" ({few})" if few else ""))
+                    else:
+                        row["why_default"] = f"tuned run failed: {mt.error}"
                 # The value column takes a number: the tuned time, or where that run failed the default's (the
                 # bucket is still reported); a failed time is null in `extra` (JSON has no NaN). Where both failed
                 # there is no row (nor its mark): a rerun killed before the state kept the bucket measures it again.
