@@ -52,6 +52,16 @@ def open_store(path: str | Path) -> Any:
     return Store(path)
 
 
+
+def in_process_daemon(tmp: Path, **kw: Any) -> Any:
+    """A Daemon (not started) on `tmp`/moetune.db with fake H200 facts, no rediscovery, serving ipc://`tmp`/run/
+    daemon.sock unless `endpoint` is given: the tests that drive the server object in this process."""
+    from moetune.tuner.daemon.server import Daemon
+
+    facts = FakeFacts({"gpu_model": "H200"})
+    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
+    return Daemon(store=open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+
 def slow_job_events_store(path: str | Path) -> Any:
     """A real Store (`--store-hook`) whose job_queued / job_cancelled writes take MOETUNE_FAKE_EVENT_DELAY s: a
     reply sent before they commit is seen by a kill -9 right after it."""

@@ -30,7 +30,7 @@ from moetune.runtime.profiles import client, launcher_env
 from moetune.runtime.profiles.client import BadReply, DaemonUnavailable, FallbackWarning, ProfileClient
 from moetune.runtime.shapes import MODELS
 from moetune.runtime.testing.launch import free_port
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError, prepare_runtime_dir
+from moetune.tuner.daemon.server import DaemonConfigError, prepare_runtime_dir
 
 pytestmark = pytest.mark.timeout(120)
 QWEN = MODELS["qwen3-30b"]
@@ -52,10 +52,7 @@ def _dealer(ctx: zmq.Context, endpoint: str, timeout_ms: int = 3000) -> zmq.Sock
     return s
 
 
-def _daemon(tmp: Path, **kw: Any) -> Daemon:
-    facts = F.FakeFacts({"gpu_model": "H200"})
-    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
-    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+_daemon = F.in_process_daemon
 
 
 # -- 1: deep nesting is bad JSON; one frame never ends the serving loop ---------------------------------------

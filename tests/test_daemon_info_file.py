@@ -27,10 +27,7 @@ INFO_MARK = "moetune-daemon"  # what the daemon writes in "written_by"
 USER_FILE = '{"mine": true}\n'
 
 
-def _daemon(tmp: Path, **kw: Any) -> Daemon:
-    facts = F.FakeFacts({"gpu_model": "H200"})
-    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
-    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+_daemon = F.in_process_daemon
 
 
 def _run(tmp: Path) -> Path:

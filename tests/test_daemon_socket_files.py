@@ -17,15 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.tuner.daemon import server
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+from moetune.tuner.daemon.server import DaemonConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _daemon(tmp: Path, **kw: Any) -> Daemon:
-    facts = F.FakeFacts({"gpu_model": "H200"})
-    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
-    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+_daemon = F.in_process_daemon
 
 
 def _replace(p: Path, text: str) -> None:

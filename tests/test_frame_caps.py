@@ -22,15 +22,11 @@ from moetune.runtime import wire
 from moetune.runtime.profiles import client as C
 from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
 from moetune.runtime.testing.launch import free_port
-from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _daemon(tmp: Path, **kw: Any) -> Daemon:
-    facts = F.FakeFacts({"gpu_model": "H200"})
-    kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
-    return Daemon(store=F.open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
+_daemon = F.in_process_daemon
 
 
 # -- the daemon's PUB socket ---------------------------------------------------------------------------------------
