@@ -62,6 +62,21 @@ def in_process_daemon(tmp: Path, **kw: Any) -> Any:
     kw.setdefault("endpoint", f"ipc://{tmp}/run/daemon.sock")
     return Daemon(store=open_store(tmp / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0, **kw)
 
+
+def run_one_job(jm: Any, done: list, timeout: float = 60.0, **submit: Any) -> Any:
+    """Start JobManager `jm` (its on_done appends to `done`), submit one job with `submit`, wait for it to end, stop
+    the manager; the finished job."""
+    jm.start()
+    try:
+        jm.submit(**submit)
+        deadline = time.monotonic() + timeout
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        jm.stop()
+    assert done, "the job did not finish"
+    return done[0]
+
 def slow_job_events_store(path: str | Path) -> Any:
     """A real Store (`--store-hook`) whose job_queued / job_cancelled writes take MOETUNE_FAKE_EVENT_DELAY s: a
     reply sent before they commit is seen by a kill -9 right after it."""

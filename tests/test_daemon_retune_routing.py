@@ -7,7 +7,6 @@ profile and the job counted it "kept". A row that records no routing (from befor
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -73,16 +72,8 @@ def _run(store: Any, facts: Any, keys: list[ProfileKey], *, old_fingerprint: str
     done: list = []
     jm = JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
                     tune=TuneSettings(backend="local", trials=1), gpu_probe=lambda: (False, "idle (test)"))
-    jm.start()
-    try:
-        jm.submit(reason="test", old_fingerprint=old_fingerprint, keys=keys, all_current=all_current)
-        deadline = time.monotonic() + 20
-        while not done and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        jm.stop()
-    assert done, "the job did not finish"
-    return done[0]
+    return F.run_one_job(jm, done, 20, reason="test", old_fingerprint=old_fingerprint, keys=keys,
+                         all_current=all_current)
 
 
 def _current(store: Any, fingerprint: str) -> list[ProfileRecord]:

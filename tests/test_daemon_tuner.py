@@ -112,14 +112,5 @@ def test_a_job_that_wrote_predictions_says_they_are_modelled(tmp_path: Path) -> 
 
 def _retune_all(jm: Any, facts: Any, seeded: list, done: list) -> Any:
     """Run one `retune --all` job of the seeded keys on `jm` to its end; the finished job."""
-    jm.start()
-    try:
-        jm.submit(reason="retune --all", old_fingerprint=facts.fingerprint, keys=[r.key for r in seeded],
-                  all_current=True)
-        deadline = time.monotonic() + 60
-        while not done and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        jm.stop()
-    assert done, "the job did not finish"
-    return done[0]
+    return F.run_one_job(jm, done, 60, reason="retune --all", old_fingerprint=facts.fingerprint,
+                         keys=[r.key for r in seeded], all_current=True)
