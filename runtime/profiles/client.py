@@ -243,7 +243,6 @@ def _read_info_file(f: Path) -> Any:
         os.close(fd)
 
 
-
 def daemon_info_down(info: dict[str, Any]) -> str | None:
     """Why the daemon a daemon.json describes is not running (None when it may be): `"running": false` (a clean
     exit leaves the file so), or this host's pid it names is gone (a kill). Another host's pid cannot be told."""
@@ -271,16 +270,7 @@ def stale_daemon_reason(endpoint: str) -> str | None:
     p = ipc_path(endpoint)
     if p is None or untrusted_dir_reason(p.parent) is not None:
         return None
-    try:
-        fd = os.open(p.parent / INFO_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            data = json.loads(os.read(fd, 1 << 20))
-        finally:
-            os.close(fd)
-    except (OSError, ValueError):
-        return None
+    data = _read_info_file(p.parent / INFO_NAME)
     if not isinstance(data, dict) or data.get("running") is not True:
         return None
     named = data.get("endpoint")
