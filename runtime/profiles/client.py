@@ -454,7 +454,7 @@ def query_db_profiles(
                 updated=r[18] or "", provenance=prov, measured_on=str(x.get("measured_on") or ""),
                 perf_env=msgspec.UNSET if perf_env is None else perf_env,
                 runtime_options=msgspec.UNSET if options is None else options,
-                routing=str(routing) if isinstance(routing, str) and routing.strip() else msgspec.UNSET,
+                routing=routing if isinstance(routing, str) else msgspec.UNSET,  # "": UNSET (ProfileRecord)
             )
             rec = msgspec.structs.replace(rec, provenance=provenance_of(rec))
             out.append(rec)
