@@ -313,12 +313,12 @@ class SearchSpace:
         vals = self.spec["channels"].values()
         if not self._lanes:
             return vals
-        d = self.policy.defaults.channels
-        keep: dict[int, int] = {}
-        for v in sorted(vals, key=lambda v: (v != d, v)):
-            keep.setdefault(min(v, max(1, pipeline_depth)), v)
-        chosen = set(keep.values())
-        return tuple(v for v in vals if v in chosen)
+        return _one_per_run(vals, self.policy.defaults.channels, self._lanes_used(pipeline_depth))
+
+    @staticmethod
+    def _lanes_used(pipeline_depth: int) -> Callable[[int], int]:
+        """channels -> the lanes the chunks use at `pipeline_depth` (the run a channels value makes)."""
+        return lambda channels: min(channels, max(1, pipeline_depth))
 
     def combine_lane_values(self, pipeline_depth: int) -> tuple[str, ...]:
         """The combine_lanes values offered: every one with pipelined chunks, the policy default alone without (one
@@ -334,13 +334,7 @@ class SearchSpace:
         vals = self.spec["chunk_tokens"].values()
         if not self._staged:
             return vals
-        rows = self._slot_rows(pipeline_depth)
-        d = self.policy.defaults.chunk_tokens
-        keep: dict[int, int] = {}
-        for c in sorted(vals, key=lambda c: (c != d, c)):
-            keep.setdefault(rows if c <= 0 or c >= rows else c, c)
-        chosen = set(keep.values())
-        return tuple(c for c in vals if c in chosen)
+        return _one_per_run(vals, self.policy.defaults.chunk_tokens, self._slot_of(pipeline_depth))
 
     def _slot_rows(self, pipeline_depth: int) -> int:
         """The rows of the largest block host_staged stages at this token count: one pipeline chunk's tokens."""
@@ -350,12 +344,12 @@ class SearchSpace:
 
     def _same_staged_chunk(self, chunk_tokens: int, pipeline_depth: int) -> int | None:
         """The offered chunk_tokens value that gives the same slot as `chunk_tokens` at `pipeline_depth`."""
+        return _same_run(chunk_tokens, self.staged_chunk_values(pipeline_depth), self._slot_of(pipeline_depth))
+
+    def _slot_of(self, pipeline_depth: int) -> Callable[[int], int]:
+        """chunk_tokens -> the rows of its staging slot at `pipeline_depth` (the run a chunk_tokens value makes)."""
         rows = self._slot_rows(pipeline_depth)
-
-        def slot(c: int) -> int:
-            return rows if c <= 0 or c >= rows else c
-
-        return next((c for c in self.staged_chunk_values(pipeline_depth) if slot(c) == slot(chunk_tokens)), None)
+        return lambda c: rows if c <= 0 or c >= rows else c
 
     def mk_tile_values(self, name: str, knobs: Mapping[str, Any]) -> tuple[Any, ...]:
         """The values of megakernel tile knob `name` offered after mk_bm, mk_stages and mk_core of `knobs`: the policy
@@ -620,8 +614,7 @@ class SearchSpace:
 
     def _same_channels(self, channels: int, pipeline_depth: int) -> int | None:
         """The offered channels value that uses as many lanes as `channels` at `pipeline_depth` (None: none does)."""
-        used = min(channels, max(1, pipeline_depth))
-        return next((v for v in self.channel_values(pipeline_depth) if min(v, max(1, pipeline_depth)) == used), None)
+        return _same_run(channels, self.channel_values(pipeline_depth), self._lanes_used(pipeline_depth))
 
     def feasible(self, knobs: Knobs) -> tuple[bool, str]:
         try:
@@ -700,6 +693,21 @@ class SearchSpace:
                 seen.add(kn)
                 out.append((name, kn))
         return out
+
+
+def _one_per_run(values: tuple[int, ...], default: int, run: Callable[[int], int]) -> tuple[int, ...]:
+    """`values` (their order) with one value per run (`run`: value -> what the runtime does with it): of the values
+    that make the same run the policy `default`, else the smallest."""
+    keep: dict[int, int] = {}
+    for v in sorted(values, key=lambda v: (v != default, v)):
+        keep.setdefault(run(v), v)
+    chosen = set(keep.values())
+    return tuple(v for v in values if v in chosen)
+
+
+def _same_run(value: int, offered: tuple[int, ...], run: Callable[[int], int]) -> int | None:
+    """The `offered` value that makes the same run as `value` (None: none does)."""
+    return next((v for v in offered if run(v) == run(value)), None)
 
 
 def _subset_param(knob: str, values: tuple[Any, ...], full: tuple[Any, ...]) -> str:
