@@ -355,9 +355,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     if plan is None:
-        plan = _plan(make_backend(backend, preset, facts=facts, **dict(local_options or {})), facts, models=models,
-                     preset=preset, ep_size=ep_size, nodes=nodes, families=families,
-                     policy_override=policy_override, node_model=node_model)
+        plan = check_tune(facts, models=models, backend=backend, preset=preset, ep_size=ep_size, nodes=nodes,
+                          families=families, policy_override=policy_override, node_model=node_model,
+                          local_options=local_options)
     be, facts, ep_size, gpus_per_node, policies = plan
     url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
