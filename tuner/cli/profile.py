@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -299,7 +298,9 @@ def profile(
     rows = done.get("compare") or []
     failed = flow.failures()
     if as_json:  # a failed run's time is NaN: null here (JSON has no NaN; `NaN` broke jq and every strict reader)
-        typer.echo(json.dumps(_json_safe({"fingerprint": flow.facts.fingerprint, "db": db_shown, "ep_sizes": flow.ep_sizes,
+        from moetune.tuner.fabric_model.calibration import finite_or_none
+
+        typer.echo(json.dumps(finite_or_none({"fingerprint": flow.facts.fingerprint, "db": db_shown, "ep_sizes": flow.ep_sizes,
                                "ep_note": flow.ep_note, "profiles": rows,
                                "unavailable": [{"family": t.name, "why": t.reason} for t in flow.facts.unavailable],
                                "discovery_warnings": list(flow.facts.warnings),
@@ -349,17 +350,6 @@ def profile(
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
     _failed_parts(console, failed)
-
-
-def _json_safe(obj: Any) -> Any:
-    """`obj` with every non-finite float (a failed run's NaN time) as None, as the stored rows hold it."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def node_limits(facts: Any) -> list[str]:

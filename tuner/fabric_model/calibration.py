@@ -130,7 +130,7 @@ class FitReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data: a number that is not finite (a NaN error) is None, as JSON has no NaN."""
-        return _finite_or_none({
+        return finite_or_none({
             "modelled": True,
             "preset": self.preset.name,
             "fitted": self.fitted,
@@ -146,14 +146,14 @@ class FitReport:
         })
 
 
-def _finite_or_none(value: Any) -> Any:
+def finite_or_none(value: Any) -> Any:
     """`value` with every non-finite float in it (nested in dicts and lists) replaced by None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
+        return {k: finite_or_none(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
+        return [finite_or_none(v) for v in value]
     return value
 
 
