@@ -321,6 +321,14 @@ def _node_line(facts: Any) -> str:
     return "no GPU (CPU only)"
 
 
+def _report_node(facts: Any) -> dict[str, Any]:
+    """The ReportData fields that describe the node (`stage_report` and `report_from_store` alike): its line, its
+    fingerprint, the transports found and those it cannot run (each with why), and discovery's warnings."""
+    return {"node": _node_line(facts), "fingerprint": facts.fingerprint,
+            "transports": [(t.name, t.reason) for t in facts.transports],
+            "unavailable": [(t.name, t.reason) for t in facts.unavailable], "warnings": list(facts.warnings)}
+
+
 def base_preset_for(facts: Any) -> str:
     """The shipped preset closest to this node, the starting point of its calibration."""
     names = set(facts.transport_names)
@@ -834,13 +842,9 @@ class Bringup:
     def stage_report(self) -> str:
         from moetune.tuner.bringup.report import ReportData, write_report
 
-        data = ReportData(node=_node_line(self.facts), fingerprint=self.facts.fingerprint,
-                          measurements=self.state.result("microbench") or [],
+        data = ReportData(**_report_node(self.facts), measurements=self.state.result("microbench") or [],
                           tuned=list(self.state.result("compare") or []),  # every bucket, a failed run too
-                          importances=self._importances(),
-                          transports=[(t.name, t.reason) for t in self.facts.transports],
-                          unavailable=[(t.name, t.reason) for t in self.facts.unavailable],
-                          warnings=list(self.facts.warnings))
+                          importances=self._importances())
         if self.not_measured:
             data.notes.append(self.not_measured)
         cal = self.state.result("calibrate") or {}
@@ -965,10 +969,8 @@ def report_from_store(store: Any, facts: Any, out_dir: Path) -> Path:
             measurements.append({"transport": r["transport"], "kind": r["kind"], "direction": extra.get("direction", ""),
                                  "size_bytes": r["size_bytes"], "value": r["value"], "spread": r["spread"],
                                  "unit": r["unit"], "extra": extra})
-    data = ReportData(node=_node_line(facts), fingerprint=facts.fingerprint, measurements=measurements,
-                      tuned=list(tuned.values()),  # every bucket, one whose tuned run failed too
-                      transports=[(t.name, t.reason) for t in facts.transports],
-                      unavailable=[(t.name, t.reason) for t in facts.unavailable], warnings=list(facts.warnings))
+    data = ReportData(**_report_node(facts), measurements=measurements,
+                      tuned=list(tuned.values()))  # every bucket, one whose tuned run failed too
     # the bring-up's notes and importances (`stage_report`), from its state beside this database: without them this
     # report dropped the notes and deleted the importances plot of the bring-up's report
     kept = _bringup_report_data(Path(store.path), facts.fingerprint)
