@@ -245,7 +245,7 @@ def diff(
     """Why the fabric changed: readable reasons (exit 0: the same fabric, 1: changed).
 
     Changed: another fingerprint, or the same one on other physical GPUs, which the daemon takes as a change too (the profiles measured on the parts replaced are marked stale and re-tuned)."""
-    from moetune.tuner.fabric.fingerprint import diff_facts, fingerprint
+    from moetune.tuner.fabric.fingerprint import REPLACED, diff_facts, fingerprint
 
     if against is not None and not against.strip():  # Path("") is ".": the current folder was read as a capture
         raise _fail("--against is empty: give a stored fingerprint hash (or its first 4+ hex digits) or a "
@@ -264,7 +264,7 @@ def diff(
     same = old_hash == new_f.fingerprint
     # a GPU swapped for another of the same model keeps the fingerprint but is a change all the same (the daemon's rule,
     # fabric.change.same_hardware): this said "(not performance-relevant) GPU 1 replaced" and exit 0
-    replaced = [r for r in reasons if " replaced: " in r] if same else []
+    replaced = [r for r in reasons if REPLACED in r] if same else []
     if as_json:
         typer.echo(json.dumps({"old": old_hash, "new": new_f.fingerprint, "changed": not same or bool(replaced),
                                "fingerprint_changed": not same, "gpus_replaced": replaced, "reasons": reasons}))

@@ -243,13 +243,18 @@ def _ranges(nums: list[int]) -> str:
     return ", ".join(out)
 
 
+# what a reason of `diff_facts` holds where the GPU in a slot is another part (`fabric diff` picks those out: the same
+# fingerprint on other GPUs is a change, fabric.change.same_hardware)
+REPLACED = " replaced: "
+
+
 def _diff_gpu(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Reasons for one matched GPU, with '{G}' where its label goes."""
     out: list[str] = []
     label = "{G}"
     replaced = _replacement(a, b)
     if replaced:
-        out.append(f"{label} replaced: {replaced}")
+        out.append(f"{label}{REPLACED}{replaced}")
     if a.get("model") != b.get("model"):
         out.append(f"{label} model {_fmt(a.get('model'))} → {_fmt(b.get('model'))}")
     if a.get("memory_mib") != b.get("memory_mib"):
