@@ -290,3 +290,50 @@ def test_a_failure_before_the_post_leaves_the_rings_in_step(monkeypatch: pytest.
     t._move(0, [(1, 1 << 20, 4096)], [], None)
     expect = [[p[3] for p in peer._pieces(0, 0, 1, 0, 4096, peer._recvd)] for _ in range(2)]
     assert lib.posts == expect and expect[0] != expect[1]
+
+
+# -- combine_lanes=auto follows the path that runs, not the class's prediction ------------------------------------
+
+
+def test_a_fallen_back_transport_keeps_combine_lanes_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With combine_lanes=auto the EP buffer asked the class (`combine_shares_lanes`: CUDA, hs_native and the
+    library buildable) before the transport was built; a transport that then fell back to NCCL's staging (the
+    library failed to load, another rank lacks it, one rank) still had combine queued on the dispatch
+    communicators, which that path does worse with. Here the class predicts the copy-engine path, and on CPU the
+    transport falls back: combine gets its own channels, and the exchange still adds up."""
+    import torch
+
+    from moetune.runtime import EPBuffer, get_model
+
+    monkeypatch.setattr(hs.HostStagedTransport, "combine_shares_lanes", classmethod(lambda cls, d, o: True))
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs.parse("transport=host_staged,pipeline_depth=2,channels=2"), model=model,
+                   max_tokens=40, dense=False)
+    try:
+        assert buf.transport.native is False
+        assert buf._combine_base == buf.comm_channels == 2  # combine on channels 2, 3: its own
+        x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+        idx = torch.randint(0, 8, (40, 2), generator=torch.Generator().manual_seed(1))
+        w = torch.rand(40, 2, generator=torch.Generator().manual_seed(2))
+        recv, meta, h = buf.dispatch(x, idx, w)
+        out = buf.combine(recv * meta.weights.sum(1, keepdim=True), h)
+        assert torch.allclose(out, x * w.sum(1, keepdim=True), atol=1e-5)
+    finally:
+        buf.close()
+    # an explicit knob is followed whatever runs
+    buf = EPBuffer(knobs=Knobs.parse("transport=host_staged,pipeline_depth=2,channels=2,combine_lanes=shared"),
+                   model=model, max_tokens=40, dense=False)
+    assert buf._combine_base == 0
+    buf.close()
+
+
+def test_the_copy_engine_path_shares_and_gives_back_the_combine_lanes() -> None:
+    """Where the copy engines run, combine goes on the dispatch lanes (run 34), and the lanes built for combine
+    are given back before any staging memory is set up for them (each lane holds a ring per rank pair)."""
+    t = _bare(2, 0, 4, 4096)
+    t.native, t._mm = True, None
+    assert t.settle_combine_lanes(2) is True
+    assert t.lanes == 2 and len(t._sent) == len(t._recvd) == 2
+    fallen = _bare(2, 0, 4, 4096)
+    fallen.native, fallen._mm = False, None
+    assert fallen.settle_combine_lanes(2) is False and fallen.lanes == 4

@@ -284,8 +284,12 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         self.comm_channels = min(knobs.channels, MAX_COMM_CHANNELS)
         cls = self._transport_cls
         opts = self.options
+        # With combine_lanes=auto the built transport decides (`settle_combine_lanes`): host_staged shares only where
+        # its copy-engine path runs, not where it fell back to NCCL's staging. It is built with combine lanes of its
+        # own, which it may give back; an explicit knob (or one chunk) is followed as it is.
+        settle = self.num_chunks > 1 and knobs.combine_lanes == "auto" and cls.async_exchange
         self._combine_base = (self.comm_channels if self.num_chunks > 1
-                              and not _combine_shares(cls, self.device, knobs, opts) else 0)
+                              and (settle or not _combine_shares(cls, self.device, knobs, opts)) else 0)
         n_groups = self.comm_channels + self._combine_base
         if cls.async_exchange:
             self.transport = cls(group, knobs, self.device, channels=n_groups, options=opts)
@@ -293,6 +297,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self.transport = cls(group, knobs, self.device, options=opts)
         try:  # the transport holds threads, pinned or symmetric memory: a failure from here on closes it (the
             # caller never gets this object to close)
+            if settle and self.transport.settle_combine_lanes(self.comm_channels):
+                self._combine_base = 0
             self._fast = cls.async_exchange
             # one-sided transports: the device-resident layout (counts never leave the GPU; see _plan_resident)
             self.resident = cls.device_counts and not self.dense

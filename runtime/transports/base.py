@@ -112,8 +112,16 @@ class EPTransport(ABC):
     @classmethod
     def combine_shares_lanes(cls, device: torch.device, options: RuntimeOptions) -> bool:
         """Whether pipelined combines do better on the dispatch communicators/lanes than on their own (the
-        knob `combine_lanes=auto` asks this). Default: no, combine gets its own."""
+        knob `combine_lanes=auto` asks this). Default: no, combine gets its own. A prediction made before the
+        transport is built; what decides is the built transport's `settle_combine_lanes`."""
         return False
+
+    def settle_combine_lanes(self, dispatch_channels: int) -> bool:
+        """With the knob `combine_lanes=auto` and pipelined chunks, the EP buffer builds the transport with lanes of
+        its own for combine (`channels=2 x dispatch_channels`) and then asks this, before `reserve` /
+        `stage_capacity`: True puts combine on the dispatch lanes (the transport may give back the lanes that then
+        go unused). Collective: every rank must answer alike. Default: the class's `combine_shares_lanes`."""
+        return bool(type(self).combine_shares_lanes(self.device, self.options))
 
     # -- sizing (collective: every rank, same arguments) --------------------------------------------
     def reserve(self, max_send_rows: int, row_bytes: int) -> None:

@@ -19,7 +19,7 @@ Two knobs overlap the two crossings:
   the sender's device → host copy has ended.
 * `pipeline_depth` (the EP buffer's chunks): chunk i+1 travels while chunk i is computed, and the
   combine of chunk i travels while later dispatch chunks still do. The combines go on the dispatch lane
-  (`combine_shares_lanes`, unless the knob `combine_lanes` says otherwise), so each copy stream carries d0..dN and then c0..cN back to back; `channels`
+  (`settle_combine_lanes`: where this copy-engine path runs, not on the NCCL fallback; unless the knob `combine_lanes` says otherwise), so each copy stream carries d0..dN and then c0..cN back to back; `channels`
   spreads the chunks over that many pairs of CUDA streams (lanes), which then move at once.
 
 The count exchange and the input checks stay on the process group (NCCL, with NCCL_P2P_DISABLE=1 on
@@ -154,6 +154,19 @@ class HostStagedTransport(CollectiveTransport):
         then carries d0..dN, then c0..cN back to back (run 34: 769-795 against 827-892 us with combine on
         its own lane). NCCL's staging keeps its own communicators for combine."""
         return device.type == "cuda" and options.hs_native and csrc_build.availability()[0]
+
+    def settle_combine_lanes(self, dispatch_channels: int) -> bool:
+        """What runs decides, not the prediction above: the copy-engine path shares (and gives back the combine
+        lanes it was built with, before any staging memory exists for them); a transport that fell back to NCCL's
+        staging (one rank without the library, a failed build, one rank) keeps the combine communicators it was
+        built with. `native` is the same on every rank (agreed in the constructor)."""
+        if not self.native:
+            return False
+        if self._mm is None and 1 <= dispatch_channels < self.lanes:
+            self.lanes = dispatch_channels
+            self._sent = [[0] * self.world for _ in range(self.lanes)]
+            self._recvd = [[0] * self.world for _ in range(self.lanes)]
+        return True
 
     @classmethod
     def availability(cls, device: torch.device | None = None, options: RuntimeOptions | None = None) -> Availability:
