@@ -1008,3 +1008,49 @@ def test_the_engines_of_many_layers_all_get_the_numa_set_in_host_simulation(
     finally:
         for e in engines:
             e.close()
+
+
+def test_more_ranks_than_one_node_holds_are_refused_among_the_buffers_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvlink and proxy serve at most MAX_WORLD (8) ranks (csrc MT_MAX_WORLD). EPBuffer's local checks (the first
+    agreement, before autoload and any allocation) let a larger group through: every rank went on and raised a
+    RuntimeError ('world 16 > 8') only in the transport's constructor. Now its transport check refuses it, as a
+    KnobError naming the knob, and the constructor raises the same."""
+    import torch
+    import torch.distributed as dist
+
+    from moetune.runtime import csrc_build
+    from moetune.runtime.buffer import facade as B
+    from moetune.runtime.knobs import KnobError, default_knobs
+    from moetune.runtime.options import RuntimeOptions
+    from moetune.runtime.shapes import get_model
+    from moetune.runtime.transports import _onesided
+    from moetune.runtime.transports.registry import get_transport
+
+    monkeypatch.setattr(csrc_build, "availability", lambda: (True, "built"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    m = get_model("qwen3-30b")
+
+    def checks(world: int, transport: str):
+        buf = B.EPBuffer.__new__(B.EPBuffer)
+        buf.world, buf.rank, buf.model, buf.max_tokens = world, 0, m, 16
+        buf.hidden, buf.topk, buf.dtype = m.hidden, m.topk, torch.bfloat16
+        buf.device, buf.options = torch.device("cuda", 0), RuntimeOptions()
+        return buf._check_knobs(default_knobs(transport), None)
+
+    for name in ("nvlink", "proxy"):
+        assert checks(_onesided.MAX_WORLD, name) is None
+        code, err = checks(16, name)
+        assert code == B._CHECKS.index("transport") + 1
+        assert isinstance(err, KnobError) and err.knobs == ("transport",)
+        assert f"transport={name} serves at most 8 ranks" in str(err) and "has 16" in str(err)
+    collective = checks(16, "collective")  # no world limit ("no CUDA device" on this box)
+    assert collective is None or "8 ranks" not in str(collective[1])
+
+    # a transport built on its own: refused before anything is loaded or allocated
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 9)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(csrc_build, "load", lambda: (_ for _ in ()).throw(AssertionError("loaded the library")))
+    for name in ("nvlink", "proxy"):
+        with pytest.raises(KnobError, match=r"serves at most 8 ranks on one node.*has 9"):
+            get_transport(name)(None, default_knobs(name), "cuda:0")

@@ -519,6 +519,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             # in the first agreement: its constructor would fail on this rank only, the others waiting in its
             # collectives until the group's timeout
             step = "transport"
+            cls.check_world(self.world, "EPBuffer: ")  # nvlink/proxy: one node, at most 8 ranks
             avail = cls.availability(self.device, self.options)
             if not avail.ok:
                 raise KnobError(f"transport {knobs.transport!r} cannot run here: {avail.reason}", ("transport",))

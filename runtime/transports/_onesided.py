@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import MAX_SLOTS as MAX_SLOTS  # the one-sided signal slot layout (MT_MAX_SLOTS)
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
@@ -290,6 +290,14 @@ class OneSidedTransport(EPTransport):
     data: SymmBuffer | None = None
     _err0: ctypes.c_int | None = None  # word 0 of the pinned error record, read without a call
 
+    @classmethod
+    def check_world(cls, world: int, who: str = "") -> None:
+        """At most MAX_WORLD ranks (csrc MT_MAX_WORLD: the control block's signal and count-matrix rows), one node."""
+        if world > MAX_WORLD:
+            raise KnobError(f"{who}transport={cls.name} serves at most {MAX_WORLD} ranks on one node (its GPUs store "
+                            f"into each other's memory), this EP group has {world}: use transport=collective for a "
+                            "larger group", ("transport",))
+
     @property
     def timeout_s(self) -> float:
         """Seconds a GPU wait may last before the peer counts as lost (runtime option onesided_timeout_s)."""
@@ -314,8 +322,7 @@ class OneSidedTransport(EPTransport):
             raise ValueError(f"{who}needs a CUDA device, got {self.device}")
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name}: needs an initialised torch.distributed process group")
-        if self.world > MAX_WORLD:
-            raise RuntimeError(f"{self.name}: world {self.world} > {MAX_WORLD} (one node only)")
+        self.check_world(self.world, who)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.lib = csrc_build.load()

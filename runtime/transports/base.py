@@ -110,6 +110,12 @@ class EPTransport(ABC):
         naming the knob; local, no collective). Default: nothing to refuse (the proxy's chunk_tokens has a limit)."""
 
     @classmethod
+    def check_world(cls, world: int, who: str = "") -> None:
+        """Refuse an EP group of `world` ranks this transport cannot serve (KnobError naming `transport`; local, no
+        collective: the EP buffer runs it among its argument checks, before any collective or allocation). Default:
+        any size."""
+
+    @classmethod
     def combine_shares_lanes(cls, device: torch.device, options: RuntimeOptions) -> bool:
         """Whether pipelined combines do better on the dispatch communicators/lanes than on their own (the
         knob `combine_lanes=auto` asks this). Default: no, combine gets its own. A prediction made before the
