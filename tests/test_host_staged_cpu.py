@@ -337,3 +337,39 @@ def test_the_copy_engine_path_shares_and_gives_back_the_combine_lanes() -> None:
     fallen = _bare(2, 0, 4, 4096)
     fallen.native, fallen._mm = False, None
     assert fallen.settle_combine_lanes(2) is False and fallen.lanes == 4
+
+
+# -- the copy-engine path checks what it copies by address ---------------------------------------------------------
+
+
+def test_rows_that_do_not_match_the_splits_are_refused_before_anything_is_posted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native path posts raw device addresses and byte counts: splits naming more rows than `send` holds made it
+    read past the tensor, an `out` shorter than the received rows made the receiver's copies write past it, and a
+    strided tensor was copied as if contiguous -- all posted without a word, where the collective path (NCCL) refuses
+    each. Now each is a ValueError before any ring counter moves."""
+    import torch
+
+    t, lib = _posting(monkeypatch)
+    t.native, t._peers = True, [1]
+    send = torch.zeros(4, 8)
+    bad = [
+        (lambda: t.exchange_async(send, [2, 5], [2, 1]), "splits name 7 send rows"),
+        (lambda: t.exchange_async(send, [2, 2], [2, 6], out=torch.zeros(3, 8)), "8 received rows.*out 3"),
+        (lambda: t.exchange_async(torch.zeros(8, 4).t(), [2, 2], [2, 2]), "send must be contiguous"),
+        (lambda: t.exchange_async(send, [2, 2], [2, 2], out=torch.zeros(4, 8, dtype=torch.float64)), "one dtype"),
+        (lambda: t.exchange_async(send, [2, -1, 3], [2, 2]), "send_splits must be 2 ints >= 0"),
+        (lambda: t.exchange_async(send, [4, 0], [-1, 5]), "recv_splits must be 2 ints >= 0"),
+        (lambda: t.gather_async(torch.zeros(7, 8), torch.zeros(4, 8)), "inp has 4 rows and out 7; expected 4 and 8"),
+        (lambda: t.gather_async(torch.zeros(8, 4), torch.zeros(4, 8)), "one dtype and shape"),
+        (lambda: t.reduce_scatter_async(torch.zeros(4, 8), torch.zeros(6, 8)), "expected 4 and 8"),
+        (lambda: t.reduce_scatter_async(torch.zeros(4, 8), torch.zeros(16, 4).t()), "inp must be contiguous"),
+    ]
+    for call, match in bad:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert lib.posts == [] and t._sent == [[0, 0]] and t._recvd == [[0, 0]] and not t._broken
+    # matching rows still go
+    t.exchange_async(send, [2, 2], [2, 1])
+    t.gather_async(torch.zeros(8, 8), send)
+    t.reduce_scatter_async(torch.zeros(2, 8), send)
+    assert len(lib.posts) == 3

@@ -373,13 +373,51 @@ class HostStagedTransport(CollectiveTransport):
         return pieces
 
     # -- what the EP buffer uses (same contracts as CollectiveTransport) -------------------------------------
+    def _check_tensors(self, what: str, **tensors: torch.Tensor) -> None:
+        """The copies below go by raw device addresses and byte counts: a tensor that is not a contiguous one on this
+        transport's device would be read or written past its end, or in the wrong order, where NCCL refuses it.
+        ValueError, before any ring counter moves (nothing posted)."""
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                raise ValueError(f"host_staged {what}: {name} must be a tensor of rows, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.device != self.device:
+                raise ValueError(f"host_staged {what}: {name} must be on {self.device}, got {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"host_staged {what}: {name} must be contiguous (its rows are copied by address)")
+
+    def _check_same_rows(self, what: str, a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor],
+                         a_rows: int, b_rows: int) -> None:
+        (an, at), (bn, bt) = a, b
+        if at.dtype != bt.dtype or tuple(at.shape[1:]) != tuple(bt.shape[1:]):
+            raise ValueError(f"host_staged {what}: {an} and {bn} must have rows of one dtype and shape, got "
+                             f"{at.dtype} {tuple(at.shape)} and {bt.dtype} {tuple(bt.shape)}")
+        if at.shape[0] != a_rows or bt.shape[0] != b_rows:
+            raise ValueError(f"host_staged {what}: {an} has {at.shape[0]} rows and {bn} {bt.shape[0]}; expected "
+                             f"{a_rows} and {b_rows}")
+
+    def _check_splits(self, name: str, splits: Any) -> list[int]:
+        if (not isinstance(splits, (list, tuple)) or len(splits) != self.world
+                or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in splits)):
+            raise ValueError(f"host_staged exchange_async: {name} must be {self.world} ints >= 0 (rows per rank), "
+                             f"got {splits!r}")
+        return list(splits)
+
     def exchange_async(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                        out: torch.Tensor | None = None, *, channel: int = 0):
         if not self.native:
             return super().exchange_async(send, send_splits, recv_splits, out, channel=channel)
+        send_splits = self._check_splits("send_splits", send_splits)
+        recv_splits = self._check_splits("recv_splits", recv_splits)
+        self._check_tensors("exchange_async", send=send)
         rows = sum(recv_splits)
         if out is None:
             out = torch.empty((rows, *send.shape[1:]), dtype=send.dtype, device=send.device)
+        self._check_tensors("exchange_async", out=out)
+        if sum(send_splits) != send.shape[0] or rows != out.shape[0]:
+            raise ValueError(f"host_staged exchange_async: the splits name {sum(send_splits)} send rows and {rows} "
+                             f"received rows; send has {send.shape[0]}, out {out.shape[0]}")
+        self._check_same_rows("exchange_async", ("send", send), ("out", out), send.shape[0], rows)
         row = math.prod(send.shape[1:]) * send.element_size()
         s_off = [0]
         r_off = [0]
@@ -397,6 +435,8 @@ class HostStagedTransport(CollectiveTransport):
     def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
             return super().gather_async(out, inp, channel=channel)
+        self._check_tensors("gather_async", out=out, inp=inp)
+        self._check_same_rows("gather_async", ("inp", inp), ("out", out), inp.shape[0], self.world * inp.shape[0])
         n = inp.shape[0]
         nb = inp.numel() * inp.element_size()
         peers = self._peers
@@ -407,6 +447,9 @@ class HostStagedTransport(CollectiveTransport):
     def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0):
         if not self.native:
             return super().reduce_scatter_async(out, inp, channel=channel)
+        self._check_tensors("reduce_scatter_async", out=out, inp=inp)
+        self._check_same_rows("reduce_scatter_async", ("out", out), ("inp", inp), out.shape[0],
+                              self.world * out.shape[0])
         n = out.shape[0]
         nb = out.numel() * out.element_size()
         peers = self._peers
