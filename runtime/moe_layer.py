@@ -511,8 +511,15 @@ def dense_reference(
     """The same layer on one process, no communication: out[t] = sum_j w[t,j] * expert_{idx[t,j]}(x[t]).
 
     Weights are rebuilt from `seed` on x's device in `weight_dtype` (default: the model dtype), math in fp32.
-    Routing comes from the gate when topk_idx/topk_weights are not given. Returns fp32 [S, H].
+    Routing comes from the gate when topk_idx/topk_weights are not given (both or neither: ValueError otherwise).
+    Returns fp32 [S, H].
     """
+    if (topk_idx is None) != (topk_weights is None):
+        # one of them alone was either replaced by the gate's routing without a word (weights given, ids not) or
+        # failed on a bare assert (ids given, weights not)
+        given, missing = ("topk_idx", "topk_weights") if topk_weights is None else ("topk_weights", "topk_idx")
+        raise ValueError(f"dense_reference: {given} was given without {missing}: pass both (the routing to check) "
+                         "or neither (the gate's routing from `seed`)")
     wdt = weight_dtype if weight_dtype is not None else TORCH_DTYPES[model.dtype]
     if topk_idx is None:
         gate = gate_weight(model, seed=seed, device=x.device, dtype=wdt)

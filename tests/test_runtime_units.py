@@ -407,3 +407,18 @@ def test_a_second_thread_is_refused_while_pipelined_moe_runs_the_experts(dense: 
     buf.close()
     with pytest.raises(RuntimeError, match="closed"):
         pipelined_moe(buf, x, idx, w, weighted_rows)
+
+
+def test_dense_reference_takes_both_routing_tensors_or_neither() -> None:
+    """topk_weights without topk_idx were replaced by the gate's routing without a word (the reference then checked
+    another computation than the caller's), and topk_idx without topk_weights failed on a bare assert."""
+    model = ModelShape(name="t", hidden=32, intermediate=16, experts=8, topk=2, dtype="float32")
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([[0, 1]] * 5)
+    w = torch.full((5, 2), 0.25)
+    with pytest.raises(ValueError, match="topk_weights was given without topk_idx"):
+        dense_reference(x, model, seed=3, topk_weights=w)
+    with pytest.raises(ValueError, match="topk_idx was given without topk_weights"):
+        dense_reference(x, model, seed=3, topk_idx=idx)
+    both = dense_reference(x, model, seed=3, topk_idx=idx, topk_weights=w)
+    assert both.shape == (5, 32) and not torch.equal(both, dense_reference(x, model, seed=3))
