@@ -1054,3 +1054,25 @@ def test_more_ranks_than_one_node_holds_are_refused_among_the_buffers_checks(mon
     for name in ("nvlink", "proxy"):
         with pytest.raises(KnobError, match=r"serves at most 8 ranks on one node.*has 9"):
             get_transport(name)(None, default_knobs(name), "cuda:0")
+
+
+def test_row_counts_that_are_not_integers_are_refused_not_truncated() -> None:
+    """The one-sided transports took any counts tensor and converted it to int64: float counts were truncated
+    (2.7 rows became 2, so the senders and receivers moved other rows than the caller named) and bools became 0/1;
+    a list failed on an AttributeError. Integer tensors of any width are still taken."""
+    import torch
+
+    from moetune.runtime.transports.registry import get_transport
+
+    for name in ("nvlink", "proxy"):
+        t = get_transport(name).__new__(get_transport(name))
+        t.world, t.device = 2, torch.device("cpu")
+        for bad in (torch.tensor([2.7, 1.0]), torch.tensor([True, False]), torch.tensor([1, 2], dtype=torch.float16)):
+            with pytest.raises(ValueError, match=rf"{name}: counts must be an integer tensor.*{bad.dtype}"):
+                t._counts_arg(bad)
+        with pytest.raises(TypeError, match=r"counts must be an integer tensor of 2 row counts.*got list"):
+            t._counts_arg([1, 2])
+        got = t._counts_arg(torch.tensor([3, 4], dtype=torch.int32))
+        assert got.dtype == torch.int64 and got.tolist() == [3, 4]
+        with pytest.raises(ValueError, match="counts must have 2 entries"):
+            t._counts_arg(torch.tensor([1, 2, 3]))

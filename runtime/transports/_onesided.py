@@ -375,6 +375,13 @@ class OneSidedTransport(EPTransport):
             return int(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _counts_arg(self, counts: torch.Tensor) -> torch.Tensor:
+        """Rows per rank as the kernels read them: int64, contiguous, on this device. Any integer tensor is taken
+        (converted); a float or bool one is refused, not truncated (2.7 rows became 2)."""
+        if not isinstance(counts, torch.Tensor):
+            raise TypeError(f"{self.name}: counts must be an integer tensor of {self.world} row counts (one per rank), "
+                            f"got {type(counts).__name__}")
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise ValueError(f"{self.name}: counts must be an integer tensor (rows per rank), got {counts.dtype}")
         if counts.dtype is not torch.int64 or counts.device != self.device or not counts.is_contiguous():
             counts = counts.to(device=self.device, dtype=torch.int64).contiguous()
         if counts.numel() != self.world:
