@@ -373,3 +373,32 @@ def test_rows_that_do_not_match_the_splits_are_refused_before_anything_is_posted
     t.gather_async(torch.zeros(8, 8), send)
     t.reduce_scatter_async(torch.zeros(2, 8), send)
     assert len(lib.posts) == 3
+
+
+def test_a_closed_transport_says_so_and_never_hands_the_library_a_null_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() destroyed the library's context and freed the staging memory, but nothing remembered it: a work
+    posted before close() and waited after it called mt_hs_wait with the NULL handle (the library dereferences it: a
+    crash, not an error), and a later exchange or stage_capacity found no staging memory and set it up again on this
+    rank alone (a collective its peers never join). Now each raises HostStagedError saying the transport is closed."""
+    import torch
+
+    t, lib = _posting(monkeypatch)
+    t.native, t._peers = True, [1]
+    handles: list[int | None] = []
+    lib.mt_hs_wait = lambda h, *a: handles.append(h.value) or 0
+    lib.mt_hs_destroy = lambda h: 0
+    t._mm = SimpleNamespace(close=lambda: None)  # the staging mapping, "set up"
+    setups: list[int] = []
+    monkeypatch.setattr(t, "_setup", lambda: setups.append(1))
+    send = torch.zeros(4, 8)
+    _, work = t.exchange_async(send, [2, 2], [2, 2])
+    t.close()
+    assert not t._h and t._mm is None
+    with pytest.raises(hs.HostStagedError, match="closed before this exchange was waited for"):
+        work.wait()
+    for call in (lambda: t.exchange_async(send, [2, 2], [2, 2]), lambda: t.gather_async(torch.zeros(8, 8), send),
+                 lambda: t.reduce_scatter_async(torch.zeros(2, 8), send), lambda: t.stage_capacity(16, 64)):
+        with pytest.raises(hs.HostStagedError, match="the transport is closed"):
+            call()
+    assert handles == [] and setups == [] and len(lib.posts) == 1
+    t.close()  # twice: nothing more

@@ -91,6 +91,10 @@ class _StagedWork:
 
     def wait(self) -> bool:
         t = self._t
+        if t._closed:  # its context is destroyed: the library would be handed a NULL handle (a crash, not an error)
+            self._keep, self._finish = (), None
+            raise HostStagedError(f"host_staged on rank {t.rank}: the transport was closed before this exchange was "
+                                  "waited for; its rows are not to be read (wait for every exchange before close())")
         t._call(t.lib.mt_hs_wait, t._h, self._lane, self._ticket, torch.cuda.current_stream(t.device).cuda_stream)
         self._keep = ()  # the current stream now comes after the copies: reusing the memory is safe
         if self._finish is not None:
@@ -105,6 +109,7 @@ class HostStagedTransport(CollectiveTransport):
     # full/empty flags with constant values: a replay takes the slots in the captured order on every rank
     # (runtime_cases.case_gpu_host_staged replays captures, tests/test_runtime_gpu.py)
     graph_capturable: ClassVar[bool] = True
+    _closed: bool = False  # close() was called: the copy-engine path refuses to post, set up or wait again
 
     def __init__(self, group: dist.ProcessGroup | None, knobs: Knobs, device: torch.device | str, *, channels: int = 1,
                  options: RuntimeOptions | Mapping[str, Any] | None = None):
@@ -191,6 +196,7 @@ class HostStagedTransport(CollectiveTransport):
         staging message); larger blocks always work, through consecutive slots."""
         if not self.native or self._mm is not None:
             return
+        self._refuse_closed()
         if self.knobs.chunk_tokens:
             rows = min(rows, self.knobs.chunk_tokens)
         self.slot_bytes = max(_PAGE, -(-max(1, rows) * max(1, row_bytes) // _PAGE) * _PAGE)
@@ -321,6 +327,7 @@ class HostStagedTransport(CollectiveTransport):
         Pieces are posted send j, receive j, send j+1, ...: should the two streams share one hardware queue
         (CUDA_DEVICE_MAX_CONNECTIONS), a send that waits for the peer to drain slot j-ring still comes after
         this rank's own receive of piece j-ring, so with two ranks the ring cannot deadlock."""
+        self._refuse_closed()
         if self._mm is None:
             self._setup()
         self.check()
@@ -485,6 +492,15 @@ class HostStagedTransport(CollectiveTransport):
                 pass
             self._mm = None
 
+    def _refuse_closed(self) -> None:
+        """After close() the staging memory and the library's context are gone: a later exchange would set them up
+        again on this rank alone (a collective its peers never join: a hang), and a wait would hand the library a
+        NULL handle."""
+        if self._closed:
+            raise HostStagedError(f"host_staged on rank {self.rank}: the transport is closed (its staging memory is "
+                                  "freed); build a new one")
+
     def close(self) -> None:
+        self._closed = True
         self._release()
         super().close()
