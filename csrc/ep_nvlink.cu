@@ -36,7 +36,7 @@ struct NvlCtx {
   uint64_t data_bytes = 0;  // bytes of ONE parity area
   int* err_host = nullptr;
   int* err_dev = nullptr;
-  int* abort_flag = nullptr;
+  int* abort_flag = nullptr;  // device memory, 2 words: the abort flag, the error record's claim (mt::WaitCtx)
   unsigned long long* group_ctr = nullptr;  // [MT_MAX_WORLD][MT_MAX_SLOTS]
   // Device-side epochs (so launches can be captured in CUDA graphs): [0] last completed exchange,
   // [1] last completed exchange_counts, [2] exchange CTA arrivals (monotonic).
@@ -387,8 +387,8 @@ MT_API int mt_nvl_create(int device, int rank, int world, const uint64_t* ctrl_p
     memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
     e = cudaHostGetDevicePointer((void**)&c->err_dev, c->err_host, 0);
   }
-  if (e == cudaSuccess) e = cudaMalloc((void**)&c->abort_flag, sizeof(int));
-  if (e == cudaSuccess) e = cudaMemset(c->abort_flag, 0, sizeof(int));
+  if (e == cudaSuccess) e = cudaMalloc((void**)&c->abort_flag, 2 * sizeof(int));
+  if (e == cudaSuccess) e = cudaMemset(c->abort_flag, 0, 2 * sizeof(int));
   if (e == cudaSuccess) e = cudaMalloc((void**)&c->group_ctr, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
   if (e == cudaSuccess) e = cudaMemset(c->group_ctr, 0, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
   if (e == cudaSuccess) e = cudaMalloc((void**)&c->epochs, 64);
@@ -425,6 +425,7 @@ static WaitCtx make_wait(NvlCtx* c) {
   WaitCtx w;
   w.err = c->err_dev;
   w.abort_flag = c->abort_flag;
+  w.claim = c->abort_flag + 1;
   w.timeout_ns = c->timeout_ns;
   w.rank = c->rank;
   return w;
@@ -566,6 +567,9 @@ MT_API int mt_nvl_clear_error(void* h) {
   unsigned long long last = 0;  // the last launched kind's device epoch (completed by the synchronisation above)
   MT_CUDA(cudaMemcpy(&last, c->epochs + c->last_kind, sizeof(last), cudaMemcpyDeviceToHost));
   if (!mt::refusal_clearable(c->err_host, aborted != 0, c->last_kind, last)) return 107;
+  // the claim with the record: a claim left set would keep every later error out of the record
+  MT_CUDA(cudaMemset(c->abort_flag + 1, 0, sizeof(int)));
+  MT_CUDA(cudaDeviceSynchronize());  // the memset is asynchronous: done before the next launch on any stream
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

@@ -61,7 +61,8 @@ struct HsCtx {
   uint64_t bytes = 0;
   int* err_host = nullptr;  // error record (host-mapped)
   int* err_dev = nullptr;
-  int* abort_dev = nullptr;  // device memory: set after the first timeout, later waits give up at once
+  int* abort_dev = nullptr;  // device memory, 2 words: set after the first timeout, later waits give up at once; the
+                             // error record's claim (mt::WaitCtx)
   uint64_t timeout_ns = 0;
   PfnWriteValue64 write64 = nullptr;
   PfnWaitValue64 wait64 = nullptr;  // wait_mode 1: the driver's stream wait (no SM; the watchdog times it)
@@ -121,6 +122,7 @@ int wait_flag(HsCtx* c, uint64_t off, uint64_t want, int code, int peer, cudaStr
   mt::WaitCtx w;
   w.err = c->err_dev;
   w.abort_flag = c->abort_dev;
+  w.claim = c->abort_dev + 1;
   w.timeout_ns = c->timeout_ns;
   w.rank = c->rank;
   hs_wait_kernel<<<1, 1, 0, s>>>(reinterpret_cast<const uint64_t*>(c->dev_base + off), want, w, code, peer,
@@ -300,8 +302,8 @@ MT_API int mt_hs_create(int device, int rank, void* host_base, uint64_t bytes, d
     memset(c->busy_host, 0, (size_t)lanes * sizeof(uint64_t));
     ce = cudaHostGetDevicePointer((void**)&c->busy_dev, c->busy_host, 0);
   }
-  if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, sizeof(int));
-  if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, sizeof(int));
+  if (ce == cudaSuccess) ce = cudaMalloc((void**)&c->abort_dev, 2 * sizeof(int));
+  if (ce == cudaSuccess) ce = cudaMemset(c->abort_dev, 0, 2 * sizeof(int));
   if (ce == cudaSuccess) {
     c->lanes = lanes;
     c->s_out = new cudaStream_t[lanes]();

@@ -217,6 +217,9 @@ MT_DEV uint64_t now_ns() {
 }
 MT_DEV void fence_system() { __threadfence_system(); }
 MT_DEV unsigned long long atomic_add_u64(unsigned long long* p, unsigned long long v) { return atomicAdd(p, v); }
+// True for the one caller that turns *p from 0 to 1 (device memory: atomics on host-mapped memory over PCIe are not
+// guaranteed atomic).
+MT_DEV bool claim_once(int* p) { return atomicCAS(p, 0, 1) == 0; }
 MT_DEV void spin_pause() {}
 
 }  // namespace mt
@@ -235,9 +238,16 @@ MT_DEV uint64_t now_ns() {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
-MT_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+MT_DEV void fence_system() {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  if (mtsim::fence_hook != nullptr) mtsim::fence_hook();
+}
 MT_DEV unsigned long long atomic_add_u64(unsigned long long* p, unsigned long long v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+MT_DEV bool claim_once(int* p) {
+  int zero = 0;
+  return __atomic_compare_exchange_n(p, &zero, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 MT_DEV void spin_pause() { sched_yield(); }  // the CI box has 2 cores: let the proxy thread run
 
@@ -252,25 +262,27 @@ namespace mt {
 struct WaitCtx {
   int* err;           // host-mapped error record
   int* abort_flag;    // device memory
+  int* claim;         // device memory: the error record's claim word (write_record); the host zeroes it with the record
   uint64_t timeout_ns;
   int rank;
 };
 
-// The error record (first error wins), without the abort flag: report_refusal's part of report.
+// The error record (first error wins), without the abort flag: report_refusal's part of report. Only the reporter
+// that claims the record writes it: testing e[0] == 0 instead let two reporters failing at once both pass and mix
+// one error's code with the other's peer, slot and epoch.
 MT_DEV void write_record(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen,
                          uint64_t expected) {
+  if (!claim_once(w.claim)) return;
   volatile int* e = w.err;
-  if (e[0] == 0) {
-    e[1] = w.rank;
-    e[2] = peer;
-    e[3] = slot;
-    e[4] = (int)(epoch & 0x7fffffff);
-    e[5] = (int)(seen & 0xffffffffu);
-    e[6] = (int)(seen >> 32);
-    e[7] = (int)(expected & 0xffffffffu);
-    fence_system();
-    e[0] = code;
-  }
+  e[1] = w.rank;
+  e[2] = peer;
+  e[3] = slot;
+  e[4] = (int)(epoch & 0x7fffffff);
+  e[5] = (int)(seen & 0xffffffffu);
+  e[6] = (int)(seen >> 32);
+  e[7] = (int)(expected & 0xffffffffu);
+  fence_system();
+  e[0] = code;
 }
 
 MT_DEV void report(const WaitCtx& w, int code, int peer, int slot, uint64_t epoch, uint64_t seen, uint64_t expected) {

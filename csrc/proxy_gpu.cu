@@ -24,7 +24,7 @@ struct PxCtx {
   uint64_t data_bytes = 0;  // one parity area
   int* err_host = nullptr;
   int* err_dev = nullptr;
-  int* abort_flag = nullptr;
+  int* abort_flag = nullptr;      // device memory, 2 words: the abort flag, the error record's claim (mt::WaitCtx)
   uint64_t* done_host = nullptr;  // completion word (pinned, mapped), written by each call's kernel
   uint64_t* done_dev = nullptr;
   uint64_t launches = 0;
@@ -138,10 +138,10 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
     e = cudaHostGetDevicePointer((void**)&c->done_dev, c->done_host, 0);
   }
   m = nullptr;
-  if (e == cudaSuccess) e = cudaMalloc(&m, sizeof(int));
+  if (e == cudaSuccess) e = cudaMalloc(&m, 2 * sizeof(int));
   if (e == cudaSuccess) {
     c->abort_flag = static_cast<int*>(m);
-    e = cudaMemset(c->abort_flag, 0, sizeof(int));
+    e = cudaMemset(c->abort_flag, 0, 2 * sizeof(int));
   }
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
@@ -190,6 +190,7 @@ static PxParams base_params(PxCtx* c, uint64_t epoch) {
   p.done_value = ++c->launches;
   p.w.err = c->err_dev;
   p.w.abort_flag = c->abort_flag;
+  p.w.claim = c->abort_flag + 1;
   p.w.timeout_ns = c->timeout_ns;
   p.w.rank = c->rank;
   return p;
@@ -369,6 +370,9 @@ MT_API int mt_pxy_clear_error(void* h) {
   int aborted = 0;
   MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
   if (!mt::refusal_clearable(c->err_host, aborted != 0, c->last_kind, c->last_epoch)) return 323;
+  // the claim with the record: a claim left set would keep every later error out of the record
+  MT_CUDA(cudaMemset(c->abort_flag + 1, 0, sizeof(int)));
+  MT_CUDA(cudaDeviceSynchronize());  // the memset is asynchronous: done before the next launch on any stream
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }

@@ -43,6 +43,8 @@ extern int madvise_errno, devptr_error;  // injected: madvise's errno, cudaHostG
 extern int thread_errno;  // injected: mt_proxy_create's thread fails to start (std::system_error with this errno)
 extern int copy_fault_err;
 extern uintptr_t copy_fault_lo, copy_fault_hi;
+// called after every mt::fence_system where set (mtsim_race_reports: a reporter yields between its record's stores)
+extern void (*fence_hook)();
 void host_register(void* p, size_t n);
 void host_unregister(void* p);
 bool host_registered(const void* p);

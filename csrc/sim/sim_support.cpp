@@ -2,6 +2,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -26,6 +28,7 @@ long long page_maps = 0, pages_mapped = 0, page_bytes_mapped = 0;
 int madvise_errno = 0, devptr_error = 0;
 int copy_fault_err = 0;
 int thread_errno = 0;
+void (*fence_hook)() = nullptr;
 uintptr_t copy_fault_lo = 0, copy_fault_hi = 0;
 static std::string sysfs_cpu_dir_text;
 
@@ -257,4 +260,53 @@ MT_API void mtsim_proxy_counters(long long* out) {
   out[1] = (long long)__atomic_load_n(&mtsim::registrations, __ATOMIC_RELAXED);
   out[2] = (long long)__atomic_load_n(&mtsim::getcpu_calls, __ATOMIC_RELAXED);
   out[3] = (long long)__atomic_load_n(&mtsim::yields, __ATOMIC_RELAXED);
+}
+// Test hook (tests/test_error_record.py): `threads` threads report a different error each (mt::report) into the same
+// `records` error records, one record after the other, `rounds` times (records, abort flags and claims zeroed before
+// each round). Every fence yields the CPU, so a reporter stops between its record's fields and its code word as a
+// warp may, and the others run there (without it the gap is a few stores wide and a race is rare on a CPU). Returns
+// the records that end up other than one reporter's whole error (-1: threads outside 2..64 or records outside
+// 1..4096). Not while a simulated exchange runs (its fences would yield too).
+MT_API long long mtsim_race_reports(int threads, int records, long long rounds) {
+  if (threads < 2 || threads > 64 || records < 1 || records > 4096) return -1;
+  mtsim::fence_hook = [] { std::this_thread::yield(); };
+  std::vector<int> err((size_t)records * MT_ERR_WORDS), flags((size_t)records * 2);  // per record: abort flag, claim
+  std::atomic<long long> go{0};
+  std::atomic<int> done{0};
+  std::vector<std::thread> th;
+  for (int i = 0; i < threads; ++i)
+    th.emplace_back([&, i] {
+      for (long long r = 1; r <= rounds; ++r) {
+        // spin, so that the reporters start together (a yield now and then: more threads than cores)
+        for (uint32_t spins = 1; go.load(std::memory_order_acquire) < r; ++spins)
+          if ((spins & 1023u) == 0) std::this_thread::yield();
+        for (int k = 0; k < records; ++k) {
+          mt::WaitCtx w;
+          w.err = &err[(size_t)k * MT_ERR_WORDS];
+          w.abort_flag = &flags[2 * (size_t)k];
+          w.claim = &flags[2 * (size_t)k + 1];
+          w.timeout_ns = 0;
+          w.rank = 7;
+          mt::report(w, i + 1, 100 + i, 200 + i, 300 + i, ((uint64_t)(400 + i) << 32) | (500u + i), 600 + i);
+        }
+        done.fetch_add(1, std::memory_order_acq_rel);
+      }
+    });
+  long long bad = 0;
+  for (long long r = 1; r <= rounds; ++r) {
+    std::fill(err.begin(), err.end(), 0);
+    std::fill(flags.begin(), flags.end(), 0);
+    done.store(0, std::memory_order_relaxed);
+    go.store(r, std::memory_order_release);
+    while (done.load(std::memory_order_acquire) < threads) std::this_thread::yield();
+    for (int k = 0; k < records; ++k) {
+      const int* e = &err[(size_t)k * MT_ERR_WORDS];
+      const int i = e[0] - 1;
+      bad += !(i >= 0 && i < threads && e[1] == 7 && e[2] == 100 + i && e[3] == 200 + i && e[4] == 300 + i &&
+               e[5] == 500 + i && e[6] == 400 + i && e[7] == 600 + i);
+    }
+  }
+  for (auto& t : th) t.join();
+  mtsim::fence_hook = nullptr;
+  return bad;
 }
