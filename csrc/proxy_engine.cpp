@@ -13,7 +13,7 @@
 // count words (WRITE64) always go on the peer's first stream. An ACK (a call's completion word, one per stream) is
 // written on the streams picked since the previous ACK only (AckSet, proxy_engine.h). Fence modes:
 //   proxy_drain : before a signal, the thread stops until every earlier transfer on every QP has
-//                 completed (cudaStreamSynchronize of each busy stream), as NVSHMEM's proxies quiet;
+//                 completed (each busy stream polled, bounded by the engine's timeout), as NVSHMEM's proxies quiet;
 //   nic_ordered : the thread never stops; the signal is enqueued on its QP stream behind its data,
 //                 so the stream orders it (correct only when the PUTs a signal covers and the SIGNAL
 //                 share a stream: peer_hash, or a single QP per peer);
@@ -274,6 +274,9 @@ struct Engine {
   std::thread th;
   std::atomic<bool> stop{false};
   std::atomic<bool> running{false};
+  // how long a drain or release() waits for a QP stream (mt_proxy_set_timeout; the default is
+  // RuntimeOptions.onesided_timeout_s's, which ProxyEngine passes on)
+  std::atomic<uint64_t> timeout_ns{20ull * 1000 * 1000 * 1000};
   std::atomic<int> err{0};
   // what the thread is doing (for diagnostics): 0 idle, else the CUDA call it is inside (PH_*) since when
   std::atomic<int> phase{0};
@@ -376,11 +379,35 @@ struct Engine {
     return v;
   }
 
+  // Until stream `s` completed its work (cudaSuccess), failed (its error), or `deadline` (mono_ns) or `stop` came
+  // (cudaErrorNotReady). Polled, never synchronised: work stuck on a stream, such as a copy behind a spinning kernel
+  // on a hardware queue it shares, would hold a cudaStreamSynchronize forever.
+  cudaError_t wait_stream(cudaStream_t s, uint64_t deadline, bool heed_stop) {
+    for (;;) {
+      const cudaError_t e = cudaStreamQuery(s);
+      if (e != cudaErrorNotReady) return e;
+      if (mono_ns() >= deadline || (heed_stop && stop.load(std::memory_order_relaxed))) return e;
+      cpu_relax();
+    }
+  }
+
+  // Every busy stream completed, within the engine's timeout: else the engine fails (213, as mt_proxy_quiesce's
+  // timeout) and writes no more signals.
   void drain_all() {
     uint64_t t0 = mono_ns();
+    const uint64_t deadline = t0 + timeout_ns.load(std::memory_order_relaxed);
     for (int q = 0; q < nstreams; ++q) {
       if (dirty[q]) {
-        cuda_ok((enter(PH_SYNC, kPhaseStream | (uint32_t)q), leave(cudaStreamSynchronize(streams[q]))), "cudaStreamSynchronize (drain)");
+        const cudaError_t e = (enter(PH_SYNC, kPhaseStream | (uint32_t)q), leave(wait_stream(streams[q], deadline, true)));
+        if (e == cudaErrorNotReady) {
+          char buf[256];
+          snprintf(buf, sizeof(buf), "proxy: QP stream %d did not complete its transfers within %.1f s (drain before "
+                   "a signal)%s", q, (double)timeout_ns.load(std::memory_order_relaxed) / 1e9,
+                   stop.load() ? "; stopped while waiting" : "");
+          fail(buf, 213);
+          return;
+        }
+        if (!cuda_ok(e, "cudaStreamQuery (drain)")) return;
         dirty[q] = 0;
       }
     }
@@ -562,16 +589,23 @@ struct Engine {
     return true;
   }
 
-  // Frees what mt_proxy_create allocated, once the thread has stopped (or never ran); errors are ignored, the
-  // engine is going away either way.
-  void release() {
+  // Frees what mt_proxy_create allocated, once the thread has stopped (or never ran); CUDA errors are ignored, the
+  // engine is going away either way. Each stream gets the engine's timeout to complete its work (all of them
+  // together). Where one did not (its index is returned; -1: all did), nothing is freed (leaked on purpose): a stuck
+  // stream may still write ack_dev, and cudaFree / cudaFreeHost / cudaHostUnregister may wait for the device to
+  // be idle, i.e. forever. The streams themselves are destroyed: that returns at once, their resources go once
+  // their work completed.
+  int release() {
     mt::DeviceGuard device_guard;  // destroy may run on any thread (a GC finalizer): the caller's device stays
     (void)device_guard.set(device);
-    for (auto s : streams) {
-      cudaStreamSynchronize(s);
-      cudaStreamDestroy(s);
+    const uint64_t deadline = mono_ns() + timeout_ns.load(std::memory_order_relaxed);
+    int stuck = -1;
+    for (size_t q = 0; q < streams.size(); ++q) {
+      if (wait_stream(streams[q], deadline, false) == cudaErrorNotReady && stuck < 0) stuck = (int)q;
+      cudaStreamDestroy(streams[q]);
     }
     streams.clear();
+    if (stuck >= 0) return stuck;
     if (pages != nullptr) {
       cudaHostUnregister(pages);
       unmap_pages(pages, pages_len);
@@ -586,6 +620,7 @@ struct Engine {
     if (ack_dev) cudaFree(ack_dev);
     head_dev = nullptr;
     ack_dev = nullptr;
+    return -1;
   }
 
   void pin_self() {
@@ -916,6 +951,15 @@ MT_API int mt_proxy_set_batch(void* h, int batch_max) {
   return 0;
 }
 
+// How long a drain (fence mode proxy_drain, before a signal) and mt_proxy_destroy wait for a QP stream: past it,
+// the drain fails the engine (213) and destroy leaks the engine's memory (213). Set while idle.
+MT_API int mt_proxy_set_timeout(void* h, double timeout_s) {
+  Engine* e = static_cast<Engine*>(h);
+  MT_REQUIRE(timeout_s > 0, 215, "timeout_s %g is not > 0", timeout_s);  // NaN fails too
+  e->timeout_ns.store(mt::timeout_ns(timeout_s));
+  return 0;
+}
+
 // Replace the peers' data region bases (only while no request is in flight: after a quiesce/collective).
 MT_API int mt_proxy_set_peer_data(void* h, const uint64_t* peer_data, int npeers) {
   Engine* e = static_cast<Engine*>(h);
@@ -943,7 +987,7 @@ MT_API int mt_proxy_diag(void* h, char* buf, int len) {
   const uint64_t tail = __atomic_load_n(&e->ctl_host[1], __ATOMIC_ACQUIRE);
   const uint64_t seq = __atomic_load_n(&e->fifo_host[tail % e->nslots].seq, __ATOMIC_ACQUIRE);
   const int ph = e->phase.load(std::memory_order_acquire);
-  static const char* names[] = {"idle", "cudaMemcpyAsync", "cuStreamWriteValue64", "cudaStreamSynchronize"};
+  static const char* names[] = {"idle", "cudaMemcpyAsync", "cuStreamWriteValue64", "a drain"};
   char what[192];
   if (ph != PH_IDLE) {
     const uint32_t pp = e->phase_peer.load();
@@ -1133,7 +1177,10 @@ MT_API int mt_proxy_destroy(void* h) {
   e->stop.store(true);
   e->wake();  // a sleeping thread returns now, not after its sleep
   if (e->th.joinable()) e->th.join();
-  e->release();
+  const int stuck = e->release();
+  const double timeout_s = (double)e->timeout_ns.load() / 1e9;
   delete e;
+  MT_REQUIRE(stuck < 0, 213, "proxy QP stream %d did not complete its transfers within %.1f s of destroy: the "
+             "engine's FIFO, control page and device words are leaked rather than freed under it", stuck, timeout_s);
   return 0;
 }

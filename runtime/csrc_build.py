@@ -317,6 +317,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_proxy_numa_node": (c_int, [_PI, c_int, c_char_p, _PI]),
     "mt_proxy_set_peer_data": (c_int, [c_void_p, _P64, c_int]),
     "mt_proxy_set_batch": (c_int, [c_void_p, c_int]),
+    "mt_proxy_set_timeout": (c_int, [c_void_p, c_double]),
     "mt_proxy_error": (c_int, [c_void_p, c_char_p, c_int]),
     "mt_proxy_diag": (c_int, [c_void_p, c_char_p, c_int]),
     "mt_proxy_stats": (c_int, [c_void_p, _P64, c_int]),

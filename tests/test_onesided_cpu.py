@@ -217,7 +217,7 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_stats", "mt_proxy_error",
                  "mt_proxy_bench", "mt_proxy_destroy", "mt_last_error", "mt_proxy_reset_stats", "mt_proxy_set_batch",
-                 "mt_pxy_create", "mt_pxy_set_data", "mt_pxy_set_host_wait", "mt_pxy_counts", "mt_pxy_exchange",
+                 "mt_proxy_set_timeout", "mt_pxy_create", "mt_pxy_set_data", "mt_pxy_set_host_wait", "mt_pxy_counts", "mt_pxy_exchange",
                  "mt_pxy_error", "mt_pxy_destroy", "mt_proxy_diag", "mt_proxy_cpu", "mt_proxy_cpu_list"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
@@ -802,6 +802,50 @@ def test_quiesce_is_bounded_when_a_qp_stream_never_completes_in_host_simulation(
         assert sink[1][1] == 7
     finally:
         gate[0] = 1
+        if h is not None:
+            lib.mt_proxy_destroy(h)
+        lib.mtsim_set_alias(0)
+        lib.mtsim_set_async(0, 0)
+
+
+def test_a_drain_and_destroy_are_bounded_when_a_qp_stream_never_completes_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """The proxy thread's drain before a signal (proxy_drain) and mt_proxy_destroy wait for a QP stream at most the
+    engine's timeout (mt_proxy_set_timeout), as mt_proxy_quiesce does: here the stream shares one simulated hardware
+    queue with work that waits for a word nobody writes (as a copy behind a spinning kernel). The drain fails the
+    engine with 213 and writes no signal; destroy returns 213 and leaks the engine's memory rather than free it under
+    the stream. Before: both were cudaStreamSynchronize, waiting as long as the blocker (30 s here, forever on a
+    GPU)."""
+    from moetune.runtime.transports.proxy import OP_SIGNAL, OP_WRITE64, Request
+
+    lib = sim_lib
+    lib.mtsim_set_async(1, 0)
+    lib.mtsim_set_alias(1)
+    sink: list = []
+    gate = (ctypes.c_uint64 * 1)()
+    h = None
+    try:
+        h = _sim_engine(lib, None, sink)
+        for bad in (0.0, -1.0, float("nan")):
+            assert lib.mt_proxy_set_timeout(h, bad) == 215 and b"is not > 0" in lib.mt_last_error()
+        assert lib.mt_proxy_set_timeout(h, 0.5) == 0
+        queue = lib.mtsim_stream_create()  # the one hardware queue: also the engine's QP stream
+        lib.mtsim_stream_wait_word(queue, ctypes.cast(gate, ctypes.POINTER(ctypes.c_uint64)), 1, 30.0)
+        req = (Request * 2)(Request(OP_WRITE64, 0, 0, 0, 0, 8, 0, 7, 0, 0), Request(OP_SIGNAL, 0, 0, 3, 0, 0, 0, 9, 0, 0))
+        t0 = time.monotonic()
+        assert lib.mt_proxy_enqueue(h, req, 2, 5.0) == 0, lib.mt_last_error()
+        buf = ctypes.create_string_buffer(512)
+        while (code := lib.mt_proxy_error(h, buf, 512)) == 0 and time.monotonic() - t0 < 10.0:
+            time.sleep(0.01)
+        assert code == 213 and time.monotonic() - t0 < 10.0, (code, buf.value)
+        assert b"QP stream 0 did not complete its transfers within 0.5 s (drain before a signal)" in buf.value
+        assert sink[2][3] == 0  # no signal for data that may not have landed
+        t0 = time.monotonic()
+        rc, h = lib.mt_proxy_destroy(h), None
+        took = time.monotonic() - t0
+        assert rc == 213 and b"within 0.5 s of destroy" in lib.mt_last_error() and b"leaked" in lib.mt_last_error()
+        assert took < 4.0, took
+    finally:
+        gate[0] = 1  # the blocker ends; the queue's worker runs what is left (into `sink`) before alias(0) joins it
         if h is not None:
             lib.mt_proxy_destroy(h)
         lib.mtsim_set_alias(0)

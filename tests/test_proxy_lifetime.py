@@ -38,8 +38,8 @@ pytestmark = pytest.mark.usefixtures("autoload_off")
 def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(proxy_sim.build(tmp_path_factory.mktemp("mtsim_lifetime") / "libmtsim.so")))
     for name in ("mt_proxy_create", "mt_proxy_destroy", "mt_proxy_cpu", "mt_proxy_cpu_list", "mt_proxy_error",
-                 "mt_proxy_diag", "mt_proxy_set_batch", "mt_last_error", "mt_pxy_create", "mt_pxy_set_host_wait",
-                 "mt_pxy_err_ptr", "mt_pxy_error", "mt_pxy_destroy"):
+                 "mt_proxy_diag", "mt_proxy_set_batch", "mt_proxy_set_timeout", "mt_last_error", "mt_pxy_create",
+                 "mt_pxy_set_host_wait", "mt_pxy_err_ptr", "mt_pxy_error", "mt_pxy_destroy"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args

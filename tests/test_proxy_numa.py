@@ -61,7 +61,8 @@ def sim(sim_path: Path) -> ctypes.CDLL:
     """The proxy engine built with -DMT_HOST_SIM, loaded here."""
     lib = ctypes.CDLL(str(sim_path))
     for name in ("mt_proxy_create", "mt_proxy_enqueue", "mt_proxy_quiesce", "mt_proxy_destroy", "mt_last_error",
-                 "mt_proxy_cpu", "mt_proxy_cpu_list", "mt_proxy_mem", "mt_proxy_numa_node", "mt_proxy_error"):
+                 "mt_proxy_cpu", "mt_proxy_cpu_list", "mt_proxy_mem", "mt_proxy_numa_node", "mt_proxy_error",
+                 "mt_proxy_set_timeout"):
         res, args = csrc_build.SIGNATURES[name]
         getattr(lib, name).restype = res
         getattr(lib, name).argtypes = args

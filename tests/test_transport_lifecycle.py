@@ -128,7 +128,7 @@ def test_proxy_engine_whose_batch_setting_fails_stops_its_thread(fake_gpu: tuple
     fail.add("mt_proxy_set_batch")
     with pytest.raises(csrc_build.CsrcError, match="mt_proxy_set_batch"):
         ProxyEngine(0, [0], [0], [0], batch=4)
-    assert _names(log) == ["mt_proxy_create", "mt_proxy_set_batch", "mt_proxy_destroy"]
+    assert _names(log) == ["mt_proxy_create", "mt_proxy_set_timeout", "mt_proxy_set_batch", "mt_proxy_destroy"]
 
 
 def test_a_failure_while_releasing_is_noted_not_raised_over_the_cause(fake_gpu: tuple,

@@ -201,6 +201,8 @@ class ProxyEngine:
         self._finalizer = _on_collect(self, self.lib.mt_proxy_destroy, h)
         self.timeout_s = float(timeout_s)
         try:
+            # the thread's drains and destroy wait this long for a QP stream, never forever
+            csrc_build.check(self.lib, self.lib.mt_proxy_set_timeout(h, self.timeout_s), "mt_proxy_set_timeout")
             if batch > 1:
                 csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
             if cpus:
