@@ -1019,6 +1019,43 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
         ProxyEngine(0, *peers, cpu=["0"])
 
 
+def test_an_explicit_zero_timeout_is_not_the_default_in_host_simulation(sim_lib: ctypes.CDLL,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """ProxyEngine.quiesce(timeout=0) looks once and fails at once while a copy is still in flight (every copy 300 ms
+    late here); before, `timeout or timeout_s` turned the 0 into the engine's 30 s and it waited. None is the engine's
+    timeout; a negative or non-finite timeout is refused naming the argument (the C side read it as 0, or saturated
+    inf), a non-number too."""
+    from moetune.runtime import csrc_build
+    from moetune.runtime.transports.proxy import OP_PUT, ProxyEngine, Request
+
+    monkeypatch.setattr(csrc_build, "load", lambda **kw: sim_lib)
+    src, data, sig = (ctypes.c_uint8 * 64)(), (ctypes.c_uint8 * 64)(), (ctypes.c_uint64 * 64)()
+    sim_lib.mtsim_set_async(1, 300_000)
+    eng = None
+    try:
+        eng = ProxyEngine(0, [ctypes.addressof(data)], [ctypes.addressof(data)], [ctypes.addressof(sig)],
+                          timeout_s=30.0)
+        put = (Request * 1)(Request(OP_PUT, 0, 0, 0, ctypes.addressof(src), 0, 64, 0, 0, 0))
+        eng.enqueue(put, timeout=0)  # room in the FIFO: no wait needed
+        t0 = time.monotonic()
+        with pytest.raises(csrc_build.CsrcError, match=r"quiesce failed \(code 213\)"):
+            eng.quiesce(timeout=0)
+        assert time.monotonic() - t0 < 0.2
+        eng.quiesce()  # None: the engine's 30 s
+        for bad in (-1, -0.5, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=r"proxy engine quiesce: timeout must be finite and >= 0 seconds"):
+                eng.quiesce(timeout=bad)
+            with pytest.raises(ValueError, match=r"proxy engine enqueue: timeout must be finite and >= 0 seconds"):
+                eng.enqueue(put, timeout=bad)
+        for bad in ("1", True):
+            with pytest.raises(TypeError, match=r"proxy engine quiesce: timeout must be a number of seconds or None"):
+                eng.quiesce(timeout=bad)  # type: ignore[arg-type]
+    finally:
+        if eng is not None:
+            eng.close()
+        sim_lib.mtsim_set_async(0, 0)
+
+
 def test_the_engines_of_many_layers_all_get_the_numa_set_in_host_simulation(
         sim_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Under the default proxy_cpu="numa", every engine of a process (one per MoE layer's EP buffer) is pinned

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import weakref
 from collections.abc import Iterable, Mapping
@@ -287,11 +288,29 @@ class ProxyEngine:
     def reset_stats(self) -> None:
         self.lib.mt_proxy_reset_stats(self._live())
 
+    def _timeout(self, timeout: Any, who: str) -> float:
+        """A call's `timeout` in seconds: None is the engine's timeout_s; 0 is a real bound (one look, no wait), not
+        "the default" (`timeout or timeout_s` made it one). The C side reads a negative or NaN as 0 and saturates
+        inf, so those are refused here instead of taken silently."""
+        if timeout is None:
+            return self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"proxy engine {who}: timeout must be a number of seconds or None, got "
+                            f"{type(timeout).__name__} {timeout!r}")
+        if not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"proxy engine {who}: timeout must be finite and >= 0 seconds (None: the engine's "
+                             f"timeout_s), got {timeout!r}")
+        return float(timeout)
+
     def enqueue(self, reqs: ctypes.Array, timeout: float | None = None) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self._live(), reqs, len(reqs), timeout or self.timeout_s), "enqueue")
+        """Put `reqs` into the FIFO, waiting at most `timeout` seconds (None: timeout_s) while it is full."""
+        seconds = self._timeout(timeout, "enqueue")
+        csrc_build.check(self.lib, self.lib.mt_proxy_enqueue(self._live(), reqs, len(reqs), seconds), "enqueue")
 
     def quiesce(self, timeout: float | None = None) -> None:
-        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self._live(), timeout or self.timeout_s), "quiesce")
+        """Wait at most `timeout` seconds (None: timeout_s) until everything enqueued was issued and completed."""
+        seconds = self._timeout(timeout, "quiesce")
+        csrc_build.check(self.lib, self.lib.mt_proxy_quiesce(self._live(), seconds), "quiesce")
 
     def bench(self, reqs: ctypes.Array, iters: int, value_base: int, value_step: int = 1) -> list[float]:
         out = (ctypes.c_double * iters)()
