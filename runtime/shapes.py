@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
+# The largest dimension a shape may have: what a profile key can carry to and from a daemon (runtime/wire.py
+# POS_INT_MAX, the most a get_profile request takes; a test holds the two equal). A custom shape past it was taken and
+# failed later: as an OverflowError out of the database read of `moetune query` and `ProfileClient.resolve`.
+MAX_DIMENSION = 1 << 31
+
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
@@ -23,6 +28,9 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                                 f"{type(getattr(self, field)).__name__} {getattr(self, field)!r}")
             if getattr(self, field) <= 0:
                 raise ValueError(f"model shape {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+            if getattr(self, field) > MAX_DIMENSION:
+                raise ValueError(f"model shape {self.name[:64]!r}: {field} must be at most {MAX_DIMENSION}, got "
+                                 f"{str(getattr(self, field))[:32]}")
         if self.topk > self.experts:
             raise ValueError(f"model shape {self.name!r}: topk {self.topk} > experts {self.experts}")
         if self.dtype not in DTYPES:

@@ -1,0 +1,55 @@
+"""A custom model shape's dimensions are held to what a profile key can carry: at most 2**31 (wire.POS_INT_MAX, the
+most a daemon's get_profile takes). `custom:99999999999999999999999,1,1,1` was taken as a shape: `moetune query`
+then ended in a traceback (OverflowError: Python int too large to convert to SQLite INTEGER) from the runtime's
+database fallback, `ProfileClient.resolve` raised it to its caller, and `moetune tune` crashed the same way when it
+stored its study run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import wire
+from moetune.runtime.shapes import MAX_DIMENSION, ModelShape, get_model
+
+HUGE = "custom:99999999999999999999999,1,1,1"
+
+
+def test_the_bound_is_what_a_daemon_takes() -> None:
+    assert MAX_DIMENSION == wire.POS_INT_MAX
+    get_model(f"custom:{MAX_DIMENSION},8,8,2")  # the largest a request carries is still a shape
+
+
+@pytest.mark.parametrize("spec", [HUGE, f"custom:8,{MAX_DIMENSION + 1},8,2", f"custom:8,8,{1 << 70},2"])
+def test_a_dimension_past_the_bound_is_a_value_error(spec: str) -> None:
+    with pytest.raises(ValueError, match="at most 2147483648"):
+        get_model(spec)
+    with pytest.raises(ValueError, match="at most"):
+        ModelShape(name="x", hidden=1 << 40, intermediate=8, experts=8, topk=2)
+
+
+def test_query_of_a_huge_custom_shape_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    from moetune.tuner.cli import app
+    from moetune.tuner.store.store import Store
+
+    db = tmp_path / "m.db"
+    with Store(db) as s:  # this node's identity is known: the fallback reads the profiles table with the shape
+        s.upsert_fingerprint("fp", F.this_node_facts(), origin="local")
+    r = CliRunner().invoke(app, ["query", "--model", HUGE, "--ep", "1", "--tokens", "1", "--db", str(db),
+                                 "--socket", f"ipc://{tmp_path}/none.sock"])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and not isinstance(r.exception, OverflowError)
+    assert "at most 2147483648" in r.output
+
+
+def test_client_resolve_never_meets_an_unstorable_shape(tmp_path: Path) -> None:
+    """The shape resolve gets is a ModelShape: one past the bound cannot be made, so the database read that raised
+    OverflowError out of resolve is never reached."""
+    with pytest.raises(ValueError):
+        ModelShape(name=HUGE, hidden=99999999999999999999999, intermediate=1, experts=1, topk=1)
