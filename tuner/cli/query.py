@@ -367,4 +367,6 @@ def register(app: typer.Typer) -> None:
                 res.options_status, "[yellow]unknown (not recorded)[/yellow]"))
         con.print(t)
         if caught or res.source != "daemon":
-            con.print(f"[yellow]not from the daemon: {res.message}[/yellow]")
+            # the message names paths (--db, the socket) and quotes the daemon: text, never Rich markup (a folder
+            # `a[/b]` ended the command in a MarkupError, `[x]` was dropped from the path)
+            con.print(f"[yellow]not from the daemon: {escape(res.message)}[/yellow]")
