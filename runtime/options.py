@@ -101,7 +101,11 @@ DATA_PATH_KNOWN_FAMILIES: frozenset[str] = _TRANSPORTS | {"megakernel"}
 
 def options_acting_on(family: str | None) -> tuple[str, ...]:
     """The DATA_PATH_OPTIONS that act on profiles of `family` (DATA_PATH_FAMILIES): all of them for None or a family
-    the table does not know."""
+    the table does not know. A profile family names its transport and, after a ':', the provider it runs over
+    (`proxy:ibrc`, `proxy:libfabric/cxi`): the table is by transport, so such a family is looked up as its transport
+    (looked up as written, every proxy profile's family was unknown and every option was compared for it)."""
+    if family is not None and family not in DATA_PATH_KNOWN_FAMILIES:
+        family = family.split(":", 1)[0]  # `proxy:ibrc` -> `proxy`; a family without a provider stays as it is
     if family is None or family not in DATA_PATH_KNOWN_FAMILIES:
         return DATA_PATH_OPTIONS
     return tuple(name for name in DATA_PATH_OPTIONS if family in DATA_PATH_FAMILIES[name])
