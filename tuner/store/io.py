@@ -113,8 +113,9 @@ def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str |
     profiles = [rec.as_effective() for _id, rec in store.list_profiles(status=status, fingerprint=fingerprint,
                                                                        provenance=provenance)]
     hashes = sorted({r.key.fingerprint for r in profiles})
-    with store._read() as s:
-        fps = {fp.hash: fp for fp in s.scalars(select(Fingerprint).where(Fingerprint.hash.in_(hashes)))}
+    with store._read() as s:  # in batches: more fingerprints than one IN (...) holds on older SQLite builds
+        fps = {fp.hash: fp for i in range(0, len(hashes), _IN_BATCH)
+               for fp in s.scalars(select(Fingerprint).where(Fingerprint.hash.in_(hashes[i:i + _IN_BATCH])))}
     doc = ProfilesFile(
         format=EXPORT_FORMAT,
         version=EXPORT_VERSION,

@@ -17,7 +17,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -115,9 +115,21 @@ BUSY_TIMEOUT_S = 30.0
 # a write that has waited this long for another process's lock says so (once) on stderr, then waits on to BUSY_TIMEOUT_S
 NOTICE_AFTER_S = 2.0
 _T = TypeVar("_T")
+_V = TypeVar("_V")
 log = logging.getLogger("moetune.store")
 # the _once scope of the unreadable-rows warning: one per process and database (it used to repeat on every read)
 UNREADABLE_WARNING = "store.unreadable_profiles"
+
+# Values in one IN (...): SQLite builds before 3.32 (RHEL 8's 3.26, ...) take at most 999 bound parameters in one
+# statement ("too many SQL variables"). Every id list a statement takes whole is given in batches of this many.
+IN_BATCH = 500
+
+
+def in_batches(values: Sequence[_V]) -> Iterator[list[_V]]:
+    """`values` in lists of at most IN_BATCH (none for none)."""
+    values = list(values)
+    for i in range(0, len(values), IN_BATCH):
+        yield values[i:i + IN_BATCH]
 
 __all__ = [
     "BUSY_TIMEOUT_S",
@@ -945,8 +957,9 @@ class Store:
         gone = [r.id for r in rows if owner_gone(r.owner)]
         if gone:
             with self._write() as s:  # still running: a row its run finished meanwhile is left as it ended
-                s.execute(update(TuningRun).where(TuningRun.id.in_(gone), TuningRun.status == "running")
-                          .values(status="interrupted", ended=now()))
+                for part in in_batches(gone):
+                    s.execute(update(TuningRun).where(TuningRun.id.in_(part), TuningRun.status == "running")
+                              .values(status="interrupted", ended=now()))
         return gone
 
     @_retried
@@ -1185,9 +1198,11 @@ class Store:
         ts = now()
         with self._write() as s:
             q = update(Profile).where(Profile.fingerprint == fingerprint, Profile.status == "current")
-            if ids is not None:
-                q = q.where(Profile.id.in_(ids))
-            n = s.execute(q.values(status="stale", updated=ts)).rowcount
+            if ids is None:
+                n = s.execute(q.values(status="stale", updated=ts)).rowcount
+            else:  # in batches, one transaction: a change of more rows than one IN (...) holds (`in_batches`)
+                n = sum(s.execute(q.where(Profile.id.in_(part)).values(status="stale", updated=ts)).rowcount
+                        for part in in_batches(ids))
             if n:
                 s.add(Event(created=ts, kind="stale", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
             return n
@@ -1201,9 +1216,11 @@ class Store:
         ts = now()
         with self._write() as s:
             q = select(Profile).where(Profile.fingerprint == fingerprint, Profile.status == "stale")
-            if ids is not None:
-                q = q.where(Profile.id.in_(ids))
-            rows = s.execute(q.order_by(Profile.id.desc())).scalars().all()
+            if ids is None:
+                rows = list(s.execute(q).scalars().all())
+            else:  # in batches (`in_batches`), then in one order
+                rows = [r for part in in_batches(ids) for r in s.execute(q.where(Profile.id.in_(part))).scalars().all()]
+            rows.sort(key=lambda r: r.id, reverse=True)
             seen: set[tuple[Any, ...]] = set()
             n = 0
             for row in rows:
