@@ -88,6 +88,7 @@ from moetune.tuner.daemon.jobs import (
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
+from moetune.tuner.store.atomic_files import sync_folder
 from moetune.tuner.store.lock_files import (
     LockFileUnusable,
     LockHeld,
@@ -399,6 +400,13 @@ def _record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
     return rst.st_dev, rst.st_ino
 
 
+def _synced(f: Any) -> None:
+    """Flush the open file `f` and fsync it: its bytes are on disk before a rename makes it daemon.json or its owner
+    record (renamed unsynced, a power loss could leave the new name on a 0-byte file)."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def _unlink_if(p: Path, ident: tuple[int, int] | None, kind: int = stat.S_IFREG) -> None:
     """Remove `p` only while it is the file of this user and kind with the (dev, inode) `ident` this daemon
     created (never one put in its place since)."""
@@ -442,6 +450,8 @@ def foreign_info_reason(path: Path, endpoint: str) -> str | None:
             return "it is not a regular file"
         if st.st_uid != os.getuid():
             return f"it belongs to uid {st.st_uid}"
+        if st.st_size == 0 and (st.st_dev, st.st_ino) in _info_record_ids(path):
+            return None  # the very file a daemon of ours wrote, its bytes lost in a crash (written before they synced)
         try:
             data = json.loads(os.read(fd, 1 << 20))
         except (OSError, ValueError):
@@ -1119,6 +1129,7 @@ class Daemon(FabricWatch):
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump({"dev": new[0], "ino": new[1], "prev": list(prev) if prev else None, "pid": os.getpid()}, f)
+                _synced(f)  # on disk before the rename makes it the record (a crash must not leave it empty)
                 rst = os.fstat(f.fileno())
             os.replace(tmp, rec)
             return rst.st_dev, rst.st_ino
@@ -1173,10 +1184,12 @@ class Daemon(FabricWatch):
                     os.fchown(f.fileno(), -1, gid)
                     os.fchmod(f.fileno(), 0o640)
                 json.dump(data, f)
+                _synced(f)  # on disk before the rename: a power loss left a 0-byte daemon.json otherwise
                 st = os.fstat(f.fileno())
             rec_id = self._write_info_record(path, (st.st_dev, st.st_ino), prev)
             os.replace(tmp, path)
             tmp = None
+            sync_folder(path.parent)
             self._info_id, self._info_rec_id = (st.st_dev, st.st_ino), rec_id
         except (OSError, DaemonConfigError) as e:
             log.warning("cannot write %s: %s", path, e)
