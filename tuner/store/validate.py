@@ -23,7 +23,7 @@ from moetune.runtime.profile_record import (
     provenance_of_backend,
 )
 from moetune.runtime.profiles.perf_env import perf_env_problem
-from moetune.runtime.shapes import DTYPES
+from moetune.runtime.shapes import DTYPES, MAX_DIMENSION
 from moetune.tuner.store.models import Fingerprint, Profile
 
 # The text a record stores and the column that holds it: SQLite does not enforce a String(N), so a record is held
@@ -209,6 +209,12 @@ def check_record(rec: ProfileRecord) -> None:
         big = _big_ints(obj, where)
         if big:
             raise FieldError(big[0], f"integer out of range (at most {SQLITE_INT_MAX})")
+    # the shape is one a ModelShape can be (what a request carries, what the daemon's re-tune tunes): past it, no
+    # lookup could ever be answered with the profile, and its re-tune failed the whole job
+    for name in ("hidden", "intermediate", "experts", "topk"):
+        value = getattr(rec.key, name)
+        if value > MAX_DIMENSION:
+            raise FieldError(f"key.{name}", f"{value} is past the largest model dimension (at most {MAX_DIMENSION})")
 
 
 def check_import_time(field: str, value: str, now: _dt.datetime) -> None:
