@@ -1471,8 +1471,9 @@ def warn_fallback(message: str) -> None:
 
 def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     """(public, secret or None) of a CURVE key file (`moetune keys generate`), else a ValueError saying what is
-    wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "cannot
-    be read (...)", "holds no CURVE public key" (zmq.auth says "Invalid certificate file" of a missing one)."""
+    wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "is not a
+    regular file (...)", "cannot be read (...)", "holds no CURVE public key" (zmq.auth says "Invalid certificate file"
+    of a missing one)."""
     from zmq.auth import load_certificate
 
     p = Path(path)
@@ -1480,6 +1481,8 @@ def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
         raise ValueError("does not exist" + (" (a link to nothing)" if p.is_symlink() else ""))
     if p.is_dir():
         raise ValueError("is a directory, not a key file")
+    if not p.is_file():  # a FIFO's open waits for a writer for ever: the lookup (and the EP buffer) hung here
+        raise ValueError("is not a regular file (a FIFO or a device), not a key file")
     try:
         return load_certificate(p)
     except OSError as e:

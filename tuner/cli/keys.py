@@ -91,6 +91,8 @@ def check_public_file(public_file: Path) -> None:
     if not public_file.exists():
         raise ValueError(f"{public_file}: no such file (the client's public key, NAME.key, as `moetune keys "
                          "generate` writes it on the client)")
+    if not public_file.is_file():  # a FIFO's open waits for a writer for ever: the command hung
+        raise ValueError(f"{public_file} is not a regular file (a FIFO or a device), not a client's public key file")
 
 
 def _cert_text(public: bytes, secret: bytes | None = None) -> str:

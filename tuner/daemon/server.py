@@ -575,6 +575,9 @@ def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
     import zmq.auth
 
+    if Path(secret_file).exists() and not Path(secret_file).is_file():  # a FIFO's open waits for ever
+        raise DaemonConfigError(f"the CURVE key file {secret_file} is not a regular file (a FIFO, a device or a "
+                                "directory): give the NAME.key_secret `moetune keys generate` wrote")
     try:
         public, secret = zmq.auth.load_certificate(str(secret_file))
     except (OSError, ValueError) as e:
@@ -660,6 +663,9 @@ def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     keys = []
     for f in sorted(directory.glob("*.key")):
         check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
+        if not f.is_file():  # a FIFO's open waits for ever: the start hung here
+            raise DaemonConfigError(f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
+                                    "directory): remove it, or put a client's public key file there")
         try:
             public, _ = zmq.auth.load_certificate(str(f))
         except (OSError, ValueError) as e:
