@@ -155,3 +155,28 @@ def test_cli_ep_size_alone_launches_that_many_ranks(tmp_path: Path, monkeypatch:
     assert json.loads(r.stdout)[0]["written"]
     (key,) = [rec.key for _, rec in _store(tmp_path / "p.db").list_profiles()]
     assert (key.ep_size, key.nodes) == (4, 1)
+
+
+def test_library_refuses_one_rank_for_a_transport_family(tmp_path: Path) -> None:
+    """EP size 1: one rank exchanges nothing. The bring-up refuses world = 1 / ep_sizes = [1] for that reason, but a
+    local tune of world 1 measured a collective "exchange" of one rank and stored it as this node's MEASURED profile
+    (found with `moetune tune --backend local --world 1` on a CPU node: it ran collective trials at EP 1)."""
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    store = _store(tmp_path / "p.db")
+    with pytest.raises(ValueError, match="one rank exchanges nothing") as e:
+        tune_profiles_detailed(store, CpuFacts(), models=[SMALL], tokens=[64], backend=_backend(tmp_path, 1), trials=2,
+                               families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert "collective" in str(e.value) and "--family megakernel" in str(e.value)
+    assert store.list_profiles() == [] and not (tmp_path / "opt.db").exists()
+
+
+@pytest.mark.parametrize("args", [["--world", "1"], ["--ep-size", "1"]])
+@pytest.mark.usefixtures("on_captured_node")  # as on the captured node: its own refusals, not "another node"
+def test_cli_refuses_one_rank_before_any_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    seen = _fake_local(monkeypatch)
+    r = _tune(tmp_path, *args)
+    assert r.exit_code == 2, r.output
+    assert "one rank exchanges nothing" in r.output, r.output
+    assert "Traceback" not in r.output and isinstance(r.exception, SystemExit)
+    assert len(seen) == 1 and not (tmp_path / "p.db").exists()  # refused by check_tune: no trial, no database

@@ -647,6 +647,11 @@ def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]
     nodes 1 are checked where it is chosen), whatever the world."""
     if all(f == MEGAKERNEL for f in families):
         return ""
+    if ep_size < 2:  # as the bring-up refuses world = 1 / ep_sizes = [1] (Plan.validate)
+        transports = ", ".join(f for f in families if f != MEGAKERNEL)
+        return (f"EP size {ep_size}: one rank exchanges nothing, so a local measurement of {transports} would store a "
+                "\"measured\" profile of no exchange at all. Tune a transport family with 2 or more ranks (--world 2), "
+                "or the one-GPU MoE layer with --family megakernel")
     if world == ep_size and nodes == 1:
         return ""
     return (f"the local backend measures {world} rank(s) on this one node, but the profile would be stored for "
