@@ -16,6 +16,7 @@ import json
 import math
 import secrets
 import tomllib
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -901,7 +902,12 @@ class Bringup:
                 study = optuna.load_study(study_name=name, storage=url)
                 done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
                 if len({tuple(sorted(t.params.items())) for t in done}) >= 3:
-                    out[name.split("/", 1)[-1]] = optuna.importance.get_param_importances(study)
+                    # Optuna warns (UserWarning, with its own file and line) where a conditional knob was asked in
+                    # fewer than 2 trials: printed raw in the middle of `moetune profile`'s output on every run. As
+                    # `tune show` (study.summarize_study) computes them: quietly
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        out[name.split("/", 1)[-1]] = optuna.importance.get_param_importances(study)
             return out
         except Exception as e:  # importances are a nicety: never fail the report for them
             self.console.print(f"[yellow]parameter importances not available: {e}[/]")
