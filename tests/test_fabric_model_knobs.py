@@ -74,3 +74,39 @@ def test_a_model_search_asks_only_the_knobs_the_model_reads(transport: str) -> N
 
 def test_a_predictor_backend_pins_nothing() -> None:
     assert ModelBackend(predictor=lambda k, w: 1.0).pinned_knobs("collective") == frozenset()
+
+
+@pytest.mark.parametrize("preset", [n for n in list_presets() if "nvlink" in load_preset(n).transports])
+def test_nvlink_signalling_and_group_size_leave_the_prediction_unchanged(preset: str) -> None:
+    """The nvlink model charges one round of device-write signals whatever the signalling and group size (at most
+    (world - 1) x CTAs per peer < num_sms groups over num_sms CTAs), so neither is a knob the model reads."""
+    pr = load_preset(preset)
+    assert not {"signalling", "group_size"} & KNOBS_READ["nvlink"]
+    for gpn in (2, pr.gpus_per_node, 8):
+        for S in (1, 64, 4096):
+            w = Workload("qwen3-30b", S, 1, gpn)
+            for sms in (16, 24, 48, 132):
+                base = Knobs(transport="nvlink", num_sms=sms)
+                ref = predict(pr, w, base)
+                for g in (0, 1, 2, 3, 4, 6):
+                    got = predict(pr, w, base.replace(signalling="decoupled", group_size=g))
+                    assert (got.dispatch_us, got.combine_us) == (ref.dispatch_us, ref.combine_us), (gpn, S, sms, g)
+
+
+def test_a_model_tune_of_nvlink_stores_the_default_signalling(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Found with `moetune tune --backend model --preset nvlink-h200x2 -n 30`: the search asked signalling and
+    group_size, every value tied, and the MODELLED profile stored `signalling=decoupled, group_size=2` as tuned."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    store = Store(tmp_path / "p.db")
+    (res,) = tune_profiles_detailed(store, None, models=[get_model("qwen3-30b")], tokens=[1024], backend="model",
+                                    preset="nvlink-h200x2", trials=30, storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    assert res.record is not None
+    assert (res.record.knobs.signalling, res.record.knobs.group_size) == ("coupled", 0)
+    pol = load_policy("nvlink")
+    space = SearchSpace(pol, experts=128, ep_size=2, pinned=ModelBackend("nvlink-h200x2").pinned_knobs("nvlink"))
+    assert space.spec["signalling"].values() == ("coupled",) and "pinned" in space.grid_rule()
+    # a measuring backend still searches them (the kernel's fences are real on the GPU)
+    assert SearchSpace(pol, experts=128, ep_size=2).spec["signalling"].values() == ("coupled", "decoupled")

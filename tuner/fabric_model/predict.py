@@ -128,7 +128,11 @@ _QUEUED_READ = _PAYLOAD | {"signalling", "group_size", "fence_mode", "qp_mapping
 KNOBS_READ: dict[str, frozenset[str]] = {
     "proxy": _QUEUED_READ,
     "ibgda": _QUEUED_READ,
-    "nvlink": _PAYLOAD | {"signalling", "group_size", "num_sms"},
+    # nvlink: signalling and group_size set the fences per peer (`_nvlink_signals`), but at most (world - 1) x CTAs per
+    # peer < num_sms groups signal, spread over num_sms CTAs: one round of signals (`_nvlink_time`) whatever they are,
+    # so no prediction changes with them (`model sweep --over group_size` says so); a model search asked them and
+    # stored a tie's first value (decoupled, group_size 2) as the tuned MODELLED choice
+    "nvlink": _PAYLOAD | {"num_sms"},
     "collective": _PAYLOAD | {"pipeline_depth", "channels"},
     # the copy engines move host_staged's bytes: no kernel of it reads num_sms (runtime/transports/host_staged.py)
     "host_staged": _PAYLOAD | {"chunk_tokens", "pipeline_depth"},

@@ -237,9 +237,18 @@ class SearchSpace:
         def spec(name: str, values: tuple[Any, ...]) -> None:
             self.spec[name] = KnobSpec(name, choices=tuple(values))
 
-        sig = policy.allowed("signalling") if one_sided else (d.signalling,)
+        # signalling and a CTA group size (nvlink) held by the backend too (`pinned`: the fabric model's nvlink signal
+        # cost is one round of device writes whatever they are, `predict.KNOBS_READ`); PUT groups (proxy/ibgda) are
+        # read wherever they are offered. In the study config (`grid_rule`): a study that asked them is not resumed
+        self._pinned_structure = tuple(n for n in ("signalling", "group_size") if n in pinned and one_sided
+                                       and not groups_puts(self.transport)
+                                       and (len(policy.allowed("signalling")) > 1 if n == "signalling"
+                                            else policy.group_size is not None))
+        sig = policy.allowed("signalling") if one_sided and "signalling" not in self._pinned_structure \
+            else (d.signalling,)
         spec("signalling", sig)
-        spec("group_size", group_choices(policy, self.tpp))
+        spec("group_size", group_choices(policy, self.tpp) if "group_size" not in self._pinned_structure
+             else (d.group_size,))
         fences = tuple(f for f in policy.allowed("fence_mode") if f in ALLOWED_FENCE_MODES[self.transport])
         spec("fence_mode", fences or (ALLOWED_FENCE_MODES[self.transport][0],))
         queued = self.transport in QUEUED
@@ -252,7 +261,8 @@ class SearchSpace:
             s = policy.knobs.get(name) if name not in pinned else None
             self.spec[name] = s if s is not None else KnobSpec(name, choices=(getattr(d, name),))
         # nvlink: group_size counts CTAs, so its choices depend on num_sms (asked first)
-        self._nvlink_groups = self.transport == "nvlink" and policy.group_size is not None
+        self._nvlink_groups = (self.transport == "nvlink" and policy.group_size is not None
+                               and "group_size" not in self._pinned_structure)
         # proxy/ibgda: group_size counts PUTs per peer, asked only when chunk_tokens > 0 (asked first)
         self._put_groups = groups_puts(self.transport)
         if self._put_groups:
@@ -291,7 +301,7 @@ class SearchSpace:
         """The group sizes offered (with decoupled signalling): per the transfers per PE, or for nvlink per
         the CTAs per peer that `num_sms` gives; proxy/ibgda: per peer only without chunking (chunk_tokens 0,
         one PUT per peer), else `put_group_choices`."""
-        if self.transport == "nvlink" and self.policy.group_size is not None:
+        if self._nvlink_groups:
             n = num_sms if num_sms is not None else self.policy.defaults.num_sms
             return group_choices(self.policy, nvlink_ctas_per_peer(n, self.ep_size))
         if self._put_groups:
@@ -403,6 +413,8 @@ class SearchSpace:
         PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
         (before that rule) is not resumed without it."""
         lanes = {"lanes": LANES_RULE} if self._lanes else {"mk_tiles": MK_TILE_RULE} if self._mk_tiles else {}
+        if self._pinned_structure:
+            lanes["pinned"] = ",".join(self._pinned_structure)
         if self._staged:
             lanes["staging"] = STAGING_RULE
         if self.rows_per_peer is None:
