@@ -177,3 +177,29 @@ def test_the_shipped_preset_labels_no_kept_parameter_calibrated() -> None:
     assert set(rep.kept) == {"collective.sync_us", "proxy.fence_us"}
     for k in rep.kept:
         assert preset.sources[k].startswith("kept: not constrained by " + ", ".join(f.name for f in files)), k
+
+
+_A2A = [{"probe": "nccl_a2a", "fabric": "nvlink", "model": "qwen3-30b", "S": s, "ms": ms}
+        for s, ms in [(64, 0.05), (256, 0.09), (1024, 0.2), (4096, 0.7)]]
+
+
+@pytest.mark.parametrize("params", [["collective.alpha_us", "collective.alpha_us"],
+                                    ["nic.gbps+nic.qp_gbps", "nic.gbps"]])
+def test_a_parameter_named_twice_is_refused(params: list[str]) -> None:
+    """`--params collective.alpha_us,collective.alpha_us` gave the fit two identical columns: it took them for two
+    parameters the rows cannot tell apart and kept the preset's value ("fitted to 63.89, where the rows cannot tell it
+    apart from collective.alpha_us: the preset's value kept"), so the calibration was refused as a poor fit where
+    `--params collective.alpha_us` fits it."""
+    with pytest.raises(ValueError, match="named more than once"):
+        calibrate("nvlink-h200x2", _A2A, params=params)
+
+
+def test_cli_refuses_a_parameter_named_twice_before_any_fit(tmp_path: Path) -> None:
+    data = tmp_path / "a2a.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _A2A))
+    once = calibrate("nvlink-h200x2", _A2A, params=["collective.alpha_us"])
+    assert once.fitted == ["collective.alpha_us"]  # fitted, not kept at the preset's value
+    r = CliRunner().invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "-d", str(data),
+                                 "--params", "collective.alpha_us,collective.alpha_us"])
+    assert r.exit_code == 2, r.output
+    assert "'collective.alpha_us' is named more than once" in r.output and "Traceback" not in r.output

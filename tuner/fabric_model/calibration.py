@@ -496,10 +496,16 @@ def _prepare(preset: Preset | str, rows: list[dict[str, Any]], params: Iterable[
         raise NoPoints(len(rows), [(n, why) for n, (_, why) in zip(at, skipped, strict=True)])
     available = preset.numeric()
     params = _default_params(preset, points) if params is None else list(params)
+    seen: set[str] = set()
     for spec in params:
         for k in spec.split("+"):
             if k not in available:
                 raise ValueError(f"preset {preset.name!r} has no numeric parameter {k!r}")
+            if k in seen:  # two identical columns: the fit took them for parameters the rows cannot tell apart and
+                # kept the preset's value, so `--params a,a` refused a fit `--params a` makes
+                raise ValueError(f"parameter {k!r} is named more than once in the parameters to fit "
+                                 f"({', '.join(params)}): name each once")
+            seen.add(k)
     for p in points:
         try:
             p.evaluate(preset)
