@@ -271,6 +271,17 @@ def test_tune_names_an_empty_capture_folder_once(tmp_path: Path) -> None:
     assert r.output.count(str(empty)) == 1, r.output
 
 
+@pytest.mark.parametrize("opt", ["--from", "--capture"])
+def test_model_tune_with_a_preset_refuses_a_capture_it_would_not_read(tmp_path: Path, opt: str) -> None:
+    """`tune --backend model --preset P --capture DIR` (no --node-model) predicted P's fabric (its GPUs per node, under
+    P's key) and never read the capture: exit 0 with the preset's profiles, as if the captured node had been predicted
+    (the local backend's refusal of a capture even suggested `--backend model` for that node). Refused before any
+    file is made, as the other options a backend does not read are."""
+    r = _run(*MODEL_TUNE, "--db", str(tmp_path / "m.db"), opt, str(CAPTURES / "h200x2"), home=tmp_path)
+    _refused(r, "--from/--capture", "predicts the preset's fabric", "--node-model")
+    assert not (tmp_path / "m.db").exists() and not list(tmp_path.glob("*studies*"))
+
+
 def _fake_local(monkeypatch: pytest.MonkeyPatch, fail_from: int) -> None:
     """The local backend replaced by one whose every run fails from `fail_from` tokens on (as nccl does on a node
     without GPUs), so the tune's outcome is known without launching ranks."""

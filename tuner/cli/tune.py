@@ -327,7 +327,7 @@ def tune(
     comm: str = typer.Option(None, "--comm", help="Local backend: nccl or gloo (default: nccl with GPUs, else gloo)."),
     repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
     trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
-    capture: Path = path_option(None, "--from", "--capture", help="Discover from a fabric capture directory instead of this node (--capture, as for `moetune profile`)."),
+    capture: Path = path_option(None, "--from", "--capture", help="Discover from a fabric capture directory instead of this node (--capture, as for `moetune profile`): the local backend, or the model backend with --node-model (with a plain --preset the preset's fabric is predicted, so it is refused)."),
     node_model: bool = typer.Option(False, "--node-model", help="Model backend: --preset is a calibrated model of THIS node (profiles get this node's key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
@@ -392,6 +392,13 @@ def tune(
             read_capture_manifest(capture)
         except DiscoveryError as e:  # names the path itself
             _fail(f"{CAPTURE_OPT} {e}")  # "--from/--capture PATH: what is wrong"
+        if backend == "model" and preset is not None and not node_model:
+            # the preset's facts stand for the fabric (its GPUs per node, its key): the capture was never read, and
+            # the tune predicted the preset's fabric as if it were the captured node's, without a word
+            _fail(f"{CAPTURE_OPT} {capture}: --backend model --preset {preset} predicts the preset's fabric (its GPUs, "
+                  "its links, stored under the preset's key), not the capture's: the capture would be read for "
+                  "nothing. Leave it out, or add --node-model with a model calibrated on that node (`moetune model "
+                  "calibrate --this-node --out FILE` there, or its `moetune profile`)")
     from moetune.tuner.search.policy import ENV_POLICY
 
     if policy is not None or os.environ.get(ENV_POLICY):
@@ -436,7 +443,8 @@ def tune(
         if other:  # before any database is created
             _fail(f"--backend local measures on this node, but {other}: a measurement made here is never stored "
                   "under another node's fingerprint. Run the tune on that node, leave out "
-                  f"{CAPTURE_OPT} to tune this one, or predict that node with --backend model (stored as MODELLED)")
+                  f"{CAPTURE_OPT} to tune this one, or predict a fabric like it with --backend model --preset P, without "
+                  f"{CAPTURE_OPT} (stored as MODELLED under the preset's key)")
     if backend == "model" and node_model and preset is not None and facts is not None:
         from moetune.tuner.fabric_model.predict import load_preset
         from moetune.tuner.fabric_model.presets import node_model_refusal
