@@ -203,3 +203,18 @@ def test_cli_refuses_a_parameter_named_twice_before_any_fit(tmp_path: Path) -> N
                                  "--params", "collective.alpha_us,collective.alpha_us"])
     assert r.exit_code == 2, r.output
     assert "'collective.alpha_us' is named more than once" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("extra", [["--force"], ["--replace"], ["--force", "--replace"], ["--force", "--json"]])
+def test_force_or_replace_without_out_is_refused_before_the_fit(tmp_path: Path, extra: list[str]) -> None:
+    """--force writes --out even when the fit is refused; --replace replaces an existing --out. Without --out, --force
+    only turned a refused fit's exit 1 into 0 ("untrusted fit", nothing written): a script took a fit the checks
+    refused for a success. Refused up front (exit 2), as --this-node without --out is."""
+    bad = _jsonl(tmp_path / "a2a.jsonl", *_A2A)  # a poor fit of nvlink-h200x2's collective (refused without --force)
+    r0 = CliRunner().invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "-d", str(bad),
+                                  "--params", "collective.alpha_us"])
+    assert r0.exit_code == 1, r0.output
+    r = CliRunner().invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "-d", str(bad),
+                                 "--params", "collective.alpha_us", *extra])
+    assert r.exit_code == 2, r.output
+    assert "on the --out file" in r.output and "give --out FILE" in r.output and "Traceback" not in r.output

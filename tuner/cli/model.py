@@ -657,6 +657,14 @@ def calibrate_cmd(
         twice = next((e for e in data[:i] if _same_file(d, e)), None)
         if twice is not None:
             _fail(f"--data {d} is also given as --data {twice}: each file once (its rows would count twice)")
+    # --force and --replace act on the --out file only: without one, --force turned a refused fit's exit 1 into 0
+    # ("untrusted fit", nothing written), so a script read a fit the checks refused as a success
+    inert = [(opt, what) for opt, on, what in (("--force", force, "--force writes it even when the fit is refused"),
+                                                ("--replace", replace, "--replace replaces an existing one")) if on]
+    if inert and out is None:
+        _fail(f"{' and '.join(o for o, _ in inert)} {'act' if len(inert) > 1 else 'acts'} on the --out file "
+              f"({'; '.join(w for _, w in inert)}): give --out FILE, or leave {'them' if len(inert) > 1 else 'it'} "
+              "out")
     # a bad --out is refused before the fit, not after it
     if out is not None:
         _check_out_file(out, "calibrated.toml")
