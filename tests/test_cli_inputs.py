@@ -282,6 +282,35 @@ def test_model_tune_with_a_preset_refuses_a_capture_it_would_not_read(tmp_path: 
     assert not (tmp_path / "m.db").exists() and not list(tmp_path.glob("*studies*"))
 
 
+def test_tune_tunes_a_model_shape_once(tmp_path: Path) -> None:
+    """`--model qwen3-30b --model custom:2048,768,128,8` (the same shape: one key, one study per bucket) tuned it twice:
+    the second resumed the finished studies, ran the side-by-side check again (minutes on a GPU node with the local
+    backend) and printed each row twice. Tuned once, said once, as --tokens sharing a bucket are."""
+    r = _run(*MODEL_TUNE, "-m", "custom:2048,768,128,8", "-m", "qwen3-30b", "--db", str(tmp_path / "m.db"), "--json",
+             home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "qwen3-30b, custom:2048,768,128,8, qwen3-30b is one model shape, tuned once" in r.stderr, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(row["model"], row["tokens"]) for row in rows] == [("qwen3-30b", 128)], rows
+
+
+def test_profile_plans_a_model_shape_once(tmp_path: Path) -> None:
+    r = _run("profile", "-m", "qwen3-30b", "-m", "qwen3-30b", "--capture", str(CAPTURES / "h200x2"),
+             "--db", str(tmp_path / "p.db"), "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "--model: qwen3-30b, qwen3-30b is one model shape, tuned once" in r.stderr, r.stderr
+
+
+def test_distinct_shapes_keeps_the_first_name_of_each_shape() -> None:
+    from moetune.tuner.cli._args import distinct_shapes
+
+    assert distinct_shapes(["qwen3-30b", "deepseek-v3"]) == (["qwen3-30b", "deepseek-v3"], "")
+    names, note = distinct_shapes(["custom:2048,768,128,8", "deepseek-v3", "qwen3-30b",
+                                   "custom:2048,768,128,8,float16"])
+    assert names == ["custom:2048,768,128,8", "deepseek-v3", "custom:2048,768,128,8,float16"]  # a dtype is a shape
+    assert note == "--model: custom:2048,768,128,8, qwen3-30b is one model shape, tuned once"
+
+
 def _fake_local(monkeypatch: pytest.MonkeyPatch, fail_from: int) -> None:
     """The local backend replaced by one whose every run fails from `fail_from` tokens on (as nccl does on a node
     without GPUs), so the tune's outcome is known without launching ranks."""

@@ -47,6 +47,24 @@ def distinct_buckets(counts: list[int], option: str = "--tokens") -> tuple[list[
     return [ts[0] for ts in by_bucket.values()], note
 
 
+def distinct_shapes(names: list[str], option: str = "--model") -> tuple[list[str], str]:
+    """`names` with one name per model shape (the first given, order kept), and a note naming those that are one shape
+    ('' when none are): a shape (hidden, intermediate, experts, top-k, dtype) is one key and one study per bucket, so
+    `--model qwen3-30b --model qwen3-30b` (or qwen3-30b beside its custom:2048,768,128,8) tuned it twice: the second
+    resumed the finished studies and measured the side-by-side check again, and printed every row twice. Each name
+    must parse (`get_model`)."""
+    from moetune.runtime.shapes import get_model
+
+    by_shape: dict[tuple, list[str]] = {}
+    for n in names:
+        m = get_model(n)
+        by_shape.setdefault((m.hidden, m.intermediate, m.experts, m.topk, m.dtype), []).append(n)
+    shared = [", ".join(ns) for ns in by_shape.values() if len(ns) > 1]
+    note = f"{option}: {'; '.join(shared)} {'is one model shape' if len(shared) == 1 else 'are one shape each'}, " \
+           "tuned once" if shared else ""
+    return [ns[0] for ns in by_shape.values()], note
+
+
 EMPTY_PATH = "an empty path names no file or folder (give one; \".\" is the current folder)"
 
 

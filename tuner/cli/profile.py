@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from moetune.tuner.cli._args import (
     distinct_buckets,
+    distinct_shapes,
     int_list,
     nearest_existing,
     path_option,
@@ -222,6 +223,11 @@ def profile(
     # on stderr, never a silent drop
     plan.tokens, note = distinct_buckets(plan.tokens, "--tokens" if toks else
                                          f"plan file {plan_file}: tokens" if plan_file is not None else "tokens")
+    if note:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: {note}", markup=False)
+    # one study a shape too: a model named twice (or by its custom:H,I,E,K beside its name) was tuned and compared twice
+    plan.models, note = distinct_shapes(plan.models, "--model" if model else
+                                        f"plan file {plan_file}: models" if plan_file is not None else "models")
     if note:
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: {note}", markup=False)
     if report_dir is not None:

@@ -344,6 +344,12 @@ def tune(
         shapes = [get_model(m) for m in model]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--model")
+    from moetune.tuner.cli._args import distinct_shapes
+
+    names, note = distinct_shapes(list(model))
+    if note:  # one study a shape and bucket: said once, not the same studies (and side-by-side check) run again
+        err.print(escape(note))
+        shapes = [get_model(m) for m in names]
     toks = _parse_tokens(tokens)
     cfg = _load_config(config, measuring=True)
     cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
