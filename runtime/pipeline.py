@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from moetune.runtime._args import check_flag
 from moetune.runtime.buffer.facade import EPBuffer, Handle, RecvMeta, _calls_of
 
 ExpertFn = Callable[[torch.Tensor, RecvMeta], torch.Tensor]
@@ -45,6 +46,7 @@ def pipelined_moe(
 
     One call of the buffer from start to end: another thread's call of it meanwhile raises RuntimeError (later chunks'
     transfers still read the buffer's reused send rows while expert_fn runs on earlier ones)."""
+    check_flag("agree", agree, "pipelined_moe: ", optional=True)  # agree="no" must not switch the check on
     with _calls_of(buffer, "pipelined_moe"):
         return _pipelined(buffer, x, topk_idx, topk_weights, expert_fn, agree)
 

@@ -409,6 +409,23 @@ def test_a_second_thread_is_refused_while_pipelined_moe_runs_the_experts(dense: 
         pipelined_moe(buf, x, idx, w, weighted_rows)
 
 
+@pytest.mark.parametrize("agree", ["no", 1, 0.0])
+def test_pipelined_moe_refuses_an_agree_that_is_not_a_bool(agree: object) -> None:
+    """agree was read by truth value: agree="no" switched the per-chunk agreement on (a sync per chunk) without a
+    word. A value that is not a bool or None is refused with a TypeError naming the argument, before any call."""
+    from moetune.runtime.pipeline import pipelined_moe, weighted_rows
+
+    buf = EPBuffer(knobs=Knobs(pipeline_depth=2), model=get_model("custom:64,32,8,2,float32"), max_tokens=16)
+    x = torch.randn(8, 64)
+    idx, w = generate_routing(8, 8, 2, seed=1)
+    with pytest.raises(TypeError, match=r"pipelined_moe: agree must be a bool or None, got"):
+        pipelined_moe(buf, x, idx, w, weighted_rows, agree=agree)
+    for ok in (None, False, True):
+        assert torch.allclose(pipelined_moe(buf, x, idx, w, weighted_rows, agree=ok), x * w.sum(1, keepdim=True),
+                              atol=1e-6)
+    buf.close()
+
+
 def test_dense_reference_takes_both_routing_tensors_or_neither() -> None:
     """topk_weights without topk_idx were replaced by the gate's routing without a word (the reference then checked
     another computation than the caller's), and topk_idx without topk_weights failed on a bare assert."""
