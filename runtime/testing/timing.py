@@ -12,6 +12,8 @@ __all__ = ["graphs_of", "interleave_order", "time_calls", "time_interleaved"]
 
 def time_calls(fns: Sequence[Callable[[], Any]], *, warmup: int, iters: int, cuda: bool) -> list[float]:
     """µs of each of `iters` single calls, rotating over `fns` (one per input), after `warmup` calls."""
+    if not fns:  # the rotation takes j % len(fns): no functions would be a bare ZeroDivisionError
+        raise ValueError("time_calls: fns is empty; give at least one function to time")
     for j in range(warmup):
         fns[j % len(fns)]()
     if not cuda:
@@ -46,6 +48,9 @@ def time_interleaved(fns: dict[str, Sequence[Callable[[], Any]]], *, warmup: int
     so a drift of the device's clock or temperature over the run moves them alike and the difference of two entries'
     samples in the same round cancels it (run 117: whole rounds of 200 calls drifted 10-15 µs at S=1024)."""
     names = list(fns)
+    empty = [n for n in names if not fns[n]]
+    if empty:  # as in time_calls: each entry's inputs rotate by j % len
+        raise ValueError(f"time_interleaved: no functions to time for {', '.join(map(repr, empty))}")
 
     def call(name: str, j: int) -> None:
         f = fns[name]
