@@ -86,19 +86,13 @@ struct HsCtx {
   uint64_t stat_calls[5] = {0, 0, 0, 0, 0};
 };
 
-uint64_t host_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 struct Timed {  // adds the scope's host time to one stat
   HsCtx* c;
   int k;
   uint64_t t0;
-  Timed(HsCtx* c_, int k_) : c(c_), k(k_), t0(host_ns()) {}
+  Timed(HsCtx* c_, int k_) : c(c_), k(k_), t0(mt::host_ns()) {}
   ~Timed() {
-    c->stat_ns[k] += host_ns() - t0;
+    c->stat_ns[k] += mt::host_ns() - t0;
     c->stat_calls[k] += 1;
   }
 };
@@ -156,12 +150,12 @@ constexpr uint64_t HS_FLAG_OFF_MASK = (1ull << 48) - 1;
 void watchdog_loop(HsCtx* c) {
   const int lanes = c->lanes;
   std::vector<std::vector<uint64_t>> last(lanes);
-  std::vector<uint64_t> progress(lanes, host_ns());
+  std::vector<uint64_t> progress(lanes, mt::host_ns());
   std::vector<uint64_t> keys, vals;  // reused every poll (no allocation once the lanes' flags are known)
   bool aborted = false;
   while (!c->stop.load(std::memory_order_relaxed)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    uint64_t now = host_ns();
+    uint64_t now = mt::host_ns();
     for (int l = 0; l < lanes; ++l) {
       {
         std::lock_guard<std::mutex> g(c->flags_mu);
@@ -425,23 +419,41 @@ MT_API int mt_hs_error(void* h, int* words) {
   return 0;
 }
 
+// No copy or wait of the lane streams may still touch the memory being unregistered or freed: each lane's streams
+// get the context's timeout (all together) to complete, polled (mt::poll_ready), never cudaDeviceSynchronize, which
+// also waits for other libraries' work without a bound. The watchdog keeps running meanwhile (it still releases a
+// stream whose peer is gone). Past the timeout (317) the streams and events are destroyed (that returns at once) but
+// the staging registration, the error record, the busy words and the abort flag are leaked rather than freed under a
+// stream that may still write them; mt_last_error says so.
 MT_API int mt_hs_destroy(void* h) {
   HsCtx* c = (HsCtx*)h;
   if (c == nullptr) return 0;
   mt::DeviceGuard device_guard;
   (void)device_guard.set(c->device);
-  cudaDeviceSynchronize();  // no copy may still touch the memory being unregistered (the watchdog still
-                            // releases a stream whose peer is gone)
+  const uint64_t deadline = mt::host_ns() + c->timeout_ns;
+  int stuck = -1;
+  for (int i = 0; i < 2 * c->lanes && stuck < 0; ++i) {
+    cudaStream_t s = (i & 1) ? c->s_in[i / 2] : c->s_out[i / 2];
+    if (mt::poll_ready([s] { return cudaStreamQuery(s); }, deadline) == cudaErrorNotReady) stuck = i;
+  }
+  (void)cudaGetLastError();  // a query's error is not this destroy's: keep it out of the next call's launch check
   if (c->watchdog.joinable()) {
     c->stop = true;
     c->watchdog.join();
   }
-  if (c->err_host) cudaFreeHost(c->err_host);
-  if (c->busy_host) cudaFreeHost(c->busy_host);
-  if (c->abort_dev) cudaFree(c->abort_dev);
   free_lanes(c);
-  cudaError_t ce = cudaHostUnregister(c->host_base);
+  cudaError_t ce = cudaSuccess;
+  if (stuck < 0) {
+    if (c->err_host) cudaFreeHost(c->err_host);
+    if (c->busy_host) cudaFreeHost(c->busy_host);
+    if (c->abort_dev) cudaFree(c->abort_dev);
+    ce = cudaHostUnregister(c->host_base);
+  }
+  const double timeout_s = (double)c->timeout_ns / 1e9;
   delete c;
+  MT_REQUIRE(stuck < 0, 317, "mt_hs_destroy: lane %d's %s stream did not complete its copies within %.1f s: the "
+             "staging registration, error record, busy words and abort flag are leaked rather than freed under it",
+             stuck / 2, (stuck & 1) ? "receive" : "send", timeout_s);
   MT_CUDA(ce);
   return 0;
 }

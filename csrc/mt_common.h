@@ -12,6 +12,9 @@
 #endif
 #include <stdint.h>
 #include <stdio.h>
+#include <time.h>
+
+#include <thread>
 
 #define MT_API extern "C" __attribute__((visibility("default")))
 
@@ -89,6 +92,26 @@ inline uint64_t timeout_ns(double s) {
   if (!(s > 0.0)) return 0;
   if (s >= (double)kMaxTimeoutNs / 1e9) return kMaxTimeoutNs;
   return (uint64_t)(s * 1e9);
+}
+
+// CLOCK_MONOTONIC in ns (host).
+inline uint64_t host_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+// Polls `query` (a cudaStreamQuery / cudaEventQuery of a context's own stream or event) until it returns anything
+// but cudaErrorNotReady or host_ns() passes deadline_ns; returns its last result (cudaErrorNotReady: still busy).
+// The destroys wait so, never with cudaDeviceSynchronize: that waits, without a bound, for every stream of the
+// device, other libraries' work included.
+template <class Query>
+inline cudaError_t poll_ready(Query query, uint64_t deadline_ns) {
+  for (;;) {
+    const cudaError_t e = query();
+    if (e != cudaErrorNotReady || host_ns() >= deadline_ns) return e;
+    std::this_thread::yield();
+  }
 }
 
 // Whether `device`'s primary context exists (a cudaSetDevice to it would not create one): cuDevicePrimaryCtxGetState

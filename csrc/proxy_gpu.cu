@@ -5,7 +5,6 @@
 // launching host thread then waits for the kernel's completion word (see mt_pxy_set_host_wait).
 // Also: the race checker used by the unsafe-mode test.
 #include <string.h>
-#include <time.h>
 
 #include <thread>
 #include <vector>
@@ -28,6 +27,7 @@ struct PxCtx {
   uint64_t* done_host = nullptr;  // completion word (pinned, mapped), written by each call's kernel
   uint64_t* done_dev = nullptr;
   uint64_t launches = 0;
+  uint64_t direct_seq = 0;  // the last launch run where it was issued, not captured in a graph (mt_pxy_destroy)
   uint64_t last_epoch = 0;  // the epoch of the last call launched: mt_pxy_clear_error
   int last_kind = 0;        // and its kind: 0 exchange, 1 exchange_counts
   int host_wait = 1;
@@ -36,12 +36,6 @@ struct PxCtx {
   std::vector<std::thread> sim_threads;  // simulated kernels (joined at destroy)
 #endif
 };
-
-inline uint64_t host_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 #ifndef MT_HOST_SIM
 __global__ void pxy_exchange_kernel(PxParams p) {
@@ -199,14 +193,14 @@ static PxParams base_params(PxCtx* c, uint64_t epoch) {
 // Bounded wait for the completion word of launch `seq` (the kernel writes it even after a timeout, so this returns;
 // a dead proxy thread is reported at once).
 static int wait_done(PxCtx* c, uint64_t seq) {
-  const uint64_t deadline = host_ns() + 4 * c->timeout_ns + 10ull * 1000 * 1000 * 1000;
+  const uint64_t deadline = mt::host_ns() + 4 * c->timeout_ns + 10ull * 1000 * 1000 * 1000;
   uint32_t spins = 0;
   while (__atomic_load_n(c->done_host, __ATOMIC_ACQUIRE) < seq) {
     if ((++spins & 255u) == 0) {
       char buf[512];
       int code = mt_proxy_error(c->engine, buf, sizeof(buf));
       MT_REQUIRE(code == 0, 321, "proxy engine failed: %s", buf);
-      if (host_ns() >= deadline) {
+      if (mt::host_ns() >= deadline) {
         mt_proxy_diag(c->engine, buf, sizeof(buf));
         mt::set_error("proxy kernel did not complete (launch %llu); %s", (unsigned long long)seq, buf);
         return 322;
@@ -266,18 +260,20 @@ MT_API int mt_pxy_sim_done(void* h, uint64_t** word, uint64_t* launches) {
 #endif
 
 // Before a launch: an idle-sleeping proxy thread polls again, and keeps polling until this call's kernel wrote its
-// completion word (a kernel being captured runs later, at a replay nobody announces: only the wake, then).
-static void announce(PxCtx* c, uint64_t seq, uint64_t stream) {
+// completion word (a kernel being captured runs later, at a replay nobody announces: only the wake, then). Returns
+// whether the kernel runs now (not captured).
+static bool announce(PxCtx* c, uint64_t seq, uint64_t stream) {
 #ifndef MT_HOST_SIM
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
     mt_proxy_expect_internal(c->engine, nullptr, 0);  // wake only: an earlier call in flight keeps its marker
-    return;
+    return false;
   }
 #else
   (void)stream;
 #endif
   mt_proxy_expect_internal(c->engine, c->done_host, seq);
+  return true;
 }
 
 #ifndef MT_HOST_SIM
@@ -298,7 +294,7 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   PxParams p = base_params(c, epoch);
   p.send_counts = send_counts;
   p.recv_out = recv_counts;
-  announce(c, p.done_value, stream);
+  const bool direct = announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
   c->last_kind = 1;
   sim_launch(c, p, false);
@@ -308,6 +304,7 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   pxy_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le, p.done_value);
 #endif
+  if (direct) c->direct_seq = p.done_value;
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
 
@@ -331,7 +328,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t send_rows, uint64
   p.coupled = coupled ? 1 : 0;
   p.group = group_size;
   p.chunk_rows = chunk_rows;
-  announce(c, p.done_value, stream);
+  const bool direct = announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
   c->last_kind = 0;
   sim_launch(c, p, true);
@@ -341,6 +338,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t send_rows, uint64
   pxy_exchange_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   if (cudaError_t le = cudaGetLastError(); le != cudaSuccess) return launch_failed(c, le, p.done_value);
 #endif
+  if (direct) c->direct_seq = p.done_value;
   return c->host_wait ? host_wait_done(c, p.done_value, stream) : 0;
 }
 
@@ -377,20 +375,40 @@ MT_API int mt_pxy_clear_error(void* h) {
   return 0;
 }
 
+// Waits, within the context's timeout, for the completion word of the last launch not captured in a graph: its kernel
+// writes it last, also after its own timeout, and launches complete in order on the caller's stream (with host waits,
+// the default, each completed before its call returned). Never cudaDeviceSynchronize: that also waits for other
+// libraries' work, without a bound. Past the timeout (324) nothing the kernel may still write is freed: the error
+// record, the completion word and the abort flag are leaked, and mt_last_error says so. (A graph replay still in
+// flight is not this context's to wait for.)
 MT_API int mt_pxy_destroy(void* h) {
   PxCtx* c = static_cast<PxCtx*>(h);
   if (c == nullptr) return 0;
   mt::DeviceGuard device_guard;
   (void)device_guard.set(c->device);
-  cudaDeviceSynchronize();
+  const uint64_t deadline = mt::host_ns() + c->timeout_ns;
+  while (__atomic_load_n(c->done_host, __ATOMIC_ACQUIRE) < c->direct_seq && mt::host_ns() < deadline)
+    std::this_thread::yield();
+  const uint64_t done = __atomic_load_n(c->done_host, __ATOMIC_ACQUIRE), want = c->direct_seq;
 #ifdef MT_HOST_SIM
-  for (auto& t : c->sim_threads) t.join();
+  for (auto& t : c->sim_threads) {  // a simulated kernel still running keeps the leaked words
+    if (done >= want)
+      t.join();
+    else
+      t.detach();
+  }
 #endif
   mt_proxy_forget_internal(c->engine, c->done_host);
-  if (c->err_host) cudaFreeHost(c->err_host);
-  if (c->done_host) cudaFreeHost(c->done_host);
-  if (c->abort_flag) cudaFree(c->abort_flag);
+  const double timeout_s = (double)c->timeout_ns / 1e9;
+  if (done >= want) {
+    if (c->err_host) cudaFreeHost(c->err_host);
+    if (c->done_host) cudaFreeHost(c->done_host);
+    if (c->abort_flag) cudaFree(c->abort_flag);
+  }
   delete c;
+  MT_REQUIRE(done >= want, 324, "mt_pxy_destroy: proxy kernel launch %llu did not complete within %.1f s (completed "
+             "up to %llu): its error record, completion word and abort flag are leaked rather than freed under it",
+             (unsigned long long)want, timeout_s, (unsigned long long)done);
   return 0;
 }
 

@@ -852,6 +852,57 @@ def test_a_drain_and_destroy_are_bounded_when_a_qp_stream_never_completes_in_hos
         lib.mtsim_set_async(0, 0)
 
 
+def test_kernel_context_destroy_is_bounded_when_a_launch_never_completes_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """mt_pxy_destroy waits for this context's own launches (the completion word of the last one not captured) at
+    most the context's timeout, and then returns 324 with the leak named in mt_last_error, instead of waiting for
+    the device (cudaDeviceSynchronize, unbounded and also other libraries' work) and joining the simulated kernel.
+    Here the completion word is wound back after launch 1, so launch 2 waits in stream order for a kernel that never
+    completes (as a kernel stuck on its stream). Before: destroy joined that "kernel" and never returned."""
+    import threading
+
+    import numpy as np
+
+    lib = sim_lib
+    ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
+    data = np.zeros(2 * 4096, dtype=np.uint8)
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    h, x = ctypes.c_void_p(), ctypes.c_void_p()
+    sc, recv = np.array([2], dtype=np.int64), np.zeros(1, dtype=np.int64)
+    word, n = ctypes.POINTER(ctypes.c_uint64)(), ctypes.c_uint64()
+    try:
+        assert lib.mt_proxy_create(0, 1, u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]), 1,
+                                   1, 1, 64, None, 0, ctypes.byref(h)) == 0, lib.mt_last_error()
+        assert lib.mt_pxy_create(h, 0, 0, 1, ctrl.ctypes.data, 0.5, ctypes.byref(x)) == 0, lib.mt_last_error()
+        assert lib.mt_pxy_counts(x, sc.ctypes.data, recv.ctypes.data, 1, 0) == 0, lib.mt_last_error()
+        lib.mt_pxy_sim_done(x, ctypes.byref(word), ctypes.byref(n))
+        assert word[0] == 1 == n.value
+        lib.mt_pxy_set_host_wait(x, 0)
+        word[0] = 0  # launch 1 "never completed": launch 2 waits behind it
+        assert lib.mt_pxy_counts(x, sc.ctypes.data, recv.ctypes.data, 2, 0) == 0, lib.mt_last_error()
+        got: dict[str, object] = {}
+        ctx, x = x, ctypes.c_void_p()  # the thread's to destroy, also where it hangs
+        t = threading.Thread(target=lambda: got.update(rc=lib.mt_pxy_destroy(ctx), err=lib.mt_last_error()),
+                             daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(10.0)
+        took = time.monotonic() - t0
+        assert not t.is_alive(), "mt_pxy_destroy did not return within 10 s"
+        assert got["rc"] == 324 and took < 4.0, (got, took)
+        assert b"proxy kernel launch 2 did not complete within 0.5 s (completed up to 0)" in got["err"], got
+        assert b"leaked rather than freed" in got["err"], got
+    finally:
+        if word:
+            word[0] = 1  # the held "kernel" runs now, into the leaked words, before the engine goes
+            deadline = time.monotonic() + 10.0
+            while word[0] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if x:
+            lib.mt_pxy_destroy(x)
+        if h:
+            lib.mt_proxy_destroy(h)
+
+
 def _engine_cpu(lib: ctypes.CDLL, h: ctypes.c_void_p) -> list:
     """mt_proxy_cpu + mt_proxy_cpu_list: [requested CPUs, state, errno, current, tid] (csrc/proxy_engine.h
     MtProxyCpuField; the requested set as a sorted tuple, () when none)."""
