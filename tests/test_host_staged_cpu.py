@@ -402,3 +402,24 @@ def test_a_closed_transport_says_so_and_never_hands_the_library_a_null_handle(mo
             call()
     assert handles == [] and setups == [] and len(lib.posts) == 1
     t.close()  # twice: nothing more
+
+
+def test_close_raises_naming_a_destroy_that_leaked_and_keeps_the_staging_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mt_hs_destroy past its timeout (a lane stream still copying) leaks the registration and returns nonzero; close()
+    ignored that and unmapped the staging memory under the copy. Now it keeps the mapping (and the tensors failed
+    posts hold) for the life of the process and raises a RuntimeError naming the leak; a second close does nothing."""
+    import torch
+
+    t, lib = _posting(monkeypatch)
+    closed: list[int] = []
+    lib.mt_hs_destroy = lambda h: 317
+    lib.mt_last_error = lambda: b"mt_hs_destroy: lane 0's send stream did not complete its copies within 20.0 s"
+    t._mm, t._anchor = SimpleNamespace(close=lambda: closed.append(1)), object()
+    held = (torch.zeros(4),)
+    t._held_after_failure = [held]
+    with pytest.raises(RuntimeError, match=r"host_staged on rank 0: close: mt_hs_destroy returned 317: mt_hs_destroy: "
+                                           r"lane 0's send stream .* the staging memory is leaked rather than freed"):
+        t.close()
+    assert closed == [] and not t._h and t._mm is None and t._held_after_failure == []
+    t.close()  # once
+    assert closed == []

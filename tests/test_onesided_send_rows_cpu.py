@@ -73,6 +73,7 @@ def lib(monkeypatch: pytest.MonkeyPatch) -> RecLib:
     monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": FakeSymm(nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)
     return rec
 
 

@@ -378,6 +378,7 @@ def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.Monkey
     monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": Symm(nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(P, "proxy_cpu_choice", lambda options, device: CpuChoice(
         () if options.proxy_cpu == "none" else (3, 5), f"test choice for {options.proxy_cpu}"))

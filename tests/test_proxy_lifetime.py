@@ -82,6 +82,7 @@ def sim_world(sim_lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> ctypes.C
     monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": Symm(nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(P, "proxy_cpu_choice", lambda options, device: _affinity.CpuChoice((), "test: unpinned"))
     return sim_lib

@@ -74,6 +74,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple], set[str]]:
     monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": FakeSymm(log, nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)
     return log, fail
 
 
@@ -136,10 +137,10 @@ def test_a_failure_while_releasing_is_noted_not_raised_over_the_cause(fake_gpu: 
     _log, fail = fake_gpu
     fail.add("mt_nvl_create")
 
-    def lost_device(device: Any = None) -> None:
+    def lost_device(self: Any, timeout_s: float) -> bool:
         raise RuntimeError("CUDA error: device lost")
 
-    monkeypatch.setattr(torch.cuda, "synchronize", lost_device)
+    monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lost_device)
     with pytest.raises(csrc_build.CsrcError, match="mt_nvl_create failed") as e:
         _build(NvlinkTransport)
     assert any("device lost" in n for n in e.value.__notes__)
@@ -188,6 +189,67 @@ def test_a_closed_transport_says_so_and_never_hands_c_a_freed_handle(fake_gpu: t
     n = len(log)
     t.close()  # twice: nothing more
     assert len(log) == n
+
+
+# -- a destroy that leaked: close() raises, a finalizer warns -----------------------------------------------------------
+@pytest.mark.parametrize(("cls", "destroy"), [(NvlinkTransport, "mt_nvl_destroy"), (ProxyTransport, "mt_pxy_destroy"),
+                                              (ProxyTransport, "mt_proxy_destroy")])
+def test_close_raises_naming_a_destroy_that_leaked_and_keeps_the_buffers(fake_gpu: tuple, cls: type,
+                                                                         destroy: str) -> None:
+    """A native destroy past its timeout leaks what a kernel or stream may still write and returns nonzero; close()
+    ignored that (the leak showed in mt_last_error only) and freed the symmetric buffers the kernel addresses. Now
+    close() raises a RuntimeError naming the destroy and its message, keeps the buffers, and still stops the rest
+    (the proxy's engine after its kernel context)."""
+    log, fail = fake_gpu
+    t = _build(cls, max_send_rows=8, row_bytes=256)
+    fail.add(destroy)
+    with pytest.raises(RuntimeError, match=rf"{cls.name} on rank 0: close: {destroy} returned 7: injected failure; "
+                                           "its symmetric buffers are leaked rather than freed under it"):
+        t.close()
+    names = _names(log)
+    assert "symm_close" not in names
+    if cls is ProxyTransport:
+        assert names.index("mt_pxy_destroy") < names.index("mt_proxy_destroy")
+    n = len(log)
+    t.close()  # once: nothing more, no second raise
+    assert len(log) == n
+
+
+def test_close_leaks_the_buffers_when_the_current_stream_does_not_finish(fake_gpu: tuple,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() waited with torch.cuda.synchronize (no bound, and every library's work on the device); now it polls
+    an event on the current stream for timeout_s. Past it the native context is still destroyed (bounded) but the
+    buffers the returned views alias are kept, and close() says so."""
+    log, _fail = fake_gpu
+    t = _build(NvlinkTransport, max_send_rows=8, row_bytes=256)
+    monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: False)
+    with pytest.raises(RuntimeError, match=r"close: work on the current stream did not complete within 20 s; its "
+                                           "symmetric buffers are leaked"):
+        t.close()
+    names = _names(log)
+    assert "mt_nvl_destroy" in names and "symm_close" not in names
+
+
+def test_proxy_engine_close_raises_and_its_finalizer_warns_where_destroy_leaked(fake_gpu: tuple) -> None:
+    """ProxyEngine.close() raises naming mt_proxy_destroy's leak; an engine or transport dropped without close()
+    warns instead (a finalizer must not raise), once."""
+    import gc
+
+    _log, fail = fake_gpu
+    fail.add("mt_proxy_destroy")
+    e = ProxyEngine(0, [0], [0], [0])
+    with pytest.raises(RuntimeError, match="proxy engine: close: mt_proxy_destroy returned 7: injected failure"):
+        e.close()
+    e.close()  # once
+    with pytest.warns(RuntimeWarning, match=r"proxy engine: mt_proxy_destroy returned 7: injected failure \(while "
+                                            r"collecting it without close\(\)\)"):
+        ProxyEngine(0, [0], [0], [0])  # dropped at once
+        gc.collect()
+    fail.add("mt_pxy_destroy")
+    with pytest.warns(RuntimeWarning, match="proxy transport: mt_pxy_destroy returned 7: injected failure; "
+                                            "mt_proxy_destroy returned 7"):
+        _build(ProxyTransport)
+        gc.collect()
 
 
 # -- another family's knobs -----------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
@@ -110,6 +111,33 @@ def all_ok(ok: bool, group: dist.ProcessGroup | None, device: torch.device) -> b
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+# What a close() or finalizer did not free because a destroy past its timeout said a kernel or copy may still write
+# it: held for the life of the process, so the memory is never handed to anyone else under that writer.
+_LEAKED: list[Any] = []
+
+
+def keep_leaked(*objs: Any) -> None:
+    _LEAKED.append(objs)
+
+
+def destroy_leak(lib: Any, name: str, rc: int) -> str | None:
+    """None when the native destroy `name` returned 0; else what it leaked and why (its mt_last_error)."""
+    if rc == 0:
+        return None
+    msg = lib.mt_last_error()
+    return f"{name} returned {rc}: {msg.decode(errors='replace') if msg else 'no message'}"
+
+
+def report_leaks(who: str, leaks: list[str], *, raise_: bool) -> None:
+    """A close() raises RuntimeError naming the leaks; a GC finalizer (raise_=False), which must not raise, warns."""
+    if not leaks:
+        return
+    text = f"{who}: " + "; ".join(leaks)
+    if raise_:
+        raise RuntimeError(text)
+    warnings.warn(f"{text} (while collecting it without close())", RuntimeWarning, stacklevel=2)
 
 
 def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -491,10 +519,11 @@ class OneSidedTransport(EPTransport):
     def symm_backend(self) -> str:
         return self.ctrl.backend
 
-    def _release_native(self) -> None:
+    def _release_native(self) -> list[str]:
         """Subclass hook: destroy what the subclass built over the symmetric buffers (the kernels' context, the
         proxy thread). close() runs it before the buffers go, also after a constructor that failed part way, so a
-        handle not made yet must be a no-op."""
+        handle not made yet must be a no-op. Returns what a destroy past its timeout leaked (destroy_leak)."""
+        return []
 
     def _release_after_failure(self, error: BaseException) -> None:
         """A subclass constructor failed after this class allocated the symmetric buffers: free everything as
@@ -506,19 +535,44 @@ class OneSidedTransport(EPTransport):
             error.add_note(f"releasing the half-built {self.name} transport failed too: {type(e).__name__}: {e}")
 
     def close(self) -> None:
+        """Free the native context and the symmetric buffers, once. Where work did not complete within timeout_s
+        (the current stream's, or a native destroy's own), the buffers are leaked rather than freed under it and
+        close raises RuntimeError naming the leak."""
         if self._closed:
             return
         self._closed = True
         self._err0 = None  # it points into pinned memory that _release_native frees
+        leaks: list[str] = []
         try:
-            torch.cuda.synchronize(self.device)
+            if not self._current_stream_done(self.timeout_s):
+                leaks.append(f"work on the current stream did not complete within {self.timeout_s:g} s")
         finally:
             try:
-                self._release_native()  # before the buffers: the proxy thread / kernel context address them
+                leaks += self._release_native()  # before the buffers: the proxy thread / kernel context address them
             finally:
-                if self.data is not None:
-                    self.data.close()
-                self.ctrl.close()
+                if leaks:
+                    keep_leaked(self.data, self.ctrl)
+                else:
+                    if self.data is not None:
+                        self.data.close()
+                    self.ctrl.close()
+        if leaks:
+            raise RuntimeError(f"{self.name} on rank {self.rank}: close: {'; '.join(leaks)}; its symmetric buffers are "
+                               "leaked rather than freed under it")
+
+    def _current_stream_done(self, timeout_s: float) -> bool:
+        """Whether the work queued on this device's current stream completed within timeout_s (an event polled).
+        The kernels launched there and the caller's work reading the returned receive views (they alias the data
+        buffer) run on it; the native destroys wait for the kernels on other streams themselves. Not
+        torch.cuda.synchronize: that waits, without a bound, for every stream of the device, other libraries' too."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + timeout_s
+        while not ev.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 def _round(n: int) -> int:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.options import RuntimeOptions
-from moetune.runtime.transports._onesided import all_ok, decode_error
+from moetune.runtime.transports._onesided import all_ok, decode_error, destroy_leak, keep_leaked
 from moetune.runtime.transports.base import Availability, transport_device
 from moetune.runtime.transports.collective import CollectiveTransport
 
@@ -266,10 +266,13 @@ class HostStagedTransport(CollectiveTransport):
                 except OSError:
                     pass
         if not ok:
-            self._release()
-            raise HostStagedError(
+            leak = self._release()
+            error = HostStagedError(
                 f"host_staged on rank {self.rank}: the staging memory could not be set up on every rank"
                 + (f" ({problem})" if problem else "") + "; hs_native=False (MOETUNE_HS_NATIVE=0) uses NCCL's staging instead")
+            if leak:  # noted, not raised over the cause
+                error.add_note(f"releasing the staging memory: {leak}")
+            raise error
 
     def _broadcast_name(self, name: str) -> str:
         raw = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
@@ -479,10 +482,18 @@ class HostStagedTransport(CollectiveTransport):
         return self._move(channel, sends, recvs, None, finish, keep=(inp, got))
 
     # -- teardown ---------------------------------------------------------------------------------------
-    def _release(self) -> None:
+    def _release(self) -> str | None:
+        """Destroy the library's context and unmap the staging memory. Returns what mt_hs_destroy leaked where a lane
+        stream did not complete within the timeout: then the mapping (and what failed posts hold) is kept for the
+        life of the process instead, as a copy may still touch it."""
         if self._h:
-            self.lib.mt_hs_destroy(self._h)  # waits for the device: no copy still touches the memory
+            # waits (bounded) for the lane streams: no copy still touches the memory
+            leak = destroy_leak(self.lib, "mt_hs_destroy", self.lib.mt_hs_destroy(self._h))
             self._h = ctypes.c_void_p()
+            if leak:
+                keep_leaked(self._mm, self._anchor, self._held_after_failure)
+                self._mm, self._anchor, self._held_after_failure = None, None, []
+                return leak
         self._held_after_failure = []  # the device is done with them (destroy waited)
         self._anchor = None
         if self._mm is not None:
@@ -491,6 +502,7 @@ class HostStagedTransport(CollectiveTransport):
             except BufferError:  # an exported view is still alive somewhere: the mapping goes with the process
                 pass
             self._mm = None
+        return None
 
     def _refuse_closed(self) -> None:
         """After close() the staging memory and the library's context are gone: a later exchange would set them up
@@ -501,6 +513,11 @@ class HostStagedTransport(CollectiveTransport):
                                   "freed); build a new one")
 
     def close(self) -> None:
+        """Free the staging memory and the communicators. Raises RuntimeError where a copy did not complete within
+        onesided_timeout_s (the staging memory is then leaked rather than freed under it)."""
         self._closed = True
-        self._release()
+        leak = self._release()
         super().close()
+        if leak:
+            raise RuntimeError(f"host_staged on rank {self.rank}: close: {leak}; the staging memory is leaked rather "
+                               "than freed under it")

@@ -24,6 +24,7 @@ from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
     OneSidedError,
     OneSidedTransport,
+    destroy_leak,
     one_sided_availability,
     u64_array,
 )
@@ -201,7 +202,7 @@ class NvlinkTransport(OneSidedTransport):
             raise OneSidedError("nvlink: the transport is not running (closed, or its constructor failed)")
         return int(self.lib.mt_nvl_clear_error(self._h))
 
-    def _release_native(self) -> None:
+    def _release_native(self) -> list[str]:
         h, self._h = self._h, None
-        if h is not None:
-            self.lib.mt_nvl_destroy(h)
+        leak = destroy_leak(self.lib, "mt_nvl_destroy", self.lib.mt_nvl_destroy(h)) if h is not None else None
+        return [leak] if leak else []

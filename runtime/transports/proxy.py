@@ -43,7 +43,9 @@ from moetune.runtime.transports import _affinity
 from moetune.runtime.transports._onesided import (
     OneSidedError,
     OneSidedTransport,
+    destroy_leak,
     one_sided_availability,
+    report_leaks,
     u64_array,
 )
 from moetune.runtime.transports.base import Availability
@@ -199,7 +201,7 @@ class ProxyEngine:
             "mt_proxy_create",
         )
         self.handle = h
-        self._finalizer = _on_collect(self, self.lib.mt_proxy_destroy, h)
+        self._finalizer = _on_collect(self, _destroy_engine, self.lib, h)
         self.timeout_s = float(timeout_s)
         try:
             # the thread's drains and destroy wait this long for a QP stream, never forever
@@ -215,8 +217,9 @@ class ProxyEngine:
                 if placed.state == "fallback":  # still works, the polls may cross sockets: a line, not a warning
                     _affinity.note_once(f"moetune: the proxy FIFO of GPU {device} is not on the NUMA node of its "
                                         f"CPUs: {placed.reason}")
-        except BaseException:  # the thread runs already, and the caller never gets this object to close it
-            self.close()
+        except BaseException as e:  # the thread runs already, and the caller never gets this object to close it
+            for leak in self._stop():  # noted, not raised over the cause
+                e.add_note(f"stopping the half-built proxy engine: {leak}")
             raise
 
     def _live(self) -> ctypes.c_void_p:
@@ -322,29 +325,58 @@ class ProxyEngine:
         return list(out)
 
     def close(self) -> None:
-        """Stop the proxy thread (joined) and free the engine; a second call does nothing."""
+        """Stop the proxy thread (joined) and free the engine; a second call does nothing. Raises RuntimeError
+        where a QP stream did not complete within timeout_s (mt_proxy_destroy leaked the engine's memory)."""
+        report_leaks("proxy engine: close", self._stop(), raise_=True)
+
+    def _stop(self) -> list[str]:
+        """close() without raising: what mt_proxy_destroy leaked."""
         self.handle = None
-        if self._finalizer is not None:  # set with the handle: mt_proxy_destroy(handle), once
-            self._finalizer()
+        return _run_now(self._finalizer)  # set with the handle: mt_proxy_destroy(handle), once
 
 
 def _on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
-    """func(*args) when `owner` is collected, or when the returned object is called (once either way). The
-    arguments must not hold `owner` (it would never be collected). Not run at interpreter exit."""
+    """func(*args) when `owner` is collected, or at once through _run_now (once either way). The arguments must not
+    hold `owner` (it would never be collected). Not run at interpreter exit. func(*args, loud=False), the
+    collection, warns about what it leaked; _run_now's call (loud=True) returns it to be raised."""
     f = weakref.finalize(owner, func, *args)
     f.atexit = False
     return f
 
 
-def _destroy_proxy_native(lib: Any, h: ctypes.c_void_p | None, engine: ProxyEngine | None) -> None:
+def _run_now(f: weakref.finalize | None) -> list[str]:
+    """Run an _on_collect finalizer now, if it has not run: what it leaked."""
+    got = f.detach() if f is not None else None
+    if got is None:
+        return []
+    _owner, func, args, kwargs = got
+    return func(*args, **kwargs, loud=True)
+
+
+def _destroy_engine(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
+    leak = destroy_leak(lib, "mt_proxy_destroy", lib.mt_proxy_destroy(h))
+    leaks = [leak] if leak else []
+    if not loud:
+        report_leaks("proxy engine", leaks, raise_=False)
+    return leaks
+
+
+def _destroy_proxy_native(lib: Any, h: ctypes.c_void_p | None, engine: ProxyEngine | None,
+                          loud: bool = False) -> list[str]:
     """The proxy transport's native parts, in order: the kernels' context (it enqueues into the engine and tells
-    it which completion word to watch), then the engine (its thread joined)."""
+    it which completion word to watch), then the engine (its thread joined). What they leaked: returned, and
+    warned about unless `loud` (the caller raises it)."""
+    leaks: list[str] = []
     try:
         if h is not None:
-            lib.mt_pxy_destroy(h)
+            leak = destroy_leak(lib, "mt_pxy_destroy", lib.mt_pxy_destroy(h))
+            leaks += [leak] if leak else []
     finally:
         if engine is not None:
-            engine.close()
+            leaks += engine._stop()
+    if not loud:
+        report_leaks("proxy transport", leaks, raise_=False)
+    return leaks
 
 
 def thread_affinity(tid: int | None) -> tuple[int, ...] | None:
@@ -553,11 +585,11 @@ class ProxyTransport(OneSidedTransport):
         """Where the proxy thread runs (pinned or not, and why: the runtime option `proxy_cpu`)."""
         return replace(self._running_engine().cpu_binding(), reason=self.cpu_choice.reason)
 
-    def _release_native(self) -> None:
+    def _release_native(self) -> list[str]:
         # the kernels' context first: it enqueues into the engine
         h, self._h = self._h, None
         native, self._native = self._native, None
         if native is not None:
-            native()  # _destroy_proxy_native, once
-        else:  # a constructor that failed before the finalizer was made
-            _destroy_proxy_native(self.lib, h, self.engine)
+            return _run_now(native)  # _destroy_proxy_native, once
+        # a constructor that failed before the finalizer was made
+        return _destroy_proxy_native(self.lib, h, self.engine, loud=True)
