@@ -20,9 +20,6 @@
 // CUDA graph): buffers need no reset between calls.
 #include <string.h>
 
-#include <utility>
-#include <vector>
-
 #include "mt_common.h"
 
 namespace {
@@ -46,8 +43,6 @@ struct NvlCtx {
   unsigned long long* epochs = nullptr;
   int last_kind = 0;  // the last call launched: 0 exchange, 1 exchange_counts (mt_nvl_clear_error)
   uint64_t timeout_ns = 10ull * 1000 * 1000 * 1000;
-  // per stream launched on (not captured in a graph): an event recorded behind its last kernel (mt_nvl_destroy)
-  std::vector<std::pair<uint64_t, cudaEvent_t>> last_launch;
 };
 
 enum RowMode { kSpan = 0, kStrided = 1, kGather = 2 };
@@ -436,23 +431,6 @@ static WaitCtx make_wait(NvlCtx* c) {
   return w;
 }
 
-// After a launch on `stream`: record that stream's event behind the kernel, so destroy can wait for this context's
-// kernels alone. A launch being captured runs at a replay, not here: nothing to record.
-static int note_launch(NvlCtx* c, uint64_t stream) {
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  MT_CUDA(cudaStreamIsCapturing((cudaStream_t)stream, &cs));
-  if (cs != cudaStreamCaptureStatusNone) return 0;
-  cudaEvent_t ev = nullptr;
-  for (auto& [s, e] : c->last_launch)
-    if (s == stream) ev = e;
-  if (ev == nullptr) {
-    MT_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    c->last_launch.emplace_back(stream, ev);
-  }
-  MT_CUDA(cudaEventRecord(ev, (cudaStream_t)stream));
-  return 0;
-}
-
 MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_counts, uint64_t stream) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   MT_SET_DEVICE(c->device);
@@ -468,7 +446,7 @@ MT_API int mt_nvl_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   c->last_kind = 1;
   nvl_counts_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
-  return note_launch(c, stream);
+  return 0;
 }
 
 static int nvl_launch(NvlCtx* c, XParams& p, const int64_t* send_counts, const int64_t* recv_counts,
@@ -499,7 +477,7 @@ static int nvl_launch(NvlCtx* c, XParams& p, const int64_t* send_counts, const i
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   nvl_exchange_kernel<<<c->world * cpp, 512, 0, (cudaStream_t)stream>>>(p);
   MT_CUDA(cudaGetLastError());
-  return note_launch(c, stream);
+  return 0;
 }
 
 // send: send_rows packed rows of row_bytes, contiguous; send_counts (device) must be >= 0 and sum to at most
@@ -583,7 +561,9 @@ MT_API int mt_nvl_error(void* h, int* out) {
 MT_API int mt_nvl_clear_error(void* h) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   MT_SET_DEVICE(c->device);
-  MT_CUDA(cudaDeviceSynchronize());
+  const uint64_t deadline = mt::host_ns() + c->timeout_ns;
+  MT_REQUIRE(mt::device_sync_within(c->device, deadline) != cudaErrorNotReady, 109,
+             "mt_nvl_clear_error: the device's work did not complete within %.1f s", (double)c->timeout_ns / 1e9);
   int aborted = 0;
   MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
   unsigned long long last = 0;  // the last launched kind's device epoch (completed by the synchronisation above)
@@ -591,33 +571,24 @@ MT_API int mt_nvl_clear_error(void* h) {
   if (!mt::refusal_clearable(c->err_host, aborted != 0, c->last_kind, last)) return 107;
   // the claim with the record: a claim left set would keep every later error out of the record
   MT_CUDA(cudaMemset(c->abort_flag + 1, 0, sizeof(int)));
-  MT_CUDA(cudaDeviceSynchronize());  // the memset is asynchronous: done before the next launch on any stream
+  // the memset is asynchronous: done before the next launch on any stream
+  MT_REQUIRE(mt::device_sync_within(c->device, deadline) != cudaErrorNotReady, 109,
+             "mt_nvl_clear_error: the device's work did not complete within %.1f s", (double)c->timeout_ns / 1e9);
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }
 
-// Waits for this context's kernels alone (each stream's event behind its last launch, polled: mt::poll_ready), all
-// together within the context's timeout; never cudaDeviceSynchronize, which also waits for other libraries' work
-// without a bound. A kernel's own waits end within that timeout. Past it (108) the events are destroyed (that returns
-// at once) but what a kernel may still write is not freed: the error record, abort flag, group counters and epochs
-// are leaked, and mt_last_error says so. (A graph replay still in flight is not this context's to wait for.)
+// Waits for every launch of this context to end, graph replays included (their kernels run on streams the context
+// never sees), within the context's timeout (mt::device_sync_within); a kernel's own waits end within that timeout.
+// Past it (108) what a kernel may still write is not freed: the error record, abort flag, group counters and epochs
+// are leaked, and mt_last_error says so.
 MT_API int mt_nvl_destroy(void* h) {
   NvlCtx* c = static_cast<NvlCtx*>(h);
   if (c == nullptr) return 0;
   mt::DeviceGuard device_guard;
   (void)device_guard.set(c->device);
-  const uint64_t deadline = mt::host_ns() + c->timeout_ns;
-  uint64_t stuck = 0;
-  bool busy = false;
-  for (auto& [s, ev] : c->last_launch) {
-    cudaEvent_t e = ev;
-    if (!busy && mt::poll_ready([e] { return cudaEventQuery(e); }, deadline) == cudaErrorNotReady) {
-      busy = true;
-      stuck = s;
-    }
-    cudaEventDestroy(ev);
-  }
-  (void)cudaGetLastError();  // a query's error is not this destroy's: keep it out of the next call's launch check
+  const bool busy = mt::device_sync_within(c->device, mt::host_ns() + c->timeout_ns) == cudaErrorNotReady;
+  (void)cudaGetLastError();  // another launch's error is not this destroy's: keep it out of the next call's check
   if (!busy) {
     if (c->err_host) cudaFreeHost(c->err_host);
     if (c->abort_flag) cudaFree(c->abort_flag);
@@ -626,8 +597,8 @@ MT_API int mt_nvl_destroy(void* h) {
   }
   const double timeout_s = (double)c->timeout_ns / 1e9;
   delete c;
-  MT_REQUIRE(!busy, 108, "mt_nvl_destroy: a kernel on stream 0x%llx did not complete within %.1f s: the error record, "
-             "abort flag, group counters and epochs are leaked rather than freed under it", (unsigned long long)stuck,
+  MT_REQUIRE(!busy, 108, "mt_nvl_destroy: the device's work did not complete within %.1f s: the error record, abort "
+             "flag, group counters and epochs are leaked rather than freed under a kernel that may still write them",
              timeout_s);
   return 0;
 }

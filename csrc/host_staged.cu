@@ -419,12 +419,12 @@ MT_API int mt_hs_error(void* h, int* words) {
   return 0;
 }
 
-// No copy or wait of the lane streams may still touch the memory being unregistered or freed: each lane's streams
-// get the context's timeout (all together) to complete, polled (mt::poll_ready), never cudaDeviceSynchronize, which
-// also waits for other libraries' work without a bound. The watchdog keeps running meanwhile (it still releases a
-// stream whose peer is gone). Past the timeout (317) the streams and events are destroyed (that returns at once) but
-// the staging registration, the error record, the busy words and the abort flag are leaked rather than freed under a
-// stream that may still write them; mt_last_error says so.
+// No copy or kernel may still touch the memory being unregistered or freed: each lane's streams, then the rest of the
+// device's work (mt::device_sync_within: the kernels on the caller's streams, graph replays included), get the
+// context's timeout (all together). The watchdog keeps running meanwhile (it still releases a stream whose peer is
+// gone). Past the timeout (317) the streams and events are destroyed (that returns at once) but the staging
+// registration, the error record, the busy words and the abort flag are leaked rather than freed under work that may
+// still write them; mt_last_error says so.
 MT_API int mt_hs_destroy(void* h) {
   HsCtx* c = (HsCtx*)h;
   if (c == nullptr) return 0;
@@ -436,6 +436,7 @@ MT_API int mt_hs_destroy(void* h) {
     cudaStream_t s = (i & 1) ? c->s_in[i / 2] : c->s_out[i / 2];
     if (mt::poll_ready([s] { return cudaStreamQuery(s); }, deadline) == cudaErrorNotReady) stuck = i;
   }
+  const bool idle = stuck < 0 && mt::device_sync_within(c->device, deadline) != cudaErrorNotReady;
   (void)cudaGetLastError();  // a query's error is not this destroy's: keep it out of the next call's launch check
   if (c->watchdog.joinable()) {
     c->stop = true;
@@ -443,7 +444,7 @@ MT_API int mt_hs_destroy(void* h) {
   }
   free_lanes(c);
   cudaError_t ce = cudaSuccess;
-  if (stuck < 0) {
+  if (idle) {
     if (c->err_host) cudaFreeHost(c->err_host);
     if (c->busy_host) cudaFreeHost(c->busy_host);
     if (c->abort_dev) cudaFree(c->abort_dev);
@@ -454,6 +455,8 @@ MT_API int mt_hs_destroy(void* h) {
   MT_REQUIRE(stuck < 0, 317, "mt_hs_destroy: lane %d's %s stream did not complete its copies within %.1f s: the "
              "staging registration, error record, busy words and abort flag are leaked rather than freed under it",
              stuck / 2, (stuck & 1) ? "receive" : "send", timeout_s);
+  MT_REQUIRE(idle, 317, "mt_hs_destroy: the device's work did not complete within %.1f s: the staging registration, "
+             "error record, busy words and abort flag are leaked rather than freed under it", timeout_s);
   MT_CUDA(ce);
   return 0;
 }

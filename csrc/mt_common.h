@@ -14,6 +14,9 @@
 #include <stdio.h>
 #include <time.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <thread>
 
 #define MT_API extern "C" __attribute__((visibility("default")))
@@ -112,6 +115,33 @@ inline cudaError_t poll_ready(Query query, uint64_t deadline_ns) {
     if (e != cudaErrorNotReady || host_ns() >= deadline_ns) return e;
     std::this_thread::yield();
   }
+}
+
+// cudaDeviceSynchronize with a bound: it runs on a thread of its own and the caller polls until it returns or
+// host_ns() passes deadline_ns (cudaErrorNotReady; the thread is left to finish on its own). What a destroy or
+// clear_error needs: every launch of the context done, graph replays included, which no stream or event of the
+// context's own can tell, and never a wait without end. Another library's work delays it, within the bound.
+inline cudaError_t device_sync_within(int device, uint64_t deadline_ns) {
+  struct State {
+    std::atomic<int> done{0};
+    cudaError_t err = cudaSuccess;
+  };
+  auto st = std::make_shared<State>();
+  try {
+    std::thread([st, device] {
+      cudaError_t e = cudaSetDevice(device);
+      if (e == cudaSuccess) e = cudaDeviceSynchronize();
+      st->err = e;
+      st->done.store(1, std::memory_order_release);
+    }).detach();
+  } catch (...) {
+    return cudaErrorNotReady;  // no thread: nothing waited for, so nothing may be freed
+  }
+  while (!st->done.load(std::memory_order_acquire)) {
+    if (host_ns() >= deadline_ns) return cudaErrorNotReady;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return st->err;
 }
 
 // Whether `device`'s primary context exists (a cudaSetDevice to it would not create one): cuDevicePrimaryCtxGetState

@@ -364,23 +364,26 @@ MT_API int mt_pxy_clear_error(void* h) {
     int rc = wait_done(c, c->launches);
     if (rc != 0) return rc;
   }
-  MT_CUDA(cudaDeviceSynchronize());
+  const uint64_t deadline = mt::host_ns() + c->timeout_ns;  // graph replays too: their completion words are not waited
+  MT_REQUIRE(mt::device_sync_within(c->device, deadline) != cudaErrorNotReady, 325,
+             "mt_pxy_clear_error: the device's work did not complete within %.1f s", (double)c->timeout_ns / 1e9);
   int aborted = 0;
   MT_CUDA(cudaMemcpy(&aborted, c->abort_flag, sizeof(int), cudaMemcpyDeviceToHost));
   if (!mt::refusal_clearable(c->err_host, aborted != 0, c->last_kind, c->last_epoch)) return 323;
   // the claim with the record: a claim left set would keep every later error out of the record
   MT_CUDA(cudaMemset(c->abort_flag + 1, 0, sizeof(int)));
-  MT_CUDA(cudaDeviceSynchronize());  // the memset is asynchronous: done before the next launch on any stream
+  // the memset is asynchronous: done before the next launch on any stream
+  MT_REQUIRE(mt::device_sync_within(c->device, deadline) != cudaErrorNotReady, 325,
+             "mt_pxy_clear_error: the device's work did not complete within %.1f s", (double)c->timeout_ns / 1e9);
   memset(c->err_host, 0, MT_ERR_WORDS * sizeof(int));
   return 0;
 }
 
-// Waits, within the context's timeout, for the completion word of the last launch not captured in a graph: its kernel
-// writes it last, also after its own timeout, and launches complete in order on the caller's stream (with host waits,
-// the default, each completed before its call returned). Never cudaDeviceSynchronize: that also waits for other
-// libraries' work, without a bound. Past the timeout (324) nothing the kernel may still write is freed: the error
-// record, the completion word and the abort flag are leaked, and mt_last_error says so. (A graph replay still in
-// flight is not this context's to wait for.)
+// Waits, within the context's timeout, for the completion word of the last launch not captured in a graph (its kernel
+// writes it last, also after its own timeout; launches complete in order on the caller's stream), then for the rest
+// of the device's work, graph replays of this context's kernels included (mt::device_sync_within: their completion
+// words are not tracked). Past the timeout (324) nothing a kernel may still write is freed: the error record, the
+// completion word and the abort flag are leaked, and mt_last_error says so.
 MT_API int mt_pxy_destroy(void* h) {
   PxCtx* c = static_cast<PxCtx*>(h);
   if (c == nullptr) return 0;
@@ -399,8 +402,10 @@ MT_API int mt_pxy_destroy(void* h) {
   }
 #endif
   mt_proxy_forget_internal(c->engine, c->done_host);
+  const bool idle = done >= want && mt::device_sync_within(c->device, deadline) != cudaErrorNotReady;
+  (void)cudaGetLastError();  // another launch's error is not this destroy's: keep it out of the next call's check
   const double timeout_s = (double)c->timeout_ns / 1e9;
-  if (done >= want) {
+  if (idle) {
     if (c->err_host) cudaFreeHost(c->err_host);
     if (c->done_host) cudaFreeHost(c->done_host);
     if (c->abort_flag) cudaFree(c->abort_flag);
@@ -409,6 +414,9 @@ MT_API int mt_pxy_destroy(void* h) {
   MT_REQUIRE(done >= want, 324, "mt_pxy_destroy: proxy kernel launch %llu did not complete within %.1f s (completed "
              "up to %llu): its error record, completion word and abort flag are leaked rather than freed under it",
              (unsigned long long)want, timeout_s, (unsigned long long)done);
+  MT_REQUIRE(idle, 324, "mt_pxy_destroy: the device's work (a graph replay of this context's kernels, or another's) did "
+             "not complete within %.1f s: the error record, completion word and abort flag are leaked rather than "
+             "freed under it", timeout_s);
   return 0;
 }
 
