@@ -106,8 +106,7 @@ inline uint64_t host_ns() {
 
 // Polls `query` (a cudaStreamQuery / cudaEventQuery of a context's own stream or event) until it returns anything
 // but cudaErrorNotReady or host_ns() passes deadline_ns; returns its last result (cudaErrorNotReady: still busy).
-// The destroys wait so, never with cudaDeviceSynchronize: that waits, without a bound, for every stream of the
-// device, other libraries' work included.
+// A destroy's first wait, on what it can name (a stuck lane in its error); device_sync_within below covers the rest.
 template <class Query>
 inline cudaError_t poll_ready(Query query, uint64_t deadline_ns) {
   for (;;) {
