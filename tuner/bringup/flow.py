@@ -475,8 +475,13 @@ class Bringup:
     # -- stages ------------------------------------------------------------------------------------
     def stage_discover(self) -> dict:
         if self.measures:  # this node: recorded as seen. Another node's capture is not (`fabric diff` compares this
-            # node with the fingerprint the store saw last: it reported a change of the node to the capture's)
-            self.store.upsert_fingerprint(self.facts.fingerprint, self.facts.to_dict(), origin="local")
+            # node with the fingerprint the store saw last: it reported a change of the node to the capture's).
+            # The daemon's change rule applies: profiles measured on GPUs since replaced are stale from now on
+            from moetune.tuner.fabric.change import record_node_facts
+
+            note = record_node_facts(self.store, self.facts, by="profile").note()
+            if note:
+                self.console.print(f"[yellow]note:[/yellow] {_as_text(note)}")
         return {"fingerprint": self.facts.fingerprint, "transports": [[t.name, t.reason] for t in self.facts.transports]}
 
     def stage_microbench(self) -> list[dict]:

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from moetune.tuner.cli._args import path_arg, path_option, write_error_code
 from moetune.tuner.cli._tables import Col, fit_table, print_table
-from moetune.tuner.cli.db import db_flag, db_path, fail, open_store
+from moetune.tuner.cli.db import db_flag, db_path, err, fail, open_store
 
 app = typer.Typer(help="Discover this node's fabric, capture it, fingerprint it, diff it.", no_args_is_help=True)
 
@@ -152,7 +152,14 @@ def show(
         with open_store(db, config, mode="create") as store:
             # a capture's facts are recorded as another node's (even one of this node: the daemon's first start
             # compares the node with what it recorded as its own only)
-            store.upsert_fingerprint(f.fingerprint, f.to_dict(), origin="local" if from_dir is None else "capture")
+            if from_dir is not None:
+                store.upsert_fingerprint(f.fingerprint, f.to_dict(), origin="capture")
+            else:  # this node's: a change since its recorded facts is recorded as the daemon records it
+                from moetune.tuner.fabric.change import record_node_facts
+
+                note = record_node_facts(store, f, by="fabric show --record").note()
+                if note:
+                    err.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
     if as_json:
         typer.echo(json.dumps(_summary(f), indent=1))
     else:

@@ -531,7 +531,12 @@ def tune(
                 # this node, discovered live and measured on: its facts recorded (as `profile` and the daemon do),
                 # so the runtime's read-only fallback knows the node and serves the profiles measured here (a
                 # placeholder fingerprint without facts identifies no node: `query` fell back to the defaults)
-                store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
+                # (with the daemon's change rule: profiles measured on GPUs since replaced are stale from now on)
+                from moetune.tuner.fabric.change import record_node_facts
+
+                note = record_node_facts(store, facts, by="tune --backend local").note()
+                if note:
+                    err.print(f"[yellow]note:[/yellow] {escape(note)}")
             results = tune_profiles_detailed(
                 measured_store, facts, models=shapes, tokens=toks, backend=backend, preset=preset, trials=trials,
                 timeout_s=timeout, ep_size=ep_size or (local_opts.get("world") if backend == "local" else None),

@@ -20,7 +20,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from moetune.tuner.fabric.change import facts_dict, identity, incomplete, same_hardware
+from moetune.tuner.fabric.change import (
+    FABRIC_EVENTS,
+    change_details,
+    change_reasons,
+    fabric_left,
+    facts_dict,
+    identity,
+    incomplete,
+    last_fabric_event,
+    recorded_base,
+    restorable,
+    same_hardware,
+)
 
 log = logging.getLogger("moetune.daemon")
 
@@ -60,39 +72,17 @@ class FabricWatch:
 
     def _fabric_events(self) -> list[Any]:
         """The newest fabric events, newest first, however many other events (jobs, stale) came after them."""
-        return self.store.list_events(limit=20, kinds=("fabric_seen", "fabric_changed"))
+        return self.store.list_events(limit=20, kinds=FABRIC_EVENTS)
 
     def _last_fabric_event(self) -> dict[str, Any] | None:
-        for e in self._fabric_events():  # newest first
-            kind = e["kind"] if isinstance(e, dict) else e.kind
-            if kind in ("fabric_seen", "fabric_changed"):
-                d = e["details"] if isinstance(e, dict) else e.details
-                if isinstance(d, dict) and d.get("fingerprint"):
-                    return d
-        return None
+        return last_fabric_event(self.store)
 
-    def _bringup_fabric(self) -> dict[str, Any] | None:
-        """Where no daemon recorded a fabric event yet: the newest fingerprint THIS node recorded as its own, with
-        facts that read (`Store.local_fingerprints`: what `moetune profile`, a tune of this node or `fabric show
-        --record` discovered here), in a fabric event's form, so that a fabric that changed between the bring-up and
-        the daemon's first start is a change (its profiles stale, re-tuned), not a first discovery. Never another
-        node's facts (imported, a capture's, another node's in a shared database) nor a row from before origins were
-        recorded (migration 0010): with none of this node's, None (a first discovery, as before). None too for a
-        daemon serving a capture: what it discovers is not this node."""
-        from moetune.tuner.fabric.facts import FactsError, read_facts
-
-        if self.fabric_origin != "local":
-            return None
-        for row in self.store.local_fingerprints():  # newest last_seen first
-            d = row["facts"]
-            if not d:  # a placeholder: no facts to compare with
-                continue
-            try:
-                f = read_facts(d)
-            except FactsError:
-                continue  # facts that do not decode (a hand edit) are no base
-            return {"fingerprint": row["hash"], "identity": identity(f), "facts": d}
-        return None
+    def _base(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(the newest fabric event, what discovery is compared with): `recorded_base`, the rule every writer of
+        this node's facts applies (`record_node_facts`). No daemon event yet: this node's bring-up is the base, so a
+        fabric that changed between `moetune profile` and the first start is a change; a daemon serving a capture
+        has none (what it discovers is not this node)."""
+        return recorded_base(self.store, self.fabric_origin)
 
     def _discover_once(self) -> Any:
         """Run discovery once and record the outcome (status op, metrics); None when it failed."""
@@ -139,9 +129,8 @@ class FabricWatch:
         facts = self._discover_once()
         if facts is None:
             return
-        last = self._last_fabric_event()
         # no daemon event yet: this node's bring-up is the base (a change since it is a change, not a first discovery)
-        base = last if last is not None else self._bringup_fabric()
+        last, base = self._base()
         if base is not None and not same_hardware(base.get("fingerprint"), base.get("identity"), facts):
             if why := incomplete(facts):
                 self._kept(facts, why)  # nothing served until a round reads everything (as after a failure)
@@ -155,24 +144,6 @@ class FabricWatch:
             self.store.add_event(kind="fabric_seen", reason="first discovery" if last is None else "GPU identities recorded",
                                  details={"fingerprint": facts.fingerprint, "identity": identity(facts),
                                           "facts": facts_dict(facts)})
-
-    def _left(self, fp: str) -> tuple[dict[str, Any] | None, str | None]:
-        """When the fabric last left `fp`: that fabric_changed event's details (from `fp`, to another fingerprint
-        or to other GPUs of it) and the GPU identity `fp` had until then (`identity` of the fabric event before it,
-        which saw or entered `fp`). Profile rows record no identity: the profiles `fp` served until that change were
-        valid for that identity (a replaced GPU makes every current one stale, `same_hardware`), so they may be
-        served again on it only. (None, None) where no such change is recorded (in the newest 2000 fabric events);
-        the identity None where it is not recorded (a daemon before identities; facts without one): not shown equal
-        to any, so nothing is restored."""
-        events = self.store.list_events(limit=2000, kinds=("fabric_seen", "fabric_changed"))  # newest first
-        for n, e in enumerate(events):
-            d = e["details"] if isinstance(e["details"], dict) else {}
-            if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
-                before = events[n + 1]["details"] if n + 1 < len(events) else None
-                before = before if isinstance(before, dict) else {}
-                was = before.get("identity") if before.get("fingerprint") == fp else None
-                return d, (was if isinstance(was, str) and was else None)
-        return None, None
 
     def _retune_after_interrupted_change(self) -> None:
         """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
@@ -258,10 +229,7 @@ class FabricWatch:
 
     def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
         new_dict = facts_dict(facts)
-        try:
-            reasons = self._diff(old_facts, new_dict) if old_facts else ["no previous facts recorded"]
-        except Exception as e:  # broad: old stored facts or a diff hook may fail; the change is handled anyway
-            reasons = [f"facts changed (diff failed: {e})"]
+        reasons = change_reasons(self._diff, old_facts, facts)
         reason = "; ".join(reasons)[:4000]
         log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
         # The store writes below may fail (StoreBusy after its wait, StoreFull, StoreDamaged): then the facts the
@@ -285,9 +253,7 @@ class FabricWatch:
             ids = [i for i, _ in cur]
             if recorded is None:
                 self.store.add_event(kind="fabric_changed", reason=reason,
-                                     details={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint,
-                                              "identity": identity(facts), "reasons": reasons, "facts": new_dict,
-                                              "profiles": ids})
+                                     details=change_details(old_fp, facts, reasons, ids))
             elif old_fp:
                 # a retry: the rows the recorded event lists (made stale already if its mark_stale got through) and
                 # any current since are this change's
@@ -301,14 +267,12 @@ class FabricWatch:
                 self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
             if old_fp != facts.fingerprint:
                 # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured
-                # on it are good again, on the same GPUs only (`_left`); nothing to re-tune for their keys (below).
+                # on it are good again, on the same GPUs only (`fabric_left`); nothing to re-tune for their keys (below).
                 # Only the rows it served until it left (their ids are in that change's event): a row a job wrote for
                 # it after the fabric had moved on (`_fabric_moved_on` made it stale) is no measurement of it, nor is
                 # a row of an earlier stay on other GPUs; an event of a daemon that recorded no ids: nothing is restored
-                left, was = self._left(facts.fingerprint)
-                served = left.get("profiles") if left is not None else None
-                served = [i for i in served if isinstance(i, int)] if isinstance(served, list) else None
-                if was is not None and was == identity(facts) and served is not None:
+                served = restorable(self.store, facts)  # the rule `record_node_facts` applies too
+                if served is not None:
                     n = self.store.restore_stale(fingerprint=facts.fingerprint, ids=served,
                                                  reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
                     if n:
@@ -317,7 +281,8 @@ class FabricWatch:
                 elif self.store.list_profiles(status="stale", fingerprint=facts.fingerprint):
                     log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
                                 "recorded, or which ones it served is not recorded (re-tuned instead)",
-                                extra={"fingerprint": facts.fingerprint, "identity": identity(facts), "measured_on": was})
+                                extra={"fingerprint": facts.fingerprint, "identity": identity(facts),
+                                       "measured_on": fabric_left(self.store, facts.fingerprint)[1]})
             # and the new fingerprint's own stale keys that nothing current replaced: a fabric back to one it had (a
             # port down, then up; a package downgraded, then restored) left its profiles stale from the first change,
             # and with nothing current of the fingerprint in between nothing was re-tuned. Read here, before the
@@ -361,8 +326,7 @@ class FabricWatch:
         if old is not None and same_hardware(old.fingerprint, identity(old), facts):
             return
         if old is None:
-            last = self._last_fabric_event()
-            base = last if last is not None else self._bringup_fabric()  # as `_startup_discovery`
+            last, base = self._base()  # as `_startup_discovery`
             if base is None or same_hardware(base.get("fingerprint"), base.get("identity"), facts):
                 with self._commit_lock:
                     # the facts are adopted once their writes are in (a failed write: the next round tries again)

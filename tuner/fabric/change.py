@@ -48,3 +48,145 @@ def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> b
         return False
     new_identity = identity(facts)
     return old_identity is None or new_identity is None or old_identity == new_identity
+
+
+# -- the node's recorded fabric: what the daemon and every writer of this node's facts compare with -------------------
+
+FABRIC_EVENTS = ("fabric_seen", "fabric_changed")
+
+
+def last_fabric_event(store: Any) -> dict[str, Any] | None:
+    """The details of the newest fabric event that names a fingerprint (the newest 20, however many other events came
+    after them), None where none is recorded."""
+    for e in store.list_events(limit=20, kinds=FABRIC_EVENTS):  # newest first
+        d = e["details"]
+        if e["kind"] in FABRIC_EVENTS and isinstance(d, dict) and d.get("fingerprint"):
+            return d
+    return None
+
+
+def bringup_fabric(store: Any) -> dict[str, Any] | None:
+    """The newest fingerprint THIS node recorded as its own with facts that read (`Store.local_fingerprints`), in a
+    fabric event's form; None where there is none (another node's facts, a capture's, rows from before migration 0010
+    are never this node's past)."""
+    from moetune.tuner.fabric.facts import FactsError, read_facts
+
+    for row in store.local_fingerprints():  # newest last_seen first
+        d = row["facts"]
+        if not d:  # a placeholder: no facts to compare with
+            continue
+        try:
+            f = read_facts(d)
+        except FactsError:
+            continue  # facts that do not decode (a hand edit) are no base
+        return {"fingerprint": row["hash"], "identity": identity(f), "facts": d}
+    return None
+
+
+def recorded_base(store: Any, origin: str = "local") -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the newest fabric event, the base this node's facts are compared with): that event, else where none was
+    recorded yet this node's newest own facts (a fabric that changed since `moetune profile` is a change). Facts of
+    another origin (a capture's) have no base: they are not this node."""
+    last = last_fabric_event(store)
+    if last is not None:
+        return last, last
+    return None, (bringup_fabric(store) if origin == "local" else None)
+
+
+def fabric_left(store: Any, fp: str) -> tuple[dict[str, Any] | None, str | None]:
+    """When the fabric last left `fp`: that fabric_changed event's details and the GPU identity `fp` had until then
+    (of the fabric event before it, which saw or entered `fp`); (None, None) where no such change is recorded in the
+    newest 2000 fabric events, the identity None where it is not recorded (never shown equal to any)."""
+    events = store.list_events(limit=2000, kinds=FABRIC_EVENTS)  # newest first
+    for n, e in enumerate(events):
+        d = e["details"] if isinstance(e["details"], dict) else {}
+        if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
+            before = events[n + 1]["details"] if n + 1 < len(events) else None
+            before = before if isinstance(before, dict) else {}
+            was = before.get("identity") if before.get("fingerprint") == fp else None
+            return d, (was if isinstance(was, str) and was else None)
+    return None, None
+
+
+def restorable(store: Any, facts: Any) -> list[int] | None:
+    """The ids of the profiles a fabric back to `facts.fingerprint` may make current again: those it served until it
+    last left it, and only on the same GPUs (a replaced GPU is a change); None where nothing may be restored."""
+    left, was = fabric_left(store, facts.fingerprint)
+    served = left.get("profiles") if left is not None else None
+    if was is None or was != identity(facts) or not isinstance(served, list):
+        return None
+    return [i for i in served if isinstance(i, int)]
+
+
+def change_details(old_fp: str | None, facts: Any, reasons: list[str], ids: list[int], **more: Any) -> dict[str, Any]:
+    """A fabric_changed event's details: the daemon's start reads the newest one as the node's recorded fabric, and
+    finishes its re-tune from `profiles` (the rows the change made stale) where none was queued."""
+    return {"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
+            "reasons": reasons, "facts": facts_dict(facts), "profiles": ids, **more}
+
+
+def change_reasons(diff: Any, old_facts: dict[str, Any], facts: Any) -> list[str]:
+    try:
+        return list(diff(old_facts, facts_dict(facts))) if old_facts else ["no previous facts recorded"]
+    except Exception as e:  # broad: old stored facts or a diff hook may fail; the change is handled anyway
+        return [f"facts changed (diff failed: {e})"]
+
+
+class Recorded:
+    """What `record_node_facts` did: `stale` profiles made stale by a change (`reasons`), `restored` made current
+    again; `kept`: why the facts were not recorded (incomplete, and another fabric than the recorded one)."""
+
+    def __init__(self, *, reasons: list[str] | None = None, stale: int = 0, restored: int = 0, kept: str = "") -> None:
+        self.reasons, self.stale, self.restored, self.kept = reasons or [], stale, restored, kept
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.reasons)
+
+    def note(self) -> str:
+        """One line for the user ('' when nothing is to be said)."""
+        if self.kept:
+            return f"this node's facts were not recorded: discovery could not read everything ({self.kept})"
+        if not self.changed:
+            return ""
+        shown = "; ".join(self.reasons[:3]) + (f"; and {len(self.reasons) - 3} more" if len(self.reasons) > 3 else "")
+        return (f"this node's fabric changed since it was last recorded ({shown}): {self.stale} profile(s) measured "
+                f"before the change marked stale" + (f", {self.restored} of this fabric made current again"
+                                                     if self.restored else "")
+                + "; the daemon's next start re-tunes the keys not measured since")
+
+
+def record_node_facts(store: Any, facts: Any, *, by: str, diff: Any = default_diff) -> Recorded:
+    """Record `facts` as this node's (origin 'local') with the daemon's change rule: where they are another fabric
+    than the node's recorded one (another fingerprint, or the same one on other GPUs: `same_hardware`), the change
+    is recorded as the daemon records it (a fabric_changed event, the old fingerprint's current profiles stale, a
+    fabric back on the same GPUs gets its profiles back), in the same transaction as the facts. Without it, a writer
+    run while no daemon runs (`fabric show --record`, a local tune, `profile`) recorded the new GPUs over the old
+    ones: the runtime's database fallback served the old parts' profiles as tuned, and the daemon's next start took
+    the swap for a change then, making stale what had been measured on the new GPUs meanwhile. Incomplete facts that
+    differ from the recorded ones are no evidence of a change and are not recorded (`Recorded.kept`). `by`: the
+    command, kept in the event."""
+    _last, base = recorded_base(store)
+    d = facts_dict(facts)
+    if base is None or same_hardware(base.get("fingerprint"), base.get("identity"), facts):
+        store.upsert_fingerprint(facts.fingerprint, d, origin="local")
+        return Recorded()
+    if why := incomplete(facts):
+        return Recorded(kept=why)
+    old_fp = base.get("fingerprint")
+    reasons = change_reasons(diff, base.get("facts") or {}, facts)
+    reason = "; ".join(reasons)[:4000]
+    ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
+    served = restorable(store, facts) if old_fp != facts.fingerprint else None
+    # the facts, the event and the marks together: a crash leaves the old fabric recorded and nothing marked, which
+    # the next writer (or the daemon's start) finds a change again
+    with store.atomic():
+        store.upsert_fingerprint(facts.fingerprint, d, origin="local")
+        store.add_event(kind="fabric_changed", reason=reason,
+                        details=change_details(old_fp, facts, reasons, ids, recorded_by=by))
+        n = store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids) if old_fp else 0
+        back = 0
+        if served is not None:
+            back = store.restore_stale(fingerprint=facts.fingerprint, ids=served,
+                                       reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
+    return Recorded(reasons=reasons, stale=n, restored=back)
