@@ -138,7 +138,7 @@ def _print_facts(f: Any) -> None:
 def show(
     from_dir: Path | None = path_option(None, "--from", "--capture", help="Analyse a capture directory instead of this node (--capture, as for `moetune profile` and `tune`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the facts, hashes and transports as JSON."),
-    record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store."),
+    record: bool = typer.Option(False, "--record", help="Also record the fingerprint and its facts in the store (refused, exit 1, where discovery could not read everything: give it more --timeout)."),
     db: Path | None = path_option(None, "--db", help="Profile database --record writes to (default: configured)."),
     config: Path | None = path_option(None, "--config", help="TOML config file (for --record's database)."),
     timeout_s: float = typer.Option(1.5, "--timeout", callback=_check_timeout, help=_TIMEOUT_HELP),
@@ -148,6 +148,15 @@ def show(
         raise _fail(f"{'--db' if db is not None else '--config'}: names the database --record writes to; without "
                     "--record, `fabric show` opens no database: add --record, or leave it out")
     f = _discover(from_dir, timeout_s)
+    if record and from_dir is None and not f.complete:
+        # refused, not recorded flagged: every reader of this node's recorded facts (the daemon's first start, `fabric
+        # diff`, the runtime's database fallback) would have to pass over such a row; recorded as the node's newest,
+        # they made the daemon's first start record a fabric change that was none
+        raise _fail(f"discovery could not read everything on this node ({'; '.join(f.warnings)}), so these facts are "
+                    "not recorded as this node's (the daemon would take them for a fabric change); nothing was "
+                    f"written. Give discovery more time with --timeout SECONDS (this run: {timeout_s:g} s, at most 60), "
+                    "or run it as a user who may read what was withheld, then record again; `moetune fabric show` "
+                    "without --record shows what was read", 1)
     if record:  # a store error is a message and its exit status (1: busy or not writable), not a traceback
         with open_store(db, config, mode="create") as store:
             # a capture's facts are recorded as another node's (even one of this node: the daemon's first start

@@ -134,7 +134,7 @@ def change_reasons(diff: Any, old_facts: dict[str, Any], facts: Any) -> list[str
 
 class Recorded:
     """What `record_node_facts` did: `stale` profiles made stale by a change (`reasons`), `restored` made current
-    again; `kept`: why the facts were not recorded (incomplete, and another fabric than the recorded one)."""
+    again; `kept`: why the facts were not recorded (discovery could not read everything)."""
 
     def __init__(self, *, reasons: list[str] | None = None, stale: int = 0, restored: int = 0, kept: str = "") -> None:
         self.reasons, self.stale, self.restored, self.kept = reasons or [], stale, restored, kept
@@ -163,16 +163,18 @@ def record_node_facts(store: Any, facts: Any, *, by: str, diff: Any = default_di
     fabric back on the same GPUs gets its profiles back), in the same transaction as the facts. Without it, a writer
     run while no daemon runs (`fabric show --record`, a local tune, `profile`) recorded the new GPUs over the old
     ones: the runtime's database fallback served the old parts' profiles as tuned, and the daemon's next start took
-    the swap for a change then, making stale what had been measured on the new GPUs meanwhile. Incomplete facts that
-    differ from the recorded ones are no evidence of a change and are not recorded (`Recorded.kept`). `by`: the
-    command, kept in the event."""
+    the swap for a change then, making stale what had been measured on the new GPUs meanwhile. Incomplete facts are
+    not recorded (`Recorded.kept`): no evidence of a change, and no base to compare the next discovery with. `by`:
+    the command, kept in the event."""
+    if why := incomplete(facts):
+        # never the node's recorded facts: the daemon's first start compared its complete discovery with them and
+        # recorded a fabric change that was none (the profiles stale, a re-tune queued)
+        return Recorded(kept=why)
     _last, base = recorded_base(store)
     d = facts_dict(facts)
     if base is None or same_hardware(base.get("fingerprint"), base.get("identity"), facts):
         store.upsert_fingerprint(facts.fingerprint, d, origin="local")
         return Recorded()
-    if why := incomplete(facts):
-        return Recorded(kept=why)
     old_fp = base.get("fingerprint")
     reasons = change_reasons(diff, base.get("facts") or {}, facts)
     reason = "; ".join(reasons)[:4000]
