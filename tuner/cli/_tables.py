@@ -43,6 +43,14 @@ def visible(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+def visible_markup(text: str) -> str:
+    """`text` (a daemon's message, a stored value) inside a Rich markup string: its control characters shown as
+    \\xNN (`visible`) and its brackets text, never markup."""
+    from rich.markup import escape
+
+    return escape(visible(text))
+
+
 def _text(cell: RenderableType | None) -> Text:
     if isinstance(cell, Text):  # its spans index the raw text: one with control characters keeps its style only
         return cell if visible(cell.plain) == cell.plain else Text(visible(cell.plain), style=cell.style)

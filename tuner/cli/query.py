@@ -162,7 +162,10 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
         if json_out:
             print_json({"ok": False, "error": why})
         else:
-            typer.secho(f"moetune {op}: {why}", fg="red", err=True)
+            from moetune.tuner.cli._tables import visible
+
+            # the daemon's message: a terminal escape in it is shown, not obeyed
+            typer.secho(f"moetune {op}: {visible(why)}", fg="red", err=True)
         raise typer.Exit(1) from None
     finally:
         client.close()
@@ -337,8 +340,10 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(out))
             return
         from rich.console import Console
-        from rich.markup import escape
         from rich.table import Table
+
+        # the daemon's strings: brackets text, control characters shown (\\xNN), not obeyed by the terminal
+        from moetune.tuner.cli._tables import visible_markup as escape
 
         con = Console()
         t = Table(title=f"{shape.name} ep={ep} nodes={nodes} tokens={tokens}", show_header=False)

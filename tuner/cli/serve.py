@@ -194,4 +194,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json({"ok": True, **msgspec.structs.asdict(res)})
         else:
-            typer.echo(res.message)
+            from moetune.tuner.cli._tables import visible
+
+            # the daemon's text (a job's reason, quoted back): a terminal escape in it is shown, not obeyed (as by status)
+            typer.echo(visible(res.message))
