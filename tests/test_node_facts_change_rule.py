@@ -162,3 +162,30 @@ def test_the_marks_and_the_facts_are_one_transaction(tmp_path: Path, monkeypatch
     assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)
     assert not _fabric_changed(store)
     assert record_node_facts(store, new, by="test").stale == len(seeded)
+
+
+def test_a_resumed_profile_records_a_swap_since_its_earlier_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state file is keyed by the fingerprint, which a swap keeps: the resumed run skipped `discover` and so
+    recorded nothing, measuring on the new GPUs beside the old parts' current profiles."""
+    from moetune.tuner.bringup.flow import STAGES, Bringup, Plan
+
+    store, old, seeded = _profiled(tmp_path, "h200x2")
+    plan = Plan(models=["qwen3-30b"], tokens=[16], trials=2, repeats=1, iters=5)
+
+    def bringup(capture: Path, facts: Any) -> Any:
+        monkeypatch.setattr(discovery, "live_facts", lambda timeout_s=1.5: facts, raising=False)
+        return Bringup(store=store, plan=plan, state_dir=tmp_path / "state", console=Console(file=io.StringIO(), width=300),
+                       capture=capture, storage=f"sqlite:///{tmp_path / 'opt.db'}")
+
+    first = bringup(CAPTURES / "h200x2", old)
+    first.state.mark("discover", first.stage_discover())  # interrupted after its first stage
+    cap, new = _swapped(tmp_path)
+    again = bringup(cap, new)
+    assert again.state.done("discover")
+    for stage in STAGES[1:]:  # the measuring stages are another test's business
+        monkeypatch.setattr(again, f"stage_{stage}", lambda: {})
+    again.run()
+    assert not store.list_profiles(status="current", fingerprint=old.fingerprint)
+    assert len(store.list_profiles(status="stale", fingerprint=old.fingerprint)) == len(seeded)
+    assert _fabric_changed(store)[0]["details"]["recorded_by"] == "profile"
+

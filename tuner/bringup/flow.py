@@ -473,15 +473,20 @@ class Bringup:
                            "here[/]")
 
     # -- stages ------------------------------------------------------------------------------------
-    def stage_discover(self) -> dict:
-        if self.measures:  # this node: recorded as seen. Another node's capture is not (`fabric diff` compares this
-            # node with the fingerprint the store saw last: it reported a change of the node to the capture's).
-            # The daemon's change rule applies: profiles measured on GPUs since replaced are stale from now on
-            from moetune.tuner.fabric.change import record_node_facts
+    def _record_node(self) -> None:
+        """This node's facts recorded as seen (`record_node_facts`: the daemon's change rule, so profiles measured on
+        GPUs since replaced are stale from now on). Another node's capture is not (`fabric diff` compares this node
+        with the fingerprint the store saw last: it reported a change of the node to the capture's)."""
+        if not self.measures:
+            return
+        from moetune.tuner.fabric.change import record_node_facts
 
-            note = record_node_facts(self.store, self.facts, by="profile").note()
-            if note:
-                self.console.print(f"[yellow]note:[/yellow] {_as_text(note)}")
+        note = record_node_facts(self.store, self.facts, by="profile").note()
+        if note:
+            self.console.print(f"[yellow]note:[/yellow] {_as_text(note)}")
+
+    def stage_discover(self) -> dict:
+        self._record_node()
         return {"fingerprint": self.facts.fingerprint, "transports": [[t.name, t.reason] for t in self.facts.transports]}
 
     def stage_microbench(self) -> list[dict]:
@@ -929,6 +934,10 @@ class Bringup:
             # since is written again)
             if self.state.done(stage) and not again and stage != "report":
                 self.console.print(f"[dim]✓ {stage} (done earlier; resuming)[/]")
+                if stage == "discover":
+                    # the node as this run found it, recorded all the same: a GPU swapped since the earlier run keeps
+                    # the fingerprint (and so this state file), and what the earlier stages measured was the old part's
+                    self._record_node()
                 continue
             again = True
             self.console.print(f"[bold]→ {stage}[/]")
