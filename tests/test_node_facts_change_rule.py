@@ -189,3 +189,25 @@ def test_a_resumed_profile_records_a_swap_since_its_earlier_run(tmp_path: Path, 
     assert len(store.list_profiles(status="stale", fingerprint=old.fingerprint)) == len(seeded)
     assert _fabric_changed(store)[0]["details"]["recorded_by"] == "profile"
 
+
+def test_another_nodes_fabric_event_in_a_shared_database_is_no_base(tmp_path: Path) -> None:
+    """Identical nodes share a fingerprint and its profiles: the other node's daemon's event names its own GPUs, which
+    are no replaced parts of this node's (comparing with it made the shared profiles stale)."""
+    from moetune.tuner.fabric.change import record_node_facts, this_node
+
+    store, old, seeded = _profiled(tmp_path, "h200x2")
+    _cap, twin = _swapped(tmp_path)  # the other node: same model of GPUs, other serials
+    store.add_event(kind="fabric_seen", reason="first discovery",
+                    details={"fingerprint": twin.fingerprint, "identity": identity(twin), "facts": twin.to_dict(),
+                             "node": "the-other-node"})
+    assert this_node() != "the-other-node"
+    res = record_node_facts(store, old, by="test")
+    assert not res.changed and not _fabric_changed(store)
+    assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)
+    d, ran, done = _start(store, tmp_path, old)  # nor is it the daemon's base at its first start here
+    try:
+        assert not done.wait(1.0), f"re-tuned at start: {ran}"
+        assert not _fabric_changed(store)
+        assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)
+    finally:
+        d.stop()

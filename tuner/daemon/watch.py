@@ -32,6 +32,7 @@ from moetune.tuner.fabric.change import (
     recorded_base,
     restorable,
     same_hardware,
+    seen_details,
 )
 
 log = logging.getLogger("moetune.daemon")
@@ -142,8 +143,7 @@ class FabricWatch:
         if last is None or (last.get("identity") is None and identity(facts) is not None):
             # the first discovery, or the first since GPU identities are recorded: the base to compare with
             self.store.add_event(kind="fabric_seen", reason="first discovery" if last is None else "GPU identities recorded",
-                                 details={"fingerprint": facts.fingerprint, "identity": identity(facts),
-                                          "facts": facts_dict(facts)})
+                                 details=seen_details(facts))
 
     def _retune_after_interrupted_change(self) -> None:
         """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
@@ -332,9 +332,7 @@ class FabricWatch:
                     # the facts are adopted once their writes are in (a failed write: the next round tries again)
                     self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=self.fabric_origin)
                     if last is None:
-                        self.store.add_event(kind="fabric_seen", reason="first discovery",
-                                             details={"fingerprint": facts.fingerprint, "identity": identity(facts),
-                                                      "facts": facts_dict(facts)})
+                        self.store.add_event(kind="fabric_seen", reason="first discovery", details=seen_details(facts))
                     self.facts = facts
                     # the start-up discovery failed, so the start could not finish a change the last daemon recorded
                     # but did not queue (it needs the facts): done now, before the index is rebuilt

@@ -55,14 +55,29 @@ def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> b
 FABRIC_EVENTS = ("fabric_seen", "fabric_changed")
 
 
+def this_node() -> str:
+    from moetune.tuner.store._owner import node_id
+
+    return node_id()
+
+
 def last_fabric_event(store: Any) -> dict[str, Any] | None:
     """The details of the newest fabric event that names a fingerprint (the newest 20, however many other events came
-    after them), None where none is recorded."""
+    after them), None where none is recorded. An event another node recorded (`node` in its details: a database
+    shared by nodes) is passed over: comparing this node with it took identical nodes' other GPUs for a replaced one
+    and made their shared profiles stale. An event without `node` (a moetune before it) is taken, as before."""
+    here = this_node()
     for e in store.list_events(limit=20, kinds=FABRIC_EVENTS):  # newest first
         d = e["details"]
-        if e["kind"] in FABRIC_EVENTS and isinstance(d, dict) and d.get("fingerprint"):
+        if (e["kind"] in FABRIC_EVENTS and isinstance(d, dict) and d.get("fingerprint")
+                and d.get("node") in (None, here)):
             return d
     return None
+
+
+def seen_details(facts: Any) -> dict[str, Any]:
+    """A fabric_seen event's details (this node's first discovery, or its first with GPU identities)."""
+    return {"fingerprint": facts.fingerprint, "identity": identity(facts), "facts": facts_dict(facts), "node": this_node()}
 
 
 def bringup_fabric(store: Any) -> dict[str, Any] | None:
@@ -122,7 +137,7 @@ def change_details(old_fp: str | None, facts: Any, reasons: list[str], ids: list
     """A fabric_changed event's details: the daemon's start reads the newest one as the node's recorded fabric, and
     finishes its re-tune from `profiles` (the rows the change made stale) where none was queued."""
     return {"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
-            "reasons": reasons, "facts": facts_dict(facts), "profiles": ids, **more}
+            "reasons": reasons, "facts": facts_dict(facts), "profiles": ids, "node": this_node(), **more}
 
 
 def change_reasons(diff: Any, old_facts: dict[str, Any], facts: Any) -> list[str]:
@@ -153,7 +168,7 @@ class Recorded:
         return (f"this node's fabric changed since it was last recorded ({shown}): {self.stale} profile(s) measured "
                 f"before the change marked stale" + (f", {self.restored} of this fabric made current again"
                                                      if self.restored else "")
-                + "; the daemon's next start re-tunes the keys not measured since")
+                + "; a daemon on this database re-tunes the keys not measured since")
 
 
 def record_node_facts(store: Any, facts: Any, *, by: str, diff: Any = default_diff) -> Recorded:
