@@ -172,7 +172,7 @@ def test_query_shows_where_a_preset_profile_came_from(tmp_path: Path) -> None:
         # (none does here: only the preset's key is recorded), so the database path this checks never runs
         pytest.skip("this node has NVIDIA GPUs: its identity matches no recorded fingerprint in this test")
     r = _run("tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--tokens", "128",
-             "--trials", "2", "--from", str(ROOT / "tests/captures/h200x2"), "--json", home=tmp_path)
+             "--trials", "2", "--json", home=tmp_path)
     assert r.exit_code == 0, r.output
     assert "(MODELLED" not in r.output  # --json: rows only
     q = _run("query", "--model", "qwen3-30b", "--ep", "8", "--tokens", "128", "--format", "json", "--timeout-ms", "100",
@@ -185,7 +185,7 @@ def test_query_shows_where_a_preset_profile_came_from(tmp_path: Path) -> None:
 
 def test_tune_table_says_modelled(tmp_path: Path) -> None:
     r = _run("tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--tokens", "128",
-             "--trials", "2", "--from", str(ROOT / "tests/captures/h200x2"), home=tmp_path)
+             "--trials", "2", home=tmp_path)
     assert r.exit_code == 0, r.output
     assert "tuned profiles (MODELLED: predicted, not measured)" in r.output
 
@@ -194,7 +194,7 @@ def test_fabric_diff_default_skips_a_preset_key(tmp_path: Path) -> None:
     """A model tune records its preset's key (no facts); `fabric diff` without --against then said `the store has
     fingerprint preset:... but not its facts` instead of what to do."""
     r = _run("tune", "--backend", "model", "--preset", "ndr-ibrc-h100x8", "--model", "qwen3-30b", "--tokens", "128",
-             "--trials", "1", "--from", str(ROOT / "tests/captures/h200x2"), "--json", home=tmp_path)
+             "--trials", "1", "--json", home=tmp_path)
     assert r.exit_code == 0, r.output
     d = _run("fabric", "diff", "--from", str(ROOT / "tests/captures/h200x1"), home=tmp_path)
     assert d.exit_code == 2, d.output
