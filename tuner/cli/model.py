@@ -171,6 +171,9 @@ def predict_cmd(
     if layout != "auto" and k.transport not in ("collective", "host_staged"):
         _fail(f"--layout {layout} applies to the collective transports (collective, host_staged); transport "
               f"{k.transport!r} has one layout (use --layout auto)")
+    if why := _one_rank(k.transport, w.pes, "a prediction of {families} would be a latency", "Predict an EP group of 2 or more ranks "
+                        "(--gpus-per-node × --nodes >= 2)"):
+        _fail(why)
     w = msgspec.structs.replace(w, dense=dense[layout])
     try:
         res = predict(pr, w, k, phase=phase)  # type: ignore[arg-type]
@@ -215,6 +218,14 @@ def predict_cmd(
     if scale:
         _console.print(f"[yellow]note[/yellow]: {_e(scale)}", soft_wrap=True)
     _console.print(f"[yellow]{LABEL}[/yellow]: predicted by the fabric model from preset parameters, not measured.")
+
+
+def _one_rank(transport: str, gpus: int, done: str, fix: str) -> str:
+    """Why `gpus` ranks (nodes × GPUs per node) predict no exchange of `transport`, '' when they do: the rule the
+    tune backends apply (`one_rank_exchange`), so `model predict`/`sweep` never print a latency of no exchange."""
+    from moetune.tuner.search.backends import one_rank_exchange
+
+    return one_rank_exchange(gpus, [transport], done=done, fix=fix)
 
 
 def _divisors(n: int) -> list[int]:
@@ -400,6 +411,10 @@ def sweep_cmd(
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
     modes = ALLOWED_FENCE_MODES[k0.transport]
     grid, unit, notes = 0, "", []
+    one_rank_fix = "Sweep an EP group of 2 or more ranks (--gpus-per-node × --nodes >= 2)"
+    if over != "nodes" and (why := _one_rank(k0.transport, w0.pes, "a sweep of {families} would be latencies",
+                                                  one_rank_fix)):
+        _fail(why)
     if over == "group_size":
         k0, grid, unit, notes = _group_sweep(pr, w0, k0, knobs, values is not None)
     if values is not None:  # --values "" is an empty list to refuse, not "not given"
@@ -410,10 +425,20 @@ def sweep_cmd(
         if not xs:
             _fail(f"--values: nothing to sweep in {values!r}; give comma-separated integers")
         _check_sweep_values(over, xs, w0)
+        if over == "nodes" and (why := _one_rank(k0.transport, min(xs) * w0.gpus_per_node,
+                                                 f"the {{families}} point at nodes = {min(xs)} would be a latency", one_rank_fix)):
+            _fail(f"--values: {why}")
     elif over == "group_size":
         xs = _divisors(grid)
     elif over == "nodes":  # up to the most nodes the preset's fabric connects
         xs = [n for n in (1, 2, 4, 8, 16) if not pr.max_nodes or n <= pr.max_nodes]
+        if xs and (why := _one_rank(k0.transport, xs[0] * w0.gpus_per_node, "the {families} point at nodes = 1 would be a latency",
+                                            one_rank_fix)):
+            xs = xs[1:]  # one GPU on one node: no exchange, so no point (as predict refuses)
+            if not xs:
+                _fail(why)
+            notes.append(f"nodes = 1 left out: with {w0.gpus_per_node} GPU per node that is an EP group of one rank, "
+                         "which exchanges nothing")
     else:
         xs = [64, 256, 1024, 4096, 16384]
     if not xs:

@@ -352,6 +352,13 @@ class ModelBackend(BenchmarkBackend):
 
         return frozenset(Knobs.__struct_fields__) - KNOBS_READ[transport]
 
+    def refusal(self, *, ep_size: int, nodes: int, families: Sequence[str], gpu_count: int) -> str:
+        # a prediction stands for what it predicts, but at EP 1 that is no exchange (a ~14 µs "profile" of nothing)
+        return one_rank_exchange(ep_size, families, done='a prediction of {families} would store a "modelled" profile',
+                                 fix="Tune a transport family at EP size 2 or more (--ep-size 2; the default is the "
+                                     "preset's GPUs per node × --nodes); the one-GPU MoE layer is measured with "
+                                     "--backend local --family megakernel")
+
     def supports(self, family: str) -> bool:
         if family == MEGAKERNEL:  # the fabric model predicts exchanges, not a kernel's tiles
             return False
@@ -639,6 +646,20 @@ def _default_comm_backend(world: int) -> str:
         return "gloo"
 
 
+def one_rank_exchange(ep_size: int, families: Sequence[str], *, done: str, fix: str) -> str:
+    """Why an EP group of `ep_size` ranks cannot stand for an exchange of `families`, '' when it can: one rank
+    exchanges nothing, so its number, measured (the local backend) or predicted (the model backend, `moetune model
+    predict`/`sweep`), is of no exchange at all. As the bring-up refuses world = 1 / ep_sizes = [1] (Plan.validate).
+    The megakernel runs on one GPU (EP 1 is its size), so it is never refused here.
+    `done`: what would come of it, with `{families}` for the transport families named; `fix`: what to do instead.
+    One check, one wording, for every command that could store or print such a number."""
+    transports = [f for f in families if f != MEGAKERNEL]
+    if ep_size >= 2 or not transports:
+        return ""
+    return (f"EP size {ep_size}: one rank exchanges nothing, so {done.format(families=', '.join(transports))} of no "
+            f"exchange at all. {fix}")
+
+
 def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]) -> str:
     """Why a local measurement of `world` ranks on this one host cannot stand for (ep_size, nodes), '' when it can.
 
@@ -647,11 +668,11 @@ def unmeasured_key(world: int, ep_size: int, nodes: int, families: Sequence[str]
     nodes 1 are checked where it is chosen), whatever the world."""
     if all(f == MEGAKERNEL for f in families):
         return ""
-    if ep_size < 2:  # as the bring-up refuses world = 1 / ep_sizes = [1] (Plan.validate)
-        transports = ", ".join(f for f in families if f != MEGAKERNEL)
-        return (f"EP size {ep_size}: one rank exchanges nothing, so a local measurement of {transports} would store a "
-                "\"measured\" profile of no exchange at all. Tune a transport family with 2 or more ranks (--world 2), "
-                "or the one-GPU MoE layer with --family megakernel")
+    why = one_rank_exchange(ep_size, families, done='a local measurement of {families} would store a "measured" profile',
+                            fix="Tune a transport family with 2 or more ranks (--world 2), or the one-GPU MoE layer "
+                                "with --family megakernel")
+    if why:
+        return why
     if world == ep_size and nodes == 1:
         return ""
     return (f"the local backend measures {world} rank(s) on this one node, but the profile would be stored for "
