@@ -45,10 +45,11 @@ class Plan:
     backend: str = "auto"
     trials: int = 16
     repeats: int = 3
-    iters: int = 20  # timed iterations inside each repeat
+    iters: int = 20  # timed iterations inside each repeat, and of each microbenchmark size
     compare_rounds: int = 2  # interleaved rounds of the tuned-vs-default comparison
     trial_timeout_s: float = 120.0
-    microbench_sizes: list[int] = field(default_factory=list)  # empty: the default sweep
+    # message sizes (bytes) of the microbenchmarks; empty: the default sweep (micro.DEFAULT_SIZES, 1 KiB to 16 MiB)
+    microbench_sizes: list[int] = field(default_factory=list)
     # EP sizes to tune, each <= the node's GPUs. Empty (the default): one EP group of every GPU of the node, the
     # group a job on the whole node runs (the largest size up to the GPU count over which every planned model's
     # experts divide; 2 gloo ranks on a node without GPUs). Smaller groups are tuned only when listed: each size is
@@ -59,8 +60,11 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         # 2 compare rounds: with one repeat, one round gives each setting one sample, too few to call a gain
+        # its short microbenchmark sweep is a plan key like the others (a --plan file on --quick may set another)
+        from moetune.tuner.measure.micro import QUICK_SIZES
+
         return cls(models=["qwen3-30b"], tokens=[128, 1024], trials=4, repeats=1, iters=10, compare_rounds=2,
-                   trial_timeout_s=60.0)
+                   trial_timeout_s=60.0, microbench_sizes=list(QUICK_SIZES))
 
     @classmethod
     def from_file(cls, path: Path, base: Plan) -> Plan:
@@ -311,6 +315,16 @@ def _decode_notes(compared: list[dict[str, Any]]) -> list[str]:
             "runs, the tune measured the policy default only" for m, s in small]
 
 
+def _bytes(n: int) -> str:
+    """1024 -> '1 KiB', 16777216 -> '16 MiB' (as the report writes sizes)."""
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024:
+            return f"{x:g} {unit}"
+        x /= 1024
+    return f"{x:g} TiB"
+
+
 def _as_text(text: str) -> str:
     """`text` printed as written through the console: a '[' in a row label is not read as markup."""
     return text.replace("[", "\\[")
@@ -496,7 +510,9 @@ class Bringup:
         if not self.measures:
             self._skip("microbenchmarks")
             return rows
-        sizes = self.plan.microbench_sizes or (microbench.QUICK_SIZES if self.plan.trials <= 8 else microbench.DEFAULT_SIZES)
+        # the plan's sizes and iters, as written: the quick sweep and 5 iterations were taken for any plan of
+        # trials <= 8 (bench/plans/h200x2.toml's iters = 20 ran 5)
+        sizes = self.plan.microbench_sizes or list(microbench.DEFAULT_SIZES)
         applicable = [(b, why) for b, ok, why in microbench.plan(self.facts.transport_names, self.facts.gpu_count,
                                                                   self.plan.models[0]) if ok]
         # A rerun after an interruption skips the benchmarks whose rows are stored (the state keeps them) and
@@ -507,6 +523,10 @@ class Bringup:
         bar = self.progress
         # a resumed stage counts what it kept as done ("resumed, 1/2 done"; it said "started, 0/2 done")
         done = sum(f"{b.transport}/{b.runner}" in finished for b, _why in applicable)
+        if applicable:
+            self.console.print(f"microbenchmarks: {len(sizes)} message sizes ({_bytes(min(sizes))} to "
+                               f"{_bytes(max(sizes))}{'' if self.plan.microbench_sizes else ', the default sweep'}), "
+                               f"{self.plan.iters} timed iterations each (plan: microbench_sizes, iters)")
         task = bar.add("microbenchmarks", len(applicable), done)
         for bench, _why in applicable:
             bench_id = f"{bench.transport}/{bench.runner}"
@@ -516,8 +536,7 @@ class Bringup:
             bar.update(task, done, description=f"microbenchmark {bench.transport} ({bench.runner})")
             done += 1  # run or failed: its turn is over
             try:
-                results = bench.run(sizes if bench.runner != "a2a" else (),
-                                    iters=5 if self.plan.trials <= 8 else 20)
+                results = bench.run(sizes if bench.runner != "a2a" else (), iters=self.plan.iters)
             except RuntimeError as e:
                 self.console.print(f"[yellow]microbenchmark {bench.transport}/{bench.runner} failed: "
                                    f"{_as_text(str(e))}[/]")
