@@ -476,10 +476,13 @@ def tune(
                                f"{source} found {gpus} GPU(s)")
         if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is
             _fail(no_cuda)
+    from moetune.tuner.search.backends import ModelBackend
     from moetune.tuner.search.tune import check_tune
 
     try:  # what the search would refuse before its first study (a family not on this fabric, ...): before any file is made
-        plan = check_tune(facts, models=shapes, backend=backend, preset=preset,
+        # the banner above gave a forced fit's warning: the backend does not log it a second time
+        tune_backend: Any = ModelBackend(preset, warn_forced=False) if forced else backend
+        plan = check_tune(facts, models=shapes, backend=tune_backend, preset=preset,
                    ep_size=ep_size or (local_opts.get("world") if backend == "local" else None), nodes=nodes,
                    families=family or None, policy_override=policy, node_model=node_model, local_options=local_opts)
     except (ValueError, OSError) as e:
@@ -596,8 +599,8 @@ def tune(
         })
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
-    if forced:  # again after the progress bar and the results, where it is read
-        err.print(_forced_note(preset, forced, node_model))
+    if forced:  # again after the progress bar and the results, where it is read: the reminder, not the reasons twice
+        err.print(_forced_note(preset, forced, node_model, again=True))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         _budget_ended(results, trials, timeout, budget_from)
@@ -741,10 +744,17 @@ def _scale_note(backend: str, preset: str | None, results: list) -> str | None:
     return scale_note(pr, gpus, "this tune", tokens=[r.study.workload.tokens for r in results])
 
 
-def _forced_note(preset: str, warning: str, node_model: bool) -> str:
+def _forced_note(preset: str, warning: str, node_model: bool, again: bool = False) -> str:
     """What the user is told, before and after the tune, when --preset is a forced (refused) fit: the explicit
-    choice is honoured, never silently."""
+    choice is honoured, never silently. `again` (after the results): the reminder only, its warning (the reasons,
+    long) was printed once, before the tune."""
     use = "profiles stored as THIS NODE's model" if node_model else "profiles stored from it"
+    if again:
+        stored = ", stored as THIS NODE's model," if node_model else ""
+        return (f"[bold red]FORCED MODEL: this tune's profiles{stored} rest on {escape(preset)}, a fit the "
+                "calibration checks REFUSED[/bold red] [red](why: printed before the tune; the --json rows' "
+                "forced_model). For a model to trust, re-run `moetune profile` or `moetune model calibrate` without "
+                "--force.[/red]")
     return (f"[bold red]FORCED MODEL: {escape(preset)} is a fit the calibration checks REFUSED (written by "
             f"`moetune model calibrate --force`):[/bold red] {escape(warning)}\n"
             f"[red]its predictions are not trusted; the {use} rest on it. For a model to trust, re-run "

@@ -306,7 +306,9 @@ class ModelBackend(BenchmarkBackend):
     provenance: ClassVar[Provenance] = "preset"
 
     def __init__(self, preset: Any = None, *, predictor: Callable[[Knobs, TuneWorkload], Any] | None = None,
-                 routing: str | None = None, tile: int | None = None):
+                 routing: str | None = None, tile: int | None = None, warn_forced: bool = True):
+        """`warn_forced=False`: a caller that tells the user of a forced fit itself (`moetune tune`'s FORCED MODEL
+        banner) is not given the same warning a second time as a log line; `forced_fit` is set either way."""
         if preset is None and predictor is None:
             raise ValueError("ModelBackend needs a preset (name, path or Preset) or a predictor")
         if predictor is None:
@@ -317,7 +319,7 @@ class ModelBackend(BenchmarkBackend):
             self.preset = load_preset(preset) if isinstance(preset, str) else preset
             # a fit the calibration checks refused (`model calibrate --force`): usable when asked for, never quietly
             self.forced_fit = forced_fit_warning(self.preset)
-            if self.forced_fit:
+            if self.forced_fit and warn_forced:
                 _log.warning("preset %s is a forced fit the calibration checks refused: %s",
                              getattr(self.preset, "path", None) or _preset_name(self.preset), self.forced_fit)
         else:
