@@ -584,6 +584,14 @@ class Bringup:
             why = "one GPU: no EP exchange on this node for the fabric model to describe"
             self.console.print(f"node fabric model not calibrated: {why}")
             return {"base": base, "skipped": why}
+        from moetune.tuner.fabric_model.presets import load_preset, node_model_family
+
+        family, no_family = node_model_family(load_preset(base), self.facts.transport_names)
+        if family is None:
+            # as for one GPU: a model of a family this node does not run is refused by `tune --node-model`
+            why = f"no transport of this node for the fabric model to describe: {no_family}"
+            self.console.print(f"node fabric model not calibrated: {_as_text(why)}")
+            return {"base": base, "skipped": why}
         if not rows:
             bad = self.state.failures().get("microbench")
             return {"base": base, "skipped": "no measurement the model can describe"
@@ -612,11 +620,10 @@ class Bringup:
         # measured here (a capture of another node measures nothing): the node model of this fingerprint
         preset = calibrated_preset(rep, [f"moetune profile on {self.facts.fingerprint}"], today,
                                    fingerprint=self.facts.fingerprint)
-        names = set(self.facts.transport_names)
-        if preset.family not in names and "collective" in names and "collective" in preset.transports:
+        if preset.family != family:
             # a node without GPUs measured its collective (gloo): that is the family its model describes and a
             # model tune of it tunes (the base preset's host_staged is a family this node does not have)
-            preset = replace(preset, family="collective")
+            preset = replace(preset, family=family)
         write_atomic(path, preset.to_toml())  # a crash mid-write leaves the earlier node model whole
         return {"base": base, "preset_file": str(path), "points": s["points"], "kept": sorted(rep.kept),
                 "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}

@@ -696,16 +696,26 @@ def calibrate_cmd(
         _check_calibrate_out(out, data, preset, replace)
     if nic_line_rate is not None and not (math.isfinite(nic_line_rate) and nic_line_rate > 0):
         _fail(f"--nic-line-rate must be a positive number of Gb/s, got {nic_line_rate!r}")
-    node_fp = None
+    node_fp, node_family = None, None
     if this_node:
         if out is None:
             _fail("--this-node records the node in the --out file: give --out FILE")
         from moetune.tuner.fabric.discovery import DiscoveryError, live_facts
 
         try:  # the node the file will be this node's model of (only it: another fingerprint is refused there)
-            node_fp = live_facts().fingerprint
+            node = live_facts()
         except (DiscoveryError, OSError) as e:
             _fail(f"--this-node: live discovery failed, so the node cannot be recorded: {e}")
+        node_fp = node.fingerprint
+        from moetune.tuner.fabric_model.presets import load_preset, node_model_family
+
+        try:
+            node_family, no_family = node_model_family(load_preset(preset), node.transport_names)
+        except (OSError, ValueError) as e:  # PresetError names the preset and what is wrong with it
+            _fail(str(e))
+        if node_family is None:  # before the fit: `tune --node-model` would refuse the file ("... not found")
+            _fail(f"--this-node: {no_family}; `moetune tune --node-model` tunes only a family this node runs, so it "
+                  "would refuse the file. Start from a preset of a family this node runs (--preset)")
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
     from moetune.tuner.cli._progress import RichProgress
 
@@ -735,10 +745,18 @@ def calibrate_cmd(
     unmeasured = not (math.isfinite(s["mean_abs_rel_err"]) and math.isfinite(s["max_abs_rel_err"]))
     refused = (not rep.usable and not force) or unmeasured
     written = out is not None and not refused
+    relabelled = ""  # the family written, where it is not the preset's (`node_model_family`)
     if written:
         assert out is not None
         today = _dt.date.today().isoformat()
         cal = calibrated_preset(rep, [d.name for d in data], today, fingerprint=node_fp)
+        if node_fp is not None and node_family != cal.family:
+            # the family this node runs (gloo's collective on a node without GPUs), as the bring-up writes it:
+            # `tune --node-model` tunes the file's family, and refused the base preset's (host_staged) here
+            import dataclasses
+
+            relabelled = f"family {node_family} (this node runs it; preset {cal.name} models {cal.family})"
+            cal = dataclasses.replace(cal, family=node_family)
         from moetune.tuner.store.atomic_files import write_atomic
 
         try:  # atomic: --out may be the --preset file itself; Ctrl-C or a full disk must not leave it truncated
@@ -748,7 +766,8 @@ def calibrate_cmd(
     if as_json:
         # to_dict gives null for a non-finite number: JSON has no NaN, and a reader must not fail on it
         typer.echo(json.dumps({"label": LABEL, **rep.to_dict(), "out": str(out) if written else None,
-                               "fingerprint": node_fp if written else None}, allow_nan=False))
+                               "fingerprint": node_fp if written else None,
+                               "family": node_family if written and node_fp else None}, allow_nan=False))
         if refused:
             raise typer.Exit(1)
         return
@@ -781,7 +800,7 @@ def calibrate_cmd(
                            "warning says why[/yellow]")
         _console.print(f"calibrated preset written to {_e(out)}", soft_wrap=True)  # a path stays whole
         _console.print(f"calibrated on node {node_fp}: `moetune tune --node-model` takes it as that node's model"
-                       if node_fp else "no node recorded (--this-node not given): `moetune tune --node-model` "
+                       + (f", {_e(relabelled)}" if relabelled else "") if node_fp else "no node recorded (--this-node not given): `moetune tune --node-model` "
                        "refuses it; it is usable as a preset", soft_wrap=True)
     elif refused and out is not None:
         why = ("its error is not a finite number; --force does not write it" if unmeasured

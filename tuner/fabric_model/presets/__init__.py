@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -387,6 +387,22 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
 RECALIBRATE = ("recalibrate on that node: `moetune profile --restart` (its calibrate stage writes node-<fingerprint>.toml "
                "beside the database), or `moetune model calibrate --this-node --data ... --out FILE` there with "
                "measurements taken there")
+
+
+def node_model_family(preset: Any, families: Iterable[str]) -> tuple[str | None, str]:
+    """(the transport family a model calibrated from `preset` describes on a node whose discovery found `families`,
+    '') or (None, why no family there). The preset's own family where the node runs it; else `collective` where the
+    node runs it and the preset models it (a node without GPUs measures gloo between host processes: the pcie4
+    preset's host_staged is not on it). `tune --node-model` tunes only this family, so a node model of a family the
+    node lacks was refused there ("host_staged not found"): the bring-up and `model calibrate --this-node` ask
+    this one rule."""
+    found = sorted(set(families))
+    if preset.family in found:
+        return preset.family, ""
+    if "collective" in found and "collective" in preset.transports:
+        return "collective", ""
+    return None, (f"this node runs no family preset {preset.name} models (its family {preset.family}, or collective "
+                  f"of its transports {', '.join(preset.transports)}; the node has: {', '.join(found) or 'none'})")
 
 
 def node_model_refusal(preset: Any, fingerprint: str) -> str:
