@@ -294,6 +294,18 @@ def test_tune_tunes_a_model_shape_once(tmp_path: Path) -> None:
     assert [(row["model"], row["tokens"]) for row in rows] == [("qwen3-30b", 128)], rows
 
 
+def test_a_family_given_twice_is_named_once(tmp_path: Path) -> None:
+    """`--family ibgda --family ibgda` on a fabric without it: the error named it twice ("transport families ibgda,
+    ibgda were not found"). One family is one set of studies: taken once, with a note, as a shape given twice."""
+    r = _run(*MODEL_TUNE, "-f", "ibgda", "-f", "ibgda", "--db", str(tmp_path / "m.db"), home=tmp_path)
+    _refused(r, "transport family ibgda was not found")
+    assert "ibgda, ibgda" not in r.output and "--family: ibgda given more than once, taken once" in r.stderr
+    assert not (tmp_path / "m.db").exists()
+    r = _run(*MODEL_TUNE, "-f", "nvlink", "-f", "nvlink", "--db", str(tmp_path / "n.db"), "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert [row["family"] for row in json.loads(r.stdout)] == ["nvlink"]
+
+
 def test_profile_plans_a_model_shape_once(tmp_path: Path) -> None:
     r = _run("profile", "-m", "qwen3-30b", "-m", "qwen3-30b", "--capture", str(CAPTURES / "h200x2"),
              "--db", str(tmp_path / "p.db"), "--json", home=tmp_path)

@@ -385,6 +385,10 @@ def tune(
     if why := routing_problem(routing):
         _fail(why)
     if family:  # a name no family has: refused before any database is made (the search refused it after)
+        twice = sorted({f for f in family if family.count(f) > 1})
+        if twice:  # one family, one set of studies: named once in errors and tuned once, as a shape given twice
+            family = list(dict.fromkeys(family))
+            err.print(escape(f"--family: {', '.join(twice)} given more than once, taken once"))
         from moetune.tuner.search.policy import _known_families_text
         from moetune.tuner.store.validate import is_known_family
 

@@ -286,7 +286,7 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
             raise ValueError(f"family megakernel runs on one GPU: tune it with ep_size 1 and nodes 1, got {ep_size}, {nodes}")
         fams = [*fams, "megakernel"]
     if families:
-        missing = [f for f in families if f not in fams]
+        missing = list(dict.fromkeys(f for f in families if f not in fams))  # a name given twice is said once
         if missing:
             what = (f"transport family {missing[0]} was" if len(missing) == 1
                     else f"transport families {', '.join(missing)} were")
