@@ -292,3 +292,26 @@ def test_calibrate_refuses_one_data_file_given_twice(tmp_path: Path) -> None:
     for other in (f, link):
         r, text = _run("calibrate", "-p", "nvlink-h200x2", "-d", str(f), "-d", str(other))
         _assert_refused(r, text, f"--data {other} is also given as --data {f}: each file once")
+
+
+def test_sweep_values_given_twice_are_swept_once_with_a_note() -> None:
+    """`model sweep --values 0,0,0` printed the same row three times (and plotted one point three times): one point
+    each, with a note, as token counts sharing a bucket are tuned once."""
+    r = runner.invoke(app, ["model", "sweep", "-p", "nvlink-h200x2", "--values", "0,2,0,0", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert all([row["x"] for row in rows] == [0, 2] for rows in d["series"].values()), d["series"]
+    assert "--values: 0 given 3 times, swept once" in d["notes"], d["notes"]
+    r, text = _run("sweep", "-p", "nvlink-h200x2", "--values", "0,0,0")
+    assert r.exit_code == 0, r.output
+    assert _has(text, "note: --values: 0 given 3 times, swept once")
+    assert len(re.findall(r"^│\s*0\s*│", r.output, flags=re.M)) == 1, r.output  # one row of group_size 0
+
+
+def test_sweep_force_without_out_is_refused(tmp_path: Path) -> None:
+    """`model sweep --force` without --out did nothing, silently (exit 0): refused as `model calibrate --force`
+    without --out is."""
+    r, text = _run("sweep", "-p", "nvlink-h200x2", "--force")
+    _assert_refused(r, text, "--force acts on the --out file", "give --out FILE")
+    r, _ = _run("sweep", "-p", "nvlink-h200x2", "--force", "--out", str(tmp_path / "s.png"))
+    assert r.exit_code == 0, r.output

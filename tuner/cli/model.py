@@ -397,7 +397,7 @@ def sweep_cmd(
     out: Path | None = path_option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
                                     "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png. An "
                                     "existing file is replaced only with --force."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --out file."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out file (with --out only)."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """Sweep one variable for each fence mode the transport allows (MODELLED)."""
@@ -406,6 +406,8 @@ def sweep_cmd(
 
     if over not in ("group_size", "nodes", "tokens"):
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
+    if force and out is None:  # it did nothing, silently: refused as `model calibrate --force` without --out is
+        _fail("--force acts on the --out file (--force replaces an existing plot): give --out FILE, or leave it out")
     # a bad --out is refused before the (slow) sweep, not after it
     plot_path = _plot_path(out, force) if out is not None else None
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
@@ -424,6 +426,11 @@ def sweep_cmd(
             _fail(str(e))
         if not xs:
             _fail(f"--values: nothing to sweep in {values!r}; give comma-separated integers")
+        repeated = {x: xs.count(x) for x in xs if xs.count(x) > 1}
+        if repeated:  # one point each: the same prediction printed (and plotted) again is no second finding
+            xs = list(dict.fromkeys(xs))
+            notes.append("--values: " + ", ".join(f"{x} given {n} times" for x, n in repeated.items())
+                         + (", swept once" if len(repeated) == 1 else ", each swept once"))
         _check_sweep_values(over, xs, w0)
         if over == "nodes" and (why := _one_rank(k0.transport, min(xs) * w0.gpus_per_node,
                                                  f"the {{families}} point at nodes = {min(xs)} would be a latency", one_rank_fix)):
