@@ -306,6 +306,12 @@ def test_a_family_given_twice_is_named_once(tmp_path: Path) -> None:
     assert [row["family"] for row in json.loads(r.stdout)] == ["nvlink"]
 
 
+def test_bench_knobs_refuses_a_variant_of_no_knob(tmp_path: Path) -> None:
+    """`bench knobs --vs 'a='` measured the base variant a second time under the name a, silently."""
+    r = _run("bench", "knobs", "--vs", "a=", "--tokens", "16", "--iters", "1", home=tmp_path)
+    _refused(r, "--vs: variant 'a' sets no knob", "base variant again")
+
+
 def test_profile_plans_a_model_shape_once(tmp_path: Path) -> None:
     r = _run("profile", "-m", "qwen3-30b", "-m", "qwen3-30b", "--capture", str(CAPTURES / "h200x2"),
              "--db", str(tmp_path / "p.db"), "--json", home=tmp_path)

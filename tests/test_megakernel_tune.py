@@ -672,7 +672,9 @@ def test_paired_differences_and_variant_parsing() -> None:
                      ("compression=fp8_e4m3", re.escape("'compression' is a knob: name the variant first (e.g. "
                                                         "v1=compression=fp8_e4m3)")),
                      ("fast=mk_bm", "a variant is NAME=KNOBS"),
-                     ("base=mk_bm=16", "given twice"), ("", "at least one variant")):
+                     ("base=mk_bm=16", "given twice"), ("", "at least one variant"),
+                     # `a=` was the base's knobs again, measured as a second variant: refused, naming it
+                     ("a=", "variant 'a' sets no knob"), ("ok=mk_bm=16; b=  ", "variant 'b' sets no knob")):
         with pytest.raises(ValueError, match=msg):
             MC.parse_variants(bad, mk)
     with pytest.raises(KnobError, match="unknown knob"):
@@ -692,7 +694,8 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     from moetune.tuner.measure import scenarios as S
 
     small = ["--model", "custom:128,64,8,2", "--tokens", "4,16", "--iters", "3", "--warmup", "0", "--chain", "2", "--json"]
-    r = CliRunner().invoke(app, ["bench", "knobs", "--knobs", "engine=unfused", "--vs", "again=", *small])
+    # the base against itself, on purpose: a knob of the base's own (an empty `again=` is refused, below)
+    r = CliRunner().invoke(app, ["bench", "knobs", "--knobs", "engine=unfused", "--vs", "again=engine=unfused", *small])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["base"] == "base" and rep["variants"] == {"base": "", "again": ""} and not rep["graph"]
@@ -700,7 +703,8 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     again = [c for c in rep["cases"] if c["variant"] == "again"]
     # the same seed builds the same weights: the two variants' outputs are the same numbers
     assert all(c["rel_err_vs_base"] == 0.0 and len(c["minus_base_us"]) == 3 and c["chain_us"]["median"] > 0 for c in again)
-    assert rep["meta"]["git_sha"] and "moetune bench knobs --vs 'again=' --knobs engine=unfused" in rep["meta"]["command"]
+    assert rep["meta"]["git_sha"] and ("moetune bench knobs --vs 'again=engine=unfused' --knobs engine=unfused"
+                                       in rep["meta"]["command"])
     # the megakernel where no sm_90 GPU is: every variant skipped, with the reason (the report is still printed);
     # nothing was measured, so the exit status is 1
     r = CliRunner().invoke(app, ["bench", "knobs", "--vs", "ct8=mk_combine_tokens=8", *small])
@@ -709,7 +713,8 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     assert [c["variant"] for c in rep["cases"]] == ["base", "ct8"] and all("no CUDA device" in c["skipped"] for c in rep["cases"])
     assert "every requested case was skipped" in r.stderr
     for vs, msg in (("ct8", "a variant is NAME=KNOBS"), ("x=mk_nope=1", "unknown knob"),
-                    ("compression=fp8_e4m3", "(e.g. fp8=compression=fp8_e4m3)"), ("", "give at least one variant")):
+                    ("compression=fp8_e4m3", "(e.g. fp8=compression=fp8_e4m3)"), ("", "give at least one variant"),
+                    ("again=", "variant 'again' sets no knob")):
         bad = CliRunner().invoke(app, ["bench", "knobs", "--vs", vs], env={"COLUMNS": "400"})
         assert bad.exit_code == 2 and msg in bad.output and "Traceback" not in bad.output, bad.output
         assert "--vs: " in bad.output, bad.output  # the option named

@@ -461,7 +461,7 @@ def moe(
 
 @app.command("knobs")
 def knobs_side_by_side(
-    vs: str = typer.Option(..., "--vs", help="Variants to set beside the base: NAME=KNOBS;NAME=KNOBS, each KNOBS on top of --knobs (e.g. 'ct8=mk_combine_tokens=8;narrow=mk_bn=128')."),
+    vs: str = typer.Option(..., "--vs", help="Variants to set beside the base: NAME=KNOBS;NAME=KNOBS, each KNOBS on top of --knobs (e.g. 'ct8=mk_combine_tokens=8;narrow=mk_bn=128'); a variant of no knob (NAME=) is refused."),
     knobs: str = typer.Option("", "--knobs", help="The base variant's knobs (engine=megakernel is implied; engine=unfused for the unfused layer; the defaults when left out or \"\")."),
     model: str = _model_opt(),
     tokens: str = typer.Option("16,128,1024", "--tokens", help="Token counts S (comma-separated)."),

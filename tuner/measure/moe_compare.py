@@ -54,6 +54,10 @@ def parse_variants(text: str, base: Knobs) -> dict[str, Knobs]:
                              f"got {item!r}{knob}")
         if name in out or name == "base":
             raise ValueError(f"variant name {name!r} given twice (or 'base', the name of --knobs' variant)")
+        if not knobs.strip():  # `a=` parsed to the base's knobs: the base measured again under another name
+            raise ValueError(f"variant {name!r} sets no knob ({item!r}): it would be the base variant again; give "
+                             f"its knobs after the name (e.g. {name}=mk_bn=128), or, to time the base against "
+                             f"itself on purpose, one of the base's own (e.g. {name}=engine={base.engine})")
         out[name] = Knobs.parse(knobs, base=base)
     if not out:
         raise ValueError("give at least one variant: NAME=KNOBS;NAME=KNOBS")
