@@ -171,8 +171,8 @@ def predict_cmd(
     if layout != "auto" and k.transport not in ("collective", "host_staged"):
         _fail(f"--layout {layout} applies to the collective transports (collective, host_staged); transport "
               f"{k.transport!r} has one layout (use --layout auto)")
-    if why := _one_rank(k.transport, w.pes, "a prediction of {families} would be a latency", "Predict an EP group of 2 or more ranks "
-                        "(--gpus-per-node × --nodes >= 2)"):
+    if why := _one_rank(k.transport, w.pes, "a prediction of {families} would be a latency",
+                        "Predict an EP group of 2 or more ranks (--gpus-per-node × --nodes >= 2)"):
         _fail(why)
     w = msgspec.structs.replace(w, dense=dense[layout])
     try:
@@ -432,15 +432,15 @@ def sweep_cmd(
             notes.append("--values: " + ", ".join(f"{x} given {n} times" for x, n in repeated.items())
                          + (", swept once" if len(repeated) == 1 else ", each swept once"))
         _check_sweep_values(over, xs, w0)
-        if over == "nodes" and (why := _one_rank(k0.transport, min(xs) * w0.gpus_per_node,
-                                                 f"the {{families}} point at nodes = {min(xs)} would be a latency", one_rank_fix)):
+        lowest = f"the {{families}} point at nodes = {min(xs)} would be a latency"
+        if over == "nodes" and (why := _one_rank(k0.transport, min(xs) * w0.gpus_per_node, lowest, one_rank_fix)):
             _fail(f"--values: {why}")
     elif over == "group_size":
         xs = _divisors(grid)
     elif over == "nodes":  # up to the most nodes the preset's fabric connects
         xs = [n for n in (1, 2, 4, 8, 16) if not pr.max_nodes or n <= pr.max_nodes]
-        if xs and (why := _one_rank(k0.transport, xs[0] * w0.gpus_per_node, "the {families} point at nodes = 1 would be a latency",
-                                            one_rank_fix)):
+        lowest = "the {families} point at nodes = 1 would be a latency"
+        if xs and (why := _one_rank(k0.transport, xs[0] * w0.gpus_per_node, lowest, one_rank_fix)):
             xs = xs[1:]  # one GPU on one node: no exchange, so no point (as predict refuses)
             if not xs:
                 _fail(why)
@@ -806,8 +806,9 @@ def calibrate_cmd(
             _console.print(f"[yellow]--force: written although the fit was refused; the file's {_e('[calibration]')} "
                            "warning says why[/yellow]")
         _console.print(f"calibrated preset written to {_e(out)}", soft_wrap=True)  # a path stays whole
-        _console.print(f"calibrated on node {node_fp}: `moetune tune --node-model` takes it as that node's model"
-                       + (f", {_e(relabelled)}" if relabelled else "") if node_fp else "no node recorded (--this-node not given): `moetune tune --node-model` "
+        node_said = (f"calibrated on node {node_fp}: `moetune tune --node-model` takes it as that node's model"
+                     + (f", {_e(relabelled)}" if relabelled else ""))
+        _console.print(node_said if node_fp else "no node recorded (--this-node not given): `moetune tune --node-model` "
                        "refuses it; it is usable as a preset", soft_wrap=True)
     elif refused and out is not None:
         why = ("its error is not a finite number; --force does not write it" if unmeasured
