@@ -34,7 +34,7 @@ def _slow_copy(tmp_path: Path) -> Path:
 
 def _tune(preset: str, home: Path) -> None:
     r = _run("tune", "--backend", "model", "--preset", preset, "--model", "qwen3-30b", "--tokens", "128", "--nodes", "2",
-             "--trials", "2", "--from", str(ROOT / "tests/captures/h200x2"), "--json", home=home)
+             "--trials", "2", "--json", home=home)
     assert r.exit_code == 0, r.output
 
 
