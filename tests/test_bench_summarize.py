@@ -523,3 +523,40 @@ def test_launches_of_unknown_code_are_each_a_batch_of_their_own() -> None:
     assert t["fp8-depth4"][:2] == ["1", "1,270"], t
     t = _table_rows(S.scenario_table(s, [{**r, "git_sha": "b" * 40} for r in rows]))
     assert t["fp8-depth4"][:2] == ["2", "1,135"], t
+
+
+def test_a_git_status_that_gives_no_answer_is_never_stamped_clean(tmp_path, monkeypatch) -> None:
+    """`git status` timed out (10 s: a large tree copied to a GPU machine with its .git) or failed (a broken index):
+    its empty output was read as "no changes" and the rows were stamped clean with HEAD, whatever the tree held."""
+    import subprocess
+
+    def git(*a: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    (tmp_path / "a.py").write_text("x = 2\n")  # a change git would have shown
+    monkeypatch.setattr(S, "ROOT", tmp_path)
+    monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
+    real = subprocess.run
+
+    def timed_out(argv, *a, **k):  # type: ignore[no-untyped-def]
+        if "status" in argv:
+            raise subprocess.TimeoutExpired(argv, 10)
+        return real(argv, *a, **k)
+
+    def failed(argv, *a, **k):  # type: ignore[no-untyped-def]
+        if "status" in argv:
+            return subprocess.CompletedProcess(argv, 128, "", "fatal: index file corrupt")
+        return real(argv, *a, **k)
+
+    for fake in (timed_out, failed):
+        monkeypatch.setattr(S.subprocess, "run", fake)
+        with pytest.warns(UserWarning, match="`git status` gave no answer"):
+            sha, dirty = S.code_stamp()
+        assert len(sha) == 40 and dirty is True, fake.__name__
+    monkeypatch.setattr(S.subprocess, "run", real)
+    (tmp_path / "a.py").write_text("x = 1\n")  # git answers "no changes": clean
+    assert S.code_stamp()[1] is False

@@ -1002,12 +1002,20 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
 
 
 def _git(*args: str) -> str:
+    """git's output for `args` in ROOT, "" where it failed or moetune is not run from a checkout."""
+    return _git_answer(*args) or ""
+
+
+def _git_answer(*args: str) -> str | None:
+    """git's output for `args` in ROOT, None where git gave no answer (not a checkout, no git, a non-zero exit, the
+    10 s timeout): `code_stamp` must tell "no changes" ("") from "could not tell"."""
     if not IN_CHECKOUT:  # installed: a git repository around site-packages (a venv in a clone) is not this code
-        return ""
+        return None
     try:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return ""
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
 
 
 def _given_sha() -> tuple[str, bool]:
@@ -1022,7 +1030,8 @@ def _given_sha() -> tuple[str, bool]:
 def code_stamp() -> tuple[str, bool]:
     """(git SHA, dirty) of the code that runs. Where this tree is a git checkout of its own (git's top level is ROOT),
     git decides: HEAD, and dirty where `git status` shows any change, untracked files included (a scenario or driver
-    not yet added ran, and the commit does not hold it). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
+    not yet added ran, and the commit does not hold it), and dirty where `git status` gives no answer (a timeout, an
+    error: the changes could not be checked, with a warning). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
     one (an exported tree on a GPU machine: bench/tools/sync_megakernel_device.sh writes it), and a tree whose .git does not know
     the commit the variable names (a stale .git copied with a newer tree: the variable's commit, always dirty, as
     unverified); where both exist and disagree otherwise,
@@ -1042,7 +1051,13 @@ def code_stamp() -> tuple[str, bool]:
         warnings.warn(f"MOETUNE_GIT_SHA={given} is unknown to this tree's .git (HEAD {head[:12]}): a stale .git? "
                       "stamping the variable's commit, marked dirty (unverified)", stacklevel=2)
         return given, True
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=normal"))
+    status = _git_answer("status", "--porcelain", "--untracked-files=normal")
+    if status is None:
+        # git could not say whether the tree has changes (a status that timed out on a large copied tree, a broken
+        # index): "" (no changes) was taken for an answer and such a tree was stamped clean. Unverified is dirty
+        warnings.warn(f"`git status` gave no answer in {ROOT}: stamping HEAD {head[:12]} as dirty (its changes "
+                      "could not be checked)", stacklevel=2)
+    dirty = status is None or bool(status)
     if given and (not head.lower().startswith(given) or given_dirty != dirty):
         warnings.warn(f"MOETUNE_GIT_SHA={given}{'-dirty' if given_dirty else ''} is not this checkout: git says HEAD "
                       f"{head[:12]}{' with changes' if dirty else ''}; stamping git's (the variable is for a tree "
