@@ -525,6 +525,21 @@ def test_launches_of_unknown_code_are_each_a_batch_of_their_own() -> None:
     assert t["fp8-depth4"][:2] == ["2", "1,135"], t
 
 
+def test_launches_of_a_dirty_tree_are_each_a_batch_of_their_own() -> None:
+    """Two launches of a dirty tree at the same SHA (a run, an edit, another run: the flag says changes, not which) are
+    not one tree state either: before, they were pooled into one figure as if the same code had run twice."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    rows = [_row(s.name, c, launch, v, git_dirty=True, date=date)
+            for launch, date, mk in (("L1", "2026-12-01T10:00:00Z", 50.0), ("L2", "2026-12-01T11:00:00Z", 80.0))
+            for c, v in (("unfused", 100.0), ("megakernel", mk))]
+    md = S.scenario_table(s, rows)
+    t = _table_rows(md)
+    assert t["megakernel"][:2] == ["1", "80"] and t["unfused"][0] == "1", t
+    assert any("(dirty tree)" in ln for ln in md)
+    t = _table_rows(S.scenario_table(s, [{**r, "git_dirty": "0"} for r in rows]))  # a clean SHA: one batch
+    assert t["megakernel"][:2] == ["2", "65"], t
+
+
 def test_a_git_status_that_gives_no_answer_is_never_stamped_clean(tmp_path, monkeypatch) -> None:
     """`git status` timed out (10 s: a large tree copied to a GPU machine with its .git) or failed (a broken index):
     its empty output was read as "no changes" and the rows were stamped clean with HEAD, whatever the tree held."""

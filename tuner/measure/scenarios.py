@@ -1362,9 +1362,10 @@ _BATCH = ("git_sha", "git_dirty", "hardware")
 
 def _batch_key(r: dict[str, str]) -> tuple[str, ...]:
     key = (*(r[k] for k in _BATCH), _origin(r))
-    # code not known ("unknown": an imported run no commit can be shown to be, a tree without git): no tree state
-    # to pool by, so each launch is a batch of its own (launches of different code never pool as one)
-    return (*key, r["launch"]) if r["git_sha"] in ("", "unknown") else key
+    # code not known ("unknown": an imported run no commit can be shown to be, a tree without git), or a dirty tree (a
+    # commit with changes on top: two launches at that commit can be any two trees, e.g. before and after an edit):
+    # no tree state to pool by, so each launch is a batch of its own (launches of different code never pool as one)
+    return (*key, r["launch"]) if r["git_sha"] in ("", "unknown") or r["git_dirty"] == "1" else key
 
 
 def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, source: str = "summary.csv"
