@@ -113,3 +113,26 @@ def test_gpu_rates_samples_start_on_a_busy_gpu(monkeypatch: pytest.MonkeyPatch) 
     # every sample: after a sync, a call is queued before the start event is recorded
     starts = [i for i, e in enumerate(log) if e == "record"][::2]
     assert all(log[i - 1] == "call" and "sync" in log[:i] for i in starts), log
+
+
+def test_runtime_host_cost_rows_hold_a_median_and_its_quantiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # bench/runtime_host_cost.py printed the mean of its 2000 calls and the scenario stored it in the median column
+    # (n 1, no p10 / p90): now the calls are timed in batches, and the row holds those batch means' median, p10, p90
+    from moetune.tuner.measure import scenarios as S
+
+    hc = _script(monkeypatch, "bench/runtime_host_cost.py")
+    now = [0.0]
+    monkeypatch.setattr(hc.time, "perf_counter", lambda: now[0])
+    xs = hc.batch_means_us(lambda: now.__setitem__(0, now[0] + 1e-6), 10, 4)  # every call 1 µs
+    assert len(xs) == 4 and xs == [pytest.approx(1.0)] * 4  # 3 + 3 + 2 + 2 calls
+    samples = [70.0, 71.0, 72.0, 75.0, 200.0]  # one slow batch (a context switch): the mean would be 97.6
+    out = hc.line("dense_fp8_d2", samples) + "\n" + hc.line("plain", [50.0])
+    monkeypatch.setattr(S, "_run_script", lambda script, args, env, ctx: (out, "python bench/runtime_host_cost.py"))
+    res = {r.case: r for r in S.DRIVERS["runtime-host-cost"]([S.Resolved("plain", {}, {}),
+                                                                S.Resolved("dense-fp8-d2", {}, {})],
+                                                               S.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
+    st, want = res["dense-fp8-d2"].metrics["host_us_per_roundtrip"], Summary.of(samples)
+    assert (st.median, st.p10, st.p90, st.n) == (pytest.approx(want.median, abs=0.05), pytest.approx(want.p10, abs=0.05),
+                                                 pytest.approx(want.p90, abs=0.05), 5)
+    # a line of the old script (a mean) is no median: the case fails rather than store it as one
+    assert S._host_cost_line("plain             76.8 us/roundtrip", {}) is None

@@ -734,9 +734,14 @@ def _one_script_picks_lines(script: str, parse: Callable[[str, dict[str, Any]], 
 
 
 def _host_cost_line(ln: str, _args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | None:
-    """bench/runtime_host_cost.py: `<impl> N us/roundtrip` (its implementations are the cases, `_` as `-`)."""
-    mm = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln)
-    return (mm.group(1).replace("_", "-"), {"host_us_per_roundtrip": Stat(float(mm.group(2)), unit="us")}) if mm else None
+    """bench/runtime_host_cost.py: `<impl> MEDIAN us/roundtrip p10 P p90 Q batches B` (its implementations are the
+    cases, `_` as `-`): the median, p10 and p90 of B batch means. A line without the quantiles (the script before
+    them, which printed the mean of all its calls) is no median: refused, never stored in the median column."""
+    mm = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip p10 ([\d.]+) p90 ([\d.]+) batches (\d+)\s*$", ln)
+    if not mm:
+        return None
+    med, p10, p90 = (float(mm.group(i)) for i in (2, 3, 4))
+    return mm.group(1).replace("_", "-"), {"host_us_per_roundtrip": Stat(med, p10, p90, int(mm.group(5)), "us")}
 
 
 def _import_line(ln: str, _args: dict[str, Any]) -> tuple[str, dict[str, Stat]] | None:
