@@ -1302,6 +1302,60 @@ def test_time_interleaved_calls_each_entry_once_per_round_rotated():
     assert set(out) == {"a", "b"} and all(len(v) == 3 and min(v) >= 0 for v in out.values())
 
 
+def test_no_timed_sample_is_a_graphs_first_replay(monkeypatch):
+    """A CUDA graph's first launch uploads it (work on its stream before the graph's own). graphs_of returned graphs
+    never replayed, so where the warm-up calls did not reach every input -- the tuner's megakernel trials at iters 10
+    (`profile --quick`): warmup max(3, 10 // 5) = 3 over rotate 4 graphs -- graph 3's upload was timed as sample 3 of
+    the layer. Faked torch.cuda: every graph is launched once before the first timed event is recorded."""
+    import contextlib
+
+    import torch
+
+    from moetune.runtime.testing.timing import graphs_of, time_calls
+
+    log: list[str] = []
+
+    class Graph:
+        def __init__(self) -> None:
+            self.name = f"g{sum(e == 'capture' for e in log)}"
+
+        def replay(self) -> None:
+            log.append(self.name)
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self) -> None:
+            log.append("record")
+
+        def elapsed_time(self, other: object) -> float:
+            return 1.0
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def ctx(*a: object, **k: object):  # type: ignore[no-untyped-def]
+        yield
+
+    @contextlib.contextmanager
+    def capture(g: object, *a: object, **k: object):  # type: ignore[no-untyped-def]
+        yield
+        log.append("capture")
+
+    for name, value in (("CUDAGraph", Graph), ("Event", Event), ("Stream", lambda *a, **k: Stream()),
+                        ("current_stream", lambda *a, **k: Stream()), ("stream", ctx), ("graph", capture),
+                        ("synchronize", lambda *a: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    graphs = graphs_of(lambda x: None, [0, 1, 2, 3])
+    out = time_calls(graphs, warmup=3, iters=10, cuda=True)  # measure_megakernel's call at iters 10
+    assert len(out) == 10
+    first_timed = log.index("record")
+    assert all(f"g{i}" in log[:first_timed] for i in range(4)), log
+
+
 def test_paired_lines_difference_per_round():
     mod = _profile_tool()
     lines = mod.paired_lines({"this": [350.0, 360.0, 370.0], "same": [351.0, 359.0, 372.0]})
