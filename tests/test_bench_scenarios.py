@@ -396,3 +396,25 @@ def test_the_moe_command_of_a_row_names_its_seed() -> None:
     cmd = S.moe_command({"model": "qwen3-30b", "tokens": [1, 16], "iters": 50, "seed": 7}, ["unfused", "megakernel"])
     assert cmd.endswith("--iters 50 --seed 7 --json"), cmd
     assert "--seed" not in S.moe_command({"tokens": [1]}, ["unfused"])  # the default (0) where the scenario sets none
+
+
+def test_the_moe_driver_stores_the_plain_read_it_timed_beside_the_engines(monkeypatch, tmp_path: Path) -> None:
+    """bench_moe times a plain read of the weights the layer touches at every S, in the same process (the floor `bench
+    moe` prints beside the engines), and run_moe dropped it: README.md quoted run 194's plain reads (273.6 / 410.8 µs)
+    as if from summary.csv, where no row held them. Each engine's rows now carry it; a failed engine fails only its
+    own timings, not the plain read."""
+    from moetune.tuner.measure import moe as M
+
+    q = {"median": 10.0, "p10": 9.0, "p90": 11.0}
+    read = {"median": 5.0, "p10": 4.5, "p90": 5.5}
+    rep = {"iters": 50, "graph": True, "cases": [
+        {"engine": "unfused", "S": 16, "eager_us": q, "graph_us": q, "plain_read_us": read},
+        {"engine": "megakernel", "S": 16, "failed": "wrong output"}]}
+    monkeypatch.setattr(M, "bench_moe", lambda *a, **k: rep)
+    args = {"model": "qwen3-30b", "tokens": [16], "cuda_graph": True}
+    out = {r.case: r for r in S.run_moe([S.Resolved("unfused", dict(args, engine="unfused"), {}),
+                                         S.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                                        S.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
+    st = out["unfused"].metrics["plain_read_us[S=16]"]
+    assert (st.median, st.p10, st.p90, st.n, st.unit) == (5.0, 4.5, 5.5, 50, "us")
+    assert set(out["megakernel"].failed) == {"layer_us[S=16]", "graph_us[S=16]"}

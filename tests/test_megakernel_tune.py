@@ -619,7 +619,7 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.Mo
     assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel", "torch"]
     rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
     assert {r["case"] for r in rows} == {"unfused"} and all(r["source"] == "smoke" for r in rows)
-    assert {r["metric"] for r in rows} == {"layer_us[S=4]", "layer_us[S=16]"}
+    assert {r["metric"] for r in rows} == {"layer_us[S=4]", "layer_us[S=16]", "plain_read_us[S=4]", "plain_read_us[S=16]"}
     assert all(r["git_sha"] and r["hardware"] and "moetune bench moe" in r["command"] for r in rows)
     # outside smoke mode on CPU, the megakernel case is a row naming why it was skipped
     seq = [*S.plan(s, None, smoke=True), S.Resolved("megakernel", {**s.smoke_args, "engine": "megakernel"}, {})]

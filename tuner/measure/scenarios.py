@@ -914,13 +914,20 @@ def _failed_rows(rep: dict[str, Any], who: str, keys: Sequence[tuple[str, str]])
 
 
 _MOE_KEYS = ("model", "tokens", "engine", "iters", "warmup", "rotate", "knobs", "cuda_graph", "seed", "rest")
+# (report key, metric name) of a bench moe report's timings of an engine
+_MOE_TIMINGS = (("eager_us", "layer_us"), ("graph_us", "graph_us"))
+# and of the plain read of the weights the layer touches, timed in the same process at each S (`moe.time_plain_read`):
+# the floor `bench moe` prints beside the engines, stored with each engine's rows (it was dropped, and numbers quoted
+# from `bench moe` tables had no row to come from)
+_PLAIN_READ = ("plain_read_us", "plain_read_us")
 
 
 @driver("moe", single_shot=True)
 def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """The MoE layer's engines (`engine` per case) in ONE process (tuner/measure/moe.py), per S: metrics
-    `layer_us[S=N]` (eager) and `graph_us[S=N]` (CUDA-graph replay). An engine that cannot run here is a case
-    without rows and its reason."""
+    `layer_us[S=N]` (eager), `graph_us[S=N]` (CUDA-graph replay) and `plain_read_us[S=N]` (the plain read of the
+    weights the layer touches, timed beside it at that S: the same figure in every engine's rows). An engine that
+    cannot run here is a case without rows and its reason."""
     from moetune.runtime.knobs import KnobError, Knobs
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe as M
@@ -941,9 +948,8 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                           rest_s=float(a.get("rest", 0.0)))
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
-    keys = (("eager_us", "layer_us"), ("graph_us", "graph_us"))
-    per, skipped = _per_case(rep, "engine", keys)
-    failed = _failed_rows(rep, "engine", keys)
+    per, skipped = _per_case(rep, "engine", (*_MOE_TIMINGS, _PLAIN_READ))
+    failed = _failed_rows(rep, "engine", _MOE_TIMINGS)  # the plain read is timed before the engine: it did not fail
     out = []
     for c in cases:
         eng = str(c.args.get("engine", c.name))
@@ -1304,9 +1310,8 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     if differ:
         raise ScenarioError(f"{origin}: the report did not measure what {s.name} asks: "
                             + "; ".join(f"{k} {g!r} (scenario: {w!r})" for k, (g, w) in differ.items()))
-    keys = (("eager_us", "layer_us"), ("graph_us", "graph_us"))
-    per, skipped = _per_case(rep, "engine", keys)
-    failed = _failed_rows(rep, "engine", keys)
+    per, skipped = _per_case(rep, "engine", (*_MOE_TIMINGS, _PLAIN_READ))
+    failed = _failed_rows(rep, "engine", _MOE_TIMINGS)
     for eng, metrics in per.items():  # a timing is a positive finite number, its deciles around its median
         for name, st in metrics.items():
             vals = (st.median, st.p10, st.p90)
