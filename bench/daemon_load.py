@@ -157,6 +157,15 @@ def _client_proc(endpoint: str, n_socks: int, seconds: float, rate: float, start
     q.put({"lat": lat, "errors": errors, "unanswered": unanswered, "sent": sent, "wall": wall})
 
 
+def latency_us(lat_sorted: list[float], p: float) -> float:
+    """The p-quantile (0..1) of sorted latencies in seconds, in µs (one decimal), as every timing in summary.csv has
+    it (tuner/measure/stats.py: linear interpolation between the sorted samples); NaN for none. It took the sample
+    at rank int(p * n): another statistic than the other scenarios' beside it (of 0..9 ms, a p50 of 5 ms, not 4.5)."""
+    from moetune.tuner.measure.stats import quantile
+
+    return round(quantile(lat_sorted, p) * 1e6, 1) if lat_sorted else float("nan")
+
+
 def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: int, cpus: set[int] | None = None) -> dict:
     procs = max(1, min(procs, clients))
     share = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
@@ -174,7 +183,7 @@ def run_phase(endpoint: str, clients: int, seconds: float, rate: float, procs: i
     wall = max(r["wall"] for r in results)
 
     def pct(p: float) -> float:
-        return round(lat[min(n - 1, int(p * n))] * 1e6, 1) if n else float("nan")
+        return latency_us(lat, p)
 
     # requests / req_per_s / the latencies: ok replies only; errors (error replies) and unanswered apart
     return {"clients": clients, "mode": "closed" if rate <= 0 else "paced", "target_rate": rate or None,
@@ -224,8 +233,11 @@ def time_autoload(env: dict, runs: int = 5) -> list[dict]:
 
 
 def summarize(xs: list[dict], key: str) -> dict:
+    """Median (of an even count, the mean of the middle two: it took the upper one) and max of the runs' `key`."""
+    import statistics
+
     v = sorted(x[key] for x in xs)
-    return {"median_ms": round(v[len(v) // 2], 2), "max_ms": round(v[-1], 2), "runs": len(v)}
+    return {"median_ms": round(statistics.median(v), 2), "max_ms": round(v[-1], 2), "runs": len(v)}
 
 
 def main() -> int:

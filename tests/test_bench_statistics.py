@@ -136,3 +136,17 @@ def test_runtime_host_cost_rows_hold_a_median_and_its_quantiles(monkeypatch: pyt
                                                  pytest.approx(want.p90, abs=0.05), 5)
     # a line of the old script (a mean) is no median: the case fails rather than store it as one
     assert S._host_cost_line("plain             76.8 us/roundtrip", {}) is None
+
+
+@pytest.mark.parametrize("xs", [[float(i) for i in range(10)], [0.003, 0.001, 0.0075, 0.00225, 0.009, 0.004]])
+def test_daemon_load_quantiles_are_the_shared_ones(monkeypatch: pytest.MonkeyPatch, xs: list[float]) -> None:
+    # bench/daemon_load.py took the sample at rank int(p * n) for its p50 / p90 / p99 and v[n // 2] for a median: of an
+    # even count the upper middle sample, another statistic than every other row's (tuner/measure/stats.py)
+    dl = _script(monkeypatch, "bench/daemon_load.py")
+    s = Summary.of(xs)
+    lat = sorted(xs)
+    assert dl.latency_us(lat, 0.5) == pytest.approx(round(s.median * 1e6, 1))
+    assert dl.latency_us(lat, 0.9) == pytest.approx(round(s.p90 * 1e6, 1))
+    assert dl.latency_us(lat, 1.0) == pytest.approx(round(max(xs) * 1e6, 1))
+    ms = dl.summarize([{"t": x * 1e3} for x in xs], "t")
+    assert ms["median_ms"] == pytest.approx(round(s.median * 1e3, 2)) and ms["runs"] == len(xs)
