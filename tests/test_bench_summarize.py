@@ -476,39 +476,74 @@ def test_committed_rows_have_both_quantiles_or_neither_around_the_median() -> No
     assert not bad, "\n".join(bad[:20])
 
 
+def _stamp_problems(rows: list[dict[str, str]], root: Path) -> set[str] | None:
+    """Rows of `rows` stamped with a commit made after they ran, or with a commit the repository at `root` does not
+    have; None where that cannot be told (no git, or a shallow clone or exported tree that may lack the commits)."""
+    import datetime as dt
+    import subprocess
+
+    def git(*a: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=60)
+
+    try:
+        shallow = git("rev-parse", "--is-shallow-repository")
+    except OSError:
+        return None
+    if shallow.returncode or shallow.stdout.strip() != "false":
+        return None
+    shas = sorted({r["git_sha"] for r in rows if r["git_sha"] not in ("", "unknown")})
+    # each commit on its own: one `git show` of them all failed as a whole on a single missing commit, and the test
+    # skipped as if the commits were not in this checkout -- a row naming a commit that never existed passed
+    resolved = {x: git("rev-parse", "--verify", "--quiet", f"{x}^{{commit}}").stdout.strip() for x in shas}
+    bad = {f"{r['scenario']} {r['launch']}: {r['git_sha'][:12]} is no commit of this repository" for r in rows
+           if r["git_sha"] in resolved and not resolved[r["git_sha"]]}
+    full = sorted({v for v in resolved.values() if v})
+    out = git("show", "-s", "--format=%H %cI", *full) if full else None
+    when = {ln.split()[0]: dt.datetime.fromisoformat(ln.split()[1]) for ln in (out.stdout if out else "").splitlines()
+            if ln.strip()}
+    for r in rows:
+        if r["git_sha"] in ("", "unknown"):
+            assert "code commit not established" in r["note"] or r["source"] != "imported", r
+            continue
+        sha = resolved.get(r["git_sha"], "")
+        if "T" not in r["date"] or sha not in when or (r["scenario"], r["launch"]) == (
+                "moe-megakernel-vs-unfused", "mk-run8"):
+            continue
+        ran = dt.datetime.fromisoformat(r["date"].replace("Z", "+00:00"))
+        if when[sha] > ran:
+            bad.add(f"{r['scenario']} {r['launch']}: {r['git_sha'][:10]} committed {when[sha]:%H:%M:%S}, "
+                    f"after the run ({ran:%Y-%m-%d %H:%M:%S})")
+    return bad
+
+
 def test_no_row_is_stamped_with_a_commit_made_after_it_ran() -> None:
     """A row's git_sha is the code that ran, so its commit predates the row's (timed) date. The first import stamped
     every host-staged launch with the commit that added its raw files, after the run: runs 33-37 all with dbac03e,
     though four commits changed code between run 33 and run 37 (and dbac03e changed code after run 37), so the summary
     pooled five code versions as one tree state. Rows with git_sha "unknown" say why in their note. The one documented
     exception: the megakernel's run 8 (bench/tools/import_megakernel.py: its tree was 711d9d4's content, committed a
-    minute after the run)."""
-    import datetime as dt
+    minute after the run). A commit this (full) clone does not have is a failure too."""
+    bad = _stamp_problems(R.read_rows(S.SUMMARY_CSV), S.ROOT)
+    if bad is None:
+        pytest.skip("no git here, or a shallow clone / exported tree that may lack the stamped commits")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_a_row_naming_a_commit_the_repository_lacks_fails_the_stamp_check() -> None:
+    """One `git show` of every stamped commit failed as a whole where one of them was missing, and the check skipped
+    ('not in this checkout'): a row stamped with a commit that never existed made it skip, never fail."""
+    head = _row("moe-megakernel-vs-unfused", "unfused", "L1", 100.0)
     import subprocess
 
-    rows = R.read_rows(S.SUMMARY_CSV)
-    shas = {r["git_sha"] for r in rows if r["git_sha"] not in ("", "unknown")}
-    try:
-        out = subprocess.run(["git", "-C", str(S.ROOT), "show", "-s", "--format=%H %cI", *shas], capture_output=True,
-                             text=True, timeout=60)
-    except OSError:
+    real = subprocess.run(["git", "-C", str(S.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not real:
         pytest.skip("no git here")
-    when = {ln.split()[0]: dt.datetime.fromisoformat(ln.split()[1]) for ln in out.stdout.splitlines() if ln.strip()}
-    if out.returncode or not when:
-        pytest.skip("the stamped commits are not in this checkout (a shallow clone or an exported tree)")
-    bad = set()
-    for r in rows:
-        if r["git_sha"] in ("", "unknown"):
-            assert "code commit not established" in r["note"] or r["source"] != "imported", r
-            continue
-        if "T" not in r["date"] or r["git_sha"] not in when or (r["scenario"], r["launch"]) == (
-                "moe-megakernel-vs-unfused", "mk-run8"):
-            continue
-        ran = dt.datetime.fromisoformat(r["date"].replace("Z", "+00:00"))
-        if when[r["git_sha"]] > ran:
-            bad.add(f"{r['scenario']} {r['launch']}: {r['git_sha'][:10]} committed {when[r['git_sha']]:%H:%M:%S}, "
-                    f"after the run ({ran:%Y-%m-%d %H:%M:%S})")
-    assert not bad, "\n".join(sorted(bad))
+    rows = [{**head, "git_sha": real, "date": "2099-01-01T00:00:00Z"},
+            {**head, "launch": "L2", "git_sha": "0123456789abcdef0123456789abcdef01234567"}]
+    bad = _stamp_problems(rows, S.ROOT)
+    if bad is None:
+        pytest.skip("a shallow clone: commits may be missing for that reason")
+    assert bad == {"moe-megakernel-vs-unfused L2: 0123456789ab is no commit of this repository"}, bad
 
 
 def test_launches_of_unknown_code_are_each_a_batch_of_their_own() -> None:
