@@ -2,9 +2,11 @@
 
 Each rank gets S tokens (random activations, routing from `--routing`, deterministic seeds). The timed
 iterations rotate over `rotate` input sets (default DEFAULT_ROTATE; activations and routing, each set
-seeded from the case's seed, set 0 the one a single-input run used), as the megakernel bench does, so a
-small S does not read the same hot rows from L2 every iteration and the timings average over several
-routings' imbalance instead of one. Per iteration, every rank times
+seeded from the case's seed, set 0 the one a single-input run used), as the megakernel bench does, so the
+timings average over several routings' imbalance instead of one. Nothing is flushed from the L2 between
+iterations: the sets together are small beside it (4 x 128 tokens x 2048 bf16 = 2 MB against an H100's 50 MB),
+so at decode sizes every set's rows are read warm from the L2, as a serving engine's would be. Per iteration,
+every rank times
   dispatch   : EPBuffer.dispatch (packed layout: counts + pack + payload transfer; dense: all-gather; + unpack)
   combine    : EPBuffer.combine of one row per received row
   roundtrip  : dispatch → identity experts (rows × their local weights) → combine as one span; with
