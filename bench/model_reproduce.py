@@ -104,14 +104,15 @@ def main() -> None:
             t = time.perf_counter()
             predict(SL, w, k)
             ts.append((time.perf_counter() - t) * 1e3)
-        timing[label] = {"median_ms": statistics.median(ts), "max_ms": max(ts)}
+        timing[label] = {"median_ms": statistics.median(ts), "max_ms": max(ts), "runs": len(ts)}
     w64 = Workload(QWEN, 65536, 16, 4, routing="zipf:1.2")
     ts = []
     for _ in range(5):
         t = time.perf_counter()
         predict(SL, w64, COUPLED)
         ts.append((time.perf_counter() - t) * 1e3)
-    timing["coupled/proxy_drain 64K tokens zipf:1.2"] = {"median_ms": statistics.median(ts), "max_ms": max(ts)}
+    timing["coupled/proxy_drain 64K tokens zipf:1.2"] = {"median_ms": statistics.median(ts), "max_ms": max(ts),
+                                                         "runs": len(ts)}
     res["predict_timing"] = {"workload": "qwen3-30b, 16 nodes x 4 GPUs, 128 experts, 1024 tokens/GPU",
                              "preset": SL, "cpu": _cpu(), "python": platform.python_version(), "results": timing}
 

@@ -610,3 +610,14 @@ def test_a_git_status_that_gives_no_answer_is_never_stamped_clean(tmp_path, monk
     monkeypatch.setattr(S.subprocess, "run", real)
     (tmp_path / "a.py").write_text("x = 1\n")  # git answers "no changes": clean
     assert S.code_stamp()[1] is False
+
+
+def test_predict_rows_count_the_calls_their_median_is_of() -> None:
+    """bench/model_reproduce.py times predict 30 times (5 at 64K tokens) and stores the median, but its rows said n 1:
+    the n column of a median of 30 calls claimed a single sample. The script writes `runs`; an older file has none."""
+    timing = {"collective": {"median_ms": 1.0, "max_ms": 4.0, "runs": 30},
+              "coupled/proxy_drain 64K tokens zipf:1.2": {"median_ms": 9.0, "max_ms": 12.0, "runs": 5},
+              "old": {"median_ms": 1.0, "max_ms": 2.0}}
+    m = S.model_metrics({"predict_timing": {"results": timing}})
+    assert m["predict_ms[collective]"].n == 30 and m["predict_max_ms[collective]"].n == 30
+    assert m["predict_ms[coupled/proxy_drain 64K tokens zipf:1.2]"].n == 5 and m["predict_ms[old]"].n == 1

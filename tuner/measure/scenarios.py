@@ -685,9 +685,11 @@ def model_metrics(d: dict[str, Any]) -> dict[str, Stat]:
     for r in d.get("qwen3_4_nodes_ibrc_vs_ibgda", []):
         m[f"ibgda_over_ibrc_fixed[S{r['tokens']}]"] = Stat(r["ibgda_over_ibrc_fixed"], unit="ratio MODELLED")
     for k, v in ((d.get("predict_timing") or {}).get("results") or {}).items():
-        m[f"predict_ms[{k}]"] = Stat(v["median_ms"], unit="ms")
+        # n: the calls the median is of (30, or 5 for the 64K-token case); a file without `runs` says none: 1
+        n = int(v.get("runs") or 1)
+        m[f"predict_ms[{k}]"] = Stat(v["median_ms"], n=n, unit="ms")
         if v.get("max_ms") is not None:  # its own metric: the p90 column holds a p90 only
-            m[f"predict_max_ms[{k}]"] = Stat(v["max_ms"], unit="ms")
+            m[f"predict_max_ms[{k}]"] = Stat(v["max_ms"], n=n, unit="ms")
     return m
 
 
