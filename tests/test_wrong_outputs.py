@@ -20,6 +20,7 @@ from moetune.runtime.buffer.facade import EPBuffer
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.measure import ep
+from moetune.tuner.measure import results as R
 from moetune.tuner.measure import scenarios as S
 from moetune.tuner.measure.outputs import ep_report_problem, rel_err_problem
 
@@ -451,3 +452,31 @@ def test_proxy_scenario_fails_a_mode_whose_signals_did_not_land(monkeypatch: pyt
                        ("coupled-nic-ordered", "coupled_ordered failed at c4: engine construction failed")):
         assert by[name].metrics == {} and said in by[name].error, by[name]
     assert "decoupled-nic-ordered-batch" in S.proxy_failures(rows)
+
+
+def test_an_ep_case_run_in_another_world_gets_no_ratio_to_the_baseline(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """run_ep starts one spawned world per run of consecutive cases with the same env: a case with an env of its own
+    (and every case after it, the closing baseline run included) ran in other processes than the baseline's first
+    run, and the summary's ratio paired them as if side by side. Those runs now say so in their note, and the table
+    takes no ratio from them (their own numbers still show)."""
+    _in_process_launch(monkeypatch)
+    args = {k: v for k, v in EP_CASE.items() if k != "backend"}
+    seq = [S.Resolved("collective", args, {}), S.Resolved("same-world", dict(args, seed=2), {}),
+           S.Resolved("own-env", dict(args, seed=3), {"NCCL_DEBUG": "WARN"}), S.Resolved("collective", args, {})]
+    out = S.run_ep(seq, S.Ctx(world=1, backend="gloo", smoke=True, tmp=tmp_path))
+    assert [r.note for r in out] == ["", "", S.OTHER_WORLD, S.OTHER_WORLD], out
+    s = S.get("host-staged-fp8-pipelined")
+    metric = s.metrics[0]
+    st = S.Stat(100.0, 99.0, 101.0, 3, "us")
+    res = [S.CaseResult(s.baseline.name, {metric: st}, "c"),
+           S.CaseResult("fp8-depth4", {metric: S.Stat(50.0, 49.0, 51.0, 3, "us")}, "c"),
+           S.CaseResult("fp8-depth3", {metric: S.Stat(25.0, 24.0, 26.0, 3, "us")}, "c", note=S.OTHER_WORLD),
+           S.CaseResult(s.baseline.name, {metric: S.Stat(300.0, 299.0, 301.0, 3, "us")}, "c", note=S.OTHER_WORLD)]
+    rows = [{k: R._cell(v) for k, v in r.items()} for r in S._launch_rows(s, res, "L1", {
+        "source": "measured", "date": "2026-12-01T10:00:00Z", "git_sha": "a" * 40, "git_dirty": False,
+        "hardware": "2x NVIDIA H200", "gpu": "NVIDIA H200"})]
+    table = {ln.split("|")[1].strip().removesuffix(" (baseline)"): ln.split("|")[-2].strip()
+             for ln in S.scenario_table(s, rows) if ln.startswith("| ") and not ln.startswith(("| case", "| ---"))}
+    # beside the baseline's first run (100): 2.00x; the closing baseline run (300, another world) is no divisor
+    assert table == {s.baseline.name: "1.00×", "fp8-depth4": "2.00×", "fp8-depth3": "-"}, table

@@ -452,12 +452,19 @@ def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: s
     return " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, a), "--json"])
 
 
+# the note of a case run that was not side by side with the baseline's first run (another spawned world: another set of
+# processes): its timings stand, but no ratio to the baseline is taken from them (`scenario_table`)
+OTHER_WORLD = "not side by side with the baseline: another spawned world (its env differs)"
+
+
 @driver("ep")
 def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """EP dispatch/combine (`moetune bench ep`'s code): consecutive cases with the same environment share one
     spawned world (started once, then every case through it), so they run side by side; a case's runtime options
     go to its EP buffer (`options=`), so cases that differ only in them share a world too. A case whose round trip
-    (or verified layer) gave a wrong output (`outputs.ep_report_problem`) fails with that reason: no timing."""
+    (or verified layer) gave a wrong output (`outputs.ep_report_problem`) fails with that reason: no timing. A case
+    run in another world than the baseline's first run (an env of its own, or the closing baseline run after one)
+    says so in its note (`OTHER_WORLD`): its ratio to the baseline would be one across processes."""
     from moetune.runtime.testing.launch import LaunchError, launch
     from moetune.tuner.measure.outputs import ep_report_problem
     from moetune.tuner.measure.worker import case_config
@@ -493,6 +500,7 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                 first = next(iter(sorted(e.errors.items())))
                 err = f"launch failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}"
         it = iter(reps)
+        apart = OTHER_WORLD if i > 0 else ""  # the first group holds the baseline's first run
         for c in group:
             cmd = ep_command(c.args, c.env, ctx.world, ctx.backend, c.options)
             if c.name in bad:
@@ -504,7 +512,7 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
             elif (wrong := ep_report_problem(rep)) is not None:  # a wrong output's timings are no measurement
                 results.append(CaseResult(c.name, {}, cmd, wrong))
             else:
-                results.append(CaseResult(c.name, _from_report(rep), cmd, rep.get("graph_error") or ""))
+                results.append(CaseResult(c.name, _from_report(rep), cmd, rep.get("graph_error") or "", note=apart))
         i = j
     return results
 
@@ -1423,12 +1431,23 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         return _med(list(per_launch(c, k).values()))
 
     bname = next((r["case"] for r in batch if r["baseline"] == "1"), cases[0])
-    base = per_launch(bname, "median")
+
+    def side_by_side(c: str) -> dict[str, float]:
+        # a case's medians per launch from its runs beside the baseline's first run only (not another spawned world:
+        # run_ep's OTHER_WORLD), for the ratio
+        per: dict[str, list[float]] = {}
+        for r in batch:
+            if r["case"] == c and R.fnum(r["median"]) is not None and OTHER_WORLD not in r["note"]:
+                per.setdefault(r["launch"], []).append(R.fnum(r["median"]))  # type: ignore[arg-type]
+        return {launch: statistics.mean(v) for launch, v in per.items()}
+
+    base = side_by_side(bname)
 
     def ratio_of(c: str) -> float | None:
         # paired within each launch: a case run in other launches than the baseline's (`--case`, a batch of
-        # several runs at one SHA) is compared only with the baseline it ran beside
-        mine = per_launch(c, "median")
+        # several runs at one SHA) is compared only with the baseline it ran beside, and only where it ran in the
+        # same processes (another spawned world's run gives no ratio: ratios are taken side by side in one process)
+        mine = side_by_side(c)
         rs = [(base[lc] / m if s.better == "lower" else m / base[lc]) for lc, m in mine.items()
               if lc in base and base[lc] and m]
         return _med(rs)
