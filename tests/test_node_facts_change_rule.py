@@ -193,14 +193,14 @@ def test_a_resumed_profile_records_a_swap_since_its_earlier_run(tmp_path: Path, 
 def test_another_nodes_fabric_event_in_a_shared_database_is_no_base(tmp_path: Path) -> None:
     """Identical nodes share a fingerprint and its profiles: the other node's daemon's event names its own GPUs, which
     are no replaced parts of this node's (comparing with it made the shared profiles stale)."""
-    from moetune.tuner.fabric.change import record_node_facts, this_node
+    from moetune.tuner.fabric.change import record_node_facts
 
     store, old, seeded = _profiled(tmp_path, "h200x2")
     _cap, twin = _swapped(tmp_path)  # the other node: same model of GPUs, other serials
     store.add_event(kind="fabric_seen", reason="first discovery",
                     details={"fingerprint": twin.fingerprint, "identity": identity(twin), "facts": twin.to_dict(),
                              "node": "the-other-node"})
-    assert this_node() != "the-other-node"
+    assert store.node != "the-other-node"
     res = record_node_facts(store, old, by="test")
     assert not res.changed and not _fabric_changed(store)
     assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)

@@ -143,7 +143,7 @@ class FabricWatch:
         if last is None or (last.get("identity") is None and identity(facts) is not None):
             # the first discovery, or the first since GPU identities are recorded: the base to compare with
             self.store.add_event(kind="fabric_seen", reason="first discovery" if last is None else "GPU identities recorded",
-                                 details=seen_details(facts))
+                                 details=seen_details(facts, self.store.node))
 
     def _retune_after_interrupted_change(self) -> None:
         """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
@@ -253,7 +253,7 @@ class FabricWatch:
             ids = [i for i, _ in cur]
             if recorded is None:
                 self.store.add_event(kind="fabric_changed", reason=reason,
-                                     details=change_details(old_fp, facts, reasons, ids))
+                                     details=change_details(old_fp, facts, reasons, ids, self.store.node))
             elif old_fp:
                 # a retry: the rows the recorded event lists (made stale already if its mark_stale got through) and
                 # any current since are this change's
@@ -332,7 +332,7 @@ class FabricWatch:
                     # the facts are adopted once their writes are in (a failed write: the next round tries again)
                     self.store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=self.fabric_origin)
                     if last is None:
-                        self.store.add_event(kind="fabric_seen", reason="first discovery", details=seen_details(facts))
+                        self.store.add_event(kind="fabric_seen", reason="first discovery", details=seen_details(facts, self.store.node))
                     self.facts = facts
                     # the start-up discovery failed, so the start could not finish a change the last daemon recorded
                     # but did not queue (it needs the facts): done now, before the index is rebuilt

@@ -55,18 +55,12 @@ def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> b
 FABRIC_EVENTS = ("fabric_seen", "fabric_changed")
 
 
-def this_node() -> str:
-    from moetune.tuner.store._owner import node_id
-
-    return node_id()
-
-
 def last_fabric_event(store: Any) -> dict[str, Any] | None:
     """The details of the newest fabric event that names a fingerprint (the newest 20, however many other events came
     after them), None where none is recorded. An event another node recorded (`node` in its details: a database
     shared by nodes) is passed over: comparing this node with it took identical nodes' other GPUs for a replaced one
     and made their shared profiles stale. An event without `node` (a moetune before it) is taken, as before."""
-    here = this_node()
+    here = store.node
     for e in store.list_events(limit=20, kinds=FABRIC_EVENTS):  # newest first
         d = e["details"]
         if (e["kind"] in FABRIC_EVENTS and isinstance(d, dict) and d.get("fingerprint")
@@ -75,9 +69,10 @@ def last_fabric_event(store: Any) -> dict[str, Any] | None:
     return None
 
 
-def seen_details(facts: Any) -> dict[str, Any]:
-    """A fabric_seen event's details (this node's first discovery, or its first with GPU identities)."""
-    return {"fingerprint": facts.fingerprint, "identity": identity(facts), "facts": facts_dict(facts), "node": this_node()}
+def seen_details(facts: Any, node: str) -> dict[str, Any]:
+    """A fabric_seen event's details (this node's first discovery, or its first with GPU identities); `node`: this
+    node's id (`Store.node`), which `last_fabric_event` reads back."""
+    return {"fingerprint": facts.fingerprint, "identity": identity(facts), "facts": facts_dict(facts), "node": node}
 
 
 def bringup_fabric(store: Any) -> dict[str, Any] | None:
@@ -133,11 +128,12 @@ def restorable(store: Any, facts: Any) -> list[int] | None:
     return [i for i in served if isinstance(i, int)]
 
 
-def change_details(old_fp: str | None, facts: Any, reasons: list[str], ids: list[int], **more: Any) -> dict[str, Any]:
+def change_details(old_fp: str | None, facts: Any, reasons: list[str], ids: list[int], node: str,
+                   **more: Any) -> dict[str, Any]:
     """A fabric_changed event's details: the daemon's start reads the newest one as the node's recorded fabric, and
     finishes its re-tune from `profiles` (the rows the change made stale) where none was queued."""
     return {"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "identity": identity(facts),
-            "reasons": reasons, "facts": facts_dict(facts), "profiles": ids, "node": this_node(), **more}
+            "reasons": reasons, "facts": facts_dict(facts), "profiles": ids, "node": node, **more}
 
 
 def change_reasons(diff: Any, old_facts: dict[str, Any], facts: Any) -> list[str]:
@@ -200,7 +196,7 @@ def record_node_facts(store: Any, facts: Any, *, by: str, diff: Any = default_di
     with store.atomic():
         store.upsert_fingerprint(facts.fingerprint, d, origin="local")
         store.add_event(kind="fabric_changed", reason=reason,
-                        details=change_details(old_fp, facts, reasons, ids, recorded_by=by))
+                        details=change_details(old_fp, facts, reasons, ids, store.node, recorded_by=by))
         n = store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids) if old_fp else 0
         back = 0
         if served is not None:

@@ -849,6 +849,12 @@ class Store:
         with self._read() as s:
             return [_fp_row(fp) for fp in s.scalars(select(Fingerprint).order_by(Fingerprint.last_seen.desc()))]
 
+    @property
+    def node(self) -> str:
+        """This node's id (`_owner.node_id`): what its own fingerprints and fabric events are recorded under (the
+        fabric layer reads it here: it may not import the store's modules)."""
+        return node_id()
+
     @_retried
     def local_fingerprints(self, node: str | None = None) -> list[Row]:
         """The fingerprints this node recorded as its own (origin 'local', `node`: default `_owner.node_id()`),
