@@ -252,6 +252,38 @@ def test_proxy_engine_close_raises_and_its_finalizer_warns_where_destroy_leaked(
         gc.collect()
 
 
+@pytest.mark.parametrize("cls", [NvlinkTransport, ProxyTransport])
+def test_a_transport_dropped_without_close_destroys_its_native_context_once(fake_gpu: tuple, cls: type) -> None:
+    """nvlink had no finalizer: a transport dropped without close() never ran mt_nvl_destroy, so its context's device
+    memory (error record, abort flag, group counters, epochs) leaked. Now collecting it destroys the context, once,
+    and leaves the symmetric buffers alone as the proxy does; a close() before means no second destroy."""
+    import gc
+
+    log, _fail = fake_gpu
+    destroy = "mt_nvl_destroy" if cls is NvlinkTransport else "mt_pxy_destroy"
+    _build(cls, max_send_rows=8, row_bytes=256)  # dropped at once
+    gc.collect()
+    assert _names(log).count(destroy) == 1 and "symm_close" not in _names(log)
+    t = _build(cls, max_send_rows=8, row_bytes=256)
+    t.close()
+    del t
+    gc.collect()
+    assert _names(log).count(destroy) == 2  # the close's, not another at collection
+
+
+def test_an_nvlink_transport_collected_without_close_warns_where_its_destroy_leaked(fake_gpu: tuple) -> None:
+    """The finalizer never raises: a destroy that leaked is a RuntimeWarning naming it."""
+    import gc
+
+    log, fail = fake_gpu
+    fail.add("mt_nvl_destroy")
+    with pytest.warns(RuntimeWarning, match=r"nvlink transport: mt_nvl_destroy returned 7: injected failure \(while "
+                                            r"collecting it without close\(\)\)"):
+        _build(NvlinkTransport)  # dropped at once
+        gc.collect()
+    assert _names(log).count("mt_nvl_destroy") == 1
+
+
 # -- another family's knobs -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", [NvlinkTransport, ProxyTransport])
 def test_one_sided_transports_refuse_other_knobs_before_allocating(fake_gpu: tuple, cls: type) -> None:

@@ -17,6 +17,7 @@ import ctypes
 import os
 import time
 import warnings
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -138,6 +139,24 @@ def report_leaks(who: str, leaks: list[str], *, raise_: bool) -> None:
     if raise_:
         raise RuntimeError(text)
     warnings.warn(f"{text} (while collecting it without close())", RuntimeWarning, stacklevel=2)
+
+
+def on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
+    """func(*args) when `owner` is collected, or at once through run_now (once either way). The arguments must not
+    hold `owner` (it would never be collected). Not run at interpreter exit. func(*args, loud=False), the
+    collection, warns about what it leaked; run_now's call (loud=True) returns it to be raised."""
+    f = weakref.finalize(owner, func, *args)
+    f.atexit = False
+    return f
+
+
+def run_now(f: weakref.finalize | None) -> list[str]:
+    """Run an on_collect finalizer now, if it has not run: what it leaked."""
+    got = f.detach() if f is not None else None
+    if got is None:
+        return []
+    _owner, func, args, kwargs = got
+    return func(*args, **kwargs, loud=True)
 
 
 def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:

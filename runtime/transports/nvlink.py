@@ -12,6 +12,7 @@ data path. Knobs used: signalling, group_size (CTAs per fence when decoupled; 0 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -25,7 +26,10 @@ from moetune.runtime.transports._onesided import (
     OneSidedError,
     OneSidedTransport,
     destroy_leak,
+    on_collect,
     one_sided_availability,
+    report_leaks,
+    run_now,
     u64_array,
 )
 from moetune.runtime.transports.base import Availability
@@ -39,6 +43,7 @@ class NvlinkTransport(OneSidedTransport):
     strided_combine: ClassVar[bool] = True
     gathers_tokens: ClassVar[bool] = True
     _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_nvl_create made it, and after close)
+    _native: weakref.finalize | None = None  # destroys _h once: at close(), or when collected
 
     def __init__(
         self,
@@ -63,6 +68,10 @@ class NvlinkTransport(OneSidedTransport):
                 "mt_nvl_create",
             )
             self._h = h
+            # a transport dropped without close() destroys its kernels' context (device memory: the error record,
+            # abort flag, group counters, epochs) when collected; not its symmetric buffers: freeing those is
+            # collective in spirit, other ranks may still write into them (as the proxy transport)
+            self._native = on_collect(self, _destroy_nvl_native, self.lib, h)
             self._map_error_record(h, self.lib.mt_nvl_err_ptr)
             cpp = ctypes.c_int(0)
             self.lib.mt_nvl_ctas_per_peer(h, ctypes.byref(cpp))
@@ -204,5 +213,17 @@ class NvlinkTransport(OneSidedTransport):
 
     def _release_native(self) -> list[str]:
         h, self._h = self._h, None
-        leak = destroy_leak(self.lib, "mt_nvl_destroy", self.lib.mt_nvl_destroy(h)) if h is not None else None
-        return [leak] if leak else []
+        native, self._native = self._native, None
+        if native is not None:
+            return run_now(native)  # _destroy_nvl_native, once
+        # no finalizer: no context was made (or it was already destroyed)
+        return _destroy_nvl_native(self.lib, h, loud=True) if h is not None else []
+
+
+def _destroy_nvl_native(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
+    """mt_nvl_destroy(h): what it leaked, returned, and warned about unless `loud` (the caller, close(), raises it)."""
+    leak = destroy_leak(lib, "mt_nvl_destroy", lib.mt_nvl_destroy(h))
+    leaks = [leak] if leak else []
+    if not loud:
+        report_leaks("nvlink transport", leaks, raise_=False)
+    return leaks

@@ -48,6 +48,8 @@ from moetune.runtime.transports._onesided import (
     report_leaks,
     u64_array,
 )
+from moetune.runtime.transports._onesided import on_collect as _on_collect
+from moetune.runtime.transports._onesided import run_now as _run_now
 from moetune.runtime.transports.base import Availability
 
 FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
@@ -333,24 +335,6 @@ class ProxyEngine:
         """close() without raising: what mt_proxy_destroy leaked."""
         self.handle = None
         return _run_now(self._finalizer)  # set with the handle: mt_proxy_destroy(handle), once
-
-
-def _on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
-    """func(*args) when `owner` is collected, or at once through _run_now (once either way). The arguments must not
-    hold `owner` (it would never be collected). Not run at interpreter exit. func(*args, loud=False), the
-    collection, warns about what it leaked; _run_now's call (loud=True) returns it to be raised."""
-    f = weakref.finalize(owner, func, *args)
-    f.atexit = False
-    return f
-
-
-def _run_now(f: weakref.finalize | None) -> list[str]:
-    """Run an _on_collect finalizer now, if it has not run: what it leaked."""
-    got = f.detach() if f is not None else None
-    if got is None:
-        return []
-    _owner, func, args, kwargs = got
-    return func(*args, **kwargs, loud=True)
 
 
 def _destroy_engine(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
