@@ -690,3 +690,29 @@ def test_bench_ep_table_shows_every_output_the_verdict_checks(monkeypatch: pytes
     r = _run(*args, width=200)
     assert r.exit_code == 1 and "not a checked number" in r.stderr.replace("\n", " "), r.output
     assert "dispatch + combine (CUDA graph): max relative error 'nan?' (bound 0.03): not a checked number" in r.stdout
+
+
+def test_bench_moe_raises_a_warmup_below_rotate_so_no_input_has_its_first_call_timed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench moe --warmup 0` (or any warm-up below --rotate) timed the first eager call of every rotated input the
+    warm-up did not reach. The warm-up is now raised to --rotate with a note, and the report and its stamped command
+    say the warm-up that ran."""
+    import torch
+
+    from moetune.tuner.measure import moe as M
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    real, seen = M.time_calls, []
+
+    def spy(fns: Any, *, warmup: int, iters: int, cuda: bool) -> list[float]:
+        seen.append((warmup, len(fns)))
+        return real(fns, warmup=warmup, iters=iters, cuda=cuda)
+
+    monkeypatch.setattr(M, "time_calls", spy)
+    r = CliRunner().invoke(app, ["bench", "moe", "--engine", "unfused", "--model", TINY_MODEL, "--tokens", "4",
+                                 "--iters", "1", "--warmup", "1", "--rotate", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "--warmup 1 is below --rotate 3: raised to 3" in r.stderr.replace("\n", " ")
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["warmup"] == 3 and "--warmup 3 --rotate 3" in rep["meta"]["command"]
+    assert seen and all(w >= n for w, n in seen), seen  # every timed input had an untimed call first

@@ -250,7 +250,8 @@ def test_bench_moe_says_what_it_times_before_the_long_run(monkeypatch: pytest.Mo
     r = CliRunner().invoke(app, ["bench", "moe", "--engine", "unfused", "--model", "custom:128,64,8,2", "--tokens",
                                  "4", "--iters", "2", "--warmup", "0", "--json"])
     assert r.exit_code == 0, r.output
-    assert "timing unfused at S=4 (0 + 2 calls each) on the CPU (no CUDA device" in r.stderr, r.stderr
+    # --warmup 0 is raised to --rotate (4): one untimed call per rotated input
+    assert "timing unfused at S=4 (4 + 2 calls each) on the CPU (no CUDA device" in r.stderr, r.stderr
     assert r.stdout.strip().startswith("{")  # stdout stays the JSON report
 
 

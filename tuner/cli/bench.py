@@ -371,7 +371,7 @@ def moe(
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture one CUDA graph per input and time its replays."),
     knobs: str = typer.Option("", "--knobs", help="The megakernel's knobs, e.g. mk_bm=16,mk_stages=3 (engine=megakernel is implied; its defaults when left out or \"\")."),
     iters: int = typer.Option(50, "--iters", help="Timed single calls per case."),
-    warmup: int = typer.Option(10, "--warmup", help="Untimed calls first."),
+    warmup: int = typer.Option(10, "--warmup", help="Untimed calls first; at least one per rotated input: a value below --rotate is raised to it (with a note), so no input's first call is timed."),
     rotate: int = typer.Option(4, "--rotate", help="Input tensors rotated over (one graph each)."),
     seed: int = _seed_opt(),
     rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
@@ -391,6 +391,11 @@ def moe(
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
     _check_seed(seed)
+    if warmup < rotate:  # the eager calls rotate over the inputs: an input not reached by the warm-up has its first call timed
+        _err.print(f"[yellow]note:[/yellow] --warmup {warmup} is below --rotate {rotate}: raised to {rotate}, one "
+                   "untimed call per rotated input (the report and its command say --warmup "
+                   f"{rotate})")
+        warmup = rotate
     # checked before anything is timed (bench_moe would refuse them only after the 'timing ...' line)
     bad = [e for e in engines if e not in M.ENGINES]
     if bad or not engines:
