@@ -632,3 +632,23 @@ def test_the_decode_ep_scenario_heads_with_what_its_target_is_for() -> None:
     s = SCENARIOS["ep-roundtrip-qwen3-s128"]
     assert s.metrics[0] == "graph_pair_us" and "graph_roundtrip_us" in s.metrics
     assert "40 us" in s.question and "graph_pair_us" in s.question
+
+
+@pytest.mark.parametrize("scenario", [n for n, s in SCENARIOS.items() if s.needs.gpus == 0])
+def test_a_cpu_scenario_run_on_a_gpu_machine_is_headed_with_the_host_cpu_not_the_gpu(scenario: str) -> None:
+    """A scenario that declares it needs no GPU, run on a GPU machine, has its rows stamped with that GPU; the heading
+    named it (', GPU NVIDIA H200') beside a question saying e.g. 'Not a GPU measurement'. It now says the scenario
+    ran on the host CPU, the machine named as what it was; a GPU scenario's heading still names its GPU."""
+    s = SCENARIOS[scenario]
+    line = next(ln for ln in S.scenario_table(s, [_row(scenario, s.baseline.name, "L1", 100)])
+                if ln.startswith(("measured", "MODELLED")))
+    assert ", GPU NVIDIA H200" not in line, line
+    assert "on the host CPU, no GPU used (the machine: 1x NVIDIA H200, 16 CPU cores)" in line, line
+    cpu_only = _row(scenario, s.baseline.name, "L1", 100, gpu="none", gpu_count="0",
+                    hardware="2 CPU cores (Intel Xeon VM), no GPU")
+    line = next(ln for ln in S.scenario_table(s, [cpu_only]) if ln.startswith(("measured", "MODELLED")))
+    assert ", 2 CPU cores (Intel Xeon VM), no GPU; metric" in line, line
+    g = SCENARIOS["moe-megakernel-vs-unfused"]
+    line = next(ln for ln in S.scenario_table(g, [_row(g.name, g.baseline.name, "L1", 100)])
+                if ln.startswith("measured"))
+    assert "1x NVIDIA H200, 16 CPU cores, GPU NVIDIA H200; metric" in line, line

@@ -1460,8 +1460,15 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
     if s.is_modelled(metric) or any(R.is_modelled(r) or r["source"] == "modelled" for r in batch):
         made = {"run": "made by `moetune bench run`", "imported": "imported", "smoke": "of a smoke run"}[origin]
         kind = f"MODELLED (predictions, not measurements; rows {made})"
-    lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {latest['hardware']}"
-             f"{', GPU ' + latest['gpu'] if latest['gpu'] not in ('', 'none') else ''}; metric `{metric}` ({unit}); "
+    # where it ran: a scenario that declares it needs no GPU measures on the host CPU, also where the machine that
+    # ran it has one (its rows are stamped with that GPU): the heading says the CPU, not the GPU, measured
+    gpu = latest["gpu"] not in ("", "none")
+    if s.needs.gpus == 0 and gpu:
+        where = f"on the host CPU, no GPU used (the machine: {latest['hardware']})"
+    else:
+        where = f"{latest['hardware']}{', GPU ' + latest['gpu'] if gpu else ''}"
+    lines = [*head, f"{kind}, {latest['date'][:10]}, `{latest['git_sha'][:10]}`{dirty}, {where}"
+             f"; metric `{metric}` ({unit}); "
              f"ratio = {'baseline / case' if s.better == 'lower' else 'case / baseline'} (> 1: better than `{bname}`).",
              "",
              "| case | launches | median | p10 | p90 | ratio |", "| --- | --- | --- | --- | --- | --- |"]
