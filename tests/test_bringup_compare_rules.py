@@ -303,3 +303,35 @@ def test_a_round_trip_never_displaces_a_whole_layer(tmp_path: Path) -> None:
     a round-trip number of the same knobs, and the pick among families then compared that family no more."""
     res, cur = _tune_over(tmp_path, _Counting(), stored_us=900.0, stored_backend="local:gloo")
     assert cur is not None and cur.backend == "local:gloo" and cur.latency_us == 900.0, (res.reason, cur)
+
+
+def test_a_time_budget_is_shared_over_the_studies_so_a_later_bucket_starts(tmp_path: Path) -> None:
+    """One --timeout over several studies (buckets): each was given all the time left, so a first study that cannot
+    finish its trials took the whole budget on every rerun and the later buckets never started. Now each study gets
+    the time left divided by the studies left, and says what it got."""
+    import time
+
+    import optuna
+
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    class Slow(_Counting):
+        def run_once(self, knobs: Knobs, wl: TuneWorkload) -> tuple[float, dict, None]:
+            time.sleep(0.05)
+            return super().run_once(knobs, wl)
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    store = Store(tmp_path / "p.db")
+    t0 = time.monotonic()
+    first, second = tune_profiles_detailed(store, _Facts(), backend=Slow(), models=[SMALL], tokens=[64, 512],
+                                           families=["collective"], storage=f"sqlite:///{tmp_path / 'opt.db'}",
+                                           trials=500, timeout_s=3.0)
+    assert first.study.workload.tokens < second.study.workload.tokens
+    assert first.budget_ended and 0 < first.study.trials < 500
+    assert second.study.trials > 0, "the second bucket never started: the first study took the whole budget"
+    assert first.budget_s is not None and 1.4 <= first.budget_s <= 1.5, first.budget_s  # half of the 3 s
+    # the second gets what the first left: the time left at its start, all of it (the last study)
+    assert second.budget_s is not None and 0 < second.budget_s <= 3.0 - first.used_s + 0.1
+    assert first.used_s is not None and second.used_s is not None
+    assert time.monotonic() - t0 < 8

@@ -173,7 +173,13 @@ def test_tune_says_when_its_time_budget_ended_the_studies_early(tmp_path: Path, 
     r = _run(*args[:-1], "600", "--json", "--db", str(tmp_path / "other.db"), "--storage",
              f"sqlite:///{tmp_path / 'other-studies.db'}", home=tmp_path)
     assert r.exit_code == 0, r.output
-    assert not any(row["stopped_by_timeout"] for row in json.loads(r.stdout)) and "time budget" not in r.stderr
+    rows = json.loads(r.stdout)
+    assert not any(row["stopped_by_timeout"] for row in rows) and "ended the tune early" not in r.stderr
+    # the budget is shared over the two studies: the first got half of it, and stderr says what each got
+    assert rows[0]["budget_s"] == pytest.approx(300, abs=1) and rows[1]["budget_s"] > 300 - 1, rows
+    err = re.sub(r"\s+", " ", r.stderr)
+    assert "the time budget (--timeout, 600 s) shared over 2 studies, each the time left / the studies left: " \
+           "proxy:ibrc qwen3-30b S=16 300.0 s (took" in err, err
 
 
 # -- one spelling per meaning: aliases where two commands spelled one thing differently --------------------------

@@ -313,7 +313,7 @@ def tune(
     backend: str = text_option(None, "--backend", "-b", empty=BACKEND_EMPTY, help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
     preset: str = path_text_option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
     trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
-    timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600)."),
+    timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600), shared over its studies (one per family, model and token bucket): each in turn gets the time left divided by the studies left, so what one does not use goes to the next; stderr says each study's share."),
     storage: str = text_option(None, "--storage", empty=STORAGE_EMPTY, help="Optuna storage URL (default: NAME-studies.db beside the profile database NAME.db, moetune-studies.db for moetune.db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed (0 to 4294967295)."),
     db: Path = path_option(None, "--db", help="Profile database (default: configured)."),
@@ -598,6 +598,8 @@ def tune(
             # provenance, else (nothing stored) the backend's
             "provenance": r.effective_provenance, "modelled": r.effective_provenance != "measured",
             "trials_asked": trials, "stopped_by_timeout": r.budget_ended,
+            # its share of --timeout (the time left over the studies left, when it started) and the time it took
+            "budget_s": r.budget_s, "used_s": r.used_s,
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
             "extrapolation": scale,  # the EP size tuned at lies beyond the preset's measured scale (model predict's)
         })
@@ -780,8 +782,15 @@ def row_note(row: dict[str, Any]) -> str | None:
 
 
 def _budget_ended(results: list, asked: int, timeout: float | None, source: str) -> None:
-    """Say on stderr which studies the time budget cut short, with the trials each ran of those asked: a table
-    of winners does not show that they come from a shortened search (the exit code stays as it is)."""
+    """Say on stderr what share of the time budget each study got (where it was shared by several), and which
+    studies it cut short, with the trials each ran of those asked: a table of winners does not show that they come
+    from a shortened search (the exit code stays as it is)."""
+    if timeout is not None and len(results) > 1:
+        shares = "; ".join(f"{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}"
+                           f" {r.budget_s:.1f} s (took {r.used_s:.1f} s)" for r in results
+                           if r.budget_s is not None and r.used_s is not None)
+        err.print(f"[dim]the time budget ({escape(source)}, {timeout:g} s) shared over {len(results)} studies, each "
+                  f"the time left / the studies left: {shares}[/dim]", soft_wrap=False)
     cut = [r for r in results if r.budget_ended]
     if not cut:
         return
@@ -794,7 +803,8 @@ def _budget_ended(results: list, asked: int, timeout: float | None, source: str)
         # a study whose trials all ran was cut at the side-by-side check of its winner: nothing was stored
         what = " (not started)" if ran == 0 else " (the side-by-side check not run: nothing stored)" if ran >= asked else ""
         err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
-                  f"{ran} of {asked} trials{what}", soft_wrap=False)
+                  f"{ran} of {asked} trials{what}"
+                  f"{f' in its {r.budget_s:.1f} s' if r.budget_s is not None else ''}", soft_wrap=False)
     err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume", soft_wrap=False)
 
 

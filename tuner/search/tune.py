@@ -183,6 +183,10 @@ class TuneResult:
     stopped: bool = False
     # what the backend's numbers are (its class's provenance), whether or not a record was made
     provenance: str = "preset"
+    # the time budget's share this study was given (seconds; None: no budget) and the seconds it took, side-by-side
+    # check included: a budget is shared over the studies of one call (tune_profiles_detailed)
+    budget_s: float | None = None
+    used_s: float | None = None
 
     @property
     def effective_provenance(self) -> str:
@@ -343,7 +347,12 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     comparison with the incumbent and the policy default, for a caller that makes that comparison itself and
     stores what wins (the bring-up's compare stage), so it is not measured twice nor served unchecked.
     `stop`: asked before every study and before its side-by-side check (a minute a key on a CPU node); once it says
-    True the results so far are returned, the study at hand with no record (a cancelled daemon job)."""
+    True the results so far are returned, the study at hand with no record (a cancelled daemon job).
+    `timeout_s`: the wall-clock budget of the whole call, shared over its studies (one per family, model and token
+    bucket): each study, in turn, gets the time left divided by the studies left (itself included), so time a study
+    does not use passes on to the next ones. A study that does not finish its trials in its share is cut there (a
+    rerun resumes it); before, the first study could take the whole budget on every rerun, and the later buckets
+    never started. Each result says its share and the time it took (`budget_s`, `used_s`)."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
@@ -366,6 +375,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
 
     bar: Progress = progress or NoProgress()
     out: list[TuneResult] = []
+    n_studies = len(policies) * len(models) * len({nearest_bucket(t) for t in tokens})
     try:
         for fam, pol in policies.items():
             for model in models:
@@ -401,12 +411,15 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     # one shape, one name (`custom:2048,768,128,8` is qwen3-30b): its study, and its neighbour's
                     model_name = study_model_name(model)
                     name = study_name(key, be.label, model_name, config)
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    # a fair share of what is left: the time left over the studies left (this one included)
+                    now = time.monotonic()
+                    left = None if deadline is None else max(0.0, deadline - now) / max(1, n_studies - len(out))
                     res = _tune_one(store, st, url, name, key, space, be, wl, trials=1 if inert else trials,
                                     timeout_s=left, seed=seed, bar=bar, facts=facts, on_trial=on_trial,
                                     neighbour=None if inert else neighbour_bucket(st, key, be.label, model_name,
                                                                                   config), inert=inert,
                                     recheck=recheck, stop=stop)
+                    res = replace(res, budget_s=left, used_s=time.monotonic() - now)
                     out.append(replace(res, reason=f"{res.reason} ({inert})") if inert else res)
     finally:
         if be is not backend:
