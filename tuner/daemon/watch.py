@@ -22,7 +22,6 @@ from typing import Any
 
 from moetune.tuner.fabric.change import (
     FABRIC_EVENTS,
-    change_details,
     change_reasons,
     fabric_left,
     facts_dict,
@@ -30,9 +29,9 @@ from moetune.tuner.fabric.change import (
     incomplete,
     last_fabric_event,
     recorded_base,
-    restorable,
     same_hardware,
     seen_details,
+    write_change,
 )
 
 log = logging.getLogger("moetune.daemon")
@@ -228,7 +227,6 @@ class FabricWatch:
         return None
 
     def _fabric_changed(self, old_fp: str | None, old_facts: dict[str, Any], facts: Any, *, rebuild: bool = True) -> None:
-        new_dict = facts_dict(facts)
         reasons = change_reasons(self._diff, old_facts, facts)
         reason = "; ".join(reasons)[:4000]
         log.warning("fabric changed", extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint, "reasons": reasons})
@@ -240,7 +238,6 @@ class FabricWatch:
         try:
             from moetune.tuner.daemon.jobs import tuning_key
 
-            self.store.upsert_fingerprint(facts.fingerprint, new_dict, origin=self.fabric_origin)
             recorded = self._recorded_change(old_fp, facts)
             with self._commit_lock:
                 # the new facts first: a job still tuning for old_fp that ends from here on sees that its fabric
@@ -251,38 +248,32 @@ class FabricWatch:
                 cur = self.store.list_profiles(status="current", fingerprint=old_fp) if old_fp else []
                 self.facts = facts
             ids = [i for i, _ in cur]
-            if recorded is None:
-                self.store.add_event(kind="fabric_changed", reason=reason,
-                                     details=change_details(old_fp, facts, reasons, ids, self.store.node))
-            elif old_fp:
-                # a retry: the rows the recorded event lists (made stale already if its mark_stale got through) and
-                # any current since are this change's
+            if recorded is not None and old_fp:
+                # a retry (of a change whose event is in: its later reads failed, or an older daemon wrote it in
+                # steps): the rows the recorded event lists (made stale already where its marks got through) and any
+                # current since are this change's
                 listed = recorded.get("profiles")
                 listed = {i for i in listed if isinstance(i, int)} if isinstance(listed, list) else set()
                 listed |= set(ids)
                 cur = [(i, r) for i, r in self.store.list_profiles(fingerprint=old_fp) if i in listed]
                 ids = [i for i, _ in cur]
             stale_recs = [r for _, r in cur]
-            if old_fp:
-                self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids)
-            if old_fp != facts.fingerprint:
-                # a fabric back to one it had (a GPU off the bus and back, a driver rolled back): the profiles measured
-                # on it are good again, on the same GPUs only (`fabric_left`); nothing to re-tune for their keys (below).
-                # Only the rows it served until it left (their ids are in that change's event): a row a job wrote for
-                # it after the fabric had moved on (`_fabric_moved_on` made it stale) is no measurement of it, nor is
-                # a row of an earlier stay on other GPUs; an event of a daemon that recorded no ids: nothing is restored
-                served = restorable(self.store, facts)  # the rule `record_node_facts` applies too
-                if served is not None:
-                    n = self.store.restore_stale(fingerprint=facts.fingerprint, ids=served,
-                                                 reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
-                    if n:
-                        log.warning("profiles of a fabric seen before made current again",
-                                    extra={"fingerprint": facts.fingerprint, "profiles": n})
-                elif self.store.list_profiles(status="stale", fingerprint=facts.fingerprint):
-                    log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
-                                "recorded, or which ones it served is not recorded (re-tuned instead)",
-                                extra={"fingerprint": facts.fingerprint, "identity": identity(facts),
-                                       "measured_on": fabric_left(self.store, facts.fingerprint)[1]})
+            # the facts, the event, the marks and, for a fabric back to one it had (a GPU off the bus and back, a
+            # driver rolled back), its profiles current again: one transaction, the writes `record_node_facts` makes
+            # (`write_change`). Restored are only the rows it served until it left, on the same GPUs (`restorable`):
+            # a row a job wrote for it after the fabric had moved on (`_fabric_moved_on` made it stale) is no
+            # measurement of it, nor is a row of an earlier stay on other GPUs; nothing to re-tune for their keys
+            written = write_change(self.store, facts, old_fp=old_fp, reasons=reasons, ids=ids, origin=self.fabric_origin,
+                                   recorded=recorded is not None)
+            if written.restored:
+                log.warning("profiles of a fabric seen before made current again",
+                            extra={"fingerprint": facts.fingerprint, "profiles": written.restored})
+            elif (old_fp != facts.fingerprint and written.served is None
+                  and self.store.list_profiles(status="stale", fingerprint=facts.fingerprint)):
+                log.warning("profiles of a fabric seen before left stale: measured on other GPUs, or on GPUs not "
+                            "recorded, or which ones it served is not recorded (re-tuned instead)",
+                            extra={"fingerprint": facts.fingerprint, "identity": identity(facts),
+                                   "measured_on": fabric_left(self.store, facts.fingerprint)[1]})
             # and the new fingerprint's own stale keys that nothing current replaced: a fabric back to one it had (a
             # port down, then up; a package downgraded, then restored) left its profiles stale from the first change,
             # and with nothing current of the fingerprint in between nothing was re-tuned. Read here, before the

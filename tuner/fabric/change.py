@@ -5,7 +5,7 @@ of one."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def facts_dict(facts: Any) -> dict[str, Any]:
@@ -182,24 +182,48 @@ def record_node_facts(store: Any, facts: Any, *, by: str, diff: Any = default_di
         # recorded a fabric change that was none (the profiles stale, a re-tune queued)
         return Recorded(kept=why)
     _last, base = recorded_base(store)
-    d = facts_dict(facts)
     if base is None or same_hardware(base.get("fingerprint"), base.get("identity"), facts):
-        store.upsert_fingerprint(facts.fingerprint, d, origin="local")
+        store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin="local")
         return Recorded()
     old_fp = base.get("fingerprint")
     reasons = change_reasons(diff, base.get("facts") or {}, facts)
-    reason = "; ".join(reasons)[:4000]
     ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old_fp)] if old_fp else []
+    w = write_change(store, facts, old_fp=old_fp, reasons=reasons, ids=ids, origin="local", recorded_by=by)
+    return Recorded(reasons=reasons, stale=w.stale, restored=w.restored)
+
+
+class Written(NamedTuple):
+    """What `write_change` wrote: `stale` rows of the old fingerprint made stale, `restored` rows of the new one made
+    current again; `served`: the rows a fabric back on the same GPUs could restore (`restorable`), None where none."""
+
+    stale: int
+    restored: int
+    served: list[int] | None
+
+
+def write_change(store: Any, facts: Any, *, old_fp: str | None, reasons: list[str], ids: list[int],
+                 origin: str = "local", recorded: bool = False, **more: Any) -> Written:
+    """The writes of a change of this node's fabric from `old_fp` to `facts`, the same for every writer
+    (`record_node_facts`, the daemon's `_fabric_changed`), in ONE transaction (`store.atomic()`): the new facts (of
+    `origin`), the fabric_changed event (`change_details`, `more` added to them; none where `recorded`: a retry of a
+    change whose event is in already), the rows `ids` of `old_fp` made stale (those current at the change: the event
+    lists them), and a fabric back to one it had on the same GPUs its profiles current again (`restorable`). A crash
+    or a failed write leaves none of it: the old fabric still recorded and nothing marked, which the next writer or
+    the daemon's next start finds a change again and records whole. Written in steps, a daemon killed between them
+    left the event without the marks, or the marks without the restore (its next start found the recorded fabric
+    unchanged and re-tuned the keys whose profiles it should have made current again)."""
+    reason = "; ".join(reasons)[:4000]
+    # read before the transaction (reads in its body do not see its writes; the new event, of old_fp, changes nothing
+    # of when the fabric last left facts.fingerprint)
     served = restorable(store, facts) if old_fp != facts.fingerprint else None
-    # the facts, the event and the marks together: a crash leaves the old fabric recorded and nothing marked, which
-    # the next writer (or the daemon's start) finds a change again
     with store.atomic():
-        store.upsert_fingerprint(facts.fingerprint, d, origin="local")
-        store.add_event(kind="fabric_changed", reason=reason,
-                        details=change_details(old_fp, facts, reasons, ids, store.node, recorded_by=by))
+        store.upsert_fingerprint(facts.fingerprint, facts_dict(facts), origin=origin)
+        if not recorded:
+            store.add_event(kind="fabric_changed", reason=reason,
+                            details=change_details(old_fp, facts, reasons, ids, store.node, **more))
         n = store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=ids) if old_fp else 0
         back = 0
         if served is not None:
             back = store.restore_stale(fingerprint=facts.fingerprint, ids=served,
                                        reason=f"fabric back to {facts.fingerprint} (from {old_fp}): {reason}"[:4000])
-    return Recorded(reasons=reasons, stale=n, restored=back)
+    return Written(stale=n, restored=back, served=served)
