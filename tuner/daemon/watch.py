@@ -2,7 +2,7 @@
 
 Every `rediscover_interval_s` the fabric is discovered again; on a fingerprint change the daemon records
 an event with `diff_facts` reasons (a replaced GPU included), marks the old fingerprint's profiles
-`stale`, rebuilds the index, publishes `fabric_changed` and `profile_stale`, and queues a re-tune job.
+`stale` (with the facts and a fabric back's restore: one transaction, `fabric.change.write_change`), rebuilds the index, publishes `fabric_changed` and `profile_stale`, and queues a re-tune job.
 An incomplete discovery (a command timed out) is never taken for a change: the known facts are kept.
 Before any daemon recorded a fabric event (its first start), the base is the newest fingerprint this node recorded
 as its own (`moetune profile`, a tune of this node: origin 'local' with this node's id): a fabric that changed since
@@ -146,9 +146,9 @@ class FabricWatch:
 
     def _retune_after_interrupted_change(self) -> None:
         """At start, finish the newest recorded fabric change the last daemon did not: `_fabric_changed` writes
-        fabric_changed, marks the old fingerprint's profiles stale and only then queues their re-tune, so a daemon
-        killed in between left them stale (or still current) with no job, for good (job recovery reads job events
-        only).
+        fabric_changed and marks the old fingerprint's profiles stale (one transaction) and only then queues their
+        re-tune, so a daemon killed in between left them stale with no job, for good (job recovery reads job events
+        only); a daemon before that transaction may have left them still current.
 
         Only that crash window is acted on: keys a job queued since the change holds are left to it, and only the
         rows the change concerns are touched: the old
