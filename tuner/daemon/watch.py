@@ -55,6 +55,20 @@ def make_discover(capture: Path | None) -> Callable[[], Any]:
 
 
 
+def retune_keys(made_stale: list[Any], new_stale: list[tuple[int, Any]], have: set[tuple]) -> dict[tuple, Any]:
+    """The keys a fabric change re-tunes, by `tuning_key`, in one rule for the daemon's change (`_fabric_changed`)
+    and the start's finish of one recorded but not queued (`_retune_after_interrupted_change`): those of the old
+    fingerprint's records the change made stale (`made_stale`) and of the new fingerprint's stale rows (`new_stale`:
+    (id, record)), both less the keys it has a current profile for (`have`)."""
+    from moetune.tuner.daemon.jobs import tuning_key
+
+    keys: dict[tuple, Any] = {}
+    for r in [*made_stale, *(r for _, r in new_stale)]:
+        if tuning_key(r.key) not in have:
+            keys.setdefault(tuning_key(r.key), r.key)
+    return keys
+
+
 class FabricWatch:
     """Discovery rounds and fabric changes; mixed into Daemon (which sets the attributes used here)."""
 
@@ -156,7 +170,8 @@ class FabricWatch:
         them, rows created before it and rows made stale at or after it). A profile of the old fingerprint imported
         or tuned since, or stale before the change, is left alone. Of those rows, the still-current ones are made
         stale, and the keys no job queued since the change holds and no current profile of the new fingerprint
-        has are queued. A change of GPUs only (same fingerprint) too: the rows it concerns are the old GPUs'."""
+        has are queued, with the new fingerprint's older stale keys: the keys `_fabric_changed` queues
+        (`retune_keys`), for a change recorded by a CLI writer while no daemon ran too. A change of GPUs only (same fingerprint) too: the rows it concerns are the old GPUs'."""
         from moetune.tuner.daemon.jobs import keys_from_details, tuning_key
         from moetune.tuner.store import StoreError
 
@@ -189,6 +204,13 @@ class FabricWatch:
             for i, r in self.store.list_profiles(status="stale", fingerprint=old_fp):
                 if (i in current or concerned(i, r)) and tuning_key(r.key) not in have:
                     keys.setdefault(tuning_key(r.key), r.key)
+            # and the new fingerprint's own stale keys nothing current replaced, as `_fabric_changed` queues them
+            # (`retune_keys`): a fabric back to one it had on other GPUs keeps that one's profiles stale. Without
+            # them a change finished here (recorded by `fabric show --record`, a local tune or `profile` while no
+            # daemon ran, or by a daemon stopped before queuing) left those keys served nothing, for good
+            for t, k in retune_keys([], self.store.list_profiles(status="stale", fingerprint=self.facts.fingerprint),
+                                    have).items():
+                keys.setdefault(t, k)
             # the keys a job queued since the change holds are its business, whatever that job was (the change's own
             # re-tune, or a job of the last daemon resumed at this start: "any later job_queued of the old
             # fingerprint" let a resumed job of one key hide the change's other keys for good); read a page at a time,
@@ -207,10 +229,13 @@ class FabricWatch:
             return
         if not keys:
             return
-        log.warning("queuing the re-tune of the last fabric change (the daemon stopped before queuing it)",
+        by = d.get("recorded_by")
+        why = f"recorded by `{by}` while no daemon ran" if isinstance(by, str) and by else "the daemon stopped before"
+        log.warning("queuing the re-tune of the last fabric change (%s)",
+                    why if isinstance(by, str) and by else "the daemon stopped before queuing it",
                     extra={"old_fingerprint": old_fp, "fingerprint": self.facts.fingerprint, "keys": len(keys)})
         try:
-            self.jobs.submit(reason=f"fabric changed: {reason} (queued at start: the daemon stopped before)"[:512],
+            self.jobs.submit(reason=f"fabric changed: {reason} (queued at start: {why})"[:512],
                              old_fingerprint=old_fp, keys=list(keys.values()), skip_queued=True)
         except queue.Full:
             log.error("job queue full: the re-tune after the fabric change was not queued")
@@ -279,10 +304,7 @@ class FabricWatch:
             # and with nothing current of the fingerprint in between nothing was re-tuned. Read here, before the
             # change is published, so that a failed read is retried with the rest
             have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=facts.fingerprint)}
-            keys: dict[tuple, Any] = {}
-            for r in [*stale_recs, *(r for _, r in self.store.list_profiles(status="stale", fingerprint=facts.fingerprint))]:
-                if tuning_key(r.key) not in have:
-                    keys.setdefault(tuning_key(r.key), r.key)
+            keys = retune_keys(stale_recs, self.store.list_profiles(status="stale", fingerprint=facts.fingerprint), have)
         except BaseException:
             with self._commit_lock:
                 if self.facts is facts:
