@@ -141,6 +141,16 @@ def report_leaks(who: str, leaks: list[str], *, raise_: bool) -> None:
     warnings.warn(f"{text} (while collecting it without close())", RuntimeWarning, stacklevel=2)
 
 
+def destroy_native(lib: Any, name: str, h: Any, who: str, loud: bool) -> list[str]:
+    """lib.`name`(h), a native destroy: what it leaked, returned, and warned about as `who` unless `loud` (close(),
+    which raises it; a GC finalizer must not)."""
+    leak = destroy_leak(lib, name, getattr(lib, name)(h))
+    leaks = [leak] if leak else []
+    if not loud:
+        report_leaks(who, leaks, raise_=False)
+    return leaks
+
+
 def on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
     """func(*args) when `owner` is collected, or at once through run_now (once either way). The arguments must not
     hold `owner` (it would never be collected). Not run at interpreter exit. func(*args, loud=False), the

@@ -25,10 +25,9 @@ from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import (
     OneSidedError,
     OneSidedTransport,
-    destroy_leak,
+    destroy_native,
     on_collect,
     one_sided_availability,
-    report_leaks,
     run_now,
     u64_array,
 )
@@ -221,9 +220,5 @@ class NvlinkTransport(OneSidedTransport):
 
 
 def _destroy_nvl_native(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
-    """mt_nvl_destroy(h): what it leaked, returned, and warned about unless `loud` (the caller, close(), raises it)."""
-    leak = destroy_leak(lib, "mt_nvl_destroy", lib.mt_nvl_destroy(h))
-    leaks = [leak] if leak else []
-    if not loud:
-        report_leaks("nvlink transport", leaks, raise_=False)
-    return leaks
+    """mt_nvl_destroy(h) (`destroy_native`)."""
+    return destroy_native(lib, "mt_nvl_destroy", h, "nvlink transport", loud)

@@ -44,6 +44,7 @@ from moetune.runtime.transports._onesided import (
     OneSidedError,
     OneSidedTransport,
     destroy_leak,
+    destroy_native,
     one_sided_availability,
     report_leaks,
     u64_array,
@@ -338,11 +339,8 @@ class ProxyEngine:
 
 
 def _destroy_engine(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
-    leak = destroy_leak(lib, "mt_proxy_destroy", lib.mt_proxy_destroy(h))
-    leaks = [leak] if leak else []
-    if not loud:
-        report_leaks("proxy engine", leaks, raise_=False)
-    return leaks
+    """mt_proxy_destroy(h) (`destroy_native`)."""
+    return destroy_native(lib, "mt_proxy_destroy", h, "proxy engine", loud)
 
 
 def _destroy_proxy_native(lib: Any, h: ctypes.c_void_p | None, engine: ProxyEngine | None,
