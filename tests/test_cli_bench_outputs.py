@@ -716,3 +716,55 @@ def test_bench_moe_raises_a_warmup_below_rotate_so_no_input_has_its_first_call_t
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["warmup"] == 3 and "--warmup 3 --rotate 3" in rep["meta"]["command"]
     assert seen and all(w >= n for w, n in seen), seen  # every timed input had an untimed call first
+
+
+def test_every_caller_of_the_moe_timings_raises_a_warmup_below_rotate(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """The rule of `bench moe` (a warm-up below the rotation is raised to it, with a note) was the CLI's only: the
+    `moe` scenario driver calls bench_moe directly and timed the first eager call of the inputs its warm-up did not
+    reach; `bench knobs` and the `moe-knobs` driver (compare_knobs) rotate their inputs the same way. Now bench_moe
+    and compare_knobs apply it themselves (moe.warmup_for), their reports say the raised warm-up and the note, the
+    drivers' rows carry the note and `bench knobs` prints it."""
+    import torch
+
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+    from moetune.tuner.measure import moe_compare as MC
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    seen: list[tuple[int, int]] = []
+    calls, rounds = M.time_calls, MC.time_interleaved
+
+    def spy_calls(fns: Any, *, warmup: int, iters: int, cuda: bool) -> list[float]:
+        seen.append((warmup, len(fns)))
+        return calls(fns, warmup=warmup, iters=iters, cuda=cuda)
+
+    def spy_rounds(fns: Any, *, warmup: int, iters: int, cuda: bool) -> dict[str, list[float]]:
+        seen.append((warmup, max(map(len, fns.values()))))
+        return rounds(fns, warmup=warmup, iters=iters, cuda=cuda)
+
+    monkeypatch.setattr(M, "time_calls", spy_calls)
+    monkeypatch.setattr(MC, "time_interleaved", spy_rounds)
+    note = "--warmup 1 is below --rotate 3: raised to 3, one untimed call per rotated input"
+    rep = M.bench_moe(get_model(TINY_MODEL), [4], ["unfused"], iters=1, warmup=1, rotate=3)
+    assert rep["warmup"] == 3 and rep["warmup_note"] == note, rep
+    variants = {"base": Knobs(engine="unfused"), "same": Knobs(engine="unfused")}
+    rep = MC.compare_knobs(get_model(TINY_MODEL), [4], variants, iters=1, warmup=1, rotate=3, chained=1)
+    assert rep["warmup"] == 3 and rep["warmup_note"] == note, rep
+    assert "warmup_note" not in M.bench_moe(get_model(TINY_MODEL), [4], ["unfused"], iters=1, warmup=3, rotate=3)
+    # the drivers (as a scenario's smoke settings run them: warmup 1, rotate 2)
+    ctx = S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path)
+    args = {"model": TINY_MODEL, "tokens": [4], "iters": 1, "warmup": 1, "rotate": 2}
+    (r,) = S.run_moe([S.Resolved("unfused", {**args, "engine": "unfused"}, {})], ctx)
+    assert not r.error and r.metrics and r.note.startswith("--warmup 1 is below --rotate 2: raised to 2"), r
+    out = S.run_moe_knobs([S.Resolved("base", {**args, "knobs": "engine=unfused", "chain": 1}, {}),
+                           S.Resolved("v", {"knobs": "engine=unfused"}, {})], ctx)
+    assert all(not c.error and c.metrics and c.note.startswith("--warmup 1 is below --rotate 2") for c in out), out
+    assert seen and all(w >= n for w, n in seen), seen  # every timed input had an untimed call first
+    r = _run("bench", "knobs", "--knobs", "engine=unfused", "--vs", "v=engine=unfused", "--model", TINY_MODEL, "--tokens",
+             "4", "--iters", "1", "--warmup", "0", "--rotate", "2", "--chain", "1", "--json", width=200)
+    assert r.exit_code == 0, r.output
+    assert "--warmup 0 is below --rotate 2: raised to 2" in r.stderr.replace("\n", " ")
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["warmup"] == 2 and "--warmup 2 --rotate 2" in rep["meta"]["command"]

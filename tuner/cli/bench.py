@@ -363,6 +363,17 @@ def _check_tokens(toks: list[int]) -> None:
             _fail(f"--tokens {tokens_per_gpu_problem(t)} per rank")
 
 
+def _warmup_for(warmup: int, rotate: int) -> int:
+    """The warm-up `bench moe` / `bench knobs` run (`moe.warmup_for`: at least one untimed call per rotated input), its
+    note on stderr before anything is timed where --warmup was raised."""
+    from moetune.tuner.measure.moe import warmup_for
+
+    warmup, note = warmup_for(warmup, rotate)
+    if note:
+        _err.print(f"[yellow]note:[/yellow] {note} (the report and its command say --warmup {warmup})")
+    return warmup
+
+
 @app.command("moe")
 def moe(
     engine: str = typer.Option("megakernel,unfused,torch", "--engine", help="Engines to time side by side in this process: megakernel, unfused, torch (the plain torch path: gate, top-k, sort, two grouped GEMMs, index_add; comma-separated)."),
@@ -391,11 +402,7 @@ def moe(
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
     _check_seed(seed)
-    if warmup < rotate:  # the eager calls rotate over the inputs: an input not reached by the warm-up has its first call timed
-        _err.print(f"[yellow]note:[/yellow] --warmup {warmup} is below --rotate {rotate}: raised to {rotate}, one "
-                   "untimed call per rotated input (the report and its command say --warmup "
-                   f"{rotate})")
-        warmup = rotate
+    warmup = _warmup_for(warmup, rotate)
     # checked before anything is timed (bench_moe would refuse them only after the 'timing ...' line)
     bad = [e for e in engines if e not in M.ENGINES]
     if bad or not engines:
@@ -471,7 +478,7 @@ def knobs_side_by_side(
     model: str = _model_opt(),
     tokens: str = typer.Option("16,128,1024", "--tokens", help="Token counts S (comma-separated)."),
     iters: int = typer.Option(200, "--iters", help="Interleaved rounds (one call of each variant per round)."),
-    warmup: int = typer.Option(20, "--warmup", help="Untimed rounds first."),
+    warmup: int = typer.Option(20, "--warmup", help="Untimed rounds first; at least one per rotated input: a value below --rotate is raised to it (with a note), so no input's first call is timed."),
     rotate: int = typer.Option(8, "--rotate", help="Input tensors rotated over (one graph each)."),
     chain: int = typer.Option(20, "--chain", help="Forwards per chain (one CUDA graph of back-to-back layers)."),
     seed: int = _seed_opt(),
@@ -490,6 +497,7 @@ def knobs_side_by_side(
     if warmup < 0:
         _fail(f"--warmup must be >= 0, got {warmup}")
     _check_seed(seed)
+    warmup = _warmup_for(warmup, rotate)
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
 
     with ends_cleanly_on_interrupt(lambda: _stopped_before_the_end("comparison", as_json), _err):

@@ -87,6 +87,21 @@ def layer_inputs(model: ModelShape, tokens: int, rotate: int, device: Any, dtype
     return [torch.randn(tokens, model.hidden, generator=g).to(device=device, dtype=dtype) for _ in range(rotate)]
 
 
+def warmup_for(warmup: int, rotate: int) -> tuple[int, str]:
+    """The warm-up a timing of `rotate` rotated inputs runs, and the note saying it was raised ("" where it was not).
+
+    The eager calls rotate over the inputs after the untimed warm-up calls (`time_calls`, `time_interleaved`), so an
+    input the warm-up did not reach had its first call timed. The only meaningful warm-up is at least one call per
+    input: a `warmup` below `rotate` is raised to `rotate` (not refused: a quick plumbing check passes --warmup 0),
+    never silently. The one rule for every caller: `bench moe` and `bench knobs` (said before they time anything),
+    `bench_moe` and `compare_knobs` themselves (the `moe` and `moe-knobs` scenario drivers call them directly; their
+    reports' "warmup" is the raised value and "warmup_note" the note)."""
+    if warmup >= rotate:
+        return warmup, ""
+    return rotate, (f"--warmup {warmup} is below --rotate {rotate}: raised to {rotate}, one untimed call per rotated "
+                    "input")
+
+
 def settle(rest_s: float, cuda: bool) -> None:
     """Idle `rest_s` seconds with the device drained, so the next timed block starts from a rested GPU.
 
@@ -354,6 +369,7 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
         raise ValueError(f"engines must be among {', '.join(ENGINES)}, got {list(engines)}")
     if not tokens or any(t < 1 for t in tokens):
         raise ValueError(f"tokens must be positive integers, got {list(tokens)}")
+    warmup, raised = warmup_for(warmup, rotate)  # no rotated input has its first eager call timed
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     smax = max(tokens)
@@ -380,7 +396,7 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
     gpu = torch.cuda.get_device_name(dev) if cuda else "cpu"
     rates, own = rates_for(gpu)
     report = {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
-              "rotate": rotate, "rest_s": rest_s, "seed": seed,
+              "rotate": rotate, "rest_s": rest_s, "seed": seed, **({"warmup_note": raised} if raised else {}),
               "floor_rates": {"gpu": rates.gpu, "this_gpu_model": own, "read_tbps": rates.read_tbps,
                               "tensor_tflops": rates.tensor_tflops, "measured": rates.measured}}
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": skipped[e]} for e in dict.fromkeys(engines) if e in skipped]

@@ -32,6 +32,7 @@ from moetune.tuner.measure.moe import (
     output_problem,
     reference_bound,
     rel_err,
+    warmup_for,
 )
 from moetune.tuner.measure.outputs import rel_err_problem
 from moetune.tuner.measure.stats import Summary
@@ -122,6 +123,7 @@ def _compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[s
     if min(iters, rotate, chained) < 1 or warmup < 0:
         raise ValueError(f"iters, rotate and chained must be >= 1 and warmup >= 0, got {iters}, {rotate}, {chained}, "
                          f"{warmup}")
+    warmup, raised = warmup_for(warmup, rotate)  # no rotated input has its first eager call timed (moe.warmup_for)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     layers: dict[str, Any] = {}
@@ -170,8 +172,10 @@ def _compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[s
                 single[n] = [lambda x=x, f=fwd: f(x) for x in xs]
                 chain[n] = [lambda x=x, c=chain_of: c(x) for x in xs[:2]]
         one = time_interleaved(single, warmup=warmup, iters=iters, cuda=cuda)
+        # the chains rotate over (up to) two inputs: the same rule, at least one untimed round per input
         many = {n: [t / chained for t in v]
-                for n, v in time_interleaved(chain, warmup=max(1, warmup // 4), iters=iters, cuda=cuda).items()}
+                for n, v in time_interleaved(chain, warmup=max(len(xs[:2]), warmup // 4), iters=iters,
+                                             cuda=cuda).items()}
         d1, dn = (paired(one, base), paired(many, base)) if base in live else ({}, {})
         outs = {n: layers[n](xs[0]) for n in live if n != base}
         # a failed launch (e.g. a timed-out wait) returns as fast as a good one: its samples are not a timing
@@ -207,5 +211,5 @@ def _compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[s
             row[key] = err
             cases.append(row)
     return {"model": model.name, "device": str(dev), "graph": cuda, "iters": iters, "warmup": warmup, "rotate": rotate,
-            "chained": chained, "base": base, "variants": {n: changed_knobs(k) for n, k in variants.items()},
+            **({"warmup_note": raised} if raised else {}), "chained": chained, "base": base, "variants": {n: changed_knobs(k) for n, k in variants.items()},
             "cases": cases}

@@ -963,7 +963,9 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     out = []
     for c in cases:
         eng = str(c.args.get("engine", c.name))
-        out.append(CaseResult(c.name, per.get(eng, {}), cmd, skipped.get(eng, ""), failed.get(eng, {})))
+        # a warm-up below the rotation was raised (moe.warmup_for): said in the rows' note
+        out.append(CaseResult(c.name, per.get(eng, {}), cmd, skipped.get(eng, ""), failed.get(eng, {}),
+                              note=rep.get("warmup_note", "")))
     return out
 
 
@@ -1015,8 +1017,8 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
         if "no_difference" in r:
             failed.setdefault(r["variant"], {}).update(
                 (f"{name}[S={r['S']}]", r["no_difference"]) for name in ("minus_base_us", "chain_minus_base_us"))
-    return [CaseResult(c.name, per.get(c.name, {}), cmd, skipped.get(c.name, ""), failed.get(c.name, {}))
-            for c in cases]
+    return [CaseResult(c.name, per.get(c.name, {}), cmd, skipped.get(c.name, ""), failed.get(c.name, {}),
+                       note=rep.get("warmup_note", "")) for c in cases]
 
 
 # -- running a scenario ----------------------------------------------------------------------------------------
@@ -1298,9 +1300,13 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     # every case names its engine, and its S or why it was skipped (a KeyError / TypeError: not of the expected shape)
     for c in rep["cases"]:
         c["engine"], (c["skipped"] if "skipped" in c else c["S"])
+    from moetune.tuner.measure.moe import warmup_for
+
     a = plan(s, None, False)[0].args
     want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
-            "iters": int(a.get("iters", 50)), "warmup": int(a.get("warmup", 10)), "rotate": int(a.get("rotate", 4)),
+            # the warm-up bench moe runs for these args (moe.warmup_for: raised to the rotation where below it)
+            "iters": int(a.get("iters", 50)), "warmup": warmup_for(int(a.get("warmup", 10)), int(a.get("rotate", 4)))[0],
+            "rotate": int(a.get("rotate", 4)),
             "graph": bool(a.get("cuda_graph")), "rest_s": float(a.get("rest", 0.0)), "seed": int(a.get("seed", 0))}
     # a skipped engine has no S: the tokens are those the engines that ran were timed at
     got = {"model": rep.get("model"), "tokens": sorted({c["S"] for c in rep["cases"] if "skipped" not in c}),
