@@ -275,3 +275,29 @@ def test_a_running_job_cancelled_then_a_daemon_stop_is_not_resumed(tmp_path: Pat
     finally:
         release.set()
         jm._thread.join(10)
+
+
+def test_a_stale_ep1_transport_key_is_refused_and_the_other_groups_are_still_re_tuned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An nvlink key at EP 1 (stored before today's EP-1 refusal of the tune backends) in a re-tune job: the search
+    refuses EP 1 for a transport family with a ValueError, and its group sorts first, so the whole job failed with
+    it and the EP 2 key was never re-tuned. Now it is refused among the job's refusals and stays stale."""
+    import moetune.tuner.search.tune as search
+
+    real = search.tune_profiles_detailed
+    calls = _fake_tune(monkeypatch)
+    fake = search.tune_profiles_detailed
+
+    def tune(store: Any, facts: Any, **kw: Any) -> list:
+        # EP 1: the real search (it refuses before launching anything); the others: the fake measurement
+        return real(store, facts, **kw) if kw["ep_size"] == 1 else fake(store, facts, **kw)
+
+    monkeypatch.setattr(search, "tune_profiles_detailed", tune)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    job = Job(1, reason="test", old_fingerprint="old", keys=[_key(facts, 1, 1), _key(facts, 2, 1)])
+    ctx = JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1))
+    written = tuner_retune(ctx)
+    assert [(c["ep_size"], c["nodes"]) for c in calls] == [(2, 1)]
+    assert {(r.key.ep_size, r.key.nodes) for r in written} == {(2, 1)}
+    assert len(job.refused) == 1 and "EP 1 over 1 node(s)" in job.refused[0] and "stay stale" in job.refused[0]

@@ -342,6 +342,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation: the `on_trial` callback stops the study after its running trial, `stop` is asked before every
     study and side-by-side check, and what the calls did is tallied before JobCancelled ends the job."""
+    from moetune.tuner.search.backends import one_rank_exchange
     from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
 
     tune = ctx.tune
@@ -369,6 +370,15 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     runnable = []
     tuned: list[ProfileKey] = []
     for (ep, nodes), shapes in sorted(group_keys(ep_keys, routings.__getitem__).items()):
+        one = one_rank_exchange(ep, sorted({k.transport_family for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)}),
+                                done="a re-tune of {families} would store a profile",
+                                fix="Neither backend tunes a transport family at EP 1 (both refuse it)")
+        if one:
+            # a key of a transport family at EP 1 (stored before EP 1 was refused for them): the search refuses it
+            # (a ValueError that failed the whole job, every other group's keys untuned with it): refused here
+            n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
+            refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-tuned: {one}; they stay stale")
+            continue
         why = local_refusal(ep, nodes, gpus) if local else ""
         if why:
             n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
