@@ -128,6 +128,11 @@ inline cudaError_t device_sync_within(int device, uint64_t deadline_ns) {
   auto st = std::make_shared<State>();
   try {
     std::thread([st, device] {
+#ifndef MT_HOST_SIM
+      // relaxed: a CUDA graph another thread is capturing (global mode, torch's default) is not failed by this wait
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      (void)cudaThreadExchangeStreamCaptureMode(&mode);
+#endif
       cudaError_t e = cudaSetDevice(device);
       if (e == cudaSuccess) e = cudaDeviceSynchronize();
       st->err = e;

@@ -271,6 +271,27 @@ def test_a_transport_dropped_without_close_destroys_its_native_context_once(fake
     assert _names(log).count(destroy) == 2  # the close's, not another at collection
 
 
+@pytest.mark.parametrize("cls", [NvlinkTransport, ProxyTransport])
+def test_a_transport_collected_during_a_graph_capture_is_destroyed_after_it(fake_gpu: tuple, cls: type,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection may come at any point, also inside the caller's `torch.cuda.graph` block: a destroy there frees
+    device memory and waits for the device, which a capture in progress refuses (the user's capture failed). It is put
+    off to the next collection, or close(), outside the capture."""
+    import gc
+
+    log, _fail = fake_gpu
+    destroy = "mt_nvl_destroy" if cls is NvlinkTransport else "mt_pxy_destroy"
+    capturing = [True]
+    monkeypatch.setattr(_onesided, "_capturing", lambda: capturing[0])
+    _build(cls, max_send_rows=8, row_bytes=256)  # dropped at once, "during the capture"
+    gc.collect()
+    assert destroy not in _names(log)
+    capturing[0] = False
+    t = _build(cls, max_send_rows=8, row_bytes=256)
+    t.close()  # outside the capture: the deferred destroy first, then this one's
+    assert _names(log).count(destroy) == 2 and not _onesided._DEFERRED
+
+
 def test_an_nvlink_transport_collected_without_close_warns_where_its_destroy_leaked(fake_gpu: tuple) -> None:
     """The finalizer never raises: a destroy that leaked is a RuntimeWarning naming it."""
     import gc

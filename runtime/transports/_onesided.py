@@ -154,19 +154,51 @@ def destroy_native(lib: Any, name: str, h: Any, who: str, loud: bool) -> list[st
 def on_collect(owner: object, func: Any, *args: Any) -> weakref.finalize:
     """func(*args) when `owner` is collected, or at once through run_now (once either way). The arguments must not
     hold `owner` (it would never be collected). Not run at interpreter exit. func(*args, loud=False), the
-    collection, warns about what it leaked; run_now's call (loud=True) returns it to be raised."""
-    f = weakref.finalize(owner, func, *args)
+    collection, warns about what it leaked; run_now's call (loud=True) returns it to be raised. A collection while
+    this thread captures a CUDA graph defers the destroy (`_collected`)."""
+    f = weakref.finalize(owner, _collected, func, *args)
     f.atexit = False
     return f
 
 
+# Destroys a collection put off because it came while this thread was capturing a CUDA graph: a destroy frees device
+# memory and waits for the device, calls a capture in progress does not allow (it would fail the user's capture, at
+# whatever point the garbage collector happened to run). Run at the next collection or run_now outside a capture.
+_DEFERRED: list[tuple[Any, tuple[Any, ...]]] = []
+
+
+def _capturing() -> bool:
+    try:
+        return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:  # broad: a collection may come at any time, even while CUDA is going away; never raise there
+        return False
+
+
+def _run_deferred() -> None:
+    while _DEFERRED:
+        func, args = _DEFERRED.pop()
+        func(*args)  # loud=False: a leak is warned about, never raised
+
+
+def _collected(func: Any, *args: Any) -> None:
+    if _capturing():
+        _DEFERRED.append((func, args))
+        return
+    _run_deferred()
+    func(*args)
+
+
 def run_now(f: weakref.finalize | None) -> list[str]:
-    """Run an on_collect finalizer now, if it has not run: what it leaked."""
+    """Run an on_collect finalizer now, if it has not run: what it leaked. (Destroys an earlier collection put off
+    during a graph capture run first, when no capture is on.)"""
+    if not _capturing():
+        _run_deferred()
     got = f.detach() if f is not None else None
     if got is None:
         return []
-    _owner, func, args, kwargs = got
-    return func(*args, **kwargs, loud=True)
+    _owner, _collect, args, kwargs = got
+    func, *rest = args
+    return func(*rest, **kwargs, loud=True)
 
 
 def _barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
