@@ -99,3 +99,29 @@ def test_a_finished_change_whose_keys_were_queued_is_not_retuned_again(tmp_path:
         assert ran == [], ran
     finally:
         d.stop()
+
+
+def test_the_start_does_not_finish_another_nodes_change_in_a_shared_database(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Identical nodes sharing one database: the newest fabric_changed may be the other node's (B -> A on its own GPUs,
+    never queued there). The start's finish of an unqueued change read the newest fabric event whatever node wrote it
+    and re-tuned that change's keys on this node, whose own fabric did not change; it now reads this node's events
+    only (`node_fabric_events`)."""
+    a, b = _fabrics()
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, a)
+    F.seed_profiles(store, b, buckets=(128,))  # a key A has no profile of: the finish would queue it
+    d, ran = _recording_daemon(store, tmp_path, [a])  # this node's first start on A: its fabric_seen
+    d.stop()
+    assert not ran
+    here = store.node
+    monkeypatch.setattr(type(store), "node", property(lambda self: "the-other-node"))
+    ids = [i for i, _ in store.list_profiles(status="current", fingerprint=b.fingerprint)]
+    write_change(store, a, old_fp=b.fingerprint, reasons=["the other node: B -> A"], ids=ids)
+    monkeypatch.setattr(type(store), "node", property(lambda self: here))
+    d, ran = _recording_daemon(store, tmp_path, [a])  # this node's start, on the A it had
+    try:
+        time.sleep(1.0)
+    finally:
+        d.stop()
+    assert not ran, "this node re-tuned the other node's change"

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from moetune.tuner.fabric.change import (
-    FABRIC_EVENTS,
     change_reasons,
     fabric_left,
     facts_dict,
     identity,
     incomplete,
     last_fabric_event,
+    node_fabric_events,
     recorded_base,
     same_hardware,
     seen_details,
@@ -85,8 +85,9 @@ class FabricWatch:
     _last_discovery: tuple[str, bool, str]
 
     def _fabric_events(self) -> list[Any]:
-        """The newest fabric events, newest first, however many other events (jobs, stale) came after them."""
-        return self.store.list_events(limit=20, kinds=FABRIC_EVENTS)
+        """This node's newest fabric events, newest first (`node_fabric_events`: another node's in a shared database
+        are no change of this node's to finish)."""
+        return node_fabric_events(self.store)
 
     def _last_fabric_event(self) -> dict[str, Any] | None:
         return last_fabric_event(self.store)

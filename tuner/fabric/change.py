@@ -55,16 +55,22 @@ def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> b
 FABRIC_EVENTS = ("fabric_seen", "fabric_changed")
 
 
-def last_fabric_event(store: Any) -> dict[str, Any] | None:
-    """The details of the newest fabric event that names a fingerprint (the newest 20, however many other events came
-    after them), None where none is recorded. An event another node recorded (`node` in its details: a database
-    shared by nodes) is passed over: comparing this node with it took identical nodes' other GPUs for a replaced one
-    and made their shared profiles stale. An event without `node` (a moetune before it) is taken, as before."""
+def node_fabric_events(store: Any) -> list[dict[str, Any]]:
+    """The newest 20 fabric events, newest first (however many other events came after them), less those another
+    node recorded (`node` in their details: a database shared by nodes): comparing this node with one took identical
+    nodes' other GPUs for a replaced one and made their shared profiles stale. An event without `node` (a moetune
+    before it) is kept, as before."""
     here = store.node
-    for e in store.list_events(limit=20, kinds=FABRIC_EVENTS):  # newest first
+    return [e for e in store.list_events(limit=20, kinds=FABRIC_EVENTS)
+            if not (isinstance(e["details"], dict) and e["details"].get("node") not in (None, here))]
+
+
+def last_fabric_event(store: Any) -> dict[str, Any] | None:
+    """The details of this node's newest fabric event that names a fingerprint (`node_fabric_events`), None where
+    none is recorded."""
+    for e in node_fabric_events(store):
         d = e["details"]
-        if (e["kind"] in FABRIC_EVENTS and isinstance(d, dict) and d.get("fingerprint")
-                and d.get("node") in (None, here)):
+        if e["kind"] in FABRIC_EVENTS and isinstance(d, dict) and d.get("fingerprint"):
             return d
     return None
 
