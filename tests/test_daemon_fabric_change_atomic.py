@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
-from test_daemon_fabric_crash import _fabrics, _recording_daemon
+from test_daemon_fabric_crash import _fabrics, _recording_daemon, _seeded_daemon, _wait
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,18 +25,10 @@ def _changes(store: Any) -> list[Any]:
     return store.list_events(limit=20, kinds=("fabric_changed",))
 
 
-def _wait(cond: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
 
 def test_a_failure_after_the_first_writes_of_a_change_leaves_nothing_of_it(tmp_path: Path) -> None:
     a, b = _fabrics()
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, a)
-    now = [a]
-    d, ran = _recording_daemon(store, tmp_path, now)
+    store, seeded, now, d, ran = _seeded_daemon(tmp_path, a)
     try:
         real = store.mark_stale
 
@@ -64,10 +56,7 @@ def test_a_daemon_killed_between_the_marks_and_the_restore_of_a_fabric_back_lose
     """A → B → A on the same GPUs, the daemon killed in B → A after marking B's profiles stale, before making A's
     current again: the next start (on A) finds the change still to do and restores A's profiles, re-tuning none."""
     a, b = _fabrics()
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, a)
-    now = [a]
-    d, ran = _recording_daemon(store, tmp_path, now)
+    store, seeded, now, d, ran = _seeded_daemon(tmp_path, a)
     try:
         now[0] = b
         d.rediscover()  # A → B: A's profiles stale, their re-tune (for B) stores nothing

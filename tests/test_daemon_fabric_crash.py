@@ -203,6 +203,15 @@ def _recording_daemon(store: Any, tmp_path: Path, now: list[Any],
     return d, ran
 
 
+def _seeded_daemon(tmp_path: Path, a: Any) -> tuple[Any, list[Any], list[Any], Daemon, list[list[Any]]]:
+    """(store, A's seeded profiles, now, daemon, ran): a recording daemon on fabric `a` over a new store."""
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a)
+    now = [a]
+    d, ran = _recording_daemon(store, tmp_path, now)
+    return store, seeded, now, d, ran
+
+
 def test_a_fabric_back_to_one_it_had_serves_that_ones_profiles_again(tmp_path: Path) -> None:
     """A → B → A (a GPU off the bus and back, a package changed then restored): A's profiles went stale at A → B, B's
     re-tune stored nothing, and at B → A they stayed stale (a re-tune of hours, or modelled rows in their place,

@@ -15,26 +15,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
-from test_daemon_fabric_crash import _fabrics, _recording_daemon
+from test_daemon_fabric_crash import _fabrics, _recording_daemon, _seeded_daemon, _wait
 
 from moetune.tuner.fabric.change import record_node_facts, write_change
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _wait(cond: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
 
 def _a_then_b(tmp_path: Path) -> tuple[Any, Any, Any, list[Any]]:
     """A daemon on A (GPUs X) saw A → B, re-tuned A's keys for B (storing nothing), and stopped."""
     a, b = _fabrics()
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, a)
-    now = [a]
-    d, ran = _recording_daemon(store, tmp_path, now)
+    store, seeded, now, d, ran = _seeded_daemon(tmp_path, a)
     try:
         now[0] = b
         d.rediscover()
