@@ -62,17 +62,8 @@ def test_the_json_error_keeps_the_daemons_text_as_json(monkeypatch: pytest.Monke
 
 def test_querys_fallback_message_shows_control_characters(tmp_path: Path) -> None:
     """The message line of `moetune query` (it quotes the daemon, names paths) goes through the same helper."""
-    import daemon_fakes as F
+    from test_query_message_markup import query_from_a_db_in
 
-    from moetune.tuner.store.store import Store
-
-    where = tmp_path / "e\x1b[2Jf"
-    where.mkdir()
-    db = where / "m.db"
-    with Store(db) as s:  # this node is known there: the message names the database it read
-        s.upsert_fingerprint("fp", F.this_node_facts(), origin="local")
-    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "100", "--db", str(db),
-                                 "--socket", f"ipc://{tmp_path}/none.sock"],
-                           env={"MOETUNE_CONFIG": "", "COLUMNS": "400"}, terminal_width=400)
+    _db, r = query_from_a_db_in(tmp_path, "e\x1b[2Jf")
     assert r.exit_code == 0, r.output
     assert "\x1b" not in r.output and "e\\x1b[2Jf" in r.output, repr(r.output)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -17,8 +18,9 @@ import daemon_fakes as F
 from moetune.tuner.cli import app
 
 
-@pytest.mark.parametrize("folder", ["a[/b]", "[x]", "[red]c"])
-def test_the_fallback_message_is_printed_as_text(tmp_path: Path, folder: str) -> None:
+def query_from_a_db_in(tmp_path: Path, folder: str) -> tuple[Path, Any]:
+    """(the database, the result of `moetune query` falling back to it): a database in `folder` that knows this node,
+    so query's message names it; no daemon answers."""
     from moetune.tuner.store.store import Store
 
     where = tmp_path / folder
@@ -29,6 +31,12 @@ def test_the_fallback_message_is_printed_as_text(tmp_path: Path, folder: str) ->
     r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "100", "--db", str(db),
                                  "--socket", f"ipc://{tmp_path}/none.sock"],
                            env={"MOETUNE_CONFIG": "", "COLUMNS": "400"}, terminal_width=400)
+    return db, r
+
+
+@pytest.mark.parametrize("folder", ["a[/b]", "[x]", "[red]c"])
+def test_the_fallback_message_is_printed_as_text(tmp_path: Path, folder: str) -> None:
+    db, r = query_from_a_db_in(tmp_path, folder)
     assert r.exit_code == 0, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
     flat = " ".join(r.output.split())
