@@ -416,11 +416,18 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     # said in the job's message and events: a routing other than uniform is no default of the tuner
     ctx.job.routings = dict(collections.Counter(routings[k] for k in tuned if routings[k] != UNIFORM_ROUTING))
     written: list[ProfileRecord] = []
-    # one time budget for the whole job, whatever the number of calls
+    # one time budget for the whole job, whatever the number of calls, shared by bucket: a call gets the time left in
+    # the proportion of its buckets to the buckets not tuned yet (unused time passes on to the later calls), as one
+    # call shares its own over its studies; before, the first shape could spend the whole job's budget
     deadline = None if tune.timeout_s is None else time.monotonic() + tune.timeout_s
+    buckets_left = [sum(len(b) for _ep, _n, shapes in runnable for _r, _m, b in shapes)
+                    + sum(len(b) for _r, _m, b in mk_shapes)]
 
-    def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+    def share(buckets: list[int]) -> float | None:
+        n, buckets_left[0] = len(buckets), buckets_left[0] - len(buckets)
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.monotonic()) * n / max(1, n + buckets_left[0])
 
     # each shape is one call (its own buckets only); a cancel is seen between studies and before each side-by-side
     # check (`stop`), what was done by then is tallied, then the job ends cancelled
@@ -435,7 +442,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                 _say_routing(ctx, routing, f"EP {ep} over {nodes} node(s)", m, buckets)
                 written += _tally(ctx.job, tune_profiles_detailed(
                     ctx.store, ctx.facts, models=[m], tokens=buckets, backend=group_be, preset=preset_file,
-                    trials=tune.trials, timeout_s=left(), ep_size=ep, nodes=nodes, routing=routing,
+                    trials=tune.trials, timeout_s=share(buckets), ep_size=ep, nodes=nodes, routing=routing,
                     on_trial=on_trial, node_model=preset_file is not None, stop=ctx.cancel.is_set))
         finally:
             if group_be is not be:
@@ -449,7 +456,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                 _say_routing(ctx, routing, "the megakernel", m, buckets)
                 written += _tally(ctx.job, tune_profiles_detailed(
                     ctx.store, ctx.facts, models=[m], tokens=buckets, backend=mk_be, trials=tune.trials,
-                    timeout_s=left(), ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], routing=routing,
+                    timeout_s=share(buckets), ep_size=1, nodes=1, families=[MEGAKERNEL_FAMILY], routing=routing,
                     on_trial=on_trial, stop=ctx.cancel.is_set))
         finally:
             mk_be.close()  # every backend has one (a no-op where nothing is held)
