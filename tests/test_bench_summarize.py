@@ -85,18 +85,23 @@ def test_a_modelled_metric_is_not_headed_measured() -> None:
     assert head.startswith("MODELLED") and not head.startswith("measured"), head
 
 
-def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
-    """A scenario file or driver not yet added to git ran, but the stamped commit does not hold it: the row must say
-    dirty (before: `git status --untracked-files=no` called such a tree clean)."""
+def _one_commit_repo(path) -> None:
+    """A git repository at `path` with one commit of a.py (`x = 1`)."""
     import subprocess
 
     def git(*a: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+        subprocess.run(["git", "-C", str(path), *a], check=True, capture_output=True)
 
     git("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
+    (path / "a.py").write_text("x = 1\n")
     git("add", "a.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+
+
+def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
+    """A scenario file or driver not yet added to git ran, but the stamped commit does not hold it: the row must say
+    dirty (before: `git status --untracked-files=no` called such a tree clean)."""
+    _one_commit_repo(tmp_path)
     monkeypatch.setattr(S, "ROOT", tmp_path)
     monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
     assert S.machine_facts("none", lambda: "fp")["git_dirty"] is False
@@ -581,13 +586,7 @@ def test_a_git_status_that_gives_no_answer_is_never_stamped_clean(tmp_path, monk
     its empty output was read as "no changes" and the rows were stamped clean with HEAD, whatever the tree held."""
     import subprocess
 
-    def git(*a: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    _one_commit_repo(tmp_path)
     (tmp_path / "a.py").write_text("x = 2\n")  # a change git would have shown
     monkeypatch.setattr(S, "ROOT", tmp_path)
     monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
