@@ -201,17 +201,15 @@ class FabricWatch:
             if current:  # stopped before mark_stale
                 self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=current)
             have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=self.facts.fingerprint)}
-            keys: dict[tuple, Any] = {}
-            for i, r in self.store.list_profiles(status="stale", fingerprint=old_fp):
-                if (i in current or concerned(i, r)) and tuning_key(r.key) not in have:
-                    keys.setdefault(tuning_key(r.key), r.key)
-            # and the new fingerprint's own stale keys nothing current replaced, as `_fabric_changed` queues them
-            # (`retune_keys`): a fabric back to one it had on other GPUs keeps that one's profiles stale. Without
-            # them a change finished here (recorded by `fabric show --record`, a local tune or `profile` while no
-            # daemon ran, or by a daemon stopped before queuing) left those keys served nothing, for good
-            for t, k in retune_keys([], self.store.list_profiles(status="stale", fingerprint=self.facts.fingerprint),
-                                    have).items():
-                keys.setdefault(t, k)
+            # the rows of old_fp this change made stale, and the new fingerprint's own stale keys nothing current
+            # replaced, as `_fabric_changed` queues them (`retune_keys`): a fabric back to one it had on other GPUs
+            # keeps that one's profiles stale. Without the latter a change finished here (recorded by `fabric show
+            # --record`, a local tune or `profile` while no daemon ran, or by a daemon stopped before queuing) left
+            # those keys served nothing, for good
+            made_stale = [r for i, r in self.store.list_profiles(status="stale", fingerprint=old_fp)
+                          if i in current or concerned(i, r)]
+            keys = retune_keys(made_stale, self.store.list_profiles(status="stale", fingerprint=self.facts.fingerprint),
+                               have)
             # the keys a job queued since the change holds are its business, whatever that job was (the change's own
             # re-tune, or a job of the last daemon resumed at this start: "any later job_queued of the old
             # fingerprint" let a resumed job of one key hide the change's other keys for good); read a page at a time,
@@ -231,9 +229,9 @@ class FabricWatch:
         if not keys:
             return
         by = d.get("recorded_by")
-        why = f"recorded by `{by}` while no daemon ran" if isinstance(by, str) and by else "the daemon stopped before"
-        log.warning("queuing the re-tune of the last fabric change (%s)",
-                    why if isinstance(by, str) and by else "the daemon stopped before queuing it",
+        cli = isinstance(by, str) and bool(by)
+        why = f"recorded by `{by}` while no daemon ran" if cli else "the daemon stopped before"
+        log.warning("queuing the re-tune of the last fabric change (%s)", why if cli else f"{why} queuing it",
                     extra={"old_fingerprint": old_fp, "fingerprint": self.facts.fingerprint, "keys": len(keys)})
         try:
             self.jobs.submit(reason=f"fabric changed: {reason} (queued at start: {why})"[:512],
