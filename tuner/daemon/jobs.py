@@ -370,23 +370,22 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     runnable = []
     tuned: list[ProfileKey] = []
     for (ep, nodes), shapes in sorted(group_keys(ep_keys, routings.__getitem__).items()):
-        one = one_rank_exchange(ep, sorted({k.transport_family for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)}),
+        group = [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
+        one = one_rank_exchange(ep, sorted({k.transport_family for k in group}),
                                 done="a re-tune of {families} would store a profile",
                                 fix="Neither backend tunes a transport family at EP 1 (both refuse it)")
         if one:
             # a key of a transport family at EP 1 (stored before EP 1 was refused for them): the search refuses it
             # (a ValueError that failed the whole job, every other group's keys untuned with it): refused here
-            n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
-            refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-tuned: {one}; they stay stale")
+            refuse(f"{len(group)} key(s) of EP {ep} over {nodes} node(s) not re-tuned: {one}; they stay stale")
             continue
         why = local_refusal(ep, nodes, gpus) if local else ""
         if why:
-            n = sum(1 for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes))
-            refuse(f"{n} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
+            refuse(f"{len(group)} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
             ep_refused = True
             continue
         runnable.append((ep, nodes, [(r, m, b) for (r, _name), (m, b) in shapes.items()]))
-        tuned += [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
+        tuned += group
     mk_shapes: list[tuple[str, ModelShape, list[int]]] = []
     if mk_keys:
         bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
@@ -420,14 +419,15 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     # the proportion of its buckets to the buckets not tuned yet (unused time passes on to the later calls), as one
     # call shares its own over its studies; before, the first shape could spend the whole job's budget
     deadline = None if tune.timeout_s is None else time.monotonic() + tune.timeout_s
-    buckets_left = [sum(len(b) for _ep, _n, shapes in runnable for _r, _m, b in shapes)
-                    + sum(len(b) for _r, _m, b in mk_shapes)]
+    buckets_left = (sum(len(b) for _ep, _n, shapes in runnable for _r, _m, b in shapes)
+                    + sum(len(b) for _r, _m, b in mk_shapes))
 
     def share(buckets: list[int]) -> float | None:
-        n, buckets_left[0] = len(buckets), buckets_left[0] - len(buckets)
-        if deadline is None:
-            return None
-        return max(0.0, deadline - time.monotonic()) * n / max(1, n + buckets_left[0])
+        nonlocal buckets_left
+        n = len(buckets)
+        part = n / max(1, buckets_left)  # of the buckets not tuned yet, this call's
+        buckets_left -= n
+        return None if deadline is None else max(0.0, deadline - time.monotonic()) * part
 
     # each shape is one call (its own buckets only); a cancel is seen between studies and before each side-by-side
     # check (`stop`), what was done by then is tallied, then the job ends cancelled
