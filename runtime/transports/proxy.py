@@ -45,12 +45,12 @@ from moetune.runtime.transports._onesided import (
     OneSidedTransport,
     destroy_leak,
     destroy_native,
+    on_collect,
     one_sided_availability,
     report_leaks,
+    run_now,
     u64_array,
 )
-from moetune.runtime.transports._onesided import on_collect as _on_collect
-from moetune.runtime.transports._onesided import run_now as _run_now
 from moetune.runtime.transports.base import Availability
 
 FENCE_MODES = {"none": 0, "proxy_drain": 1, "nic_ordered": 2}
@@ -204,7 +204,7 @@ class ProxyEngine:
             "mt_proxy_create",
         )
         self.handle = h
-        self._finalizer = _on_collect(self, _destroy_engine, self.lib, h)
+        self._finalizer = on_collect(self, _destroy_engine, self.lib, h)
         self.timeout_s = float(timeout_s)
         try:
             # the thread's drains and destroy wait this long for a QP stream, never forever
@@ -335,7 +335,7 @@ class ProxyEngine:
     def _stop(self) -> list[str]:
         """close() without raising: what mt_proxy_destroy leaked."""
         self.handle = None
-        return _run_now(self._finalizer)  # set with the handle: mt_proxy_destroy(handle), once
+        return run_now(self._finalizer)  # set with the handle: mt_proxy_destroy(handle), once
 
 
 def _destroy_engine(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
@@ -450,7 +450,7 @@ class ProxyTransport(OneSidedTransport):
             self._h = h
             # a transport dropped without close() stops its proxy thread when collected (not its symmetric buffers:
             # freeing those is collective in spirit, other ranks may still write into them)
-            self._native = _on_collect(self, _destroy_proxy_native, self.lib, h, self.engine)
+            self._native = on_collect(self, _destroy_proxy_native, self.lib, h, self.engine)
             # host-completed calls (default): see mt_pxy_set_host_wait in csrc/proxy_gpu.cu for why
             self.host_wait = self.options.proxy_host_wait
             self.lib.mt_pxy_set_host_wait(h, 1 if self.host_wait else 0)
@@ -572,6 +572,6 @@ class ProxyTransport(OneSidedTransport):
         h, self._h = self._h, None
         native, self._native = self._native, None
         if native is not None:
-            return _run_now(native)  # _destroy_proxy_native, once
+            return run_now(native)  # _destroy_proxy_native, once
         # a constructor that failed before the finalizer was made
         return _destroy_proxy_native(self.lib, h, self.engine, loud=True)
