@@ -109,6 +109,21 @@ def tcp_port(endpoint: str) -> int | None:
     return value if host and value is not None and 1 <= value <= 65535 else None
 
 
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 (also IPv4-mapped) or localhost: the only hosts plain-text TCP is allowed on (the daemon's
+    binds, the client's connects)."""
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name or an interface (eth0, *): may reach beyond this host
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
 MAX_IPC_PATH_BYTES = 107  # sockaddr_un's sun_path, less its NUL
 

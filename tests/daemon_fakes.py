@@ -294,7 +294,8 @@ class DaemonProc:
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log, env=e)
 
     def wait_ready(self, timeout: float = 20.0, **client_kw: Any) -> Any:
-        from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
+        from moetune.runtime.profiles.client import ProfileClient
+        from moetune.runtime.profiles.errors import DaemonUnavailable
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -420,7 +421,7 @@ def resolve_warned(c: Any, **kw: Any) -> tuple[Any, list[str]]:
     closes the client."""
     import warnings
 
-    from moetune.runtime.profiles.client import FallbackWarning
+    from moetune.runtime.profiles.errors import FallbackWarning
     from moetune.runtime.shapes import MODELS
 
     try:

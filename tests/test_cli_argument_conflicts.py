@@ -12,7 +12,9 @@ import pytest
 import zmq.auth
 from typer.testing import CliRunner
 
-from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient, read_curve_key_file
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.curve_keys import read_curve_key_file
+from moetune.runtime.profiles.errors import DaemonUnavailable
 from moetune.tuner.cli import app
 from moetune.tuner.daemon.server import DaemonConfigError, check_endpoint
 

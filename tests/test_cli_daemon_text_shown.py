@@ -33,7 +33,7 @@ class _Refusing:
     """A client whose daemon answers every request with an error carrying a terminal escape."""
 
     def request(self, op: str, **fields: Any) -> Any:
-        from moetune.runtime.profiles.client import DaemonError
+        from moetune.runtime.profiles.errors import DaemonError
 
         raise DaemonError("forbidden", HOSTILE)
 

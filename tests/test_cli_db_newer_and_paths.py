@@ -132,17 +132,17 @@ def test_db_check_on_a_current_database_still_reports_ok(tmp_path: Path) -> None
 def test_the_runtimes_database_fallback_refuses_a_newer_database(tmp_path: Path) -> None:
     """`moetune query` (the runtime's read-only fallback) read and applied profiles from a database every other
     command refuses as a newer moetune's; the runtime's list of schema revisions is the migrations' own."""
-    from moetune.runtime.profiles import client
+    from moetune.runtime.profiles import db_lookup
     from moetune.tuner.store._schema import known_revisions
 
-    assert known_revisions() == client.KNOWN_SCHEMA_REVISIONS
+    assert known_revisions() == db_lookup.KNOWN_SCHEMA_REVISIONS
     db = tmp_path / "ok.db"
     Store(db).close()
-    assert client.newer_schema_problem(db) == ""
+    assert db_lookup.newer_schema_problem(db) == ""
     db = newer_db(tmp_path)
-    assert "schema revision 0099, written by a newer moetune" in client.newer_schema_problem(db)
+    assert "schema revision 0099, written by a newer moetune" in db_lookup.newer_schema_problem(db)
     with pytest.raises(sqlite3.OperationalError, match="written by a newer moetune"):
-        client.query_db_profiles(db, ep_size=2, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8,
+        db_lookup.query_db_profiles(db, ep_size=2, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8,
                                  dtype="bfloat16")
     r = run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db))
     assert "written by a newer moetune" in " ".join(r.output.split()), r.output

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.runtime import wire
-from moetune.runtime.profiles.client import BadReply, ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import BadReply
 from moetune.tuner.cli import app
 
 DB = "/home/a-rather-long-user-name/.local/share/moetune/moetune.db"

@@ -1,6 +1,6 @@
 """The runtime's database fallback reads what it needs, with the same answers.
 
-This node's identity (`client.node_identity_from_db`) is the newest recorded fingerprint whose facts match the node,
+This node's identity (`db_lookup.node_identity_from_db`) is the newest recorded fingerprint whose facts match the node,
 but the fallback read every fingerprint row's facts (~24 KB each) first: 14 ms of the lookup's 200 ms budget with
 100 older fingerprints, 63 ms with 500 (measured alternately in one process on a 2-core machine). It now orders the
 rows by their small columns and reads the facts one row at a time, up to the first that matches (about 4 and 13 ms:
@@ -22,7 +22,7 @@ import daemon_fakes as F
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import PRESET_PREFIX, ProfileKey, ProfileRecord
-from moetune.runtime.profiles import client, node_identity
+from moetune.runtime.profiles import db_lookup, node_identity, sqlite_open
 from moetune.runtime.shapes import MODELS
 
 HERE = {"gpus": [], "software": {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}}
@@ -57,7 +57,7 @@ def facts_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The fingerprint hashes whose facts the fallback fetched from SQLite (each row a query hands over with a facts
     column)."""
     fetched: list[str] = []
-    real = client.sqlite_open.read
+    real = sqlite_open.read
 
     class Counting:
         def __init__(self, con: Any) -> None:
@@ -76,7 +76,7 @@ def facts_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
             return Rows(rows)
 
-    monkeypatch.setattr(client.sqlite_open, "read",
+    monkeypatch.setattr(sqlite_open, "read",
                         lambda path, fn, **kw: real(path, lambda con: fn(Counting(con)), **kw))
     return fetched
 
@@ -87,7 +87,7 @@ def test_only_the_facts_up_to_the_newest_match_are_read(tmp_path: Path, monkeypa
     db = tmp_path / "m.db"
     older = [(f"old{i:03d}", _other(i), f"2024-01-01T00:{i // 60:02d}:{i % 60:02d}") for i in range(40)]
     _seed(db, [*older, ("here", HERE, "2025-01-01T00:00:00"), ("newer", _other(99), "2025-06-01T00:00:00")])
-    ident, why = client.node_identity_from_db(db)
+    ident, why = db_lookup.node_identity_from_db(db)
     assert ident is not None and ident.fingerprint == "here", why
     assert facts_read == ["newer", "here"]  # not the 40 older ones (before: all 42)
 
@@ -113,8 +113,8 @@ def test_the_identity_and_its_reasons_are_those_of_reading_every_row(tmp_path: P
     F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
     db = tmp_path / "m.db"
     _seed(db, LAYOUTS[layout])
-    before = node_identity.from_fingerprint_rows(client.db_read(db, ALL_ROWS, (PRESET_PREFIX + "%",)))
-    assert client.node_identity_from_db(db) == before
+    before = node_identity.from_fingerprint_rows(db_lookup.db_read(db, ALL_ROWS, (PRESET_PREFIX + "%",)))
+    assert db_lookup.node_identity_from_db(db) == before
 
 
 def test_a_family_asked_for_is_selected_in_sql_with_the_same_records(tmp_path: Path) -> None:
@@ -131,8 +131,8 @@ def test_a_family_asked_for_is_selected_in_sql_with_the_same_records(tmp_path: P
     store.close()
     shape = dict(ep_size=2, nodes=1, hidden=QWEN.hidden, intermediate=QWEN.intermediate, experts=QWEN.experts,
                  topk=QWEN.topk, dtype=QWEN.dtype)
-    every = client.query_db_profiles(db, **shape)
+    every = db_lookup.query_db_profiles(db, **shape)
     assert len(every) == 9
     for fam in ("nvlink", "collective", "proxy:ibrc"):
-        assert client.query_db_profiles(db, **shape, transport_family=fam) == [
+        assert db_lookup.query_db_profiles(db, **shape, transport_family=fam) == [
             r for r in every if r.key.transport_family == fam]

@@ -89,7 +89,7 @@ def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode:
                                                            caplog: pytest.LogCaptureFixture) -> None:
     """One rule (`paths.secret_key_checks` + `paths.loose_key_path`) for a secret key and its folder: the client
     warns about its own key exactly when the daemon would refuse that key as its own."""
-    from moetune.runtime.profiles.client import _warn_loose_secret
+    from moetune.runtime.profiles.curve_keys import warn_loose_secret
     from moetune.tuner.daemon.server import DaemonConfigError, check_secret_key_file
 
     if owner == "other" and os.geteuid() != 0:
@@ -109,7 +109,7 @@ def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode:
         refused = True
     _once.reset()
     with caplog.at_level(logging.WARNING, logger="moetune"):
-        _warn_loose_secret(str(key))
+        warn_loose_secret(str(key))
     said = [r.getMessage() for r in caplog.records if "other users" in r.getMessage()]
     assert bool(said) == refused == (owner == "other" or bool(mode & 0o066) or bool(folder & 0o022)), said
     if said and not (owner == "other" or mode & 0o066):

@@ -26,7 +26,8 @@ from moetune.runtime.knobs import default_knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.profiles import autoload, node_identity
-from moetune.runtime.profiles.client import EnvMismatchWarning, FallbackWarning, ProfileClient, Resolution
+from moetune.runtime.profiles.client import ProfileClient, Resolution
+from moetune.runtime.profiles.errors import EnvMismatchWarning, FallbackWarning
 from moetune.runtime.profiles.perf_env import is_performance_variable
 from moetune.runtime.shapes import MODELS
 

@@ -21,7 +21,9 @@ import daemon_fakes as F
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profiles import autoload
-from moetune.runtime.profiles.client import FallbackWarning, ProfileClient, query_db_profiles
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.db_lookup import query_db_profiles
+from moetune.runtime.profiles.errors import FallbackWarning
 from moetune.runtime.shapes import MODELS
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli import app
@@ -339,7 +341,7 @@ def test_a_tcp_endpoint_without_a_host_and_port_is_refused_at_construction(tmp_p
     client is made, named on use (DaemonUnavailable), and the lookup goes on to the defaults."""
     import zmq
 
-    from moetune.runtime.profiles.client import DaemonUnavailable
+    from moetune.runtime.profiles.errors import DaemonUnavailable
 
     c = ProfileClient(endpoint, curve_server_key=zmq.curve_keypair()[0], db_path=tmp_path / "none.db",
                       env={"HOME": str(tmp_path)})
@@ -356,12 +358,13 @@ def test_a_zmq_error_on_connect_is_daemon_unavailable(tmp_path: Path, monkeypatc
     """Whatever the construction's checks let through and zmq's connect still refuses is DaemonUnavailable (the
     fallback chain goes on), never a ZMQError out of resolve()."""
     from moetune.runtime.profiles import client as C
+    from moetune.runtime.profiles.errors import DaemonUnavailable
 
     # as if the construction's checks had missed it (raising=False: the test also runs where they are not)
     monkeypatch.setattr(C, "endpoint_problem", lambda endpoint, bind: None, raising=False)
     c = ProfileClient("ipc:///" + "x" * 200, db_path=tmp_path / "none.db", env={"HOME": str(tmp_path)})
     monkeypatch.setattr(c, "_check_endpoint", lambda: None)  # the socket "exists"
-    with pytest.raises(C.DaemonUnavailable, match=r"cannot connect to ipc:///x+: File name too long"):
+    with pytest.raises(DaemonUnavailable, match=r"cannot connect to ipc:///x+: File name too long"):
         c.request("status")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -374,7 +377,8 @@ def test_an_endpoint_that_is_no_endpoint_falls_back(tmp_path: Path) -> None:
     the daemon part of the chain (DaemonUnavailable naming it) and the lookup goes on to the defaults."""
     import warnings
 
-    from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
+    from moetune.runtime.profiles.client import ProfileClient
+    from moetune.runtime.profiles.errors import DaemonUnavailable
     from moetune.runtime.shapes import MODELS
 
     c = ProfileClient("not-an-endpoint", db_path=tmp_path / "none.db", env={"HOME": str(tmp_path)})

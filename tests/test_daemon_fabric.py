@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime import wire
-from moetune.runtime.profiles.client import DaemonError, ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonError
 from moetune.runtime.testing.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)

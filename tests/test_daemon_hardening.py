@@ -23,11 +23,12 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime import wire
+from moetune.runtime import paths, wire
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles import client, launcher_env
-from moetune.runtime.profiles.client import BadReply, DaemonUnavailable, FallbackWarning, ProfileClient
+from moetune.runtime.profiles import client, launcher_env, replies, tracked_profile
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import BadReply, DaemonUnavailable, FallbackWarning, ProfileRefused
 from moetune.runtime.shapes import MODELS
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.daemon.server import DaemonConfigError, prepare_runtime_dir
@@ -251,9 +252,9 @@ def test_insecure_tcp_only_on_loopback(tmp_path: Path) -> None:
         with pytest.raises(DaemonConfigError, match="loopback"):
             d.start()
     for host in ("127.0.0.1", "127.8.9.1", "[::1]", "localhost", "[::ffff:127.0.0.1]"):
-        assert client.is_loopback_host(client.tcp_host(f"tcp://{host}:1")), host
+        assert paths.is_loopback_host(paths.tcp_host(f"tcp://{host}:1")), host
     for host in ("0.0.0.0", "*", "10.0.0.1", "[::]", "eth0", "localhost.example.com"):
-        assert not client.is_loopback_host(client.tcp_host(f"tcp://{host}:1")), host
+        assert not paths.is_loopback_host(paths.tcp_host(f"tcp://{host}:1")), host
 
 
 # -- 5: the client never talks plain-text TCP by accident; the PUB endpoint is checked -------------------------
@@ -471,11 +472,11 @@ def test_env_values_bounded_by_the_knob_ranges() -> None:
 # -- 7: deep nesting in a reply is a bad reply, never an exception out of resolve --------------------------------
 def test_deeply_nested_reply_is_bad_reply(plain, tmp_path: Path) -> None:
     with pytest.raises(BadReply):
-        client._decode_reply(DEEP)
+        replies.decode_reply(DEEP)
     with pytest.raises(BadReply):
-        client._decode_result("get_profile", msgspec.Raw(DEEP))
+        replies.decode_result("get_profile", msgspec.Raw(DEEP))
     with pytest.raises(BadReply):
-        client._decode_result("get_profile", msgspec.Raw(b'{"key":' + DEEP + b"}"))
+        replies.decode_result("get_profile", msgspec.Raw(b'{"key":' + DEEP + b"}"))
     t0 = time.monotonic()
     out, warned, _ = resolve(plain, tmp_path, b'{"v":1,"id":ID,"ok":true,"epoch":"e","result":' + DEEP + b"}")
     assert out.source in ("policy", "default") and len(warned) == 1 and time.monotonic() - t0 < 2
@@ -525,12 +526,12 @@ QUERY = {"model": "qwen3-30b", "ep_size": 2, "tokens": 64}
 def test_a_tracked_profile_refuses_what_resolve_refuses(over: dict, why: str) -> None:
     """Before: track() kept any reply (a stale profile of another key, a forged perf_env) as `current`."""
     good = msgspec.convert(result(), wire.ProfileResult)
-    t = client.TrackedProfile(_TrackClient(good), QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(_TrackClient(good), QUERY)  # type: ignore[arg-type]
     assert t.current == good and t.error is None
     bad = msgspec.structs.replace(good, **over)
-    t = client.TrackedProfile(_TrackClient(bad), QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(_TrackClient(bad), QUERY)  # type: ignore[arg-type]
     assert t.current is None and isinstance(t.error, BadReply) and why in str(t.error), t.error
-    t = client.TrackedProfile(_TrackClient(BadReply("get_profile result does not validate")), QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(_TrackClient(BadReply("get_profile result does not validate")), QUERY)  # type: ignore[arg-type]
     assert t.current is None and isinstance(t.error, BadReply)  # kept as its error, not raised out of track()
 
 
@@ -554,15 +555,15 @@ def test_a_tracked_profile_is_judged_as_resolve_judges_it(answer: Callable[[], w
     one whose transport is missing or whose environment env_mismatch = refuse passes over stayed `current`."""
     ok = kw.pop("transport_ok", None)
     c = _TrackClient(answer(), **kw)
-    t = client.TrackedProfile(c, QUERY, ok)
-    assert t.current is None and not t.tuned and isinstance(t.error, client.ProfileRefused), t.error
+    t = tracked_profile.TrackedProfile(c, QUERY, ok)
+    assert t.current is None and not t.tuned and isinstance(t.error, ProfileRefused), t.error
     assert why in str(t.error), t.error
 
 
 def test_a_tracked_modelled_profile_is_kept_with_allow_modelled_and_not_called_tuned() -> None:
-    t = client.TrackedProfile(_TrackClient(_preset_result(), allow_modelled=True), QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(_TrackClient(_preset_result(), allow_modelled=True), QUERY)  # type: ignore[arg-type]
     assert t.current is not None and t.error is None and not t.tuned
-    t = client.TrackedProfile(_TrackClient(msgspec.convert(result(), wire.ProfileResult)), QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(_TrackClient(msgspec.convert(result(), wire.ProfileResult)), QUERY)  # type: ignore[arg-type]
     assert t.current is not None and t.tuned
 
 
@@ -574,7 +575,7 @@ def test_a_tracked_profile_is_judged_under_the_tracking_jobs_options() -> None:
 
     tuned = msgspec.convert(result(runtime_options=RuntimeOptions().data_path()), wire.ProfileResult)
     t = _TrackClient(tuned).track(options=RuntimeOptions(fused_pack=False), **QUERY)
-    assert t.current is None and isinstance(t.error, client.ProfileRefused), t.error
+    assert t.current is None and isinstance(t.error, ProfileRefused), t.error
     assert "fused_pack: tuned with true, job has false" in str(t.error)
     assert t.options == RuntimeOptions(fused_pack=False)
     # the job's options win over the variables, as in resolve(options=...)
@@ -598,7 +599,7 @@ def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
     the client's version stayed at 101 and every later change of the new daemon was dropped)."""
     good = msgspec.convert(result(), wire.ProfileResult)
     c = _TrackClient(msgspec.structs.replace(good, version=100))
-    t = client.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
     assert c.version == 100
     ch = {"kind": "profile_updated", "ts": 0.0}
     c.changes = [wire.Change(version=101, epoch="e1", **ch), wire.Change(version=1, epoch="e2", **ch)]
@@ -610,11 +611,11 @@ def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
 def test_a_change_whose_fetch_failed_is_fetched_by_the_next_refresh() -> None:
     """The notice is taken off the socket before the fetch: when the daemon stops answering in between, refresh
     raises and the change must stay pending (before: the next refresh saw no notice and kept the old profile)."""
-    from moetune.runtime.profiles.client import DaemonUnavailable
+    from moetune.runtime.profiles.errors import DaemonUnavailable
 
     good = msgspec.convert(result(), wire.ProfileResult)
     c = _TrackClient(msgspec.structs.replace(good, version=1))
-    t = client.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
+    t = tracked_profile.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
     newer = msgspec.structs.replace(good, version=2)
     c.changes = [wire.Change(version=2, epoch="e1", kind="profile_updated", ts=0.0)]
     c.answer = DaemonUnavailable("no answer (test)")
@@ -630,7 +631,7 @@ def test_a_change_whose_fetch_failed_is_fetched_by_the_next_refresh() -> None:
 
 def test_tracking_without_a_daemon_raises_daemon_unavailable(tmp_path: Path) -> None:
     """As documented on ProfileClient.track: tracking needs the daemon's change notices (resolve falls back)."""
-    from moetune.runtime.profiles.client import DaemonUnavailable
+    from moetune.runtime.profiles.errors import DaemonUnavailable
 
     c = ProfileClient(f"ipc://{tmp_path}/none/daemon.sock", timeout_ms=100, retries=0, env={"HOME": str(tmp_path)})
     try:

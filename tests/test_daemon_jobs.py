@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles.client import DaemonError, ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonError
 from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(120)

@@ -27,7 +27,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
         running = F.until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None and j)
         assert running.fingerprint == new_facts.fingerprint and running.keys == 3
         # while the re-tune runs the stale profile is not served as current
-        from moetune.runtime.profiles.client import DaemonError
+        from moetune.runtime.profiles.errors import DaemonError
 
         with pytest.raises(DaemonError) as ei:
             c.get_profile(ep_size=2, tokens=3000, model="qwen3-30b")
@@ -71,7 +71,7 @@ def test_kill9_during_job_then_restart(tmp_path: Path) -> None:
 
 
 def test_cancel_running_job_and_bounded_queue(tmp_path: Path) -> None:
-    from moetune.runtime.profiles.client import DaemonError
+    from moetune.runtime.profiles.errors import DaemonError
 
     with F.seeded_daemon(tmp_path, interval=0.2, env={"MOETUNE_FAKE_JOB_SLEEP": "60"}) as (d, _facts):
         c = ProfileClient(d.endpoint, timeout_ms=1000)

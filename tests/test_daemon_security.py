@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonUnavailable
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli import app
 from moetune.tuner.cli.keys import generate_keys
@@ -195,7 +196,7 @@ def test_other_user_reads_database_readonly(tmp_path: Path) -> None:
     import shutil
     import tempfile
 
-    from moetune.runtime.profiles.client import query_db_profiles
+    from moetune.runtime.profiles.db_lookup import query_db_profiles
     from moetune.runtime.shapes import MODELS
 
     base = Path(tempfile.mkdtemp(prefix="moetune-ro-", dir="/tmp"))

@@ -18,7 +18,10 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient, _pid_gone, stale_daemon_reason
+from moetune.runtime._proc import pid_gone
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.daemon_info import stale_daemon_reason
+from moetune.runtime.profiles.errors import DaemonUnavailable
 from moetune.tuner.cli import app
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,14 +104,14 @@ def test_an_untrusted_directory_or_a_listening_socket_is_not_called_stale(tmp_pa
 def test_a_killed_unreaped_process_is_gone() -> None:
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert not _pid_gone(p.pid)
+        assert not pid_gone(p.pid)
         p.kill()
         F.until(lambda: Path(f"/proc/{p.pid}/stat").read_bytes().rpartition(b")")[2].split()[0] == b"Z")
-        assert _pid_gone(p.pid)  # a zombie (not waited for yet) runs nothing
+        assert pid_gone(p.pid)  # a zombie (not waited for yet) runs nothing
     finally:
         p.kill()
         p.wait()
-    assert _pid_gone(p.pid)
+    assert pid_gone(p.pid)
 
 
 def test_status_and_retune_after_kill_9_say_the_daemon_is_not_running(tmp_path: Path) -> None:

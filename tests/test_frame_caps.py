@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime import wire
-from moetune.runtime.profiles import client as C
-from moetune.runtime.profiles.client import DaemonUnavailable, ProfileClient
+from moetune.runtime.profiles import daemon_info
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonUnavailable
 from moetune.runtime.testing.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,7 +157,7 @@ def test_read_daemon_info_never_blocks_on_a_fifo(tmp_path: Path) -> None:
     run.mkdir(mode=0o700)
     os.mkfifo(run / "daemon.json", 0o600)
     out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(C.read_daemon_info(f"ipc://{run}/daemon.sock")), daemon=True)
+    t = threading.Thread(target=lambda: out.append(daemon_info.read_daemon_info(f"ipc://{run}/daemon.sock")), daemon=True)
     t.start()
     t.join(5)
     blocked = t.is_alive()
@@ -172,14 +173,14 @@ def test_read_daemon_info_reads_a_bounded_regular_file(tmp_path: Path) -> None:
     run.mkdir(mode=0o700)
     info = run / "daemon.json"
     info.write_text(json_text := '{"db": "/x/moetune.db", "running": false}')
-    assert C.read_daemon_info(f"ipc://{run}/daemon.sock")["db"] == "/x/moetune.db"  # control
-    info.write_text(" " * (C.MAX_INFO_BYTES + 1) + json_text)  # no daemon writes that much: not read whole
-    assert C.read_daemon_info(f"ipc://{run}/daemon.sock") is None
+    assert daemon_info.read_daemon_info(f"ipc://{run}/daemon.sock")["db"] == "/x/moetune.db"  # control
+    info.write_text(" " * (daemon_info.MAX_INFO_BYTES + 1) + json_text)  # no daemon writes that much: not read whole
+    assert daemon_info.read_daemon_info(f"ipc://{run}/daemon.sock") is None
     info.unlink()
     other = tmp_path / "elsewhere.json"
     other.write_text(json_text)
     info.symlink_to(other)  # the daemon writes a regular file (mkstemp + rename), never a link
-    assert C.read_daemon_info(f"ipc://{run}/daemon.sock") is None
+    assert daemon_info.read_daemon_info(f"ipc://{run}/daemon.sock") is None
 
 
 # -- ZAP -----------------------------------------------------------------------------------------------------------

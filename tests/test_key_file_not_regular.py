@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.profiles.client import ProfileClient, read_curve_key_file
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.curve_keys import read_curve_key_file
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli import app
 from moetune.tuner.cli.keys import generate_keys

@@ -22,7 +22,7 @@ from test_client_perf_env import QWEN, db_client, node_db, qkey  # noqa: F401  (
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.options import RuntimeOptions, options_acting_on
 from moetune.runtime.profile_record import ProfileRecord
-from moetune.runtime.profiles.client import FallbackWarning
+from moetune.runtime.profiles.errors import FallbackWarning
 from moetune.runtime.profiles.tuned_options import compare_options, relevant_options
 from moetune.tuner.search.backends import LocalBackend
 

@@ -12,7 +12,7 @@ import msgspec
 from moetune.runtime import wire
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles.client import pick_profile, query_db_profiles
+from moetune.runtime.profiles.db_lookup import pick_profile, query_db_profiles
 from moetune.tuner.daemon.index import ProfileIndex
 from moetune.tuner.store.store import Store
 

@@ -37,7 +37,9 @@ from moetune.runtime.options import (
 )
 from moetune.runtime.profile_record import ENGINE_FAMILIES, ProfileKey, ProfileRecord
 from moetune.runtime.profiles import autoload, node_identity
-from moetune.runtime.profiles.client import FallbackWarning, ProfileClient, Resolution, query_db_profiles
+from moetune.runtime.profiles.client import ProfileClient, Resolution
+from moetune.runtime.profiles.db_lookup import query_db_profiles
+from moetune.runtime.profiles.errors import FallbackWarning
 from moetune.runtime.profiles.tuned_options import compare_options
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.transports.registry import registered_transports

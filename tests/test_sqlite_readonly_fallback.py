@@ -1,4 +1,4 @@
-"""The read-only opener shared by the store, the runtime's "daemon down" fallback (`client.db_read`) and `tune show`
+"""The read-only opener shared by the store, the runtime's "daemon down" fallback (`db_lookup.db_read`) and `tune show`
 (`moetune.runtime.profiles.sqlite_open`): immutable=1 only where mode=ro cannot open the file and no -wal/-journal
 holds changes, chosen again for every read, and a read the file changed under is retried, then refused with "changed
 while being read; retry", never answered from stale or torn pages nor called "malformed".
@@ -21,7 +21,7 @@ from sqlalchemy import event
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import TOKEN_BUCKETS, ProfileKey, ProfileRecord
-from moetune.runtime.profiles import client, sqlite_open
+from moetune.runtime.profiles import db_lookup, sqlite_open
 from moetune.tuner.store.store import Store, StoreError
 
 NOBODY = 65534
@@ -104,7 +104,7 @@ def test_db_read_refuses_a_wal_it_cannot_apply_instead_of_returning_deleted_rows
     shared = tmp_path / "shared"
     shared.mkdir()
     db = wal_with_a_delete_and_no_shm(shared)
-    code = ("import sys, sqlite3\nfrom moetune.runtime.profiles.client import db_read\n"
+    code = ("import sys, sqlite3\nfrom moetune.runtime.profiles.db_lookup import db_read\n"
             "try:\n    print('rows', db_read(sys.argv[1], 'SELECT count(*) FROM profiles'))\n"
             "except sqlite3.Error as e:\n    print('error', e)\n")
     r = run_dropped(code, str(db))
@@ -119,7 +119,7 @@ def test_db_read_reads_a_closed_database_in_a_folder_it_cannot_write(tmp_path: P
     db = shared / "moetune.db"
     add(db, 3)
     give_away(shared)
-    code = "import sys\nfrom moetune.runtime.profiles.client import db_read\nprint(db_read(sys.argv[1], 'SELECT count(*) FROM profiles'))\n"
+    code = "import sys\nfrom moetune.runtime.profiles.db_lookup import db_read\nprint(db_read(sys.argv[1], 'SELECT count(*) FROM profiles'))\n"
     r = run_dropped(code, str(db))
     assert r.returncode == 0 and r.stdout.strip() == "[(3,)]", r.stdout + r.stderr
 
@@ -249,7 +249,7 @@ def test_db_read_retries_a_read_the_file_changed_under(tmp_path: Path, fallback:
         return con
 
     monkeypatch.setattr(sqlite_open, "connect_readonly", connect_then_write)
-    assert client.db_read(db, "SELECT count(*) FROM profiles") == [(3,)]
+    assert db_lookup.db_read(db, "SELECT count(*) FROM profiles") == [(3,)]
     assert len(fallback) == 2
 
 
@@ -266,7 +266,7 @@ def test_db_read_of_a_file_that_keeps_changing_is_an_error(tmp_path: Path, fallb
 
     monkeypatch.setattr(sqlite_open, "connect_readonly", connect_then_write)
     with pytest.raises(sqlite_open.DatabaseChanged, match=r"changed while being read .*; retry"):
-        client.db_read(db, "SELECT count(*) FROM profiles")
+        db_lookup.db_read(db, "SELECT count(*) FROM profiles")
     assert len(fallback) == sqlite_open.READ_ATTEMPTS
 
 
@@ -278,7 +278,7 @@ def test_the_fallback_is_refused_while_a_wal_holds_changes(tmp_path: Path, fallb
         writer.execute("PRAGMA wal_autocheckpoint = 0")
         writer.execute("DELETE FROM profiles")
         with pytest.raises(sqlite3.OperationalError, match=r"moetune\.db-wal holds changes"):
-            client.db_read(db, "SELECT count(*) FROM profiles")
+            db_lookup.db_read(db, "SELECT count(*) FROM profiles")
         with pytest.raises(StoreError, match=r"moetune\.db-wal holds changes"):
             Store(db, readonly=True)
     finally:

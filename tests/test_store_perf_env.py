@@ -18,7 +18,7 @@ import daemon_fakes as F
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles.client import query_db_profiles
+from moetune.runtime.profiles.db_lookup import query_db_profiles
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli import app
 from moetune.tuner.store.store import Store, head_revision

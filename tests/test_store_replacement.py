@@ -279,7 +279,7 @@ def test_a_pick_among_families_compares_no_round_trip_with_a_whole_layer(tmp_pat
     """Without a family asked, the fastest family at a bucket won: a bring-up's round trip (60 µs) beat a tuned
     whole layer (900 µs) of another family by the metrics' difference alone. Where both kinds are stored, the
     whole-layer numbers are compared (the daemon's store and the runtime's fallback pick alike)."""
-    from moetune.runtime.profiles.client import pick_profile
+    from moetune.runtime.profiles.db_lookup import pick_profile
     from moetune.tuner.store.store import Store
 
     def record(family: str, us: float, backend: str) -> ProfileRecord:

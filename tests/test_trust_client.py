@@ -27,8 +27,9 @@ import daemon_fakes as F
 from moetune.runtime import paths, wire
 from moetune.runtime.knobs import TRANSPORTS, default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
-from moetune.runtime.profiles import autoload, client, launcher_env, node_identity
-from moetune.runtime.profiles.client import FallbackWarning, ProfileClient
+from moetune.runtime.profiles import autoload, client, daemon_info, db_lookup, launcher_env, node_identity
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonUnavailable, FallbackWarning
 from moetune.runtime.shapes import MODELS
 
 pytestmark = pytest.mark.timeout(90)
@@ -158,8 +159,8 @@ def test_client_and_config_agree_on_paths(tmp_path: Path, monkeypatch: pytest.Mo
         c = ProfileClient(env=env)
         try:
             assert paths.default_endpoint(env) == cfg.client.socket == c.endpoint == want
-            assert (client.read_daemon_info(c.endpoint, env) or {}).get("_dir") == str(there)
-            assert (client.read_daemon_info(None, env) or {}).get("_dir") == str(there)
+            assert (daemon_info.read_daemon_info(c.endpoint, env) or {}).get("_dir") == str(there)
+            assert (daemon_info.read_daemon_info(None, env) or {}).get("_dir") == str(there)
             assert c.fallback_db() == tmp_path / "served.db"
         finally:
             c.close()
@@ -200,13 +201,13 @@ def test_the_client_finds_the_daemon_serve_started_in_another_environment(tmp_pa
             try:
                 hello = c.hello()
                 break
-            except client.DaemonUnavailable:
+            except DaemonUnavailable:
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
                 time.sleep(0.1)
             finally:
                 c.close()
         assert c.endpoint == served == paths.default_endpoint(job_env) == load_config(env=job_env).client.socket
-        info = client.read_daemon_info(c.endpoint, job_env) or {}
+        info = daemon_info.read_daemon_info(c.endpoint, job_env) or {}
         assert info.get("_dir") == str(x / "moetune") and info.get("epoch") == c.epoch and hello is not None
     finally:
         proc.kill()
@@ -386,7 +387,7 @@ def test_badly_shaped_database_facts_are_unreadable_not_a_crash(tmp_path: Path, 
     store = F.open_store(db2)
     store.upsert_fingerprint("d" * 16, bad, origin="local")
     store.close()
-    ident, why = client.node_identity_from_db(db2)
+    ident, why = db_lookup.node_identity_from_db(db2)
     assert ident is None and "unreadable facts" in why, why
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db2)
     assert res.source in ("policy", "default") and len(warned) == 1 and "unreadable facts" in warned[0], warned
@@ -416,7 +417,7 @@ def test_a_newer_preset_or_factless_fingerprint_does_not_become_this_node(tmp_pa
     for i in range(20):  # placeholders, as the store adds for a profile's key: more than the lookup's old window of 16
         store.upsert_fingerprint(f"{i:016x}", {}, origin="local")
     store.close()
-    ident, why = client.node_identity_from_db(db)
+    ident, why = db_lookup.node_identity_from_db(db)
     assert ident is not None and ident.fingerprint == "c" * 16, why
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
     assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
@@ -521,7 +522,7 @@ def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path) -> None:
     res, warned = resolve(d.endpoint, tmp_path)
     assert res.source in ("policy", "default") and not d.requests
     assert "owned by uid 65534" in warned[0]
-    assert client.read_daemon_info(d.endpoint, {}) is None
+    assert daemon_info.read_daemon_info(d.endpoint, {}) is None
     # ours again, but group-writable: refused too
     os.chown(run, os.getuid(), os.getgid())
     os.chmod(run, 0o770)
@@ -550,7 +551,7 @@ def test_a_runtime_dir_that_is_another_users_link_is_refused(fake, tmp_path: Pat
     res, warned = resolve(f"ipc://{link / 'daemon.sock'}", tmp_path)
     assert res.source in ("policy", "default") and not d.requests
     assert "symbolic link owned by uid 65534" in warned[0]
-    assert client.read_daemon_info(f"ipc://{link / 'daemon.sock'}", {}) is None
+    assert daemon_info.read_daemon_info(f"ipc://{link / 'daemon.sock'}", {}) is None
     # this user's own link: its target is what is checked, as before
     os.lchown(link, os.getuid(), os.getgid())
     assert paths.untrusted_dir_reason(link) is None
@@ -679,7 +680,7 @@ def test_pick_profile_prefers_measured_and_limits_the_bucket_distance() -> None:
     """Point 1: a modelled 27 µs must not win over a measured 60 µs; a profile far from the asked tokens is none."""
     from moetune.runtime.knobs import default_knobs
     from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-    from moetune.runtime.profiles.client import pick_profile
+    from moetune.runtime.profiles.db_lookup import pick_profile
 
     def rec(family: str, bucket: int, lat: float, backend: str, prov: str) -> ProfileRecord:
         key = ProfileKey(fingerprint="f" * 16, software="s" * 16, transport_family=family, ep_size=2, nodes=1,
@@ -727,7 +728,7 @@ def test_autoload_cache_never_hands_one_token_count_another_counts_bucket(monkey
                           spread_us=0.1, backend="local:nccl", provenance="measured") for b in (128, 512)]
 
     def resolve(**kw: Any) -> client.Resolution:
-        rec = client.pick_profile(recs, kw["max_tokens"])
+        rec = db_lookup.pick_profile(recs, kw["max_tokens"])
         assert rec is not None
         return client.Resolution(knobs=rec.knobs, source="daemon", profile_hash=rec.profile_hash, status="current",
                                  key=rec.key, family="nvlink", provenance="measured", tuned=True)
@@ -804,7 +805,7 @@ def test_an_empty_database_file_is_said_to_be_no_moetune_database(tmp_path: Path
     db = tmp_path / "moetune.db"
     db.touch()
     with pytest.raises(sqlite3.OperationalError, match=r"not a moetune profile database .*`moetune db upgrade --db"):
-        client.db_read(db, "SELECT hash FROM fingerprints")
+        db_lookup.db_read(db, "SELECT hash FROM fingerprints")
 
 
 def test_the_daemons_fabric_is_asked_once_per_process_not_per_autoload(fake, tmp_path: Path,
@@ -838,7 +839,7 @@ def test_this_nodes_fingerprint_behind_many_newer_foreign_ones_is_still_found(tm
     store = F.open_store(db)
     if how == "import":
         # an export of other nodes, seen (on their databases) after this node's row was last written here
-        t0 = dt.datetime.fromisoformat(client.db_read(db, "SELECT max(last_seen) FROM fingerprints")[0][0])
+        t0 = dt.datetime.fromisoformat(db_lookup.db_read(db, "SELECT max(last_seen) FROM fingerprints")[0][0])
         doc = {"format": "moetune-profiles", "version": 1, "profiles": [],
                "fingerprints": [{"hash": h, "facts": f, "first_seen": (t0 + dt.timedelta(seconds=1)).isoformat(),
                                  "last_seen": (t0 + dt.timedelta(seconds=1 + n / 1000)).isoformat()}
@@ -848,9 +849,9 @@ def test_this_nodes_fingerprint_behind_many_newer_foreign_ones_is_still_found(tm
         for h, f in others:  # as other nodes' daemons record theirs
             store.upsert_fingerprint(h, f, origin="local")
     store.close()
-    rows = client.db_read(db, "SELECT hash FROM fingerprints ORDER BY last_seen DESC LIMIT 16")
+    rows = db_lookup.db_read(db, "SELECT hash FROM fingerprints ORDER BY last_seen DESC LIMIT 16")
     assert "c" * 16 not in {h for (h,) in rows}  # this node's row is past the old window
-    ident, why = client.node_identity_from_db(db)
+    ident, why = db_lookup.node_identity_from_db(db)
     assert ident is not None and ident.fingerprint == "c" * 16, why
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
     assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned

@@ -25,7 +25,8 @@ import daemon_fakes as F
 
 from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
-from moetune.runtime.profiles.client import DaemonError, DaemonUnavailable, ProfileClient
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonError, DaemonUnavailable
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.daemon.server import Daemon, DaemonConfigError, TuneSettings
 

@@ -28,8 +28,9 @@ import daemon_fakes as F
 from moetune.runtime import wire
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, effective_provenance, profile_hash_of
-from moetune.runtime.profiles import client, node_identity
-from moetune.runtime.profiles.client import DaemonUnavailable, FallbackWarning, ProfileClient
+from moetune.runtime.profiles import client, db_lookup, node_identity, replies
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonUnavailable, FallbackWarning
 from moetune.runtime.profiles.policy_defaults import policy_default_knobs
 from moetune.runtime.shapes import MODELS
 
@@ -182,9 +183,9 @@ def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Pa
     k = key(FP_HERE, sw_here)
     real, other = measured(k, num_sms=24), measured(k, num_sms=40)
     forged = reply(real, profile_hash=other.profile_hash)
-    why = client._reply_problem(forged, model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None)
+    why = replies.reply_problem(forged, model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None)
     assert why is not None and "profile_hash" in why and real.profile_hash in why
-    assert client._reply_problem(reply(real), model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None) is None
+    assert replies.reply_problem(reply(real), model=QWEN, ep_size=2, tokens=100, nodes=1, transport_family=None) is None
     assert profile_hash_of(k, real.knobs) == real.profile_hash
     run = tmp_path / "run"
     write_info(run, fingerprint=FP_HERE, software=sw_here, host=HOST, running=True)
@@ -220,10 +221,10 @@ def test_is_tuned_for_and_the_client_follow_one_provenance_rule(backend: str, la
     on a preset's backend or another node's model was taken as this node's model (it outranks preset)."""
     rec = ProfileRecord(key=key(FP_HERE, "5" * 16), knobs=default_knobs("nvlink"), latency_us=27, spread_us=0,
                         backend=backend, provenance=label)
-    assert rec.effective_provenance == want == client.provenance_of(rec) == effective_provenance(label, backend, FP_HERE)
+    assert rec.effective_provenance == want == db_lookup.provenance_of(rec) == effective_provenance(label, backend, FP_HERE)
     assert reply(rec).provenance == want  # the daemon labels a reply as what its numbers are
     # a reply labelled by its stored label (an older daemon's) is taken for what it is all the same
-    assert client.provenance_of(reply(rec, provenance=label, measured_on=rec.measured_on)) == want
+    assert db_lookup.provenance_of(reply(rec, provenance=label, measured_on=rec.measured_on)) == want
     assert rec.is_tuned_for(FP_HERE, "5" * 16) is (want == "measured")
 
 

@@ -227,7 +227,8 @@ def test_once_a_scan_finds_the_file_damaged_no_write_of_the_store_is_made(tmp_pa
 def test_a_daemon_that_found_its_file_damaged_writes_nothing_more_and_says_so(tmp_path: Path) -> None:
     """After a re-tune job finds the file damaged, a user's next `retune` is refused (its job_queued is not written)
     and a fabric change records nothing (the watch's writes); `moetune status` names the damage."""
-    from moetune.runtime.profiles.client import DaemonError, ProfileClient
+    from moetune.runtime.profiles.client import ProfileClient
+    from moetune.runtime.profiles.errors import DaemonError
     from moetune.tuner.daemon.server import Daemon
 
     good, _other = databases(tmp_path)

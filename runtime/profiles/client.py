@@ -6,7 +6,7 @@ late reply can never be taken for the answer to a later request.
 
 Change notifications: `subscribe()` connects a SUB socket FIRST, then the caller fetches a snapshot
 (`get_profile`/`list_profiles` return the daemon's change `version`), then `poll_changes()` yields only
-the changes whose version is above it. `TrackedProfile` does exactly that for one key.
+the changes whose version is above it. `TrackedProfile` (tracked_profile.py) does exactly that for one key.
 
 Fallback chain (`resolve`): daemon -> the daemon's database (`client_db_path`: MOETUNE_STORE_DB, a configured
 [store] db, daemon.json's, the default; a stopped daemon's is said) opened read-only with the stdlib sqlite3
@@ -49,32 +49,31 @@ is (served, or passed over with `env_mismatch = "refuse"`), and the resolution s
 Where things are found: `moetune.runtime.paths` (the config's client.socket and `default_endpoint` both follow
 `find_daemon_socket`; `client_db_path`; `endpoint_problem`); the daemon writes `daemon.json` next to its socket (endpoint, PUB endpoint,
 database path, fingerprint, software hash and transport families of the node), and the client reads it only there.
+
+Its parts, beside this module in runtime/profiles/: errors (the exceptions and warnings), daemon_info (reading
+daemon.json, telling a stopped or killed daemon), db_lookup (the read-only database: rows, schema check, this node's
+identity, `pick_profile`), replies (decoding and checking a reply), curve_keys (CURVE key files), tracked_profile
+(`TrackedProfile`). Here: `ProfileClient` (sockets, requests, the fallback chain and its judgement) and `Resolution`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
-import json
 import logging
 import os
-import shlex
-import socket
 import sqlite3
 import stat
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
-import msgspec.inspect as mi
 import zmq
 
 from moetune.runtime import _once, wire
-from moetune.runtime._proc import pid_gone as _pid_gone  # a zombie (killed, not reaped) is gone too
 from moetune.runtime.config import (
     ENV_MISMATCH_MODES,
     MAX_CLIENT_TIMEOUT_MS,
@@ -83,72 +82,54 @@ from moetune.runtime.config import (
     load_client_config,
 )
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
-from moetune.runtime.options import RuntimeOptions, data_path_problem
+from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.paths import (
     INFO_NAME,
-    PUB_SOCKET_NAME,
-    SOCKET_NAME,
     client_db_path,
     default_endpoint,
     endpoint_problem,
     ipc_path,
-    loose_key_path,
-    runtime_dir_candidates,
-    secret_key_checks,
+    is_loopback_host,
     tcp_host,
     tcp_port,
-    untrusted_dir_reason,
     untrusted_socket_reason,
 )
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
-    PRESET_PREFIX,
-    PROVENANCES,
     ProfileKey,
     ProfileRecord,
-    comparable,
-    effective_provenance,
     is_preset_fingerprint,
-    nearest_bucket_within,
-    profile_hash_of,
 )
-from moetune.runtime.profiles import node_identity, sqlite_open
+from moetune.runtime.profiles import node_identity
+from moetune.runtime.profiles.curve_keys import read_curve_key_file, warn_loose_secret
+from moetune.runtime.profiles.daemon_info import daemon_info_down, read_daemon_info, stale_daemon_reason
+from moetune.runtime.profiles.db_lookup import (
+    node_identity_from_db,
+    pick_profile,
+    provenance_of,
+    query_db_profiles,
+)
+from moetune.runtime.profiles.errors import (
+    BadReply,
+    DaemonError,
+    DaemonTimeout,
+    DaemonUnavailable,
+    EnvMismatchWarning,
+    FallbackWarning,
+)
 from moetune.runtime.profiles.launcher_env import allowed_env, env_refusal, launcher_env
-from moetune.runtime.profiles.perf_env import (
-    EnvComparison,
-    compare_perf_env,
-    parse_recorded,
-    perf_env_problem,
-    performance_environment,
-)
-from moetune.runtime.profiles.tuned_options import OptionsComparison, compare_options, parse_recorded_options
-from moetune.runtime.shapes import ModelShape, get_model
+from moetune.runtime.profiles.perf_env import EnvComparison, compare_perf_env, performance_environment
+from moetune.runtime.profiles.replies import decode_reply, decode_result, reply_problem
+from moetune.runtime.profiles.tracked_profile import TrackedProfile
+from moetune.runtime.profiles.tuned_options import OptionsComparison, compare_options
+from moetune.runtime.shapes import ModelShape
 
 __all__ = [
-    "INFO_NAME",
-    "PUB_SOCKET_NAME",
-    "SOCKET_NAME",
-    "BadReply",
-    "DaemonError",
-    "DaemonUnavailable",
-    "EnvMismatchWarning",
-    "FallbackWarning",
     "ProfileClient",
-    "ProfileRefused",
     "Resolution",
-    "TrackedProfile",
-    "default_endpoint",
     "forget_env_warnings",
-    "is_loopback_host",
-    "pick_profile",
+    "forget_reported_identities",
     "policy_or_default",
-    "query_db_profiles",
-    "read_curve_key_file",
-    "read_daemon_info",
-    "runtime_dir_candidates",
-    "stale_daemon_reason",
-    "tcp_host",
-    "tcp_port",
     "warn_fallback",
 ]
 
@@ -158,191 +139,10 @@ DEFAULT_TIMEOUT_MS = 200
 _TRUE = ("1", "true", "yes", "on")
 
 
-class DaemonUnavailable(RuntimeError):
-    """No reply from the daemon within the time budget (or no daemon socket at all)."""
-
-
-class DaemonTimeout(DaemonUnavailable):
-    """A request was sent and no reply came within the time budget: the daemon may still have acted on it."""
-
-
-class BadReply(RuntimeError):
-    """The daemon's reply does not validate: not JSON, wrong types, another protocol version, unknown fields."""
-
-
-class ProfileRefused(RuntimeError):
-    """The daemon's profile answers the request but may not be applied here (measured on another node or with this
-    node's identity unknown, modelled without allow_modelled, its transport missing, env_mismatch = refuse)."""
-
-
-class DaemonError(RuntimeError):
-    """The daemon answered ok=false."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class FallbackWarning(RuntimeWarning):
-    """The runtime could not get a tuned profile from the daemon and fell back."""
-
-
-class EnvMismatchWarning(RuntimeWarning):
-    """The tuned profile in use was measured in another NCCL/NVSHMEM/FI environment than this job's."""
-
-
 # client.env_mismatch (ENV_MISMATCH_MODES): what a tuned profile measured in another performance environment than
 # the job's (or in one not recorded) does. "warn": served, the resolution says so, one warning names the variables
 # (an unrecorded one is only logged); "refuse": passed over like a profile of another node (the chain falls back, to
 # the policy default in the end); "ignore": served, no warning (the resolution still says so).
-
-
-# -- where things live ------------------------------------------------------------------------------
-def read_daemon_info(endpoint: str | None = None, env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
-    """The `daemon.json` the daemon at `endpoint` (default: `default_endpoint(env)`) keeps next to its IPC socket
-    (None when absent, unreadable, in a directory this user may not trust, or for a tcp:// endpoint: only a daemon
-    on an ipc:// socket writes one). Only that directory: another runtime directory's file is another daemon's
-    (its database, its transports), although the client talks to this one. The path it was read from is under the
-    key `_dir`."""
-    p = ipc_path(endpoint if endpoint else default_endpoint(env))
-    for d in [p.parent] if p is not None else []:
-        f = d / INFO_NAME
-        if not f.exists():
-            continue
-        why = untrusted_dir_reason(d)
-        if why is not None:
-            log.warning("moetune: ignoring %s: %s", f, why)
-            continue
-        data = _read_info_file(f)
-        if isinstance(data, dict):
-            data["_dir"] = str(d)
-            return data
-    return None
-
-
-MAX_INFO_BYTES = 1 << 20  # a daemon's daemon.json is a few hundred bytes: a bigger file is not one it wrote
-
-
-def _read_info_file(f: Path) -> Any:
-    """The JSON in the daemon.json at `f`, as the daemon wrote it (a regular file, never a link, at most MAX_INFO_BYTES):
-    else None. Opened O_NONBLOCK and read only when regular: a FIFO there blocked the open for ever (the resolution is
-    bounded in time), and a file of any size was read whole."""
-    try:
-        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        raw = os.read(fd, MAX_INFO_BYTES + 1)
-        return json.loads(raw) if len(raw) <= MAX_INFO_BYTES else None
-    except (OSError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
-
-
-def daemon_info_down(info: dict[str, Any]) -> str | None:
-    """Why the daemon a daemon.json describes is not running (None when it may be): `"running": false` (a clean
-    exit leaves the file so), or this host's pid it names is gone (a kill). Another host's pid cannot be told."""
-    if info.get("running") is not True:
-        return "stopped: its daemon.json says \"running\": false"
-    pid = _gone_pid(info)
-    return None if pid is None else f"its pid {pid} is gone"
-
-
-def _gone_pid(info: dict[str, Any]) -> int | None:
-    """The pid a daemon.json names when it is this host's and gone, else None (another host's pid, or a daemon.json
-    without a host (older moetune), cannot be told): the one check of `daemon_info_down` and `stale_daemon_reason`."""
-    pid = info.get("pid")
-    if type(pid) is int and pid > 0 and info.get("host") == socket.gethostname() and _pid_gone(pid):
-        return pid
-    return None
-
-
-def stale_daemon_reason(endpoint: str) -> str | None:
-    """Why an IPC endpoint has no daemon behind it although its socket is there (None when nothing says so): the
-    daemon.json next to the socket, in a directory this user may trust (`untrusted_dir_reason`), says a daemon of
-    this host runs at this endpoint, its pid is gone, and the socket refuses connections (a daemon killed with -9
-    leaves both behind). Anything less certain (another host's daemon.json, a pid alive or reused, a socket that
-    accepts) is None: the caller says what it saw instead."""
-    p = ipc_path(endpoint)
-    if p is None or untrusted_dir_reason(p.parent) is not None:
-        return None
-    data = _read_info_file(p.parent / INFO_NAME)
-    if not isinstance(data, dict) or data.get("running") is not True:
-        return None
-    named = data.get("endpoint")
-    if not isinstance(named, str) or ipc_path(named) != p:
-        return None
-    pid = _gone_pid(data)  # None: another host's, no host recorded, or alive (or reused)
-    if pid is None:
-        return None
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.2)
-    try:
-        probe.connect(str(p))
-    except ConnectionRefusedError:  # nobody listens: the socket file is what the dead daemon left
-        pass
-    except OSError:  # gone meanwhile, not ours to enter, ...: not certain
-        return None
-    else:
-        return None  # something accepts connections there (a daemon started since): not stale
-    finally:
-        probe.close()
-    return f"the daemon is not running (pid {pid} is gone; stale socket at {p}): start it with `moetune serve`"
-
-
-def provenance_of(rec: ProfileRecord | wire.ProfileResult) -> str:
-    """measured | node_model | preset, as the record says (records and replies without the field derive it
-    from the backend in their own `__post_init__`). A claimed measurement by a backend that does not measure
-    (`model:*`, unknown) is taken as modelled: the label alone never makes a number measured."""
-    return effective_provenance(str(rec.provenance), rec.backend, rec.key.fingerprint)  # the one rule (is_tuned_for's)
-
-
-# -- the read-only database fallback ----------------------------------------------------------------
-T = TypeVar("T")
-_PROFILE_COLUMNS = (
-    "fingerprint, software, transport_family, ep_size, nodes, hidden, intermediate, experts, topk, dtype, "
-    "token_bucket, knobs, latency_us, spread_us, backend, status, software_versions, created, updated"
-)
-_BASE_COLUMNS = len(_PROFILE_COLUMNS.split(","))
-# The columns after _PROFILE_COLUMNS each schema has, newest first (read by name: `query_db_profiles`)
-_EXTRA_COLUMNS: tuple[tuple[str, ...], ...] = (
-    ("provenance", "measured_on", "routing", "perf_env", "runtime_options", "runtime_options_digest"),  # 0009
-    ("provenance", "measured_on", "routing", "perf_env"),  # 0006 .. 0008: no runtime options
-    ("provenance", "measured_on", "routing"),  # 0005: no perf_env
-    ("provenance", "measured_on"),  # 0003, 0004: no routing
-    (),  # from before issue 19 (migration 0003): no provenance either
-)
-
-
-def db_read(db_path: str | Path, sql: str, args: list[Any] | tuple[Any, ...] = (), timeout_s: float = 0.05) -> list[tuple]:
-    """Rows of one query on the database opened read-only (stdlib sqlite3, never SQLAlchemy, never a write).
-
-    Opened as the store opens it read-only (`sqlite_open`: mode=ro; immutable=1 only where a folder we may not write
-    has no -shm and no -wal/-journal holds changes, and such a read is retried, then refused, when the file changed
-    under it). Raises FileNotFoundError, sqlite3.Error or OSError when the file cannot be read.
-    """
-    return db_read_with(db_path, lambda con: con.execute(sql, list(args)).fetchall(), timeout_s)
-
-
-def db_read_with(db_path: str | Path, use: Callable[[sqlite3.Connection], T], timeout_s: float = 0.05) -> T:
-    """`use(connection)`, its queries read as `db_read` reads one (one connection: they see one state of the file):
-    `use` reads only what it needs, and runs again from a fresh connection if the file changed under the read, so it
-    must not act on what it reads."""
-    path = Path(db_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no database at {path}")
-    try:
-        return sqlite_open.read(path.resolve(), use, timeout_s=timeout_s)
-    except sqlite3.OperationalError as e:
-        if not str(e).startswith("no such table"):
-            raise
-        # an empty file or another program's database: SQLite's own words named a table, not what is wrong
-        raise sqlite3.OperationalError(f"not a moetune profile database ({e}): `moetune db upgrade --db "
-                                       f"{shlex.quote(str(path))}` makes one, `moetune profile` fills it") from None
 
 
 # This node's identity as each daemon reported it (`ProfileClient._reported_identity`), for the process: autoload
@@ -358,288 +158,6 @@ def forget_reported_identities() -> None:
     """Ask each daemon for its fabric again (`autoload.clear_cache`)."""
     with _REPORTED_LOCK:
         _REPORTED.clear()
-
-
-# The store's schema revisions whose `profiles` table this runtime reads (migrations/versions; a test holds the two
-# equal): a database at another revision was written by a newer moetune, refused as every `moetune` command refuses
-# it (its columns may mean what this runtime does not know)
-KNOWN_SCHEMA_REVISIONS = frozenset({"0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010"})
-_VERSION_TABLE = "moetune_alembic_version"
-
-
-def newer_schema_problem(db_path: str | Path, timeout_s: float = 0.05) -> str:
-    """Why the database at `db_path` is not one this runtime may read ('' when it may): its schema revision is
-    unknown here. A database without the version table (from before the migrations) is read as before."""
-    try:
-        rows = db_read(db_path, f"SELECT version_num FROM {_VERSION_TABLE}", (), timeout_s)
-    except sqlite3.OperationalError as e:
-        if _VERSION_TABLE in str(e):  # no version table
-            return ""
-        raise
-    revs = sorted({str(r[0]) for r in rows} - KNOWN_SCHEMA_REVISIONS)
-    if not revs:
-        return ""
-    return (f"schema revision {revs[0][:40]}, written by a newer moetune (this one reads up to "
-            f"{max(KNOWN_SCHEMA_REVISIONS)}): not read; upgrade moetune on this node")
-
-
-def query_db_profiles(
-    db_path: str | Path,
-    *,
-    ep_size: int,
-    nodes: int,
-    hidden: int,
-    intermediate: int,
-    experts: int,
-    topk: int,
-    dtype: str,
-    fingerprint: str | None = None,
-    transport_family: str | None = None,
-    timeout_s: float = 0.05,
-    check_schema: bool = True,
-) -> list[ProfileRecord]:
-    """Current profiles of one shape/EP size from the store's `profiles` table, opened read-only.
-
-    The ONE place the runtime reads profiles from the database. Columns as defined by moetune's store
-    (`moetune.tuner.store.models`, table `profiles`). Rows that do not parse are skipped. Each record's
-    provenance is the column's where the store has one, else what the backend name says (`provenance_of`); its
-    routing the column's (migration 0005; "" or no column: not recorded); its perf_env the column's (migration 0006; NULL or no column: not recorded), a row whose perf_env is not one the
-    tuner records (`perf_env_problem`) is skipped; so are its runtime options (migration 0009), a row whose recorded
-    options are not data-path options as the tuner records them, or not those its digest column names, skipped.
-    """
-    newer = newer_schema_problem(db_path, timeout_s) if check_schema else ""  # (False: the caller checked it)
-    if newer:
-        raise sqlite3.OperationalError(newer)
-    where = (" FROM profiles WHERE status = 'current' AND ep_size = ? AND nodes = ? "
-             "AND hidden = ? AND intermediate = ? AND experts = ? AND topk = ? AND dtype = ?")
-    args: list[Any] = [ep_size, nodes, hidden, intermediate, experts, topk, dtype]
-    if fingerprint:
-        where += " AND fingerprint = ?"
-        args.append(fingerprint)
-    if transport_family:  # only that family's rows are read and parsed (parsing is most of the read's time)
-        where += " AND transport_family = ?"
-        args.append(transport_family)
-    rows: list[tuple] = []
-    names: tuple[str, ...] = ()
-    for i, names in enumerate(_EXTRA_COLUMNS):  # newest schema first
-        extra = "".join(f", {c}" for c in names)
-        try:
-            rows = db_read(db_path, f"SELECT {_PROFILE_COLUMNS}{extra}{where}", args, timeout_s)
-            break
-        except sqlite3.OperationalError as e:
-            if "no such column" not in str(e) or i == len(_EXTRA_COLUMNS) - 1:
-                raise
-    out: list[ProfileRecord] = []
-    for r in rows:
-        try:
-            key = ProfileKey(
-                fingerprint=r[0], software=r[1], transport_family=r[2], ep_size=r[3], nodes=r[4], hidden=r[5],
-                intermediate=r[6], experts=r[7], topk=r[8], dtype=r[9], token_bucket=r[10],
-            )
-            knobs = Knobs.from_dict(json.loads(r[11]) if isinstance(r[11], str) else r[11])
-            sv = json.loads(r[16]) if isinstance(r[16], str) and r[16] else {}
-            x = dict(zip(names, r[_BASE_COLUMNS:], strict=True))
-            prov = x.get("provenance", "measured")  # legacy store: the backend name decides below
-            if prov not in PROVENANCES:
-                raise ValueError(f"unknown provenance {prov!r}")
-            perf_env = parse_recorded(x["perf_env"]) if "perf_env" in x else None
-            options = (parse_recorded_options(x["runtime_options"], x["runtime_options_digest"])
-                       if "runtime_options" in x else None)
-            # the routing the numbers were measured under ("" or NULL: not recorded): which latencies a pick among
-            # families may compare (`one_routing`)
-            routing = x.get("routing")
-            rec = ProfileRecord(
-                key=key, knobs=knobs, latency_us=float(r[12]), spread_us=float(r[13]), backend=str(r[14]),
-                status=r[15], software_versions=sv if isinstance(sv, dict) else {}, created=r[17] or "",
-                updated=r[18] or "", provenance=prov, measured_on=str(x.get("measured_on") or ""),
-                perf_env=msgspec.UNSET if perf_env is None else perf_env,
-                runtime_options=msgspec.UNSET if options is None else options,
-                routing=routing if isinstance(routing, str) else msgspec.UNSET,  # "": UNSET (ProfileRecord)
-            )
-            rec = msgspec.structs.replace(rec, provenance=provenance_of(rec))
-            out.append(rec)
-        except (ValueError, TypeError, KnobError, msgspec.ValidationError) as e:
-            log.debug("skipping an unreadable profile row: %s", e)
-    return out
-
-
-def node_identity_from_db(db_path: str | Path, timeout_s: float = 0.05) -> tuple[node_identity.NodeIdentity | None, str]:
-    """This node's identity from the database's recorded fingerprints (see `node_identity`). sqlite3.OperationalError
-    for a database a newer moetune wrote (`newer_schema_problem`): the first read of the fallback refuses it."""
-    newer = newer_schema_problem(db_path, timeout_s)
-    if newer:
-        raise sqlite3.OperationalError(newer)
-    # a what-if preset's fingerprint (`moetune tune --preset`) names a modelled fabric, not a node: never this one's
-    # ... nor is a fingerprint recorded without facts (a placeholder the store adds for a profile's key). Every other
-    # row is read, newest first: a LIMIT let other nodes' rows newer than this node's own hide it (an import keeps
-    # the file's last_seen; `fabric show --capture --record`; other daemons on a shared database), and no profile
-    # applied. last_seen only orders rows that each match this node (the newest of them wins). The facts (~24 KB a
-    # fingerprint, and a node or a shared database gathers many) are read one row at a time in that order, only up to
-    # the newest that matches: reading (and sorting) all of them took 16 ms of the lookup's budget with 100 older
-    # fingerprints, 64 ms with 500.
-    return db_read_with(db_path, _newest_matching_fingerprint, timeout_s)
-
-
-def _newest_matching_fingerprint(con: sqlite3.Connection) -> tuple[node_identity.NodeIdentity | None, str]:
-    """`node_identity_from_db` on one connection: the rows in order by their small columns, then each one's facts, in one
-    read transaction (one state of the file, as the single query read it)."""
-    con.execute("BEGIN")
-    order = con.execute("SELECT rowid FROM fingerprints WHERE hash NOT LIKE ? ORDER BY last_seen DESC, rowid DESC",
-                        (PRESET_PREFIX + "%",)).fetchall()
-
-    def rows() -> Iterator[tuple]:
-        for (rowid,) in order:
-            yield from con.execute("SELECT hash, facts, last_seen FROM fingerprints WHERE rowid = ? AND facts IS NOT "
-                                   "NULL AND trim(facts) NOT IN ('', '{}', 'null')", (rowid,)).fetchall()
-
-    return node_identity.from_fingerprint_rows(rows())
-
-
-_PROVENANCE_RANK = {p: i for i, p in enumerate(PROVENANCES)}  # most trusted first
-
-
-def pick_profile(
-    records: list[ProfileRecord], tokens: int, *, fingerprint: str | None = None, transport_family: str | None = None
-) -> ProfileRecord | None:
-    """The profile at the nearest token bucket among `records` (one shape/EP size), or None when that
-    bucket is more than one rung of TOKEN_BUCKETS away from `tokens` (`nearest_bucket_within`).
-
-    With several fingerprints (fingerprint unknown) the most recently updated fingerprint wins; with
-    several transport families at the chosen bucket, measured beats the node model beats a preset, then
-    the lowest latency wins (unless one family is asked for), compared among numbers of one routing (`one_routing`:
-    uniform where numbers of several routings are there) and among whole-layer numbers where round trips are
-    stored beside them (`one_metric`). Engine families (`megakernel`: a whole layer's
-    latency, not an exchange's) are picked only by name.
-    """
-    recs = [r for r in records if r.status == "current"]
-    if fingerprint:
-        recs = [r for r in recs if r.key.fingerprint == fingerprint]
-    if transport_family:
-        recs = [r for r in recs if r.key.transport_family == transport_family]
-    else:
-        recs = [r for r in recs if r.key.transport_family not in ENGINE_FAMILIES]
-    if not recs:
-        return None
-    if len({r.key.fingerprint for r in recs}) > 1:
-        newest = max(recs, key=lambda r: r.updated or r.created)
-        recs = [r for r in recs if r.key.fingerprint == newest.key.fingerprint]
-    bucket = nearest_bucket_within(tokens, sorted({r.key.token_bucket for r in recs}))
-    if bucket is None:  # the nearest stored bucket is too far from `tokens` to say anything about it
-        return None
-    at = [r for r in recs if r.key.token_bucket == bucket]
-    # A measurement beats a prediction whatever the numbers say: modelled and measured latencies are not
-    # one kind of number (a preset's 27 µs must not win over a measured 60 µs).
-    def rank(r: ProfileRecord) -> int:
-        return _PROVENANCE_RANK.get(provenance_of(r), len(_PROVENANCE_RANK))
-
-    best = min(rank(r) for r in at)  # the best provenance first, then one routing and metric among its records
-    return min(comparable([r for r in at if rank(r) == best]), key=lambda r: r.latency_us)
-
-
-
-
-# -- validating replies ----------------------------------------------------------------------------
-def _unknown_fields(obj: Any, t: Any, path: str = "") -> list[str]:
-    """Keys of `obj` (decoded JSON) that type `t` (msgspec.inspect) does not define, recursively."""
-    if isinstance(t, mi.StructType) and isinstance(obj, dict):
-        known = {f.encode_name: f for f in t.fields}
-        out = [f"{path}{k}" for k in obj if k not in known]
-        for k, f in known.items():
-            if k in obj:
-                out += _unknown_fields(obj[k], f.type, f"{path}{k}.")
-        return out
-    if isinstance(t, mi.ListType) and isinstance(obj, list):
-        return [u for i, x in enumerate(obj) for u in _unknown_fields(x, t.item_type, f"{path}{i}.")]
-    if isinstance(t, mi.UnionType):
-        return [u for sub in t.types for u in _unknown_fields(obj, sub, path)]
-    return []
-
-
-_REPLY_INFO = mi.type_info(wire.RawReply)
-
-
-def _decode_reply(frame: bytes) -> wire.RawReply:
-    """The reply envelope; BadReply when it is not JSON, has wrong types, unknown fields or another version."""
-    try:
-        rep = wire.reply_decoder.decode(frame)
-        unknown = _unknown_fields(msgspec.json.decode(frame), _REPLY_INFO)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:  # RecursionError: nested too deep
-        raise BadReply(f"reply does not validate: {e}") from None
-    if rep.v != wire.PROTOCOL_VERSION:
-        raise BadReply(f"reply of protocol version {rep.v}, this runtime speaks {wire.PROTOCOL_VERSION} "
-                       "(version skew: upgrade the daemon and the runtime together)")
-    if unknown:
-        raise BadReply(f"reply has unknown fields {', '.join(unknown[:5])} (a newer daemon?)")
-    return rep
-
-
-def _decode_result(op: str, raw: msgspec.Raw) -> Any:
-    try:
-        res = wire.decode_result(op, raw)
-        unknown = _unknown_fields(msgspec.json.decode(raw), mi.type_info(wire.RESULT_TYPES[op]))
-    except (msgspec.DecodeError, msgspec.ValidationError, KnobError, ValueError, TypeError, RecursionError) as e:
-        raise BadReply(f"{op} result does not validate: {e}") from None
-    if unknown:
-        raise BadReply(f"{op} result has unknown fields {', '.join(unknown[:5])} (a newer daemon?)")
-    return res
-
-
-def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape | None, ep_size: int, tokens: int, nodes: int,
-                    transport_family: str | None) -> str | None:
-    """Why a get_profile reply does not answer the request sent (None when it does).
-
-    Only what the daemon's lookup can legitimately return passes: the asked key, a current profile, a token
-    bucket within one rung of the asked tokens (`nearest_bucket_within`, as the daemon picks), and an engine
-    family only when one was asked for. `model` None: the shape is not compared (a tracked query whose model name
-    this client cannot parse; the daemon answered it, so it knows the name)."""
-    k = r.key
-    if r.status != "current":
-        return f"profile status is {r.status!r}, not 'current'"
-    want: dict[str, Any] = {"ep_size": ep_size, "nodes": nodes}
-    if model is not None:
-        want.update(hidden=model.hidden, intermediate=model.intermediate, experts=model.experts, topk=model.topk,
-                    dtype=model.dtype)
-    for name, value in want.items():
-        if getattr(k, name) != value:
-            return f"key {name} is {str(getattr(k, name))[:64]!r}, the request asked for {value!r}"
-    if transport_family is not None and k.transport_family != transport_family:
-        return f"transport family {k.transport_family[:64]!r}, the request asked for {transport_family!r}"
-    if transport_family is None and k.transport_family in ENGINE_FAMILIES:
-        return f"engine family {k.transport_family!r}, which is served only when asked for"
-    if nearest_bucket_within(tokens, [k.token_bucket]) != k.token_bucket:
-        return f"token bucket {k.token_bucket} is not one the daemon picks for {tokens} tokens"
-    return None
-
-
-def _reply_problem(r: wire.ProfileResult, **request: Any) -> str | None:
-    """Why a get_profile reply must not be used (None when it may): it does not answer the request
-    (`_reply_mismatch`), its profile_hash is not the hash of its key and knobs (what the store keys a profile by;
-    ranks and hosts compare it to agree on one profile), or its recorded perf_env holds more than performance
-    variables (forged), or its recorded runtime_options are not data-path options as this moetune records them."""
-    mismatch = _reply_mismatch(r, **request)
-    if mismatch is not None:
-        return f"reply does not answer the request: {mismatch}"
-    want = profile_hash_of(r.key, r.knobs)
-    if r.profile_hash != want:
-        return (f"reply's profile_hash {r.profile_hash[:64]!r} is not the hash of its key and knobs ({want}): "
-                "not a profile a daemon stores")
-    bad_env = None if r.perf_env is msgspec.UNSET else perf_env_problem(dict(r.perf_env))
-    if bad_env is not None:
-        return f"reply's perf_env does not validate: {bad_env}"
-    bad_opts = None if r.runtime_options is msgspec.UNSET else data_path_problem(dict(r.runtime_options))
-    return None if bad_opts is None else f"reply's runtime_options do not validate: {bad_opts}"
-
-
-def is_loopback_host(host: str) -> bool:
-    """127.0.0.0/8, ::1 (also IPv4-mapped) or localhost: the only hosts plain-text TCP is allowed on."""
-    if host == "localhost":
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False  # a name or an interface (eth0, *): may reach beyond this host
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 # -- the client -------------------------------------------------------------------------------------
@@ -771,7 +289,7 @@ class ProfileClient:
                     curve_public_key, curve_secret_key = read_curve_key_file(own_file)
                     if not curve_secret_key:
                         raise ValueError("holds no secret key")
-                    _warn_loose_secret(own_file)
+                    warn_loose_secret(own_file)
                 except ValueError as e:
                     self._refusal = f"this client's CURVE secret key file {own_file} {e}"
             if self._refusal is None and curve_server_key is None and not allow_insecure_tcp:
@@ -911,7 +429,7 @@ class ProfileClient:
                 if wait <= 0 or not sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
                     break
                 frame = sock.recv()
-                rep = _decode_reply(frame)
+                rep = decode_reply(frame)
                 if rep.id != rid:
                     continue  # a late reply to an earlier request
                 if self.epoch is not None and rep.epoch != self.epoch:
@@ -921,7 +439,7 @@ class ProfileClient:
                 if not rep.ok:
                     err = rep.error or wire.ErrorInfo(code=wire.E_INTERNAL, message="no error given")
                     raise DaemonError(err.code, err.message)
-                return _decode_result(op, rep.result)
+                return decode_result(op, rep.result)
             self._reset()  # Lazy Pirate: never reuse a socket that timed out
         if self._key_refused:
             if self._ephemeral_key:
@@ -1134,7 +652,7 @@ class ProfileClient:
         try:
             r = self.get_profile(ep_size=ep_size, tokens=tokens, nodes=nodes, model=model,
                                  transport_family=transport_family, timeout_ms=int(budget * 1000))
-            bad = _reply_problem(r, model=model, ep_size=ep_size, tokens=tokens, nodes=nodes,
+            bad = reply_problem(r, model=model, ep_size=ep_size, tokens=tokens, nodes=nodes,
                                  transport_family=transport_family)
             if bad is not None:
                 raise BadReply(bad)
@@ -1230,7 +748,7 @@ class ProfileClient:
         self, r: wire.ProfileResult, info: Mapping[str, Any] | None, transport_ok: Callable[[str], str | None] | None,
         job_env: Mapping[str, str], deadline: float, job_opts: Mapping[str, Any] | None = None,
     ) -> tuple[str | None, str, tuple[EnvComparison | None, OptionsComparison | None], str]:
-        """`_judge` of a get_profile reply that answers its request (`_reply_problem`), plus its provenance: what
+        """`_judge` of a get_profile reply that answers its request (`reply_problem`), plus its provenance: what
         `resolve` and `TrackedProfile` decide of it. This node's identity: the fabric the answering daemon reports,
         checked against what THIS process reads (`node_identity.from_reported_facts`). Not daemon.json's identity
         on its own word: that is the daemon's discovery, which says nothing of this process's packages (a job in
@@ -1469,52 +987,6 @@ def warn_fallback(message: str) -> None:
     log.warning(message)
 
 
-def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
-    """(public, secret or None) of a CURVE key file (`moetune keys generate`), else a ValueError saying what is
-    wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "is not a
-    regular file (...)", "cannot be read (...)", "holds no CURVE public key" (zmq.auth says "Invalid certificate file"
-    of a missing one)."""
-    from zmq.auth import load_certificate
-
-    p = Path(path)
-    if not p.exists():
-        raise ValueError("does not exist" + (" (a link to nothing)" if p.is_symlink() else ""))
-    if p.is_dir():
-        raise ValueError("is a directory, not a key file")
-    if not p.is_file():  # a FIFO's open waits for a writer for ever: the lookup (and the EP buffer) hung here
-        raise ValueError("is not a regular file (a FIFO or a device), not a key file")
-    try:
-        return load_certificate(p)
-    except OSError as e:
-        raise ValueError(f"cannot be read ({e.strerror or e})") from None
-    except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
-        raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
-
-
-def _warn_loose_secret(path: str) -> None:
-    """Warn (once per file) when this client's CURVE secret key could be read, changed or replaced by other users
-    (`secret_key_checks` and `loose_key_path`, the daemon's rule for its own key): whoever reads it connects as this
-    client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing
-    here would only push the job onto its fallbacks without a word at the daemon."""
-    for where, forbid in secret_key_checks(path):
-        try:
-            loose = loose_key_path(where, forbid=forbid)
-        except OSError:  # gone or unreadable meanwhile: a warning only, the key was read
-            continue
-        if loose is None:
-            continue
-        if where == Path(path):
-            said = (f"this client's CURVE secret key file {path} (mode {loose.mode:o}, owner uid {loose.uid}) can be "
-                    "read or changed by other users: whoever reads it can connect as this client (chmod 600 it, owned "
-                    "by this user)")
-        else:
-            said = (f"the folder {where} (mode {loose.mode:o}, owner uid {loose.uid}) of this client's CURVE secret "
-                    f"key file {path} lets other users replace the key with their own (make it writable by this user "
-                    "only)")
-        _once.say_once("client.secret_key_mode", path, f"moetune: {said}", logger=log)
-        return
-
-
 _MONITOR_IDS = itertools.count()  # one inproc name per monitor socket in this process
 
 _ENV_WARNINGS = "client.env_mismatch"  # the _once scope of the env-mismatch warnings
@@ -1523,79 +995,3 @@ _ENV_WARNINGS = "client.env_mismatch"  # the _once scope of the env-mismatch war
 def forget_env_warnings() -> None:
     """Warn again about environments already warned about (autoload.clear_cache calls it)."""
     _once.reset(_ENV_WARNINGS)
-
-
-class TrackedProfile:
-    """One key's profile kept current: subscribe, snapshot, then apply newer changes (Clone pattern).
-
-    `current` is only a profile `resolve` would apply (the same reply checks and judgement: node identity,
-    allow_modelled, `transport_ok`, the data-path runtime options `options`, env_mismatch = refuse); `tuned` says
-    whether it is applied as tuned (else it is MODELLED, allowed by allow_modelled). Otherwise `current` is None and
-    `error` says why. `options`: the tracking job's RuntimeOptions (None: what the config and the client's `env`
-    resolve at each fetch), as `resolve(options=...)` takes them."""
-
-    def __init__(self, client: ProfileClient, query: dict[str, Any],
-                 transport_ok: Callable[[str], str | None] | None = None, options: RuntimeOptions | None = None):
-        if options is not None and not isinstance(options, RuntimeOptions):
-            raise TypeError(f"TrackedProfile: options must be a RuntimeOptions or None, got {type(options).__name__}")
-        self.client = client
-        self.query = query
-        self.transport_ok = transport_ok
-        self.options = options  # every fetch is judged under these (a profile tuned under others is refused)
-        self.current: wire.ProfileResult | None = None
-        self.tuned = False
-        self.error: DaemonError | BadReply | ProfileRefused | None = None
-        self._lock = threading.Lock()
-        self._due = False  # notices were taken off the socket but their fetch raised: the next refresh fetches
-        client.subscribe()
-        self._fetch()
-
-    def _fetch(self) -> None:
-        try:
-            res = self.client.get_profile(**self.query)
-            bad = _reply_problem(res, **self._request())  # the checks `resolve` makes of the same reply
-            if bad is not None:
-                raise BadReply(bad)
-            c = self.client
-            verdict, why, _, _ = c._judge_reply(res, read_daemon_info(c.endpoint, c._env), self.transport_ok,
-                                                performance_environment(c._env).variables,
-                                                time.monotonic() + c.timeout_ms / 1000, c._job_options(self.options))
-            self.client.version = res.version  # the snapshot's version (a refused profile's too: it was read)
-            self.client.restarted = False
-            if verdict is None:
-                raise ProfileRefused(f"daemon served profile {res.profile_hash}: {why}")
-            self.current, self.error, self.tuned = res, None, verdict == "tuned"
-        except (DaemonError, BadReply, ProfileRefused) as e:
-            # not found / stale / not an answer / not for this node: never keep serving a profile resolve would not
-            self.current, self.error, self.tuned = None, e, False
-
-    def _request(self) -> dict[str, Any]:
-        """The query as `_reply_mismatch` compares it (a model given by name is looked up)."""
-        q = self.query
-        model = q.get("model")
-        if isinstance(model, str):
-            try:
-                model = get_model(model)
-            except ValueError:  # a name only the daemon knows (it answered): its shape cannot be compared here
-                model = None
-        return {"model": model, "ep_size": q["ep_size"],
-                "tokens": q["tokens"], "nodes": q.get("nodes", 1), "transport_family": q.get("transport_family")}
-
-    def refresh(self, timeout_ms: int = 0) -> bool:
-        """Apply pending changes; True when the profile (hash or presence) changed. When the fetch raises
-        (DaemonUnavailable: the daemon stopped answering after its notice) the change stays pending: the next
-        refresh fetches again even with no new notice."""
-        with self._lock:
-            changes = self.client.poll_changes(timeout_ms)
-            if not changes and not self.client.restarted and not self._due:
-                return False
-            before = self.current.profile_hash if self.current else None
-            self._due = True
-            self._fetch()
-            self._due = False
-            # only the fetched daemon's own changes count: a restarted daemon's versions start again (an old
-            # daemon's v101 in the same batch would hide the new one's v2..v101)
-            newest = max((c.version for c in changes if c.epoch == self.client.epoch), default=0)
-            self.client.version = max(self.client.version, newest)
-            after = self.current.profile_hash if self.current else None
-            return before != after

@@ -1,5 +1,5 @@
 """Opening a moetune SQLite file read-only: the ONE opener of the store's read-only connections
-(`moetune.tuner.store`), the runtime's "daemon down" fallback (`client.db_read`) and `tune show`'s studies file.
+(`moetune.tuner.store`), the runtime's "daemon down" fallback (`db_lookup.db_read`) and `tune show`'s studies file.
 
 `immutable=1` (the database file alone, without locks, creating nothing) for a WAL file while no -wal, -shm or
 -journal is beside it: nothing has it open, and mode=ro would leave an empty -wal and -shm behind in a writable

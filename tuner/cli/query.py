@@ -121,7 +121,7 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     env = dict(os.environ, MOETUNE_CONFIG=str(config)) if config is not None else os.environ
     key_file = "" if cfg.client.curve_server_key_file else cfg.daemon.curve_public_key_file  # on the daemon's host
     if endpoint.startswith("tcp://") and key_file:
-        from moetune.runtime.profiles.client import read_curve_key_file
+        from moetune.runtime.profiles.curve_keys import read_curve_key_file
 
         try:
             server_key, _ = read_curve_key_file(key_file)
@@ -149,7 +149,7 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
     on stdout, {"ok": false, "error": ...} (as `query --json` says in its JSON why the daemon did not answer).
     `on_timeout` is added when the request was sent and no reply came in time (what the daemon may have done).
     Errors in the options given stay usage errors (exit 2), as for every command."""
-    from moetune.runtime.profiles.client import BadReply, DaemonError, DaemonTimeout, DaemonUnavailable
+    from moetune.runtime.profiles.errors import BadReply, DaemonError, DaemonTimeout, DaemonUnavailable
 
     client = make_client(socket, config, timeout_ms)
     try:

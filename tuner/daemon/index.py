@@ -18,7 +18,7 @@ import msgspec
 from moetune.runtime import wire
 from moetune.runtime.profile_record import PROVENANCES, ProfileRecord
 from moetune.runtime.profiles.autoload import launcher_env
-from moetune.runtime.profiles.client import pick_profile, provenance_of
+from moetune.runtime.profiles.db_lookup import pick_profile, provenance_of
 from moetune.runtime.shapes import get_model
 
 log = logging.getLogger("moetune.daemon")

@@ -68,9 +68,17 @@ import zmq
 
 from moetune.runtime import wire
 from moetune.runtime.config import pub_socket_beside
-from moetune.runtime.paths import endpoint_problem, ipc_path, loose_key_path, secret_key_checks
+from moetune.runtime.paths import (
+    INFO_NAME,
+    endpoint_problem,
+    ipc_path,
+    is_loopback_host,
+    loose_key_path,
+    secret_key_checks,
+    tcp_host,
+    tcp_port,
+)
 from moetune.runtime.profile_record import ProfileRecord
-from moetune.runtime.profiles.client import INFO_NAME, is_loopback_host, tcp_host, tcp_port
 from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
 from moetune.tuner.daemon.jobs import (

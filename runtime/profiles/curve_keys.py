@@ -1,0 +1,60 @@
+"""This client's CURVE key files: reading one (the daemon's public key, the client's own pair) and warning when
+the client's secret key is open to other users (the daemon's rule for its own key)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from moetune.runtime import _once
+from moetune.runtime.paths import loose_key_path, secret_key_checks
+
+__all__ = ["read_curve_key_file", "warn_loose_secret"]
+
+log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
+
+
+def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of a CURVE key file (`moetune keys generate`), else a ValueError saying what is
+    wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "is not a
+    regular file (...)", "cannot be read (...)", "holds no CURVE public key" (zmq.auth says "Invalid certificate file"
+    of a missing one)."""
+    from zmq.auth import load_certificate
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError("does not exist" + (" (a link to nothing)" if p.is_symlink() else ""))
+    if p.is_dir():
+        raise ValueError("is a directory, not a key file")
+    if not p.is_file():  # a FIFO's open waits for a writer for ever: the lookup (and the EP buffer) hung here
+        raise ValueError("is not a regular file (a FIFO or a device), not a key file")
+    try:
+        return load_certificate(p)
+    except OSError as e:
+        raise ValueError(f"cannot be read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
+        raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
+
+
+def warn_loose_secret(path: str) -> None:
+    """Warn (once per file) when this client's CURVE secret key could be read, changed or replaced by other users
+    (`secret_key_checks` and `loose_key_path`, the daemon's rule for its own key): whoever reads it connects as this
+    client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing
+    here would only push the job onto its fallbacks without a word at the daemon."""
+    for where, forbid in secret_key_checks(path):
+        try:
+            loose = loose_key_path(where, forbid=forbid)
+        except OSError:  # gone or unreadable meanwhile: a warning only, the key was read
+            continue
+        if loose is None:
+            continue
+        if where == Path(path):
+            said = (f"this client's CURVE secret key file {path} (mode {loose.mode:o}, owner uid {loose.uid}) can be "
+                    "read or changed by other users: whoever reads it can connect as this client (chmod 600 it, owned "
+                    "by this user)")
+        else:
+            said = (f"the folder {where} (mode {loose.mode:o}, owner uid {loose.uid}) of this client's CURVE secret "
+                    f"key file {path} lets other users replace the key with their own (make it writable by this user "
+                    "only)")
+        _once.say_once("client.secret_key_mode", path, f"moetune: {said}", logger=log)
+        return
