@@ -271,7 +271,7 @@ def test_a_live_workers_trial_survives_a_reader_in_another_time_zone(tmp_path: P
 
 def test_an_old_worker_record_falls_back_to_os_kill(monkeypatch: pytest.MonkeyPatch) -> None:
     """host:pid:run and host:pid (records without ticks): os.kill(pid, 0) alone, no time compared; a zombie (killed,
-    not yet reaped) is gone, as client._pid_gone has it."""
+    not yet reaped) is gone, as `_proc.pid_gone` has it."""
     import os
     import socket
 

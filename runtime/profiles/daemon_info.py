@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime._proc import pid_gone as _pid_gone  # a zombie (killed, not reaped) is gone too
+from moetune.runtime._proc import pid_gone  # a zombie (killed, not reaped) is gone too
 from moetune.runtime.paths import INFO_NAME, default_endpoint, ipc_path, untrusted_dir_reason
 
 __all__ = ["MAX_INFO_BYTES", "daemon_info_down", "read_daemon_info", "stale_daemon_reason"]
@@ -83,7 +83,7 @@ def _gone_pid(info: dict[str, Any]) -> int | None:
     """The pid a daemon.json names when it is this host's and gone, else None (another host's pid, or a daemon.json
     without a host (older moetune), cannot be told): the one check of `daemon_info_down` and `stale_daemon_reason`."""
     pid = info.get("pid")
-    if type(pid) is int and pid > 0 and info.get("host") == socket.gethostname() and _pid_gone(pid):
+    if type(pid) is int and pid > 0 and info.get("host") == socket.gethostname() and pid_gone(pid):
         return pid
     return None
 
