@@ -16,7 +16,8 @@ from moetune.runtime.profiles.client import ProfileClient
 from moetune.runtime.profiles.curve_keys import read_curve_key_file
 from moetune.runtime.profiles.errors import DaemonUnavailable
 from moetune.tuner.cli import app
-from moetune.tuner.daemon.server import DaemonConfigError, check_endpoint
+from moetune.tuner.daemon.endpoints import check_endpoint
+from moetune.tuner.daemon.errors import DaemonConfigError
 
 runner = CliRunner()
 
@@ -122,10 +123,11 @@ def test_the_daemon_and_its_clients_check_endpoints_by_one_rule(endpoint: str) -
 def test_the_daemon_keeps_no_endpoint_rule_of_its_own() -> None:
     import inspect
 
-    from moetune.tuner.daemon import server
+    from moetune.tuner.daemon import endpoints, runtime_dir, server
 
-    src = inspect.getsource(server)
-    assert not hasattr(server, "_ipc_path") and "107" not in src and "tcp_host_problem" not in src
+    for module in (server, endpoints, runtime_dir):  # the modules that check or bind endpoints
+        src = inspect.getsource(module)
+        assert not hasattr(module, "_ipc_path") and "107" not in src and "tcp_host_problem" not in src, module.__name__
 
 
 def test_a_client_does_not_connect_to_every_interface(tmp_path: Path) -> None:

@@ -90,7 +90,8 @@ def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode:
     """One rule (`paths.secret_key_checks` + `paths.loose_key_path`) for a secret key and its folder: the client
     warns about its own key exactly when the daemon would refuse that key as its own."""
     from moetune.runtime.profiles.curve_keys import warn_loose_secret
-    from moetune.tuner.daemon.server import DaemonConfigError, check_secret_key_file
+    from moetune.tuner.daemon.auth import check_secret_key_file
+    from moetune.tuner.daemon.errors import DaemonConfigError
 
     if owner == "other" and os.geteuid() != 0:
         pytest.skip("needs root to give a file to another user")

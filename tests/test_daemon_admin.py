@@ -25,7 +25,9 @@ from moetune.runtime import wire
 from moetune.runtime.profiles.client import ProfileClient
 from moetune.runtime.profiles.errors import DaemonError
 from moetune.runtime.testing.launch import free_port
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError, peer_credentials
+from moetune.tuner.daemon.auth import peer_credentials
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,7 +31,8 @@ from moetune.runtime.profiles.client import ProfileClient
 from moetune.runtime.profiles.errors import BadReply, DaemonUnavailable, FallbackWarning, ProfileRefused
 from moetune.runtime.shapes import MODELS
 from moetune.runtime.testing.launch import free_port
-from moetune.tuner.daemon.server import DaemonConfigError, prepare_runtime_dir
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.runtime_dir import prepare_runtime_dir
 
 pytestmark = pytest.mark.timeout(120)
 QWEN = MODELS["qwen3-30b"]
@@ -172,7 +173,7 @@ def test_missing_ancestors_of_the_runtime_dir_are_created_private_under_umask_0(
     start refused."""
     import grp
 
-    from moetune.tuner.daemon.server import check_socket_ancestors
+    from moetune.tuner.daemon.runtime_dir import check_socket_ancestors
 
     run = tmp_path / "a" / "b" / "run"
     name = grp.getgrgid(os.getgid()).gr_name if group else ""

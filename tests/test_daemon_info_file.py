@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.tuner.daemon import server
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(60)
 INFO_MARK = "moetune-daemon"  # what the daemon writes in "written_by"

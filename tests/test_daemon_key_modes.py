@@ -22,7 +22,8 @@ import daemon_fakes as F
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli import app
 from moetune.tuner.cli.keys import allow_everywhere, generate_keys
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = os.geteuid() == 0

@@ -25,7 +25,8 @@ import moetune.tuner.search.tune as search
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.daemon.jobs import Job, JobContext, tuner_retune
-from moetune.tuner.daemon.server import TuneSettings, setup_logging
+from moetune.tuner.daemon.logs import setup_logging
+from moetune.tuner.daemon.server import TuneSettings
 from moetune.tuner.search.backends import CallableBackend
 
 class Fake(CallableBackend):

@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.tuner.daemon.server import Daemon, DaemonBusy
+from moetune.tuner.daemon.errors import DaemonBusy
+from moetune.tuner.daemon.server import Daemon
 from moetune.tuner.store.lock_files import RunBusy, release_run_lock, run_lock_path, take_run_lock
 
 pytestmark = pytest.mark.timeout(90)

@@ -20,7 +20,9 @@ import daemon_fakes as F
 from moetune.runtime.config import load_config
 from moetune.tuner.cli import app
 from moetune.tuner.daemon import server
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError, derive_pub_endpoint
+from moetune.tuner.daemon.endpoints import derive_pub_endpoint
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(60)
 

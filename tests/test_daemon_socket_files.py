@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.tuner.daemon import server
-from moetune.tuner.daemon.server import DaemonConfigError
+from moetune.tuner.daemon.errors import DaemonConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +60,7 @@ def test_a_socket_whose_owner_record_failed_is_still_removed(tmp_path: Path, mon
     def refuse(*_args: Any) -> Any:
         raise DaemonConfigError("record refused (test)")
 
-    monkeypatch.setattr(server, "_record_owner", refuse)
+    monkeypatch.setattr(server, "record_owner", refuse)
     with pytest.raises(DaemonConfigError, match="record refused"):
         _daemon(tmp_path).start(background=True)
     assert not (tmp_path / "run" / "daemon.sock").exists()  # bound in this run: removed, not leaked

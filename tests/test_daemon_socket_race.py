@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime.profiles.client import ProfileClient
-from moetune.tuner.daemon import server
+from moetune.tuner.daemon.locks import LOCK_SUFFIX
 from moetune.tuner.daemon.server import Daemon
 
 pytestmark = pytest.mark.timeout(90)
@@ -60,4 +60,4 @@ def test_a_daemon_starting_while_another_binds_the_same_socket_refuses(tmp_path:
         other[0].kill()
         d.stop()
     assert not (tmp_path / "run" / "d.sock").exists()
-    assert not (tmp_path / "run" / f".d.sock{server.LOCK_SUFFIX}").exists()  # its own lock file: removed at exit
+    assert not (tmp_path / "run" / f".d.sock{LOCK_SUFFIX}").exists()  # its own lock file: removed at exit

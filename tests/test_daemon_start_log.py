@@ -14,7 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.server import Daemon
 from moetune.tuner.store.store import Store, head_revision
 
 pytestmark = pytest.mark.timeout(60)

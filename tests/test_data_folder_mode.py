@@ -33,7 +33,7 @@ def test_data_folder_is_not_created_writable_by_others(tmp_path: Path, monkeypat
 
 
 def test_data_folder_lets_the_daemon_bind_under_umask_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.tuner.daemon.server import check_socket_ancestors
+    from moetune.tuner.daemon.runtime_dir import check_socket_ancestors
 
     home = tmp_path / "home"
     monkeypatch.setenv("MOETUNE_HOME", str(home))

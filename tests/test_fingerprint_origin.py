@@ -174,7 +174,8 @@ def test_a_bring_up_records_this_nodes_facts_as_local_and_another_nodes_capture_
 
 
 def test_a_daemon_refuses_an_unknown_fabric_origin(tmp_path: Path) -> None:
-    from moetune.tuner.daemon.server import Daemon, DaemonConfigError
+    from moetune.tuner.daemon.errors import DaemonConfigError
+    from moetune.tuner.daemon.server import Daemon
 
     with pytest.raises(DaemonConfigError, match="fabric_origin must be 'local' or 'capture', not 'import'"):
         Daemon(store=F.open_store(tmp_path / "d.db"), endpoint=f"ipc://{tmp_path}/d.sock",

@@ -28,7 +28,8 @@ from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.profiles.client import ProfileClient
 from moetune.runtime.profiles.errors import DaemonError, DaemonUnavailable
 from moetune.runtime.testing.launch import free_port
-from moetune.tuner.daemon.server import Daemon, DaemonConfigError, TuneSettings
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.server import Daemon, TuneSettings
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -49,7 +49,7 @@ def server_dir(server_keys: Path) -> Path:
 def _check_key_dir(directory: Path, what: str, risk: str) -> None:
     """Refuse (never chmod) an existing directory that `moetune serve` would refuse to take keys from:
     writable by group or others, or owned by another user than this one or root."""
-    from moetune.tuner.daemon.server import check_key_path
+    from moetune.tuner.daemon.auth import check_key_path
 
     check_key_path(directory, what, forbid=0o022, risk=risk)
 

@@ -75,7 +75,8 @@ def register(app: typer.Typer) -> None:
 
         from moetune.tuner.cli.db import fail
         from moetune.tuner.cli.query import check_socket
-        from moetune.tuner.daemon.server import DaemonConfigError, check_rediscover_interval, run_daemon
+        from moetune.tuner.daemon.errors import DaemonConfigError
+        from moetune.tuner.daemon.server import check_rediscover_interval, run_daemon
 
         # the options as given are checked first, so an error names the option (not a config key it fell to)
         for opt, endpoint in (("--socket", socket), ("--pub-socket", pub_socket)):

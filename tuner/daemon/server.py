@@ -14,16 +14,17 @@ Threads:
 - the job worker (`jobs.JobManager`): one re-tune job at a time from a bounded queue.
 The PUB socket is shared by the workers under a lock; the serving loop never waits on them.
 
-Security: the daemon never deletes or chmods what it did not create. The IPC directory is created
-0700 (0750 with a configured group) and marked as ours; an existing directory is used as it is. An
-existing file at the socket path is refused unless it is a dead socket this daemon's owner record
-proves was ours. daemon.json beside it is replaced only when it carries our mark and our owner record
-names it and no other daemon at another endpoint, still running, wrote it (a user's file there is left alone; a
-start-up that fails removes the one it wrote). `tcp://`
-needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then clients are authenticated
-by pyzmq's ZAP authenticator against the allow-list of client public keys as read and checked at start (the ZAP
-domain enforced: without a handler libzmq would let every CURVE client in); key files and lists other local
-users could read (the secret key) or change are refused (`check_key_path`). One bad frame never ends the
+Security (the checks live beside it: `runtime_dir` for the socket directory, the socket path, the owner records and
+daemon.json's ownership; `auth` for CURVE keys, the client and admin lists and peer credentials; `locks` for the
+database, run and socket locks): the daemon never deletes or chmods what it did not create. The IPC directory is
+created 0700 (0750 with a configured group) and marked as ours; an existing directory is used as it is. An existing
+file at the socket path is refused unless it is a dead socket this daemon's owner record proves was ours.
+daemon.json beside it is replaced only when it carries our mark and our owner record names it and no other daemon at
+another endpoint, still running, wrote it (a user's file there is left alone; a start-up that fails removes the one
+it wrote). `tcp://` needs CURVE keys unless `allow_insecure_tcp` (loopback addresses only), and then clients are
+authenticated by pyzmq's ZAP authenticator against the allow-list of client public keys as read and checked at start
+(the ZAP domain enforced: without a handler libzmq would let every CURVE client in); key files and lists other local
+users could read (the secret key) or change are refused (`auth.check_key_path`). One bad frame never ends the
 serving loop: it is answered with an error (or its connection dropped). Every frame a peer sends is capped
 (ZMQ_MAXMSGSIZE: the ROUTER near the request cap, the PUB, whose peers send only subscriptions, at 1 KiB).
 Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
@@ -41,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import grp
 import importlib
 import itertools
 import json
@@ -67,20 +67,28 @@ import msgspec
 import zmq
 
 from moetune.runtime import wire
-from moetune.runtime.config import pub_socket_beside
 from moetune.runtime.paths import (
     INFO_NAME,
-    endpoint_problem,
     ipc_path,
     is_loopback_host,
-    loose_key_path,
-    secret_key_checks,
     tcp_host,
-    tcp_port,
 )
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.tuner.daemon import handlers
-from moetune.tuner.daemon.index import CACHE_LIMIT, ProfileIndex, ShapeKey, read_profiles
+from moetune.tuner.daemon.auth import (
+    CurveAllowList,
+    check_secret_key_file,
+    default_admins_dir,
+    default_clients_dir,
+    load_admin_keys,
+    load_client_keys,
+    load_curve_keys,
+    peer_credentials,
+    user_in_group,
+)
+from moetune.tuner.daemon.endpoints import check_endpoint, derive_pub_endpoint, same_endpoint
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.index import ProfileIndex, read_profiles
 from moetune.tuner.daemon.jobs import (
     TUNE_BACKENDS,
     Job,
@@ -93,24 +101,31 @@ from moetune.tuner.daemon.jobs import (
     tune_notice_of,
     tuner_retune,
 )
+from moetune.tuner.daemon.locks import lock_database, lock_runs, lock_socket_path, release_socket_lock
+from moetune.tuner.daemon.logs import setup_logging
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
+from moetune.tuner.daemon.runtime_dir import (
+    INFO_MARK,
+    check_socket_ancestors,
+    check_socket_path,
+    foreign_info_reason,
+    group_id,
+    other_live_daemon,
+    owner_record,
+    prepare_runtime_dir,
+    record_owner,
+    synced,
+    unlink_if,
+    write_info_record,
+)
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
 from moetune.tuner.store.atomic_files import sync_folder
-from moetune.tuner.store.lock_files import (
-    LockFileUnusable,
-    LockHeld,
-    RunBusy,
-    release_lock_file,
-    release_run_lock,
-    take_lock_file,
-    take_run_lock,
-)
+from moetune.tuner.store.lock_files import release_run_lock
 
 log = logging.getLogger("moetune.daemon")
 
-__all__ = ["CACHE_LIMIT", "Daemon", "DaemonBusy", "DaemonConfigError", "ProfileIndex", "ShapeKey", "TuneSettings",
-           "default_diff", "make_discover"]
+__all__ = ["Daemon", "TuneSettings", "check_rediscover_interval", "main", "run_daemon"]
 
 # ZMQ_MAXMSGSIZE = max_request_bytes + this: a frame a little over the cap is answered `too_large`, a bigger
 # one drops the connection. libzmq bounds each frame, not the frames per message: a multipart message is
@@ -127,25 +142,7 @@ STOP_WORKERS_S = 1.0  # how long stop() waits for the list and retune workers (o
 # the largest reply (a list_profiles page of LIST_PAGE_MAX profiles) is about 1 MB: at most ~64 MB queued per peer
 LARGEST_REPLY_BYTES = 1 << 20
 REPLY_HWM = max(16, (64 << 20) // LARGEST_REPLY_BYTES)
-RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
 ZAP_DOMAIN = "moetune"  # the domain our sockets ask the ZAP authenticator about
-OWNER_SUFFIX = ".moetune-owner"  # ".<socket name>.moetune-owner": the (dev, inode) of a socket we bound
-LOCK_SUFFIX = ".moetune-lock"  # ".<socket name>.moetune-lock": flock-ed by the daemon that checks, binds and serves it
-INFO_MARK = "moetune-daemon"  # daemon.json's "written_by": with its owner record, what tells ours from a user's file
-# every key of a daemon.json written before the mark and its record were (a file of ours to replace after an upgrade)
-_LEGACY_INFO_KEYS = frozenset({"endpoint", "pub_endpoint", "db", "epoch", "pid", "running", "updated", "fingerprint",
-                               "software", "transports"})
-
-
-class DaemonConfigError(ValueError):
-    """A refused configuration (TCP without CURVE, a runtime directory we do not own, ...)."""
-
-
-class DaemonBusy(DaemonConfigError):
-    """Another moetune daemon holds the database or listens on the socket: nothing is wrong with the configuration;
-    it exits 1, as a StoreBusy (another process holds the database) does, not 2."""
-
-    exit_code = 1
 
 
 def now() -> str:
@@ -166,564 +163,6 @@ class TuneSettings:
     def __post_init__(self) -> None:
         if self.backend not in TUNE_BACKENDS:
             raise DaemonConfigError(f"tune.backend must be one of {', '.join(TUNE_BACKENDS)}, got {self.backend!r}")
-
-
-# -- filesystem security -----------------------------------------------------------------------------
-def _group_id(group: str) -> int | None:
-    if not group:
-        return None
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        try:
-            return grp.getgrgid(int(group)).gr_gid
-        except (ValueError, KeyError):
-            raise DaemonConfigError(f"unknown unix group {group!r} (daemon.group)") from None
-
-
-def prepare_runtime_dir(d: Path, group: str = "") -> bool:
-    """Make sure the directory of an IPC socket is safe to bind in. Returns True when we created it.
-
-    A missing directory is created 0700 (0750 with `group`) and marked as ours, its missing ancestors 0700 (0711
-    with `group`) whatever the process's umask; only a directory with
-    our mark is ever chmod-ed or chown-ed again. An existing directory is used as it is (never chmod-ed),
-    provided nobody else can replace our socket in it: it must be owned by this user or root (its owner may
-    remove any file in it, sticky or not), and not writable by group or others unless sticky (like /tmp, where
-    only a file's owner may remove it)."""
-    gid = _group_id(group)
-    mode = 0o750 if gid is not None else 0o700
-    created = False
-    if not d.exists() and not d.is_symlink():
-        # the missing ancestors too under our umask (each 0700; 0711 with `group`, whose members must pass through
-        # them to the 0750 directory): with the caller's (0 in a service with UMask=0000) they were 0777, writable by
-        # every user, and check_socket_ancestors, run before they existed, had not seen them (the next start refused them)
-        old = os.umask(0o066 if gid is not None else 0o077)
-        try:
-            d.parent.mkdir(parents=True, exist_ok=True, mode=0o711 if gid is not None else 0o700)
-        finally:
-            os.umask(old)
-        old = os.umask(0o077)
-        try:
-            d.mkdir(mode=mode)
-            created = True
-        except FileExistsError:
-            pass  # raced with someone: treat it as an existing directory
-        finally:
-            os.umask(old)
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode):
-        raise DaemonConfigError(f"socket directory {d} is not a directory")
-    mark = d / RUNTIME_MARK
-    if created:
-        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
-    ours = st.st_uid == os.getuid() and _owned_file(mark)
-    if ours:
-        if gid is not None:
-            os.chown(d, -1, gid)
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(d, mode)
-        return created
-    if st.st_uid not in (os.getuid(), 0):
-        raise DaemonConfigError(f"socket directory {d} is owned by uid {st.st_uid}, not by this user (uid "
-                                f"{os.getuid()}) or root: its owner could replace the socket; remove it if it is "
-                                "not in use, or point daemon.socket at a directory of this user's")
-    others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if others_write and not st.st_mode & stat.S_ISVTX:
-        raise DaemonConfigError(f"socket directory {d} (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}) is "
-                                "writable by group or others without the sticky bit: they could replace the socket; "
-                                f"use a directory only its owner may write (e.g. chmod go-w {d})")
-    return created
-
-
-def check_socket_ancestors(d: Path) -> None:
-    """Refuse a socket directory `d` with an ancestor that others could use to replace it: one they may write
-    without the sticky bit could have `d` renamed away and a link (or a directory of theirs) put in its place, and
-    the daemon would bind, write its records and remove files there. Both the path as given and the one its links
-    lead to are checked; ancestors that do not exist yet are left to `prepare_runtime_dir`, which creates them.
-
-    Refused: writable by others (world) without the sticky bit, or writable by a group while owned by some user
-    other than this one or root, or by a group this user is not in. Allowed: a group-writable ancestor of this
-    user's or root's whose group this user belongs to. The trade-off: its group's members could replace `d`, but
-    they are people this user shares the group with, by the choice of the directory's owner (us, or the admin);
-    with Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) the group is this user alone,
-    and shared setgid project directories (2775) are the usual way a team shares a node. Refusing them refused
-    common setups for no protection against the users the check is about (anyone on the node). A root-owned
-    directory writable by a group this user is not in (a service's spool, another team's share) is refused: its
-    members are strangers to this user."""
-    me = os.getuid()
-    my_groups = {os.getgid(), os.getegid(), *os.getgroups()}
-    chains = [Path(os.path.abspath(d)).parents, Path(os.path.realpath(d)).parents]
-    for a in dict.fromkeys(p for chain in chains for p in chain):
-        try:
-            st = os.stat(a)
-        except FileNotFoundError:
-            continue  # created by prepare_runtime_dir, as ours
-        except OSError as e:
-            raise DaemonConfigError(f"cannot check {a}, a parent of the socket directory {d}: {e.strerror or e}") from None
-        if st.st_mode & stat.S_ISVTX:
-            continue  # as /tmp: only the owner of `d` may rename it
-        if st.st_mode & stat.S_IWOTH:
-            who = "every user"
-        elif st.st_mode & stat.S_IWGRP and st.st_uid not in (me, 0):
-            who = f"its group, and it is owned by uid {st.st_uid} (not this user, uid {me}, nor root)"
-        elif st.st_mode & stat.S_IWGRP and st.st_gid not in my_groups:
-            who = f"its group (gid {st.st_gid}), which this user (uid {me}) is not in"
-        else:
-            continue
-        raise DaemonConfigError(
-            f"{a}, a parent of the socket directory {d}, (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
-            f"{st.st_uid}) is writable by {who} without the sticky bit: they could replace {d} and the socket in it; "
-            f"put daemon.socket under a directory others may not write (or chmod o-w,g-w {a}, or +t as /tmp has)")
-
-
-def _owned_file(p: Path) -> bool:
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
-
-
-def _socket_alive(path: Path) -> bool:
-    s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    s.settimeout(0.2)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def _owner_record(p: Path) -> Path:
-    return p.with_name(f".{p.name}{OWNER_SUFFIX}")
-
-
-def _read_owner_record(p: Path) -> tuple[int, int] | None:
-    """The (dev, inode) our record says we bound at `p`; None without a record of ours."""
-    rec = _owner_record(p)
-    if not _owned_file(rec):
-        return None
-    try:
-        d = json.loads(rec.read_text())
-        return int(d["dev"]), int(d["ino"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _proven_ours(p: Path) -> bool:
-    """`p` is a socket owned by us that our owner record names (same device and inode)."""
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and _read_owner_record(p) == (st.st_dev, st.st_ino)
-
-
-def check_socket_path(p: Path) -> None:
-    """Refuse to bind over anything but a stale socket we can prove is ours (which is removed)."""
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another --socket)")
-    if _socket_alive(p):
-        raise DaemonBusy(f"another daemon is listening on {p}")
-    if not _proven_ours(p):
-        raise DaemonConfigError(f"{p} is a dead socket that no record shows this daemon created: "
-                                "remove it yourself if it is safe, or choose another --socket")
-    p.unlink()  # left over by a daemon of ours that was killed
-    _owner_record(p).unlink(missing_ok=True)
-
-
-def _take_lock(path: Path, what: str, busy: str) -> int:
-    """`lock_files.take_lock_file` of `path` (this process's pid written in it), its refusals as the daemon says them:
-    DaemonConfigError naming `what` when the file cannot be used, DaemonBusy(`busy`) when another process holds it."""
-    try:
-        return take_lock_file(path)
-    except LockFileUnusable as e:
-        if e.foreign:
-            raise DaemonConfigError(f"{what} {path} is {e.why}: refusing to use it") from None
-        raise DaemonConfigError(f"cannot open {what} {path}: {e.why}") from None
-    except LockHeld:
-        raise DaemonBusy(busy) from None
-
-
-def lock_database(db_path: str | Path) -> int:
-    """The fd of the daemon's flock beside the database `db_path`, this process's pid written in it (`db migrate`
-    names the daemon it finds holding it); DaemonBusy when another daemon (or a migration) holds it."""
-    from moetune.tuner.store.store import daemon_lock_path
-
-    path = daemon_lock_path(db_path)
-    return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
-                      "locked; or a `moetune db upgrade/downgrade`, `profiles import` or `profiles delete` of it is "
-                      "running)")
-
-
-def lock_runs(db_path: str | Path) -> int | None:
-    """Take the run lock of the database `db_path` for this daemon's lifetime (the fd; None where no lock file can be
-    made, as for a bring-up): its re-tune jobs measure on the node's GPUs and write profiles as a bring-up does. A
-    bring-up started after the daemon refuses its database (`refuse_serving_daemon`, then this lock); one started
-    before holds the lock: DaemonBusy, naming it, and nothing is opened or re-tuned beside it. Never waited for (no
-    deadlock with a run that holds it and waits for nothing); the kernel drops it when its holder dies."""
-    try:
-        return take_run_lock(db_path)
-    except RunBusy as e:
-        who = f"pid {e.pid}" if e.pid is not None else "its pid unknown"
-        raise DaemonBusy(f"a bring-up is running on the database {db_path} ({who}: `moetune profile` or `moetune tune "
-                         "--backend local`); start the daemon once it has ended (or stop it): the daemon's re-tunes "
-                         "would measure and write beside it") from None
-
-
-def lock_socket_path(p: Path) -> int:
-    """Take the lock beside the socket path `p` for this daemon's lifetime (the fd; the kernel drops the flock when
-    the process dies, even on kill -9). Checking the path and binding it is no atomic step, and libzmq unlinks an
-    IPC path before binding it: two daemons starting at once on one path (with different databases) would both
-    pass the check and the second would remove the first's live socket. Taken before the check, held while serving:
-    DaemonBusy when another daemon holds it."""
-    lock = p.with_name(f".{p.name}{LOCK_SUFFIX}")
-    return _take_lock(lock, "the socket lock", f"another daemon is listening on {p} (or starting on it: {lock} is locked)")
-
-
-def _release_socket_lock(p: Path, fd: int) -> None:
-    """Remove the lock file while it is still the one `fd` holds (ours), then release the lock."""
-    release_lock_file(p.with_name(f".{p.name}{LOCK_SUFFIX}"), fd)
-
-
-def _record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
-    """Write the owner record of the socket `st` bound at `p`; returns the record's own (dev, inode) (the file
-    this daemon may remove at exit)."""
-    rec = _owner_record(p)
-    if rec.exists() or rec.is_symlink():
-        if not _owned_file(rec):
-            raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
-        rec.unlink()
-    fd = os.open(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
-        rst = os.fstat(f.fileno())
-    return rst.st_dev, rst.st_ino
-
-
-def _synced(f: Any) -> None:
-    """Flush the open file `f` and fsync it: its bytes are on disk before a rename makes it daemon.json or its owner
-    record (renamed unsynced, a power loss could leave the new name on a 0-byte file)."""
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _unlink_if(p: Path, ident: tuple[int, int] | None, kind: int = stat.S_IFREG) -> None:
-    """Remove `p` only while it is the file of this user and kind with the (dev, inode) `ident` this daemon
-    created (never one put in its place since)."""
-    if ident is None:
-        return
-    with contextlib.suppress(OSError):
-        st = os.lstat(p)
-        if stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid() and (st.st_dev, st.st_ino) == ident:
-            p.unlink()
-
-
-def _info_record_ids(path: Path) -> set[tuple[int, int]]:
-    """The (dev, inode)s that daemon.json's owner record says we wrote at `path`: the current one and the one
-    it replaced (a daemon killed between writing the record and renaming the file left the old one there)."""
-    rec = _owner_record(path)
-    if not _owned_file(rec):
-        return set()
-    try:
-        d = json.loads(rec.read_text())
-        ids = {(int(d["dev"]), int(d["ino"]))}
-        if d.get("prev"):
-            ids.add((int(d["prev"][0]), int(d["prev"][1])))
-        return ids
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return set()
-
-
-def foreign_info_reason(path: Path, endpoint: str) -> str | None:
-    """Why the file at `path` (daemon.json) is not ours to replace or remove; None when there is none, or it
-    is one a moetune daemon wrote: a regular file of this user marked `written_by` INFO_MARK that our owner
-    record names, or (written before the mark) one with exactly the old keys naming this endpoint."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link or a FIFO is never followed or read
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return "it is a symbolic link" if os.path.islink(path) else f"it cannot be read ({e.strerror or e})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return "it is not a regular file"
-        if st.st_uid != os.getuid():
-            return f"it belongs to uid {st.st_uid}"
-        if st.st_size == 0 and (st.st_dev, st.st_ino) in _info_record_ids(path):
-            return None  # the very file a daemon of ours wrote, its bytes lost in a crash (written before they synced)
-        try:
-            data = json.loads(os.read(fd, 1 << 20))
-        except (OSError, ValueError):
-            data = None
-    finally:
-        os.close(fd)
-    if not isinstance(data, dict):
-        return "moetune did not write it (it is not a JSON object)"
-    if data.get("written_by") == INFO_MARK:
-        if (st.st_dev, st.st_ino) in _info_record_ids(path):
-            return None
-        return f"it says a moetune daemon wrote it, but no record of ours ({_owner_record(path).name}) names it"
-    if set(data) == _LEGACY_INFO_KEYS and data.get("endpoint") == endpoint and not _owner_record(path).exists():
-        return None
-    return "moetune did not write it (no \"written_by\" mark of the daemon)"
-
-
-def other_live_daemon(path: Path, endpoint: str) -> str | None:
-    """Which other daemon still serves from the daemon.json at `path` (its pid and endpoint), when the file says one
-    runs at another endpoint than `endpoint` and that one is alive: its IPC socket answers. Only a daemon on an
-    ipc:// socket writes daemon.json (beside the socket), so a file naming another kind of endpoint is no live
-    daemon's. None otherwise: a stopped or dead daemon's file is taken over as before."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        data = json.loads(os.read(fd, 1 << 20)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (OSError, ValueError):
-        data = None
-    finally:
-        os.close(fd)
-    if not isinstance(data, dict) or data.get("running") is not True:
-        return None
-    other, pid = data.get("endpoint"), data.get("pid")
-    if not isinstance(other, str) or other == endpoint:
-        return None
-    p = ipc_path(other)
-    if p is None or p == ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
-        return None
-    return f"pid {pid}, endpoint {other}"
-
-
-def _same_endpoint(a: str, b: str) -> bool:
-    """The two endpoints name one socket: IPC paths compared resolved (through a linked directory the two names are
-    one file, and the PUB's bind found our own socket "in use"); parts that do not exist yet compare as written."""
-    pa, pb = ipc_path(a), ipc_path(b)
-    if pa is not None and pb is not None:
-        return os.path.realpath(pa) == os.path.realpath(pb)
-    return a == b
-
-
-def _tcp_port(endpoint: str, what: str) -> int:
-    port = tcp_port(endpoint)
-    if port is None:
-        raise DaemonConfigError(f"{what} {endpoint!r}: expected tcp://HOST:PORT with a port in 1..65535")
-    return port
-
-
-def check_endpoint(endpoint: str, what: str) -> None:
-    """A clear error for an endpoint ZeroMQ would reject with a cryptic one (or accept by surprise): the bind rule of
-    `paths.endpoint_problem`, naming `what` (the option or config key)."""
-    why = endpoint_problem(endpoint, bind=True)
-    if why is not None:
-        raise DaemonConfigError(f"{what} {endpoint!r}: {why}")
-
-
-def derive_pub_endpoint(endpoint: str) -> str:
-    """The PUB endpoint beside `endpoint`: the config's rule (pub_socket_beside), so that a socket set in a file
-    and one given with --socket get the same PUB."""
-    if endpoint.startswith("tcp://"):
-        port = _tcp_port(endpoint, "socket")
-        if port >= 65535:
-            raise DaemonConfigError(f"the PUB port would be {port + 1} (socket port + 1), over 65535: "
-                                    "set --pub-socket (or daemon.pub_socket)")
-    pub = pub_socket_beside(endpoint)
-    if not pub:
-        raise DaemonConfigError(f"cannot derive a PUB endpoint from {endpoint!r}; set --pub-socket (or daemon.pub_socket)")
-    return pub
-
-
-def _mode_words(bits: int) -> tuple[str, str]:
-    """("readable and writable", "rw") for the group/other bits in `bits`: the message and the chmod go-... fix."""
-    r, w = bool(bits & 0o044), bool(bits & 0o022)
-    return " and ".join(x for x, on in (("readable", r), ("writable", w)) if on), "r" * r + "w" * w
-
-
-def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: bool = False) -> None:
-    """Refuse key material `p` (a key file or a directory of keys) that `moetune.runtime.paths.loose_key_path` finds
-    loose: owned by a user other than this daemon's or root (its owner could change it), or with a mode bit of
-    `forbid` (group/other read or write); a sticky directory (like /tmp) passes with `sticky_ok`. Never chmod-ed:
-    the user fixes it (the daemon never changes what it did not create)."""
-    try:
-        loose = loose_key_path(p, forbid=forbid, sticky_ok=sticky_ok)
-    except OSError as e:
-        raise DaemonConfigError(f"cannot check the {what} {p}: {e.strerror or e}") from None
-    if loose is None:
-        return
-    if loose.foreign_owner:
-        raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}) is owned by uid {loose.uid}, not by this "
-                                f"daemon's user (uid {os.geteuid()}) or root: that user could change it ({risk}); "
-                                "refusing to use it")
-    words, fix = _mode_words(loose.loose_bits)
-    raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}, owner uid {loose.uid}) is {words} by group or "
-                            f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
-
-
-def check_secret_key_file(secret_file: str | Path) -> None:
-    """The daemon's CURVE secret key (`moetune.runtime.paths.secret_key_checks`): nobody but its user (or root) may
-    read or change it, nor replace it in its directory (the directory a link points into included)."""
-    for path, forbid in secret_key_checks(secret_file):
-        if path == Path(secret_file):
-            check_key_path(path, "CURVE secret key file", forbid=forbid,
-                           risk="whoever can read it can impersonate the daemon, whoever can write it can replace its key")
-        else:
-            check_key_path(path, "directory of the CURVE secret key", forbid=forbid,
-                           risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
-
-
-def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
-    import zmq.auth
-
-    if Path(secret_file).exists() and not Path(secret_file).is_file():  # a FIFO's open waits for ever
-        raise DaemonConfigError(f"the CURVE key file {secret_file} is not a regular file (a FIFO, a device or a "
-                                "directory): give the NAME.key_secret `moetune keys generate` wrote")
-    try:
-        public, secret = zmq.auth.load_certificate(str(secret_file))
-    except (OSError, ValueError) as e:
-        raise DaemonConfigError(f"cannot read the CURVE key file {secret_file}: {e}") from None
-    if not secret:
-        raise DaemonConfigError(f"{secret_file} holds no secret key")
-    return public, secret
-
-
-def default_clients_dir(secret_file: str | Path) -> Path:
-    """Where the allow-list of client public keys lives by default: `clients/` beside the server key."""
-    return Path(secret_file).parent / "clients"
-
-
-def default_admins_dir(secret_file: str | Path) -> Path:
-    """Where the CURVE clients allowed to re-tune are listed by default: `admins/` beside the server key."""
-    return Path(secret_file).parent / "admins"
-
-
-def load_admin_keys(directory: Path | None) -> frozenset[bytes]:
-    """The admin public keys (z85) in `directory`; none when it does not exist (nobody re-tunes over TCP)."""
-    if directory is None or not directory.exists():
-        return frozenset()
-    return frozenset(load_client_keys(directory, role="admin list"))
-
-
-def peer_credentials(frame: zmq.Frame) -> tuple[int, int] | None:
-    """(uid, gid) of the process at the other end of an IPC connection, as the kernel reported it when the
-    connection was accepted (libzmq appends ":uid:gid:pid" from SO_PEERCRED to the Peer-Address); None when
-    the frame carries no such credentials."""
-    try:
-        addr = frame.get("Peer-Address")
-    except zmq.ZMQError:
-        return None
-    parts = str(addr).rsplit(":", 3)
-    if len(parts) != 4:
-        return None
-    try:
-        return int(parts[1]), int(parts[2])
-    except ValueError:
-        return None
-
-
-def user_in_group(uid: int, gid: int, group_gid: int) -> bool:
-    """Whether user `uid` (whose process runs with primary group `gid`) belongs to group `group_gid`."""
-    import pwd
-
-    if gid == group_gid:
-        return True
-    try:
-        user = pwd.getpwuid(uid)
-        members = grp.getgrgid(group_gid).gr_mem
-    except KeyError:
-        return False
-    return user.pw_gid == group_gid or user.pw_name in members
-
-
-class CurveAllowList:
-    """The ZAP authenticator's credentials provider: a CURVE client gets in when its z85 public key is one of `keys`,
-    the keys the daemon read and checked itself (load_client_keys). pyzmq's own `configure_curve(location=...)`
-    re-read the folder through glob.glob, unescaped: a `[`, `*` or `?` in the path had it load the keys of another
-    folder (`keys[1]/clients` read `keys1/clients`), which no check had seen."""
-
-    def __init__(self, keys: frozenset[bytes]):
-        self.keys = keys
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
-
-
-def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
-    """The client public keys in `directory` (`*.key` files written by `moetune keys`)."""
-    import zmq.auth
-
-    if not directory.is_dir():
-        raise DaemonConfigError(f"the CURVE client {role} {directory} is not a directory: "
-                                "run `moetune keys client KEYDIR NAME` to create it with a client key")
-    # whoever may add a key here gets in (the admin list: may re-tune); group-readable is fine (public keys)
-    risk = f"others could add their own key {'as an admin (who may re-tune)' if role == 'admin list' else 'and connect'}"
-    for parent in dict.fromkeys((directory.parent, directory.resolve().parent)):  # the folder a link points into too
-        check_key_path(parent, f"directory holding the CURVE client {role}", forbid=0o022, risk=risk, sticky_ok=True)
-    check_key_path(directory, f"CURVE client {role} directory", forbid=0o022, risk=risk)
-    keys = []
-    for f in sorted(directory.glob("*.key")):
-        check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
-        if not f.is_file():  # a FIFO's open waits for ever: the start hung here
-            raise DaemonConfigError(f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
-                                    "directory): remove it, or put a client's public key file there")
-        try:
-            public, _ = zmq.auth.load_certificate(str(f))
-        except (OSError, ValueError) as e:
-            raise DaemonConfigError(f"cannot read the client key {f}: {e}") from None
-        keys.append(public)
-    return keys
-
-
-# -- JSON logs ------------------------------------------------------------------------------------------
-class JsonFormatter(logging.Formatter):
-    _skip = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        d: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        for k, v in record.__dict__.items():
-            if k not in self._skip:
-                d[k] = v
-        if record.exc_info:
-            d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d, default=str)
-
-
-def setup_logging(level: str = "info") -> None:
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(JsonFormatter())
-    root = logging.getLogger("moetune")
-    root.handlers[:] = [h]
-    root.setLevel(level.upper())
-    root.propagate = False
-    _optuna_into_json_log(h, level)
-
-
-def _optuna_into_json_log(handler: logging.Handler, level: str) -> None:
-    """A re-tune's Optuna studies log through the "optuna" logger, which Optuna gives its own plain-text stderr
-    handler ("[I 2026-...] Trial 0 finished ..."): those lines broke the JSON log. Optuna's handler is removed and
-    its records go through the daemon's JSON handler at the daemon's level (a trial's result is an info line)."""
-    try:
-        import optuna
-    except ImportError:  # no tuner installed: nothing logs through Optuna
-        return
-    optuna.logging.disable_default_handler()  # also keeps Optuna from adding it back on a later call
-    lg = logging.getLogger("optuna")
-    lg.handlers[:] = [handler]
-    lg.setLevel(level.upper())
-    lg.propagate = False
 
 
 # -- the daemon ---------------------------------------------------------------------------------------
@@ -762,7 +201,7 @@ class Daemon(FabricWatch):
         self.endpoint = endpoint
         self.pub_endpoint = pub_endpoint or derive_pub_endpoint(endpoint)
         check_endpoint(self.pub_endpoint, "pub_socket")
-        if _same_endpoint(endpoint, self.pub_endpoint):  # else the PUB's bind found our own socket "in use" (exit 1)
+        if same_endpoint(endpoint, self.pub_endpoint):  # else the PUB's bind found our own socket "in use" (exit 1)
             raise DaemonConfigError(f"socket and pub_socket are the same endpoint ({endpoint}, {self.pub_endpoint}): "
                                     "the two endpoints must differ (set daemon.pub_socket / --pub-socket to another one, "
                                     "or leave it unset for the one beside the socket)")
@@ -786,7 +225,7 @@ class Daemon(FabricWatch):
         self.allow_insecure_tcp = allow_insecure_tcp
         self.group = group
         self.group_may_retune = group_may_retune
-        self._admin_gid = _group_id(group) if group_may_retune else None
+        self._admin_gid = group_id(group) if group_may_retune else None
         if group_may_retune and self._admin_gid is None:
             raise DaemonConfigError("daemon.group_may_retune needs daemon.group (the group whose members may re-tune)")
         self.metrics_port = metrics_port
@@ -940,7 +379,7 @@ class Daemon(FabricWatch):
             else:
                 self._remove_info()  # a daemon that never served leaves none behind
         for p, fd in self._socket_locks.items():  # last: the next daemon on this socket may start now
-            _release_socket_lock(p, fd)
+            release_socket_lock(p, fd)
         self._socket_locks = {}
         if self._run_lock_fd is not None:  # before the database lock: a bring-up refused by either may start now
             release_run_lock(self.db_path, self._run_lock_fd)
@@ -1064,7 +503,7 @@ class Daemon(FabricWatch):
     def _bind_one(self, s: zmq.Socket, endpoint: str) -> None:
         p = self._prepare_ipc(endpoint)
         self._secure(s, endpoint)
-        gid = _group_id(self.group)
+        gid = group_id(self.group)
         old = os.umask(0o117 if gid is not None else 0o177)  # no window where the socket is wider open
         try:
             s.bind(endpoint)
@@ -1078,7 +517,7 @@ class Daemon(FabricWatch):
             # we created it: ours to chmod and, at exit, to remove, by the id seen here (also when the record
             # below cannot be written)
             self._bound_paths[p] = ((st.st_dev, st.st_ino), None)
-            self._bound_paths[p] = ((st.st_dev, st.st_ino), _record_owner(p, st))
+            self._bound_paths[p] = ((st.st_dev, st.st_ino), record_owner(p, st))
             if gid is not None:
                 os.chown(p, -1, gid, follow_symlinks=False)
             os.chmod(p, 0o660 if gid is not None else 0o600)
@@ -1108,8 +547,8 @@ class Daemon(FabricWatch):
     def _unlink_bound(self) -> None:
         """Remove the sockets we bound and their owner records, only while they are still the files we created."""
         for p, (sock, rec) in self._bound_paths.items():
-            _unlink_if(p, sock, stat.S_IFSOCK)
-            _unlink_if(_owner_record(p), rec)
+            unlink_if(p, sock, stat.S_IFSOCK)
+            unlink_if(owner_record(p), rec)
         self._bound_paths = {}
 
     def _info_path(self) -> Path | None:
@@ -1131,26 +570,8 @@ class Daemon(FabricWatch):
         with contextlib.suppress(OSError):
             if self._info_is_ours(path):
                 path.unlink()
-                _unlink_if(_owner_record(path), self._info_rec_id)  # only the record this run wrote
+                unlink_if(owner_record(path), self._info_rec_id)  # only the record this run wrote
         self._info_id = self._info_rec_id = None
-
-    def _write_info_record(self, path: Path, new: tuple[int, int], prev: tuple[int, int] | None) -> tuple[int, int]:
-        """Record (atomically) that the file about to be renamed to `path` is ours; `prev` is the one it replaces."""
-        rec = _owner_record(path)
-        if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
-            raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
-        fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"dev": new[0], "ino": new[1], "prev": list(prev) if prev else None, "pid": os.getpid()}, f)
-                _synced(f)  # on disk before the rename makes it the record (a crash must not leave it empty)
-                rst = os.fstat(f.fileno())
-            os.replace(tmp, rec)
-            return rst.st_dev, rst.st_ino
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def _write_info(self, *, running: bool) -> None:
         """daemon.json next to the socket: endpoints, db, last fingerprint (the runtime's fallback cache). Written
@@ -1188,7 +609,7 @@ class Daemon(FabricWatch):
             "software": self.facts.software_hash if self.facts is not None else None,
             "transports": transport_names(self.facts) if self.facts is not None else [],
         }
-        gid = _group_id(self.group)
+        gid = group_id(self.group)
         tmp: str | None = None
         try:
             # mkstemp: a fresh, unguessable name opened O_CREAT|O_EXCL|O_NOFOLLOW, 0600: nothing planted is followed
@@ -1198,9 +619,9 @@ class Daemon(FabricWatch):
                     os.fchown(f.fileno(), -1, gid)
                     os.fchmod(f.fileno(), 0o640)
                 json.dump(data, f)
-                _synced(f)  # on disk before the rename: a power loss left a 0-byte daemon.json otherwise
+                synced(f)  # on disk before the rename: a power loss left a 0-byte daemon.json otherwise
                 st = os.fstat(f.fileno())
-            rec_id = self._write_info_record(path, (st.st_dev, st.st_ino), prev)
+            rec_id = write_info_record(path, (st.st_dev, st.st_ino), prev)
             os.replace(tmp, path)
             tmp = None
             sync_folder(path.parent)

@@ -1,5 +1,5 @@
 """Lock files a process holds (an exclusive flock, its pid written in them) for as long as it runs: a daemon's database
-lock and socket lock (tuner/daemon/server.py), and the run lock of a measuring run on a database (`moetune profile`,
+lock and socket lock (tuner/daemon/locks.py), and the run lock of a measuring run on a database (`moetune profile`,
 `moetune tune --backend local`, and the daemon that re-tunes it).
 
 The kernel drops a flock when its holder dies (kill -9 included): a lock whose owner is gone never blocks, and there

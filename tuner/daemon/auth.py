@@ -1,0 +1,161 @@
+"""Who may talk to the daemon: its CURVE keys, the client allow-list and admin list, and the peers' credentials.
+
+`tcp://` needs CURVE keys (unless `allow_insecure_tcp`, loopback addresses only); clients are then authenticated by
+pyzmq's ZAP authenticator against the allow-list of client public keys as read and checked at start
+(`CurveAllowList`). Key files and lists other local users could read (the secret key) or change are refused
+(`check_key_path`), never chmod-ed. The administrative op (`retune`) is for admins: on IPC the daemon's own user or
+root (the kernel's peer credentials, `peer_credentials`) and, with `group_may_retune`, members of `group`
+(`user_in_group`); on TCP a CURVE client whose public key is also in the admin list (`load_admin_keys`).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+from pathlib import Path
+
+import zmq
+
+from moetune.runtime.paths import loose_key_path, secret_key_checks
+from moetune.tuner.daemon.errors import DaemonConfigError
+
+
+def _mode_words(bits: int) -> tuple[str, str]:
+    """("readable and writable", "rw") for the group/other bits in `bits`: the message and the chmod go-... fix."""
+    r, w = bool(bits & 0o044), bool(bits & 0o022)
+    return " and ".join(x for x, on in (("readable", r), ("writable", w)) if on), "r" * r + "w" * w
+
+
+def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: bool = False) -> None:
+    """Refuse key material `p` (a key file or a directory of keys) that `moetune.runtime.paths.loose_key_path` finds
+    loose: owned by a user other than this daemon's or root (its owner could change it), or with a mode bit of
+    `forbid` (group/other read or write); a sticky directory (like /tmp) passes with `sticky_ok`. Never chmod-ed:
+    the user fixes it (the daemon never changes what it did not create)."""
+    try:
+        loose = loose_key_path(p, forbid=forbid, sticky_ok=sticky_ok)
+    except OSError as e:
+        raise DaemonConfigError(f"cannot check the {what} {p}: {e.strerror or e}") from None
+    if loose is None:
+        return
+    if loose.foreign_owner:
+        raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}) is owned by uid {loose.uid}, not by this "
+                                f"daemon's user (uid {os.geteuid()}) or root: that user could change it ({risk}); "
+                                "refusing to use it")
+    words, fix = _mode_words(loose.loose_bits)
+    raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}, owner uid {loose.uid}) is {words} by group or "
+                            f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
+
+
+def check_secret_key_file(secret_file: str | Path) -> None:
+    """The daemon's CURVE secret key (`moetune.runtime.paths.secret_key_checks`): nobody but its user (or root) may
+    read or change it, nor replace it in its directory (the directory a link points into included)."""
+    for path, forbid in secret_key_checks(secret_file):
+        if path == Path(secret_file):
+            check_key_path(path, "CURVE secret key file", forbid=forbid,
+                           risk="whoever can read it can impersonate the daemon, whoever can write it can replace its key")
+        else:
+            check_key_path(path, "directory of the CURVE secret key", forbid=forbid,
+                           risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
+
+
+def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
+    import zmq.auth
+
+    if Path(secret_file).exists() and not Path(secret_file).is_file():  # a FIFO's open waits for ever
+        raise DaemonConfigError(f"the CURVE key file {secret_file} is not a regular file (a FIFO, a device or a "
+                                "directory): give the NAME.key_secret `moetune keys generate` wrote")
+    try:
+        public, secret = zmq.auth.load_certificate(str(secret_file))
+    except (OSError, ValueError) as e:
+        raise DaemonConfigError(f"cannot read the CURVE key file {secret_file}: {e}") from None
+    if not secret:
+        raise DaemonConfigError(f"{secret_file} holds no secret key")
+    return public, secret
+
+
+def default_clients_dir(secret_file: str | Path) -> Path:
+    """Where the allow-list of client public keys lives by default: `clients/` beside the server key."""
+    return Path(secret_file).parent / "clients"
+
+
+def default_admins_dir(secret_file: str | Path) -> Path:
+    """Where the CURVE clients allowed to re-tune are listed by default: `admins/` beside the server key."""
+    return Path(secret_file).parent / "admins"
+
+
+def load_admin_keys(directory: Path | None) -> frozenset[bytes]:
+    """The admin public keys (z85) in `directory`; none when it does not exist (nobody re-tunes over TCP)."""
+    if directory is None or not directory.exists():
+        return frozenset()
+    return frozenset(load_client_keys(directory, role="admin list"))
+
+
+def peer_credentials(frame: zmq.Frame) -> tuple[int, int] | None:
+    """(uid, gid) of the process at the other end of an IPC connection, as the kernel reported it when the
+    connection was accepted (libzmq appends ":uid:gid:pid" from SO_PEERCRED to the Peer-Address); None when
+    the frame carries no such credentials."""
+    try:
+        addr = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    parts = str(addr).rsplit(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        return int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+
+
+def user_in_group(uid: int, gid: int, group_gid: int) -> bool:
+    """Whether user `uid` (whose process runs with primary group `gid`) belongs to group `group_gid`."""
+    import pwd
+
+    if gid == group_gid:
+        return True
+    try:
+        user = pwd.getpwuid(uid)
+        members = grp.getgrgid(group_gid).gr_mem
+    except KeyError:
+        return False
+    return user.pw_gid == group_gid or user.pw_name in members
+
+
+class CurveAllowList:
+    """The ZAP authenticator's credentials provider: a CURVE client gets in when its z85 public key is one of `keys`,
+    the keys the daemon read and checked itself (load_client_keys). pyzmq's own `configure_curve(location=...)`
+    re-read the folder through glob.glob, unescaped: a `[`, `*` or `?` in the path had it load the keys of another
+    folder (`keys[1]/clients` read `keys1/clients`), which no check had seen."""
+
+    def __init__(self, keys: frozenset[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
+    """The client public keys in `directory` (`*.key` files written by `moetune keys`)."""
+    import zmq.auth
+
+    if not directory.is_dir():
+        raise DaemonConfigError(f"the CURVE client {role} {directory} is not a directory: "
+                                "run `moetune keys client KEYDIR NAME` to create it with a client key")
+    # whoever may add a key here gets in (the admin list: may re-tune); group-readable is fine (public keys)
+    risk = f"others could add their own key {'as an admin (who may re-tune)' if role == 'admin list' else 'and connect'}"
+    for parent in dict.fromkeys((directory.parent, directory.resolve().parent)):  # the folder a link points into too
+        check_key_path(parent, f"directory holding the CURVE client {role}", forbid=0o022, risk=risk, sticky_ok=True)
+    check_key_path(directory, f"CURVE client {role} directory", forbid=0o022, risk=risk)
+    keys = []
+    for f in sorted(directory.glob("*.key")):
+        check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
+        if not f.is_file():  # a FIFO's open waits for ever: the start hung here
+            raise DaemonConfigError(f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
+                                    "directory): remove it, or put a client's public key file there")
+        try:
+            public, _ = zmq.auth.load_certificate(str(f))
+        except (OSError, ValueError) as e:
+            raise DaemonConfigError(f"cannot read the client key {f}: {e}") from None
+        keys.append(public)
+    return keys
