@@ -34,6 +34,7 @@ _LEGACY_INFO_KEYS = frozenset({"endpoint", "pub_endpoint", "db", "epoch", "pid",
 
 
 def group_id(group: str) -> int | None:
+    """The gid of `group` (daemon.group: a name or a number); None for no group."""
     if not group:
         return None
     try:
