@@ -393,7 +393,18 @@ MT_API int mt_nvl_create(int device, int rank, int world, const uint64_t* ctrl_p
   if (e == cudaSuccess) e = cudaMemset(c->group_ctr, 0, sizeof(unsigned long long) * MT_MAX_WORLD * MT_MAX_SLOTS);
   if (e == cudaSuccess) e = cudaMalloc((void**)&c->epochs, 64);
   if (e == cudaSuccess) e = cudaMemset(c->epochs, 0, 64);
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  // the memsets done before any launch, within the context's timeout (as mt_nvl_destroy waits): never without end
+  if (e == cudaSuccess) e = mt::setup_sync_within(device, c->timeout_ns);
+  if (e == cudaErrorNotReady) {
+    // the memsets may still be queued behind that work: what they write is leaked, as mt_nvl_destroy leaks it
+    mt::set_error("mt_nvl_create: the set-up work on device %d (the memsets of its abort flag, group counters and "
+                  "epochs) did not complete within %.1f s: other work on the device does not end (a stuck persistent "
+                  "kernel, a peer that never signals). The error record, abort flag, group counters and epochs are "
+                  "leaked rather than freed under it; end that work (or restart the process) before building the "
+                  "transport again", device, (double)mt::setup_timeout_ns(c->timeout_ns) / 1e9);
+    delete c;
+    return 119;
+  }
   if (e != cudaSuccess) {
     mt::set_error("mt_nvl_create: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
     delete c;

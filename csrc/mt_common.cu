@@ -69,12 +69,30 @@ MT_API int mt_host_free(void* host_ptr) {
   return 0;
 }
 
+// The zeroing of `what` (mt_ipc_malloc, mt_device_malloc: *ptr, `bytes` at it) did not complete within the default
+// timeout (these calls take none): *ptr is leaked rather than freed under the memset that may still be queued, and
+// nulled, so the caller frees nothing (SymmBuffer.close frees only the pointer it got). Returns 120.
+static int zeroing_timed_out(const char* what, int device, void** ptr, uint64_t bytes) {
+  *ptr = nullptr;
+  mt::set_error("%s: the zeroing of %llu bytes on device %d did not complete within %.1f s: other work on the device "
+                "does not end (a stuck persistent kernel, a peer that never signals). The allocation is leaked rather "
+                "than freed under it; end that work (or restart the process) before building the transport again",
+                what, (unsigned long long)bytes, device, (double)mt::kDefaultTimeoutNs / 1e9);
+  return 120;
+}
+
 // --- CUDA IPC fallback for symmetric buffers (used when torch symmetric memory is unavailable) ---
 MT_API int mt_ipc_malloc(int device, uint64_t bytes, void** ptr, unsigned char* handle_out /*64 bytes*/) {
   MT_SET_DEVICE(device);
   MT_CUDA(cudaMalloc(ptr, bytes));
   MT_CUDA(cudaMemset(*ptr, 0, bytes));
-  MT_CUDA(cudaDeviceSynchronize());
+  {
+    // within the default timeout, never without end (mt::setup_sync_within); past it 120, the memory leaked
+    const cudaError_t e = mt::setup_sync_within(device, mt::kDefaultTimeoutNs);
+    if (e == cudaErrorNotReady) return zeroing_timed_out("mt_ipc_malloc", device, ptr, bytes);
+    MT_REQUIRE(e == cudaSuccess, (int)e, "mt_ipc_malloc: cudaDeviceSynchronize -> %s (%s)", cudaGetErrorName(e),
+               cudaGetErrorString(e));
+  }
   cudaIpcMemHandle_t h;
   MT_CUDA(cudaIpcGetMemHandle(&h, *ptr));
   memcpy(handle_out, &h, sizeof(h));
@@ -105,7 +123,9 @@ MT_API int mt_device_malloc(int device, uint64_t bytes, void** ptr) {
   MT_SET_DEVICE(device);
   MT_CUDA(cudaMalloc(ptr, bytes));
   cudaError_t e = cudaMemset(*ptr, 0, bytes);
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  // within the default timeout, never without end (mt::setup_sync_within); past it 120, the memory leaked
+  if (e == cudaSuccess) e = mt::setup_sync_within(device, mt::kDefaultTimeoutNs);
+  if (e == cudaErrorNotReady) return zeroing_timed_out("mt_device_malloc", device, ptr, bytes);
   if (e != cudaSuccess) {  // not zeroed: freed here, the caller gets an error and nothing to free
     (void)cudaGetLastError();
     cudaFree(*ptr);

@@ -148,6 +148,25 @@ inline cudaError_t device_sync_within(int device, uint64_t deadline_ns) {
   return st->err;
 }
 
+// How long a wait that was given no timeout of its own lasts: RuntimeOptions.onesided_timeout_s's default. The proxy
+// engine's timeout until mt_proxy_set_timeout sets it (so mt_proxy_create's own wait), and the bound of
+// mt_ipc_malloc's and mt_device_malloc's zeroing, which take no timeout.
+constexpr uint64_t kDefaultTimeoutNs = 20ull * 1000000000ull;
+
+// The bound of a creation's wait for its set-up work: timeout_ns, the same its destroy waits (the context's timeout);
+// 0 (from a timeout_s <= 0) takes kDefaultTimeoutNs, so that such a creation succeeds as it did before.
+inline uint64_t setup_timeout_ns(uint64_t timeout_ns) { return timeout_ns > 0 ? timeout_ns : kDefaultTimeoutNs; }
+
+// A creation's wait for the set-up work it queued (the cudaMemset of its device words; the proxy engine's warm-up
+// copies): device_sync_within from now, within setup_timeout_ns(timeout_ns). Never a wait without end: a kernel that
+// does not end (a stuck persistent kernel, a peer that never signals) would hold a bare cudaDeviceSynchronize, and
+// the caller, forever. cudaErrorNotReady past the bound: the memsets may still be queued behind that kernel, so the
+// caller leaks what they write rather than free it (cudaFree / cudaFreeHost may also wait for the device to be idle)
+// and returns its own code with the leak named in mt_last_error.
+inline cudaError_t setup_sync_within(int device, uint64_t timeout_ns) {
+  return device_sync_within(device, host_ns() + setup_timeout_ns(timeout_ns));
+}
+
 // Whether `device`'s primary context exists (a cudaSetDevice to it would not create one): cuDevicePrimaryCtxGetState
 // through the runtime's driver entry point (the library does not link libcuda). Unknown (no such entry point): false.
 inline bool primary_context_active(int device) {

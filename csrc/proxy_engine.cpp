@@ -274,9 +274,9 @@ struct Engine {
   std::thread th;
   std::atomic<bool> stop{false};
   std::atomic<bool> running{false};
-  // how long a drain or release() waits for a QP stream (mt_proxy_set_timeout; the default is
-  // RuntimeOptions.onesided_timeout_s's, which ProxyEngine passes on)
-  std::atomic<uint64_t> timeout_ns{20ull * 1000 * 1000 * 1000};
+  // how long a drain or release() waits for a QP stream, and mt_proxy_create for its set-up work (mt_proxy_set_timeout,
+  // after the create; the default is RuntimeOptions.onesided_timeout_s's, which ProxyEngine passes on)
+  std::atomic<uint64_t> timeout_ns{mt::kDefaultTimeoutNs};
   std::atomic<int> err{0};
   // what the thread is doing (for diagnostics): 0 idle, else the CUDA call it is inside (PH_*) since when
   std::atomic<int> phase{0};
@@ -623,6 +623,24 @@ struct Engine {
     return -1;
   }
 
+  // mt_proxy_create's set-up work (the memsets of head_dev and ack_dev, the warm-up copies into `scratch`) did not
+  // complete within the engine's timeout: the streams are destroyed (that returns at once; their resources go once
+  // their work completed) and everything else is leaked, as release() does for a stuck stream: the queued work may
+  // still write head_dev, ack_dev and the scratch, and cudaFree / cudaFreeHost / cudaHostUnregister may wait for the
+  // device to be idle, i.e. forever. Sets the error text; the caller deletes the engine and returns 216.
+  void abandon_setup(const void* scratch) {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+    streams.clear();
+    (void)cudaGetLastError();  // keep a failed destroy out of the caller's next launch check
+    mt::set_error("mt_proxy_create: the set-up work on device %d (the memsets of its device words%s) did not complete "
+                  "within %.1f s: other work on the device does not end (a stuck persistent kernel, a peer that never "
+                  "signals). The engine's FIFO, control page and device words%s are leaked rather than freed under "
+                  "it; end that work (or restart the process) before building the transport again", device,
+                  scratch != nullptr ? ", the warm-up copies on its QP streams" : "",
+                  (double)timeout_ns.load(std::memory_order_relaxed) / 1e9,
+                  scratch != nullptr ? " and the warm-up scratch" : "");
+  }
+
   void pin_self() {
     tid.store((int)syscall(SYS_gettid));
     if (cpu_req.empty()) {
@@ -887,6 +905,13 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (ce == cudaSuccess) e->streams.push_back(s);
   }
+  // the set-up work (the memsets above, the warm-up copies below) is waited for within the engine's timeout (its
+  // default: mt_proxy_set_timeout comes after the create), never without end (mt::device_sync_within); past it 216
+#ifdef MT_HOST_SIM
+  // a test's shorter default (mtsim_set_device_busy): the real one's 20 s would make a test of it slow
+  if (const uint64_t t = __atomic_load_n(&mtsim::create_timeout_ns, __ATOMIC_RELAXED)) e->timeout_ns.store(t);
+#endif
+  const uint64_t setup_deadline = mt::host_ns() + e->timeout_ns.load(std::memory_order_relaxed);
 #ifndef MT_HOST_SIM
   if (ce == cudaSuccess) {
     // warm-up: a few small device-to-device copies and a stream write on every QP stream, so whatever
@@ -906,7 +931,12 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
         break;
       }
     }
-    if (ce == cudaSuccess && cr == CUDA_SUCCESS) ce = cudaDeviceSynchronize();
+    if (ce == cudaSuccess && cr == CUDA_SUCCESS) ce = mt::device_sync_within(device, setup_deadline);
+    if (ce == cudaErrorNotReady) {  // the copies may still run: the scratch is leaked with the rest
+      e->abandon_setup(scratch);
+      delete e;
+      return 216;
+    }
     if (scratch) cudaFree(scratch);
     if (cr != CUDA_SUCCESS) {
       (void)cudaGetLastError();
@@ -916,7 +946,12 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     }
   }
 #endif
-  if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
+  if (ce == cudaSuccess) ce = mt::device_sync_within(device, setup_deadline);
+  if (ce == cudaErrorNotReady) {
+    e->abandon_setup(nullptr);
+    delete e;
+    return 216;
+  }
   if (ce != cudaSuccess) {
     mt::set_error("mt_proxy_create: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
     e->release();  // the registered pages too: a caller may try again (or fall back to another transport)

@@ -137,7 +137,19 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
     c->abort_flag = static_cast<int*>(m);
     e = cudaMemset(c->abort_flag, 0, 2 * sizeof(int));
   }
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  // the memset done before any launch, within the context's timeout (as mt_pxy_destroy waits): never without end
+  if (e == cudaSuccess) e = mt::setup_sync_within(device, c->timeout_ns);
+  if (e == cudaErrorNotReady) {
+    // the memset may still be queued behind that work: the abort flag is leaked, and the pinned error record and
+    // completion word with it (cudaFreeHost may wait for the device to be idle), as mt_pxy_destroy leaks them
+    mt::set_error("mt_pxy_create: the set-up work on device %d (the memset of its abort flag) did not complete within "
+                  "%.1f s: other work on the device does not end (a stuck persistent kernel, a peer that never "
+                  "signals). The error record, completion word and abort flag are leaked rather than freed under it; "
+                  "end that work (or restart the process) before building the transport again", device,
+                  (double)mt::setup_timeout_ns(c->timeout_ns) / 1e9);
+    delete c;
+    return 326;
+  }
   if (e != cudaSuccess) {
     mt::set_error("mt_pxy_create: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
     (void)cudaGetLastError();  // not sticky: keep it out of the next call's launch check

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#include <time.h>
 
 typedef int cudaError_t;
 typedef void* cudaStream_t;
@@ -43,6 +44,11 @@ extern int madvise_errno, devptr_error;  // injected: madvise's errno, cudaHostG
 extern int thread_errno;  // injected: mt_proxy_create's thread fails to start (std::system_error with this errno)
 extern int copy_fault_err;
 extern uintptr_t copy_fault_lo, copy_fault_hi;
+// injected: a device that does not become idle (a stuck persistent kernel): cudaDeviceSynchronize returns only once a
+// test clears it (mtsim_set_device_busy)
+extern int device_busy;
+extern unsigned long long device_frees;  // cudaFree / cudaFreeHost calls so far (a test sees what was not freed)
+extern unsigned long long create_timeout_ns;  // mt_proxy_create's bound on its set-up wait (0: the engine's default)
 // called after every mt::fence_system where set (mtsim_race_reports: a reporter yields between its record's stores)
 extern void (*fence_hook)();
 void host_register(void* p, size_t n);
@@ -72,7 +78,14 @@ inline cudaError_t cudaGetDevice(int* d) {
   *d = sim_current_device();
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+// At once, unless a test made the device busy (mtsim::device_busy): then once it is cleared.
+inline cudaError_t cudaDeviceSynchronize() {
+  while (__atomic_load_n(&mtsim::device_busy, __ATOMIC_ACQUIRE)) {
+    const timespec ts = {0, 100000};
+    nanosleep(&ts, nullptr);
+  }
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   __atomic_add_fetch(&mtsim::syncs, 1, __ATOMIC_RELAXED);
   mtsim::stream_sync(s);
@@ -121,6 +134,7 @@ inline cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned) {
   return cudaSuccess;
 }
 inline cudaError_t cudaFreeHost(void* p) {
+  __atomic_add_fetch(&mtsim::device_frees, 1, __ATOMIC_RELAXED);
   free(p);
   return cudaSuccess;
 }
