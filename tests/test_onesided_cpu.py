@@ -8,7 +8,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,6 +142,19 @@ def test_limits_match_csrc() -> None:
     header = (ROOT / "csrc" / "mt_common.h").read_text()
     assert f"#define MT_MAX_WORLD {_onesided.MAX_WORLD}" in header
     assert f"#define MT_MAX_SLOTS {_onesided.MAX_SLOTS}" in header
+
+
+def test_no_bare_device_synchronize_outside_the_bounded_wait() -> None:
+    """Every wait of the transports' library for the device's work is bounded (mt::device_sync_within, directly or
+    through mt::setup_sync_within in the creations): a bare cudaDeviceSynchronize, on the caller's thread, waits for
+    a stuck persistent kernel forever. The one call left is device_sync_within's, on a thread of its own."""
+    calls = {}
+    for f in sorted((ROOT / "csrc").glob("*.[ch]*")):
+        code = [ln.split("//", 1)[0] for ln in f.read_text().splitlines()]
+        n = sum("cudaDeviceSynchronize(" in ln for ln in code)
+        if n:
+            calls[f.name] = n
+    assert calls == {"mt_common.h": 1}, calls
 
 
 def test_error_decoding_is_readable() -> None:
@@ -897,6 +912,74 @@ def test_kernel_context_destroy_is_bounded_when_a_launch_never_completes_in_host
             deadline = time.monotonic() + 10.0
             while word[0] < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
+        if x:
+            lib.mt_pxy_destroy(x)
+        if h:
+            lib.mt_proxy_destroy(h)
+
+
+def _timed_call(lib: ctypes.CDLL, call: Callable[[], int]) -> tuple[int, bytes, float]:
+    """call() on a thread of its own (one that hangs fails the test, not the run): its result, that thread's
+    mt_last_error after it, and the seconds it took."""
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(rc=call(), err=lib.mt_last_error()), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(10.0)
+    took = time.monotonic() - t0
+    assert not t.is_alive(), "the call did not return within 10 s"
+    return got["rc"], got["err"], took
+
+
+def test_creation_is_bounded_when_the_device_never_idles_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """mt_proxy_create and mt_pxy_create wait for their set-up memsets within a bound (mt::setup_sync_within), as the
+    destroys wait, instead of a bare cudaDeviceSynchronize: here the simulated device never becomes idle (a stuck
+    persistent kernel) until the test says so. The engine's create returns 216 past its timeout (the default until
+    mt_proxy_set_timeout; shortened to 0.5 s for the test), the kernel context's 326 past the context's timeout, each
+    naming the leak in mt_last_error and freeing nothing a queued memset may still write. Before, both hung until
+    the device was idle. Once it is, both succeed as before."""
+    import numpy as np
+
+    lib = sim_lib
+    lib.mtsim_set_device_busy.argtypes = [ctypes.c_int, ctypes.c_double]
+    lib.mtsim_set_device_busy.restype = None
+    lib.mtsim_device_frees.restype = ctypes.c_ulonglong
+    ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
+    data = np.zeros(4096, dtype=np.uint8)
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    peers = (u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]))
+
+    def engine(out: ctypes.c_void_p) -> int:
+        return lib.mt_proxy_create(0, 1, *peers, 1, 1, 1, 64, None, 0, ctypes.byref(out))
+
+    def context(eng: ctypes.c_void_p, out: ctypes.c_void_p) -> int:
+        return lib.mt_pxy_create(eng, 0, 0, 1, ctrl.ctypes.data, 0.5, ctypes.byref(out))
+
+    h, x, lost, lost_x = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    try:
+        lib.mtsim_set_device_busy(1, 0.5)
+        frees = lib.mtsim_device_frees()
+        rc, err, took = _timed_call(lib, lambda: engine(lost))
+        assert rc == 216 and took < 4.0, (rc, err, took)
+        assert b"mt_proxy_create: the set-up work on device 0" in err and b"did not complete within 0.5 s" in err, err
+        assert b"FIFO, control page and device words are leaked rather than freed" in err, err
+        assert not lost.value and lib.mtsim_device_frees() == frees  # nothing freed, no engine handed out
+
+        lib.mtsim_set_device_busy(0, 0.0)
+        assert engine(h) == 0, lib.mt_last_error()
+        lib.mtsim_set_device_busy(1, 0.0)
+        frees = lib.mtsim_device_frees()
+        rc, err, took = _timed_call(lib, lambda: context(h, lost_x))
+        assert rc == 326 and took < 4.0, (rc, err, took)
+        assert b"mt_pxy_create: the set-up work on device 0 (the memset of its abort flag) did not complete within " \
+               b"0.5 s" in err, err
+        assert b"error record, completion word and abort flag are leaked rather than freed" in err, err
+        assert not lost_x.value and lib.mtsim_device_frees() == frees
+
+        lib.mtsim_set_device_busy(0, 0.0)
+        assert context(h, x) == 0, lib.mt_last_error()  # the success path as before
+    finally:
+        lib.mtsim_set_device_busy(0, 0.0)  # the detached waits of the failed creations return now
         if x:
             lib.mt_pxy_destroy(x)
         if h:

@@ -383,7 +383,9 @@ def test_proxy_refuses_a_fifo_size_before_any_collective(fake_gpu: tuple, monkey
 # -- a symmetric buffer whose constructor fails part way frees what it allocated -------------------------------------
 class FakeIpcLib:
     """The CUDA IPC calls of SymmBuffer, logged. `fail` names a call that returns an error: mt_ipc_malloc after it
-    allocated (as when cudaIpcGetMemHandle fails), mt_ipc_open at the peer given in `fail_peer`."""
+    allocated (as when cudaIpcGetMemHandle fails), mt_ipc_open at the peer given in `fail_peer`;
+    "mt_ipc_malloc_timeout": its zeroing did not complete within the bound (120: the memory leaked, the pointer
+    nulled)."""
 
     def __init__(self, log: list[tuple], fail: set[str], fail_peer: int = -1):
         self.log, self.fail, self.fail_peer, self.opened = log, fail, fail_peer, 0
@@ -394,6 +396,9 @@ class FakeIpcLib:
     def mt_ipc_malloc(self, dev: Any, nbytes: int, ptr: Any, handle: Any) -> int:
         ptr._obj.value = 0xA000
         self.log.append(("malloc", 0xA000))
+        if "mt_ipc_malloc_timeout" in self.fail:  # csrc/mt_common.cu zeroing_timed_out
+            ptr._obj.value = None
+            return 120
         return 9 if "mt_ipc_malloc" in self.fail else 0
 
     def mt_ipc_open(self, dev: Any, raw: bytes, ptr: Any) -> int:
@@ -468,6 +473,15 @@ def test_symm_buffer_whose_allocation_half_succeeds_frees_it(ipc_world: list[tup
     with pytest.raises(csrc_build.CsrcError, match="cudaMalloc\\+IPC failed"):
         _symm(FakeIpcLib(ipc_world, {"mt_ipc_malloc"}))
     assert _freed(ipc_world) == [("free", 0xA000)]
+    assert ("all_gather", None) not in ipc_world
+
+
+def test_symm_buffer_whose_zeroing_timed_out_frees_nothing(ipc_world: list[tuple]) -> None:
+    """mt_ipc_malloc past its bounded wait for the zeroing (120: a memset may still be queued behind a kernel that
+    never ends) leaks the allocation and nulls the pointer: the buffer's release frees nothing under the memset."""
+    with pytest.raises(csrc_build.CsrcError, match=r"cudaMalloc\+IPC failed \(code 120\)"):
+        _symm(FakeIpcLib(ipc_world, {"mt_ipc_malloc_timeout"}))
+    assert _freed(ipc_world) == []
     assert ("all_gather", None) not in ipc_world
 
 
