@@ -73,7 +73,7 @@ def _node_models(b: Any) -> list[Path]:
 
 
 def test_a_refused_fit_writes_no_node_model_and_says_why(tmp_path: Path) -> None:
-    from moetune.tuner.daemon.jobs import node_model_file
+    from moetune.tuner.daemon.retune import node_model_file
 
     b, out = _bringup(tmp_path)
     b.state.mark("discover", b.stage_discover())

@@ -199,7 +199,8 @@ def test_a_daemon_serving_a_capture_of_another_node_does_not_measure_for_it(tmp_
 
     from moetune.runtime.profile_record import ProfileKey
     from moetune.tuner.daemon import TuneSettings
-    from moetune.tuner.daemon.jobs import JobContext, RetuneImpossible, _capture_elsewhere, tuner_retune
+    from moetune.tuner.daemon.jobs import JobContext
+    from moetune.tuner.daemon.retune import RetuneImpossible, _capture_elsewhere, tuner_retune
 
     cpu = CAPTURES / "cpu-laptop"
     _live_is(monkeypatch, cpu)

@@ -17,7 +17,9 @@ import daemon_fakes as F
 
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
+from moetune.tuner.daemon import gpu_procs as G
 from moetune.tuner.daemon import jobs as J
+from moetune.tuner.daemon import recovery as R
 from moetune.tuner.daemon.server import TuneSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -131,7 +133,7 @@ def test_unknown_gpu_state_defers_conservatively(tmp_path: Path) -> None:
     assert "cannot tell whether this node's GPUs are idle" in reason and "nvidia-smi not found" in reason
     # stopped while waiting: not finished in the store, so the next daemon resumes it
     assert _events(jm, "job_finished") == []
-    resume, _ = J.recover_jobs(jm.store)
+    resume, _ = R.recover_jobs(jm.store)
     assert len(resume) == 1
 
 
@@ -155,7 +157,7 @@ def test_gpu_processes_reads_nvidia_smi_when_nvml_is_missing(monkeypatch: pytest
     def no_nvml() -> list[str]:
         raise ImportError("No module named 'pynvml'")
 
-    monkeypatch.setattr(J, "_nvml_pids", no_nvml)
+    monkeypatch.setattr(G, "_nvml_pids", no_nvml)
     outputs: dict[str, Any] = {}
 
     def run(argv: list[str], **kw: Any) -> Any:
@@ -165,28 +167,28 @@ def test_gpu_processes_reads_nvidia_smi_when_nvml_is_missing(monkeypatch: pytest
             raise out
         return subprocess.CompletedProcess(argv, out[0], out[1], out[2])
 
-    monkeypatch.setattr(J.subprocess, "run", run)
+    monkeypatch.setattr(G.subprocess, "run", run)
     outputs["next"] = (0, "4242\n[Not Found]\n", "")
-    busy, seen = J.gpu_processes()
+    busy, seen = G.gpu_processes()
     assert busy is True and "4242" in seen and "[Not Found]" in seen
     outputs["next"] = (0, "\n", "")
-    assert J.gpu_processes()[0] is False
+    assert G.gpu_processes()[0] is False
     outputs["next"] = FileNotFoundError("nvidia-smi")
-    busy, seen = J.gpu_processes()
+    busy, seen = G.gpu_processes()
     assert busy is None and "pynvml not installed" in seen and "nvidia-smi not found" in seen
     outputs["next"] = (9, "", "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver")
-    busy, seen = J.gpu_processes()
+    busy, seen = G.gpu_processes()
     assert busy is None and "exited 9" in seen
     outputs["next"] = subprocess.TimeoutExpired("nvidia-smi", 15)
-    assert J.gpu_processes()[0] is None
+    assert G.gpu_processes()[0] is None
 
 
 def test_gpu_processes_prefers_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(J, "_nvml_pids", lambda: ["GPU 3: pid 99"])
-    monkeypatch.setattr(J.subprocess, "run", lambda *a, **k: pytest.fail("nvidia-smi run although NVML answered"))
-    assert J.gpu_processes() == (True, "GPU 3: pid 99")
-    monkeypatch.setattr(J, "_nvml_pids", lambda: [])
-    assert J.gpu_processes()[0] is False
+    monkeypatch.setattr(G, "_nvml_pids", lambda: ["GPU 3: pid 99"])
+    monkeypatch.setattr(G.subprocess, "run", lambda *a, **k: pytest.fail("nvidia-smi run although NVML answered"))
+    assert G.gpu_processes() == (True, "GPU 3: pid 99")
+    monkeypatch.setattr(G, "_nvml_pids", lambda: [])
+    assert G.gpu_processes()[0] is False
 
 
 def test_config_run_on_busy_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,5 +257,5 @@ def test_a_queued_job_cancelled_before_its_queued_event_is_written_stays_cancell
     kinds = [e["kind"] for e in sorted(jm.store.list_events(limit=50), key=lambda e: e["id"])
              if e["details"] and e["details"].get("job_id") == job.id]
     assert kinds == ["job_queued", "job_finished"], kinds
-    resume, _ = J.recover_jobs(jm.store)
+    resume, _ = R.recover_jobs(jm.store)
     assert resume == [] and ran == []

@@ -20,6 +20,7 @@ import daemon_fakes as F
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.daemon import jobs as J
+from moetune.tuner.daemon import recovery as R
 from moetune.tuner.daemon.server import Daemon, TuneSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,14 +47,14 @@ def test_jobs_past_the_queues_capacity_are_all_resumed(tmp_path: Path) -> None:
     for jid in range(1, 6):  # one running and four queued: the last daemon's whole queue (capacity 4 + 1)
         _queued(store, jid)
     store.add_event(kind="job_started", reason="job 1", details={"job_id": 1, "keys": [_key(64)]})
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert [r.job_id for r in resume] == [1, 2, 3, 4, 5] and next_id == 6
     jm = _manager(store)
     jm._ids = iter(range(next_id, 100))  # type: ignore[assignment]
     Daemon._resume(SimpleNamespace(store=store, jobs=jm), resume)  # type: ignore[arg-type]  # what it reads
     assert sorted(j.resumes for j in jm._queued.values()) == [1, 2, 3, 4, 5]
     # a second restart finds the five new jobs open and the five old ones closed
-    again, _ = J.recover_jobs(store)
+    again, _ = R.recover_jobs(store)
     assert sorted(r.job_id for r in again) == [6, 7, 8, 9, 10]
 
 
@@ -61,7 +62,7 @@ def test_a_crash_between_queueing_the_resumption_and_closing_the_old_job_resumes
     store = F.open_store(tmp_path / "m.db")
     _queued(store, 1)
     _queued(store, 2, resumes=1)  # job 2 took job 1 over; the daemon died before job 1's job_finished
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert [r.job_id for r in resume] == [2] and next_id == 3
     closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 1]
     assert len(closed) == 1 and "resumed as job 2" in closed[0]["reason"]
@@ -72,7 +73,7 @@ def test_many_other_events_do_not_hide_the_jobs(tmp_path: Path) -> None:
     _queued(store, 7)
     for i in range(30):
         store.add_event(kind="remeasured", reason=f"profile {i}", details={"n": i})
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert [r.job_id for r in resume] == [7] and next_id == 8
 
 
@@ -93,7 +94,7 @@ def test_a_resumption_the_store_did_not_record_leaves_the_old_job_open(tmp_path:
     and a stop before the new job ran lost it."""
     store = F.open_store(tmp_path / "m.db")
     _queued(store, 1)
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     add = store.add_event
 
     def refuse_queued(*, kind: str, **kw: Any) -> None:
@@ -106,17 +107,17 @@ def test_a_resumption_the_store_did_not_record_leaves_the_old_job_open(tmp_path:
     jm._ids = iter(range(next_id, 100))  # type: ignore[assignment]
     Daemon._resume(SimpleNamespace(store=store, jobs=jm), resume)  # type: ignore[arg-type]
     store.add_event = add  # type: ignore[method-assign]
-    assert [r.job_id for r in J.recover_jobs(store)[0]] == [1]  # still open: the next start resumes it
+    assert [r.job_id for r in R.recover_jobs(store)[0]] == [1]  # still open: the next start resumes it
 
 
 def test_a_job_whose_keys_cannot_be_read_is_closed_as_nothing_to_resume(tmp_path: Path) -> None:
     store = F.open_store(tmp_path / "m.db")
     store.add_event(kind="job_queued", reason="old", details={"job_id": 1, "keys": [{"no": "such key"}]})
-    resume, _ = J.recover_jobs(store)
+    resume, _ = R.recover_jobs(store)
     Daemon._resume(SimpleNamespace(store=store, jobs=_manager(store)), resume)  # type: ignore[arg-type]
     closed = store.list_events(10, kinds=("job_finished",))
     assert len(closed) == 1 and "nothing to resume (its keys cannot be read)" in closed[0]["reason"]
-    assert J.recover_jobs(store)[0] == []
+    assert R.recover_jobs(store)[0] == []
 
 
 def test_a_cancel_recorded_before_the_jobs_started_event_is_not_resumed(tmp_path: Path) -> None:
@@ -126,7 +127,7 @@ def test_a_cancel_recorded_before_the_jobs_started_event_is_not_resumed(tmp_path
     _queued(store, 3)
     store.add_event(kind="job_cancelled", reason="job 3", details={"job_id": 3, "keys": [_key(64)]})
     store.add_event(kind="job_started", reason="job 3", details={"job_id": 3, "keys": [_key(64)]})
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert resume == [] and next_id == 4
     closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 3]
     assert len(closed) == 1 and closed[0]["details"]["state"] == "cancelled"
@@ -154,7 +155,7 @@ def test_a_job_running_while_thousands_of_jobs_came_and_went_is_resumed(tmp_path
     store.add_event(kind="job_started", reason="job 1", details={"job_id": 1, "keys": [_key(64)]})
     _cancelled_jobs(tmp_path / "m.db", 2, 1100, [_key(64 * b) for b in range(1, 9)])
     _queued(store, 1102)  # queued behind it, not cancelled
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert [r.job_id for r in resume] == [1, 1102] and next_id == 1103
     assert "interrupted" in resume[0].why
 
@@ -167,7 +168,7 @@ def test_an_open_job_whose_resumption_ran_to_its_end_is_closed_not_resumed(tmp_p
     _queued(store, 2, resumes=1)
     store.add_event(kind="job_finished", reason="done", details={"job_id": 2, "resumes": 1, "state": "done"})
     _cancelled_jobs(tmp_path / "m.db", 3, 1100, [_key(64)])
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert resume == [] and next_id == 1103
     closed = [e for e in store.list_events(10, kinds=("job_finished",)) if e["details"]["job_id"] == 1]
     assert len(closed) == 1 and "resumed as job 2" in closed[0]["reason"]
@@ -182,7 +183,7 @@ def test_a_job_whose_details_are_damaged_does_not_stop_recovery(tmp_path: Path) 
         c.execute("INSERT INTO events (created, kind, reason, details) VALUES ('x', 'job_queued', 'bad', '{not json')")
         c.execute("INSERT INTO events (created, kind, reason, details) VALUES ('x', 'job_queued', 'str', "
                   "'{\"job_id\": \"7\"}')")
-    resume, next_id = J.recover_jobs(store)
+    resume, next_id = R.recover_jobs(store)
     assert [r.job_id for r in resume] == [1] and next_id == 2
 
 
@@ -224,6 +225,6 @@ def test_a_restarted_daemon_closes_the_study_runs_of_the_job_killed_with_it(tmp_
     killed = _killed_run(db)  # a study's run row of a process killed with kill -9
     store = F.open_store(db)
     live = store.start_run(study_name="live", storage="x", backend="model")  # this process's: left alone
-    J.recover_jobs(store)
+    R.recover_jobs(store)
     st = _status(db)
     assert st[killed][0] == "interrupted" and st[live][0] == "running", st

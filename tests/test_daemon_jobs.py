@@ -207,7 +207,7 @@ def test_an_incomplete_discovery_is_not_counted_ok(tmp_path: Path) -> None:
 def test_why_a_retune_cannot_run_survives_a_restart(tmp_path: Path) -> None:
     """`status` still says why the stale profiles are not re-tuned after the daemon restarts (before: the
     notice was only in memory; the restarted daemon showed stale profiles and no reason, and queued nothing)."""
-    from moetune.tuner.daemon.jobs import RetuneImpossible
+    from moetune.tuner.daemon.retune import RetuneImpossible
 
     def retune(ctx: Any) -> list[ProfileRecord]:
         raise RetuneImpossible("no calibrated model of this node: run `moetune profile`")
@@ -237,7 +237,7 @@ def test_a_resumed_job_and_a_startup_fabric_change_tune_each_key_once(tmp_path: 
     also queues a re-tune of the stale keys. Both covered the same keys and each key was tuned twice: the fabric
     change was queued first, the resumed job after it. Now the resumed jobs are queued first and the fabric change's
     re-tune (skip_queued, as every automatic one) leaves out the keys they hold."""
-    from moetune.tuner.daemon.jobs import tuning_key
+    from moetune.tuner.daemon.retune import tuning_key
 
     node = Node(tmp_path)
     monkeypatch.setenv("MOETUNE_FAKE_JOB_SLEEP", "60")
@@ -275,7 +275,7 @@ def test_a_job_stopped_after_some_profiles_resumes_only_the_keys_it_had_not_tune
     """A job stopped (kill -9, or a stop) after it wrote some of its profiles but before its job_finished event is
     resumed at the next start with only the keys it had not finished (before: every key was tuned again). The
     profiles it wrote stay current; the one it had not reached is tuned once."""
-    from moetune.tuner.daemon.jobs import tuning_key
+    from moetune.tuner.daemon.retune import tuning_key
 
     wrote = threading.Event()
     first: list[tuple] = []

@@ -18,7 +18,8 @@ import daemon_fakes as F
 
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.daemon.jobs import Job, JobContext, JobManager, tuner_retune
+from moetune.tuner.daemon.jobs import Job, JobContext, JobManager
+from moetune.tuner.daemon.retune import tuner_retune
 from moetune.tuner.daemon.server import TuneSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -137,7 +138,7 @@ def test_a_job_says_what_each_study_left_written_kept_or_without_a_result() -> N
     said only "0 profile(s) written"), or no result at all (no successful trial)."""
     from types import SimpleNamespace
 
-    from moetune.tuner.daemon.jobs import _tally
+    from moetune.tuner.daemon.retune import _tally
     from moetune.tuner.search.tune import TuneResult
 
     facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
@@ -249,7 +250,7 @@ def test_a_queued_job_cancelled_frees_its_slot_at_once_and_is_recorded_once(tmp_
 def test_a_running_job_cancelled_then_a_daemon_stop_is_not_resumed(tmp_path: Path) -> None:
     """A cancel of a running job was recorded only when the job ended: a daemon stopped before that (its trial still
     running) left the job started in the store and the next daemon resumed it, the user's cancel lost."""
-    from moetune.tuner.daemon.jobs import recover_jobs
+    from moetune.tuner.daemon.recovery import recover_jobs
 
     store = F.open_store(tmp_path / "m.db")
     facts = F.FakeFacts({"gpu_count": 8, "name": "node"})

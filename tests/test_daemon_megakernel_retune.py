@@ -21,6 +21,7 @@ from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, provenance_of_backend
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.daemon import jobs as J
+from moetune.tuner.daemon import retune as RT
 from moetune.tuner.daemon.server import TuneSettings
 from moetune.tuner.search.backends import LocalBackend, TuneWorkload
 
@@ -85,13 +86,13 @@ def _inject(monkeypatch: pytest.MonkeyPatch, measure: Measure) -> list[Any]:
         made.append(be)
         return be
 
-    monkeypatch.setattr(J, "megakernel_backend", backend)
+    monkeypatch.setattr(RT, "megakernel_backend", backend)
     return made
 
 
 def _manager(store: Any, facts: Any, done: list, *, backend: str = "local", probe: Any = None,
              node_model_dir: str | None = None) -> J.JobManager:
-    return J.JobManager(store=store, facts_fn=lambda: facts, retune=J.tuner_retune,
+    return J.JobManager(store=store, facts_fn=lambda: facts, retune=RT.tuner_retune,
                         on_done=lambda j, w: done.append((j, w)),
                         tune=TuneSettings(backend=backend, trials=4, timeout_s=60, busy_retry_s=0.05,
                                           node_model_dir=node_model_dir),
@@ -204,7 +205,7 @@ def test_a_model_re_tune_of_ep_and_megakernel_keys_tunes_the_ep_ones_only(tmp_pa
     job = J.Job(1, reason="t", old_fingerprint="old", keys=[_key(facts, "nvlink", ep=2), _key(facts)])
     ctx = J.JobContext(store=store, facts=facts, job=job,
                        tune=TuneSettings(backend="model", trials=1, node_model_dir=str(tmp_path)))
-    J.tuner_retune(ctx)
+    RT.tuner_retune(ctx)
     assert [(c["ep_size"], c["nodes"], c.get("families")) for c in calls] == [(2, 1, None)]
     assert len(job.refused) == 1 and "1 megakernel key(s) not re-tuned" in job.refused[0]
 
@@ -219,7 +220,7 @@ def test_a_local_job_of_ep_and_megakernel_keys_tunes_each_as_itself(tmp_path: Pa
     facts = _facts("dgx-h100")
     store = F.open_store(tmp_path / "m.db")
     job = J.Job(1, reason="t", old_fingerprint="old", keys=[_key(facts, "nvlink", ep=8), _key(facts)])
-    J.tuner_retune(J.JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
+    RT.tuner_retune(J.JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
     ran = [(c["ep_size"], c["nodes"], c.get("families"), None if c.get("families") else c["backend"].world)
            for c in calls]
     assert ran == [(8, 1, None, 8), (1, 1, ["megakernel"], None)]  # EP as before; the megakernel as itself
@@ -288,8 +289,8 @@ def test_a_current_ep_1_transport_profile_does_not_stand_for_a_stale_megakernel_
                              provenance=provenance_of_backend("local:megakernel"))
     idx = ProfileIndex([ep1], version=1, facts=facts, stale=[mk_stale])
     assert retune_keys(idx, all_current=False) == [mk_stale.key]
-    assert J.tuning_key(ep1.key) != J.tuning_key(mk_stale.key)
-    assert J.tuning_key(_key(facts, "nvlink", ep=2)) == J.tuning_key(_key(facts, "host_staged", ep=2))
+    assert RT.tuning_key(ep1.key) != RT.tuning_key(mk_stale.key)
+    assert RT.tuning_key(_key(facts, "nvlink", ep=2)) == RT.tuning_key(_key(facts, "host_staged", ep=2))
 
 
 def _hopper_with_library() -> str:
@@ -302,7 +303,7 @@ def _hopper_with_library() -> str:
         return "needs an sm_90 GPU (the megakernel is built for sm_90a)"
     from moetune.tuner.fabric.discovery import discover
 
-    return J.megakernel_refusal(discover(), "local")
+    return RT.megakernel_refusal(discover(), "local")
 
 
 @pytest.mark.gpu
@@ -320,7 +321,7 @@ def test_gpu_a_stale_megakernel_key_is_re_measured_on_the_gpu(tmp_path: Path) ->
     store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
     stale = _stale_mk(store, facts)
     done: list = []
-    jm = J.JobManager(store=store, facts_fn=lambda: facts, retune=J.tuner_retune,
+    jm = J.JobManager(store=store, facts_fn=lambda: facts, retune=RT.tuner_retune,
                       on_done=lambda j, w: done.append((j, w)),
                       tune=TuneSettings(backend="local", trials=3, timeout_s=240, busy_retry_s=0.05),
                       gpu_probe=lambda: (False, "idle (test)"))

@@ -24,7 +24,8 @@ import daemon_fakes as F
 import moetune.tuner.search.tune as search
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.daemon.jobs import Job, JobContext, tuner_retune
+from moetune.tuner.daemon.jobs import Job, JobContext
+from moetune.tuner.daemon.retune import tuner_retune
 from moetune.tuner.daemon.logs import setup_logging
 from moetune.tuner.daemon.server import TuneSettings
 from moetune.tuner.search.backends import CallableBackend

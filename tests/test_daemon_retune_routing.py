@@ -18,7 +18,8 @@ import daemon_fakes as F
 
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.daemon.jobs import Job, JobContext, JobManager, tuner_retune
+from moetune.tuner.daemon.jobs import Job, JobContext, JobManager
+from moetune.tuner.daemon.retune import tuner_retune
 from moetune.tuner.daemon.server import TuneSettings
 
 pytestmark = pytest.mark.timeout(60)

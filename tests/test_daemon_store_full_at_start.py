@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.tuner.daemon import jobs as J
+from moetune.tuner.daemon import recovery as R
 from moetune.tuner.daemon.server import Daemon
 from moetune.tuner.store.store import StoreFull
 
@@ -66,7 +67,7 @@ def test_a_daemon_on_a_full_disk_starts_serves_and_records_the_fabric_once_it_ca
     finally:
         c.close()
         d.stop()
-    resume, _next = J.recover_jobs(store)  # the next start closes them
+    resume, _next = R.recover_jobs(store)  # the next start closes them
     assert resume == [] and store.open_jobs(kinds=J.JOB_EVENTS, finished="job_finished")[0] == []
     store.close()
 

@@ -18,7 +18,7 @@ import daemon_fakes as F
 
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.client import ProfileClient
-from moetune.tuner.daemon.jobs import RetuneImpossible
+from moetune.tuner.daemon.retune import RetuneImpossible
 from moetune.tuner.daemon.server import Daemon, TuneSettings
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,7 +99,7 @@ def test_a_restart_under_another_backend_drops_the_notice(tmp_path: Path) -> Non
 def test_a_restart_after_a_job_that_started_shows_no_old_notice(tmp_path: Path) -> None:
     """As a running daemon (cleared when the job started): a job that started after the notice, and failed
     otherwise, leaves none for the next daemon either; an event of an older moetune (no backend) keeps it."""
-    from moetune.tuner.daemon.jobs import tune_notice_of
+    from moetune.tuner.daemon.recovery import tune_notice_of
 
     store = F.open_store(tmp_path / "m.db")
     store.add_event(kind="job_started", reason="started job 1", details={"job_id": 1, "state": "running"})
@@ -114,7 +114,7 @@ def test_a_restart_after_a_job_that_started_shows_no_old_notice(tmp_path: Path) 
 def test_a_notice_survives_thousands_of_cancelled_jobs_after_it(tmp_path: Path) -> None:
     """Cancelled queued re-tunes end in job_finished events (state cancelled) that decide nothing: read back page by
     page, the notice behind 1,200 of them is still found (a window of the newest 2,000 job events lost it)."""
-    from moetune.tuner.daemon.jobs import tune_notice_of
+    from moetune.tuner.daemon.recovery import tune_notice_of
 
     store = F.open_store(tmp_path / "m.db")
     store.add_event(kind="job_finished", reason=NOTICE, details={"job_id": 1, "state": "failed", "impossible": True,

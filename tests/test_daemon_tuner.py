@@ -54,7 +54,8 @@ def test_a_retune_whose_predictions_do_not_displace_measurements_says_so(tmp_pat
     """`retune --all` with the model backend on a node whose current profiles are measured: the predictions go in as
     history and the measured profiles stay current. The job said only "0 profile(s) written", which read as a
     re-tune that did nothing; its message now counts the keys that kept their current profile."""
-    from moetune.tuner.daemon.jobs import JobManager, tuner_retune
+    from moetune.tuner.daemon.jobs import JobManager
+    from moetune.tuner.daemon.retune import tuner_retune
     from moetune.tuner.fabric.discovery import discover
 
     cap = tmp_path / "capture"

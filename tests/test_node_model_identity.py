@@ -100,7 +100,7 @@ def test_the_library_refuses_it_too(tmp_path: Path) -> None:
 @pytest.mark.parametrize("recorded", [None, "another"])
 def test_the_daemons_model_retune_refuses_a_node_file_not_calibrated_on_its_node(tmp_path: Path,
                                                                                 recorded: str | None) -> None:
-    from moetune.tuner.daemon.jobs import RetuneImpossible, _backend_for
+    from moetune.tuner.daemon.retune import RetuneImpossible, _backend_for
     from moetune.tuner.daemon.server import TuneSettings
 
     facts = F.FakeFacts({"gpu_model": "H200"})

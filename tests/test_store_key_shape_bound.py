@@ -1,7 +1,7 @@
 """A profile key's shape (hidden, intermediate, experts, top-k) is one a ModelShape can be (at most
 runtime.shapes.MAX_DIMENSION, what a daemon's get_profile takes). The store took any 64-bit integer there: an imported
 key with hidden 2**40 was stored current, no request could ever be answered with it, and the daemon's re-tune of it
-(`jobs._shape_of`) failed the whole job. Refused with the field named, as every other impossible key is."""
+(`retune._shape_of`) failed the whole job. Refused with the field named, as every other impossible key is."""
 
 from __future__ import annotations
 

@@ -533,7 +533,7 @@ def test_retune_refuses_a_node_model_the_calibration_checks_refused(tmp_path: Pa
     that read the accepted model sees it replaced by a forced one (and the reverse) without a restart."""
     from types import SimpleNamespace
 
-    from moetune.tuner.daemon.jobs import RetuneImpossible, _backend_for
+    from moetune.tuner.daemon.retune import RetuneImpossible, _backend_for
     from moetune.tuner.search.backends import ModelBackend
 
     facts = F.FakeFacts({"gpu_model": "H200"})

@@ -109,7 +109,8 @@ def test_the_daemons_local_re_tune_records_the_daemons_environment(tmp_path: Pat
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """tuner_retune with [tune] backend = "local": the ranks are launched from the daemon, in its environment."""
     import moetune.tuner.search.tune as search
-    from moetune.tuner.daemon.jobs import Job, JobContext, tuner_retune
+    from moetune.tuner.daemon.jobs import Job, JobContext
+    from moetune.tuner.daemon.retune import tuner_retune
     from moetune.tuner.daemon.server import TuneSettings
 
     bench = _bench(tmp_path)

@@ -21,7 +21,8 @@ from moetune.runtime import wire
 from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner import __version__
 from moetune.tuner.daemon.index import ProfileIndex
-from moetune.tuner.daemon.jobs import JobNotRecorded, retune_refusal, tuner_retune, tuning_key
+from moetune.tuner.daemon.jobs import JobNotRecorded
+from moetune.tuner.daemon.retune import retune_refusal, tuner_retune, tuning_key
 from moetune.tuner.daemon.watch import facts_dict, transport_names
 
 if TYPE_CHECKING:

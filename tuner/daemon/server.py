@@ -89,21 +89,18 @@ from moetune.tuner.daemon.auth import (
 from moetune.tuner.daemon.endpoints import check_endpoint, derive_pub_endpoint, same_endpoint
 from moetune.tuner.daemon.errors import DaemonConfigError
 from moetune.tuner.daemon.index import ProfileIndex, read_profiles
-from moetune.tuner.daemon.jobs import (
-    TUNE_BACKENDS,
-    Job,
-    JobManager,
+from moetune.tuner.daemon.jobs import Job, JobManager, RetuneFn
+from moetune.tuner.daemon.locks import lock_database, lock_runs, lock_socket_path, release_socket_lock
+from moetune.tuner.daemon.logs import setup_logging
+from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
+from moetune.tuner.daemon.recovery import (
     Resumable,
-    RetuneFn,
     close_job,
     keys_from_details,
     recover_jobs,
     tune_notice_of,
-    tuner_retune,
 )
-from moetune.tuner.daemon.locks import lock_database, lock_runs, lock_socket_path, release_socket_lock
-from moetune.tuner.daemon.logs import setup_logging
-from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
+from moetune.tuner.daemon.retune import TUNE_BACKENDS, tuner_retune
 from moetune.tuner.daemon.runtime_dir import (
     INFO_MARK,
     check_socket_ancestors,

@@ -60,7 +60,7 @@ def retune_keys(made_stale: list[Any], new_stale: list[tuple[int, Any]], have: s
     and the start's finish of one recorded but not queued (`_retune_after_interrupted_change`): those of the old
     fingerprint's records the change made stale (`made_stale`) and of the new fingerprint's stale rows (`new_stale`:
     (id, record)), both less the keys it has a current profile for (`have`)."""
-    from moetune.tuner.daemon.jobs import tuning_key
+    from moetune.tuner.daemon.retune import tuning_key
 
     keys: dict[tuple, Any] = {}
     for r in [*made_stale, *(r for _, r in new_stale)]:
@@ -173,7 +173,8 @@ class FabricWatch:
         stale, and the keys no job queued since the change holds and no current profile of the new fingerprint
         has are queued, with the new fingerprint's older stale keys: the keys `_fabric_changed` queues
         (`retune_keys`), for a change recorded by a CLI writer while no daemon ran too. A change of GPUs only (same fingerprint) too: the rows it concerns are the old GPUs'."""
-        from moetune.tuner.daemon.jobs import keys_from_details, tuning_key
+        from moetune.tuner.daemon.recovery import keys_from_details
+        from moetune.tuner.daemon.retune import tuning_key
         from moetune.tuner.store import StoreError
 
         if self.facts is None:
@@ -260,7 +261,7 @@ class FabricWatch:
         # current, nothing was published or re-tuned until a restart). The retry writes no second event for it.
         kept = self.facts
         try:
-            from moetune.tuner.daemon.jobs import tuning_key
+            from moetune.tuner.daemon.retune import tuning_key
 
             recorded = self._recorded_change(old_fp, facts)
             with self._commit_lock:
