@@ -86,7 +86,7 @@ def test_a_capture_without_the_driver_version_warns_instead_of_dropping_dma_buf_
 
 
 def test_a_capture_without_its_package_versions_is_refused_or_warned_of(tmp_path: Path) -> None:
-    from moetune.tuner.fabric.discovery import CaptureError
+    from moetune.tuner.fabric.errors import CaptureError
 
     written = tmp_path / "written"
     shutil.copytree(CAPTURES / "h200x2", written)  # written by `moetune fabric capture`: it always has the file

@@ -23,6 +23,7 @@ import daemon_fakes as F
 
 from moetune.tuner.cli import app
 from moetune.tuner.fabric import discovery
+from moetune.tuner.fabric.errors import DiscoveryError
 
 pytestmark = pytest.mark.timeout(120)
 CAPTURES = Path(__file__).resolve().parent / "captures"
@@ -90,7 +91,7 @@ def test_a_local_tune_of_this_nodes_capture_measures_and_stores_under_its_key(
 
 def test_a_failed_live_discovery_cannot_confirm_the_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     def fails(timeout_s: float = 1.5) -> Any:
-        raise discovery.DiscoveryError("nvidia-smi -q -x", "unparsable")
+        raise DiscoveryError("nvidia-smi -q -x", "unparsable")
 
     monkeypatch.setattr(discovery, "live_facts", fails)
     why = discovery.capture_not_this_node(discovery.discover(CAPTURES / "cpu-laptop"), CAPTURES / "cpu-laptop")

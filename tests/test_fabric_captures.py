@@ -9,8 +9,9 @@ import shutil
 import pytest
 
 from moetune.tuner.fabric.capture import capture_node
-from moetune.tuner.fabric.discovery import CaptureSource, discover
+from moetune.tuner.fabric.discovery import discover
 from moetune.tuner.fabric.facts import FabricFacts
+from moetune.tuner.fabric.sources import CaptureSource
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 

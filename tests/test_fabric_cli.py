@@ -10,7 +10,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from moetune.tuner.fabric.discovery import LiveSource, discover
+from moetune.tuner.fabric.discovery import discover
+from moetune.tuner.fabric.sources import LiveSource
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 runner = CliRunner()
@@ -152,12 +153,12 @@ def test_live_prefetch_runs_in_parallel() -> None:
 
 
 def test_nvml_hang_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import moetune.tuner.fabric.discovery as d
+    import moetune.tuner.fabric.sources as s  # LiveSource.gpu_api looks _nvml_facts up there
 
-    monkeypatch.setattr(d, "_nvml_facts", lambda: time.sleep(3) or None)
-    monkeypatch.setattr(d.shutil, "which", lambda name: None)
+    monkeypatch.setattr(s, "_nvml_facts", lambda: time.sleep(3) or None)
+    monkeypatch.setattr(s.shutil, "which", lambda name: None)
     t0 = time.perf_counter()
-    api = d.LiveSource(timeout_s=0.3).gpu_api()
+    api = s.LiveSource(timeout_s=0.3).gpu_api()
     assert time.perf_counter() - t0 < 1.5
     assert api == {"api": "nvml", "gpus": [], "status": "timeout"}
 

@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
 from moetune.tuner.fabric.capture import capture_node
-from moetune.tuner.fabric.discovery import CaptureError, CaptureSource, DiscoveryError, discover
+from moetune.tuner.fabric.discovery import discover
+from moetune.tuner.fabric.errors import CaptureError, DiscoveryError
+from moetune.tuner.fabric.sources import CaptureSource
 
 CAPTURES = pathlib.Path(__file__).resolve().parent / "captures"
 XML = "commands/nvidia-smi_-q_-x"

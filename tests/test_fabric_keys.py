@@ -132,7 +132,8 @@ def test_software_is_the_same_whether_torch_was_imported(monkeypatch: pytest.Mon
     import importlib.metadata as md
     import types
 
-    from moetune.tuner.fabric.discovery import LiveSource, _software
+    from moetune.tuner.fabric.discovery import _software
+    from moetune.tuner.fabric.sources import LiveSource
 
     def version(name: str) -> str:
         if name == "torch":

@@ -24,6 +24,7 @@ import daemon_fakes as F
 from moetune.runtime.knobs import Knobs
 from moetune.tuner.cli import app
 from moetune.tuner.fabric import discovery
+from moetune.tuner.fabric.errors import DiscoveryError
 from moetune.tuner.fabric.moved import FabricMovedOn
 from moetune.tuner.search.backends import TuneWorkload
 
@@ -110,7 +111,7 @@ def test_tune_stores_when_discovery_cannot_tell_or_nothing_changed(tmp_path: Pat
                                                                    after: str) -> None:
     before = discovery.discover(CAPTURES / "cpu-laptop")
     if after == "failed":
-        then: Any = discovery.DiscoveryError("nvidia-smi", "timed out")
+        then: Any = DiscoveryError("nvidia-smi", "timed out")
     elif after == "incomplete":
         then = discovery.discover(_torch_bumped(tmp_path))
         then.warnings = ["nvidia-smi timed out"]  # facts not read whole: no evidence of a change

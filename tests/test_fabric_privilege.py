@@ -177,7 +177,7 @@ def test_numa_node_minus_one_is_kept_apart_from_unknown(tmp_path: Path) -> None:
 
 
 def test_a_garbled_pci_attribute_names_its_file(tmp_path: Path) -> None:
-    from moetune.tuner.fabric.discovery import CaptureError
+    from moetune.tuner.fabric.errors import CaptureError
 
     cap = _with_pci_sysfs(_copy(tmp_path))
     (cap / IB / "mlx5_0/device/current_link_width").write_text("sixteen\n")

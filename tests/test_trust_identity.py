@@ -230,7 +230,8 @@ def test_is_tuned_for_and_the_client_follow_one_provenance_rule(backend: str, la
 
 # -- also: the software facts read from Python distributions -----------------------------------------------------
 def test_the_package_facts_are_read_as_discovery_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.tuner.fabric.discovery import PACKAGES, _software
+    from moetune.tuner.fabric.discovery import _software
+    from moetune.tuner.fabric.sources import PACKAGES
 
     assert {d for names in node_identity.PACKAGE_FACTS.values() for d in names} == set(PACKAGES)
     for installed in ({}, {n: f"1.{i}" for i, n in enumerate(PACKAGES)},

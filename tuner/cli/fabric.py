@@ -40,7 +40,8 @@ def _check_timeout(value: float) -> float:
 
 
 def _discover(from_dir: Path | None, timeout_s: float) -> Any:
-    from moetune.tuner.fabric.discovery import DiscoveryError, discover
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.fabric.errors import DiscoveryError
 
     try:
         return discover(from_dir, timeout_s=timeout_s)
@@ -183,7 +184,8 @@ def capture(
 ) -> None:
     """Save what discovery reads on this node (sys/, proc/, commands/) for support or tests."""
     from moetune.tuner.fabric.capture import capture_node
-    from moetune.tuner.fabric.discovery import DiscoveryError, discover
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.fabric.errors import DiscoveryError
 
     try:
         path = capture_node(dest, timeout_s=timeout_s)

@@ -707,7 +707,8 @@ def calibrate_cmd(
     if this_node:
         if out is None:
             _fail("--this-node records the node in the --out file: give --out FILE")
-        from moetune.tuner.fabric.discovery import DiscoveryError, live_facts
+        from moetune.tuner.fabric.discovery import live_facts
+        from moetune.tuner.fabric.errors import DiscoveryError
 
         try:  # the node the file will be this node's model of (only it: another fingerprint is refused there)
             node = live_facts()

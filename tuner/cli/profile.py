@@ -180,7 +180,7 @@ def profile(
     from moetune.runtime.shapes import get_model
     from moetune.tuner.bringup.flow import Bringup, Plan
     from moetune.tuner.bringup.report import NotOurReport, foreign_report
-    from moetune.tuner.fabric.discovery import DiscoveryError
+    from moetune.tuner.fabric.errors import DiscoveryError
     from moetune.tuner.fabric.moved import FabricMovedOn
     from moetune.tuner.store.store import StoreError, database_path
 
@@ -440,7 +440,8 @@ def report(
     with ends_cleanly_on_interrupt(lambda: _report_left(where)):
         from moetune.tuner.bringup.flow import report_from_store
         from moetune.tuner.bringup.report import NotOurReport
-        from moetune.tuner.fabric.discovery import DiscoveryError, capture_not_this_node, discover
+        from moetune.tuner.fabric.discovery import capture_not_this_node, discover
+        from moetune.tuner.fabric.errors import DiscoveryError
 
         if out is not None:
             _check_out_dir(out, "--out")

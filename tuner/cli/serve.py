@@ -17,7 +17,9 @@ def _check_capture(capture: Path, *, read: bool) -> None:
     would otherwise serve on and only log each failed discovery. The rule is discovery's own
     (read_capture_manifest: a directory holding a capture's manifest.json), as for every --capture."""
     from moetune.tuner.cli.db import fail
-    from moetune.tuner.fabric.discovery import DiscoveryError, discover, read_capture_manifest
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.fabric.errors import DiscoveryError
+    from moetune.tuner.fabric.sources import read_capture_manifest
 
     try:
         read_capture_manifest(capture)

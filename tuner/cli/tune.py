@@ -396,7 +396,8 @@ def tune(
         if unknown:
             _fail(f"--family {', '.join(unknown)}: not a transport family (known: {_known_families_text()})")
     if capture is not None:  # before anything runs (it was ignored, or a traceback, when it did not exist)
-        from moetune.tuner.fabric.discovery import DiscoveryError, read_capture_manifest
+        from moetune.tuner.fabric.errors import DiscoveryError
+        from moetune.tuner.fabric.sources import read_capture_manifest
 
         try:
             read_capture_manifest(capture)
@@ -436,7 +437,7 @@ def tune(
             from moetune.tuner.fabric.discovery import discover  # type: ignore[attr-defined]
         except ImportError as e:
             _fail(f"fabric discovery is not available in this build ({e}); use --backend model --preset P")
-        from moetune.tuner.fabric.discovery import DiscoveryError
+        from moetune.tuner.fabric.errors import DiscoveryError
 
         try:
             facts = discover(capture)

@@ -21,20 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moetune.tuner.fabric.discovery import (
+from moetune.tuner.fabric.discovery import SMI_XML, discover_from
+from moetune.tuner.fabric.errors import DiscoveryError
+from moetune.tuner.fabric.facts import FabricFacts
+from moetune.tuner.fabric.sources import (
     CAPTURE_FORMAT,
     GPU_API_FILE,
     MANIFEST_FILE,
     PACKAGES_FILE,
-    SMI_XML,
-    DiscoveryError,
     LiveSource,
     RecordingSource,
     Source,
     command_key,
-    discover_from,
 )
-from moetune.tuner.fabric.facts import FabricFacts
 
 _PROCESSES = re.compile(r"<processes>.*?</processes>", re.S)
 

@@ -39,10 +39,11 @@ class FabricGuard:
         discovery that cannot tell: failed, or incomplete, as the daemon takes them)."""
         from moetune.tuner.fabric import discovery
         from moetune.tuner.fabric.change import incomplete, same_hardware
+        from moetune.tuner.fabric.errors import DiscoveryError
 
         try:
             live = discovery.live_facts()
-        except (discovery.DiscoveryError, OSError) as e:
+        except (DiscoveryError, OSError) as e:
             log.warning("live discovery failed; the fabric is taken as unchanged: %s", e)
             return None
         if incomplete(live):
