@@ -26,7 +26,7 @@ from moetune.tuner.search.backends import (
     NodeModelBackend,
     TuneWorkload,
 )
-from moetune.tuner.search.study import describe_study
+from moetune.tuner.search.readback import describe_study
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(120)

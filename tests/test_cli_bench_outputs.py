@@ -134,7 +134,7 @@ def test_a_later_launch_that_cannot_be_written_stops_the_run(monkeypatch, tmp_pa
 def test_an_interrupted_run_says_what_its_finished_launches_left(monkeypatch, tmp_path: Path, fast_scenario) -> None:
     """Ctrl-C in `bench run` ended with no word (Typer's bare exit 130): one line saying how many rows of the
     finished launches are in the table (the launch in progress is not), exit 130 (143 for SIGTERM), as `tune`."""
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     calls: list[int] = []
     stop_at = [2]
@@ -610,7 +610,7 @@ def test_an_interrupted_benchmark_says_nothing_was_printed(monkeypatch: pytest.M
     from moetune.runtime.testing import launch
     from moetune.tuner.measure import moe as M
     from moetune.tuner.measure import moe_compare as MC
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     raised: list[type[BaseException]] = [KeyboardInterrupt]
 

@@ -291,7 +291,7 @@ def test_tune_show_says_the_stored_profile_of_a_mislabelled_row_is_what_its_back
     list/show/export, `query` and the runtime take it as the preset it is."""
     import sqlite3
 
-    from moetune.tuner.search.study import stored_for_key
+    from moetune.tuner.search.readback import stored_for_key
 
     db = tmp_path / "m.db"
     fill(db)

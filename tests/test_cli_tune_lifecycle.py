@@ -133,7 +133,7 @@ def test_an_error_raised_while_an_interrupt_unwound_is_that_interrupt() -> None:
     import typer
 
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt, interrupt_behind
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     def unwound(interrupt: KeyboardInterrupt) -> Exception:
         try:
@@ -292,7 +292,8 @@ TUNE_MODEL = ["tune", "-m", "qwen3-30b", "--tokens", "128", "--backend", "model"
 
 def test_each_profile_database_has_its_own_default_studies_file(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.tuner.search.study import default_storage_url, list_studies
+    from moetune.tuner.search.readback import list_studies
+    from moetune.tuner.search.storage import default_storage_url
 
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
     for name in ("p", "empty"):  # one folder, two databases: each runs its trials in its own studies file
@@ -312,7 +313,8 @@ def test_each_profile_database_has_its_own_default_studies_file(tmp_path: Path,
 def test_a_database_tuned_in_the_shared_studies_file_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A database whose runs were recorded in moetune-studies.db beside it (before the file was per database)
     resumes its studies there, while it has no file of its own."""
-    from moetune.tuner.search.study import default_storage_url, list_studies
+    from moetune.tuner.search.readback import list_studies
+    from moetune.tuner.search.storage import default_storage_url
 
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
     shared = tmp_path / "moetune-studies.db"
@@ -337,7 +339,7 @@ def test_a_database_tuned_in_the_shared_studies_file_keeps_it(tmp_path: Path, mo
 
 def test_default_studies_file_names_are_one_per_database(tmp_path: Path) -> None:
     """x.db, x.sqlite and x of one folder shared x-studies.db (the name came from the stem)."""
-    from moetune.tuner.search.study import studies_file_name
+    from moetune.tuner.search.storage import studies_file_name
 
     names = [studies_file_name(tmp_path / n) for n in ("moetune.db", "x.db", "x.sqlite", "x")]
     assert names == ["moetune-studies.db", "x-studies.db", "x.sqlite.studies.db", "x.studies.db"]
@@ -434,7 +436,7 @@ def test_ctrl_c_inside_a_study_storage_transaction_ends_the_tune_as_an_interrupt
     exit 130, at once (not after the 30 s busy timeout)."""
     import optuna
 
-    from moetune.tuner.search.study import INTERRUPTED
+    from moetune.tuner.search.trials import INTERRUPTED
 
     target = _after_begin_line()
     session_file = sys.modules["sqlalchemy.orm.session"].__file__

@@ -224,7 +224,7 @@ def test_calibrate_interrupted_says_nothing_was_written(tmp_path: Path, monkeypa
     """Ctrl-C in the fit ended with no word (Typer's bare exit 130): one line saying nothing was written, exit 130
     (143 for SIGTERM), as `tune`."""
     from moetune.tuner.fabric_model import calibration
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     out = tmp_path / "new.toml"
     args = ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(_host_staged_rows(tmp_path)), "--out", str(out)]

@@ -127,7 +127,7 @@ def test_db_read_reads_a_closed_database_in_a_folder_it_cannot_write(tmp_path: P
 def closed_studies_file(folder: Path) -> str:
     import optuna
 
-    from moetune.tuner.search.study import make_storage
+    from moetune.tuner.search.storage import make_storage
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     url = f"sqlite:///{folder / 'studies.db'}"
@@ -149,7 +149,7 @@ def test_tune_show_storage_opens_the_daemons_closed_studies_file(tmp_path: Path)
     assert sorted(p.name for p in shared.iterdir()) == ["studies.db", "studies.db.lock"] or \
         sorted(p.name for p in shared.iterdir()) == ["studies.db"]
     give_away(shared)
-    code = ("import sys, optuna\nfrom moetune.tuner.search.study import open_readonly_storage\n"
+    code = ("import sys, optuna\nfrom moetune.tuner.search.storage import open_readonly_storage\n"
             "st = open_readonly_storage(sys.argv[1])\n"
             "print([(s.study_name, s.n_trials) for s in optuna.get_all_study_summaries(st)])\n")
     r = run_dropped(code, url)
@@ -288,7 +288,7 @@ def test_the_fallback_is_refused_while_a_wal_holds_changes(tmp_path: Path, fallb
 def test_tune_show_storage_says_changed_not_malformed(tmp_path: Path, fallback: list) -> None:
     import optuna
 
-    from moetune.tuner.search.study import open_readonly_storage
+    from moetune.tuner.search.storage import open_readonly_storage
 
     url = closed_studies_file(tmp_path)
     st = open_readonly_storage(url)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moetune.tuner.search import study
+from moetune.tuner.search import readback, storage, study, trials
 from moetune.tuner.store import _tables
 from moetune.tuner.store.store import Store, StoreError, head_revision, probe_database
 
@@ -51,10 +51,10 @@ def test_a_newer_optunas_file_with_a_table_of_its_own_still_becomes_a_store(tmp_
 def test_tune_storage_and_tune_show_apply_the_same_rule(tmp_path: Path) -> None:
     theirs = tmp_path / "theirs.db"
     digest = make(theirs, "alembic_version", "trials")
-    with pytest.raises(study.StorageRefused, match="another program's database"):
-        study.make_storage(f"sqlite:///{theirs}")
-    with pytest.raises(study.NotAStudiesFile, match="no studies, version_info tables"):
-        study.open_readonly_storage(f"sqlite:///{theirs}")
+    with pytest.raises(storage.StorageRefused, match="another program's database"):
+        storage.make_storage(f"sqlite:///{theirs}")
+    with pytest.raises(storage.NotAStudiesFile, match="no studies, version_info tables"):
+        storage.open_readonly_storage(f"sqlite:///{theirs}")
     assert hashlib.sha256(theirs.read_bytes()).hexdigest() == digest
     assert not _tables.is_foreign_file({"alembic_version", "studies", "trials", "version_info", "x"})
 
@@ -92,12 +92,12 @@ def test_a_half_created_studies_file_is_finished_not_refused(tmp_path: Path, nam
     assert half_created(db, *names) == set(names)
     tables = _tables.existing_tables(db, timeout_s=5)  # the names with their columns
     assert not _tables.is_foreign_file(tables) and _tables.is_unfinished_optuna_file(tables)
-    st = study.make_storage(f"sqlite:///{db}")  # finishes the schema (and stamps it)
+    st = storage.make_storage(f"sqlite:///{db}")  # finishes the schema (and stamps it)
     assert (tmp_path / "studies.db.lock").is_file()  # under the creation lock (taken only while the schema is missing)
     s = study.open_study("moetune/t", st, seed=0)
     s.tell(s.ask(), 1.0)
-    assert study.finished_trials(study.open_study("moetune/t", f"sqlite:///{db}")) == 1
-    assert study.list_studies(f"sqlite:///{db}")[0]["study"] == "moetune/t"
+    assert trials.finished_trials(study.open_study("moetune/t", f"sqlite:///{db}")) == 1
+    assert readback.list_studies(f"sqlite:///{db}")[0]["study"] == "moetune/t"
 
 
 def test_a_half_created_studies_file_may_become_a_store(tmp_path: Path) -> None:
@@ -108,7 +108,7 @@ def test_a_half_created_studies_file_may_become_a_store(tmp_path: Path) -> None:
         Store.open_existing(db)
     with Store(db) as s:
         assert s.current_revision() == head_revision()
-    study.make_storage(f"sqlite:///{db}")  # and Optuna finishes its part
+    storage.make_storage(f"sqlite:///{db}")  # and Optuna finishes its part
 
 
 def test_an_unfinished_optuna_file_needs_optunas_names_and_columns() -> None:
@@ -144,7 +144,7 @@ def test_a_users_file_with_a_table_called_trials_or_studies_is_foreign(tmp_path:
     assert probe_database(db) == ("foreign", None)
     with pytest.raises(StoreError, match="not a moetune database"):
         Store(db)
-    with pytest.raises(study.StorageRefused, match="another program's database"):
-        study.make_storage(f"sqlite:///{db}")
+    with pytest.raises(storage.StorageRefused, match="another program's database"):
+        storage.make_storage(f"sqlite:///{db}")
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["user.db"]

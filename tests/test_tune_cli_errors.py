@@ -316,7 +316,7 @@ def test_a_preset_with_the_local_backend_is_refused(tmp_path: Path) -> None:
 
 def test_tune_show_says_interrupted_never_none(tmp_path: Path) -> None:
     """A trial ended by SIGTERM/Ctrl-C has no `error`: `tune show --study` printed "trial N failed: None". Now
-    "interrupted" (study.is_interrupted), and a failed measurement keeps its own reason."""
+    "interrupted" (trials.is_interrupted), and a failed measurement keeps its own reason."""
     import json
 
     db = tmp_path / "x.db"

@@ -16,7 +16,9 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from moetune.tuner.search.study import finished_trials, make_storage, open_study
+from moetune.tuner.search.storage import make_storage
+from moetune.tuner.search.study import open_study
+from moetune.tuner.search.trials import finished_trials
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(180)

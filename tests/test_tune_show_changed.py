@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.cli import app
-from moetune.tuner.search import study as study_mod
+from moetune.tuner.search import readback
+from moetune.tuner.search import storage as storage_mod
 
 runner = CliRunner()
 
@@ -26,7 +27,7 @@ def closed_studies_file(folder: Path) -> str:
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     url = f"sqlite:///{folder / 'studies.db'}"
-    storage = study_mod.make_storage(url)
+    storage = storage_mod.make_storage(url)
     study = optuna.create_study(study_name="moetune/t", storage=storage)
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     storage.engine.dispose()
@@ -49,7 +50,7 @@ def _writer(monkeypatch: pytest.MonkeyPatch, db: Path, *, opens_left_alone: int 
             error: str = "database disk image is malformed") -> list[int]:
     """Each read-only storage opened after the first `opens_left_alone` gets a writer: before a statement runs a tune
     commits to the file (`changes` times in all), and SQLite's read fails with `error`. Returns [opens, changes]."""
-    real = study_mod.open_readonly_storage
+    real = storage_mod.open_readonly_storage
     n = [0, 0]
 
     def opened(url: str):
@@ -73,7 +74,7 @@ def _writer(monkeypatch: pytest.MonkeyPatch, db: Path, *, opens_left_alone: int 
 
         return st
 
-    monkeypatch.setattr(study_mod, "open_readonly_storage", opened)
+    monkeypatch.setattr(readback, "open_readonly_storage", opened)
     return n
 
 

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
-from moetune.tuner.search.study import make_storage
+from moetune.tuner.search.storage import make_storage
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(240)

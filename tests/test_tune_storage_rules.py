@@ -15,8 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
-from moetune.tuner.search import study as study_mod
-from moetune.tuner.search.study import make_storage, open_study
+from moetune.tuner.search import readback, storage
+from moetune.tuner.search.storage import make_storage
+from moetune.tuner.search.study import open_study
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(240)
@@ -137,7 +138,7 @@ def test_a_lock_through_a_link_is_not_followed_and_creation_is_retried(
     db = tmp_path / "s.db"
     target = tmp_path / "elsewhere"
     (tmp_path / "s.db.lock").symlink_to(target)
-    real = study_mod.GuardedRDBStorage  # the RDBStorage make_storage builds (interrupts held back in its calls)
+    real = storage.GuardedRDBStorage  # the RDBStorage make_storage builds (interrupts held back in its calls)
     calls: list[int] = []
 
     def racing(*a, **k):  # type: ignore[no-untyped-def]
@@ -147,9 +148,9 @@ def test_a_lock_through_a_link_is_not_followed_and_creation_is_retried(
                                                          "alembic_version.version_num")
         return real(*a, **k)
 
-    monkeypatch.setattr(study_mod, "GuardedRDBStorage", racing)
+    monkeypatch.setattr(storage, "GuardedRDBStorage", racing)
     monkeypatch.setattr("time.sleep", lambda s: None)
-    with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.study"):
+    with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.storage"):
         make_storage(f"sqlite:///{db}")
     assert not target.exists()  # the link was not followed
     assert len(calls) == 2 and "studies" in _tables(db)
@@ -170,7 +171,7 @@ def test_tune_finishes_a_half_created_studies_file(tmp_path: Path) -> None:
     r = runner.invoke(app, [*TUNE, "--db", str(tmp_path / "m.db"), "--json"])
     assert r.exit_code == 0, r.output
     assert {"trials", "alembic_version"} <= _tables(studies)
-    assert study_mod.list_studies(f"sqlite:///{studies}")[0]["trials"] >= 3
+    assert readback.list_studies(f"sqlite:///{studies}")[0]["trials"] >= 3
 
 
 def _refusals(path: Path) -> tuple[str, str]:
@@ -179,7 +180,7 @@ def _refusals(path: Path) -> tuple[str, str]:
 
     with pytest.raises(StoreError) as store_error:
         Store(path)
-    with pytest.raises(study_mod.StorageRefused) as storage_error:
+    with pytest.raises(storage.StorageRefused) as storage_error:
         make_storage(f"sqlite:///{path}")
     return str(store_error.value), str(storage_error.value)
 
@@ -219,7 +220,7 @@ def test_a_fifo_at_the_lock_name_does_not_block(tmp_path: Path, monkeypatch: pyt
 
     def run() -> None:
         try:
-            with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.study"):
+            with caplog.at_level(logging.DEBUG, logger="moetune.tuner.search.storage"):
                 make_storage(f"sqlite:///{db}")
             done.append(True)
         except Exception as e:  # the outcome under test

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
-from moetune.tuner.search.study import StorageRefused, is_memory, make_storage, sqlite_path
+from moetune.tuner.search.storage import StorageRefused, is_memory, make_storage, sqlite_path
 
 pytestmark = pytest.mark.timeout(240)
 TUNE = ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "2", "--tokens", "128"]
@@ -63,7 +63,7 @@ def test_the_default_studies_file_is_beside_the_configured_database(tmp_path: Pa
     """default_storage_url(None) asks the config (and runtime/paths.py for its default): $XDG_DATA_HOME is honoured
     (its own copy of the rule went to ~/.local/share), and a broken config is an error, not another folder."""
     from moetune.runtime.config import ConfigError
-    from moetune.tuner.search.study import default_storage_url
+    from moetune.tuner.search.storage import default_storage_url
 
     for var in ("MOETUNE_HOME", "MOETUNE_CONFIG", "MOETUNE_STORE_DB"):
         monkeypatch.delenv(var, raising=False)

@@ -18,11 +18,13 @@ from optuna.trial import TrialState
 
 from moetune.runtime import _proc
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.search import study as study_mod
+from moetune.tuner.search import workers
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.study import INTERRUPTED, WORKER_KEY, open_study, run_study
+from moetune.tuner.search.study import open_study, run_study
+from moetune.tuner.search.trials import INTERRUPTED
+from moetune.tuner.search.workers import WORKER_KEY
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(180)
@@ -121,7 +123,7 @@ def test_a_worker_less_trial_is_kept_only_while_fresh(tmp_path: Path, monkeypatc
         assert study._storage.get_trial(trial_id).state == TrialState.RUNNING
         open_study("moetune/t", url, seed=1)
         assert study._storage.get_trial(trial_id).state == TrialState.RUNNING  # fresh: kept
-        monkeypatch.setattr(study_mod, "_now", lambda: datetime.now() + timedelta(minutes=2))
+        monkeypatch.setattr(workers, "_now", lambda: datetime.now() + timedelta(minutes=2))
         open_study("moetune/t", url, seed=1)  # the holder is still alive
         t = study._storage.get_trial(trial_id)
         assert t.state == TrialState.FAIL and INTERRUPTED in t.user_attrs
@@ -132,7 +134,7 @@ def test_a_worker_less_trial_is_kept_only_while_fresh(tmp_path: Path, monkeypatc
 def test_a_trial_records_its_worker_before_sampling(tmp_path: Path) -> None:
     study = open_study("moetune/t", f"sqlite:///{tmp_path / 's.db'}", seed=0)
     trial = study.ask()  # no objective ran
-    assert study._storage.get_trial(trial._trial_id).user_attrs["worker"] == study_mod.current_worker()
+    assert study._storage.get_trial(trial._trial_id).user_attrs["worker"] == workers.current_worker()
 
 
 def _space() -> SearchSpace:
@@ -143,7 +145,7 @@ def _space() -> SearchSpace:
 def test_run_study_leaves_the_registry(tmp_path: Path, interrupt: bool) -> None:
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study("moetune/t", url, seed=0)
-    assert list(_registrations(url)) == [WORKER_KEY + ":".join(study_mod.current_worker().split(":")[:2])]
+    assert list(_registrations(url)) == [WORKER_KEY + ":".join(workers.current_worker().split(":")[:2])]
 
     def f(k, wl) -> float:
         if interrupt:
@@ -163,7 +165,7 @@ def test_run_study_leaves_the_registry(tmp_path: Path, interrupt: bool) -> None:
 def test_exited_and_killed_processes_leave_no_registration(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study("moetune/t", url, seed=0)
-    study_mod.unregister_worker(study)
+    workers.unregister_worker(study)
     r = _python(OPEN_AND_EXIT, url, "exits")
     assert r.returncode == 0, r.stderr
     assert _registrations(url) == {}  # removed at its exit
@@ -174,7 +176,7 @@ def test_exited_and_killed_processes_leave_no_registration(tmp_path: Path) -> No
     other_host = f"{WORKER_KEY}another-host.invalid:1"
     study._storage.set_study_system_attr(study._study_id, other_host, {"run": "x", "since": datetime.now().isoformat()})
     open_study("moetune/t", url, seed=1)  # deletes the dead one of this host; another host's cannot be checked
-    me = WORKER_KEY + ":".join(study_mod.current_worker().split(":")[:2])
+    me = WORKER_KEY + ":".join(workers.current_worker().split(":")[:2])
     assert set(_registrations(url)) == {other_host, me}
 
 
@@ -217,7 +219,7 @@ def test_a_pid_reused_by_a_later_process_owns_no_trial(tmp_path: Path) -> None:
 
 ALIVE = """
 import sys
-from moetune.tuner.search.study import _worker_alive
+from moetune.tuner.search.workers import _worker_alive
 print(*(_worker_alive(w) for w in sys.argv[1:]))
 """
 
@@ -286,8 +288,8 @@ def test_an_old_worker_record_falls_back_to_os_kill(monkeypatch: pytest.MonkeyPa
     child = _sleeper()
     host = socket.gethostname()
     try:
-        assert study_mod._worker_alive(f"{host}:{child.pid}:oldrun")
-        assert study_mod._worker_alive(f"{host}:{child.pid}")
+        assert workers._worker_alive(f"{host}:{child.pid}:oldrun")
+        assert workers._worker_alive(f"{host}:{child.pid}")
         assert killed == [child.pid, child.pid]
     finally:
         child.kill()
@@ -296,13 +298,13 @@ def test_an_old_worker_record_falls_back_to_os_kill(monkeypatch: pytest.MonkeyPa
             break
         time.sleep(0.01)
     try:
-        assert not study_mod._worker_alive(f"{host}:{child.pid}:oldrun")
+        assert not workers._worker_alive(f"{host}:{child.pid}:oldrun")
         if Path("/proc/self/stat").exists():
             ticks = _proc.start_ticks(child.pid)
-            assert not study_mod._worker_alive(f"{host}:{child.pid}:oldrun:{ticks}")  # its ticks, but a zombie
+            assert not workers._worker_alive(f"{host}:{child.pid}:oldrun:{ticks}")  # its ticks, but a zombie
     finally:
         child.wait(timeout=60)
-    assert not study_mod._worker_alive(f"{host}:{child.pid}:oldrun")
+    assert not workers._worker_alive(f"{host}:{child.pid}:oldrun")
 
 
 @HAS_PROC

@@ -24,12 +24,15 @@ from optuna.trial import TrialState
 from moetune.runtime import _proc
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
+from moetune.tuner.search import storage, workers
 from moetune.tuner.search import study as study_mod
 from moetune.tuner.search.backends import CallableBackend, Measurement, TuneWorkload
 from moetune.tuner.search.interrupt_guard import deliver, guarded
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.study import INTERRUPTED, Terminated, finished_trials, open_study, run_study
+from moetune.tuner.search.study import open_study, run_study
+from moetune.tuner.search.trials import INTERRUPTED, finished_trials
+from moetune.tuner.search.workers import Terminated
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(180)
@@ -157,7 +160,7 @@ def _in_suggest(mp: pytest.MonkeyPatch, nth: int) -> Callable[..., bool]:
 
     hit = _once(lambda n: n == nth)
     # the storage's own (guarded) method: GuardedRDBStorage wraps each RDBStorage method it does not define
-    mp.setattr(study_mod.GuardedRDBStorage, "_set_trial_param", guarded(write))
+    mp.setattr(storage.GuardedRDBStorage, "_set_trial_param", guarded(write))
     return hit
 
 
@@ -214,7 +217,7 @@ def test_an_interrupt_leaves_no_running_trial_and_the_study_resumes(tmp_path: Pa
             run_study(study, space, CallableBackend(lambda k, w: value(k)), WL, trials=TRIALS)
         assert hit.fired  # type: ignore[attr-defined]
     # the interrupt, or an error Optuna raised while it unwound (in tell: "UnboundLocalError: ... 'updated_state'")
-    assert any(isinstance(e, KeyboardInterrupt) for e in study_mod.exception_chain(raised.value)), raised.value
+    assert any(isinstance(e, KeyboardInterrupt) for e in workers.exception_chain(raised.value)), raised.value
     assert _running(study) == []
     cut = _cut(study)
     assert len(cut) == 1 and cut[0].user_attrs[INTERRUPTED] == "interrupted (Ctrl-C)", [
@@ -293,7 +296,7 @@ def test_a_dead_owners_trial_is_failed_on_resume_and_a_live_owners_is_not(tmp_pa
         worker = f"{host}:{child.pid}:liverun" + (f":{ticks}" if ticks is not None else "")
         study._storage.set_trial_user_attr(live, "worker", worker)
         reg = {"run": "liverun", "since": datetime.now().isoformat(), **({"ticks": ticks} if ticks is not None else {})}
-        study._storage.set_study_system_attr(study._study_id, f"{study_mod.WORKER_KEY}{host}:{child.pid}", reg)
+        study._storage.set_study_system_attr(study._study_id, f"{workers.WORKER_KEY}{host}:{child.pid}", reg)
         seen: list[Knobs] = []
         res = run_study(open_study("moetune/t", url, seed=1), space,
                         CallableBackend(lambda k, w: seen.append(k) or value(k)), WL, trials=8)
@@ -302,7 +305,7 @@ def test_a_dead_owners_trial_is_failed_on_resume_and_a_live_owners_is_not(tmp_pa
         assert t.state == TrialState.FAIL and INTERRUPTED in t.user_attrs
         assert study._storage.get_trial(live).state == TrialState.RUNNING  # its owner lives: untouched
         attrs = study._storage.get_study_system_attrs(study._study_id)
-        assert f"{study_mod.WORKER_KEY}{host}:{child.pid}" in attrs
+        assert f"{workers.WORKER_KEY}{host}:{child.pid}" in attrs
     finally:
         child.communicate(input="", timeout=60)
 

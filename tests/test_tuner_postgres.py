@@ -112,7 +112,7 @@ WORKER = textwrap.dedent('''
 def test_two_processes_share_one_study(pg_url: str, tmp_path: Path) -> None:
     import optuna
 
-    from moetune.tuner.search.study import make_storage
+    from moetune.tuner.search.storage import make_storage
 
     trials = 30
     script = tmp_path / "worker.py"
@@ -152,13 +152,9 @@ def test_a_dead_workers_trial_is_interrupted_not_finished(pg_url: str) -> None:
     from moetune.runtime.shapes import MODELS
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
-    from moetune.tuner.search.study import (
-        enqueue_warm_start,
-        finished_trials,
-        make_storage,
-        open_study,
-        summarize_study,
-    )
+    from moetune.tuner.search.storage import make_storage
+    from moetune.tuner.search.study import enqueue_warm_start, open_study, summarize_study
+    from moetune.tuner.search.trials import finished_trials
 
     storage = make_storage(pg_url)
     storage.grace_period = 1  # what 60 s without a heartbeat means, in a second
@@ -200,7 +196,9 @@ def test_a_trial_without_a_heartbeat_is_failed_once_stale_and_a_beating_one_is_n
     from moetune.tuner.search.backends import CallableBackend, TuneWorkload
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
-    from moetune.tuner.search.study import INTERRUPTED, finished_trials, make_storage, open_study, run_study
+    from moetune.tuner.search.storage import make_storage
+    from moetune.tuner.search.study import open_study, run_study
+    from moetune.tuner.search.trials import INTERRUPTED, finished_trials
 
     running = optuna.trial.TrialState.RUNNING
     storage = make_storage(pg_url)

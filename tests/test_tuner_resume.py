@@ -13,7 +13,8 @@ from moetune.runtime.shapes import MODELS
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.study import finished_trials, open_study, run_study
+from moetune.tuner.search.study import open_study, run_study
+from moetune.tuner.search.trials import finished_trials
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 

@@ -25,13 +25,13 @@ from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
 from moetune.tuner.search.study import (
     enqueue_warm_start,
-    finished_trials,
     make_sampler,
     open_study,
     run_study,
     study_config,
     study_name,
 )
+from moetune.tuner.search.trials import finished_trials
 from moetune.tuner.search.tune import tune_profiles_detailed
 from moetune.tuner.store.store import Store
 

@@ -13,7 +13,7 @@ user, the daemon down); then `immutable=1` again. That is right only while no pr
   taken before the connection is opened, must hold after the read (`ReadOnlyConnection.check_unchanged`). A change
   is `DatabaseChanged` ("changed while being read; retry"), never "malformed": a file being written is not damaged.
   `read` retries a few times, each time from mode=ro (a writer that appeared has made the -shm mode=ro needs).
-  One exception: `tune show`'s reads through Optuna (`study.open_readonly_storage`) are checked only when SQLite
+  One exception: `tune show`'s reads through Optuna (`storage.open_readonly_storage`) are checked only when SQLite
   reports an error (a torn page is then DatabaseChanged, not "malformed"); what they show is for display only.
 
 No SQLAlchemy, no moetune.tuner here: the runtime may not import them.

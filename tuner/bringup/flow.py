@@ -925,7 +925,8 @@ class Bringup:
         try:
             import optuna
 
-            from moetune.tuner.search.study import default_storage_url, list_studies
+            from moetune.tuner.search.readback import list_studies
+            from moetune.tuner.search.storage import default_storage_url
 
             url = self.storage or default_storage_url(self.store.path)
             # this run's studies (the state names them); a state from before it did: this node's

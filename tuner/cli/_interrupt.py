@@ -37,7 +37,7 @@ def signals_interrupt(*, sigterm: bool = True) -> Iterator[None]:
         yield
         return
     from moetune.tuner.search.interrupt_guard import deliver
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     def on_int(_signum: int, _frame: object) -> None:
         e = KeyboardInterrupt()
@@ -105,14 +105,14 @@ def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
 
 def interrupted_exit(e: KeyboardInterrupt) -> int:
     """The exit status of a command ended by Ctrl-C (130) or SIGTERM (143: 128 + 15, as the shell reports it)."""
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     return 143 if isinstance(e, Terminated) else 130
 
 
 def interrupted_by(e: KeyboardInterrupt) -> str:
     """What ended the command, as the interrupted line says it."""
-    from moetune.tuner.search.study import Terminated
+    from moetune.tuner.search.workers import Terminated
 
     return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
 

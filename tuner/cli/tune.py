@@ -96,7 +96,9 @@ def _read_failed(url: str, given: bool, e: BaseException) -> NoReturn:
     """`tune show`'s read failed. Optuna wraps SQLAlchemy's errors (StorageInternalError "...invalid data in the
     commit..."): the chain says what happened. A writer changed the file under the read (DatabaseChanged, after the
     reads `list_studies`/`describe_study` ran again) or holds it locked: exit 1, retry; else `_storage_failed`."""
-    from moetune.tuner.search.study import changed_while_read, exception_chain, sqlite_path
+    from moetune.tuner.search.readback import changed_while_read
+    from moetune.tuner.search.storage import sqlite_path
+    from moetune.tuner.search.workers import exception_chain
 
     if changed_while_read(e):
         where = f"--storage {_redact(url)}" if given else f"the studies file {sqlite_path(url) or _redact(url)}"
@@ -121,7 +123,7 @@ def _storage_problem(url: str, e: BaseException) -> Problem:
     why) when SQLite said, anywhere in e's chain (Optuna wraps it: StorageInternalError, or the AssertionError its
     `_run_trial` raises when the trial's state could not be stored), that the disk took no more (`_disk_full`);
     ("", "") for anything else."""
-    from moetune.tuner.search.study import sqlite_path
+    from moetune.tuner.search.storage import sqlite_path
     from moetune.tuner.store._folders import not_writable
     from moetune.tuner.store.store import SQLITE_CANNOT_WRITE
 
@@ -145,7 +147,8 @@ def _disk_full(url: str, e: BaseException) -> tuple[str, str] | None:
     """(kind, why) when an exception in e's chain is SQLite's answer of a disk that took no more
     (`store.disk_failed`: SQLITE_FULL, kind "full", or SQLITE_IOERR, kind "io": on a full disk the -wal/-shm cannot
     grow), why naming the folder of the studies file; else None."""
-    from moetune.tuner.search.study import exception_chain, sqlite_path
+    from moetune.tuner.search.storage import sqlite_path
+    from moetune.tuner.search.workers import exception_chain
     from moetune.tuner.store.store import disk_failed
 
     for x in exception_chain(e):
@@ -162,7 +165,7 @@ def _disk_full(url: str, e: BaseException) -> tuple[str, str] | None:
 def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> str:
     """The error for a study storage that cannot be opened, naming --storage (or the default studies file).
     `problem`: `_storage_problem(url, e)` where the caller has it already."""
-    from moetune.tuner.search.study import sqlite_path
+    from moetune.tuner.search.storage import sqlite_path
 
     kind, reason = problem or _storage_problem(url, e)  # reason: the denial's, the full disk's
     why = (_why(e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
@@ -191,7 +194,7 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
 def _refuse_memory(storage: str, why: str) -> None:
     """Exit 2 on an in-memory SQLite --storage (`sqlite://`, `sqlite:///:memory:`): it exited 0 and the studies
     vanished."""
-    from moetune.tuner.search.study import is_memory
+    from moetune.tuner.search.storage import is_memory
 
     if is_memory(storage):
         _fail(f"--storage {storage}: an in-memory database: {why}; give a file (sqlite:///PATH) or a server URL "
@@ -205,7 +208,7 @@ def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
     before the profile database is created (a refused storage leaves no new --db file behind)."""
     import warnings
 
-    from moetune.tuner.search.study import (
+    from moetune.tuner.search.storage import (
         StorageRefused,
         make_storage,
         refuse_default_storage,
@@ -298,7 +301,7 @@ def _open_store(db: Path | None, *, readonly: bool = False):
 
 
 def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
-    from moetune.tuner.search.study import default_storage_url
+    from moetune.tuner.search.storage import default_storage_url
 
     if storage is not None:
         return storage
@@ -855,14 +858,14 @@ def show(
     The storage is opened read-only and one without Optuna's tables is refused, never given them."""
     import warnings
 
-    from moetune.tuner.search.study import NotAMoetuneStudy, describe_study, list_studies
+    from moetune.tuner.search.readback import NotAMoetuneStudy, describe_study, list_studies
 
     _quiet_optuna()
     warnings.simplefilter("ignore")  # Optuna's experimental/deprecation notes are not the user's to read
     if db is None and storage is None:
         db = _load_config(config).db_path
     url = _storage_url(storage, db)
-    from moetune.tuner.search.study import StorageRefused, refuse_query, sqlite_path
+    from moetune.tuner.search.storage import StorageRefused, refuse_query, sqlite_path
 
     if storage is not None:
         _refuse_memory(storage, "a new one holds no studies")
@@ -907,7 +910,7 @@ def show(
     stored_note = "no profile database given (--db)" if db is None else f"{db} does not exist"
     if db is not None and Path(db).expanduser().exists():
         try:
-            from moetune.tuner.search.study import stored_for_key
+            from moetune.tuner.search.readback import stored_for_key
             from moetune.tuner.store.store import Store
 
             with Store(db, readonly=True) as ro:

@@ -1,5 +1,6 @@
-"""Search: the policy (what may be tuned), the space, the Optuna study (`study`), the tuning driver that
-writes profiles (`tune`) and the measurement backends.
+"""Search: the policy (what may be tuned), the space, the Optuna study (`study`) with its storage (`storage`), the
+processes sharing it (`workers`), what its trials count as (`trials`) and reading studies back (`readback`), the
+tuning driver that writes profiles (`tune`) and the measurement backends.
 
 The public names load lazily from their modules, so importing one submodule does not import the rest.
 """
@@ -8,34 +9,34 @@ from moetune.runtime._lazy import lazy_getattr
 
 _LAZY = {
     "BucketPrior": ".study",
-    "FINISHED": ".study",
-    "OPTUNA_DB_NAME": ".study",
+    "FINISHED": ".trials",
+    "OPTUNA_DB_NAME": ".storage",
     "PresetFacts": ".tune",
     "STUDY_PREFIX": ".study",
     "StudyResult": ".study",
     "TuneResult": ".tune",
     "WARM_LOCK_SUFFIX": ".study",
-    "WORKER": ".study",
-    "completed": ".study",
-    "default_storage_url": ".study",
-    "describe_study": ".study",
-    "dumps": ".study",
+    "WORKER": ".workers",
+    "completed": ".trials",
+    "default_storage_url": ".storage",
+    "describe_study": ".readback",
+    "dumps": ".readback",
     "enqueue_warm_start": ".study",
     "facts_link_rates": ".tune",
-    "fail_interrupted": ".study",
+    "fail_interrupted": ".workers",
     "family_names": ".tune",
-    "finished_trials": ".study",
-    "is_sqlite": ".study",
-    "list_studies": ".study",
+    "finished_trials": ".trials",
+    "is_sqlite": ".storage",
+    "list_studies": ".readback",
     "log": ".study",
     "make_backend": ".tune",
     "make_sampler": ".study",
-    "make_storage": ".study",
+    "make_storage": ".storage",
     "neighbour_bucket": ".study",
-    "normalize_url": ".study",
+    "normalize_url": ".storage",
     "open_study": ".study",
     "run_study": ".study",
-    "sqlite_path": ".study",
+    "sqlite_path": ".storage",
     "study_config": ".study",
     "study_name": ".study",
     "summarize_study": ".study",

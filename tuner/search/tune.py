@@ -51,14 +51,10 @@ from moetune.tuner.search.backends import (
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.storage import default_storage_url, make_storage
 from moetune.tuner.search.study import (
     BucketPrior,
     StudyResult,
-    completed,
-    default_storage_url,
-    failed_before,
-    finished_trials,
-    make_storage,
     neighbour_bucket,
     open_study,
     run_study,
@@ -66,6 +62,7 @@ from moetune.tuner.search.study import (
     study_model_name,
     study_name,
 )
+from moetune.tuner.search.trials import completed, failed_before, finished_trials
 from moetune.tuner.store import StoreError
 from moetune.tuner.store import now as store_now
 
