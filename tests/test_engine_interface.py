@@ -137,3 +137,26 @@ def test_every_declared_capability_and_hook_is_used_by_the_layer() -> None:
              if inspect.isfunction(v) and not n.startswith("_") and n not in ("problem", "forward", "forward_routed")]
     for name in [*base.CAPABILITIES, *hooks]:
         assert f"_engine.{name}" in src, name
+
+
+def test_unfused_forward_on_several_ranks_reports_x_on_another_device_through_the_collective_check() -> None:
+    """Before: at world > 1 an x on another device than the layer's went to the gate first, where the matmul with
+    the gate's weights raised a device-mismatch RuntimeError naming neither x nor the layer, on this rank only,
+    while its peers waited in their dispatch. Now it takes the path of a wrongly shaped x: the dispatch's input
+    check, which every rank takes part in (its error names x and the device)."""
+    calls: list[tuple[Any, ...]] = []
+
+    def route(x: torch.Tensor) -> Any:
+        raise RuntimeError("Expected all tensors to be on the same device")  # what the gate's matmul raises
+
+    layer: Any = type("Layer", (), {})()
+    layer.buffer = type("Buffer", (), {"world": 2})()
+    layer.model, layer.device = TINY, torch.device("cpu")
+    layer.route = route
+    layer.forward_routed = lambda x, idx, w: calls.append((x, idx, w)) or "checked"
+    engine = UnfusedEngine()
+    engine.rebind = lambda layer: None  # the stand-in has no parameters
+    x = torch.zeros(3, TINY.hidden, device="meta")
+    assert engine.forward(layer, x) == "checked"
+    (got_x, idx, w), = calls
+    assert got_x is x and idx.shape == w.shape == (3, TINY.topk) and idx.device == w.device == layer.device

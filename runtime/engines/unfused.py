@@ -35,8 +35,10 @@ class UnfusedEngine(MoEEngine):
         self.rebind(layer)
         if layer.buffer.world == 1:  # one rank: no exchange (the layer checked x)
             return layer.local_forward(x, *layer.route(x))
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != layer.model.hidden:
-            # Still take part in the collective input check so every rank reports the problem.
+        if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != layer.model.hidden
+                or x.device != layer.device):
+            # Still take part in the collective input check so every rank reports the problem (an x on another
+            # device would fail the gate's matmul here, on this rank only, while the others wait in dispatch).
             s = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
             idx = torch.zeros(s, layer.model.topk, dtype=torch.int64, device=layer.device)
             return layer.forward_routed(x, idx, torch.zeros(s, layer.model.topk, device=layer.device))
