@@ -868,3 +868,41 @@ def test_a_bucket_configs_decode_setting_decides_its_launches(fake_launch: FakeL
         assert (mk.decode_grid(s) is not None) == bool(bucket)
     assert launched(4) == (decode if base else graph)  # bucket 16: none installed, the layer's config
     assert launched(12) == graph  # too many rows for the decode kernel either way
+
+
+class FakeStream:
+    """A CUDA stream stand-in: records the streams it was made to wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.cuda_stream, self.waited = name, 0, []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited.append(other.name)
+
+
+def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(fake_launch: FakeLaunchLib,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: every forward reuses the layer's scratch (logits, routing, row lists, h, y, the control and error words)
+    on whatever stream is current, with nothing ordering a call on stream B after one still running on stream A: the
+    two launches raced on the scratch (wrong outputs, or a persistent kernel waiting on counters the other reset).
+    Now a call (and a read or reset of the error record) on another stream than the previous call's first waits for
+    that stream's queued work, as EPBuffer's calls do; nothing while a CUDA graph is captured."""
+    a, b = FakeStream("a"), FakeStream("b")
+    current, capturing = [a], [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(mk_layer, "_has_streams", lambda device: True, raising=False)
+    mk = _cpu_mk()
+    x = _x(3)
+    mk.forward(x)
+    mk.forward(x)
+    assert a.waited == [] and b.waited == []  # one stream: nothing to wait for
+    current[0] = b
+    mk.forward_routed(x, _picks(3), torch.full((3, TINY.topk), 0.5))
+    assert b.waited == ["a"]
+    current[0] = a
+    mk.clear_error()  # writes the error and control words the launch on b uses
+    assert a.waited == ["b"]
+    current[0], capturing[0] = b, True  # a capture may not wait for work outside it
+    mk.forward(x)
+    assert b.waited == ["a"]

@@ -88,8 +88,12 @@ class MegakernelMoE:
     memory, CTAs per SM) raise ValueError / ConfigError here, not at the first forward.
 
     Not thread-safe: one instance must not run `forward` from two threads at once (its launch templates and scratch
-    buffers are shared by every call); use one instance per thread (or a lock).
+    buffers are shared by every call); use one instance per thread (or a lock). Streams: a call made on another CUDA
+    stream than the previous call's first waits for that stream's queued work (no host wait), so switching streams
+    serialises the calls instead of racing on the scratch; graph replays are ordered by the stream they run on.
     """
+
+    _last_stream: Any = None  # the CUDA stream of the latest call that used the scratch (`_order_streams`)
 
     def __init__(self, model: Any, *, max_tokens: int, device: torch.device | str | None = None, seed: int = 0,
                  config: MegakernelConfig | None = None, w_gate_up: torch.Tensor | None = None,
@@ -365,6 +369,8 @@ class MegakernelMoE:
         copied first. No host sync (graph-capturable)."""
         s = self._check_x(x)
         self._check_out(out, s, x)
+        if s:
+            self._order_streams()
         return self._run(x, s, out, given=False)
 
     __call__ = forward
@@ -387,6 +393,8 @@ class MegakernelMoE:
         if why is not None:
             raise ValueError(f"megakernel: {why}")
         self._check_out(out, s, x)
+        if s:
+            self._order_streams()  # before the picks are copied into the scratch
         if topk_idx.dtype != torch.int32:
             # narrowing would wrap an unchecked 2**32 + 3 into expert 3: keep it invalid. Clamped as int64, not in its
             # own dtype: uint8 takes the bound -1 as 255 (every id became `experts`, out of range), int8 cannot hold
@@ -395,6 +403,21 @@ class MegakernelMoE:
         self.topk_idx[:s].copy_(topk_idx)
         self.topk_w[:s].copy_(topk_weights)
         return self._run(x, s, out, given=True)
+
+    def _order_streams(self) -> None:
+        """Order this call after everything queued so far on the stream of the previous call, where that was another
+        stream: every call reuses the same scratch (and `check` / `clear_error` read and reset its error and control
+        words), so a launch on stream B must not start while stream A's may still use it. One event, no host wait.
+        Not while a CUDA graph is captured (a wait on work outside the capture is not allowed there; the stream a
+        graph is replayed on is the caller's to order), as EPBuffer's calls."""
+        if not _has_streams(self.device):
+            return
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            last = self._last_stream
+            if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
+                stream.wait_stream(last)
+            self._last_stream = stream
 
     def _check_x(self, x: Any) -> int:
         """S of a valid x (bf16 [S, H] on the layer's device, S <= max_tokens), else ValueError."""
@@ -559,6 +582,7 @@ class MegakernelMoE:
         that aborted a launch, else of the first one recorded without the abort (code 8, non-finite gate logits: the
         kernels keep it in words of its own, so that it never hides a later abort, whose launch's outputs are all
         invalid), else None. Syncs."""
+        self._order_streams()  # the record the latest launch writes, whichever stream it ran on
         words = self.err.tolist()
         for rec in (words[:4], words[_lib.ERR_NOABORT:_lib.ERR_NOABORT + 4]):
             if rec[0] != 0:
@@ -588,12 +612,14 @@ class MegakernelMoE:
         the abort flag and zero the decode kernel's counter words. Neither flag carries over to a later launch without
         this: the task graph's routing lifts ctl's every launch, and the decode kernel (no reset kernel before it)
         polls its own flag in its counter words (`_lib.DEC_ABORT`), which its last CTA zeroes with its counters."""
+        self._order_streams()  # not under a launch still running on another stream
         self.err.zero_()
         self.ctl[CTL_ABORT] = 0
         self.dec_cnt.zero_()
 
     def counters(self) -> dict[str, int]:
         """The last launch's task total, m-tiles and published tasks as the kernel counted them. Syncs."""
+        self._order_streams()
         c = self.ctl.tolist()
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
 
@@ -627,6 +653,12 @@ def _device_problem(device: torch.device) -> str | None:
     if (major, minor) != (9, 0):  # the library is built for sm_90a only: its launches would fail on any other GPU
         return f"the kernels run on an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(idx)} is sm_{major}{minor}"
     return None
+
+
+def _has_streams(device: torch.device) -> bool:
+    """Whether calls on `device` run on CUDA streams to order (`_order_streams`). A function of its own, as
+    `_device_problem`: CPU tests build the layer on the CPU and stand in CUDA's streams."""
+    return device.type == "cuda"
 
 
 def _device(device: torch.device | str | None) -> torch.device:
