@@ -906,3 +906,32 @@ def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(fake_launc
     current[0], capturing[0] = b, True  # a capture may not wait for work outside it
     mk.forward(x)
     assert b.waited == ["a"]
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_fails(
+        cpu_lib, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
+    """Before: `_reserve_split` set the new queue capacity and dropped the launch templates, then allocated the new
+    queue and split-K buffers one by one; an allocation that failed (out of memory) left the larger capacity with the
+    old, smaller queue (or some buffers new and some old), and the next launch template told the kernels to use
+    more queue slots than the queue held. Now the new buffers are all allocated first and the layer takes them
+    together: a failure leaves it as it was."""
+    mk = _cpu_mk()
+    before = (mk.q_cap, mk.sk_room, mk.q_task, mk.q_flag, mk.sk_part, mk.sk_cnt)
+    zeros, calls = torch.zeros, [0]
+
+    def failing_zeros(*a: Any, **kw: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise torch.OutOfMemoryError("stand-in: out of memory")
+        return zeros(*a, **kw)
+
+    monkeypatch.setattr(torch, "zeros", failing_zeros)
+    with pytest.raises(torch.OutOfMemoryError):
+        mk._reserve_split(MegakernelConfig(split_k1=2))
+    monkeypatch.setattr(torch, "zeros", zeros)
+    after = (mk.q_cap, mk.sk_room, mk.q_task, mk.q_flag, mk.sk_part, mk.sk_cnt)
+    assert after[:2] == before[:2] and all(a is b for a, b in zip(after[2:], before[2:], strict=True))
+    assert mk.q_task.numel() >= mk.q_cap and mk.q_flag.numel() >= mk.q_cap
+    mk._reserve_split(MegakernelConfig(split_k1=2))  # the retry grows them
+    assert mk.sk_room[1] == 2 and mk.q_task.numel() == mk.q_flag.numel() == mk.q_cap > before[0]

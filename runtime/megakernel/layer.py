@@ -196,15 +196,18 @@ class MegakernelMoE:
         slots = tiles * (self.n1 + self.n2)
         q_cap = max(self.max_tiles * (self.n1 + self.n2), slots * parts) + self.max_ctiles * \
             combine_blocks(self.model.hidden)
+        dev = self.device
+        # all four allocated before any is taken: one that fails (out of memory) leaves the layer as it was, not a
+        # larger q_cap over the old queue (the kernels would index past it) or new buffers beside old ones
+        q_task = torch.zeros(q_cap, dtype=torch.int64, device=dev)
+        q_flag = torch.zeros(q_cap, dtype=torch.int32, device=dev)
+        sk_part = torch.zeros(max(1, slots * parts * _lib.SK_PART_FLOATS), dtype=torch.float32, device=dev)
+        sk_cnt = torch.zeros(max(1, slots), dtype=torch.int32, device=dev)
         if have_t >= 0:
             self._retired += [self.q_task, self.q_flag, self.sk_part, self.sk_cnt]
             self._params.clear()
-        dev = self.device
         self.q_cap = q_cap
-        self.q_task = torch.zeros(q_cap, dtype=torch.int64, device=dev)
-        self.q_flag = torch.zeros(q_cap, dtype=torch.int32, device=dev)
-        self.sk_part = torch.zeros(max(1, slots * parts * _lib.SK_PART_FLOATS), dtype=torch.float32, device=dev)
-        self.sk_cnt = torch.zeros(max(1, slots), dtype=torch.int32, device=dev)
+        self.q_task, self.q_flag, self.sk_part, self.sk_cnt = q_task, q_flag, sk_part, sk_cnt
         self.sk_room = (tiles, parts)
 
     def _check_weights(self, w_gate_up: Any, w_down: Any, gate: Any, *, tiled: bool) -> None:
