@@ -36,8 +36,11 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def expert_weights(
     model: ModelShape, expert: int, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_gate_up [2I, H], W_down [H, I]) of global expert `expert`, deterministic in (seed, expert, device type)."""
+    """(W_gate_up [2I, H], W_down [H, I]) of global expert `expert` (0 <= expert < model.experts), deterministic in
+    (seed, expert, device type)."""
     check_seed(seed)
+    if not 0 <= expert < model.experts:  # the generator seed exists for any int: a made-up expert would be built
+        raise ValueError(f"expert {expert} is not an expert of model {model.name!r}: ids are in [0, {model.experts})")
     device = torch.device(device)
     h, i = model.hidden, model.intermediate
     g = _generator(device, seed * 1_000_003 + 7 * expert + 1)

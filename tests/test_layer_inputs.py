@@ -935,3 +935,19 @@ def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_f
     assert mk.q_task.numel() >= mk.q_cap and mk.q_flag.numel() >= mk.q_cap
     mk._reserve_split(MegakernelConfig(split_k1=2))  # the retry grows them
     assert mk.sk_room[1] == 2 and mk.q_task.numel() == mk.q_flag.numel() == mk.q_cap > before[0]
+
+
+@pytest.mark.parametrize("bad", [-1, TINY.experts, TINY.experts + 3])
+def test_weights_of_an_expert_the_model_does_not_have_are_refused(bad: int) -> None:
+    """Before: `expert_weights` built weights for any integer (its generator seed is defined for every one), so
+    `dense_reference` given routing with an id out of range computed a 'reference' through experts the model does not
+    have, where the layer refuses the same routing. Now the id is refused, naming it and the model's range."""
+    from moetune.runtime.weights import expert_weights
+
+    with pytest.raises(ValueError, match=rf"expert {bad} .*\[0, {TINY.experts}\)"):
+        expert_weights(TINY, bad)
+    idx = _picks(3)
+    idx[1, 0] = bad
+    with pytest.raises(ValueError, match=rf"expert {bad} "):
+        dense_reference(_x(3), TINY, topk_idx=idx, topk_weights=torch.full((3, TINY.topk), 0.5))
+    assert expert_weights(TINY, TINY.experts - 1)[0].shape == (2 * TINY.intermediate, TINY.hidden)
