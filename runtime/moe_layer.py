@@ -245,9 +245,11 @@ class MoELayer(nn.Module):
         buffer it built) dropped without close() stops its proxy thread when collected."""
         if self._closed:
             return
-        self._closed = True
         if self._owns_buffer:
+            # first: where the buffer refuses (another thread inside a call of it) the layer stays open and a later
+            # close() closes both, rather than a closed layer over a buffer nothing closes any more
             self.buffer.close()
+        self._closed = True
 
     def _refuse_closed(self) -> None:
         if self._closed:

@@ -951,3 +951,30 @@ def test_weights_of_an_expert_the_model_does_not_have_are_refused(bad: int) -> N
     with pytest.raises(ValueError, match=rf"expert {bad} "):
         dense_reference(_x(3), TINY, topk_idx=idx, topk_weights=torch.full((3, TINY.topk), 0.5))
     assert expert_weights(TINY, TINY.experts - 1)[0].shape == (2 * TINY.intermediate, TINY.hidden)
+
+
+def test_a_close_its_buffer_refused_can_be_called_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: MoELayer.close() marked the layer closed before it closed its buffer; where the buffer refused (another
+    thread inside a call of it: EPBuffer.close raises RuntimeError), the layer stayed 'closed' with its buffer open,
+    and the retry after that call returned did nothing: the buffer's transport (its proxy thread, its memory) was
+    left to the garbage collector. Now the layer is closed once its buffer is."""
+    layer = _unfused()
+    buf = layer.buffer
+    real, calls = EPBuffer.close, []
+
+    def close(self: EPBuffer) -> None:
+        calls.append(self)
+        if len(calls) == 1:
+            raise RuntimeError("EPBuffer.close: another thread is inside a call of this buffer")
+        real(self)
+
+    monkeypatch.setattr(EPBuffer, "close", close)
+    with pytest.raises(RuntimeError, match="another thread"):
+        layer.close()
+    assert layer(_x(2)).shape == (2, TINY.hidden)  # still open: the other thread's call goes on
+    layer.close()
+    assert calls == [buf, buf] and buf._closed
+    with pytest.raises(RuntimeError, match="MoELayer: closed"):
+        layer(_x(2))
+    layer.close()  # a third call does nothing
+    assert len(calls) == 2
