@@ -142,6 +142,10 @@ def expert_ids_problem(topk_idx: torch.Tensor, experts: int, *, distinct: bool =
         return None
     if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
+    if topk_idx.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        # torch's unsigned types past uint8 have no aminmax, comparison or sort kernels: read them as int64 (a uint64
+        # past 2**63 wraps negative, out of range as it was)
+        topk_idx = topk_idx.to(torch.int64)
     lo, hi = torch.aminmax(topk_idx)
     stats = [lo.long(), hi.long()]
     if distinct:

@@ -978,3 +978,34 @@ def test_a_close_its_buffer_refused_can_be_called_again(monkeypatch: pytest.Monk
         layer(_x(2))
     layer.close()  # a third call does nothing
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_ids_of_the_wider_unsigned_dtypes_are_checked_not_crashed_on(cpu_lib, monkeypatch: pytest.MonkeyPatch,
+                                                                     dtype: torch.dtype) -> None:
+    """Before: topk_idx of uint16 / uint32 / uint64 passed the dtype check (an integer tensor) and then failed inside
+    the range check with torch's NotImplementedError ('aminmax_cpu' not implemented for 'UInt32'), naming neither
+    topk_idx nor what to do: MoELayer.forward_routed at world 1 and MegakernelMoE.forward_routed (check_ids=True)
+    refused every such call. Now the ids are read as int64 for the check: in range they run, out of range they are
+    the usual ValueError."""
+    from moetune.runtime.routing import expert_ids_problem
+
+    picks = torch.tensor([[0, 1], [3, 2], [1, 0]])
+    assert expert_ids_problem(picks.to(dtype), TINY.experts, distinct=True) is None
+    bad = picks.clone()
+    bad[1, 0] = TINY.experts + 2
+    assert "out of range" in str(expert_ids_problem(bad.to(dtype), TINY.experts))
+    assert "picks expert 1 more than once" in str(expert_ids_problem(torch.tensor([[1, 1]]).to(dtype), 4,
+                                                                     distinct=True))
+    layer = _unfused()
+    x, w = _x(3), torch.full((3, TINY.topk), 0.5)
+    assert torch.equal(layer.forward_routed(x, picks.to(dtype), w), layer.forward_routed(x, picks, w))
+    with pytest.raises(ValueError, match="topk_idx holds expert ids out of range"):
+        layer.forward_routed(x, bad.to(dtype), w)
+    mk = _cpu_mk()
+    seen: list[list[list[int]]] = []
+    monkeypatch.setattr(mk, "_run", lambda x, s, out, given: seen.append(mk.topk_idx[:s].tolist()) or x)
+    mk.forward_routed(x, picks.to(dtype), w)
+    assert seen == [picks.tolist()]
+    with pytest.raises(ValueError, match="megakernel: topk_idx holds expert ids out of range"):
+        mk.forward_routed(x, bad.to(dtype), w)
