@@ -63,9 +63,17 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, row_scale: torch
     return (a if row_scale is None else a * row_scale) @ w2.t()
 
 
-@functools.lru_cache(maxsize=32)
 def grouped_mm_usable(device_type: str, device_index: int | None, dtype: torch.dtype, hidden: int, inter: int) -> bool:
-    """Whether torch._grouped_mm runs (and is right) for these shapes on this device/dtype."""
+    """Whether torch._grouped_mm runs (and is right) for these shapes on this device/dtype (probed once per process;
+    a probe that ran out of memory answers False for this call only, not for every later layer)."""
+    try:
+        return _grouped_mm_probe(device_type, device_index, dtype, hidden, inter)
+    except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError from 2.5) not cached: the next layer probes again
+        return False
+
+
+@functools.lru_cache(maxsize=32)
+def _grouped_mm_probe(device_type: str, device_index: int | None, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
@@ -78,6 +86,8 @@ def grouped_mm_usable(device_type: str, device_index: int | None, dtype: torch.d
         ref = torch.cat([a[:2].float() @ b[0].float().t(), a[2:].float() @ b[2].float().t()])
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         return bool(((y.float() - ref).abs().max() <= tol * (ref.abs().max() + 1e-6)).item())
+    except torch.cuda.OutOfMemoryError:  # says nothing of the op: grouped_mm_usable answers it without caching
+        raise
     except Exception:  # broad: a probe; any failure of the private op means "not usable here", never a crash
         return False
 

@@ -923,11 +923,11 @@ def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_f
     def failing_zeros(*a: Any, **kw: Any) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == fail_at:
-            raise torch.OutOfMemoryError("stand-in: out of memory")
+            raise torch.cuda.OutOfMemoryError("stand-in: out of memory")
         return zeros(*a, **kw)
 
     monkeypatch.setattr(torch, "zeros", failing_zeros)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.cuda.OutOfMemoryError):
         mk._reserve_split(MegakernelConfig(split_k1=2))
     monkeypatch.setattr(torch, "zeros", zeros)
     after = (mk.q_cap, mk.sk_room, mk.q_task, mk.q_flag, mk.sk_part, mk.sk_cnt)
@@ -1009,3 +1009,22 @@ def test_ids_of_the_wider_unsigned_dtypes_are_checked_not_crashed_on(cpu_lib, mo
     assert seen == [picks.tolist()]
     with pytest.raises(ValueError, match="megakernel: topk_idx holds expert ids out of range"):
         mk.forward_routed(x, bad.to(dtype), w)
+
+
+def test_an_out_of_memory_probe_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: grouped_mm_usable cached its answer per (device, dtype, shape), and a probe that failed for want of
+    memory answered False like a torch without the op: every later layer of that shape in the process ran the
+    per-expert loop (host syncs, not capturable in a CUDA graph), silently. Now an out-of-memory probe answers False
+    for that call only; the next layer probes again."""
+    if not grouped_mm_usable("cpu", None, BF, TINY.hidden, TINY.intermediate):
+        pytest.skip("torch._grouped_mm does not run here")
+    randn = torch.randn
+
+    def oom(*a: Any, **kw: Any) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("stand-in: out of memory")
+
+    shape = (TINY.hidden, 3 * 64)  # a shape no other test probes: not cached yet
+    monkeypatch.setattr(torch, "randn", oom)
+    assert grouped_mm_usable("cpu", None, BF, *shape) is False
+    monkeypatch.setattr(torch, "randn", randn)
+    assert grouped_mm_usable("cpu", None, BF, *shape) is True
