@@ -22,6 +22,7 @@ every rank builds only its own experts and `dense_reference` rebuilds any expert
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -549,7 +550,9 @@ def dense_reference(
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| (normwise; 0 for empty outputs)."""
+    """max |out - ref| / max |ref| (normwise; 0 for empty outputs; inf where the shapes differ)."""
+    if tuple(out.shape) != tuple(ref.shape):  # not broadcast: one row equal to ref's first would measure 0
+        return math.inf
     if ref.numel() == 0:
         return 0.0
     denom = ref.float().abs().max().clamp_min(1e-30)

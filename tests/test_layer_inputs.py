@@ -1028,3 +1028,15 @@ def test_an_out_of_memory_probe_is_not_remembered(monkeypatch: pytest.MonkeyPatc
     assert grouped_mm_usable("cpu", None, BF, *shape) is False
     monkeypatch.setattr(torch, "randn", randn)
     assert grouped_mm_usable("cpu", None, BF, *shape) is True
+
+
+@pytest.mark.parametrize(("out", "ref"), [((1, 4), (3, 4)), ((3, 1), (3, 4)), ((4,), (3, 4)), ((2, 4), (0, 4))])
+def test_an_output_of_another_shape_is_as_wrong_as_can_be(out: tuple[int, ...], ref: tuple[int, ...]) -> None:
+    """Before: max_rel_err broadcast out against ref, so an output of one row (or one column) equal to the
+    reference's first measured 0.0, and any output against an empty reference 0.0 too: a layer or transport
+    returning the wrong shape passed the correctness checks of the EP benchmark. Now it is inf (as
+    tuner/measure/moe.py's wrapper already said for the layer's own check)."""
+    from moetune.runtime.moe_layer import max_rel_err
+
+    assert max_rel_err(torch.ones(out), torch.ones(ref)) == float("inf")
+    assert max_rel_err(torch.ones(ref), torch.ones(ref)) == 0.0
