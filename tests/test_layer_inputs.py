@@ -1040,3 +1040,15 @@ def test_an_output_of_another_shape_is_as_wrong_as_can_be(out: tuple[int, ...], 
 
     assert max_rel_err(torch.ones(out), torch.ones(ref)) == float("inf")
     assert max_rel_err(torch.ones(ref), torch.ones(ref)) == 0.0
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b", None, {"hidden": 128}])
+def test_megakernel_names_a_model_that_is_no_shape(cpu_lib, model: Any) -> None:
+    """Before: a model name (or anything without the shape's fields) failed with AttributeError ('str' object has no
+    attribute 'hidden') from inside the config's resolve; EPBuffer and MoELayer name the argument. Now MegakernelMoE
+    does too (it still takes anything with hidden, intermediate, experts and topk)."""
+    with pytest.raises(TypeError, match=r"megakernel: model must be a ModelShape"):
+        mk_layer.MegakernelMoE(model, max_tokens=8, device="cpu")
+    shape = types.SimpleNamespace(**{f: getattr(TINY, f) for f in ("hidden", "intermediate", "experts", "topk")})
+    assert mk_layer.MegakernelMoE(shape, max_tokens=8, device="cpu", w_gate_up=_cpu_mk().w_gate_up,
+                                  w_down=_cpu_mk().w_down, gate=_cpu_mk().gate).max_tokens == 8

@@ -100,6 +100,11 @@ class MegakernelMoE:
                  w_down: torch.Tensor | None = None, gate: torch.Tensor | None = None, tiled: bool = False):
         check_int("max_tokens", max_tokens, 1, "megakernel: ")
         check_flag("tiled", tiled, "megakernel: ")  # tiled="no" would take row-major weights as k-tiled
+        if any(not hasattr(model, f) for f in ("hidden", "intermediate", "experts", "topk")):
+            # named here, not as an AttributeError out of the config's resolve ('str' object has no attribute ...)
+            hint = f"; for a model name use moetune.runtime.get_model({model!r})" if isinstance(model, str) else ""
+            raise TypeError(f"megakernel: model must be a ModelShape (anything with hidden, intermediate, experts and "
+                            f"topk), got {type(model).__name__}{hint}")
         if config is not None and not isinstance(config, MegakernelConfig):
             raise TypeError(f"megakernel: config must be a MegakernelConfig or None, got {type(config).__name__}")
         given = {"w_gate_up": w_gate_up, "w_down": w_down, "gate": gate}
