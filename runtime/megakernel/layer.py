@@ -420,12 +420,13 @@ class MegakernelMoE:
         graph is replayed on is the caller's to order), as EPBuffer's calls."""
         if not _has_streams(self.device):
             return
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.current_stream(self.device)
-            last = self._last_stream
-            if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
-                stream.wait_stream(last)
-            self._last_stream = stream
+        stream = torch.cuda.current_stream(self.device)
+        last = self._last_stream
+        if last is not None and last != stream:  # the device context and capture query only here: an eager call's cost
+            with torch.cuda.device(self.device):
+                if not torch.cuda.is_current_stream_capturing():
+                    stream.wait_stream(last)
+        self._last_stream = stream
 
     def _check_x(self, x: Any) -> int:
         """S of a valid x (bf16 [S, H] on the layer's device, S <= max_tokens), else ValueError."""
