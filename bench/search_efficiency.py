@@ -71,13 +71,8 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
     import optuna
 
     from moetune.runtime.shapes import get_model
-    from moetune.tuner.search.backends import (
-        CallableBackend,
-        Measurement,
-        ModelBackend,
-        TuneWorkload,
-        preset_gpus_per_node,
-    )
+    from moetune.tuner.search.backends import CallableBackend, Measurement, TuneWorkload
+    from moetune.tuner.search.model_backend import ModelBackend, preset_gpus_per_node
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
     from moetune.tuner.search.study import make_sampler, run_study

@@ -520,7 +520,7 @@ def fake_local_backend(monkeypatch: Any, name: str = "local:fake") -> list[dict]
         seen.append(kw)
         fake = measuring_fake(lambda k, w: 10.0 + k.pipeline_depth, name=name)
         if "world" in kw:  # refuses what the local backend refuses (an unmeasured group, gloo on GPUs): check_tune asks it
-            from moetune.tuner.search.backends import LocalBackend
+            from moetune.tuner.search.local_backend import LocalBackend
 
             fake.world, fake.comm_backend = kw["world"], kw.get("comm_backend", "gloo")
             fake.refusal = types.MethodType(LocalBackend.refusal, fake)

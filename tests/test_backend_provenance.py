@@ -18,14 +18,9 @@ import daemon_fakes as F
 from moetune.runtime.profile_record import provenance_of_backend
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.cli import app
-from moetune.tuner.search.backends import (
-    BenchmarkBackend,
-    CallableBackend,
-    LocalBackend,
-    ModelBackend,
-    NodeModelBackend,
-    TuneWorkload,
-)
+from moetune.tuner.search.backends import BenchmarkBackend, CallableBackend, TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
+from moetune.tuner.search.model_backend import ModelBackend, NodeModelBackend
 from moetune.tuner.search.readback import describe_study
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)

@@ -20,7 +20,8 @@ import daemon_fakes as F
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.shapes import ModelShape, get_model
-from moetune.tuner.search.backends import CallableBackend, LocalBackend, Measurement, TuneWorkload
+from moetune.tuner.search.backends import CallableBackend, Measurement, TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 from moetune.tuner.search.policy import load_policy
 
 # their bring-ups inject the timings of a GPU node's capture: run as ON that node (conftest), the only place a

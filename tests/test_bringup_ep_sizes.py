@@ -49,7 +49,7 @@ def _bringup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capture: str = "dg
              **plan_kw: Any) -> Any:
     """A bring-up on `capture` whose EP runs go to the fake bench (no ranks, no GPU); worlds launched are recorded."""
     from moetune.tuner.bringup import flow
-    from moetune.tuner.search.backends import LocalBackend
+    from moetune.tuner.search.local_backend import LocalBackend
 
     bench = tmp_path / "fake_bench.py"
     bench.write_text(fake)

@@ -134,7 +134,7 @@ def test_tune_says_when_its_time_budget_ended_the_studies_early(tmp_path: Path, 
     import json
     from datetime import datetime, timedelta
 
-    from moetune.tuner.search.backends import ModelBackend
+    from moetune.tuner.search.model_backend import ModelBackend
 
     evaluate = ModelBackend.evaluate
     calls: list[datetime] = []

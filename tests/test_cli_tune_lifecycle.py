@@ -56,9 +56,9 @@ time.sleep(120)
 TUNE = """
 import sys
 from moetune.tuner.fabric import discovery
-from moetune.tuner.search import backends
+from moetune.tuner.search import local_backend
 fake, mark, capture = sys.argv[1], sys.argv[2], sys.argv[3]
-backends.LocalBackend.worker_argv = lambda self: [sys.executable, fake, mark]
+local_backend.LocalBackend.worker_argv = lambda self: [sys.executable, fake, mark]
 # as on the node the capture describes (a local tune of another node's capture is refused), on any machine
 discovery.live_facts = lambda timeout_s=1.5: discovery.discover(capture)
 sys.argv = ["moetune", "tune", "--backend", "local", "--comm", "gloo", "--world", "2", "-m", "custom:64,32,8,2",
@@ -249,9 +249,9 @@ def test_the_worker_ends_when_the_process_that_started_it_is_gone(tmp_path: Path
 
 @pytest.mark.usefixtures("on_captured_node")  # as on the captured node: else its capture refusal comes first
 def test_local_tune_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moetune.tuner.search import backends
+    from moetune.tuner.search import local_backend
 
-    monkeypatch.setattr(backends, "cuda_gpus", lambda: 0)
+    monkeypatch.setattr(local_backend, "cuda_gpus", lambda: 0)
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
     base = ["tune", "--backend", "local", "-m", "custom:64,32,8,2", "--tokens", "16", "--trials", "1",
             "--db", str(tmp_path / "m.db")]
@@ -273,9 +273,9 @@ def test_local_tune_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monk
 @pytest.mark.usefixtures("on_captured_node")  # as on the captured node: another node's capture measures nothing
 def test_profile_refuses_nccl_without_cuda_gpus_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.tuner.bringup import flow
-    from moetune.tuner.search import backends
+    from moetune.tuner.search import local_backend
 
-    monkeypatch.setattr(backends, "cuda_gpus", lambda: 0)
+    monkeypatch.setattr(local_backend, "cuda_gpus", lambda: 0)
     monkeypatch.setattr(flow.Bringup, "run", lambda self: pytest.fail("the bring-up ran"))
     r = runner.invoke(app, ["profile", "--quick", "--capture", str(CAPTURES / "h200x2"), "--db",
                             str(tmp_path / "m.db")], env={"MOETUNE_HOME": str(tmp_path)})

@@ -239,7 +239,7 @@ def test_a_tune_measures_under_its_config_file(tmp_path, monkeypatch):
     it was checked, then the ranks and the recorded options came from the default chain without it."""
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.options import RuntimeOptions, load_config_checked
-    from moetune.tuner.search.backends import LocalBackend
+    from moetune.tuner.search.local_backend import LocalBackend
 
     monkeypatch.delenv("MOETUNE_CONFIG", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

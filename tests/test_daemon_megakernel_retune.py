@@ -23,7 +23,8 @@ from moetune.runtime.shapes import MODELS
 from moetune.tuner.daemon import jobs as J
 from moetune.tuner.daemon import retune as RT
 from moetune.tuner.daemon.server import TuneSettings
-from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 
 # a local job of a GPU node's capture measures only on that node (`_capture_elsewhere`): run as on it, timings injected
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("on_captured_node")]

@@ -9,7 +9,7 @@ import pytest
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.tuner.fabric_model.predict import KNOBS_READ, Workload, list_presets, load_preset, predict
-from moetune.tuner.search.backends import ModelBackend
+from moetune.tuner.search.model_backend import ModelBackend
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
 

@@ -12,7 +12,7 @@ import pytest
 from moetune.runtime.knobs import TRANSPORTS, default_knobs
 from moetune.runtime.profiles.launcher_env import ENV_RULES, launcher_env
 from moetune.runtime.testing.launch import launch
-from moetune.tuner.search.backends import LocalBackend, knob_environment
+from moetune.tuner.search.local_backend import LocalBackend, knob_environment
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import this module by name
 

@@ -19,7 +19,9 @@ import daemon_fakes as F
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.search.backends import LocalBackend, ModelBackend, TuneWorkload
+from moetune.tuner.search.backends import TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
+from moetune.tuner.search.model_backend import ModelBackend
 
 # their bring-ups inject the timings of a GPU node's capture: run as ON that node (conftest), the only place a
 # measurement may be stored under its key

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 from moetune.runtime.shapes import get_model
 from moetune.tuner.cli import app
-from moetune.tuner.search.backends import ModelBackend, one_rank_exchange, unmeasured_key
+from moetune.tuner.search.backends import one_rank_exchange
+from moetune.tuner.search.local_backend import unmeasured_key
+from moetune.tuner.search.model_backend import ModelBackend
 
 runner = CliRunner()
 SAID = "one rank exchanges nothing"

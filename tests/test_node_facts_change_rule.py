@@ -118,9 +118,9 @@ def test_a_local_tune_records_a_swap_as_a_change(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(discovery, "discover", lambda d=None, **kw: new if d is None else real(d, **kw))
     monkeypatch.setattr(discovery, "live_facts", lambda timeout_s=1.5: new, raising=False)
     F.fake_local_backend(monkeypatch, "local:nccl")
-    import moetune.tuner.search.backends as backends
+    import moetune.tuner.search.local_backend as local_backend
 
-    monkeypatch.setattr(backends, "cuda_gpus", lambda: 2)  # the swapped node's two GPUs (no rank is launched)
+    monkeypatch.setattr(local_backend, "cuda_gpus", lambda: 2)  # the swapped node's two GPUs (no rank is launched)
     r = CliRunner().invoke(app, ["tune", "--backend", "local", "--model", "custom:256,128,8,2", "--tokens", "16",
                                  "--trials", "2", "--world", "2", "--family", "nvlink",
                                  "--db", str(tmp_path / "moetune.db"), "--json"],

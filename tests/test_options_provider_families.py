@@ -24,7 +24,7 @@ from moetune.runtime.options import RuntimeOptions, options_acting_on
 from moetune.runtime.profile_record import ProfileRecord
 from moetune.runtime.profiles.errors import FallbackWarning
 from moetune.runtime.profiles.tuned_options import compare_options, relevant_options
-from moetune.tuner.search.backends import LocalBackend
+from moetune.tuner.search.local_backend import LocalBackend
 
 pytestmark = pytest.mark.timeout(120)
 DEFAULTS = RuntimeOptions().data_path()

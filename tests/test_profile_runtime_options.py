@@ -44,7 +44,8 @@ from moetune.runtime.profiles.tuned_options import compare_options
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.transports.registry import registered_transports
 from moetune.tuner.cli import app
-from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 from moetune.tuner.store.store import Store
 from moetune.tuner.store.validate import FieldError
 

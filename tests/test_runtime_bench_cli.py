@@ -115,7 +115,7 @@ def test_bench_ep_ranks_get_the_tuners_environment_not_a_p2p_switch(monkeypatch:
     # tuner's subprocess mode runs, set it for host_staged on NCCL by itself, so that mode measured another run
     from moetune.runtime import Knobs
     from moetune.runtime.knobs import default_knobs
-    from moetune.tuner.search.backends import knob_environment
+    from moetune.tuner.search.local_backend import knob_environment
 
     _, env, out = _captured_rank_env(monkeypatch, "--transport", "host_staged")
     assert env == knob_environment(default_knobs("host_staged"), "host_staged") == {}, out

@@ -133,7 +133,7 @@ def test_numbers_of_two_metrics_are_never_compared(store):
 
 def test_a_comm_tune_is_labelled_with_its_metric():
     from moetune.runtime.profile_record import metric_of_backend
-    from moetune.tuner.search.backends import LocalBackend
+    from moetune.tuner.search.local_backend import LocalBackend
 
     layer, comm = LocalBackend(comm_backend="gloo"), LocalBackend(comm_backend="gloo", metric="comm")
     assert (layer.label, comm.label) == ("local:gloo", "local:gloo:comm")  # the layer label stays as stored

@@ -534,7 +534,7 @@ def test_retune_refuses_a_node_model_the_calibration_checks_refused(tmp_path: Pa
     from types import SimpleNamespace
 
     from moetune.tuner.daemon.retune import RetuneImpossible, _backend_for
-    from moetune.tuner.search.backends import ModelBackend
+    from moetune.tuner.search.model_backend import ModelBackend
 
     facts = F.FakeFacts({"gpu_model": "H200"})
     ctx = SimpleNamespace(store=F.open_store(tmp_path / "moetune.db"), facts=facts, tune=TuneSettings(backend="model"))

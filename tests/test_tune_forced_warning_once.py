@@ -36,7 +36,7 @@ def test_the_cli_prints_the_warning_once(tmp_path: Path) -> None:
 
 
 def test_the_library_still_logs_it_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from moetune.tuner.search.backends import ModelBackend
+    from moetune.tuner.search.model_backend import ModelBackend
 
     preset = F.write_forced_preset(tmp_path / "forced.toml")
     with caplog.at_level(logging.WARNING):

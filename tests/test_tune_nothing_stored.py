@@ -18,7 +18,8 @@ from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bu
 from moetune.runtime.shapes import get_model
 from moetune.tuner.cli import app
 from moetune.tuner.fabric.discovery import discover
-from moetune.tuner.search.backends import LocalBackend, Measurement
+from moetune.tuner.search.backends import Measurement
+from moetune.tuner.search.local_backend import LocalBackend
 from moetune.tuner.store.store import Store
 
 # local tunes of the cpu-laptop capture (timings injected): run as on that node, whatever machine runs the suite (a

@@ -13,14 +13,9 @@ import pytest
 
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.search.backends import (
-    CallableBackend,
-    LocalBackend,
-    Measurement,
-    ModelBackend,
-    TuneWorkload,
-    knob_environment,
-)
+from moetune.tuner.search.backends import CallableBackend, Measurement, TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend, knob_environment
+from moetune.tuner.search.model_backend import ModelBackend
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
 from moetune.tuner.search.study import run_study

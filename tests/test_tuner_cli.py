@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.cli import app
-from moetune.tuner.search.backends import CallableBackend, ModelBackend, TuneWorkload
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.model_backend import ModelBackend
 from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
 
 runner = CliRunner()

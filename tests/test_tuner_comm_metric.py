@@ -10,7 +10,8 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape
-from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 
 WL = TuneWorkload(model=ModelShape(name="custom", hidden=1024, intermediate=512, experts=32, topk=4), tokens=2048, nodes=1, gpus_per_node=2)
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.cli import app
-from moetune.tuner.search.backends import LocalBackend
+from moetune.tuner.search.local_backend import LocalBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F

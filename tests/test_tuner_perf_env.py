@@ -17,7 +17,8 @@ import daemon_fakes as F
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey
 from moetune.runtime.shapes import ModelShape
-from moetune.tuner.search.backends import CallableBackend, LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,8 @@ from pathlib import Path
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.shapes import get_model
-from moetune.tuner.search.backends import LocalBackend, Measurement, TuneWorkload
+from moetune.tuner.search.backends import Measurement, TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 from moetune.tuner.search.study import StudyResult
 from moetune.tuner.search.tune import _write_profile
 from moetune.tuner.store.store import Store

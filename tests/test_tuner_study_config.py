@@ -9,7 +9,8 @@ import optuna
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
-from moetune.tuner.search.backends import CallableBackend, LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 from moetune.tuner.search.tune import _Fam, tune_profiles_detailed
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -90,7 +91,7 @@ def test_recalibrated_model_is_another_study(tmp_path: Path) -> None:
     """A node model recalibrated under the same name predicts other numbers: its study is not resumed into the
     old model's predictions (which would all be counted as done and rewritten as the profile)."""
     from moetune.tuner.fabric_model.presets import load_preset
-    from moetune.tuner.search.backends import ModelBackend
+    from moetune.tuner.search.model_backend import ModelBackend
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     old = load_preset("ndr-ibrc-h100x8")

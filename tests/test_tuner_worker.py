@@ -13,7 +13,8 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 
 MODEL = "custom:64,32,8,2"
 WL = TuneWorkload(model=get_model(MODEL), tokens=16, nodes=1, gpus_per_node=2)
@@ -158,9 +159,9 @@ def test_persistent_backend_reuses_survives_hang_and_crash(monkeypatch) -> None:
 def test_one_worker_per_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # host_staged and collective need the same (empty) environment now (launcher_env); a stand-in variable
     # makes two environments, so two workers
-    from moetune.tuner.search import backends
+    from moetune.tuner.search import local_backend
 
-    monkeypatch.setattr(backends, "knob_environment",
+    monkeypatch.setattr(local_backend, "knob_environment",
                         lambda k, fam, nodes=1: {"STANDIN_KNOB_ENV": "1"} if k.transport == "host_staged" else {})
     be = LocalBackend(world=2, comm_backend="gloo", repeats=1, timeout_s=60, iters=2, metric="comm",
                       family="host_staged")

@@ -89,7 +89,7 @@ def test_a_finished_study_whose_rerun_writes_a_profile_records_it(tmp_path: Path
 def test_a_finished_study_whose_rerun_remeasures_records_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a backend that re-measures (the local one: the side-by-side check, minutes on GPUs) measured on the repeat
     # even where the incumbent held its own and nothing was reported written
-    from moetune.tuner.search import backends, tune
+    from moetune.tuner.search import model_backend, tune
 
     with Store(tmp_path / "m.db") as s:
         _tune(s, tmp_path, 3)
@@ -99,7 +99,7 @@ def test_a_finished_study_whose_rerun_remeasures_records_it(tmp_path: Path, monk
             calls.append(1)
             return None, False, "the incumbent held its own"
 
-        monkeypatch.setattr(backends.ModelBackend, "remeasures", True)
+        monkeypatch.setattr(model_backend.ModelBackend, "remeasures", True)
         monkeypatch.setattr(tune, "_write_profile", held)
         _tune(s, tmp_path, 3)
         assert calls == [1]

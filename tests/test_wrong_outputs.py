@@ -134,7 +134,8 @@ def _host_staged(**kw: Any) -> Knobs:
 
 
 def test_a_trial_whose_round_trip_was_wrong_is_infeasible(fake_bench: list[str]) -> None:
-    from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+    from moetune.tuner.search.backends import TuneWorkload
+    from moetune.tuner.search.local_backend import LocalBackend
 
     wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=1024, nodes=1, gpus_per_node=2)
     be = LocalBackend(command=fake_bench, repeats=2, metric="comm", family="host_staged")
@@ -149,7 +150,8 @@ def test_a_trial_whose_round_trip_was_wrong_is_infeasible(fake_bench: list[str])
 
 
 def test_a_wrong_fast_setting_does_not_win_a_study(fake_bench: list[str]) -> None:
-    from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+    from moetune.tuner.search.backends import TuneWorkload
+    from moetune.tuner.search.local_backend import LocalBackend
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
     from moetune.tuner.search.study import run_study

@@ -24,7 +24,8 @@ import time
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.search.backends import LocalBackend, TuneWorkload
+from moetune.tuner.search.backends import TuneWorkload
+from moetune.tuner.search.local_backend import LocalBackend
 
 
 def main() -> None:

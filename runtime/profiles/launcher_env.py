@@ -2,7 +2,7 @@
 
 `launcher_env` is the ONE function that turns knobs into variables; the daemon calls it to fill a reply's
 `env`, the runtime calls it for database and default profiles, and the tuner calls it for the environment
-its measurements run in (tuner/search/backends.py `knob_environment`), so a knob set is served in the
+its measurements run in (tuner/search/local_backend.py `knob_environment`), so a knob set is served in the
 environment it was measured in.
 
 It sets only variables that the EP transport alone reads (NVSHMEM_*). It sets no NCCL_* variable: a

@@ -629,7 +629,7 @@ class Bringup:
                 "mean_abs_rel_err": s["mean_abs_rel_err"], "max_abs_rel_err": s["max_abs_rel_err"]}
 
     def _backend(self, world: int) -> Any:
-        from moetune.tuner.search.backends import LocalBackend
+        from moetune.tuner.search.local_backend import LocalBackend
 
         # On CPU the fp8 error is the same arithmetic as on GPU: the search space already keeps compression
         # within the policy's budget by its measured expected error, so trials skip the costly re-check.
@@ -638,7 +638,7 @@ class Bringup:
                             verify_compression=self.comm_backend == "nccl", persistent=True)
 
     def _mk_backend(self) -> Any:
-        from moetune.tuner.search.backends import LocalBackend
+        from moetune.tuner.search.local_backend import LocalBackend
 
         return LocalBackend(world=1, comm_backend="nccl", repeats=self.plan.repeats, iters=self.plan.iters,
                             timeout_s=self.plan.trial_timeout_s, family="megakernel", mk_measure=self.mk_measure)

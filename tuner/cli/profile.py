@@ -398,7 +398,7 @@ def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
     """Why the bring-up cannot measure its EP groups here ('' when it can): on a node with >= 2 GPUs it launches
     one NCCL rank per GPU, and torch finds fewer CUDA GPUs on this machine (a CPU build of torch, hidden GPUs, a
     --capture of another node). The ranks started and every measurement failed in init, minutes of them."""
-    from moetune.tuner.search.backends import cuda_gpus
+    from moetune.tuner.search.local_backend import cuda_gpus
 
     if (getattr(flow, "comm_backend", "") != "nccl" or not getattr(flow, "tune_ep", False)
             or not getattr(flow, "measures", True)):  # a capture of another node: nothing is launched

@@ -62,7 +62,7 @@ def cuda_problem(comm: str, world: int, given: bool, why_default: str) -> str:
     (torch._C has no _cuda_setDevice). `given`: --comm was given; else `why_default` says why nccl was chosen."""
     if comm != "nccl":
         return ""
-    from moetune.tuner.search.backends import cuda_gpus
+    from moetune.tuner.search.local_backend import cuda_gpus
 
     found = cuda_gpus()
     if found >= world:
@@ -484,7 +484,7 @@ def tune(
                                f"{source} found {gpus} GPU(s)")
         if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is
             _fail(no_cuda)
-    from moetune.tuner.search.backends import ModelBackend
+    from moetune.tuner.search.model_backend import ModelBackend
     from moetune.tuner.search.tune import check_tune
 
     try:  # what the search would refuse before its first study (a family not on this fabric, ...): before any file is made

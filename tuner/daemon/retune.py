@@ -109,7 +109,7 @@ def node_backend(store: Store, facts: Any, tune: TuneSettings) -> tuple[Any, str
             "only resumes it and writes none: `moetune profile --restart` measures and calibrates again). Still "
             "serving the profiles that remain valid.")
     from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
-    from moetune.tuner.search.backends import ModelBackend
+    from moetune.tuner.search.model_backend import ModelBackend
 
     try:
         preset = load_preset(path, fresh=True)  # as on disk now: `moetune profile` may have re-written it since
@@ -200,7 +200,7 @@ def megakernel_refusal(facts: Any, backend: str) -> str:
 def megakernel_backend(tune: TuneSettings) -> BenchmarkBackend:
     """The backend that measures the megakernel family: the one GPU, in this process (as `moetune profile`'s
     bring-up measures it, Bringup._mk_backend). Tests replace it with one whose measurement is injected."""
-    from moetune.tuner.search.backends import LocalBackend
+    from moetune.tuner.search.local_backend import LocalBackend
 
     return LocalBackend(world=1, comm_backend="nccl", family=MEGAKERNEL_FAMILY)
 

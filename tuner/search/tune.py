@@ -38,15 +38,17 @@ from moetune.runtime.profile_record import (
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.search.backends import (
     BenchmarkBackend,
-    LocalBackend,
     Measurement,
-    ModelBackend,
     TuneWorkload,
+    provenance_fields,
+    too_few_samples,
+)
+from moetune.tuner.search.local_backend import LocalBackend
+from moetune.tuner.search.model_backend import (
+    ModelBackend,
     preset_family,
     preset_gpus_per_node,
     preset_link_rates,
-    provenance_fields,
-    too_few_samples,
 )
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.progress import NoProgress, Progress
