@@ -579,7 +579,7 @@ ENV_VARIABLES: tuple[EnvVariable, ...] = (
                 "and its changes); where the two disagree git's is stamped, with a warning, unless the checkout's "
                 ".git does not know the named commit (a stale .git copied with a newer tree): then the variable's "
                 "commit, marked dirty (unverified).",
-                "tuner/measure/scenarios.py"),
+                "tuner/measure/scenarios/stamp.py"),
     EnvVariable("MOETUNE_FAKE_JOB_SLEEP", "float seconds", "0",
                 "The test daemon's fake tuning job holds this long (restart tests); tests only.",
                 "tests/daemon_fakes.py"),

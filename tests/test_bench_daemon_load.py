@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 
 from moetune.tuner.measure import results as R
-from moetune.tuner.measure import scenarios as S
+from moetune.tuner.measure.scenarios import checkout, definitions, runner
+from moetune.tuner.measure.scenarios.drivers import scripts as bench_scripts
 
 zmq = pytest.importorskip("zmq")
 
 
 def _daemon_load() -> Any:
-    spec = importlib.util.spec_from_file_location("daemon_load", S.ROOT / "bench" / "daemon_load.py")
+    spec = importlib.util.spec_from_file_location("daemon_load", checkout.ROOT / "bench" / "daemon_load.py")
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
@@ -100,9 +101,9 @@ def test_a_phase_with_errors_fails_its_latency_metrics(tmp_path: Path, monkeypat
         Path(args["out"], "2026-12-05_daemon_load.json").write_text(json.dumps(doc))
         return "", "python bench/daemon_load.py"
 
-    monkeypatch.setattr(S, "_run_script", fake_run)
+    monkeypatch.setattr(bench_scripts, "run_script", fake_run)
     out = tmp_path / "s.csv"
-    S.run(S.get("daemon-load"), results=out, gpus=0, launches=1, fingerprint=lambda: "fp")
+    runner.run(definitions.get("daemon-load"), results=out, gpus=0, launches=1, fingerprint=lambda: "fp")
     rows = [r for r in R.read_rows(out) if r["position"] == "0"]
     by = {r["metric"]: r for r in rows}
     why = "c64-paced: 7 error replies and 3 unanswered of 1000 requests"

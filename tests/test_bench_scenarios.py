@@ -11,10 +11,14 @@ from pathlib import Path
 import pytest
 
 from moetune.tuner.measure import results as R
-from moetune.tuner.measure import scenarios as S
+from moetune.tuner.measure.scenarios import checkout, definitions, moe_report, records, runner, stamp, summary
+from moetune.tuner.measure.scenarios.drivers import ep as ep_driver
+from moetune.tuner.measure.scenarios.drivers import moe as moe_drivers
+from moetune.tuner.measure.scenarios.drivers import registry
+from moetune.tuner.measure.scenarios.errors import ScenarioError
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = S.load_all()
+SCENARIOS = definitions.load_all()
 STAMP = ("git_sha", "date", "moetune", "torch", "gpu", "fabric_fingerprint", "hardware", "command", "launch", "source")
 # BENCHMARKS.md stays a page a reader takes in: at most 200 lines (ARCHITECTURE's target), ~10 lines a scenario (16
 # scenarios) and the header; the committed one and a smoke run's alike
@@ -29,7 +33,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 def test_every_scenario_parses_and_names_a_driver() -> None:
     assert len(SCENARIOS) >= 8
     for s in SCENARIOS.values():
-        assert s.driver in S.DRIVERS, s.name
+        assert s.driver in registry.DRIVERS, s.name
         assert s.question and s.metrics and s.cases[0].smoke
         assert s.smoke_skip or s.smoke_needs.gpus == 0, f"{s.name}: a smoke variant must run without GPUs"
 
@@ -40,13 +44,13 @@ def test_every_shipped_scenario_passes_the_load_checks() -> None:
     a scenario whose case can only fail is refused when read, not found failing on a GPU machine."""
     from moetune.runtime.options import OPTION_DOCS, RETIRED, RuntimeOptions
 
-    paths = sorted(S.SCENARIO_DIR.glob("*.toml"))
+    paths = sorted(checkout.SCENARIO_DIR.glob("*.toml"))
     assert len(paths) == len(SCENARIOS)
     banned = {d.env for d in OPTION_DOCS} | {r.env for r in RETIRED}
     for path in paths:
-        s = S.load(path)
+        s = definitions.load(path)
         for smoke in (False, True):
-            for c in S.plan(s, None, smoke):
+            for c in runner.plan(s, None, smoke):
                 assert not set(c.env) & banned, (s.name, c.name, c.env)
                 RuntimeOptions.from_dict(c.options)
     kernel_wait = next(c for c in SCENARIOS["host-staged-fp8-pipelined"].cases if c.name == "fp8-depth4-kernel-wait")
@@ -63,8 +67,8 @@ def test_a_scenario_setting_a_variable_that_cannot_work_is_refused_when_read(tmp
 
     def refused(case: str, *words: str) -> str:
         path.write_text(head + case)
-        with pytest.raises(S.ScenarioError) as e:
-            S.load(path)
+        with pytest.raises(ScenarioError) as e:
+            definitions.load(path)
         msg = str(e.value)
         assert str(path) in msg and all(w in msg for w in words), msg
         return msg
@@ -81,21 +85,21 @@ def test_a_scenario_setting_a_variable_that_cannot_work_is_refused_when_read(tmp
     refused('[options]\nonesided_timeout_s = -1.0\n', "cases[0] (base)", "onesided_timeout_s")
     path.write_text(head.replace('transport = "host_staged"', "") + '[[cases]]\nname = "kw"\n'
                     'args = { knobs = "wait_mode=kernel" }\n')
-    with pytest.raises(S.ScenarioError, match=r"cases\[1\] \(kw\): knobs 'wait_mode=kernel'.*host_staged"):
-        S.load(path)
+    with pytest.raises(ScenarioError, match=r"cases\[1\] \(kw\): knobs 'wait_mode=kernel'.*host_staged"):
+        definitions.load(path)
     # NCCL's variables and moetune's build/debug variables pass; options reach the resolved case and its command
     path.write_text(head + '[[cases]]\nname = "ok"\nenv = { NCCL_P2P_DISABLE = "1", MOETUNE_CSRC_LIB = "/x.so" }\n'
                     'options = { hs_native = false }\n')
-    s = S.load(path)
-    ok = S.plan(s, "ok", smoke=False)[1]
-    assert ok.options == {"hs_native": False} and S.plan(s, "ok", smoke=False)[0].options == {}
-    assert S.ep_command(ok.args, ok.env, 2, "nccl", ok.options).startswith(
+    s = definitions.load(path)
+    ok = runner.plan(s, "ok", smoke=False)[1]
+    assert ok.options == {"hs_native": False} and runner.plan(s, "ok", smoke=False)[0].options == {}
+    assert ep_driver.ep_command(ok.args, ok.env, 2, "nccl", ok.options).startswith(
         "NCCL_P2P_DISABLE=1 MOETUNE_CSRC_LIB=/x.so MOETUNE_HS_NATIVE=0 moetune bench ep")
     # a driver that hands no runtime options anywhere refuses them
     (tmp_path / "y.toml").write_text('name = "y"\ndriver = "gpu-rates"\nquestion = "q"\nmetrics = ["read_tbps"]\n'
                                      '[options]\nsymm = "ipc"\n[[cases]]\nname = "read-sum"\n')
-    with pytest.raises(S.ScenarioError, match="driver gpu-rates takes no runtime options"):
-        S.load(tmp_path / "y.toml")
+    with pytest.raises(ScenarioError, match="driver gpu-rates takes no runtime options"):
+        definitions.load(tmp_path / "y.toml")
 
 
 @pytest.mark.timeout(180)
@@ -104,8 +108,8 @@ def test_the_ep_driver_hands_a_cases_options_to_its_buffer(tmp_path: Path) -> No
     weights for two pipeline chunks are refused there, naming the option; the case without options runs."""
     args = {"model": "custom:64,32,8,2", "tokens": 8, "iters": 2, "warmup": 1, "layer": False, "layout": "dense",
             "knobs": "pipeline_depth=2"}
-    cases = [S.Resolved("plain", dict(args), {}), S.Resolved("weights", dict(args), {}, {"chunk_weights": [1.0, 2.0, 3.0]})]
-    out = S.DRIVERS["ep"](cases, S.Ctx(world=2, backend="gloo", smoke=True, tmp=tmp_path))
+    cases = [records.Resolved("plain", dict(args), {}), records.Resolved("weights", dict(args), {}, {"chunk_weights": [1.0, 2.0, 3.0]})]
+    out = registry.DRIVERS["ep"](cases, records.Ctx(world=2, backend="gloo", smoke=True, tmp=tmp_path))
     assert not out[0].error and out[0].metrics, out[0]
     assert "chunk_weights" in out[1].error and not out[1].metrics, out[1]
     assert out[1].command.startswith("MOETUNE_EP_CHUNK_WEIGHTS=1.0,2.0,3.0 moetune bench ep"), out[1].command
@@ -113,11 +117,11 @@ def test_the_ep_driver_hands_a_cases_options_to_its_buffer(tmp_path: Path) -> No
 
 def test_plan_puts_the_baseline_first_and_last() -> None:
     s = SCENARIOS["host-staged-fp8-pipelined"]
-    seq = [c.name for c in S.plan(s, None, smoke=False)]
+    seq = [c.name for c in runner.plan(s, None, smoke=False)]
     assert seq[0] == seq[-1] == "bf16-nccl-staging" and len(seq) == len(s.cases) + 1
-    assert [c.name for c in S.plan(s, "fp8-depth4", smoke=False)] == ["bf16-nccl-staging", "fp8-depth4", "bf16-nccl-staging"]
-    assert "fp8-depth4-kernel-wait" not in [c.name for c in S.plan(s, None, smoke=True)]
-    smoke = S.plan(s, None, smoke=True)[1]
+    assert [c.name for c in runner.plan(s, "fp8-depth4", smoke=False)] == ["bf16-nccl-staging", "fp8-depth4", "bf16-nccl-staging"]
+    assert "fp8-depth4-kernel-wait" not in [c.name for c in runner.plan(s, None, smoke=True)]
+    smoke = runner.plan(s, None, smoke=True)[1]
     assert smoke.args["tokens"] == 16 and smoke.env["NCCL_P2P_DISABLE"] == "1"
 
 
@@ -125,28 +129,28 @@ def test_a_gpu_scenario_offers_a_smoke_run_only_where_it_has_one() -> None:
     """proxy-fences, refused on a CPU machine, said `--smoke` checks its plumbing; `--smoke` then said it has none."""
     with_smoke = next(s for s in SCENARIOS.values() if not s.smoke_skip and s.needs.gpus > 0)
     without = next(s for s in SCENARIOS.values() if s.smoke_skip and s.needs.gpus > 0)
-    with pytest.raises(S.ScenarioError, match=f"`moetune bench run {with_smoke.name} --smoke` checks its plumbing"):
-        S.check_machine(with_smoke, False, 0)
-    with pytest.raises(S.ScenarioError) as e:
-        S.check_machine(without, False, 0)
+    with pytest.raises(ScenarioError, match=f"`moetune bench run {with_smoke.name} --smoke` checks its plumbing"):
+        runner.check_machine(with_smoke, False, 0)
+    with pytest.raises(ScenarioError) as e:
+        runner.check_machine(without, False, 0)
     assert "--smoke" not in str(e.value) and f"it has no CPU smoke variant: {without.smoke_skip}" in str(e.value)
 
 
 def test_bad_scenario_files_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "x.toml").write_text('name = "x"\ndriver = "nope"\nquestion = "q"\nmetrics = ["m"]\n[[cases]]\nname = "a"\n')
-    with pytest.raises(S.ScenarioError, match="unknown driver 'nope'"):
-        S.load(tmp_path / "x.toml")
+    with pytest.raises(ScenarioError, match="unknown driver 'nope'"):
+        definitions.load(tmp_path / "x.toml")
     (tmp_path / "y.toml").write_text('name = "z"\n')
-    with pytest.raises(S.ScenarioError, match="must equal the file's stem"):
-        S.load(tmp_path / "y.toml")
-    with pytest.raises(S.ScenarioError, match="no case 'nope'"):
-        S.plan(SCENARIOS["daemon-load"], "nope", smoke=False)
+    with pytest.raises(ScenarioError, match="must equal the file's stem"):
+        definitions.load(tmp_path / "y.toml")
+    with pytest.raises(ScenarioError, match="no case 'nope'"):
+        runner.plan(SCENARIOS["daemon-load"], "nope", smoke=False)
 
 
 def test_run_refuses_a_gpu_scenario_on_this_machine_without_a_traceback(tmp_path: Path) -> None:
     out = tmp_path / "s.csv"
-    with pytest.raises(S.ScenarioError, match="needs 2 GPUs"):
-        S.run(SCENARIOS["ep-roundtrip-qwen3-s128"], results=out, gpus=0)
+    with pytest.raises(ScenarioError, match="needs 2 GPUs"):
+        runner.run(SCENARIOS["ep-roundtrip-qwen3-s128"], results=out, gpus=0)
     r = _cli("run", "ep-roundtrip-qwen3-s128", "--results", str(out))
     if r.returncode == 0:
         pytest.skip("this machine has the GPUs")
@@ -162,10 +166,10 @@ def test_every_scenario_runs_in_smoke_mode_and_summarizes(tmp_path: Path) -> Non
     ran = []
     for s in SCENARIOS.values():
         if s.smoke_skip:  # the scenario says why no CPU variant can exist
-            with pytest.raises(S.ScenarioError, match="no CPU smoke variant"):
-                S.run(s, smoke=True, results=out)
+            with pytest.raises(ScenarioError, match="no CPU smoke variant"):
+                runner.run(s, smoke=True, results=out)
             continue
-        rows = S.run(s, smoke=True, results=out, gpus=0)
+        rows = runner.run(s, smoke=True, results=out, gpus=0)
         failed = [r for r in rows if str(r.get("note", "")).startswith("FAILED")]
         assert not failed, failed
         assert {r["case"] for r in rows} == {c.name for c in s.cases if c.smoke}, s.name
@@ -194,10 +198,10 @@ def test_list_shows_needs() -> None:
 
 
 def test_committed_summary_and_benchmarks_md_agree() -> None:
-    rows = R.read_rows(S.SUMMARY_CSV)
+    rows = R.read_rows(checkout.SUMMARY_CSV)
     assert rows and all(r["git_sha"] for r in rows)
-    md = S.BENCHMARKS_MD.read_text()
-    assert md == S.summarize(SCENARIOS, rows), "BENCHMARKS.md is stale: run `moetune bench summarize`"
+    md = checkout.BENCHMARKS_MD.read_text()
+    assert md == summary.summarize(SCENARIOS, rows), "BENCHMARKS.md is stale: run `moetune bench summarize`"
     assert md.count("\n") <= MD_LINES
 
 
@@ -206,19 +210,19 @@ def test_rows_of_a_copied_tree_take_the_given_sha(monkeypatch) -> None:
     MOETUNE_GIT_SHA (hex only) stamps it, clean unless it ends in -dirty; without it, 'unknown'. A repository around
     the tree (an export unpacked inside another checkout) is not its git."""
     calls = {"rev-parse": "/somewhere/else", "status": ""}
-    monkeypatch.setattr(S, "_git", lambda *a: calls[a[0]])  # git's top level is another folder
+    monkeypatch.setattr(stamp, "_git", lambda *a: calls[a[0]])  # git's top level is another folder
     monkeypatch.setenv("MOETUNE_GIT_SHA", "0D90E94abc")
-    f = S.machine_facts("none", lambda: "fp")
+    f = stamp.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("0d90e94abc", False)
     monkeypatch.setenv("MOETUNE_GIT_SHA", "0D90E94abc-dirty")  # a copy with changes on top (the sync script says so)
-    f = S.machine_facts("none", lambda: "fp")
+    f = stamp.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("0d90e94abc", True)
     monkeypatch.setenv("MOETUNE_GIT_SHA", "not a sha; rm -rf")
-    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
-    monkeypatch.setattr(S, "_git", lambda *a: "")  # no git at all
-    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
+    assert stamp.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
+    monkeypatch.setattr(stamp, "_git", lambda *a: "")  # no git at all
+    assert stamp.machine_facts("none", lambda: "fp")["git_sha"] == "unknown"
     monkeypatch.setenv("MOETUNE_GIT_SHA", "0d90e94abc")
-    assert S.machine_facts("none", lambda: "fp")["git_sha"] == "0d90e94abc"
+    assert stamp.machine_facts("none", lambda: "fp")["git_sha"] == "0d90e94abc"
 
 
 def test_a_git_checkout_is_stamped_by_git_whatever_moetune_git_sha_says(tmp_path: Path, monkeypatch) -> None:
@@ -238,26 +242,26 @@ def test_a_git_checkout_is_stamped_by_git_whatever_moetune_git_sha_says(tmp_path
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
     head = git("rev-parse", "HEAD").strip()
     (tmp_path / "a.py").write_text("x = 2\n")  # dirty
-    monkeypatch.setattr(S, "ROOT", tmp_path)
+    monkeypatch.setattr(stamp, "ROOT", tmp_path)
     other = git("-c", "user.name=t", "-c", "user.email=t@t", "commit-tree", "-m", "b", "HEAD^{tree}").strip()
     monkeypatch.setenv("MOETUNE_GIT_SHA", other)  # a known commit that is not HEAD: a leftover variable, git wins
     with pytest.warns(UserWarning, match=f"MOETUNE_GIT_SHA={other} is not this checkout"):
-        f = S.machine_facts("none", lambda: "fp")
+        f = stamp.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == (head, True)
     # a commit this .git has never seen (a stale .git copied with a newer tree, or a variable naming nothing): the
     # variable's commit, never clean
     monkeypatch.setenv("MOETUNE_GIT_SHA", "0123456789abcdef")
     with pytest.warns(UserWarning, match="MOETUNE_GIT_SHA=0123456789abcdef is unknown to this tree's .git"):
-        f = S.machine_facts("none", lambda: "fp")
+        f = stamp.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == ("0123456789abcdef", True)
     monkeypatch.setenv("MOETUNE_GIT_SHA", head[:12])  # the right commit, but the tree has changes: never clean
     with pytest.warns(UserWarning):
-        f = S.machine_facts("none", lambda: "fp")
+        f = stamp.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == (head, True)
     (tmp_path / "a.py").write_text("x = 1\n")  # clean again, and the variable agrees: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        f = S.machine_facts("none", lambda: "fp")
+        f = stamp.machine_facts("none", lambda: "fp")
     assert (f["git_sha"], f["git_dirty"]) == (head, False)
 
 
@@ -280,7 +284,7 @@ def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios
     """`bench run --from-report`: a report measured on a GPU machine becomes one launch of the moe scenario, stamped
     with the report's own code, hardware, date and command and marked imported; anything else is refused."""
     s, out = SCENARIOS["moe-megakernel-vs-unfused"], tmp_path / "s.csv"
-    rows = S.import_moe_report(s, _moe_report([1, 16, 128, 1024, 4096]), origin="out163/bench_moe.json", results=out)
+    rows = moe_report.import_moe_report(s, _moe_report([1, 16, 128, 1024, 4096]), origin="out163/bench_moe.json", results=out)
     assert len(rows) == 3 * 5 * 2 and R.read_rows(out) and all(r["source"] == "imported" for r in rows)
     assert {(r["git_sha"], r["date"], r["gpu"], r["launch"]) for r in rows} == {
         ("bd3e980e906d", "2026-12-04T09:38:10Z", "NVIDIA H200", "20261204T093810Z-imported")}
@@ -302,19 +306,19 @@ def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios
                        (_moe_report([1, 16, 128, 1024, 4096], order=("megakernel", "unfused", "torch")),
                         "engine order ['megakernel', 'unfused', 'torch'] (scenario: ['unfused', 'megakernel', 'torch'])"),
                        ({"cases": []}, "not a `moetune bench moe --json` report")):
-        with pytest.raises(S.ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-            S.import_moe_report(s, rep, origin="x.json", results=out)
+        with pytest.raises(ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            moe_report.import_moe_report(s, rep, origin="x.json", results=out)
     # a report written before it held its seed: its command's --seed says it
     old = {k: v for k, v in _moe_report([1, 16, 128, 1024, 4096]).items() if k != "seed"}
     old["meta"] = {**old["meta"], "date": "2026-12-04T10:00:00Z", "command": old["meta"]["command"] + " --seed 0"}
-    assert S.import_moe_report(s, old, origin="old.json", results=out)
+    assert moe_report.import_moe_report(s, old, origin="old.json", results=out)
     assert len(R.read_rows(out)) == 2 * len(rows)
     bad = _moe_report([1, 16, 128, 1024, 4096])  # a forged or broken timing: no number to keep
     bad["cases"][0]["eager_us"] = {"median": float("nan"), "p10": -5.0, "p90": float("inf")}
-    with pytest.raises(S.ScenarioError, match=r"is no timing \(finite, > 0, p10 <= median <= p90\)"):
-        S.import_moe_report(s, bad, origin="x.json", results=out)
-    with pytest.raises(S.ScenarioError, match="only scenarios of driver moe"):
-        S.import_moe_report(SCENARIOS["daemon-load"], _moe_report([1]), origin="x.json", results=out)
+    with pytest.raises(ScenarioError, match=r"is no timing \(finite, > 0, p10 <= median <= p90\)"):
+        moe_report.import_moe_report(s, bad, origin="x.json", results=out)
+    with pytest.raises(ScenarioError, match="only scenarios of driver moe"):
+        moe_report.import_moe_report(SCENARIOS["daemon-load"], _moe_report([1]), origin="x.json", results=out)
     assert len(R.read_rows(out)) == 2 * len(rows)  # nothing appended by a refused import
     r = _cli("run", "moe-megakernel-vs-unfused", "--from-report", str(tmp_path / "none.json"), "--results", str(out))
     assert r.returncode == 2 and "none.json" in r.stderr and "Traceback" not in r.stderr
@@ -324,7 +328,7 @@ def test_summarize_never_writes_over_the_results_it_reads(tmp_path: Path) -> Non
     """`bench summarize --results same.csv --out same.csv` replaced every measured row with the Markdown summary
     (exit 0), and a link named as --out to the results file likewise."""
     src = tmp_path / "same.csv"
-    src.write_bytes(S.SUMMARY_CSV.read_bytes())
+    src.write_bytes(checkout.SUMMARY_CSV.read_bytes())
     before = src.read_bytes()
     link = tmp_path / "link.md"
     link.symlink_to(src)
@@ -338,8 +342,8 @@ def test_summarize_says_which_rows_it_left_out(tmp_path: Path) -> None:
     """A median that was no number (a hand edit) or a row of no scenario was dropped without a word, and the table
     switched to another metric."""
     src = tmp_path / "h.csv"
-    lines = S.SUMMARY_CSV.read_text().splitlines(keepends=True)
-    rows = R.read_rows(S.SUMMARY_CSV)
+    lines = checkout.SUMMARY_CSV.read_text().splitlines(keepends=True)
+    rows = R.read_rows(checkout.SUMMARY_CSV)
     i = next(k for k, r in enumerate(rows) if not r["note"].startswith("FAILED") and r["median"])
     r = dict(rows[i], median="abc")
     import csv
@@ -352,7 +356,7 @@ def test_summarize_says_which_rows_it_left_out(tmp_path: Path) -> None:
     res = _cli("summarize", "--results", str(src), "--out", str(tmp_path / "out.md"))
     flat = " ".join(res.stderr.split())
     assert res.returncode == 0 and f"1 row(s) left out of the summary: line {i + 2}: median 'abc'" in flat, res.stderr
-    assert R.row_problems(R.read_rows(S.SUMMARY_CSV), SCENARIOS) == (0, [])  # the committed table: none
+    assert R.row_problems(R.read_rows(checkout.SUMMARY_CSV), SCENARIOS) == (0, [])  # the committed table: none
 
 
 def test_a_bench_moe_report_with_a_skipped_engine_imports_it_as_failed(tmp_path: Path) -> None:
@@ -362,7 +366,7 @@ def test_a_bench_moe_report_with_a_skipped_engine_imports_it_as_failed(tmp_path:
     rep = _moe_report([1, 16, 128, 1024, 4096], order=("unfused", "megakernel"))
     why = "the plain torch path needs torch._grouped_mm on a CUDA device"
     rep["cases"].insert(0, {"engine": "torch", "skipped": why})
-    rows = S.import_moe_report(s, rep, origin="out/bench_moe.json", results=out)
+    rows = moe_report.import_moe_report(s, rep, origin="out/bench_moe.json", results=out)
     torch_rows = [r for r in rows if r["case"] == "torch"]
     assert [r["metric"] for r in torch_rows] == list(s.metrics)
     assert all(r["note"] == f"FAILED: SKIPPED: {why}; imported from out/bench_moe.json" and r.get("median") is None
@@ -377,25 +381,25 @@ def test_a_case_argument_a_single_shot_driver_would_ignore_is_refused(tmp_path: 
     (tmp_path / "m.toml").write_text(f'name = "m"\ndriver = "moe"\n{head}[[cases]]\nname = "unfused"\n'
                                      'args = { engine = "unfused" }\n[[cases]]\nname = "mk"\n'
                                      'args = { engine = "megakernel", knobs = "mk_bn=128" }\n')
-    with pytest.raises(S.ScenarioError, match=r"cases\[1\] \(mk\) sets knobs: driver moe runs every case in one process"):
-        S.load(tmp_path / "m.toml")
+    with pytest.raises(ScenarioError, match=r"cases\[1\] \(mk\) sets knobs: driver moe runs every case in one process"):
+        definitions.load(tmp_path / "m.toml")
     (tmp_path / "k.toml").write_text(f'name = "k"\ndriver = "moe-knobs"\n{head}[[cases]]\nname = "base"\n'
                                      'args = { knobs = "" }\n[[cases]]\nname = "b"\nargs = { knobs = "mk_bn=128" }\n'
                                      'smoke_args = { tokens = [4] }\n')
-    with pytest.raises(S.ScenarioError, match=r"cases\[1\] \(b\) sets tokens: .*; a case sets only knobs"):
-        S.load(tmp_path / "k.toml")
+    with pytest.raises(ScenarioError, match=r"cases\[1\] \(b\) sets tokens: .*; a case sets only knobs"):
+        definitions.load(tmp_path / "k.toml")
     (tmp_path / "s.toml").write_text(f'name = "s"\ndriver = "search-efficiency"\n{head}[[cases]]\nname = "random"\n'
                                      'args = { seeds = 3 }\n')
-    with pytest.raises(S.ScenarioError, match="its cases take no arguments"):
-        S.load(tmp_path / "s.toml")
+    with pytest.raises(ScenarioError, match="its cases take no arguments"):
+        definitions.load(tmp_path / "s.toml")
 
 
 def test_the_moe_command_of_a_row_names_its_seed() -> None:
     """run_moe builds the weights and inputs from `seed`, but the command stored with its rows left it out: a case of
     seed 7 named a command that reruns seed 0."""
-    cmd = S.moe_command({"model": "qwen3-30b", "tokens": [1, 16], "iters": 50, "seed": 7}, ["unfused", "megakernel"])
+    cmd = moe_drivers.moe_command({"model": "qwen3-30b", "tokens": [1, 16], "iters": 50, "seed": 7}, ["unfused", "megakernel"])
     assert cmd.endswith("--iters 50 --seed 7 --json"), cmd
-    assert "--seed" not in S.moe_command({"tokens": [1]}, ["unfused"])  # the default (0) where the scenario sets none
+    assert "--seed" not in moe_drivers.moe_command({"tokens": [1]}, ["unfused"])  # the default (0) where the scenario sets none
 
 
 def test_the_moe_driver_stores_the_plain_read_it_timed_beside_the_engines(monkeypatch, tmp_path: Path) -> None:
@@ -412,9 +416,9 @@ def test_the_moe_driver_stores_the_plain_read_it_timed_beside_the_engines(monkey
         {"engine": "megakernel", "S": 16, "failed": "wrong output"}]}
     monkeypatch.setattr(M, "bench_moe", lambda *a, **k: rep)
     args = {"model": "qwen3-30b", "tokens": [16], "cuda_graph": True}
-    out = {r.case: r for r in S.run_moe([S.Resolved("unfused", dict(args, engine="unfused"), {}),
-                                         S.Resolved("megakernel", dict(args, engine="megakernel"), {})],
-                                        S.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
+    out = {r.case: r for r in moe_drivers.run_moe([records.Resolved("unfused", dict(args, engine="unfused"), {}),
+                                         records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                                        records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
     st = out["unfused"].metrics["plain_read_us[S=16]"]
     assert (st.median, st.p10, st.p90, st.n, st.unit) == (5.0, 4.5, 5.5, 50, "us")
     assert set(out["megakernel"].failed) == {"layer_us[S=16]", "graph_us[S=16]"}

@@ -45,11 +45,13 @@ def test_gpu_rates_on_the_cpu_is_no_gpu_rate(monkeypatch: pytest.MonkeyPatch, tm
                                              smoke: bool, fails: bool) -> None:
     # bench/gpu_rates.py times the same work on the CPU where its process sees no CUDA device: outside a smoke run
     # those CPU rates were stored as `measured` rows of gpu-rates, stamped with the GPU the parent process saw
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import records
+    from moetune.tuner.measure.scenarios.drivers import registry
+    from moetune.tuner.measure.scenarios.drivers import scripts as bench_scripts
 
-    monkeypatch.setattr(S, "_run_script", lambda script, args, env, ctx: (device + RATES_OUT, "python bench/gpu_rates.py"))
-    cases = [S.Resolved(n, {"iters": 20}, {}) for n in ("read-sum", "read-gemv")]
-    out = S.DRIVERS["gpu-rates"](cases, S.Ctx(world=1, backend="none", smoke=smoke, tmp=tmp_path))
+    monkeypatch.setattr(bench_scripts, "run_script", lambda script, args, env, ctx: (device + RATES_OUT, "python bench/gpu_rates.py"))
+    cases = [records.Resolved(n, {"iters": 20}, {}) for n in ("read-sum", "read-gemv")]
+    out = registry.DRIVERS["gpu-rates"](cases, records.Ctx(world=1, backend="none", smoke=smoke, tmp=tmp_path))
     if fails:
         assert all(not r.metrics and "no CUDA device" in r.error for r in out)
     else:
@@ -118,7 +120,10 @@ def test_gpu_rates_samples_start_on_a_busy_gpu(monkeypatch: pytest.MonkeyPatch) 
 def test_runtime_host_cost_rows_hold_a_median_and_its_quantiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # bench/runtime_host_cost.py printed the mean of its 2000 calls and the scenario stored it in the median column
     # (n 1, no p10 / p90): now the calls are timed in batches, and the row holds those batch means' median, p10, p90
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import records
+    from moetune.tuner.measure.scenarios.drivers import line_per_case as line_drivers
+    from moetune.tuner.measure.scenarios.drivers import registry
+    from moetune.tuner.measure.scenarios.drivers import scripts as bench_scripts
 
     hc = _script(monkeypatch, "bench/runtime_host_cost.py")
     now = [0.0]
@@ -127,15 +132,15 @@ def test_runtime_host_cost_rows_hold_a_median_and_its_quantiles(monkeypatch: pyt
     assert len(xs) == 4 and xs == [pytest.approx(1.0)] * 4  # 3 + 3 + 2 + 2 calls
     samples = [70.0, 71.0, 72.0, 75.0, 200.0]  # one slow batch (a context switch): the mean would be 97.6
     out = hc.line("dense_fp8_d2", samples) + "\n" + hc.line("plain", [50.0])
-    monkeypatch.setattr(S, "_run_script", lambda script, args, env, ctx: (out, "python bench/runtime_host_cost.py"))
-    res = {r.case: r for r in S.DRIVERS["runtime-host-cost"]([S.Resolved("plain", {}, {}),
-                                                                S.Resolved("dense-fp8-d2", {}, {})],
-                                                               S.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
+    monkeypatch.setattr(bench_scripts, "run_script", lambda script, args, env, ctx: (out, "python bench/runtime_host_cost.py"))
+    res = {r.case: r for r in registry.DRIVERS["runtime-host-cost"]([records.Resolved("plain", {}, {}),
+                                                                records.Resolved("dense-fp8-d2", {}, {})],
+                                                               records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
     st, want = res["dense-fp8-d2"].metrics["host_us_per_roundtrip"], Summary.of(samples)
     assert (st.median, st.p10, st.p90, st.n) == (pytest.approx(want.median, abs=0.05), pytest.approx(want.p10, abs=0.05),
                                                  pytest.approx(want.p90, abs=0.05), 5)
     # a line of the old script (a mean) is no median: the case fails rather than store it as one
-    assert S._host_cost_line("plain             76.8 us/roundtrip", {}) is None
+    assert line_drivers._host_cost_line("plain             76.8 us/roundtrip", {}) is None
 
 
 @pytest.mark.parametrize("xs", [[float(i) for i in range(10)], [0.003, 0.001, 0.0075, 0.00225, 0.009, 0.004]])

@@ -10,9 +10,13 @@ from typing import Any
 import pytest
 
 from moetune.tuner.measure import results as R
-from moetune.tuner.measure import scenarios as S
+from moetune.tuner.measure.scenarios import checkout, definitions, records, runner, stamp, summary
+from moetune.tuner.measure.scenarios.drivers import daemon as daemon_driver
+from moetune.tuner.measure.scenarios.drivers import fabric as fabric_drivers
+from moetune.tuner.measure.scenarios.drivers import registry
+from moetune.tuner.measure.scenarios.drivers import search as search_driver
 
-SCENARIOS = S.load_all()
+SCENARIOS = definitions.load_all()
 
 
 def _row(scenario: str, case: str, launch: str, median: float | None, **over: Any) -> dict[str, str]:
@@ -45,7 +49,7 @@ def test_a_ratio_pairs_each_case_with_the_baseline_of_the_same_launches() -> Non
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
             _row(s.name, "unfused", "L2", 200, date="2026-12-01T11:00:00Z"),
             _row(s.name, "torch", "L2", 100, date="2026-12-01T11:00:00Z")]
-    t = _table_rows(S.scenario_table(s, rows))
+    t = _table_rows(summary.scenario_table(s, rows))
     assert t["megakernel"][-1] == "2.00×" and t["torch"][-1] == "2.00×", t
     assert t["unfused"][-1] == "1.00×"
 
@@ -53,7 +57,7 @@ def test_a_ratio_pairs_each_case_with_the_baseline_of_the_same_launches() -> Non
 def test_a_case_never_run_beside_the_baseline_gets_no_ratio() -> None:
     s = SCENARIOS["moe-megakernel-vs-unfused"]
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L2", 50)]
-    assert _table_rows(S.scenario_table(s, rows))["megakernel"][-1] == "-"
+    assert _table_rows(summary.scenario_table(s, rows))["megakernel"][-1] == "-"
 
 
 def test_the_latest_batch_is_one_tree_state_and_one_kind_of_row() -> None:
@@ -64,14 +68,14 @@ def test_the_latest_batch_is_one_tree_state_and_one_kind_of_row() -> None:
     later = {"date": "2026-12-02T10:00:00Z", "git_dirty": True}
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
             _row(s.name, "unfused", "L2", 100, **later), _row(s.name, "megakernel", "L2", 100, **later)]
-    md = S.scenario_table(s, rows)
+    md = summary.scenario_table(s, rows)
     t = _table_rows(md)
     assert t["megakernel"][:2] == ["1", "100"] and t["unfused"][0] == "1", t
     assert any("(dirty tree)" in ln for ln in md)
     imp = {"date": "2026-12-02T10:00:00Z", "source": "imported"}
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
             _row(s.name, "unfused", "L3", 100, **imp), _row(s.name, "megakernel", "L3", 100, **imp)]
-    t = _table_rows(S.scenario_table(s, rows))
+    t = _table_rows(summary.scenario_table(s, rows))
     assert t["megakernel"][:2] == ["1", "100"], t
 
 
@@ -81,7 +85,7 @@ def test_a_modelled_metric_is_not_headed_measured() -> None:
     s = SCENARIOS["fabric-model"]
     rows = [_row(s.name, "presets", "L1", 12.1, unit="x MODELLED", metric="speedup[16nodes]", gpu="none",
                  hardware="2 CPU cores (x86_64), no GPU")]
-    head = next(ln for ln in S.scenario_table(s, rows) if "metric `" in ln)
+    head = next(ln for ln in summary.scenario_table(s, rows) if "metric `" in ln)
     assert head.startswith("MODELLED") and not head.startswith("measured"), head
 
 
@@ -102,18 +106,18 @@ def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
     """A scenario file or driver not yet added to git ran, but the stamped commit does not hold it: the row must say
     dirty (before: `git status --untracked-files=no` called such a tree clean)."""
     _one_commit_repo(tmp_path)
-    monkeypatch.setattr(S, "ROOT", tmp_path)
+    monkeypatch.setattr(stamp, "ROOT", tmp_path)
     monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
-    assert S.machine_facts("none", lambda: "fp")["git_dirty"] is False
+    assert stamp.machine_facts("none", lambda: "fp")["git_dirty"] is False
     (tmp_path / "new-scenario.toml").write_text('name = "new-scenario"\n')
-    assert S.machine_facts("none", lambda: "fp")["git_dirty"] is True
+    assert stamp.machine_facts("none", lambda: "fp")["git_dirty"] is True
 
 
 def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
     """The drivers' outputs give a p99 with its p50 and max, or a median with its max: those are their own metrics,
     never the row's p10 / p90 (before: p99_us rows carried the p50 as p10 and the max as p90, and BENCHMARKS.md
     showed them under 'p10' and 'p90')."""
-    d = S.daemon_metrics({"phases": [{"clients": 64, "mode": "paced", "p99_us": 545.0, "p50_us": 190.0,
+    d = daemon_driver.daemon_metrics({"phases": [{"clients": 64, "mode": "paced", "p99_us": 545.0, "p50_us": 190.0,
                                       "max_us": 2505.0, "requests": 1000, "req_per_s": 9990.0}],
                           "autoload_daemon_up": {"call": {"median_ms": 3.0, "max_ms": 9.0, "runs": 5}}})
     p99 = d["p99_us[c64-paced]"]
@@ -121,10 +125,10 @@ def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
     assert d["p50_us[c64-paced]"].median == 190.0 and d["max_us[c64-paced]"].median == 2505.0
     up = d["autoload_ms[daemon-up]"]
     assert (up.median, up.p90) == (3.0, None) and d["autoload_max_ms[daemon-up]"].median == 9.0
-    live = S.discovery_metrics({"live_discover_median_s": 0.005, "live_discover_max_s": 0.015, "import_s": 0.2,
+    live = fabric_drivers.discovery_metrics({"live_discover_median_s": 0.005, "live_discover_max_s": 0.015, "import_s": 0.2,
                                 "cli_fabric_show_json_wall_median_s": 1.0, "capture_discover_s": {}})["live"]
     assert live["discover_s"].p90 is None and live["discover_max_s"].median == 0.015
-    m = S.model_metrics({"predict_timing": {"results": {"collective": {"median_ms": 1.0, "max_ms": 4.0}}}})
+    m = fabric_drivers.model_metrics({"predict_timing": {"results": {"collective": {"median_ms": 1.0, "max_ms": 4.0}}}})
     assert m["predict_ms[collective]"].p90 is None and m["predict_max_ms[collective]"].median == 4.0
 
 
@@ -148,7 +152,7 @@ def test_capture_discovery_is_a_median_of_single_calls(monkeypatch, capsys) -> N
 
     monkeypatch.setattr(discovery, "discover", fake_discover)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: None)
-    spec = importlib.util.spec_from_file_location("fdc", S.ROOT / "bench" / "fabric_discovery_cpu.py")
+    spec = importlib.util.spec_from_file_location("fdc", checkout.ROOT / "bench" / "fabric_discovery_cpu.py")
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     mod.main()
@@ -179,7 +183,7 @@ def test_a_case_failing_at_some_sizes_gets_failed_rows_and_shows_failed(tmp_path
     s = SCENARIOS["moe-megakernel-vs-unfused"]
     monkeypatch.setattr(M, "bench_moe", lambda *a, **k: _moe_rep(128))
     out = tmp_path / "s.csv"
-    S.run(s, results=out, gpus=1, launches=1, fingerprint=lambda: "fp")
+    runner.run(s, results=out, gpus=1, launches=1, fingerprint=lambda: "fp")
     rows = R.read_rows(out)
     failed = {r["metric"]: r["note"] for r in rows if r["case"] == "megakernel" and r["note"].startswith("FAILED")}
     assert {"graph_us[S=128]", "layer_us[S=128]", "graph_us[S=1024]", "graph_us[S=4096]"} <= set(failed), failed
@@ -187,7 +191,7 @@ def test_a_case_failing_at_some_sizes_gets_failed_rows_and_shows_failed(tmp_path
     assert failed["graph_us[S=1024]"] == "FAILED: S=1024 failed: not run: its launches failed at S=128"
     assert all(r["unit"] == "us" and r["median"] == "" for r in rows if r["note"].startswith("FAILED"))
     assert not any(r["note"].startswith("FAILED") for r in rows if r["case"] != "megakernel")
-    t = _table_rows(S.scenario_table(s, rows))
+    t = _table_rows(summary.scenario_table(s, rows))
     assert set(t) == {"unfused", "megakernel", "torch"}, t
     assert t["megakernel"][:2] == ["0 + 1 FAILED", "FAILED: S=128 failed: device error: wait timed out"], t
 
@@ -199,7 +203,7 @@ def test_a_launch_that_failed_as_a_whole_is_the_latest_batch() -> None:
     new = {"date": "2026-12-02T10:00:00Z", "git_sha": "b" * 40, "note": "FAILED: launch died: OOM"}
     rows = [_row(s.name, c, "L1", m) for c, m in (("unfused", 100), ("megakernel", 50), ("torch", 80))]
     rows += [_row(s.name, c, "L2", None, **new) for c in ("unfused", "megakernel", "torch")]
-    md = S.scenario_table(s, rows)
+    md = summary.scenario_table(s, rows)
     t = _table_rows(md)
     assert all(v[:2] == ["0 + 1 FAILED", "FAILED: launch died: OOM"] for v in t.values()) and len(t) == 3, t
     assert any(f"`{'b' * 10}`" in ln for ln in md) and not any(f"`{'a' * 10}`" in ln for ln in md)
@@ -211,7 +215,7 @@ def test_a_failure_beside_numbers_of_the_same_batch_is_said() -> None:
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
             _row(s.name, "unfused", "L2", 100), _row(s.name, "megakernel", "L2", None,
                                                         note="FAILED: S=128 failed: wait | timed out")]
-    md = S.scenario_table(s, rows)
+    md = summary.scenario_table(s, rows)
     t = _table_rows(md)
     assert t["megakernel"][:2] == ["1 + 1 FAILED", "50"], t
     assert any(ln.startswith("Also FAILED") and "`megakernel` in 1" in ln and "wait / timed out" in ln for ln in md)
@@ -221,13 +225,13 @@ def test_failed_rows_only_where_a_case_failed() -> None:
     """An error beside some metrics (an EP case whose CUDA graph capture failed) fails every listed metric it lacks; a
     case that does not give a listed metric by design (no CUDA graph asked for) and reported no error does not."""
     s = SCENARIOS["ep-roundtrip-qwen3-s128"]
-    st = S.Stat(30.0, 29.0, 31.0, 30, "us")
-    out = [S.CaseResult("collective", {"graph_pair_us": st, "graph_roundtrip_us": st, "roundtrip_us": st,
+    st = records.Stat(30.0, 29.0, 31.0, 30, "us")
+    out = [records.CaseResult("collective", {"graph_pair_us": st, "graph_roundtrip_us": st, "roundtrip_us": st,
                                        "roundtrip_host_us": st}, "c"),
-           S.CaseResult("nvlink", {"roundtrip_us": st, "roundtrip_host_us": st}, "c", "graph capture failed: x"),
-           S.CaseResult("plain", {"roundtrip_us": st, "roundtrip_host_us": st}, "c"),
-           S.CaseResult("collective", {}, "c", "launch failed")]
-    rows = S._launch_rows(s, out, "L1", {"source": "measured"})
+           records.CaseResult("nvlink", {"roundtrip_us": st, "roundtrip_host_us": st}, "c", "graph capture failed: x"),
+           records.CaseResult("plain", {"roundtrip_us": st, "roundtrip_host_us": st}, "c"),
+           records.CaseResult("collective", {}, "c", "launch failed")]
+    rows = runner.launch_rows(s, out, "L1", {"source": "measured"})
     failed = [(r["position"], r["metric"], r["unit"], r["note"]) for r in rows if r["note"].startswith("FAILED")]
     assert failed == [(1, m, "us", "FAILED: graph capture failed: x") for m in ("graph_pair_us", "graph_roundtrip_us")
                       ] + [(3, m, "us", "FAILED: launch failed") for m in s.metrics], failed
@@ -239,7 +243,7 @@ def test_a_date_without_a_time_is_not_the_latest_of_its_day() -> None:
     s = SCENARIOS["moe-megakernel-vs-unfused"]
     rows = [_row(s.name, "unfused", "L1", 100, date="2026-11-30T12:00:00Z"),
             _row(s.name, "unfused", "L0", None, date="2026-11-30Z", git_sha="c" * 40, note="FAILED: no result")]
-    assert _table_rows(S.scenario_table(s, rows))["unfused"][:2] == ["1", "100"]
+    assert _table_rows(summary.scenario_table(s, rows))["unfused"][:2] == ["1", "100"]
 
 
 def test_search_efficiency_numbers_are_all_labelled_modelled() -> None:
@@ -248,16 +252,16 @@ def test_search_efficiency_numbers_are_all_labelled_modelled() -> None:
     c = {"budget": 100, "random_evals_to_3pct_median": 6.5, "tpe_evals_to_3pct_median": 3.0, "random_median_gap": 0.01,
          "tpe_median_gap": 0.0, "cold_tpe_median_gap": 0.0, "random_hit_rate": 0.6, "tpe_hit_rate": 0.5,
          "cold_tpe_hit_rate": 0.6}
-    per = S.search_metrics({"cases": [c]})
+    per = search_driver.search_metrics({"cases": [c]})
     assert all(R.is_modelled({"unit": st.unit}) for m in per.values() for st in m.values()), per
-    committed = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "search-efficiency"]
+    committed = [r for r in R.read_rows(checkout.SUMMARY_CSV) if r["scenario"] == "search-efficiency"]
     assert committed and all(R.is_modelled(r) and r["source"] in ("modelled", "imported") for r in committed)
 
 
 def _bench_module(name: str) -> Any:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, S.ROOT / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, checkout.ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
@@ -306,15 +310,15 @@ def test_search_metrics_count_a_search_that_never_got_within_3pct() -> None:
     base = {"budget": 100, "random_median_gap": 0.0, "tpe_median_gap": 0.0, "random_hit_rate": 1.0, "tpe_hit_rate": 1.0}
     d = {"cases": [{**base, "random_evals_to_3pct_median": 5, "tpe_evals_to_3pct_median": 3},
                    {**base, "random_evals_to_3pct_median": 7, "tpe_evals_to_3pct_median": None}]}
-    per = S.search_metrics(d)
+    per = search_driver.search_metrics(d)
     assert per["tpe"]["evals_to_3pct"].median == (3 + 101) / 2 and per["tpe"]["evals_to_3pct"].n == 2
     assert per["random"]["evals_to_3pct"].median == 6
     assert "evals_to_3pct" not in per["cold-tpe"]  # the old files have no count for it: none, not a made-up one
 
 
-def _failing_driver(cases: Any, ctx: Any) -> list[S.CaseResult]:
+def _failing_driver(cases: Any, ctx: Any) -> list[records.CaseResult]:
     """fabric-model's bench/model_reproduce.py failing outright: no case produced any metric."""
-    return [S.CaseResult(c.name, {}, "python bench/model_reproduce.py", "exited 1: boom") for c in cases]
+    return [records.CaseResult(c.name, {}, "python bench/model_reproduce.py", "exited 1: boom") for c in cases]
 
 
 def test_a_prediction_launch_that_failed_outright_is_stored_and_headed_modelled(tmp_path, monkeypatch) -> None:
@@ -323,16 +327,16 @@ def test_a_prediction_launch_that_failed_outright_is_stored_and_headed_modelled(
     "measured ... metric `speedup[16nodes]` ()". The scenario declares its predictions (`modelled`): their FAILED rows
     are modelled too; predict_ms (a wall-clock timing of the predictor) stays measured."""
     s = SCENARIOS["fabric-model"]
-    monkeypatch.setitem(S.DRIVERS, "fabric-model", _failing_driver)
+    monkeypatch.setitem(registry.DRIVERS, "fabric-model", _failing_driver)
     out = tmp_path / "s.csv"
-    S.run(s, results=out, gpus=0, launches=1, fingerprint=lambda: "fp")
+    runner.run(s, results=out, gpus=0, launches=1, fingerprint=lambda: "fp")
     rows = R.read_rows(out)
     by = {r["metric"]: r for r in rows}
     assert set(by) == set(s.metrics) and all(r["note"] == "FAILED: exited 1: boom" for r in rows), rows
     for m in ("speedup[16nodes]", "coupled_rel_throughput[4096B]", "fixed_rel_throughput[4096B]"):
         assert by[m]["source"] == "modelled" and R.is_modelled(by[m]), by[m]
     assert by["predict_ms[coupled/proxy_drain]"]["source"] == "measured"
-    md = S.scenario_table(s, rows)
+    md = summary.scenario_table(s, rows)
     head = next(ln for ln in md if "metric `" in ln)
     assert head.startswith("MODELLED") and "metric `speedup[16nodes]` (MODELLED)" in head, head
     assert _table_rows(md)["presets"][:2] == ["0 + 1 FAILED", "FAILED: exited 1: boom"]
@@ -347,7 +351,7 @@ def test_one_launch_of_predictions_and_timings_is_one_batch_whatever_the_row_ord
     pred = [_row(s.name, "presets", "L1", v, metric=m, unit="x MODELLED", source="modelled", **cpu)
             for m, v in (("speedup[16nodes]", 12.1), ("speedup[2nodes]", 3.6))]
     timed = [_row(s.name, "presets", "L1", 2.4, metric="predict_ms[coupled/proxy_drain]", unit="ms", **cpu)]
-    tables = {tuple(S.scenario_table(s, order)) for order in (pred + timed, timed + pred, timed + pred[::-1])}
+    tables = {tuple(summary.scenario_table(s, order)) for order in (pred + timed, timed + pred, timed + pred[::-1])}
     assert len(tables) == 1, tables
     md = list(tables.pop())
     head = next(ln for ln in md if "metric `" in ln)
@@ -366,16 +370,16 @@ def test_the_scenarios_declare_every_prediction_their_drivers_make() -> None:
                          "cold_tpe_evals_to_3pct_median": 2, "random_median_gap": 0.0, "tpe_median_gap": 0.0,
                          "cold_tpe_median_gap": 0.0, "random_hit_rate": 1.0, "tpe_hit_rate": 1.0,
                          "cold_tpe_hit_rate": 1.0}]}
-    made = [("fabric-model", S.model_metrics(doc))] + [("search-efficiency", m) for m in S.search_metrics(search).values()]
+    made = [("fabric-model", fabric_drivers.model_metrics(doc))] + [("search-efficiency", m) for m in search_driver.search_metrics(search).values()]
     for name, metrics in made:
         s = SCENARIOS[name]
         assert metrics and all(s.is_modelled(m) == R.is_modelled({"unit": st.unit}) for m, st in metrics.items()), (
             name, {m: st.unit for m, st in metrics.items()})
-    declared = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] in SCENARIOS
+    declared = [r for r in R.read_rows(checkout.SUMMARY_CSV) if r["scenario"] in SCENARIOS
                 and SCENARIOS[r["scenario"]].is_modelled(r["metric"])]
     assert declared and all(R.is_modelled(r) and r["source"] in ("modelled", "imported") for r in declared)
     assert not any(r["source"] == "modelled" and not SCENARIOS[r["scenario"]].is_modelled(r["metric"])
-                   for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] in SCENARIOS)
+                   for r in R.read_rows(checkout.SUMMARY_CSV) if r["scenario"] in SCENARIOS)
 
 
 def test_a_search_case_without_an_optimum_is_left_out_of_every_search_and_said(tmp_path, monkeypatch) -> None:
@@ -396,14 +400,14 @@ def test_a_search_case_without_an_optimum_is_left_out_of_every_search_and_said(t
         (out / "search_efficiency.json").write_text(json.dumps(docs[0]))
         return "", "python bench/search_efficiency.py"
 
-    monkeypatch.setattr(S, "_run_script", script)
-    ctx = S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path)
-    rows = S._launch_rows(s, S.run_search(S.plan(s, None, True), ctx), "L1", {"source": "smoke"})
+    monkeypatch.setattr(search_driver, "run_script", script)
+    ctx = records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path)
+    rows = runner.launch_rows(s, search_driver.run_search(runner.plan(s, None, True), ctx), "L1", {"source": "smoke"})
     assert rows and not any(r["note"].startswith("FAILED") for r in rows), rows
     assert all(r["n"] == 1 and r["note"].startswith("1 of 2 cases left out of every search alike") for r in rows)
     assert "p m S=128: no feasible grid point" in rows[0]["note"]
     docs[0] = {"cases": [bad]}
-    rows = S._launch_rows(s, S.run_search(S.plan(s, None, True), ctx), "L1", {"source": "smoke"})
+    rows = runner.launch_rows(s, search_driver.run_search(runner.plan(s, None, True), ctx), "L1", {"source": "smoke"})
     assert rows and all(r["note"].startswith("FAILED: 1 of 1 cases left out of every search alike") for r in rows)
 
 
@@ -441,10 +445,10 @@ def test_imported_rows_hold_in_median_p10_p90_what_their_raw_files_say() -> None
 
     sources = {"2026-11-30_daemon_load.json", "2026-11-30_daemon_load_tcp.json", "2026-11-30_daemon_load_busy.json",
                "2026-11-30_fabric_model_cpu.json", "fabric_discovery_cpu.jsonl"}
-    with tarfile.open(S.ROOT / "bench/results/archive/2026-11-30.tar.xz") as tar:
+    with tarfile.open(checkout.ROOT / "bench/results/archive/2026-11-30.tar.xz") as tar:
         raw = {n: tar.extractfile(n).read().decode() for n in sources}  # type: ignore[union-attr]
     checked, wrong = 0, []
-    for r in R.read_rows(S.SUMMARY_CSV):
+    for r in R.read_rows(checkout.SUMMARY_CSV):
         src = r["note"].removeprefix("from ").split(";")[0]
         if r["source"] != "imported" or src not in sources:
             continue
@@ -471,7 +475,7 @@ def test_committed_rows_have_both_quantiles_or_neither_around_the_median() -> No
     """Every committed row with a median has both p10 and p90 or neither, with p10 <= median <= p90: a p90 alone was
     a max (autoload_ms, predict_ms and live discover_s rows of the first import: 17 rows failed here)."""
     bad = []
-    for i, r in enumerate(R.read_rows(S.SUMMARY_CSV)):
+    for i, r in enumerate(R.read_rows(checkout.SUMMARY_CSV)):
         m, p10, p90 = R.fnum(r["median"]), R.fnum(r["p10"]), R.fnum(r["p90"])
         if m is None:
             if p10 is not None or p90 is not None:
@@ -529,7 +533,7 @@ def test_no_row_is_stamped_with_a_commit_made_after_it_ran() -> None:
     pooled five code versions as one tree state. Rows with git_sha "unknown" say why in their note. The one documented
     exception: the megakernel's run 8 (bench/tools/import_megakernel.py: its tree was 711d9d4's content, committed a
     minute after the run). A commit this (full) clone does not have is a failure too."""
-    bad = _stamp_problems(R.read_rows(S.SUMMARY_CSV), S.ROOT)
+    bad = _stamp_problems(R.read_rows(checkout.SUMMARY_CSV), checkout.ROOT)
     if bad is None:
         pytest.skip("no git here, or a shallow clone / exported tree that may lack the stamped commits")
     assert not bad, "\n".join(sorted(bad))
@@ -541,12 +545,12 @@ def test_a_row_naming_a_commit_the_repository_lacks_fails_the_stamp_check() -> N
     head = _row("moe-megakernel-vs-unfused", "unfused", "L1", 100.0)
     import subprocess
 
-    real = subprocess.run(["git", "-C", str(S.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    real = subprocess.run(["git", "-C", str(checkout.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     if not real:
         pytest.skip("no git here")
     rows = [{**head, "git_sha": real, "date": "2099-01-01T00:00:00Z"},
             {**head, "launch": "L2", "git_sha": "0123456789abcdef0123456789abcdef01234567"}]
-    bad = _stamp_problems(rows, S.ROOT)
+    bad = _stamp_problems(rows, checkout.ROOT)
     if bad is None:
         pytest.skip("a shallow clone: commits may be missing for that reason")
     assert bad == {"moe-megakernel-vs-unfused L2: 0123456789ab is no commit of this repository"}, bad
@@ -560,9 +564,9 @@ def test_launches_of_unknown_code_are_each_a_batch_of_their_own() -> None:
             for launch, date, base, fp8 in (("run27a", "2026-11-30T11:15:18Z", 1500.0, 1000.0),
                                             ("run28a", "2026-11-30T11:22:08Z", 1500.0, 1270.0))
             for c, v in ((s.baseline.name, base), ("fp8-depth4", fp8))]
-    t = _table_rows(S.scenario_table(s, rows))
+    t = _table_rows(summary.scenario_table(s, rows))
     assert t["fp8-depth4"][:2] == ["1", "1,270"], t
-    t = _table_rows(S.scenario_table(s, [{**r, "git_sha": "b" * 40} for r in rows]))
+    t = _table_rows(summary.scenario_table(s, [{**r, "git_sha": "b" * 40} for r in rows]))
     assert t["fp8-depth4"][:2] == ["2", "1,135"], t
 
 
@@ -573,11 +577,11 @@ def test_launches_of_a_dirty_tree_are_each_a_batch_of_their_own() -> None:
     rows = [_row(s.name, c, launch, v, git_dirty=True, date=date)
             for launch, date, mk in (("L1", "2026-12-01T10:00:00Z", 50.0), ("L2", "2026-12-01T11:00:00Z", 80.0))
             for c, v in (("unfused", 100.0), ("megakernel", mk))]
-    md = S.scenario_table(s, rows)
+    md = summary.scenario_table(s, rows)
     t = _table_rows(md)
     assert t["megakernel"][:2] == ["1", "80"] and t["unfused"][0] == "1", t
     assert any("(dirty tree)" in ln for ln in md)
-    t = _table_rows(S.scenario_table(s, [{**r, "git_dirty": "0"} for r in rows]))  # a clean SHA: one batch
+    t = _table_rows(summary.scenario_table(s, [{**r, "git_dirty": "0"} for r in rows]))  # a clean SHA: one batch
     assert t["megakernel"][:2] == ["2", "65"], t
 
 
@@ -588,7 +592,7 @@ def test_a_git_status_that_gives_no_answer_is_never_stamped_clean(tmp_path, monk
 
     _one_commit_repo(tmp_path)
     (tmp_path / "a.py").write_text("x = 2\n")  # a change git would have shown
-    monkeypatch.setattr(S, "ROOT", tmp_path)
+    monkeypatch.setattr(stamp, "ROOT", tmp_path)
     monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
     real = subprocess.run
 
@@ -603,13 +607,13 @@ def test_a_git_status_that_gives_no_answer_is_never_stamped_clean(tmp_path, monk
         return real(argv, *a, **k)
 
     for fake in (timed_out, failed):
-        monkeypatch.setattr(S.subprocess, "run", fake)
+        monkeypatch.setattr(stamp.subprocess, "run", fake)
         with pytest.warns(UserWarning, match="`git status` gave no answer"):
-            sha, dirty = S.code_stamp()
+            sha, dirty = stamp.code_stamp()
         assert len(sha) == 40 and dirty is True, fake.__name__
-    monkeypatch.setattr(S.subprocess, "run", real)
+    monkeypatch.setattr(stamp.subprocess, "run", real)
     (tmp_path / "a.py").write_text("x = 1\n")  # git answers "no changes": clean
-    assert S.code_stamp()[1] is False
+    assert stamp.code_stamp()[1] is False
 
 
 def test_predict_rows_count_the_calls_their_median_is_of() -> None:
@@ -618,7 +622,7 @@ def test_predict_rows_count_the_calls_their_median_is_of() -> None:
     timing = {"collective": {"median_ms": 1.0, "max_ms": 4.0, "runs": 30},
               "coupled/proxy_drain 64K tokens zipf:1.2": {"median_ms": 9.0, "max_ms": 12.0, "runs": 5},
               "old": {"median_ms": 1.0, "max_ms": 2.0}}
-    m = S.model_metrics({"predict_timing": {"results": timing}})
+    m = fabric_drivers.model_metrics({"predict_timing": {"results": timing}})
     assert m["predict_ms[collective]"].n == 30 and m["predict_max_ms[collective]"].n == 30
     assert m["predict_ms[coupled/proxy_drain 64K tokens zipf:1.2]"].n == 5 and m["predict_ms[old]"].n == 1
 
@@ -639,15 +643,15 @@ def test_a_cpu_scenario_run_on_a_gpu_machine_is_headed_with_the_host_cpu_not_the
     named it (', GPU NVIDIA H200') beside a question saying e.g. 'Not a GPU measurement'. It now says the scenario
     ran on the host CPU, the machine named as what it was; a GPU scenario's heading still names its GPU."""
     s = SCENARIOS[scenario]
-    line = next(ln for ln in S.scenario_table(s, [_row(scenario, s.baseline.name, "L1", 100)])
+    line = next(ln for ln in summary.scenario_table(s, [_row(scenario, s.baseline.name, "L1", 100)])
                 if ln.startswith(("measured", "MODELLED")))
     assert ", GPU NVIDIA H200" not in line, line
     assert "on the host CPU, no GPU used (the machine: 1x NVIDIA H200, 16 CPU cores)" in line, line
     cpu_only = _row(scenario, s.baseline.name, "L1", 100, gpu="none", gpu_count="0",
                     hardware="2 CPU cores (Intel Xeon VM), no GPU")
-    line = next(ln for ln in S.scenario_table(s, [cpu_only]) if ln.startswith(("measured", "MODELLED")))
+    line = next(ln for ln in summary.scenario_table(s, [cpu_only]) if ln.startswith(("measured", "MODELLED")))
     assert ", 2 CPU cores (Intel Xeon VM), no GPU; metric" in line, line
     g = SCENARIOS["moe-megakernel-vs-unfused"]
-    line = next(ln for ln in S.scenario_table(g, [_row(g.name, g.baseline.name, "L1", 100)])
+    line = next(ln for ln in summary.scenario_table(g, [_row(g.name, g.baseline.name, "L1", 100)])
                 if ln.startswith("measured"))
     assert "1x NVIDIA H200, 16 CPU cores, GPU NVIDIA H200; metric" in line, line

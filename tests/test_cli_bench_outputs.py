@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
 from moetune.tuner.measure import results as R
-from moetune.tuner.measure import scenarios as S
+from moetune.tuner.measure.scenarios import checkout, definitions, records, runner, summary
+from moetune.tuner.measure.scenarios.drivers import moe as moe_drivers
+from moetune.tuner.measure.scenarios.drivers import registry
 
 # procfs takes no new file, for root as for anyone: a destination that cannot be written on every Linux
 UNWRITABLE = Path("/proc/moetune-unwritable")
@@ -35,9 +37,9 @@ def _refused(r, *needles: str, code: int = 2) -> str:
     return flat
 
 
-def _fake_driver(cases, ctx) -> list[S.CaseResult]:
+def _fake_driver(cases, ctx) -> list[records.CaseResult]:
     """fabric-model's first metric, as its driver names it (a prediction: MODELLED in the unit)."""
-    return [S.CaseResult(c.name, {"speedup[16nodes]": S.Stat(12.1, 11.9, 12.3, 3, "x MODELLED")}, "python bench/fake.py")
+    return [records.CaseResult(c.name, {"speedup[16nodes]": records.Stat(12.1, 11.9, 12.3, 3, "x MODELLED")}, "python bench/fake.py")
             for c in cases]
 
 
@@ -47,15 +49,15 @@ def _fits(out: str, width: int = 80) -> None:
 
 
 @pytest.fixture
-def fast_scenario(monkeypatch: pytest.MonkeyPatch) -> S.Scenario:
+def fast_scenario(monkeypatch: pytest.MonkeyPatch) -> definitions.Scenario:
     """fabric-model with a driver that returns at once (the scenario's own takes seconds)."""
     from moetune.tuner.cli import bench
 
-    monkeypatch.setitem(S.DRIVERS, "fabric-model", _fake_driver)
-    real = S.run
-    monkeypatch.setattr(S, "run", lambda *a, **k: real(*a, **{**k, "gpus": 0}))  # no CUDA query (torch import)
+    monkeypatch.setitem(registry.DRIVERS, "fabric-model", _fake_driver)
+    real = runner.run
+    monkeypatch.setattr(runner, "run", lambda *a, **k: real(*a, **{**k, "gpus": 0}))  # no CUDA query (torch import)
     monkeypatch.setattr(bench, "_fingerprint", lambda: "fp")
-    return S.get("fabric-model")
+    return definitions.get("fabric-model")
 
 
 # -- 1. an unwritable --results / --out ---------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def test_unwritable_results_is_refused_before_the_run(monkeypatch: pytest.Monkey
     def ran(*a, **k):
         raise AssertionError("the benchmark ran although its results could not be written")
 
-    monkeypatch.setattr(S, "run", ran)
+    monkeypatch.setattr(runner, "run", ran)
     dest = UNWRITABLE / "s.csv"
     _refused(_run("bench", "run", "fabric-model", "--smoke", "--results", str(dest)), f"--results {dest}",
              "cannot write there")
@@ -123,7 +125,7 @@ def test_a_later_launch_that_cannot_be_written_stops_the_run(monkeypatch, tmp_pa
     calls = _read_only(monkeypatch, fail_from=2)
     dest = tmp_path / "s.csv"
     with pytest.raises(R.RowsNotSaved) as e:
-        S.run(fast_scenario, smoke=True, launches=3, results=dest, gpus=0, fingerprint=lambda: "fp")
+        runner.run(fast_scenario, smoke=True, launches=3, results=dest, gpus=0, fingerprint=lambda: "fp")
     assert len(calls) == 2  # launch 3 was not run into a table that takes no rows
     msg = str(e.value)
     assert "rows of launch 2 of 3" in msg and f"launches before it are in {dest}" in msg and "launch 3 was not run" in msg
@@ -139,13 +141,13 @@ def test_an_interrupted_run_says_what_its_finished_launches_left(monkeypatch, tm
     calls: list[int] = []
     stop_at = [2]
 
-    def driver(cases, ctx) -> list[S.CaseResult]:
+    def driver(cases, ctx) -> list[records.CaseResult]:
         calls.append(1)
         if len(calls) == stop_at[0]:
             raise KeyboardInterrupt
         return _fake_driver(cases, ctx)
 
-    monkeypatch.setitem(S.DRIVERS, "fabric-model", driver)
+    monkeypatch.setitem(registry.DRIVERS, "fabric-model", driver)
     dest = tmp_path / "s.csv"
     r = _run("bench", "run", "fabric-model", "--smoke", "--launches", "3", "--results", str(dest))
     assert r.exit_code == 130, (r.output, r.exception)
@@ -161,10 +163,10 @@ def test_an_interrupted_run_says_what_its_finished_launches_left(monkeypatch, tm
     assert r.exit_code == 130 and f"interrupted: no launch finished: nothing appended to {fresh}" in r.output, r.output
     assert not fresh.exists()
 
-    def terminated(cases, ctx) -> list[S.CaseResult]:
+    def terminated(cases, ctx) -> list[records.CaseResult]:
         raise Terminated()
 
-    monkeypatch.setitem(S.DRIVERS, "fabric-model", terminated)
+    monkeypatch.setitem(registry.DRIVERS, "fabric-model", terminated)
     r = _run("bench", "run", "fabric-model", "--smoke", "--results", str(fresh))
     assert r.exit_code == 143 and "terminated (SIGTERM): no launch finished" in r.output, r.output
 
@@ -179,7 +181,7 @@ def test_summary_names_the_results_file_it_read(tmp_path: Path) -> None:
     assert f"from `{src}`" in flat and f"0 rows in `{src}`" in flat
     assert "bench/results/summary.csv" not in flat and "summary.csv (" not in flat
     # the committed table's summary reads as before (BENCHMARKS.md is generated from it)
-    assert "from `bench/results/summary.csv`" in S.summarize({}, [], source=S.SUMMARY_CSV)
+    assert "from `bench/results/summary.csv`" in summary.summarize({}, [], source=checkout.SUMMARY_CSV)
 
 
 # -- 3. model calibrate without a usable row says why -------------------------------------------------------------
@@ -245,7 +247,7 @@ def test_bench_list_keeps_every_name_whole_at_80_columns() -> None:
     r = _run("bench", "list")
     assert r.exit_code == 0, r.output
     _fits(r.stdout)
-    for s in S.load_all().values():
+    for s in definitions.load_all().values():
         for name in (s.name, *(c.name for c in s.cases)):
             assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", r.stdout), (name, r.stdout)
     cells = [c.strip() for ln in r.stdout.splitlines() for c in ln.split("│")[1:-1]]
@@ -566,11 +568,11 @@ def test_bench_knobs_never_rebases_onto_another_variant_when_the_base_is_skipped
     r = _run("bench", "knobs", "--model", model, "--tokens", "4", "--vs", "u1=engine=unfused;u2=engine=unfused",
              "--iters", "2", "--warmup", "0", "--rotate", "1", "--chain", "1", width=200)
     _refused(r, "base skipped:", "error: no difference to the base at S=4: the base variant 'base' was skipped", code=1)
-    out = S.run_moe_knobs([S.Resolved("base", {"model": model, "tokens": [4], "iters": 2, "warmup": 0, "rotate": 1,
+    out = moe_drivers.run_moe_knobs([records.Resolved("base", {"model": model, "tokens": [4], "iters": 2, "warmup": 0, "rotate": 1,
                                                 "chain": 1}, {}),
-                           S.Resolved("u1", {"knobs": "engine=unfused"}, {}),
-                           S.Resolved("u2", {"knobs": "engine=unfused"}, {})],
-                          S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                           records.Resolved("u1", {"knobs": "engine=unfused"}, {}),
+                           records.Resolved("u2", {"knobs": "engine=unfused"}, {})],
+                          records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {c.case: c for c in out}
     assert by["base"].error.startswith("SKIPPED:")
     import torch
@@ -586,7 +588,7 @@ def test_moe_scenario_cases_with_a_failed_row_fail() -> None:
     rep = {"iters": 1, "cases": [{"engine": "unfused", "S": 1, "eager_us": {"median": 1.0, "p10": 1.0, "p90": 1.0}},
                                  {"engine": "megakernel", "S": 1, "failed": "megakernel error 1: timed out"},
                                  {"engine": "torch", "skipped": "no CUDA"}]}
-    per, why = S._per_case(rep, "engine", (("eager_us", "layer_us"),))
+    per, why = moe_drivers.per_case(rep, "engine", (("eager_us", "layer_us"),))
     assert set(per) == {"unfused"}
     assert why == {"megakernel": "S=1 failed: megakernel error 1: timed out", "torch": "SKIPPED: no CUDA"}
 
@@ -754,12 +756,12 @@ def test_every_caller_of_the_moe_timings_raises_a_warmup_below_rotate(monkeypatc
     assert rep["warmup"] == 3 and rep["warmup_note"] == note, rep
     assert "warmup_note" not in M.bench_moe(get_model(TINY_MODEL), [4], ["unfused"], iters=1, warmup=3, rotate=3)
     # the drivers (as a scenario's smoke settings run them: warmup 1, rotate 2)
-    ctx = S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path)
+    ctx = records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path)
     args = {"model": TINY_MODEL, "tokens": [4], "iters": 1, "warmup": 1, "rotate": 2}
-    (r,) = S.run_moe([S.Resolved("unfused", {**args, "engine": "unfused"}, {})], ctx)
+    (r,) = moe_drivers.run_moe([records.Resolved("unfused", {**args, "engine": "unfused"}, {})], ctx)
     assert not r.error and r.metrics and r.note.startswith("--warmup 1 is below --rotate 2: raised to 2"), r
-    out = S.run_moe_knobs([S.Resolved("base", {**args, "knobs": "engine=unfused", "chain": 1}, {}),
-                           S.Resolved("v", {"knobs": "engine=unfused"}, {})], ctx)
+    out = moe_drivers.run_moe_knobs([records.Resolved("base", {**args, "knobs": "engine=unfused", "chain": 1}, {}),
+                           records.Resolved("v", {"knobs": "engine=unfused"}, {})], ctx)
     assert all(not c.error and c.metrics and c.note.startswith("--warmup 1 is below --rotate 2") for c in out), out
     assert seen and all(w >= n for w, n in seen), seen  # every timed input had an untimed call first
     r = _run("bench", "knobs", "--knobs", "engine=unfused", "--vs", "v=engine=unfused", "--model", TINY_MODEL, "--tokens",

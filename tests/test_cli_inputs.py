@@ -50,11 +50,11 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def benchmarks_md(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """BENCHMARKS.md redirected to a scratch file (the real one is never written by these tests)."""
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import checkout
 
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("KEEP ME\n")
-    monkeypatch.setattr(S, "BENCHMARKS_MD", md)
+    monkeypatch.setattr(checkout, "BENCHMARKS_MD", md)
     return md
 
 

@@ -155,7 +155,7 @@ def test_fresh_venv_install(wheel, tmp_path):
     after = sorted(p.relative_to(site) for p in (site / "moetune").rglob("*") if "__pycache__" not in p.parts)
     assert after == before
     # Result stamps name no commit for installed code (not the commit of a repository around the venv).
-    r = run(str(py), "-c", "from moetune.tuner.measure import scenarios as S; print(S.IN_CHECKOUT, repr(S._git('rev-parse', 'HEAD')))")
+    r = run(str(py), "-c", "from moetune.tuner.measure.scenarios import stamp; print(stamp.IN_CHECKOUT, repr(stamp._git('rev-parse', 'HEAD')))")
     assert r.returncode == 0 and r.stdout.split() == ["False", "''"], r.stdout + r.stderr
 
 

@@ -589,7 +589,8 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.Mo
     from typer.testing import CliRunner
 
     from moetune.tuner.cli import app
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import definitions, records, runner
+    from moetune.tuner.measure.scenarios.drivers import registry
 
     r = CliRunner().invoke(app, ["bench", "moe", "--model", "custom:128,64,8,2", "--tokens", "4,16", "--iters", "2",
                                  "--warmup", "0", "--json"])
@@ -617,15 +618,15 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.Mo
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["rest_s"] == 0.25 and rep["meta"]["command"].endswith("--rest 0.25") and time.monotonic() - t0 >= 1.0
 
-    s = S.get("moe-megakernel-vs-unfused")
+    s = definitions.get("moe-megakernel-vs-unfused")
     assert s.driver == "moe" and [c.name for c in s.cases] == ["unfused", "megakernel", "torch"]
-    rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
+    rows = runner.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
     assert {r["case"] for r in rows} == {"unfused"} and all(r["source"] == "smoke" for r in rows)
     assert {r["metric"] for r in rows} == {"layer_us[S=4]", "layer_us[S=16]", "plain_read_us[S=4]", "plain_read_us[S=16]"}
     assert all(r["git_sha"] and r["hardware"] and "moetune bench moe" in r["command"] for r in rows)
     # outside smoke mode on CPU, the megakernel case is a row naming why it was skipped
-    seq = [*S.plan(s, None, smoke=True), S.Resolved("megakernel", {**s.smoke_args, "engine": "megakernel"}, {})]
-    out = S.DRIVERS["moe"](seq, S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    seq = [*runner.plan(s, None, smoke=True), records.Resolved("megakernel", {**s.smoke_args, "engine": "megakernel"}, {})]
+    out = registry.DRIVERS["moe"](seq, records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     mk = next(c for c in out if c.case == "megakernel")
     assert not mk.metrics and mk.error.startswith("SKIPPED") and "no CUDA device" in mk.error
 
@@ -693,7 +694,8 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     from typer.testing import CliRunner
 
     from moetune.tuner.cli import app
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import definitions, records, runner
+    from moetune.tuner.measure.scenarios.drivers import registry
 
     small = ["--model", "custom:128,64,8,2", "--tokens", "4,16", "--iters", "3", "--warmup", "0", "--chain", "2", "--json"]
     # the base against itself, on purpose: a knob of the base's own (an empty `again=` is refused, below)
@@ -722,26 +724,26 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
         assert "--vs: " in bad.output, bad.output  # the option named
         assert "expected name=value" not in bad.output
 
-    s = S.get("moe-megakernel-knobs")
+    s = definitions.get("moe-megakernel-knobs")
     assert s.driver == "moe-knobs" and s.cases[0].name == "defaults"
-    rows = S.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
+    rows = runner.run(s, smoke=True, results=tmp_path / "summary.csv", gpus=0)
     got = {(r["case"], r["metric"]) for r in rows}
     assert {("defaults", "layer_us[S=4]"), ("defaults", "chain_us[S=16]"), ("combine-8", "minus_base_us[S=16]"),
             ("combine-8", "chain_minus_base_us[S=4]")} <= got
     assert not any(m.startswith("minus_base") for c, m in got if c == "defaults")
     assert all("moetune bench knobs --knobs engine=unfused --vs combine-8=" in r["command"] for r in rows)
     # outside smoke mode on CPU: the megakernel cases are rows naming why they were skipped
-    seq = [S.Resolved(c.name, {**c.args, "model": "custom:128,64,8,2", "tokens": [4]}, {}) for c in S.plan(s, None, smoke=False)]
-    out = S.DRIVERS["moe-knobs"](seq[:2], S.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))
+    seq = [records.Resolved(c.name, {**c.args, "model": "custom:128,64,8,2", "tokens": [4]}, {}) for c in runner.plan(s, None, smoke=False)]
+    out = registry.DRIVERS["moe-knobs"](seq[:2], records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))
     assert [c.case for c in out] == ["defaults", "combine-8"]
     assert all(not c.metrics and c.error.startswith("SKIPPED") and "no CUDA device" in c.error for c in out)
 
 
 def test_imported_megakernel_rows_are_in_the_summary() -> None:
     from moetune.tuner.measure import results as R
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import checkout
 
-    rows = [r for r in R.read_rows(S.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
+    rows = [r for r in R.read_rows(checkout.SUMMARY_CSV) if r["scenario"] == "moe-megakernel-vs-unfused"]
     imported = [r for r in rows if r["source"] == "imported"]
     # runs 5 and 8 (bench/tools/import_megakernel.py), runs 160 and 163, 177, 178, 179, 181, 184, 186 and 188
     # (`bench run --from-report`)

@@ -21,8 +21,11 @@ from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.measure import ep
 from moetune.tuner.measure import results as R
-from moetune.tuner.measure import scenarios as S
 from moetune.tuner.measure.outputs import ep_report_problem, rel_err_problem
+from moetune.tuner.measure.scenarios import definitions, records, runner, summary
+from moetune.tuner.measure.scenarios.drivers import ep as ep_driver
+from moetune.tuner.measure.scenarios.drivers import moe as moe_drivers
+from moetune.tuner.measure.scenarios.drivers import proxy as proxy_drivers
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
@@ -83,22 +86,22 @@ def _in_process_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch, "launch", lambda fn, world, *, args, **kw: [fn(0, 1, *args)])
 
 
-def _ep_cases() -> list[S.Resolved]:
+def _ep_cases() -> list[records.Resolved]:
     args = {k: v for k, v in EP_CASE.items() if k != "backend"}
-    return [S.Resolved("collective", args, {}), S.Resolved("again", dict(args, seed=2), {})]
+    return [records.Resolved("collective", args, {}), records.Resolved("again", dict(args, seed=2), {})]
 
 
 def test_ep_scenario_fails_a_case_whose_transport_moved_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _in_process_launch(monkeypatch)
-    ctx = S.Ctx(world=1, backend="gloo", smoke=True, tmp=tmp_path)
-    good = S.run_ep(_ep_cases(), ctx)
+    ctx = records.Ctx(world=1, backend="gloo", smoke=True, tmp=tmp_path)
+    good = ep_driver.run_ep(_ep_cases(), ctx)
     assert all(r.metrics and "roundtrip_us" in r.metrics and r.error == "" for r in good), good
     _broken_combine(monkeypatch, 0.0)
-    bad = S.run_ep(_ep_cases(), ctx)
+    bad = ep_driver.run_ep(_ep_cases(), ctx)
     for r in bad:
         assert r.metrics == {} and "wrong output: the round trip" in r.error and "exceeds its bound" in r.error, r
-    rows = S._launch_rows(S.get("ep-roundtrip-qwen3-s128"), bad, "L1", {"source": "smoke"})
-    s = S.get("ep-roundtrip-qwen3-s128")  # a failed case: a FAILED row per metric the scenario lists
+    rows = runner.launch_rows(definitions.get("ep-roundtrip-qwen3-s128"), bad, "L1", {"source": "smoke"})
+    s = definitions.get("ep-roundtrip-qwen3-s128")  # a failed case: a FAILED row per metric the scenario lists
     assert len(rows) == 2 * len(s.metrics) and all("median" not in r for r in rows), rows
     assert {r["note"][:30] for r in rows} == {"FAILED: wrong output: the roun"}, rows
 
@@ -240,9 +243,9 @@ def test_bench_moe_fails_an_engine_whose_output_is_wrong(monkeypatch: pytest.Mon
 def test_moe_scenario_records_a_wrong_engine_as_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _megakernel_on_cpu(monkeypatch, 0.0)
     args = {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0, "rotate": 1}
-    out = S.run_moe([S.Resolved("unfused", dict(args, engine="unfused"), {}),
-                     S.Resolved("megakernel", dict(args, engine="megakernel"), {})],
-                    S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    out = moe_drivers.run_moe([records.Resolved("unfused", dict(args, engine="unfused"), {}),
+                     records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                    records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["unfused"].metrics and by["unfused"].error == ""
     assert by["megakernel"].metrics == {} and by["megakernel"].error.startswith("S=1 failed: wrong output")
@@ -270,10 +273,10 @@ def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.M
              "--tokens", "1", "--iters", "1", "--warmup", "0", "--rotate", "1", "--chain", "1")
     flat = " ".join(r.output.split())
     assert r.exit_code == 1 and "mk S=1 failed: wrong output" in flat, r.output
-    out = S.run_moe_knobs([S.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "knobs": "engine=unfused",
+    out = moe_drivers.run_moe_knobs([records.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "knobs": "engine=unfused",
                                                 "iters": 1, "warmup": 0, "rotate": 1, "chain": 1}, {}),
-                           S.Resolved("mk", {"knobs": "engine=megakernel"}, {})],
-                          S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                           records.Resolved("mk", {"knobs": "engine=megakernel"}, {})],
+                          records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["base"].metrics and by["mk"].metrics == {} and by["mk"].error.startswith("S=1 failed: wrong output")
 
@@ -300,8 +303,8 @@ def test_bench_moe_without_the_unfused_engine_checks_each_engine_against_the_fp3
     flat = " ".join(r.output.split())
     assert r.exit_code == 1 and "megakernel S=1 failed: wrong output" in flat and "a case failed" in flat, r.output
     args = {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0, "rotate": 1}
-    (mk,) = S.run_moe([S.Resolved("megakernel", dict(args, engine="megakernel"), {})],
-                      S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    (mk,) = moe_drivers.run_moe([records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                      records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     assert mk.metrics == {} and mk.error.startswith("S=1 failed: wrong output: the layer against the fp32 dense"), mk
 
 
@@ -353,10 +356,10 @@ def test_bench_knobs_checks_the_base_against_the_fp32_reference(monkeypatch: pyt
              "--warmup", "0", "--rotate", "1", "--chain", "1")
     flat = " ".join(r.output.split())
     assert r.exit_code == 1 and "base S=1 failed: wrong output" in flat, r.output
-    out = S.run_moe_knobs([S.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0,
+    out = moe_drivers.run_moe_knobs([records.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0,
                                                 "rotate": 1, "chain": 1}, {}),
-                           S.Resolved("u", {"knobs": "engine=unfused"}, {})],
-                          S.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                           records.Resolved("u", {"knobs": "engine=unfused"}, {})],
+                          records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["base"].metrics == {} and by["base"].error.startswith("S=1 failed: wrong output: the base's layer"), by
     assert by["u"].metrics and "minus_base_us[S=1]" not in by["u"].metrics, by["u"]
@@ -414,7 +417,7 @@ def test_proxy_batch_modes_are_cases_of_their_own() -> None:
     """decoupled_drain+batch's row went into decoupled-proxy-drain's metric (written after it: its number won), and
     put_only+batch's into a case none-none."""
     rows = [_proxy_row(m, 100.0 + i) for i, m in enumerate(PROXY_MODES)]
-    per = S.proxy_metrics(rows)
+    per = proxy_drivers.proxy_metrics(rows)
     assert set(per) == {"put-only", "coupled-proxy-drain", "decoupled-proxy-drain", "coupled-nic-ordered",
                         "decoupled-nic-ordered", "put-only-batch", "decoupled-proxy-drain-batch",
                         "decoupled-nic-ordered-batch"}
@@ -436,15 +439,15 @@ def test_proxy_scenario_fails_a_mode_whose_signals_did_not_land(monkeypatch: pyt
             _proxy_row("decoupled_ordered", 15.0),
             _proxy_row("decoupled_ordered+batch", 5.0, signals_landed=False)]  # its own case: not decoupled-nic-ordered
 
-    def run_script(script: str, args: dict[str, Any], env: dict[str, str], ctx: S.Ctx) -> tuple[str, str]:
+    def run_script(script: str, args: dict[str, Any], env: dict[str, str], ctx: records.Ctx) -> tuple[str, str]:
         out = Path(args["out"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "proxy_micro.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return "", "python bench/proxy_micro.py"
 
-    monkeypatch.setattr(S, "_run_script", run_script)
+    monkeypatch.setattr(proxy_drivers, "run_script", run_script)
     names = ["put-only", "coupled-proxy-drain", "decoupled-proxy-drain", "coupled-nic-ordered", "decoupled-nic-ordered"]
-    out = S.run_proxy_micro([S.Resolved(n, {}, {}) for n in names], S.Ctx(world=1, backend="none", smoke=False,
+    out = proxy_drivers.run_proxy_micro([records.Resolved(n, {}, {}) for n in names], records.Ctx(world=1, backend="none", smoke=False,
                                                                            tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["put-only"].error == "" and len(by["put-only"].metrics) == 2
@@ -453,7 +456,7 @@ def test_proxy_scenario_fails_a_mode_whose_signals_did_not_land(monkeypatch: pyt
                        ("decoupled-proxy-drain", "the proxy engine recorded an error: cudaMemcpyAsync failed"),
                        ("coupled-nic-ordered", "coupled_ordered failed at c4: engine construction failed")):
         assert by[name].metrics == {} and said in by[name].error, by[name]
-    assert "decoupled-nic-ordered-batch" in S.proxy_failures(rows)
+    assert "decoupled-nic-ordered-batch" in proxy_drivers.proxy_failures(rows)
 
 
 def test_an_ep_case_run_in_another_world_gets_no_ratio_to_the_baseline(monkeypatch: pytest.MonkeyPatch,
@@ -464,21 +467,21 @@ def test_an_ep_case_run_in_another_world_gets_no_ratio_to_the_baseline(monkeypat
     takes no ratio from them (their own numbers still show)."""
     _in_process_launch(monkeypatch)
     args = {k: v for k, v in EP_CASE.items() if k != "backend"}
-    seq = [S.Resolved("collective", args, {}), S.Resolved("same-world", dict(args, seed=2), {}),
-           S.Resolved("own-env", dict(args, seed=3), {"NCCL_DEBUG": "WARN"}), S.Resolved("collective", args, {})]
-    out = S.run_ep(seq, S.Ctx(world=1, backend="gloo", smoke=True, tmp=tmp_path))
-    assert [r.note for r in out] == ["", "", S.OTHER_WORLD, S.OTHER_WORLD], out
-    s = S.get("host-staged-fp8-pipelined")
+    seq = [records.Resolved("collective", args, {}), records.Resolved("same-world", dict(args, seed=2), {}),
+           records.Resolved("own-env", dict(args, seed=3), {"NCCL_DEBUG": "WARN"}), records.Resolved("collective", args, {})]
+    out = ep_driver.run_ep(seq, records.Ctx(world=1, backend="gloo", smoke=True, tmp=tmp_path))
+    assert [r.note for r in out] == ["", "", ep_driver.OTHER_WORLD, ep_driver.OTHER_WORLD], out
+    s = definitions.get("host-staged-fp8-pipelined")
     metric = s.metrics[0]
-    st = S.Stat(100.0, 99.0, 101.0, 3, "us")
-    res = [S.CaseResult(s.baseline.name, {metric: st}, "c"),
-           S.CaseResult("fp8-depth4", {metric: S.Stat(50.0, 49.0, 51.0, 3, "us")}, "c"),
-           S.CaseResult("fp8-depth3", {metric: S.Stat(25.0, 24.0, 26.0, 3, "us")}, "c", note=S.OTHER_WORLD),
-           S.CaseResult(s.baseline.name, {metric: S.Stat(300.0, 299.0, 301.0, 3, "us")}, "c", note=S.OTHER_WORLD)]
-    rows = [{k: R._cell(v) for k, v in r.items()} for r in S._launch_rows(s, res, "L1", {
+    st = records.Stat(100.0, 99.0, 101.0, 3, "us")
+    res = [records.CaseResult(s.baseline.name, {metric: st}, "c"),
+           records.CaseResult("fp8-depth4", {metric: records.Stat(50.0, 49.0, 51.0, 3, "us")}, "c"),
+           records.CaseResult("fp8-depth3", {metric: records.Stat(25.0, 24.0, 26.0, 3, "us")}, "c", note=ep_driver.OTHER_WORLD),
+           records.CaseResult(s.baseline.name, {metric: records.Stat(300.0, 299.0, 301.0, 3, "us")}, "c", note=ep_driver.OTHER_WORLD)]
+    rows = [{k: R._cell(v) for k, v in r.items()} for r in runner.launch_rows(s, res, "L1", {
         "source": "measured", "date": "2026-12-01T10:00:00Z", "git_sha": "a" * 40, "git_dirty": False,
         "hardware": "2x NVIDIA H200", "gpu": "NVIDIA H200"})]
     table = {ln.split("|")[1].strip().removesuffix(" (baseline)"): ln.split("|")[-2].strip()
-             for ln in S.scenario_table(s, rows) if ln.startswith("| ") and not ln.startswith(("| case", "| ---"))}
+             for ln in summary.scenario_table(s, rows) if ln.startswith("| ") and not ln.startswith(("| case", "| ---"))}
     # beside the baseline's first run (100): 2.00x; the closing baseline run (300, another world) is no divisor
     assert table == {s.baseline.name: "1.00×", "fp8-depth4": "2.00×", "fp8-depth3": "-"}, table

@@ -34,7 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure import results as R
-from moetune.tuner.measure import scenarios as S
+from moetune.tuner.measure.scenarios import definitions, records
+from moetune.tuner.measure.scenarios.drivers import daemon as daemon_driver
+from moetune.tuner.measure.scenarios.drivers import ep as ep_driver
+from moetune.tuner.measure.scenarios.drivers import fabric as fabric_drivers
+from moetune.tuner.measure.scenarios.drivers import proxy as proxy_drivers
+from moetune.tuner.measure.scenarios.drivers import search as search_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = {"gpu": "NVIDIA H200", "gpu_count": 2, "torch": "2.11.0+cu130", "nccl": "2.28.9", "cuda": "13.0",
@@ -55,28 +60,28 @@ def added_sha(path: Path) -> str:
     return out[-1] if out else "unknown"
 
 
-def rows_for(scenario: str, launch: str, per_case: list[tuple[str, dict[str, S.Stat], str]], src: Path,
+def rows_for(scenario: str, launch: str, per_case: list[tuple[str, dict[str, records.Stat], str]], src: Path,
              machine: dict[str, Any], command: str, world: int = 1, backend: str = "none") -> list[dict[str, Any]]:
     sha = added_sha(src)
-    base = S.get(scenario).baseline.name
+    base = definitions.get(scenario).baseline.name
     out = []
     for pos, (case, metrics, note) in enumerate(per_case):
         common = {"scenario": scenario, "case": case, "baseline": case == base, "position": pos, "launch": launch,
                   "source": "imported", "date": "2026-11-30", "git_sha": sha, "git_dirty": False, "world": world,
                   "backend": backend, "command": command, **machine}
         if not metrics:
-            out.append({**common, "metric": S.get(scenario).metrics[0], "note": f"FAILED: {note}"[:300]})
+            out.append({**common, "metric": definitions.get(scenario).metrics[0], "note": f"FAILED: {note}"[:300]})
         for m, st in metrics.items():
             out.append({**common, "metric": m, "unit": st.unit, "median": st.median, "p10": st.p10, "p90": st.p90,
                         "n": st.n, "note": f"from {src.relative_to(ROOT / 'bench/results') if src.is_relative_to(ROOT / 'bench/results') else src.name}"})
     return out
 
 
-def discovery_2026_11_30(d: dict[str, Any]) -> dict[str, dict[str, S.Stat]]:
-    """`S.discovery_metrics` of a line bench/fabric_discovery_cpu.py wrote before 9dc4891: its capture times are
+def discovery_2026_11_30(d: dict[str, Any]) -> dict[str, dict[str, records.Stat]]:
+    """`fabric_drivers.discovery_metrics` of a line bench/fabric_discovery_cpu.py wrote before 9dc4891: its capture times are
     total / 20 calls (a mean, one timer around the 20 calls), not a median of timed calls, so they are metric
     `discover_mean_s`, never `discover_s` beside the live case's median (the ratio divided a median by a mean)."""
-    out = S.discovery_metrics(d)
+    out = fabric_drivers.discovery_metrics(d)
     for case, m in out.items():
         if case.startswith("capture-"):
             out[case] = {"discover_mean_s": m.pop("discover_s"), **m}
@@ -93,12 +98,12 @@ _FIXED_SOURCES = {"daemon-load": ("2026-11-30_daemon_load.json", "2026-11-30_dae
                   "fabric-discovery": ("fabric_discovery_cpu.jsonl",), "fabric-model": ("2026-11-30_fabric_model_cpu.json",)}
 
 
-def _source_metrics(scenario: str, case: str, launch: str, raw: Path) -> dict[str, S.Stat]:
+def _source_metrics(scenario: str, case: str, launch: str, raw: Path) -> dict[str, records.Stat]:
     """What today's drivers make of the raw file of an imported row (the metrics of its case)."""
     if scenario == "daemon-load":
-        return S.daemon_metrics(json.loads(raw.read_text()))
+        return daemon_driver.daemon_metrics(json.loads(raw.read_text()))
     if scenario == "fabric-model":
-        return S.model_metrics(json.loads(raw.read_text()))
+        return fabric_drivers.model_metrics(json.loads(raw.read_text()))
     i = int(launch.removeprefix("cpu-")) - 1  # fabric-discovery: launch cpu-N is the file's line N
     return discovery_2026_11_30(json.loads(raw.read_text().splitlines()[i]))[case]
 
@@ -209,7 +214,7 @@ def fix_run_commits(rows: list[dict[str, str]]) -> tuple[list[dict[str, str]], l
 
 
 def host_staged(res: Path) -> list[dict[str, Any]]:
-    scn = S.get("host-staged-fp8-pipelined")
+    scn = definitions.get("host-staged-fp8-pipelined")
     named = {(c.args.get("layout"), c.args.get("knobs"), " ".join(f"{k}={v}" for k, v in c.env.items())): c.name
              for c in scn.cases}
     rows = []
@@ -225,7 +230,7 @@ def host_staged(res: Path) -> list[dict[str, Any]]:
             env = r.get("env", "").strip()
             case = named.get((r["layout"], r["knobs"], env)) or f"{r['layout']}|{r['knobs']}" + (f"|{env}" if env else "")
             rep = r.get("result") or {}
-            per.append((case, S._from_report(rep) if rep else {}, (r.get("stderr_tail") or "no result")[:200]))
+            per.append((case, ep_driver._from_report(rep) if rep else {}, (r.get("stderr_tail") or "no result")[:200]))
             date = rep.get("date") or date
         cmd = f"bench/gpu_host_staged.sh (launch {launch}; CASES in that run's script)"
         for r in rows_for(scn.name, launch, per, f, H200, cmd, world=2, backend="nccl"):
@@ -291,27 +296,27 @@ def main() -> int:
     for name, case in (("2026-11-30_daemon_load.json", "ipc"), ("2026-11-30_daemon_load_tcp.json", "tcp"),
                        ("2026-11-30_daemon_load_busy.json", "ipc")):
         d = json.loads((res / name).read_text())
-        rows += rows_for("daemon-load", name.removesuffix(".json"), [(case, S.daemon_metrics(d), "")], res / name, CPU,
+        rows += rows_for("daemon-load", name.removesuffix(".json"), [(case, daemon_driver.daemon_metrics(d), "")], res / name, CPU,
                          d.get("command", ""))
     d = json.loads((res / "search_efficiency.json").read_text())
-    per = S.search_metrics(d)
+    per = search_driver.search_metrics(d)
     rows += rows_for("search-efficiency", "cpu-1", [(c, per[c], "") for c in ("random", "tpe", "cold-tpe")],
                      res / "search_efficiency.json", CPU, d["meta"]["command"])
     d = json.loads((res / "2026-11-30_fabric_model_cpu.json").read_text())
-    rows += rows_for("fabric-model", "cpu-1", [("presets", S.model_metrics(d), "")], res / "2026-11-30_fabric_model_cpu.json",
+    rows += rows_for("fabric-model", "cpu-1", [("presets", fabric_drivers.model_metrics(d), "")], res / "2026-11-30_fabric_model_cpu.json",
                      CPU, "python bench/model_reproduce.py --out bench/results/2026-11-30_fabric_model_cpu.json")
     f = res / "2026-11-30_cpu_runtime_host_cost.txt"
-    runs: list[list[tuple[str, dict[str, S.Stat], str]]] = [[]]
+    runs: list[list[tuple[str, dict[str, records.Stat], str]]] = [[]]
     for ln in f.read_text().splitlines():
         m = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln)
         if m:
             if any(c == m.group(1).replace("_", "-") for c, _, _ in runs[-1]):
                 runs.append([])
-            runs[-1].append((m.group(1).replace("_", "-"), {"host_us_per_roundtrip": S.Stat(float(m.group(2)), unit="us")}, ""))
+            runs[-1].append((m.group(1).replace("_", "-"), {"host_us_per_roundtrip": records.Stat(float(m.group(2)), unit="us")}, ""))
     for i, per in enumerate(runs):
         rows += rows_for("runtime-host-cost", f"cpu-{i + 1}", per, f, CPU, "python bench/runtime_host_cost.py")
     f = res / "2026-11-30_h200x2_run1" / "proxy_micro.jsonl"
-    per_mode = S.proxy_metrics([json.loads(x) for x in f.read_text().splitlines() if x.strip()])
+    per_mode = proxy_drivers.proxy_metrics([json.loads(x) for x in f.read_text().splitlines() if x.strip()])
     rows += rows_for("proxy-fences", "run1", list((c, m, "") for c, m in per_mode.items()), f, H200,
                      "python bench/proxy_micro.py", world=1)
     R.append_rows(ROOT / "bench/results/summary.csv", rows)

@@ -91,9 +91,9 @@ def _results_path(results: str | None) -> Path:
     """The --results CSV (default bench/results/summary.csv), refused unless it is absent, empty or a results
     table this version can append to: checked before a benchmark runs, so no measurement is lost."""
     from moetune.tuner.measure import results as R
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import checkout
 
-    path = Path(results) if results else S.SUMMARY_CSV
+    path = Path(results) if results else checkout.SUMMARY_CSV
     try:
         R.check_table(path)
     except R.ResultsError as e:
@@ -109,7 +109,7 @@ def _results_path(results: str | None) -> Path:
 
 def _check_world(world: int, *, spawned: bool) -> None:
     """--world: >= 1, and where this command spawns the ranks (not under torchrun) at most `spawn_limit` of them."""
-    from moetune.tuner.measure.scenarios import spawn_limit
+    from moetune.tuner.measure.scenarios.runner import spawn_limit
 
     if world < 1:
         _fail(f"--world must be >= 1, got {world}")
@@ -349,7 +349,7 @@ def _print_table(rep: dict) -> None:
         c.print(f"{label}: max relative error [{colour}]{err:.3g}[/{colour}] (bound {bound:.3g})")
 
 
-# -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios.py) -------------------------------------
+# -- named scenarios (bench/scenarios/*.toml; tuner/measure/scenarios/) ---------------------------------------
 
 
 def _check_tokens(toks: list[int]) -> None:
@@ -561,11 +561,12 @@ def list_scenarios(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per scenario."),
 ) -> None:
     """The named benchmark scenarios, what each needs (GPUs, world, backend) and its cases (baseline first)."""
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import definitions
+    from moetune.tuner.measure.scenarios.errors import ScenarioError
 
     try:
-        scns = S.load_all()
-    except S.ScenarioError as e:
+        scns = definitions.load_all()
+    except ScenarioError as e:
         _fail(str(e))
     if as_json:
         for s in scns.values():
@@ -587,9 +588,9 @@ def _stamp(command: str) -> dict:
     """What a result file needs to be a result: code (git SHA), versions, hardware, date and the command."""
     from datetime import UTC, datetime
 
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import stamp
 
-    return {**S.machine_facts("none", fingerprint=_fingerprint),
+    return {**stamp.machine_facts("none", fingerprint=_fingerprint),
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": command}
 
@@ -632,7 +633,8 @@ def run_scenario(
     """Run every case of a scenario side by side, several launches; append stamped rows to summary.csv."""
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
     from moetune.tuner.measure import results as R
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import definitions, moe_report, runner
+    from moetune.tuner.measure.scenarios.errors import ScenarioError
 
     out = _results_path(results)
     saved: list[dict[str, Any]] = []  # the rows of the launches already appended to `out`
@@ -643,23 +645,23 @@ def run_scenario(
                 "saved" if saved else f"no launch finished: nothing appended to {out}")
 
     try:
-        s = S.get(scenario)
+        s = definitions.get(scenario)
         if from_report is not None:
             if case is not None or launches is not None or smoke:
                 _fail("--from-report takes no --case, --launches or --smoke (the report is one launch of every case)")
             rep = _read_report(from_report)
-            rows = S.import_moe_report(s, rep, origin=from_report, results=out)
+            rows = moe_report.import_moe_report(s, rep, origin=from_report, results=out)
         else:
             # `kill`/`timeout` end it as Ctrl-C does: the drivers' processes ended, a line, exit 130 / 143
             with ends_cleanly_on_interrupt(kept, _err):
-                rows = S.run(s, case=case, launches=launches, smoke=smoke, results=out,
+                rows = runner.run(s, case=case, launches=launches, smoke=smoke, results=out,
                              progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint,
                              on_saved=saved.extend)
     except R.RowsNotSaved as e:  # the table could not be written after all: the rows are kept, never lost
         if e.kept is None:
             typer.echo(e.text, nl=False)
         _fail(f"--results {e}", write_error_code(e))
-    except (S.ScenarioError, R.ResultsError) as e:
+    except (ScenarioError, R.ResultsError) as e:
         _fail(str(e))
     except OSError as e:  # the table could not be read or written (permissions, a full disk)
         _fail(f"--results {out}: {e.strerror or e}", write_error_code(e))
@@ -700,16 +702,17 @@ def summarize_scenarios(
 ) -> None:
     """Regenerate BENCHMARKS.md from summary.csv: per scenario its latest batch, medians / p10 / p90, ratios."""
     from moetune.tuner.measure import results as R
-    from moetune.tuner.measure import scenarios as S
+    from moetune.tuner.measure.scenarios import checkout, definitions, summary
+    from moetune.tuner.measure.scenarios.errors import ScenarioError
 
-    src = Path(results) if results else S.SUMMARY_CSV
+    src = Path(results) if results else checkout.SUMMARY_CSV
     # a mistyped --results would otherwise read as "no rows yet" and overwrite BENCHMARKS.md with an empty summary
     if results and not src.exists():
         _fail(f"--results {src}: no such file")
     if results and src.is_file() and src.stat().st_size == 0:  # as a missing one: no empty summary written
         _fail(f"--results {src}: the file is empty (no header row, no results): nothing to summarize; "
               "`moetune bench run NAME --results FILE` appends rows to it")
-    path = None if out == "-" else Path(out) if out else S.BENCHMARKS_MD
+    path = None if out == "-" else Path(out) if out else checkout.BENCHMARKS_MD
     if path is not None:  # refused before anything is read or written
         if path.is_dir():
             _fail(f"--out {path} is a directory; give the Markdown file to write")
@@ -722,11 +725,11 @@ def summarize_scenarios(
         if why:
             _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")
     try:
-        scenarios, rows = S.load_all(), R.read_rows(src)
-        md = S.summarize(scenarios, rows, source=src)
+        scenarios, rows = definitions.load_all(), R.read_rows(src)
+        md = summary.summarize(scenarios, rows, source=src)
     except R.ResultsError as e:
         _fail(f"--results: {e}")
-    except S.ScenarioError as e:
+    except ScenarioError as e:
         _fail(str(e))
     n_bad, bad = R.row_problems(rows, scenarios)
     if n_bad:  # summarized without them, said (the table silently switched to another metric)

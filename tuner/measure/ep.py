@@ -22,7 +22,7 @@ token), sorted by expert, counts exchanged first; combine sends the k rows back 
 their weights.
 
 Used by the CLI (spawned ranks or torchrun), the bench worker (tuner/measure/worker.py) and the scenario driver
-`ep` (tuner/measure/scenarios.py: many cases in one spawned world).
+`ep` (tuner/measure/scenarios/drivers/ep.py: many cases in one spawned world).
 """
 
 from __future__ import annotations
