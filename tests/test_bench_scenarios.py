@@ -417,8 +417,8 @@ def test_the_moe_driver_stores_the_plain_read_it_timed_beside_the_engines(monkey
     monkeypatch.setattr(M, "bench_moe", lambda *a, **k: rep)
     args = {"model": "qwen3-30b", "tokens": [16], "cuda_graph": True}
     out = {r.case: r for r in moe_drivers.run_moe([records.Resolved("unfused", dict(args, engine="unfused"), {}),
-                                         records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
-                                        records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
+                                                   records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                                                  records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))}
     st = out["unfused"].metrics["plain_read_us[S=16]"]
     assert (st.median, st.p10, st.p90, st.n, st.unit) == (5.0, 4.5, 5.5, 50, "us")
     assert set(out["megakernel"].failed) == {"layer_us[S=16]", "graph_us[S=16]"}

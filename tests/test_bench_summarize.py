@@ -118,15 +118,15 @@ def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
     never the row's p10 / p90 (before: p99_us rows carried the p50 as p10 and the max as p90, and BENCHMARKS.md
     showed them under 'p10' and 'p90')."""
     d = daemon_driver.daemon_metrics({"phases": [{"clients": 64, "mode": "paced", "p99_us": 545.0, "p50_us": 190.0,
-                                      "max_us": 2505.0, "requests": 1000, "req_per_s": 9990.0}],
-                          "autoload_daemon_up": {"call": {"median_ms": 3.0, "max_ms": 9.0, "runs": 5}}})
+                                                  "max_us": 2505.0, "requests": 1000, "req_per_s": 9990.0}],
+                                      "autoload_daemon_up": {"call": {"median_ms": 3.0, "max_ms": 9.0, "runs": 5}}})
     p99 = d["p99_us[c64-paced]"]
     assert (p99.median, p99.p10, p99.p90) == (545.0, None, None)
     assert d["p50_us[c64-paced]"].median == 190.0 and d["max_us[c64-paced]"].median == 2505.0
     up = d["autoload_ms[daemon-up]"]
     assert (up.median, up.p90) == (3.0, None) and d["autoload_max_ms[daemon-up]"].median == 9.0
     live = fabric_drivers.discovery_metrics({"live_discover_median_s": 0.005, "live_discover_max_s": 0.015, "import_s": 0.2,
-                                "cli_fabric_show_json_wall_median_s": 1.0, "capture_discover_s": {}})["live"]
+                                             "cli_fabric_show_json_wall_median_s": 1.0, "capture_discover_s": {}})["live"]
     assert live["discover_s"].p90 is None and live["discover_max_s"].median == 0.015
     m = fabric_drivers.model_metrics({"predict_timing": {"results": {"collective": {"median_ms": 1.0, "max_ms": 4.0}}}})
     assert m["predict_ms[collective]"].p90 is None and m["predict_max_ms[collective]"].median == 4.0
@@ -227,7 +227,7 @@ def test_failed_rows_only_where_a_case_failed() -> None:
     s = SCENARIOS["ep-roundtrip-qwen3-s128"]
     st = records.Stat(30.0, 29.0, 31.0, 30, "us")
     out = [records.CaseResult("collective", {"graph_pair_us": st, "graph_roundtrip_us": st, "roundtrip_us": st,
-                                       "roundtrip_host_us": st}, "c"),
+                                             "roundtrip_host_us": st}, "c"),
            records.CaseResult("nvlink", {"roundtrip_us": st, "roundtrip_host_us": st}, "c", "graph capture failed: x"),
            records.CaseResult("plain", {"roundtrip_us": st, "roundtrip_host_us": st}, "c"),
            records.CaseResult("collective", {}, "c", "launch failed")]

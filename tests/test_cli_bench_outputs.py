@@ -570,9 +570,9 @@ def test_bench_knobs_never_rebases_onto_another_variant_when_the_base_is_skipped
     _refused(r, "base skipped:", "error: no difference to the base at S=4: the base variant 'base' was skipped", code=1)
     out = moe_drivers.run_moe_knobs([records.Resolved("base", {"model": model, "tokens": [4], "iters": 2, "warmup": 0, "rotate": 1,
                                                 "chain": 1}, {}),
-                           records.Resolved("u1", {"knobs": "engine=unfused"}, {}),
-                           records.Resolved("u2", {"knobs": "engine=unfused"}, {})],
-                          records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                                     records.Resolved("u1", {"knobs": "engine=unfused"}, {}),
+                                     records.Resolved("u2", {"knobs": "engine=unfused"}, {})],
+                                    records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {c.case: c for c in out}
     assert by["base"].error.startswith("SKIPPED:")
     import torch
@@ -761,7 +761,7 @@ def test_every_caller_of_the_moe_timings_raises_a_warmup_below_rotate(monkeypatc
     (r,) = moe_drivers.run_moe([records.Resolved("unfused", {**args, "engine": "unfused"}, {})], ctx)
     assert not r.error and r.metrics and r.note.startswith("--warmup 1 is below --rotate 2: raised to 2"), r
     out = moe_drivers.run_moe_knobs([records.Resolved("base", {**args, "knobs": "engine=unfused", "chain": 1}, {}),
-                           records.Resolved("v", {"knobs": "engine=unfused"}, {})], ctx)
+                                     records.Resolved("v", {"knobs": "engine=unfused"}, {})], ctx)
     assert all(not c.error and c.metrics and c.note.startswith("--warmup 1 is below --rotate 2") for c in out), out
     assert seen and all(w >= n for w, n in seen), seen  # every timed input had an untimed call first
     r = _run("bench", "knobs", "--knobs", "engine=unfused", "--vs", "v=engine=unfused", "--model", TINY_MODEL, "--tokens",

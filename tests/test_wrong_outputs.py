@@ -244,8 +244,8 @@ def test_moe_scenario_records_a_wrong_engine_as_failed(monkeypatch: pytest.Monke
     _megakernel_on_cpu(monkeypatch, 0.0)
     args = {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0, "rotate": 1}
     out = moe_drivers.run_moe([records.Resolved("unfused", dict(args, engine="unfused"), {}),
-                     records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
-                    records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                               records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
+                              records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["unfused"].metrics and by["unfused"].error == ""
     assert by["megakernel"].metrics == {} and by["megakernel"].error.startswith("S=1 failed: wrong output")
@@ -275,8 +275,8 @@ def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.M
     assert r.exit_code == 1 and "mk S=1 failed: wrong output" in flat, r.output
     out = moe_drivers.run_moe_knobs([records.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "knobs": "engine=unfused",
                                                 "iters": 1, "warmup": 0, "rotate": 1, "chain": 1}, {}),
-                           records.Resolved("mk", {"knobs": "engine=megakernel"}, {})],
-                          records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                                     records.Resolved("mk", {"knobs": "engine=megakernel"}, {})],
+                                    records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["base"].metrics and by["mk"].metrics == {} and by["mk"].error.startswith("S=1 failed: wrong output")
 
@@ -304,7 +304,7 @@ def test_bench_moe_without_the_unfused_engine_checks_each_engine_against_the_fp3
     assert r.exit_code == 1 and "megakernel S=1 failed: wrong output" in flat and "a case failed" in flat, r.output
     args = {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0, "rotate": 1}
     (mk,) = moe_drivers.run_moe([records.Resolved("megakernel", dict(args, engine="megakernel"), {})],
-                      records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                                records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     assert mk.metrics == {} and mk.error.startswith("S=1 failed: wrong output: the layer against the fp32 dense"), mk
 
 
@@ -358,8 +358,8 @@ def test_bench_knobs_checks_the_base_against_the_fp32_reference(monkeypatch: pyt
     assert r.exit_code == 1 and "base S=1 failed: wrong output" in flat, r.output
     out = moe_drivers.run_moe_knobs([records.Resolved("base", {"model": TINY_MODEL, "tokens": [1], "iters": 1, "warmup": 0,
                                                 "rotate": 1, "chain": 1}, {}),
-                           records.Resolved("u", {"knobs": "engine=unfused"}, {})],
-                          records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+                                     records.Resolved("u", {"knobs": "engine=unfused"}, {})],
+                                    records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     by = {r.case: r for r in out}
     assert by["base"].metrics == {} and by["base"].error.startswith("S=1 failed: wrong output: the base's layer"), by
     assert by["u"].metrics and "minus_base_us[S=1]" not in by["u"].metrics, by["u"]

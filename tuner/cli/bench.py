@@ -655,8 +655,8 @@ def run_scenario(
             # `kill`/`timeout` end it as Ctrl-C does: the drivers' processes ended, a line, exit 130 / 143
             with ends_cleanly_on_interrupt(kept, _err):
                 rows = runner.run(s, case=case, launches=launches, smoke=smoke, results=out,
-                             progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint,
-                             on_saved=saved.extend)
+                                  progress=lambda m: _err.print(f"[dim]{m}[/dim]"), fingerprint=_fingerprint,
+                                  on_saved=saved.extend)
     except R.RowsNotSaved as e:  # the table could not be written after all: the rows are kept, never lost
         if e.kept is None:
             typer.echo(e.text, nl=False)
