@@ -129,7 +129,7 @@ def test_profiles_delete_and_import_refuse_a_database_a_daemon_serves_unless_for
     import fcntl
     import os
 
-    from moetune.tuner.store.store import daemon_lock_path
+    from moetune.tuner.store.db_file import daemon_lock_path
 
     db = tmp_path / "m.db"
     fill(db)

@@ -188,7 +188,7 @@ def test_suggested_commands_name_a_database_given_by_config(tmp_path: Path, monk
                                  ["report"], ["profiles", "list"]])
 def test_a_folder_given_as_the_database_is_said_to_be_no_database_file(tmp_path: Path, cmd: list[str]) -> None:
     """`db upgrade --db <a folder>.db` and `profile --db <a folder>` said SQLite's "unable to open database file",
-    while `db check` and `query` said "is not a database file": one check, one wording (store._not_a_file)."""
+    while `db check` and `query` said "is not a database file": one check, one wording (db_file.not_a_file)."""
     folder = tmp_path / "d.db"
     folder.mkdir()
     r, out = run(*cmd, "--db", str(folder))

@@ -430,7 +430,8 @@ def test_a_full_disk_under_the_database_exits_1() -> None:
 
     from sqlalchemy.exc import OperationalError
 
-    from moetune.tuner.store.store import StoreFull, sqlite_failure
+    from moetune.tuner.store.sqlite_errors import sqlite_failure
+    from moetune.tuner.store.store import StoreFull
 
     e = sqlite_failure(Path("/x/m.db"), sqlite3.OperationalError("database or disk is full"), write=True)
     assert isinstance(e, StoreFull) and e.exit_code == 1, repr(e)

@@ -130,7 +130,7 @@ def test_a_local_tune_refuses_while_a_bring_up_runs_and_a_model_tune_does_not(tm
 
 def test_profile_refuses_a_database_a_daemon_serves(tmp_path: Path, fake_run: list[Any]) -> None:
     """The daemon is the single writer of its database: a bring-up under it wrote behind its back (exit 0)."""
-    from moetune.tuner.store.store import daemon_lock_path
+    from moetune.tuner.store.db_file import daemon_lock_path
 
     db = tmp_path / "m.db"
     fd = os.open(daemon_lock_path(db), os.O_RDWR | os.O_CREAT, 0o600)
@@ -152,7 +152,7 @@ def test_profile_refuses_a_database_a_daemon_serves(tmp_path: Path, fake_run: li
 def test_tune_refuses_a_database_a_daemon_serves(tmp_path: Path) -> None:
     """As `profile`: a tune under a serving daemon wrote its profiles behind the daemon's back (exit 0)."""
     from moetune.tuner.cli import app
-    from moetune.tuner.store.store import daemon_lock_path
+    from moetune.tuner.store.db_file import daemon_lock_path
 
     db = tmp_path / "m.db"
     args = ["tune", "-m", "qwen3-30b", "--backend", "model", "--preset", "nvlink-h200x2", "--trials", "1",

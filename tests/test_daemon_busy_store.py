@@ -87,7 +87,7 @@ def test_list_requests_do_not_wait_behind_a_retune_waiting_on_the_store(tmp_path
 def test_moetune_retune_waits_longer_than_the_store_and_says_a_timed_out_job_may_be_queued(tmp_path: Path) -> None:
     from moetune.tuner.cli import app
     from moetune.tuner.cli.serve import RETUNE_TIMEOUT_MS
-    from moetune.tuner.store.store import BUSY_TIMEOUT_S
+    from moetune.tuner.store.busy_timeout import BUSY_TIMEOUT_S
 
     assert RETUNE_TIMEOUT_MS > BUSY_TIMEOUT_S * 1000
     r = CliRunner().invoke(app, ["retune", "--help"])

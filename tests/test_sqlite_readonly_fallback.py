@@ -328,7 +328,7 @@ def test_a_file_gone_before_the_fallback_is_sqlites_own_error_not_changed(tmp_pa
 
 
 def test_a_changed_read_is_a_passing_condition_exit_1() -> None:
-    from moetune.tuner.store.store import DatabaseChangedError
+    from moetune.tuner.store.connect import DatabaseChangedError
 
     assert DatabaseChangedError("x").exit_code == 1
 

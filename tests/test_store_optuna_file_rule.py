@@ -12,7 +12,8 @@ import pytest
 
 from moetune.tuner.search import readback, storage, study, trials
 from moetune.tuner.store import _tables
-from moetune.tuner.store.store import Store, StoreError, head_revision, probe_database
+from moetune.tuner.store.db_file import probe_database
+from moetune.tuner.store.store import Store, StoreError, head_revision
 
 
 def make(path: Path, *tables: str) -> str:

@@ -71,7 +71,8 @@ OpenMode = Literal["read", "write", "create", "inspect", "migrate", "init"]
 
 
 def _open(path: Path, mode: OpenMode) -> Any:
-    from moetune.tuner.store.store import Store, probe_database
+    from moetune.tuner.store.db_file import probe_database
+    from moetune.tuner.store.store import Store
 
     if mode == "read":
         return Store.open_existing(path)
@@ -146,7 +147,7 @@ def warn_if_damaged_path(path: Path) -> bool:
 def _open_daemon_lock(path: str | Path) -> tuple[Path, int | None, OSError | None]:
     """(the lock a daemon serving `path` holds, an fd of it opened read-only (flock needs no write access; a link is
     not followed) or None, why it could not be opened: None where there is none, so none served yet)."""
-    from moetune.tuner.store.store import daemon_lock_path
+    from moetune.tuner.store.db_file import daemon_lock_path
 
     lock = daemon_lock_path(path)
     try:
@@ -305,7 +306,8 @@ def path_cmd(
 def _upgrade_to_base_of_nothing(path: Path) -> None:
     """`db upgrade --revision base` where there is no database or no moetune table: already there, exit 0. Opening
     it would create the file (or add moetune's version table to an empty one) to say so."""
-    from moetune.tuner.store.store import StoreError, probe_database
+    from moetune.tuner.store.db_file import probe_database
+    from moetune.tuner.store.store import StoreError
 
     try:
         kind, rev = probe_database(path)
@@ -327,7 +329,8 @@ def upgrade(
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Create the database or migrate it to the newest schema (or up to --revision)."""
-    from moetune.tuner.store.store import ONLY_OPTUNA, StoreError, without_moetune
+    from moetune.tuner.store.db_file import ONLY_OPTUNA, without_moetune
+    from moetune.tuner.store.store import StoreError
 
     _check_revision(revision, "--revision", ("head", "base"))
     if revision == "base":
@@ -397,7 +400,8 @@ def current(
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Show the database's schema revision and the newest one this moetune knows."""
-    from moetune.tuner.store.store import head_revision, without_moetune
+    from moetune.tuner.store.db_file import without_moetune
+    from moetune.tuner.store.store import head_revision
 
     with open_store(db, config, mode="inspect") as store:
         rev, head = store.current_revision(), head_revision()
@@ -420,7 +424,7 @@ def check(
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
     """Check revision, schema drift, SQLite integrity, foreign keys, profile rows this moetune cannot read and rows labelled measured whose backend does not measure (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
-    from moetune.tuner.store.store import without_moetune
+    from moetune.tuner.store.db_file import without_moetune
 
     path = db_path(db, config)
     what = without_moetune(path)

@@ -182,7 +182,8 @@ def profile(
     from moetune.tuner.bringup.report import NotOurReport, foreign_report
     from moetune.tuner.fabric.errors import DiscoveryError
     from moetune.tuner.fabric.moved import FabricMovedOn
-    from moetune.tuner.store.store import StoreError, database_path
+    from moetune.tuner.store.db_file import database_path
+    from moetune.tuner.store.store import StoreError
 
     # ERROR: Optuna logs a failed trial (Ctrl-C included) as a WARNING with its traceback; the flow reports failures
     optuna.logging.set_verbosity(optuna.logging.ERROR)

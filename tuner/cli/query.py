@@ -71,7 +71,8 @@ def check_db_given(db: Path) -> None:
     left to the fallback."""
     from moetune.tuner.cli.db import fail
     from moetune.tuner.store._schema import db_option
-    from moetune.tuner.store.store import StoreError, probe_database, without_moetune
+    from moetune.tuner.store.db_file import probe_database, without_moetune
+    from moetune.tuner.store.store import StoreError
 
     if not db.exists():
         raise fail(f"--db {db} does not exist (give a moetune database: `moetune db path` prints the configured one; "

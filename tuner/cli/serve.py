@@ -34,7 +34,7 @@ def _check_capture(capture: Path, *, read: bool) -> None:
 
 # a script reads `ok` (and `error`) of the one object printed, whether or not the daemon answered
 # `moetune retune`'s default wait. The daemon answers a retune only once its job_queued / job_cancelled is committed,
-# and that write waits up to the store's busy timeout (moetune.tuner.store.store.BUSY_TIMEOUT_S, 30 s) while another
+# and that write waits up to the store's busy timeout (moetune.tuner.store.BUSY_TIMEOUT_S, 30 s) while another
 # process holds the database's write lock (an import, a tune): a shorter wait reported failure for a job the daemon
 # then queued, and a retry queued it twice. A retune is never retried, so the one wait must outlast the store's.
 RETUNE_TIMEOUT_MS = 40_000

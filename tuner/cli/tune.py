@@ -125,7 +125,7 @@ def _storage_problem(url: str, e: BaseException) -> Problem:
     ("", "") for anything else."""
     from moetune.tuner.search.storage import sqlite_path
     from moetune.tuner.store._folders import not_writable
-    from moetune.tuner.store.store import SQLITE_CANNOT_WRITE
+    from moetune.tuner.store.sqlite_errors import SQLITE_CANNOT_WRITE
 
     if _storage_busy(e):
         return "busy", ""
@@ -145,11 +145,11 @@ def _storage_problem(url: str, e: BaseException) -> Problem:
 
 def _disk_full(url: str, e: BaseException) -> tuple[str, str] | None:
     """(kind, why) when an exception in e's chain is SQLite's answer of a disk that took no more
-    (`store.disk_failed`: SQLITE_FULL, kind "full", or SQLITE_IOERR, kind "io": on a full disk the -wal/-shm cannot
+    (`sqlite_errors.disk_failed`: SQLITE_FULL, kind "full", or SQLITE_IOERR, kind "io": on a full disk the -wal/-shm cannot
     grow), why naming the folder of the studies file; else None."""
     from moetune.tuner.search.storage import sqlite_path
     from moetune.tuner.search.workers import exception_chain
-    from moetune.tuner.store.store import disk_failed
+    from moetune.tuner.store.sqlite_errors import disk_failed
 
     for x in exception_chain(e):
         kind = disk_failed(x)

@@ -38,7 +38,7 @@ def _take_lock(path: Path, what: str, busy: str) -> int:
 def lock_database(db_path: str | Path) -> int:
     """The fd of the daemon's flock beside the database `db_path`, this process's pid written in it (`db migrate`
     names the daemon it finds holding it); DaemonBusy when another daemon (or a migration) holds it."""
-    from moetune.tuner.store.store import daemon_lock_path
+    from moetune.tuner.store.db_file import daemon_lock_path
 
     path = daemon_lock_path(db_path)
     return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "

@@ -1,5 +1,7 @@
 """The profile store: `models` (tables; the only thing migrations import), `store` (the Store API),
-`_schema` (schema versions and migrating), `io` (export/import), `validate` (record checks).
+`_schema` (schema versions and migrating), `io` (export/import), `validate` (record checks); under the Store:
+`db_file` (the file: path, probe, refusing another program's), `connect` (how connections run), `sqlite_errors`
+(what a SQLite failure means), `busy_timeout` (how long a write waits for another process's lock).
 
 The public names load lazily from their modules, so importing one submodule does not import the rest.
 """
@@ -7,7 +9,7 @@ The public names load lazily from their modules, so importing one submodule does
 from moetune.runtime._lazy import lazy_getattr
 
 _LAZY = {
-    "BUSY_TIMEOUT_S": ".store",
+    "BUSY_TIMEOUT_S": ".busy_timeout",
     "EXPORT_FORMAT": ".io",
     "EXPORT_VERSION": ".io",
     "ExportedFingerprint": ".io",
@@ -29,7 +31,7 @@ _LAZY = {
     "is_sqlite_file": "._schema",
     "now": ".store",
     "parse_export": ".io",
-    "probe_database": ".store",
+    "probe_database": ".db_file",
 }
 
 

@@ -116,7 +116,7 @@ def release_lock_file(path: Path, fd: int) -> None:
 def run_lock_path(db_path: str | Path) -> Path:
     """The run lock of the database `db_path`: beside the file its links lead to (as `daemon_lock_path`), so two
     paths to one database take one lock."""
-    from moetune.tuner.store.store import database_path
+    from moetune.tuner.store.db_file import database_path
 
     p = Path(os.path.realpath(database_path(db_path)))
     return p.with_name(p.name + RUN_LOCK_SUFFIX)
@@ -143,7 +143,7 @@ def take_run_lock(db_path: str | Path) -> int | None:
     StoreError, as the store's own, where the folder is missing and not moetune's (the store refuses it anyway)."""
     from moetune.tuner.store._folders import make_parent
     from moetune.tuner.store._schema import StoreError
-    from moetune.tuner.store.store import database_path
+    from moetune.tuner.store.db_file import database_path
 
     make_parent(database_path(db_path), StoreError)
     try:

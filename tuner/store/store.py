@@ -2,8 +2,10 @@
 
 Every connection runs with WAL, a busy timeout, foreign keys on and `synchronous=NORMAL`; every write
 transaction starts with `BEGIN IMMEDIATE`, so two processes writing at once queue on the busy timeout
-instead of failing on a lock upgrade. The database upgrades itself on first use (unless read-only).
-Schema versions: `_schema`; export/import: `io`; record checks: `validate`; the tables: `models`.
+instead of failing on a lock upgrade (`connect`, `busy_timeout`). The database upgrades itself on first use
+(unless read-only). The file's path, probe and refusal of another program's file: `db_file`; what a SQLite
+failure means: `sqlite_errors`. Schema versions: `_schema`; export/import: `io`; record checks: `validate`;
+the tables: `models`.
 
 The exchange type is `moetune.runtime.profile_record.ProfileRecord`.
 """
@@ -11,15 +13,13 @@ The exchange type is `moetune.runtime.profile_record.ProfileRecord`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import sqlite3
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Engine,
@@ -57,7 +57,6 @@ from moetune.runtime.profile_record import (
 )
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import io as _io
-from moetune.tuner.store._folders import make_parent, not_writable
 from moetune.tuner.store._owner import node_id, owner_gone, run_owner
 from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
@@ -87,7 +86,17 @@ from moetune.tuner.store._schema import (
     is_sqlite_file,
     known_revisions,
 )
-from moetune.tuner.store._tables import existing_tables, is_foreign_file, shown_tables, table_names
+from moetune.tuner.store.busy_timeout import BUSY_TIMEOUT_S
+from moetune.tuner.store.connect import DatabaseChangedError, on_begin, on_connect, readonly_connect, retried
+from moetune.tuner.store.db_file import (
+    _make_parent,
+    database_path,
+    foreign_error,
+    not_a_file,
+    probe,
+    refuse_foreign,
+    without_moetune_words,
+)
 from moetune.tuner.store.io import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
@@ -109,12 +118,9 @@ from moetune.tuner.store.models import (
     TuningRun,
     check_event_kinds,
 )
+from moetune.tuner.store.sqlite_errors import damaged_message, sqlite_failure
 from moetune.tuner.store.validate import check_record
 
-BUSY_TIMEOUT_S = 30.0
-# a write that has waited this long for another process's lock says so (once) on stderr, then waits on to BUSY_TIMEOUT_S
-NOTICE_AFTER_S = 2.0
-_T = TypeVar("_T")
 _V = TypeVar("_V")
 log = logging.getLogger("moetune.store")
 # the _once scope of the unreadable-rows warning: one per process and database (it used to repeat on every read)
@@ -132,7 +138,6 @@ def in_batches(values: Sequence[_V]) -> Iterator[list[_V]]:
         yield values[i:i + IN_BATCH]
 
 __all__ = [
-    "BUSY_TIMEOUT_S",
     "EXPORT_FORMAT",
     "EXPORT_VERSION",
     "MIGRATIONS_DIR",
@@ -150,12 +155,10 @@ __all__ = [
     "StoreNotDatabase",
     "StoreNotWritable",
     "StoreReplaced",
-    "database_path",
     "head_revision",
     "is_sqlite_file",
     "now",
     "parse_export",
-    "probe_database",
 ]
 
 
@@ -167,285 +170,6 @@ class Row(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
-
-
-
-
-def _on_connect(readonly: bool) -> Any:
-    def connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
-        # Let SQLAlchemy's begin event emit BEGIN (the driver's implicit transactions are off).
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        cur.execute("PRAGMA foreign_keys = ON")
-        if not readonly:
-            _wal(cur)
-            cur.execute("PRAGMA synchronous = NORMAL")
-        cur.close()
-
-    return connect
-
-
-def _wal(cur: sqlite3.Cursor) -> None:
-    """Put the database in WAL mode (once per file; later connections find it so). The switch needs the file to itself
-    for a moment, and SQLite answers "database is locked" at once, without the busy wait, when another process is
-    opening or switching the same new file at that instant: two processes creating one store failed so 4 times in 100
-    (tests/test_store_concurrency.py: test_two_processes_open_a_new_store). Retried until BUSY_TIMEOUT_S."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
-    pause = 0.001
-    while str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() not in ("wal", "memory"):
-        try:
-            cur.execute("PRAGMA journal_mode = WAL")
-            return
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or time.monotonic() > deadline:
-                raise
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-
-
-def _readonly_connect(path: Path) -> sqlite_open.ReadOnlyConnection:
-    """A read-only connection (`moetune.runtime.profiles.sqlite_open`: mode=ro, else immutable=1 while no -wal/-journal
-    holds changes; reads through immutable=1 are checked for a change of the file under them)."""
-    return sqlite_open.connect_readonly(path, timeout_s=BUSY_TIMEOUT_S)
-
-
-class DatabaseChangedError(StoreError):
-    """A read through immutable=1 overlapped a change of the database file (`sqlite_open.DatabaseChanged`): a
-    passing condition (retry), not a wrong database."""
-
-    exit_code = 1
-
-
-def _retried(method: Callable[..., _T]) -> Callable[..., _T]:
-    """Runs a read again (from a fresh connection: mode=ro first) when the file changed under an immutable=1 read, up
-    to `sqlite_open.READ_ATTEMPTS` times; then the DatabaseChangedError says to retry."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> _T:
-        return sqlite_open.retry_changed(lambda: method(*args, **kwargs),
-                                         lambda e: isinstance(e, DatabaseChangedError))
-
-    return run
-
-
-def database_path(path: str | Path) -> Path:
-    """The file a store given `path` opens: ~ expanded (a config file gives it unexpanded), made absolute (links kept).
-    The daemon probes and names the database by it too."""
-    return Path(path).expanduser().absolute()
-
-
-def daemon_lock_path(path: str | Path) -> Path:
-    """The file a daemon serving the database `path` holds flocked while it runs (its pid inside); a migration takes
-    it too, so that none serves while the schema changes. Beside the file the links lead to: two paths to one
-    database (a link to it or to a folder above it) take one lock, so that two daemons never serve it at once.
-    (A bind mount shows the file at a path no link resolves to: it stays out of reach of this rule.)"""
-    p = Path(os.path.realpath(database_path(path)))
-    return p.with_name(p.name + ".daemon-lock")
-
-
-DatabaseKind = Literal["missing", "empty", "foreign", "moetune"]
-
-
-def _foreign_error(path: Path, tables: set[str]) -> StoreError:
-    return StoreError(
-        f"{path} is not a moetune database (it has tables {shown_tables(tables)} and no {VERSION_TABLE}): moetune does "
-        f"not add its tables to another program's file; give a new or empty file (--db)"
-    )
-
-
-def _not_a_file(path: Path) -> StoreError:
-    """The error of a database path that exists and is no file (a folder, a FIFO): every command says it alike (a
-    writer's open said SQLite's "unable to open database file")."""
-    return StoreError(f"{path} is not a database file")
-
-
-def _probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
-    """probe_database, and the tables it found."""
-    if not path.exists():
-        return "missing", None, set()
-    if not path.is_file():
-        raise _not_a_file(path)
-    try:
-        if path.stat().st_size == 0:
-            return "empty", None, set()
-
-        def look(con: sqlite3.Connection) -> tuple[set[str], str | None]:
-            tables = table_names(con)
-            if VERSION_TABLE not in tables:
-                return tables, None
-            row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
-            return tables, None if row is None else str(row[0])
-
-        tables, rev = sqlite_open.read(path, look, timeout_s=BUSY_TIMEOUT_S)
-    except sqlite_open.DatabaseChanged as e:
-        raise DatabaseChangedError(str(e)) from None
-    except sqlite3.Error as e:
-        raise sqlite_failure(path, e, write=False) from None
-    except OSError as e:
-        raise StoreError(f"{path}: {e}") from None
-    if VERSION_TABLE in tables:
-        return "moetune", rev, tables
-    return ("foreign" if is_foreign_file(tables) else "empty"), None, tables
-
-
-ONLY_OPTUNA, EMPTY = "it has only Optuna's tables", "it is empty"  # what a file without moetune's tables holds
-
-
-def _without_moetune_words(tables: set[str]) -> str:
-    return ONLY_OPTUNA if tables else EMPTY
-
-
-def without_moetune(path: Path) -> str | None:
-    """What an existing file without moetune's tables holds (ONLY_OPTUNA or EMPTY), from one probe; None for a
-    moetune database (any revision), a missing file, another program's file or one that cannot be read."""
-    try:
-        kind, _rev, tables = _probe(database_path(path))
-    except StoreError:
-        return None
-    return _without_moetune_words(tables) if kind == "empty" else None
-
-
-def probe_database(path: Path) -> tuple[DatabaseKind, str | None]:
-    """What is at `path`, read through a read-only connection (nothing is created, migrated or switched to
-    WAL): ("missing", None); ("empty", None) for a 0-byte file, a SQLite file without tables or an Optuna studies
-    file without moetune's tables (either may become a store); ("foreign", None) for another program's SQLite file
-    (`_tables.is_foreign_file`); ("moetune", revision),
-    revision None after `db downgrade base`. A file that is not SQLite is a StoreError."""
-    kind, rev, _tables = _probe(path)
-    return kind, rev
-
-
-def _refuse_foreign(path: Path, *, readonly: bool) -> None:
-    """A StoreError when `path` is another program's SQLite file (`_tables.is_foreign_file`), checked before the store's own connections, which switch the file to WAL and add
-    moetune's tables. For a write, a plain read-write connection (no create, no journal switch): unlike mode=ro,
-    it leaves no empty -wal/-shm beside a WAL file it closes."""
-    if readonly:
-        tables = _probe(path)[2]
-    else:
-        try:
-            tables = existing_tables(path, timeout_s=BUSY_TIMEOUT_S)
-        except sqlite3.Error as e:
-            raise sqlite_failure(path, e, write=True) from None
-    if is_foreign_file(tables):
-        raise _foreign_error(path, tables)
-
-
-def _make_parent(path: Path) -> None:
-    """Create the folder of a new database only when it is moetune's own data folder (`_folders.make_parent`: the
-    rule a SQLite studies storage follows too)."""
-    make_parent(path, StoreError)
-
-
-def is_locked(e: BaseException) -> bool:
-    """SQLite's answer when another connection held the lock past the busy timeout (SQLITE_BUSY)."""
-    return "database is locked" in str(e)
-
-
-# SQLite's answers when it cannot write the file or create it (or its -wal/-shm/-journal) in its folder
-SQLITE_CANNOT_WRITE = ("readonly database", "unable to open database file")
-
-# SQLite's primary result codes (the low byte of an extended code) of a disk that took no more: SQLITE_FULL ("database
-# or disk is full"), and SQLITE_IOERR ("disk I/O error"), SQLite's usual answer on a full disk, where the -wal or -shm
-# cannot grow (SQLITE_IOERR_SHMSIZE, _WRITE, _FSYNC, ...) before the database file itself is written
-
-
-def sqlite_code(e: BaseException) -> int | None:
-    """SQLite's primary result code of `e` (sqlite3 errors carry the extended one in `sqlite_errorcode`; SQLAlchemy's
-    wrap them in `.orig`), else None."""
-    for x in (e, getattr(e, "orig", None)):
-        code = getattr(x, "sqlite_errorcode", None)
-        if isinstance(code, int):
-            return code & 0xFF
-    return None
-
-
-def disk_failed(e: BaseException) -> str | None:
-    """"full" when SQLite said the disk took no more (SQLITE_FULL), "io" for its I/O error (SQLITE_IOERR: on a full
-    disk, the -wal/-shm that could not grow), None for any other failure. By the code, else by the words (an error
-    made by hand has no code)."""
-    why = str(getattr(e, "orig", None) or e)
-    code = sqlite_code(e)
-    if code == sqlite3.SQLITE_FULL or (code is None and "database or disk is full" in why):
-        return "full"
-    if code == sqlite3.SQLITE_IOERR or (code is None and "disk I/O error" in why):
-        return "io"
-    return None
-
-
-def disk_failed_message(path: Path | str, why: str, kind: str) -> str:
-    """The words of a database (or studies file) whose disk took no more: SQLite's, then the folder and what to do."""
-    folder = Path(os.path.abspath(path)).parent
-    if kind == "full":
-        return f"{path}: {why}: the disk holding {folder} is full; free space there, then run the command again"
-    return (f"{path}: {why}: the disk holding {folder} is full or failed; free space there (or check the disk), then "
-            "run the command again")
-
-
-def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
-    """The StoreError for a SQLite failure on the database at `path`: `StoreBusy` when another process held its lock
-    past the busy timeout (the file is fine: retry); a StoreError naming the permission when this user may not read
-    the file (SQLite said "unable to open database file"; exit 2 whether the command reads or writes it);
-    `StoreNotWritable` when, for a write, this user may not write the file or its folder; `StoreFull` when the disk
-    took no more or failed (`disk_failed`: SQLITE_FULL, or SQLITE_IOERR, what a full disk usually gives first);
-    else SQLite's message with the path."""
-    why = str(e)
-    if is_locked(e):
-        return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
-                         "writing, not damaged); retry when that process is done")
-    if os.path.isfile(path) and not os.access(path, os.R_OK):  # os.path: never raises (Path.is_file may)
-        return StoreError(f"{path}: cannot read it (permission denied)")
-    disk = disk_failed(e)
-    if disk == "io" and write:  # an I/O error where this user may not write a side file: the permission says why
-        reason = not_writable(path, side_files=True)
-        if reason:
-            return StoreNotWritable(reason)
-    if disk is not None:
-        return StoreFull(disk_failed_message(path, why, disk))
-    if write and any(m in why for m in SQLITE_CANNOT_WRITE):
-        reason = not_writable(path, side_files=True)
-        if reason:
-            return StoreNotWritable(reason)
-    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_CORRUPT or "malformed" in why:
-        return StoreDamaged(damaged_message(path, why))
-    if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB or "file is not a database" in why:
-        return StoreNotDatabase(f"{path}: {why}")  # the same words and exit; `db check` tells it from the rest
-    return StoreError(f"{path}: {why}")
-
-
-def damaged_message(path: Path, problem: str) -> str:
-    return (f"{path} is damaged ({problem}): not written to; `moetune db check{db_option(path)}` names the problem; "
-            "restore the file from a backup (or recover its rows with `sqlite3 FILE .recover`) before using it")
-
-
-def _on_begin(path: Path) -> Callable[[Any], None]:
-    """The begin listener: `BEGIN <moetune_begin>`. A write transaction (IMMEDIATE/EXCLUSIVE) that waits for another
-    process's lock says so once, after NOTICE_AFTER_S, on the `moetune.store` log (stderr in a command), then waits on
-    to BUSY_TIMEOUT_S in all; past that SQLite's "database is locked" (`sqlite_failure`: StoreBusy)."""
-
-    def begin(conn: Any) -> None:
-        mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
-        if mode == "DEFERRED":
-            conn.exec_driver_sql(f"BEGIN {mode}")
-            return
-        raw = conn.connection.driver_connection
-        raw.execute(f"PRAGMA busy_timeout = {int(min(NOTICE_AFTER_S, BUSY_TIMEOUT_S) * 1000)}")
-        try:
-            try:
-                conn.exec_driver_sql(f"BEGIN {mode}")
-                return
-            except DatabaseError as e:
-                if not is_locked(e.orig) or NOTICE_AFTER_S >= BUSY_TIMEOUT_S:
-                    raise
-            left = BUSY_TIMEOUT_S - NOTICE_AFTER_S
-            log.warning("another process is writing the database %s: waiting for it (up to %g s more)", path, left)
-            raw.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
-            conn.exec_driver_sql(f"BEGIN {mode}")
-        finally:
-            raw.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-
-    return begin
-
 
 
 class Store:
@@ -494,12 +218,12 @@ class Store:
             self.path = database_path(path)
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
             if self.path.exists() and not self.path.is_file():
-                raise _not_a_file(self.path)
+                raise not_a_file(self.path)
             if readonly and not self.path.is_file():
                 raise StoreError(f"no database at {self.path}")
             existing = self.path.is_file() and self.path.stat().st_size > 0
             if existing:
-                _refuse_foreign(self.path, readonly=readonly)
+                refuse_foreign(self.path, readonly=readonly)
             if readonly:
                 # NullPool: every read opens its connection anew, so the mode=ro / immutable=1 choice and the
                 # -wal/-journal guard are made per read, not once for the store's life (a pooled immutable=1
@@ -508,8 +232,8 @@ class Store:
             else:
                 _make_parent(self.path)
                 self._engine = create_engine(self.url, connect_args={"timeout": BUSY_TIMEOUT_S})
-        event.listen(self._engine, "connect", _on_connect(readonly or self.memory))
-        event.listen(self._engine, "begin", _on_begin(self.path))
+        event.listen(self._engine, "connect", on_connect(readonly or self.memory))
+        event.listen(self._engine, "begin", on_begin(self.path))
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
         self._pid = os.getpid()
         # what this open migrated (the daemon logs it); None: nothing
@@ -535,13 +259,13 @@ class Store:
         moetune's tables to another program's SQLite file. A StoreError says what is wrong and what to run."""
         path = database_path(path)
         upgrade_cmd = f"`moetune db upgrade{db_option(path)}`"
-        kind, rev, tables = _probe(path)
+        kind, rev, tables = probe(path)
         if kind == "missing" and not (write and create):
             raise StoreError(f"no database at {path} (run {upgrade_cmd})")
         if kind == "foreign":
-            raise _foreign_error(path, tables)
+            raise foreign_error(path, tables)
         if kind == "empty" and not (write and create):
-            what = _without_moetune_words(tables)
+            what = without_moetune_words(tables)
             raise StoreError(f"{path} is not a moetune database ({what}: {upgrade_cmd} makes it one)")
         if write:  # intact: scanned before the upgrade too, a migration writes (and copies tables) like any other write
             return cls(path, intact=True)
@@ -638,7 +362,7 @@ class Store:
             raise StoreDamaged(self._damaged)
 
     def _connect_readonly(self) -> sqlite_open.ReadOnlyConnection:
-        con = _readonly_connect(self.path)
+        con = readonly_connect(self.path)
         if con.immutable:
             conns = getattr(self._opened, "conns", None)
             if conns is not None:
@@ -649,7 +373,7 @@ class Store:
     def _reads_checked(self) -> Iterator[None]:
         """Around reads of a read-only store: a DatabaseChangedError when a connection opened meanwhile was an
         immutable=1 one and the file changed under it (also in place of the error such a read raised: a torn page
-        reads as "database disk image is malformed"). `_retried` methods run again on it."""
+        reads as "database disk image is malformed"). `retried` methods run again on it."""
         if not self.readonly:
             yield
             return
@@ -734,12 +458,12 @@ class Store:
     def schema(self) -> SchemaVersionManager:
         return SchemaVersionManager(self)
 
-    @_retried
+    @retried
     def current_revision(self) -> str | None:
         """The schema revision recorded in the database (None: empty or not a moetune database)."""
         return self.schema.current_revision()
 
-    @_retried
+    @retried
     def _ensure_schema(self, *, upgrade: bool) -> Upgraded | None:
         return self.schema.ensure(upgrade=upgrade)
 
@@ -751,7 +475,7 @@ class Store:
         """Migrate down to `revision` ("base" drops every moetune table; other tables are untouched)."""
         self.schema.migrate("downgrade", revision)
 
-    @_retried
+    @retried
     def check(self) -> dict[str, Any]:
         """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys, and the profile
         rows this moetune cannot read (`unreadable_profiles`: [{id, error}], None where the schema is not this
@@ -786,7 +510,7 @@ class Store:
             self.refuse_if_damaged()
         self._checked_sound = True
 
-    @_retried
+    @retried
     def mislabelled_profiles(self) -> list[tuple[int, str, str]]:
         """(id, backend, stored label) of each row labelled measured whose backend does not measure, or labelled node_model whose
         backend is a preset or another node's model (`node_model_label_problem`; no writer of this moetune stores either,
@@ -838,13 +562,13 @@ class Store:
         with self._write() as s:
             s.execute(stmt)
 
-    @_retried
+    @retried
     def get_fingerprint(self, fp_hash: str) -> Row | None:
         with self._read() as s:
             fp = s.scalar(select(Fingerprint).where(Fingerprint.hash == fp_hash))
             return None if fp is None else _fp_row(fp)
 
-    @_retried
+    @retried
     def list_fingerprints(self) -> list[Row]:
         with self._read() as s:
             return [_fp_row(fp) for fp in s.scalars(select(Fingerprint).order_by(Fingerprint.last_seen.desc()))]
@@ -855,7 +579,7 @@ class Store:
         fabric layer reads it here: it may not import the store's modules)."""
         return node_id()
 
-    @_retried
+    @retried
     def local_fingerprints(self, node: str | None = None) -> list[Row]:
         """The fingerprints this node recorded as its own (origin 'local', `node`: default `_owner.node_id()`),
         newest last_seen first: what its bring-up, tunes and daemon discovered here. Never an imported row, a
@@ -900,7 +624,7 @@ class Store:
             s.flush()
             return m.id
 
-    @_retried
+    @retried
     def list_measurements(
         self,
         *,
@@ -968,7 +692,7 @@ class Store:
                               .values(status="interrupted", ended=now()))
         return gone
 
-    @_retried
+    @retried
     def has_done_run(self, *, study_name: str, storage: str) -> bool:
         """Whether a run of study `study_name` in `storage` (as `start_run` recorded them) ended `done`."""
         with self._read() as s:
@@ -976,7 +700,7 @@ class Store:
                                                         TuningRun.storage == storage, TuningRun.status == "done")
                              .limit(1)).first() is not None
 
-    @_retried
+    @retried
     def list_runs(self, limit: int = 100) -> list[Row]:
         with self._read() as s:
             return [_row(r) for r in s.scalars(select(TuningRun).order_by(TuningRun.id.desc()).limit(limit))]
@@ -1033,13 +757,13 @@ class Store:
                 s.add(ev)
             return True, decision.reason
 
-    @_retried
+    @retried
     def get_current(self, key: ProfileKey) -> ProfileRecord | None:
         with self._read() as s:
             got = self._records(s, select_records().where(*key_filter(key), Profile.status == "current"))
         return got[0][1] if got else None
 
-    @_retried
+    @retried
     def find_profile(
         self,
         *,
@@ -1101,7 +825,7 @@ class Store:
             return min(comparable([r for _i, r in got if r.key.token_bucket == bucket]), key=lambda r: r.latency_us)
         return None
 
-    @_retried
+    @retried
     def provenance_of(self, key: ProfileKey, profile_hash: str | None = None) -> tuple[str, str, str] | None:
         """(effective provenance, measured_on, backend) of the newest stored profile for `key` (with this hash, if
         given): for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback). A hand-edited
@@ -1117,7 +841,7 @@ class Store:
         return (effective_provenance(row.provenance, row.backend, key.fingerprint),
                 effective_measured_on(row.provenance, row.measured_on, row.backend, key.fingerprint), row.backend)
 
-    @_retried
+    @retried
     def routing_of(self, key: ProfileKey) -> str:
         """The routing `key`'s profile was tuned under (`uniform`, `zipf:S`), for a caller that tunes the key again
         (the daemon's re-tune). Of the key's rows that record one: the current row, else the newest stale one (what
@@ -1131,14 +855,14 @@ class Store:
                             .order_by(rank, Profile.id.desc()).limit(1)).scalar()
         return str(got) if got else UNIFORM_ROUTING
 
-    @_retried
+    @retried
     def get_profile(self, profile_id: int) -> ProfileRecord | None:
         """One profile by id (None when absent or unreadable: `unreadable_profiles` says why)."""
         with self._read() as s:
             got = self._records(s, select_records().where(Profile.id == profile_id))
         return got[0][1] if got else None
 
-    @_retried
+    @retried
     def list_profiles(
         self, *, status: str | None = None, fingerprint: str | None = None, provenance: str | None = None
     ) -> list[tuple[int, ProfileRecord]]:
@@ -1155,7 +879,7 @@ class Store:
         # is listed as modelled)
         return got if provenance is None else [(i, r) for i, r in got if r.effective_provenance == provenance]
 
-    @_retried
+    @retried
     def unreadable_profiles(self, profile_id: int | None = None) -> list[tuple[int, str]]:
         """(id, why) of each stored profile row this moetune cannot read (every read skips them), in id order; with
         `profile_id`, that row only. Such a row is kept, never changed: `delete_profile` removes one."""
@@ -1242,7 +966,7 @@ class Store:
                 s.add(Event(created=ts, kind="restored", reason=reason, details={"fingerprint": fingerprint, "profiles": n}))
             return n
 
-    @_retried
+    @retried
     def count_profiles(self, status: str | None = None) -> int:
         q = select(func.count(Profile.id))
         if status is not None:
@@ -1260,7 +984,7 @@ class Store:
             s.flush()
             return e.id
 
-    @_retried
+    @retried
     def list_events(self, limit: int = 100, *, kinds: tuple[EventKind, ...] | None = None,
                     before_id: int | None = None) -> list[Row]:
         """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds (ValueError
@@ -1275,7 +999,7 @@ class Store:
         with self._read() as s:
             return [_row(e) for e in s.scalars(q)]
 
-    @_retried
+    @retried
     def events_after(self, after_id: int, *, kinds: tuple[EventKind, ...], limit: int = 500) -> list[Row]:
         """Oldest first: up to `limit` events of `kinds` whose id is above `after_id` (page on with the last one's id)."""
         check_event_kinds(kinds)
@@ -1283,7 +1007,7 @@ class Store:
         with self._read() as s:
             return [_row(e) for e in s.scalars(q)]
 
-    @_retried
+    @retried
     def open_jobs(self, *, kinds: tuple[EventKind, ...], finished: EventKind,
                   also: str = "") -> tuple[list[int], list[Row], int]:
         """The jobs whose events (of `kinds`, naming their job by an integer `details.job_id`) include none of kind
@@ -1314,7 +1038,7 @@ class Store:
         return ids, rows, top
 
     # -- export / import (moetune.tuner.store.io) ----------------------------------------------------
-    @_retried
+    @retried
     def dump_profiles(self, *, status: str | None = None, fingerprint: str | None = None,
                       provenance: str | None = None) -> bytes:
         """The export document (JSON bytes, deterministic: same database → same bytes)."""
