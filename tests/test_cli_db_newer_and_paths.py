@@ -146,3 +146,14 @@ def test_the_runtimes_database_fallback_refuses_a_newer_database(tmp_path: Path)
                                  dtype="bfloat16")
     r = run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db))
     assert "written by a newer moetune" in " ".join(r.output.split()), r.output
+
+
+def test_query_refuses_a_newer_database_given_as_db(tmp_path: Path) -> None:
+    """`query --db` on a newer moetune's database answered the policy defaults and exited 0, where a --db that is no
+    moetune database (or missing) exits 2, as every other command does on a newer database: refused up front."""
+    db = newer_db(tmp_path)
+    r = run("query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db),
+            env={"MOETUNE_HOME": str(tmp_path)})
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "schema revision 0099" in said and NEWER in said and "Traceback" not in said, said

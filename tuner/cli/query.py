@@ -66,9 +66,10 @@ def check_timeout_ms(timeout_ms: int | None) -> None:
 def check_db_given(db: Path) -> None:
     """Exit 2 when the --db given is a file but no moetune database (empty, an Optuna studies file, another program's
     SQLite file, not SQLite): the read-only fallback said "no such table: fingerprints" and answered the defaults.
-    A --db that does not exist is refused too (a typo in the path answered the policy defaults, exit 0); only with
-    no --db is a missing database left to the fallback (the defaults, saying there is no database). A busy one is
-    left to the fallback."""
+    A --db that does not exist is refused too (a typo in the path answered the policy defaults, exit 0), and so is
+    one a newer moetune wrote (an unknown schema revision: the fallback read nothing and answered the defaults, exit
+    0, where every other command exits 2 on it); only with no --db is a missing database left to the fallback (the
+    defaults, saying there is no database). A busy one is left to the fallback."""
     from moetune.tuner.cli.db import fail
     from moetune.tuner.store._schema import db_option
     from moetune.tuner.store.db_file import probe_database, without_moetune
@@ -78,7 +79,7 @@ def check_db_given(db: Path) -> None:
         raise fail(f"--db {db} does not exist (give a moetune database: `moetune db path` prints the configured one; "
                    "without --db the lookup falls back to the policy defaults when there is no database)")
     try:
-        kind, _rev = probe_database(db)
+        kind, rev = probe_database(db)
     except StoreError as e:
         if e.exit_code != 2:  # busy, changed under the read: nothing wrong with what was given
             return
@@ -90,6 +91,11 @@ def check_db_given(db: Path) -> None:
     if kind == "foreign":
         raise fail(f"--db {db} is not a moetune database (another program's SQLite file): give moetune's, as "
                    "`moetune db path` prints it")
+    from moetune.tuner.store._schema import head_revision, known_revisions
+
+    if kind == "moetune" and rev is not None and rev not in known_revisions():
+        raise fail(f"--db {db} is at schema revision {rev}, written by a newer moetune (this one knows up to "
+                   f"{head_revision()}): upgrade moetune on this node, or give a database this moetune can read")
 
 
 def check_family(family: str, ep: int, nodes: int) -> None:
