@@ -238,7 +238,9 @@ def test_shipped_presets_still_load() -> None:
     (["--over", "nodes", "--values", "3"], "nodes = 3"),  # 128 experts over 3 x 4 GPUs
 ])
 def test_sweep_values_predict_refuses_are_refused(args: list[str], needle: str) -> None:
-    r, text = _run("sweep", "-p", "slingshot11-libfabric-a100x4", "-n", "4", "-t", "256", *args)
+    # the swept variable's own option is refused beside --over (test_sweep_refuses_the_option_of_the_swept_variable)
+    base = [x for opt, over in ((("-n", "4"), "nodes"), (("-t", "256"), "tokens")) if over not in args for x in opt]
+    r, text = _run("sweep", "-p", "slingshot11-libfabric-a100x4", *base, *args)
     _assert_refused(r, text, "--values", needle)
     assert not _has(text, "n/a")
 
@@ -315,3 +317,13 @@ def test_sweep_force_without_out_is_refused(tmp_path: Path) -> None:
     _assert_refused(r, text, "--force acts on the --out file", "give --out FILE")
     r, _ = _run("sweep", "-p", "nvlink-h200x2", "--force", "--out", str(tmp_path / "s.png"))
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("over,given", [("nodes", ("--nodes", "3")), ("nodes", ("-n", "2")),
+                                        ("tokens", ("-t", "5")), ("tokens", ("--tokens", "256"))])
+def test_sweep_refuses_the_option_of_the_swept_variable(over: str, given: tuple[str, str]) -> None:
+    """`model sweep --over tokens -t 5` ignored -t without a word, and `--over nodes -n 3` (2 GPUs a node) failed
+    "128 experts do not divide evenly over an EP group of 6", a point the sweep never models: both refused, naming
+    the option, before anything is predicted."""
+    r, text = _run("sweep", "-p", "nvlink-h200x2", "--over", over, *given)
+    _assert_refused(r, text, f"--{over}: --over {over} sweeps it")

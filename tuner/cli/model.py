@@ -378,6 +378,7 @@ def _plot_path(out: Path, force: bool) -> Path:
 
 @app.command("sweep")
 def sweep_cmd(
+    ctx: typer.Context,
     preset: str = path_text_option(..., "--preset", "-p", help="Preset name or .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
@@ -387,9 +388,10 @@ def sweep_cmd(
                                       "sets it, CTAs for nvlink; nodes 1,2,4,8,16 up to the preset's most nodes, "
                                       "tokens 64,256,1024,4096,16384). A group_size above the transfers per peer is "
                                       "n/a: the same run as group_size 0."),
-    nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes (unless swept with --over nodes; default: 4, "
-                                     "or the preset's most nodes if fewer)."),
-    tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (unless swept with --over tokens)."),
+    nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes (refused with --over nodes, which "
+                                     "sweeps them; default: 4, or the preset's most nodes if fewer)."),
+    tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (refused with --over tokens, which sweeps "
+                               "them)."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides name=value,... (none when left out or \"\": the preset's transport defaults)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
@@ -408,6 +410,11 @@ def sweep_cmd(
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
     if force and out is None:  # it did nothing, silently: refused as `model calibrate --force` without --out is
         _fail("--force acts on the --out file (--force replaces an existing plot): give --out FILE, or leave it out")
+    # the swept variable's own option: ignored without a word (`--over tokens -t 5`), or refused for a value the
+    # sweep never models (`--over nodes -n 3` on 2 GPUs a node: "128 experts do not divide ... group of 6")
+    swept = {"nodes": "--nodes", "tokens": "--tokens"}.get(over)
+    if swept and getattr(ctx.get_parameter_source(over), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP"):
+        _fail(f"{swept}: --over {over} sweeps it (--values gives its values): leave {swept} out")
     # a bad --out is refused before the (slow) sweep, not after it
     plot_path = _plot_path(out, force) if out is not None else None
     pr, w0, k0 = _build(preset, model, nodes, tokens, gpus_per_node, knobs, routing, tile)
