@@ -327,3 +327,12 @@ def test_sweep_refuses_the_option_of_the_swept_variable(over: str, given: tuple[
     the option, before anything is predicted."""
     r, text = _run("sweep", "-p", "nvlink-h200x2", "--over", over, *given)
     _assert_refused(r, text, f"--{over}: --over {over} sweeps it")
+
+
+@pytest.mark.parametrize("params", [",", "collective.alpha_us,", "collective.alpha_us,,collective.intra_gbps"])
+def test_calibrate_refuses_an_empty_item_in_params(tmp_path: Path, params: str) -> None:
+    """`calibrate --params ,` fitted by data kind, as if the option were left out, and an empty item beside a name was
+    dropped without a word: a lost name is a typo, refused as `--values 1,,2` is (exit 2, nothing fitted)."""
+    f = _jsonl(tmp_path, "rows.jsonl", GOOD_ROW)
+    r, text = _run("calibrate", "-p", "nvlink-h200x2", "-d", str(f), "--params", params)
+    _assert_refused(r, text, "--params: expected comma-separated dotted parameters", "(an empty item)")

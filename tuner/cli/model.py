@@ -710,6 +710,10 @@ def calibrate_cmd(
         _check_calibrate_out(out, data, preset, replace)
     if nic_line_rate is not None and not (math.isfinite(nic_line_rate) and nic_line_rate > 0):
         _fail(f"--nic-line-rate must be a positive number of Gb/s, got {nic_line_rate!r}")
+    fit = [p.strip() for p in params.split(",")] if params.strip() else []
+    if any(not p for p in fit):  # a lost name, not one to skip: "," silently fitted by data kind instead
+        _fail(f"--params: expected comma-separated dotted parameters, got {params!r} (an empty item); leave the "
+              "option out (or give \"\") to fit by data kind")
     node_fp, node_family = None, None
     if this_node:
         if out is None:
@@ -745,7 +749,7 @@ def calibrate_cmd(
             try:
                 located = read_located(data)
                 rep = calibrate(preset, [row for _, row in located],
-                                params=[p.strip() for p in params.split(",") if p.strip()] or None,
+                                params=fit or None,
                                 nic_line_rate_gbs=nic_line_rate / 8.0 if nic_line_rate is not None else None,
                                 progress=bar)
             finally:
