@@ -242,6 +242,16 @@ def test_bench_ep_verify_with_the_plain_baseline_is_refused(tmp_path: Path) -> N
     assert r.exit_code == 2 and "--verify" in r.output and "--impl plain" in r.output, r.output
 
 
+@pytest.mark.parametrize("extra", [("--knobs", "compression=fp8_e4m3"), ("--layout", "dense")])
+def test_bench_ep_knobs_or_layout_with_the_plain_baseline_are_refused(tmp_path: Path, extra: tuple[str, str]) -> None:
+    """`bench ep --impl plain --knobs compression=fp8_e4m3` timed the uncompressed baseline (it reads no knob; it has
+    one layout) and its report listed compression fp8_e4m3 among the knobs, exit 0: refused before any rank starts."""
+    r = _run("bench", "ep", "--impl", "plain", *extra, "--tokens", "4", "--model", "custom:64,32,8,2",
+             "--iters", "1", "--warmup", "0", home=tmp_path)
+    _no_traceback(r)
+    assert r.exit_code == 2 and extra[0] in r.output and "--impl plain" in r.output, r.output
+
+
 def test_fabric_show_says_db_and_config_are_for_record() -> None:
     """`fabric show --db X` without --record reads and writes no database: the help says what they are for."""
     h = _help("fabric", "show")

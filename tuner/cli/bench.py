@@ -130,7 +130,7 @@ def ep(
     layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = _json_opt(),
     transport: str | None = text_option(None, "--transport", empty=TRANSPORT_EMPTY, help="Override the knobs' transport (collective, host_staged, ...)."),
-    impl: str = typer.Option("moetune", "--impl", help="moetune (EPBuffer, in the wire layout --layout picks) or plain (unpacked all_to_all_single baseline)."),
+    impl: str = typer.Option("moetune", "--impl", help="moetune (EPBuffer, in the wire layout --layout picks) or plain (unpacked all_to_all_single baseline; it takes no --knobs or --layout)."),
     seed: int = typer.Option(0, "--seed", help=f"Seed of activations, routing and weights (0 to {SEED_MAX})."),
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
@@ -160,6 +160,13 @@ def ep(
         _fail(f"--impl must be moetune or plain, got {impl!r}")
     if verify and impl == "plain":  # the baseline builds no layer: nothing would be checked, and exit 0 said it passed
         _fail("--verify checks moetune's MoE layer against the dense reference; --impl plain has no layer to check")
+    # the baseline reads no knob and has one layout: `--impl plain --knobs compression=fp8_e4m3` timed the
+    # uncompressed baseline and its report listed compression fp8_e4m3 among the knobs, exit 0
+    inert = [opt for opt, on in (("--knobs", bool(knobs.strip())), ("--layout", layout != "auto")) if on]
+    if inert and impl == "plain":
+        _fail(f"{' and '.join(inert)} {'apply' if len(inert) > 1 else 'applies'} to moetune's EP buffer; --impl plain "
+              "times the unpacked all_to_all_single baseline, which reads no knob and has one layout: leave "
+              f"{'them' if len(inert) > 1 else 'it'} out, or use --impl moetune")
     if layout not in ("auto", "dense", "packed"):
         _fail(f"--layout must be auto, dense or packed, got {layout!r}")
     try:
