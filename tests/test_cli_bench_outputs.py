@@ -299,6 +299,24 @@ def test_bench_moe_checks_engine_before_timing() -> None:
     assert "timing" not in _refused(_run("bench", "moe", "--engine", "torch", "--tokens", "0"), "--tokens")
 
 
+@pytest.mark.parametrize("engine", ["unfused,,torch", "unfused,"])
+def test_bench_moe_refuses_an_empty_engine_item(engine: str) -> None:
+    """`--engine unfused,,torch` dropped the empty item without a word: a lost name is a typo, as --tokens 1,,2."""
+    flat = _refused(_run("bench", "moe", "--engine", engine, "--tokens", "1"), "--engine:", "(an empty item)")
+    assert "timing" not in flat
+
+
+def test_bench_moe_times_a_repeated_engine_or_token_count_once() -> None:
+    """`--engine unfused,unfused --tokens 4,4` timed every case again: the table had each row four times."""
+    r = _run("bench", "moe", "--engine", "unfused,unfused", "--model", "custom:128,64,8,2", "--tokens", "4,4",
+             "--iters", "1", "--warmup", "0", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert [(c["engine"], c["S"]) for c in rep["cases"]] == [("unfused", 4)], rep["cases"]
+    flat = " ".join(r.stderr.split())
+    assert "--engine: unfused given 2 times, timed once" in flat and "--tokens: 4 given 2 times, timed once" in flat
+
+
 def test_bench_ep_refuses_a_negative_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.runtime.testing import launch
 

@@ -370,6 +370,16 @@ def _check_tokens(toks: list[int]) -> None:
             _fail(f"--tokens {tokens_per_gpu_problem(t)} per rank")
 
 
+def _once_each(items: list[Any], option: str) -> list[Any]:
+    """`items` with each one once (the first kept, order kept), a note on stderr naming those given more than once:
+    `bench moe --engine unfused,unfused --tokens 2,2` timed every case again and printed each row four times."""
+    repeated = {x: items.count(x) for x in items if items.count(x) > 1}
+    if repeated:
+        _err.print(escape(f"note: {option}: " + ", ".join(f"{x} given {n} times" for x, n in repeated.items())
+                          + (", timed once" if len(repeated) == 1 else ", each timed once")))
+    return list(dict.fromkeys(items))
+
+
 def _warmup_for(warmup: int, rotate: int) -> int:
     """The warm-up `bench moe` / `bench knobs` run (`moe.warmup_for`: at least one untimed call per rotated input), its
     note on stderr before anything is timed where --warmup was raised."""
@@ -402,10 +412,12 @@ def moe(
     try:
         shape = get_model(model)
         toks = int_list(tokens, "--tokens")
-        engines = [e.strip() for e in engine.split(",") if e.strip()]
+        engines = [e.strip() for e in engine.split(",")] if engine.strip() else []
         mk = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
     except (ValueError, KnobError) as e:
         _fail(str(e))
+    if "" in engines:  # a lost name is a typo, not one to skip ("unfused,,torch"), as --tokens 1,,2 is refused
+        _fail(f"--engine: expected comma-separated engines, got {engine!r} (an empty item)")
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
     _check_seed(seed)
@@ -417,6 +429,7 @@ def moe(
                 else "no engine given")
         _fail(f"--engine: {what}; engines must be among {', '.join(M.ENGINES)} (one or more, comma-separated)")
     _check_tokens(toks)
+    engines, toks = _once_each(engines, "--engine"), _once_each(toks, "--tokens")
     import torch
     # the table comes at the end: say what runs now (on a CPU the default S list takes minutes)
     where = "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: slow, a plumbing check)"
@@ -512,6 +525,7 @@ def knobs_side_by_side(
             shape = get_model(model)
             toks = int_list(tokens, "--tokens")
             _check_tokens(toks)
+            toks = _once_each(toks, "--tokens")
             base = Knobs.parse(knobs, base=Knobs(engine="megakernel"))
             try:  # its words named no option ("give at least one variant: ...")
                 variants = {"base": base, **MC.parse_variants(vs, base)}
