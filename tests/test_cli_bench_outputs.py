@@ -788,3 +788,20 @@ def test_every_caller_of_the_moe_timings_raises_a_warmup_below_rotate(monkeypatc
     assert "--warmup 0 is below --rotate 2: raised to 2" in r.stderr.replace("\n", " ")
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["warmup"] == 2 and "--warmup 2 --rotate 2" in rep["meta"]["command"]
+
+
+def test_summarize_never_replaces_a_database_with_its_markdown(tmp_path: Path) -> None:
+    """`bench summarize --out moetune.db` replaced the profile database with Markdown, exit 0 (it takes no --force:
+    BENCHMARKS.md is regenerated); `profiles export` refuses a SQLite target for the same reason."""
+    import sqlite3
+
+    db = tmp_path / "moetune.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    before = db.read_bytes()
+    results = tmp_path / "s.csv"
+    results.write_text(",".join(R.COLUMNS) + "\n")
+    _refused(_run("bench", "summarize", "--results", str(results), "--out", str(db)), f"--out {db} is a SQLite database")
+    assert db.read_bytes() == before

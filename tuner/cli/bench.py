@@ -742,6 +742,11 @@ def summarize_scenarios(
         if src.exists() and path.exists() and os.path.samefile(path, src):  # a link to it too
             _fail(f"--out {path} is the results file being read (--results {src}): the measurements are never "
                   "replaced by their summary; give another file")
+        from moetune.tuner.store._schema import is_sqlite_file
+
+        if path.is_file() and is_sqlite_file(path):  # `--out moetune.db` replaced the profile database, exit 0
+            _fail(f"--out {path} is a SQLite database (a moetune profile database?): never replaced by a summary; "
+                  "give the Markdown file to write")
         why = R.write_problem(path)
         if why:
             _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")
