@@ -198,3 +198,16 @@ def test_folders_made_above_a_key_folder_are_this_users_only_whatever_the_umask(
     for p in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "keys"):
         assert _mode(p) == 0o700, (p, oct(_mode(p)))
     assert os.umask(old) == old  # the process's umask is given back
+
+
+def test_keys_client_never_writes_over_the_daemons_key_pair(tmp_path: Path) -> None:
+    """`keys client DIR --name moetune --out DIR --force` replaced the daemon's own secret key (DIR/moetune.key_secret)
+    by the new client's: every client holding the daemon's public key was locked out. Refused, nothing written."""
+    keys = tmp_path / "server"
+    public, secret = generate_keys(keys)
+    before = (public.read_bytes(), secret.read_bytes())
+    r = CliRunner().invoke(app, ["keys", "client", str(keys), "--name", "moetune", "--out", str(keys), "--force"])
+    assert r.exit_code == 2, r.output
+    assert "--out" in r.output and "the daemon's secret key" in " ".join(r.output.split()), r.output
+    assert (public.read_bytes(), secret.read_bytes()) == before
+    assert not (keys / "clients").exists()

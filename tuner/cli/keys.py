@@ -229,6 +229,18 @@ def _holds_public_key(dest: Path, public: bytes) -> bool:
     return there == public
 
 
+def refuse_server_pair(out: Path | None, server_keys: Path, name: str) -> None:
+    """A ValueError where the client pair would be written over a key pair in SERVER_KEYS (--out SERVER_KEYS, NAME
+    a pair there, the daemon's as far as can be told): with --force, `keys client DIR --name moetune --out DIR` replaced the daemon's own secret key by
+    the new client's, and every client holding the daemon's public key was locked out."""
+    if out is None or not out.is_dir() or not (server_keys / f"{name}.key_secret").exists():
+        return
+    if os.path.samefile(out, server_keys):
+        raise ValueError(f"--out {out} is SERVER_KEYS, whose {name}.key_secret may be the daemon's secret key: a "
+                         "client's key pair is never written over a key pair there; give the client another --name "
+                         "or --out")
+
+
 def check_admin_options(admin: bool, admins_dir: Path | None) -> None:
     if admins_dir is not None and not admin:
         raise ValueError("--admins-dir is where --admin puts the key: give --admin too")
@@ -276,6 +288,7 @@ def client(
         check_name(name)
         server_dir(server_keys)
         check_admin_options(admin, admins_dir)  # before any key is written
+        refuse_server_pair(out, server_keys, name)
         public, secret = generate_keys(out or server_keys / f"client-{name}", name, force=force)
         allowed = allow_everywhere(public, server_keys, clients_dir, admins_dir, admin=admin, force=force)
     except (OSError, ValueError) as e:
