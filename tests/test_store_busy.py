@@ -7,7 +7,6 @@ long: retry. The commands here run in a child process with the timeouts shortene
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moetune.tuner.store import connect
+from moetune.tuner.store import busy_timeout
 from moetune.tuner.store import store as store_mod
 from moetune.tuner.store.store import Store, StoreBusy
 
@@ -30,12 +29,9 @@ pytestmark = pytest.mark.timeout(240)
 BUSY_S, NOTICE_S = 3.0, 0.5
 WAITING = "another process is writing the database"
 HELD = "another process held the database"
-# Each module of tuner/store that imports BUSY_TIMEOUT_S looks up its own copy (connect: the busy_timeout pragma and
-# the BEGIN wait; sqlite_errors: the StoreBusy message; db_file: the probe; store: the engine), connect NOTICE_AFTER_S.
-BUSY_MODULES = ("busy_timeout", "connect", "db_file", "sqlite_errors", "store")
-CLI = ("import importlib; "
-       f"[setattr(importlib.import_module('moetune.tuner.store.' + m), 'BUSY_TIMEOUT_S', {BUSY_S}) for m in {BUSY_MODULES}]; "
-       f"importlib.import_module('moetune.tuner.store.connect').NOTICE_AFTER_S = {NOTICE_S}; "
+# One place holds both (tuner/store/busy_timeout.py): every store module reads them from it at each use.
+CLI = ("import moetune.tuner.store.busy_timeout as busy; "
+       f"busy.BUSY_TIMEOUT_S = {BUSY_S}; busy.NOTICE_AFTER_S = {NOTICE_S}; "
        "from moetune.tuner.cli import main; main()")
 
 
@@ -68,9 +64,8 @@ def moetune(*args: str, home: Path, on_node_of: str | None = None) -> subprocess
 
 @pytest.fixture
 def short_waits(monkeypatch: pytest.MonkeyPatch) -> None:
-    for m in BUSY_MODULES:
-        monkeypatch.setattr(importlib.import_module(f"moetune.tuner.store.{m}"), "BUSY_TIMEOUT_S", BUSY_S)
-    monkeypatch.setattr(connect, "NOTICE_AFTER_S", NOTICE_S)
+    monkeypatch.setattr(busy_timeout, "BUSY_TIMEOUT_S", BUSY_S)
+    monkeypatch.setattr(busy_timeout, "NOTICE_AFTER_S", NOTICE_S)
 
 
 def test_a_write_says_it_waits_once_then_store_busy(tmp_path: Path, short_waits: None,

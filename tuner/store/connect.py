@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DatabaseError
 
 from moetune.runtime.profiles import sqlite_open
+from moetune.tuner.store import busy_timeout as busy
 from moetune.tuner.store._schema import StoreError
-from moetune.tuner.store.busy_timeout import BUSY_TIMEOUT_S, NOTICE_AFTER_S
 from moetune.tuner.store.sqlite_errors import is_locked
 
 _T = TypeVar("_T")
@@ -26,7 +26,7 @@ def on_connect(readonly: bool) -> Any:
         # Let SQLAlchemy's begin event emit BEGIN (the driver's implicit transactions are off).
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        cur.execute(f"PRAGMA busy_timeout = {int(busy.BUSY_TIMEOUT_S * 1000)}")
         cur.execute("PRAGMA foreign_keys = ON")
         if not readonly:
             _wal(cur)
@@ -41,7 +41,7 @@ def _wal(cur: sqlite3.Cursor) -> None:
     for a moment, and SQLite answers "database is locked" at once, without the busy wait, when another process is
     opening or switching the same new file at that instant: two processes creating one store failed so 4 times in 100
     (tests/test_store_concurrency.py: test_two_processes_open_a_new_store). Retried until BUSY_TIMEOUT_S."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    deadline = time.monotonic() + busy.BUSY_TIMEOUT_S
     pause = 0.001
     while str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() not in ("wal", "memory"):
         try:
@@ -57,7 +57,7 @@ def _wal(cur: sqlite3.Cursor) -> None:
 def readonly_connect(path: Path) -> sqlite_open.ReadOnlyConnection:
     """A read-only connection (`moetune.runtime.profiles.sqlite_open`: mode=ro, else immutable=1 while no -wal/-journal
     holds changes; reads through immutable=1 are checked for a change of the file under them)."""
-    return sqlite_open.connect_readonly(path, timeout_s=BUSY_TIMEOUT_S)
+    return sqlite_open.connect_readonly(path, timeout_s=busy.BUSY_TIMEOUT_S)
 
 
 class DatabaseChangedError(StoreError):
@@ -90,19 +90,19 @@ def on_begin(path: Path) -> Callable[[Any], None]:
             conn.exec_driver_sql(f"BEGIN {mode}")
             return
         raw = conn.connection.driver_connection
-        raw.execute(f"PRAGMA busy_timeout = {int(min(NOTICE_AFTER_S, BUSY_TIMEOUT_S) * 1000)}")
+        raw.execute(f"PRAGMA busy_timeout = {int(min(busy.NOTICE_AFTER_S, busy.BUSY_TIMEOUT_S) * 1000)}")
         try:
             try:
                 conn.exec_driver_sql(f"BEGIN {mode}")
                 return
             except DatabaseError as e:
-                if not is_locked(e.orig) or NOTICE_AFTER_S >= BUSY_TIMEOUT_S:
+                if not is_locked(e.orig) or busy.NOTICE_AFTER_S >= busy.BUSY_TIMEOUT_S:
                     raise
-            left = BUSY_TIMEOUT_S - NOTICE_AFTER_S
+            left = busy.BUSY_TIMEOUT_S - busy.NOTICE_AFTER_S
             log.warning("another process is writing the database %s: waiting for it (up to %g s more)", path, left)
             raw.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
             conn.exec_driver_sql(f"BEGIN {mode}")
         finally:
-            raw.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            raw.execute(f"PRAGMA busy_timeout = {int(busy.BUSY_TIMEOUT_S * 1000)}")
 
     return begin

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 from moetune.runtime.profiles import sqlite_open
+from moetune.tuner.store import busy_timeout as busy
 from moetune.tuner.store._folders import make_parent
 from moetune.tuner.store._schema import VERSION_TABLE, StoreError
 from moetune.tuner.store._tables import existing_tables, is_foreign_file, shown_tables, table_names
-from moetune.tuner.store.busy_timeout import BUSY_TIMEOUT_S
 from moetune.tuner.store.connect import DatabaseChangedError
 from moetune.tuner.store.sqlite_errors import sqlite_failure
 
@@ -64,7 +64,7 @@ def probe(path: Path) -> tuple[DatabaseKind, str | None, set[str]]:
             row = con.execute(f"SELECT version_num FROM {VERSION_TABLE} LIMIT 1").fetchone()
             return tables, None if row is None else str(row[0])
 
-        tables, rev = sqlite_open.read(path, look, timeout_s=BUSY_TIMEOUT_S)
+        tables, rev = sqlite_open.read(path, look, timeout_s=busy.BUSY_TIMEOUT_S)
     except sqlite_open.DatabaseChanged as e:
         raise DatabaseChangedError(str(e)) from None
     except sqlite3.Error as e:
@@ -111,7 +111,7 @@ def refuse_foreign(path: Path, *, readonly: bool) -> None:
         tables = probe(path)[2]
     else:
         try:
-            tables = existing_tables(path, timeout_s=BUSY_TIMEOUT_S)
+            tables = existing_tables(path, timeout_s=busy.BUSY_TIMEOUT_S)
         except sqlite3.Error as e:
             raise sqlite_failure(path, e, write=True) from None
     if is_foreign_file(tables):

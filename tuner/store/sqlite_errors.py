@@ -6,6 +6,7 @@ import os
 import sqlite3
 from pathlib import Path
 
+from moetune.tuner.store import busy_timeout as busy
 from moetune.tuner.store._folders import not_writable
 from moetune.tuner.store._schema import (
     StoreBusy,
@@ -16,7 +17,6 @@ from moetune.tuner.store._schema import (
     StoreNotWritable,
     db_option,
 )
-from moetune.tuner.store.busy_timeout import BUSY_TIMEOUT_S
 
 
 def is_locked(e: BaseException) -> bool:
@@ -73,7 +73,7 @@ def sqlite_failure(path: Path, e: BaseException, *, write: bool) -> StoreError:
     else SQLite's message with the path."""
     why = str(e)
     if is_locked(e):
-        return StoreBusy(f"another process held the database {path} for {BUSY_TIMEOUT_S:g} s (it is locked for "
+        return StoreBusy(f"another process held the database {path} for {busy.BUSY_TIMEOUT_S:g} s (it is locked for "
                          "writing, not damaged); retry when that process is done")
     if os.path.isfile(path) and not os.access(path, os.R_OK):  # os.path: never raises (Path.is_file may)
         return StoreError(f"{path}: cannot read it (permission denied)")

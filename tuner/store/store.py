@@ -56,6 +56,7 @@ from moetune.runtime.profile_record import (
     provenance_of_backend,
 )
 from moetune.runtime.profiles import sqlite_open
+from moetune.tuner.store import busy_timeout as busy
 from moetune.tuner.store import io as _io
 from moetune.tuner.store._owner import node_id, owner_gone, run_owner
 from moetune.tuner.store._rows import (
@@ -86,7 +87,6 @@ from moetune.tuner.store._schema import (
     is_sqlite_file,
     known_revisions,
 )
-from moetune.tuner.store.busy_timeout import BUSY_TIMEOUT_S
 from moetune.tuner.store.connect import DatabaseChangedError, on_begin, on_connect, readonly_connect, retried
 from moetune.tuner.store.db_file import (
     _make_parent,
@@ -231,7 +231,7 @@ class Store:
                 self._engine = create_engine(self.url, creator=self._connect_readonly, poolclass=NullPool)
             else:
                 _make_parent(self.path)
-                self._engine = create_engine(self.url, connect_args={"timeout": BUSY_TIMEOUT_S})
+                self._engine = create_engine(self.url, connect_args={"timeout": busy.BUSY_TIMEOUT_S})
         event.listen(self._engine, "connect", on_connect(readonly or self.memory))
         event.listen(self._engine, "begin", on_begin(self.path))
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
@@ -451,7 +451,7 @@ class Store:
         if self.memory:
             raise StoreError("an in-memory store has no file for Optuna")
         self.refuse_if_damaged()  # its trials are writes too
-        return optuna.storages.RDBStorage(self.url, engine_kwargs={"connect_args": {"timeout": BUSY_TIMEOUT_S}})
+        return optuna.storages.RDBStorage(self.url, engine_kwargs={"connect_args": {"timeout": busy.BUSY_TIMEOUT_S}})
 
     # -- schema ------------------------------------------------------------------------------------
     @property
