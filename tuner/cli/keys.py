@@ -231,8 +231,9 @@ def _holds_public_key(dest: Path, public: bytes) -> bool:
 
 def refuse_server_pair(out: Path | None, server_keys: Path, name: str) -> None:
     """A ValueError where the client pair would be written over a key pair in SERVER_KEYS (--out SERVER_KEYS, NAME
-    a pair there, the daemon's as far as can be told): with --force, `keys client DIR --name moetune --out DIR` replaced the daemon's own secret key by
-    the new client's, and every client holding the daemon's public key was locked out."""
+    a pair there, the daemon's as far as can be told): with --force, `keys client DIR --name moetune --out DIR`
+    replaced the daemon's own secret key by the new client's, and every client holding its public key was locked
+    out."""
     if out is None or not out.is_dir() or not (server_keys / f"{name}.key_secret").exists():
         return
     if os.path.samefile(out, server_keys):
