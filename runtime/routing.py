@@ -131,6 +131,17 @@ def routed_inputs_problem(s: int, topk: int, device: Any, topk_idx: Any, topk_we
     return None if fault is None else fault[1]
 
 
+def comparable_ids(topk_idx: torch.Tensor) -> torch.Tensor:
+    """topk_idx as a tensor torch can compare, reduce and sort: itself, or as int64 where its dtype is uint16, uint32
+    or uint64 (torch has no aminmax, comparison or sort kernels for those; a uint64 past 2**63 wraps negative, out of
+    range as it was). Every range check of given ids reads them through this (expert_ids_problem, the EP buffer's)."""
+    import torch
+
+    if topk_idx.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return topk_idx.to(torch.int64)
+    return topk_idx
+
+
 def expert_ids_problem(topk_idx: torch.Tensor, experts: int, *, distinct: bool = False) -> str | None:
     """Why these routing ids are not all in [0, experts), or with `distinct` why a token's ids repeat an expert (the
     megakernel's per-expert row lists hold one row per token: a repeat can overflow them), or None. Reads them on the
@@ -142,10 +153,7 @@ def expert_ids_problem(topk_idx: torch.Tensor, experts: int, *, distinct: bool =
         return None
     if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    if topk_idx.dtype in (torch.uint16, torch.uint32, torch.uint64):
-        # torch's unsigned types past uint8 have no aminmax, comparison or sort kernels: read them as int64 (a uint64
-        # past 2**63 wraps negative, out of range as it was)
-        topk_idx = topk_idx.to(torch.int64)
+    topk_idx = comparable_ids(topk_idx)
     lo, hi = torch.aminmax(topk_idx)
     stats = [lo.long(), hi.long()]
     if distinct:

@@ -439,3 +439,55 @@ def test_dense_reference_takes_both_routing_tensors_or_neither() -> None:
         dense_reference(x, model, seed=3, topk_idx=idx)
     both = dense_reference(x, model, seed=3, topk_idx=idx, topk_weights=w)
     assert both.shape == (5, 32) and not torch.equal(both, dense_reference(x, model, seed=3))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("layout", ["dense", "packed", "resident"])
+def test_buffer_checks_ids_of_the_wider_unsigned_dtypes_on_every_layout(monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                                         dtype: torch.dtype) -> None:
+    """Before: the dense and device-resident layouts' input check compared topk_idx of uint16 / uint32 / uint64 with
+    0 and E in torch, which has no such kernels: NotImplementedError ('lt_cpu' not implemented for 'UInt32') inside
+    dispatch, raised on that rank alone (its peers wait in the status exchange until the group's timeout). Now the
+    ids are read as int64 for the check, as runtime/routing.py's expert_ids_problem does: in range they travel as
+    int64 ids would, out of range they are the usual ValueError."""
+    from moetune.runtime.buffer import facade as B
+    from moetune.runtime.transports.base import Availability, EPTransport
+
+    class FakeOneSided(EPTransport):  # world 1: what the one-sided transports do, on the CPU
+        name = "nvlink"
+        device_counts = True
+
+        @classmethod
+        def availability(cls, device=None, options=None) -> Availability:
+            return Availability(True, "fake")
+
+        def reserve(self, max_send_rows: int, row_bytes: int) -> None:
+            pass
+
+        def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+            return send_counts.clone()
+
+        def exchange(self, send, send_counts, recv_counts):
+            pad = torch.zeros(16, *send.shape[1:], dtype=send.dtype)  # the capacity view: world x max_tokens rows
+            pad[: send.shape[0]] = send
+            return pad
+
+    model = get_model("custom:64,32,8,2,float32")
+    if layout == "resident":
+        monkeypatch.setattr(B, "get_transport", lambda name: FakeOneSided)
+        buf = EPBuffer(knobs=Knobs(transport="nvlink", signalling="coupled"), model=model, max_tokens=16,
+                       device="cpu", dtype=torch.float32)
+    else:
+        buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=layout == "dense")
+    x = torch.randn(6, 64)
+    idx, w = generate_routing(6, 8, 2, seed=1)
+    want_x, want_meta, want_handle = buf.dispatch(x, idx, w)
+    want = (buf.combine(want_x.contiguous(), want_handle), want_meta.tokens_per_expert)
+    assert buf.resident == (layout == "resident") and buf.dense == (layout == "dense")
+    recv_x, meta, handle = buf.dispatch(x, idx.to(dtype), w)
+    assert meta.tokens_per_expert == want[1] == torch.bincount(idx.reshape(-1), minlength=8).tolist()
+    assert torch.equal(buf.combine(recv_x.contiguous(), handle), want[0])
+    bad = idx.clone()
+    bad[2, 1] = 8 + 3
+    with pytest.raises(ValueError, match="topk_idx holds expert ids out of range"):
+        buf.dispatch(x, bad.to(dtype), w)

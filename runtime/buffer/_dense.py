@@ -14,6 +14,7 @@ import torch
 from moetune.runtime.buffer._meta import _RANGE_ERROR, Handle, _Chunk
 from moetune.runtime.buffer.layout_choice import equal_chunk_bounds
 from moetune.runtime.knobs import KnobError
+from moetune.runtime.routing import comparable_ids
 
 if TYPE_CHECKING:
     from moetune.runtime.buffer.facade import EPBuffer
@@ -53,7 +54,8 @@ class _DenseLayout:
             if code:
                 st = torch.full((1,), -code, dtype=torch.int64, device=self.device)
             else:
-                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64)
+                ids = comparable_ids(topk_idx)  # torch cannot compare uint16/32/64: read those as int64
+                st = ((ids < 0) | (ids >= e)).sum().reshape(1).to(torch.int64)
             got = torch.empty(w, dtype=torch.int64, device=self.device)
             work = self.transport.gather_async(got, st)
             if work is not None:

@@ -21,6 +21,7 @@ from moetune.runtime.buffer._meta import (
     _dense_as,
     _nonzero_rows,
 )
+from moetune.runtime.routing import comparable_ids
 
 if TYPE_CHECKING:
     from moetune.runtime.buffer.facade import EPBuffer
@@ -47,7 +48,8 @@ class _ResidentLayout:
             if code:
                 st = torch.full((w,), -code, dtype=torch.int64, device=self.device)
             else:
-                st = ((topk_idx < 0) | (topk_idx >= e)).sum().reshape(1).to(torch.int64).expand(w).contiguous()
+                ids = comparable_ids(topk_idx)  # torch cannot compare uint16/32/64: read those as int64
+                st = ((ids < 0) | (ids >= e)).sum().reshape(1).to(torch.int64).expand(w).contiguous()
             got = self.transport.exchange_counts(st)
             codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
             self._raise_errors(codes, msg, topk_idx if code == 0 else None)
