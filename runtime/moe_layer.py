@@ -222,7 +222,7 @@ class MoELayer(nn.Module):
 
     @property
     def megakernel(self) -> Any:
-        """The MegakernelMoE the megakernel engine launches; None for the unfused engine."""
+        """The MegakernelMoE the megakernel engine launches; None for the unfused engine and after close()."""
         return self._engine.megakernel
 
     @property
@@ -247,19 +247,23 @@ class MoELayer(nn.Module):
         """Look up the megakernel profile of every token bucket a call of 1..max_tokens tokens falls in, now (call it
         before capturing CUDA graphs). Returns {bucket: knobs}; {} where the knobs are not per bucket (explicit
         knobs, or the unfused engine)."""
+        self._refuse_closed()  # installing a bucket's profile needs the megakernel close() let go
         return self._engine.resolve_buckets(self.max_tokens)
 
     def close(self) -> None:
-        """Free the layer's communication: close the EPBuffer it built (its proxy thread stops, its symmetric buffers
-        are freed; a buffer passed in as `buffer=` is the caller's to close). Every rank closes its own layer, after
-        its last forward. A second call does nothing; forward afterwards raises RuntimeError. A layer (and the
-        buffer it built) dropped without close() stops its proxy thread when collected."""
+        """Free the layer's communication and engine: close the EPBuffer it built (its proxy thread stops, its
+        symmetric buffers are freed; a buffer passed in as `buffer=` is the caller's to close) and let go of the
+        megakernel (`megakernel` is None from now on; its scratch is freed once nothing else refers to it). Every
+        rank closes its own layer, after its last forward. A second call does nothing; forward, `check`,
+        `clear_error` and `resolve_buckets` afterwards raise RuntimeError (state_dict and load_state_dict still
+        work). A layer (and the buffer it built) dropped without close() stops its proxy thread when collected."""
         if self._closed:
             return
         if self._owns_buffer:
             # first: where the buffer refuses (another thread inside a call of it) the layer stays open and a later
             # close() closes both, rather than a closed layer over a buffer nothing closes any more
             self.buffer.close()
+        self._engine.close()
         self._closed = True
 
     def _refuse_closed(self) -> None:
@@ -271,11 +275,13 @@ class MoELayer(nn.Module):
         `MegakernelError`) if a launch since the last `clear_error()` reported one (the record is sticky: every
         later check raises it until cleared); a host sync. The unfused engine has no such record (its errors raise
         at the call): nothing to do."""
+        self._refuse_closed()  # close() let the megakernel's error record go
         self._engine.check()
 
     def clear_error(self) -> None:
         """Forget the megakernel's error record after handling it (`check()` raises it until then); the launches
         after this run and report afresh. Nothing to do for the unfused engine."""
+        self._refuse_closed()
         self._engine.clear_error()
 
     def _row_major_experts(self) -> tuple[torch.Tensor, torch.Tensor]:

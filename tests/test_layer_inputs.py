@@ -1052,3 +1052,33 @@ def test_megakernel_names_a_model_that_is_no_shape(cpu_lib, model: Any) -> None:
     shape = types.SimpleNamespace(**{f: getattr(TINY, f) for f in ("hidden", "intermediate", "experts", "topk")})
     assert mk_layer.MegakernelMoE(shape, max_tokens=8, device="cpu", w_gate_up=_cpu_mk().w_gate_up,
                                   w_down=_cpu_mk().w_down, gate=_cpu_mk().gate).max_tokens == 8
+
+
+def test_close_lets_the_megakernels_scratch_go(fake_launch: FakeLaunchLib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: MoELayer.close() closed the layer's buffer but kept its MegakernelMoE, with its scratch (gate logits,
+    routing lists, h, y, queue, error words: a few hundred MB per layer at max_tokens=4096), for as long as the closed
+    layer lived. Now close() lets it go (nothing in the layer refers to it any more), a forward still raises the
+    "closed" error, and the layer's state_dict still speaks row-major (its parameters stay k-tiled)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    layer = _mk_layer(engine="megakernel")
+    assert isinstance(layer.megakernel, mk_layer.MegakernelMoE)
+    x = _x(3)
+    layer(x)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    mk = weakref.ref(layer.megakernel)
+    layer.close()
+    gc.collect()
+    assert mk() is None and layer.megakernel is None
+    assert layer.engine == "megakernel" and layer.weights_tiled  # what ran, and the parameters' layout, still show
+    for call in (lambda: layer(x), lambda: layer.forward_routed(x, _picks(3), torch.ones(3, TINY.topk)), layer.check,
+                 layer.resolve_buckets):
+        with pytest.raises(RuntimeError, match="MoELayer: closed"):
+            call()
+    after = layer.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    layer.load_state_dict(before)  # the parameters take it k-tiled; nothing to hand to a megakernel any more
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    layer.close()  # a second call does nothing

@@ -9,7 +9,7 @@ Lifecycle: `problem(...)` (a class method, cheap: may it run a layer here, and w
 `choice.choose_engine`, then per call `forward` / `forward_routed` (the layer has checked the inputs at world 1;
 an engine whose settings are per token bucket settles the call's bucket itself), `resolve_buckets` before CUDA
 graphs are captured, `rebind` after the layer's parameters were replaced, `check` / `clear_error` of a
-device-side error record.
+device-side error record; `close` when the layer is closed.
 
 Capabilities: what tells the engines apart is declared here, once, as class attributes with their defaults; the
 layer reads them instead of testing which engine it holds. `CAPABILITIES` lists them (a test checks every engine
@@ -83,3 +83,8 @@ class MoEEngine(ABC):
 
     def clear_error(self) -> None:
         """Forget the device-side error record. Default: none kept, nothing to do."""
+
+    def close(self) -> None:
+        """Let go of what the engine holds for its calls (its scratch on the device) once the layer is closed; the
+        layer calls no other hook after it, except `rebind` (load_state_dict), which must then do nothing. What the
+        layer shows of the engine (its name, `knobs`, `buckets`, `tiled_weights`) stays. Default: nothing held."""

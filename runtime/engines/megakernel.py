@@ -127,7 +127,7 @@ class MegakernelEngine(MoEEngine):
         """Hand the megakernel `layer`'s parameters again where their storage changed since it was given them
         (`load_state_dict(assign=True)`, `.to()`, `.float()`, a parameter assigned anew): three data pointers
         compared per call, so a stale pointer is never launched."""
-        if _param_ptrs(layer) == self._ptrs:
+        if self.megakernel is None or _param_ptrs(layer) == self._ptrs:  # closed: nothing reads them any more
             return
         mk = self.megakernel
         for name in _PARAMS:
@@ -141,6 +141,11 @@ class MegakernelEngine(MoEEngine):
                 t.data = t.data.contiguous()
         mk.rebind(layer.w_gate_up.data, layer.w_down.data, layer.gate.data)
         self._ptrs = _param_ptrs(layer)
+
+    def close(self) -> None:
+        # the MegakernelMoE holds the scratch (gate logits, routing lists, h, y, queue, error words: hundreds of MB
+        # at max_tokens=4096); this was its one reference, so it is freed once collected
+        self.megakernel = None
 
     def check(self) -> None:
         self.megakernel.check()
