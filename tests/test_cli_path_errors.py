@@ -511,3 +511,24 @@ def test_the_help_states_the_exit_statuses() -> None:
     r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"})
     said = " ".join(r.output.replace("│", " ").split())
     assert "Exit status: 0 done. 2 the command line is wrong" in said and "1 the command line is fine" in said, said
+
+
+@pytest.mark.parametrize("argv", [pytest.param(["report", "--capture", CAP, "--db", "{db}", "--out", "-"], id="report"),
+                                  pytest.param(["profile", "--capture", CAP, "--report-dir", "-"], id="profile")])
+def test_a_report_folder_of_dash_is_refused_not_made(argv: list[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench summarize --out -` prints to stdout, but `report --out -` (and `profile --report-dir -`) made a folder
+    literally named "-" in the current folder and wrote the report there. The report is a folder (report.md and its
+    PNG plots), not one file that stdout could take: "-" is refused, exit 2, naming the option, nothing made."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, _fill_out(argv, tmp_path, tmp_path))
+    _refused(r.exit_code, r.output, 2, argv[-2] + " -", "not stdout")
+    assert not (tmp_path / "-").exists()
+    assert "stdout" in _help(argv[0], argv[-2])
+
+
+def _help(command: str, option: str) -> str:
+    """The help text of `command`'s `option`, its lines joined."""
+    r = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+    said = " ".join(r.output.replace("│", " ").split())
+    return said[said.index(option):]

@@ -93,7 +93,11 @@ def _tried(path: Path) -> str | None:
 
 def _check_out_dir(path: Path, option: str) -> None:
     """Exit 2 naming the option unless the report folder `path` is a directory or can be made: checked before any
-    work, so a long bring-up does not end on a FileExistsError."""
+    work, so a long bring-up does not end on a FileExistsError. "-" is refused: elsewhere (`bench summarize --out -`,
+    `profiles export -`) it means stdout, and a folder named "-" in the current folder was made instead."""
+    if str(path) == "-":  # the parser keeps a Path: "./-" reads as "-" too, hence the absolute path in the hint
+        _fail(f'{option} -: "-" is not stdout here: the report is a folder (report.md and its PNG plots), not one '
+              'file; pass a folder (for a folder named "-", give its absolute path)')
     problem = _out_dir_problem(path, hint=f": move it, or pass another {option}")
     if problem is not None:
         _fail(f"{option} {path}: {problem}")
@@ -162,7 +166,7 @@ def profile(
     db: Path | None = path_option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = path_option(None, "--config", help="Extra config file."),
     capture: Path | None = path_option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only (nothing recorded in the database)."),
-    report_dir: Path | None = path_option(None, "--report-dir", help="Where the report goes (default: report/ beside the database; report-FINGERPRINT/ for a --capture of another node). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs)."),
+    report_dir: Path | None = path_option(None, "--report-dir", help="Where the report goes (default: report/ beside the database; report-FINGERPRINT/ for a --capture of another node). A report.md or plot there that moetune did not write is never replaced: refused (a report.md before the bring-up runs). Not \"-\": the report is a folder, not one file for stdout."),
     restart: bool = typer.Option(False, "--restart", help="Forget earlier progress of this plan on this node and start over: every stage runs again and tuning starts new studies (earlier studies and stored profiles are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -418,7 +422,7 @@ def _no_cuda_for_nccl(flow: object, capture: Path | None) -> str:
 def report(
     db: Path | None = path_option(None, "--db", help="Profile database (default: \\[store] db, $MOETUNE_HOME, XDG data dir)."),
     config: Path | None = path_option(None, "--config", help="Extra config file."),
-    out: Path | None = path_option(None, "--out", help="Output directory (default: report/ beside the database, report-<fingerprint>/ for a --capture of another node; ./moetune-report/ (-<fingerprint>) when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused."),
+    out: Path | None = path_option(None, "--out", help="Output directory (default: report/ beside the database, report-<fingerprint>/ for a --capture of another node; ./moetune-report/ (-<fingerprint>) when that cannot be written or holds a report.md moetune did not write). A report.md or plot there that moetune did not write is never replaced: refused. Not \"-\": the report is a folder, not one file for stdout."),
     capture: Path | None = path_option(None, "--capture", help="Report on the node a capture describes."),
 ) -> None:
     """Write the bring-up report (Markdown + PNG plots) of this node from the database."""
