@@ -131,6 +131,23 @@ def test_an_existing_out_is_replaced_only_with_replace(tmp_path: Path, no_fit) -
     assert load_preset(str(out), fresh=True).calibration["points"] == 1
 
 
+def test_out_is_never_a_sqlite_database(tmp_path: Path, no_fit) -> None:
+    """Before: `--out moetune.db --replace` replaced moetune's profile database (any SQLite file) with a calibrated
+    preset TOML, exit 0, while `profiles export` and `bench summarize --out` refuse a SQLite target. Now a SQLite
+    --out is refused before the fit (exit 2, naming it), --replace or --force or not, and the file is left as it was."""
+    from moetune.tuner.store.store import Store
+
+    data = _jsonl(tmp_path / "rows.jsonl", ROW)
+    db = tmp_path / "moetune.db"
+    Store(db).close()
+    before = db.read_bytes()
+    for extra in (["--replace"], ["--force", "--replace"], ["--replace", "--json"], []):
+        r, text = _run("-p", "nvlink-h200x2", "-d", str(data), "--out", str(db), *extra)
+        assert r.exit_code == 2, (extra, r.output)
+        assert "".join(f"--out {db} is a SQLite database".split()) in text and "Traceback" not in r.output, r.output
+        assert db.read_bytes() == before
+
+
 def test_the_preset_file_itself_may_be_regenerated(tmp_path: Path, no_fit) -> None:
     data = _jsonl(tmp_path / "rows.jsonl", ROW)
     own = tmp_path / "mine.toml"

@@ -647,11 +647,17 @@ def _same_file(a: Path, b: Path) -> bool:
 def _check_calibrate_out(out: Path, data: list[Path], preset: str, replace: bool) -> None:
     """Refuse an --out whose write would destroy data, before the fit: a --data file (the measurements being read:
     never, --replace or not), or another existing file unless --replace. The --preset file itself may be rewritten:
-    that is how a preset is regenerated (the shipped presets' headers say so)."""
+    that is how a preset is regenerated (the shipped presets' headers say so). A SQLite database (moetune's profile
+    database, say) is never replaced either, as `profiles export` and `bench summarize --out` refuse one."""
     for d in data:
         if _same_file(out, d):
             _fail(f"--out {out} is the --data file {d}: the measurements being read are never replaced; give "
                   "another file for the calibrated preset")
+    from moetune.tuner.store._schema import is_sqlite_file
+
+    if out.is_file() and is_sqlite_file(out):  # `--out moetune.db --replace` replaced the profile database, exit 0
+        _fail(f"--out {out} is a SQLite database (a moetune profile database?): never replaced by a calibrated "
+              "preset, --replace or not; give the TOML file to write")
     if not (out.exists() or out.is_symlink()) or replace:
         return
     pf = _preset_file(preset)
@@ -678,8 +684,8 @@ def calibrate_cmd(
     force: bool = typer.Option(False, "--force", help="Write --out even when the fit is refused (too few rows, a value "
                                "outside its physical bounds, a poor fit); the file carries the warning."),
     # its own option: replacing an old file must not also mean "write a fit the checks refused"
-    replace: bool = typer.Option(False, "--replace", help="Replace an existing --out file (never a --data file; the "
-                                 "--preset file itself may be rewritten without it)."),
+    replace: bool = typer.Option(False, "--replace", help="Replace an existing --out file (never a --data file nor a "
+                                 "SQLite database; the --preset file itself may be rewritten without it)."),
     this_node: bool = typer.Option(False, "--this-node", help="The --data were measured on THIS node: --out records its "
                                    "fingerprint (live discovery), so `moetune tune --node-model` accepts the file as "
                                    "this node's model here, and nowhere else. Without it no node is recorded and "
