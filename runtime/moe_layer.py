@@ -256,7 +256,9 @@ class MoELayer(nn.Module):
         megakernel (`megakernel` is None from now on; its scratch is freed once nothing else refers to it). Every
         rank closes its own layer, after its last forward. A second call does nothing; forward, `check`,
         `clear_error` and `resolve_buckets` afterwards raise RuntimeError (state_dict and load_state_dict still
-        work). A layer (and the buffer it built) dropped without close() stops its proxy thread when collected."""
+        work). A CUDA graph that captured this layer's forward must not be replayed after close(): its launches use
+        the scratch let go here. A layer (and the buffer it built) dropped without close() stops its proxy thread
+        when collected."""
         if self._closed:
             return
         if self._owns_buffer:
