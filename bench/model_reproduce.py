@@ -19,7 +19,9 @@ from pathlib import Path
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.calibration import read_rows, rows_to_points
-from moetune.tuner.fabric_model.predict import Workload, load_preset, predict, predict_transfers
+from moetune.tuner.fabric_model.predict import predict, predict_transfers
+from moetune.tuner.fabric_model.presets import load_preset
+from moetune.tuner.fabric_model.records import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SL = "slingshot11-libfabric-a100x4"

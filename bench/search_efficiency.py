@@ -83,9 +83,9 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
         preset = _Synth(preset_name)
         backend = ModelBackend(preset, predictor=_synthetic)
     else:
-        from moetune.tuner.fabric_model import predict as fabric_model
+        from moetune.tuner.fabric_model.presets import load_preset
 
-        preset = fabric_model.load_preset(preset_name)
+        preset = load_preset(preset_name)
         backend = ModelBackend(preset)
     family = preset.family
     model = get_model(model_name)

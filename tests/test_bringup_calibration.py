@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.tuner.fabric_model.calibration import rows_to_points
-from moetune.tuner.fabric_model.predict import load_preset
+from moetune.tuner.fabric_model.presets import load_preset
 
 # their bring-ups inject the timings of a GPU node's capture: run as ON that node (conftest), the only place a
 # measurement may be stored under its key

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from moetune.tuner.fabric_model import calibration as C
-from moetune.tuner.fabric_model.predict import load_preset
+from moetune.tuner.fabric_model.presets import load_preset
 
 HOST = "collective.host_alpha_us"
 

@@ -250,7 +250,7 @@ def test_an_unreadable_input_exits_2_naming_it(argv: list[str], content: bytes |
     if content is not None:
         path.write_bytes(content)
     elif "--preset" in argv:
-        from moetune.tuner.fabric_model.predict import load_preset
+        from moetune.tuner.fabric_model.presets import load_preset
 
         path.write_text(load_preset("ndr-ibrc-h100x8").to_toml())
     elif "keys" in argv:

@@ -10,8 +10,9 @@ from importlib import resources
 import pytest
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
+from moetune.tuner.fabric_model.predict import predict, predict_transfers
 from moetune.tuner.fabric_model.presets import Preset, _parse, load_preset
+from moetune.tuner.fabric_model.records import Workload
 
 
 def _without(name: str, section: str) -> Preset:

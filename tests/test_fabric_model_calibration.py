@@ -10,7 +10,9 @@ import pytest
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, read_rows, rows_to_points
-from moetune.tuner.fabric_model.predict import Workload, load_preset, predict
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.presets import load_preset
+from moetune.tuner.fabric_model.records import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "bench/results/2026-11-30_h200x2_run11/2026-11-30_h200x2_run11_nccl_baseline_warm.jsonl"

@@ -96,7 +96,7 @@ def test_calibrate_writes_a_loadable_preset(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["summary"]["points"] == 8 and d["summary"]["max_abs_rel_err"] < 0.2
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     assert load_preset(str(out)).calibration["points"] == 8
     r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(tmp_path / "missing.jsonl")])
@@ -123,7 +123,7 @@ def test_calibrate_refuses_an_untrusted_fit_unless_forced(tmp_path: Path) -> Non
     assert not out.exists()
     r = runner.invoke(app, [*args, "--force"])
     assert r.exit_code == 0, r.output
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     assert load_preset(str(out)).calibration["warning"].startswith("UNTRUSTED FIT, written with --force")
 
@@ -270,7 +270,8 @@ def test_predict_and_sweep_note_a_scale_beyond_the_calibration(tmp_path: Path) -
 def test_calibrate_records_the_scale_its_rows_measured(tmp_path: Path) -> None:
     """--out records the most GPUs a fitted row measured ([calibration] world) where the rows say it, and nothing
     where they do not (the proxy probe's rows name no world): no scale is guessed."""
-    from moetune.tuner.fabric_model.predict import calibrated_world, load_preset
+    from moetune.tuner.fabric_model.calibration_record import calibrated_world
+    from moetune.tuner.fabric_model.presets import load_preset
 
     out = tmp_path / "new.toml"
     r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(_host_staged_rows(tmp_path)),
@@ -311,7 +312,7 @@ def _full_disk(monkeypatch) -> None:  # type: ignore[no-untyped-def]
 def test_calibrate_out_is_replaced_atomically(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`--out` may be the --preset file itself (or an earlier calibration): a full disk or Ctrl-C mid-write left it
     truncated (Path.write_text). Now the earlier file stays whole, the error is one line, no temporary file left."""
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     data = _host_staged_rows(tmp_path)
     out = tmp_path / "mine.toml"
@@ -341,7 +342,7 @@ def test_calibrate_out_through_a_symlink_replaces_the_file_it_names(tmp_path: Pa
     r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--out", str(link),
                             "--replace", "--params", "collective.host_alpha_us,pcie.h2d_gbps"])
     assert r.exit_code == 0, r.output
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     assert link.is_symlink() and link.resolve() == real.resolve()
     assert load_preset(str(real), fresh=True).calibration["points"] == 8

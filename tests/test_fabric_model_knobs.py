@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from moetune.runtime.knobs import KnobError, Knobs
-from moetune.tuner.fabric_model.predict import KNOBS_READ, Workload, list_presets, load_preset, predict
+from moetune.tuner.fabric_model.predict import KNOBS_READ, predict
+from moetune.tuner.fabric_model.presets import list_presets, load_preset
+from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.search.model_backend import ModelBackend
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace

@@ -11,7 +11,10 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import Workload, load_preset, predict, transfers_per_peer
+from moetune.tuner.fabric_model.group_grids import transfers_per_peer
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.presets import load_preset
+from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import PLACEMENT_SEED, rank_hits
 
 

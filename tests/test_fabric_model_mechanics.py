@@ -10,14 +10,10 @@ import pytest
 import moetune.tuner.fabric_model.queue as model_queue
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import (
-    PresetError,
-    Workload,
-    expert_tiles_per_peer,
-    load_preset,
-    predict,
-    predict_transfers,
-)
+from moetune.tuner.fabric_model.group_grids import expert_tiles_per_peer
+from moetune.tuner.fabric_model.predict import predict, predict_transfers
+from moetune.tuner.fabric_model.presets import PresetError, load_preset
+from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import expert_inclusion, pe_loads, spread_quantiles
 
 SLINGSHOT = "slingshot11-libfabric-a100x4"

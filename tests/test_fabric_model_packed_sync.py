@@ -27,7 +27,9 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import Workload, load_preset, predict
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.presets import load_preset
+from moetune.tuner.fabric_model.records import Workload
 
 QWEN = get_model("qwen3-30b")  # H 2048 bf16, 128 experts, top-8
 H200 = "nvlink-h200x2"

@@ -12,7 +12,8 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
+from moetune.tuner.fabric_model.predict import predict, predict_transfers
+from moetune.tuner.fabric_model.records import Workload
 
 SLINGSHOT = "slingshot11-libfabric-a100x4"
 COUPLED = Knobs(transport="proxy", signalling="coupled", fence_mode="proxy_drain", qp_mapping="peer_hash")

@@ -19,9 +19,12 @@ import math
 
 import pytest
 
+from moetune.runtime.buffer.layout_choice import MAX_COMM_CHANNELS
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import KNOBS_READ, MAX_COMM_CHANNELS, Workload, payload_calls, predict
+from moetune.tuner.fabric_model.phases.layouts import payload_calls
+from moetune.tuner.fabric_model.predict import KNOBS_READ, predict
+from moetune.tuner.fabric_model.records import Workload
 
 QWEN = get_model("qwen3-30b")  # wire row 4192 B, combine row 4096 B
 H200 = "nvlink-h200x2"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moetune.runtime.knobs import TRANSPORTS
-from moetune.tuner.fabric_model.predict import PresetError, list_presets, load_preset
+from moetune.tuner.fabric_model.presets import PresetError, list_presets, load_preset
 
 EXPECTED = {
     "slingshot11-libfabric-a100x4": "proxy:libfabric/cxi",

@@ -18,7 +18,9 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import Workload, load_preset, predict
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.presets import load_preset
+from moetune.tuner.fabric_model.records import Workload
 
 DSV3 = get_model("deepseek-v3")
 H200 = "nvlink-h200x2"  # gpu.launch_us 4, proxy.poll_us 1 (its proxy serves the other GPU)

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, chunk_tokens_fit, num_scale_groups
-from moetune.tuner.fabric_model.predict import Workload, predict
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.records import Workload
 
 ODD = "custom:200,768,128,8"  # hidden 200: not a multiple of 128
 

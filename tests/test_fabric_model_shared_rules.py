@@ -3,7 +3,7 @@
 * The EP size the experts must divide: Workload calls ModelShape.check_ep (runtime/shapes.py), the runtime's one
   wording, with the nodes x GPUs it came from.
 * MAX_COMM_CHANNELS and the equal pipeline chunks live in runtime/buffer/layout_choice.py (torch-free); the EP
-  buffer (facade.py, _packed.py `_plan_packed`, _dense.py `_dense_bounds`) and the model (predict.payload_calls) call
+  buffer (facade.py, _packed.py `_plan_packed`, _dense.py `_dense_bounds`) and the model (phases/layouts.py payload_calls) call
   them. Before, predict.py and facade.py each had the constant, and predict.py wrote the chunk rule out again."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 
 from moetune.runtime.buffer import layout_choice
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model import predict as fm
-from moetune.tuner.fabric_model.predict import Workload, payload_calls
+from moetune.tuner.fabric_model.phases import collective as fm
+from moetune.tuner.fabric_model.phases.layouts import payload_calls
+from moetune.tuner.fabric_model.records import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,8 @@ def test_model_chunks_and_channels_come_from_the_runtime_module() -> None:
             b = layout_choice.equal_chunk_bounds(s, d)
             assert payload_calls(s, d, dense=False) == [hi - lo for lo, hi in itertools.pairwise(b)]
     # nobody else assigns the constant
-    for rel in ("tuner/fabric_model/predict.py", "runtime/buffer/facade.py"):
+    for rel in ("tuner/fabric_model/predict.py", "tuner/fabric_model/phases/collective.py",
+                "tuner/fabric_model/phases/layouts.py", "runtime/buffer/facade.py"):
         tree = ast.parse((ROOT / rel).read_text())
         names = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
                  for t in node.targets if isinstance(t, ast.Name)}

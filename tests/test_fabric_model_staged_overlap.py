@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from moetune.runtime.knobs import Knobs
-from moetune.tuner.fabric_model.predict import Workload, predict
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.records import Workload
 
 PCIE = "pcie4-consumer-4090x4"
 HS = Knobs(transport="host_staged")

@@ -22,7 +22,8 @@ import pytest
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import ModelShape, get_model
-from moetune.tuner.fabric_model.predict import KNOBS_READ, Workload, predict
+from moetune.tuner.fabric_model.predict import KNOBS_READ, predict
+from moetune.tuner.fabric_model.records import Workload
 
 QWEN = get_model("qwen3-30b")
 PCIE = "pcie4-consumer-4090x4"
@@ -67,7 +68,7 @@ def test_a_chunks_sum_runs_while_later_chunks_copy(depth: int) -> None:
 def test_sums_longer_than_the_copies_queue_behind_each_other() -> None:
     """With sums longer than a call's copies they run back to back from the first call's end: the exposed part is
     the first call's copies plus every sum, less the copies' time (unit numbers, the helper alone)."""
-    from moetune.tuner.fabric_model.predict import _sums_past_copies
+    from moetune.tuner.fabric_model.phases.layouts import _sums_past_copies
 
     assert _sums_past_copies(100.0, [10, 10], [80.0, 80.0]) == pytest.approx(50 + 160 - 100)
     assert _sums_past_copies(100.0, [10, 10], [5.0, 5.0]) == pytest.approx(5.0)

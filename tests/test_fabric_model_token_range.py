@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from moetune.tuner.cli import app
 from moetune.tuner.fabric_model.calibration import calibrated_preset, check_preset, read_rows
-from moetune.tuner.fabric_model.predict import calibrated_tokens, load_preset
-from moetune.tuner.fabric_model.presets import PresetError
+from moetune.tuner.fabric_model.calibration_record import calibrated_tokens
+from moetune.tuner.fabric_model.presets import PresetError, load_preset
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,7 +93,7 @@ def test_a_node_model_written_from_such_rows_says_the_settings(tmp_path: Path) -
     import random
 
     from moetune.tuner.fabric_model.calibration import calibrate, calibrated_preset, rows_to_points
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     rng = random.Random(7)
     rows = [{"probe": "collective_a2a", "fabric": f, "model": "qwen3-30b", "S": s, "world": 2, "ms": 1.0,

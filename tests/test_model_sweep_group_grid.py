@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.cli import app
-from moetune.tuner.fabric_model.predict import Workload, group_grid, load_preset, transfers_per_peer
+from moetune.tuner.fabric_model.group_grids import group_grid, transfers_per_peer
+from moetune.tuner.fabric_model.presets import load_preset
+from moetune.tuner.fabric_model.records import Workload
 
 runner = CliRunner()
 

@@ -210,11 +210,11 @@ def test_the_fabric_model_gives_each_destination_the_same_qps_queue_pairs(qps: i
     """The tuner's model of the queued transports (a NIC preset: QPs per peer, nic.shared_qps = 0) uses for
     destination d the QPs d*qps .. d*qps+qps-1, as the engine now uses its streams: 3 destinations, 4 signal groups
     of 2 tiles each (decoupled, proxy_drain), count words first."""
-    from moetune.tuner.fabric_model.predict import _params
+    from moetune.tuner.fabric_model.params import params
     from moetune.tuner.fabric_model.presets import load_preset
     from moetune.tuner.fabric_model.queue import run_queue
 
-    p = _params(load_preset("ndr-ibrc-h100x8"))
+    p = params(load_preset("ndr-ibrc-h100x8"))
     assert p.shared_qps == 0
     dests = [(p.rtt, [(16384.0, 8, 1, 0.0, 0.0)]) for _ in range(3)]
     sim = run_queue(p, "proxy", dests, npes=4, signalling="decoupled", group=2, fence="drain", qp_mapping=mapping,

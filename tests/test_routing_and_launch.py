@@ -12,7 +12,7 @@ import moetune.tuner.fabric_model.routing as model_routing
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import get_model
 from moetune.runtime.testing.launch import free_port, launch
-from moetune.tuner.fabric_model.predict import Workload
+from moetune.tuner.fabric_model.records import Workload
 
 
 def test_fabric_model_has_no_parser_of_its_own() -> None:

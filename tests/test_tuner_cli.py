@@ -199,9 +199,9 @@ needs_real = pytest.mark.skipif(
 
 @needs_real
 def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
-    fabric_model = importlib.import_module("moetune.tuner.fabric_model.predict")
+    presets = importlib.import_module("moetune.tuner.fabric_model.presets")
 
-    preset = "ndr-ibrc-h100x8" if "ndr-ibrc-h100x8" in fabric_model.list_presets() else fabric_model.list_presets()[0]
+    preset = "ndr-ibrc-h100x8" if "ndr-ibrc-h100x8" in presets.list_presets() else presets.list_presets()[0]
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", preset,
              "--nodes", "2", "--trials", "8", "--db", str(tmp_path / "m.db"),
              "--storage", f"sqlite:///{tmp_path / 'st.db'}", "--json")
@@ -329,7 +329,7 @@ def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool,
     assert rows and all("too few rows" in row["forced_model"] for row in rows)
 
     accepted = tmp_path / "accepted.toml"  # the same model, its fit accepted: tuned on as before, quietly
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     shipped = load_preset("nvlink-h200x2")  # as calibrated on the node --node-model names (else refused there)
     accepted.write_text(shipped.to_toml() if not node_model else replace(

@@ -10,7 +10,9 @@ import pytest
 
 from moetune.runtime.knobs import PER_PE, KnobError
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import KNOBS_READ, Workload, transfers_per_peer
+from moetune.tuner.fabric_model.group_grids import transfers_per_peer
+from moetune.tuner.fabric_model.predict import KNOBS_READ
+from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import KnobSpec, load_policy
 from moetune.tuner.search.space import RUNTIME_READS, SearchSpace, nvlink_ctas_per_peer, put_chunking
@@ -272,7 +274,8 @@ def test_put_grid_follows_the_hottest_rank_under_zipf() -> None:
 # the search space alike; neither reaches into the other's private names ------------------------------------------
 
 def test_put_chunking_is_the_public_chunking_rule() -> None:
-    from moetune.tuner.fabric_model.predict import MAX_SLOTS, chunking
+    from moetune.runtime.knobs import MAX_SLOTS
+    from moetune.tuner.fabric_model.wire_rows import chunking
 
     assert chunking(100.0, 0) == (100, 1)  # chunk_tokens 0: one PUT of every row
     assert chunking(100.0, 32) == (32, 4)  # 32, 32, 32 and a last partial PUT of 4
@@ -286,7 +289,13 @@ def test_put_chunking_is_the_public_chunking_rule() -> None:
 
 @pytest.mark.parametrize("path", ["tuner/search/space.py", "tuner/fabric_model/predict.py",
                                   "tuner/fabric_model/queue.py", "tuner/fabric_model/calibration.py",
-                                  "tuner/fabric_model/routing.py"])
+                                  "tuner/fabric_model/routing.py", "tuner/fabric_model/records.py",
+                                  "tuner/fabric_model/params.py", "tuner/fabric_model/calibration_record.py",
+                                  "tuner/fabric_model/wire_rows.py", "tuner/fabric_model/group_grids.py",
+                                  "tuner/fabric_model/phases/phase.py", "tuner/fabric_model/phases/queued.py",
+                                  "tuner/fabric_model/phases/nvlink.py", "tuner/fabric_model/phases/layouts.py",
+                                  "tuner/fabric_model/phases/collective.py",
+                                  "tuner/fabric_model/phases/host_staged.py"])
 def test_no_private_name_is_imported_from_another_module(path: str) -> None:
     """A name with a leading underscore belongs to its module: importing one elsewhere (space.py did import
     predict._chunking) ties the importer to an implementation detail."""

@@ -8,7 +8,7 @@ of committed measurements (the fabric model's calibration), not a measurement.
 It reads 2026-11-30_h200x2_run2c/h200x2_nccl_baseline_warm.jsonl, which is in bench/results/archive/2026-11-30.tar.xz:
 unpack that under bench/results/ first (the last output: bench/results/2026-12-05_cpu_modelled/).
 
-On one node the model's NCCL all-to-all (tuner/fabric_model/predict.py `_phase_collective`, NVLink path) is
+On one node the model's NCCL all-to-all (tuner/fabric_model/phases/collective.py `phase_collective`, NVLink path) is
     t = (alpha_us + per_peer_us) + max(sync_us, remote_bytes / intra_gbps)
 so its three free numbers are A = alpha + per_peer, sync and the bandwidth. This script takes each
 row's remote bytes from the model itself, grid-searches (A, sync, bandwidth) for the smallest possible
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moetune.tuner.fabric_model.calibration import calibrate, read_rows, rows_to_points
-from moetune.tuner.fabric_model.predict import load_preset
+from moetune.tuner.fabric_model.presets import load_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / "bench/results/2026-11-30_h200x2_nccl_baseline.jsonl"  # the 2026-11-30 NCCL baseline (the "shared" file)

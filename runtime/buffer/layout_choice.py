@@ -1,6 +1,6 @@
 """Which wire layout `EPBuffer(dense=None)` takes on a collective transport: dense or packed (module doc of
 runtime/buffer/facade.py), and how a collective transport's EP buffer cuts a dispatch into pipeline chunks over its
-communicators. Plain arithmetic, no torch: the fabric model (tuner/fabric_model/predict.py) asks the same rules, so
+communicators. Plain arithmetic, no torch: the fabric model (tuner/fabric_model/phases/) asks the same rules, so
 it predicts the layout and the calls the runtime runs."""
 
 from __future__ import annotations

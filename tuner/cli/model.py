@@ -51,7 +51,8 @@ def _build(preset: str, model: str, nodes: int | None, tokens: int, gpus_per_nod
            routing: str, tile: int):
     from moetune.runtime.knobs import KnobError, Knobs, default_knobs
     from moetune.runtime.shapes import get_model
-    from moetune.tuner.fabric_model.predict import Workload, load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
+    from moetune.tuner.fabric_model.records import Workload
 
     # -g 0 is a value to refuse as -3 is, not "not given" (it fell to the preset's GPUs per node)
     if gpus_per_node is not None and gpus_per_node < 1:
@@ -98,7 +99,7 @@ def scale_note(pr: Any, gpus: int, what: str, up_to: bool = False, tokens: Itera
     outside the tokens per GPU its rows measured (`[calibration] tokens`): a note saying that `what` ("this
     prediction", "this sweep", "this tune") extrapolates; None where it does not, or where the preset records no
     measured scale or range (none is guessed). `model predict`, `model sweep` and `tune --backend model` print it."""
-    from moetune.tuner.fabric_model.predict import calibrated_tokens, calibrated_world
+    from moetune.tuner.fabric_model.calibration_record import calibrated_tokens, calibrated_world
 
     notes = []
     world = calibrated_world(pr)
@@ -253,7 +254,7 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
     size the same run) is replaced by a chunk giving SWEEP_PUTS PUTs, unless --knobs set chunk_tokens; the notes
     say so, or why there is one transfer per peer."""
     from moetune.runtime.knobs import KnobError
-    from moetune.tuner.fabric_model.predict import busiest_peer_rows, group_grid
+    from moetune.tuner.fabric_model.group_grids import busiest_peer_rows, group_grid
 
     grid = group_grid(pr, w0, k0)
     if grid == 0:
@@ -316,7 +317,7 @@ def _check_sweep_values(over: str, xs: list[int], w0: Any) -> None:
     predict's own checks (Knobs, Workload), so an input error never shows up as an n/a row. n/a stays for
     settings one fence mode, or this preset, cannot run."""
     from moetune.runtime.knobs import Knobs
-    from moetune.tuner.fabric_model.predict import Workload
+    from moetune.tuner.fabric_model.records import Workload
 
     for x in xs:
         try:
@@ -404,7 +405,8 @@ def sweep_cmd(
 ) -> None:
     """Sweep one variable for each fence mode the transport allows (MODELLED)."""
     from moetune.runtime.knobs import ALLOWED_FENCE_MODES, KnobError
-    from moetune.tuner.fabric_model.predict import Workload, predict
+    from moetune.tuner.fabric_model.predict import predict
+    from moetune.tuner.fabric_model.records import Workload
 
     if over not in ("group_size", "nodes", "tokens"):
         _fail(f"--over must be group_size, nodes or tokens, got {over!r}")
@@ -591,7 +593,7 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
 @app.command("presets")
 def presets_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the shipped fabric presets."""
-    from moetune.tuner.fabric_model.predict import list_presets, load_preset
+    from moetune.tuner.fabric_model.presets import list_presets, load_preset
 
     items = []
     for name in list_presets():

@@ -460,8 +460,7 @@ def tune(
                   f"{CAPTURE_OPT} to tune this one, or predict a fabric like it with --backend model --preset P, without "
                   f"{CAPTURE_OPT} (stored as MODELLED under the preset's key)")
     if backend == "model" and node_model and preset is not None and facts is not None:
-        from moetune.tuner.fabric_model.predict import load_preset
-        from moetune.tuner.fabric_model.presets import node_model_refusal
+        from moetune.tuner.fabric_model.presets import load_preset, node_model_refusal
 
         # labelled node_model (outranking presets everywhere) only when calibrated on this very fingerprint
         why = node_model_refusal(load_preset(preset), facts.fingerprint)
@@ -725,7 +724,8 @@ def _no_options_before(ctx: typer.Context, policy: Path | None) -> None:
 def _model_preset_warning(preset: str | None) -> str:
     """The model backend's --preset checked before any database is opened (missing, unknown or unreadable: exit 2);
     its `[calibration] warning` when it is a fit the calibration checks refused, else ''."""
-    from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
+    from moetune.tuner.fabric_model.calibration_record import forced_fit_warning
+    from moetune.tuner.fabric_model.presets import load_preset
 
     if preset is None:
         _fail("the model backend needs --preset: a preset name, or a calibrated preset file of this node "
@@ -744,7 +744,7 @@ def _scale_note(backend: str, preset: str | None, results: list) -> str | None:
     if backend != "model" or preset is None or not results:
         return None
     from moetune.tuner.cli.model import scale_note
-    from moetune.tuner.fabric_model.predict import load_preset
+    from moetune.tuner.fabric_model.presets import load_preset
 
     try:
         pr = load_preset(preset)

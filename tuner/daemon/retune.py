@@ -108,7 +108,8 @@ def node_backend(store: Store, facts: Any, tune: TuneSettings) -> tuple[Any, str
             "on this node to calibrate one (where a bring-up already finished with its calibration refused, a rerun "
             "only resumes it and writes none: `moetune profile --restart` measures and calibrates again). Still "
             "serving the profiles that remain valid.")
-    from moetune.tuner.fabric_model.predict import forced_fit_warning, load_preset
+    from moetune.tuner.fabric_model.calibration_record import forced_fit_warning
+    from moetune.tuner.fabric_model.presets import load_preset
     from moetune.tuner.search.model_backend import ModelBackend
 
     try:

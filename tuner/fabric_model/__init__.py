@@ -7,14 +7,14 @@ from moetune.runtime._lazy import lazy_getattr
 
 _LAZY = {
     "KNOBS_READ": ".predict",
-    "MAX_MESSAGES": ".predict",
-    "Prediction": ".predict",
-    "SIGNAL_BYTES": ".predict",
-    "TransferPrediction": ".predict",
-    "Workload": ".predict",
-    "expert_tiles_per_peer": ".predict",
+    "MAX_MESSAGES": ".phases.queued",
+    "Prediction": ".records",
+    "SIGNAL_BYTES": ".wire_rows",
+    "TransferPrediction": ".records",
+    "Workload": ".records",
+    "expert_tiles_per_peer": ".group_grids",
     "predict_transfers": ".predict",
-    "transfers_per_peer": ".predict",
+    "transfers_per_peer": ".group_grids",
 }
 
 

@@ -39,8 +39,9 @@ from typing import Any
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
-from moetune.tuner.fabric_model.predict import Workload, predict, predict_transfers
+from moetune.tuner.fabric_model.predict import predict, predict_transfers
 from moetune.tuner.fabric_model.presets import Preset, load_preset, read_text_file
+from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.progress import Progress
 
 # Parameters fitted by default, per preset family of measurement.

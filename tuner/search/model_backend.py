@@ -70,7 +70,7 @@ class ModelBackend(BenchmarkBackend):
             raise ValueError("ModelBackend needs a preset (name, path or Preset) or a predictor")
         if predictor is None:
             # The fabric model loads only when a preset is modelled (imported here, not at module level).
-            from moetune.tuner.fabric_model.predict import forced_fit_warning
+            from moetune.tuner.fabric_model.calibration_record import forced_fit_warning
             from moetune.tuner.fabric_model.presets import load_preset
 
             self.preset = load_preset(preset) if isinstance(preset, str) else preset
@@ -138,7 +138,8 @@ class ModelBackend(BenchmarkBackend):
         kw: dict[str, Any] = {"routing": self.routing or workload.routing}
         if self.tile is not None:
             kw["tile"] = self.tile
-        from moetune.tuner.fabric_model.predict import Workload, predict
+        from moetune.tuner.fabric_model.predict import predict
+        from moetune.tuner.fabric_model.records import Workload
 
         wl = Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
                       gpus_per_node=workload.gpus_per_node, **kw)

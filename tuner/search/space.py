@@ -157,10 +157,10 @@ def chunk_fits(tokens: int, chunk_tokens: int) -> bool:
 
 def put_chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
     """(rows per PUT, PUTs) one peer gets for `rows` rows: csrc/proxy_xchg.h `chunking` as the fabric model
-    follows it (`predict.chunking`: chunk_tokens rows per PUT, 0 one PUT, at most MAX_SLOTS PUTs with larger
+    follows it (`wire_rows.chunking`: chunk_tokens rows per PUT, 0 one PUT, at most MAX_SLOTS PUTs with larger
     chunks then), with at least one PUT, and the rows per PUT of a single PUT being all the rows (so every
     chunk that gives one PUT has the same key as chunk_tokens 0)."""
-    from moetune.tuner.fabric_model.predict import chunking
+    from moetune.tuner.fabric_model.wire_rows import chunking
 
     cnt = max(1, math.ceil(rows - 1e-9))
     c, n = chunking(float(cnt), chunk_tokens)

@@ -1,0 +1,55 @@
+"""What one PE sends: a token's wire row in bytes, signal words, rows per rank, the proxy's chunking."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from moetune.runtime.knobs import MAX_SLOTS, Knobs, num_scale_groups
+from moetune.runtime.routing import parse_routing
+from moetune.runtime.shapes import DTYPES, ModelShape
+from moetune.tuner.fabric_model.records import Workload
+from moetune.tuner.fabric_model.routing import pe_loads, rank_hits
+
+SIGNAL_BYTES = 8
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def token_bytes(model: ModelShape, knobs: Knobs, *, dispatch: bool, layout: str = "runtime") -> float:
+    """Bytes of one token on the wire. Runtime layout, dispatch: EPBuffer's wire row (runtime/buffer/
+    facade.py `_layout`): payload, k int64 ids, k fp32 weights, fp8 scales, padded to 16 bytes; combine:
+    one activation-dtype row. `nccl_k_copies`: the bare payload (fp8: + scales), as the NCCL baseline."""
+    h = model.hidden
+    fp8 = dispatch and knobs.compression == "fp8_e4m3"
+    scales = num_scale_groups(h, knobs.scale_granularity) if fp8 else 0
+    payload = h if fp8 else h * DTYPES[model.dtype]
+    if not dispatch or layout != "runtime":  # nccl_k_copies or expert_tiles: bare copies of the payload
+        return float(payload + 4 * scales)
+    k = model.topk
+    return float(align(align(payload, 8) + 8 * k + 4 * k + 4 * scales, 16))
+
+
+def route(w: Workload) -> tuple[Any, Any]:
+    """(expert inclusion per PE [P, E/P], P(token needs PE r) [P]) for the workload's routing."""
+    _, s = parse_routing(w.routing)
+    loads = pe_loads(w.model.experts, w.model.topk, s, w.pes)
+    return loads, rank_hits(w.model.experts, w.model.topk, s, w.pes)
+
+
+def chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
+    """(rows per PUT, PUTs) for `rows` rows to one peer, as the runtime's proxy splits a count (csrc/
+    proxy_xchg.h `chunking`, which only the kernel runs: this is its one Python statement, which the search
+    space's put_chunking uses too): chunk_tokens rows per PUT (0: one PUT for all), at most MAX_SLOTS PUTs
+    (larger chunks then). A fractional expected count is rounded up; no rows, no PUT."""
+    if rows <= 0:
+        return 1, 0
+    cnt = max(1, math.ceil(rows - 1e-9))
+    c = chunk_tokens if chunk_tokens > 0 else cnt
+    n = -(-cnt // c)
+    if n > MAX_SLOTS:
+        c = -(-cnt // MAX_SLOTS)
+        n = -(-cnt // c)
+    return c, n
