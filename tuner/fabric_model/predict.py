@@ -97,18 +97,13 @@ from moetune.tuner.fabric_model.phases.layouts import runs_dense
 from moetune.tuner.fabric_model.phases.nvlink import phase_nvlink
 from moetune.tuner.fabric_model.phases.phase import Phase
 from moetune.tuner.fabric_model.phases.queued import phase_queued, round_trips
-from moetune.tuner.fabric_model.presets import Preset, list_presets, load_preset
+from moetune.tuner.fabric_model.presets import Preset
 from moetune.tuner.fabric_model.queue import run_queue
 from moetune.tuner.fabric_model.records import Prediction, TransferPrediction, Workload
 from moetune.tuner.fabric_model.wire_rows import route
 
-# Workload, list_presets and load_preset: docs/fabric-model.md imported them from here before the split, so users'
-# code may still do so; their homes are records.py and presets/.
 __all__ = [
     "KNOBS_READ",
-    "Workload",
-    "list_presets",
-    "load_preset",
     "predict",
     "predict_transfers",
 ]
