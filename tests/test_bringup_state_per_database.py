@@ -104,3 +104,20 @@ def test_a_state_file_of_another_database_is_not_resumed(tmp_path: Path) -> None
     restarted = BringupState(first.path, "x", plan, db="a.db")
     restarted.restart()
     assert json.loads(first.path.read_text())["db"] == "a.db"  # a restart keeps whose state it is
+
+
+def test_a_database_deleted_since_is_not_resumed_into(tmp_path: Path) -> None:
+    """The state file outlives its database: after `rm moetune.db`, a rerun found every stage "done earlier;
+    resuming" into the new, empty database, stored nothing in it, and its summary and report said the profiles
+    were stored."""
+    db = tmp_path / "a.db"
+    first, store, _ = _run(db)
+    assert len(store.list_profiles()) == 1
+    store.close()
+    for p in tmp_path.glob("a.db*"):  # the database (and its -wal/-shm); the state file and studies stay
+        p.unlink()
+    again, store2, out = _run(db)
+    assert "done earlier" not in out
+    assert "starting over" in out
+    assert len(store2.list_profiles()) == 1  # measured and stored into the new database
+    assert again.state.path == first.state.path

@@ -950,7 +950,24 @@ class Bringup:
             self.console.print(f"[yellow]parameter importances not available: {e}[/]")
             return {}
 
+    def _forget_state_of_another_database(self) -> None:
+        """Start over when the state's finished stages stored rows (microbenchmarks, compared buckets) and the
+        database holds no row of this node at all: it is not the file they went into (deleted, or replaced, since).
+        Resumed, every stage was "done earlier", nothing was stored in it, and the summary and report said stored."""
+        st = self.state
+        if not self.measures or self.store is None:
+            return
+        stored = bool(st.result("microbench") or st.partial("microbench") or st.compared())
+        if not stored or self.store.get_fingerprint(self.facts.fingerprint) is not None:
+            return  # every stored row names this fingerprint, so its database has the fingerprint's row
+        # the studies are kept (as for a new plan): their finished trials were measured on this node
+        st.data = {**{k: st.data[k] for k in ("fingerprint", "plan", "db", "study_tag") if k in st.data}, "done": {}}
+        st.dropped = (f"its finished stages stored their rows into a database {self.store.path} no longer holds "
+                      f"(no row of this node, {self.facts.fingerprint}: deleted or replaced since): starting over")
+        st.save()
+
     def run(self) -> dict[str, Any]:
+        self._forget_state_of_another_database()
         if self.unresumed:
             self.console.print(f"[yellow]{_as_text(self.unresumed)}[/]")
         if self.state.dropped:
