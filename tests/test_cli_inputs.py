@@ -444,6 +444,9 @@ def test_bench_knobs_with_every_variant_skipped_exits_1(cpu_only: None) -> None:
     ("world = true", "key 'world' must be int, got bool"),
     ("models = [1]", "models must be model names"),
     ("plan = 3", "[plan] must be a table"),
+    # keys beside a [plan] table were ignored without a word (the bring-up ran 16 trials, not the 2 written)
+    ('trials = 2\n[plan]\nmodels = ["qwen3-30b"]', "['trials'] beside the [plan] table"),
+    ('[plan]\ntrials = 2\n[tune]\nbackend = "local"', "['tune'] beside the [plan] table"),
 ])
 def test_plan_fields_are_validated_naming_field_and_file(body: str, words: str, tmp_path: Path) -> None:
     from moetune.tuner.bringup.flow import Plan

@@ -82,6 +82,10 @@ class Plan:
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{where}: not valid TOML: {e}") from None
         data = raw.get("plan", raw)
+        beside = sorted(set(raw) - {"plan"}) if "plan" in raw else []
+        if beside:  # read only the [plan] table, they were ignored without a word
+            raise ValueError(f"{where}: key(s) {beside} beside the [plan] table: a file with a [plan] table is read "
+                             "from that table only (move them into it)")
         if not isinstance(data, dict):
             raise ValueError(f"{where}: [plan] must be a table of the plan's keys, got {type(data).__name__}")
         known = {f for f in asdict(base)}
