@@ -459,3 +459,33 @@ def test_token_counts_sharing_a_bucket_are_tuned_once(profile_cli: Any, monkeypa
     said = " ".join(r.output.split())
     assert said.count("share a token bucket, tuned once") == 1 and "16, 16, 15 (bucket 16)" in said, said
     assert studies == [[16]], studies
+
+
+def test_a_bucket_whose_side_by_side_runs_all_failed_fails_the_command_and_is_compared_again(
+        profile_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuned, then every run of the comparison failed (the default's and the tuned setting's): nothing was measured
+    and nothing stored, yet the compare stage was done, the command exited 0, and a rerun kept the bucket as compared
+    (never measured again)."""
+    from moetune.tuner.bringup import flow
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])  # no subprocesses
+    compare = flow.Bringup.stage_compare
+
+    def failing_compare(self: Any) -> list[dict]:
+        MEASURE["fn"] = times_out  # the tune measured; the side-by-side runs all fail
+        return compare(self)
+
+    MEASURE["fn"] = flat
+    with monkeypatch.context() as mp:
+        mp.setattr(flow.Bringup, "stage_compare", failing_compare)
+        r = profile_cli()
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "timed out after 0.5 s" in said and "compare:" in said, said
+    store = F.open_store(profile_cli.db)
+    assert store.list_profiles() == []
+
+    MEASURE["fn"] = flat  # the cause fixed: the rerun compares the bucket again and stores it
+    r = profile_cli()
+    assert r.exit_code == 0, r.output
+    assert len(store.list_profiles()) == 1

@@ -844,6 +844,12 @@ class Bringup:
                                                transport=t["family"], size_bytes=None, value=shown.median_us,
                                                spread=shown.spread_us, unit="us", extra={**extra, COMPARED_AS: mark})
             out.append(row)
+            if not md.ok and not mt.ok:
+                # nothing measured, nothing stored: the stage is not done (the command fails) and the bucket is not
+                # kept as compared, so a rerun measures it again (it was done, exit 0, and never compared again)
+                self.failed.append(f"comparing {t['family']} {t['model']} S={t['tokens']} EP {ep} with the policy "
+                                   f"default: every run failed ({md.error})")
+                continue
             finished[part] = {"tuned": tuned_as, "row": row}
             self.state.keep_compared(finished)
         self.progress.update(task, len(tuned_rows), description="tuned vs default")
