@@ -121,3 +121,16 @@ def test_a_database_deleted_since_is_not_resumed_into(tmp_path: Path) -> None:
     assert "starting over" in out
     assert len(store2.list_profiles()) == 1  # measured and stored into the new database
     assert again.state.path == first.state.path
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe{}", b"{not json"])
+def test_an_unreadable_state_file_starts_over_saying_so(tmp_path: Path, body: bytes) -> None:
+    """A state file that is not UTF-8 ended `moetune profile` with "error: 'utf-8' codec can't decode byte 0xff",
+    naming no file; one that is not JSON was started over without a word."""
+    from moetune.tuner.bringup.flow import BringupState
+
+    path = tmp_path / "moetune-bringup-ab12.json"
+    path.write_bytes(body)
+    state = BringupState(path, "ab12", _plan(), db="moetune.db")
+    assert state.data["done"] == {}
+    assert "cannot be read as a bring-up state" in state.dropped and "starting over" in state.dropped

@@ -187,8 +187,9 @@ class BringupState:
         if persist and path.exists():
             try:
                 old = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
+            except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 (that error named no file)
                 old = {}
+                self.dropped = f"cannot be read as a bring-up state ({e}): starting over"
             if not isinstance(old, dict):
                 old = {}
             if old.get("db", "") != db:
