@@ -489,3 +489,40 @@ def test_a_bucket_whose_side_by_side_runs_all_failed_fails_the_command_and_is_co
     r = profile_cli()
     assert r.exit_code == 0, r.output
     assert len(store.list_profiles()) == 1
+
+
+def test_after_restart_the_way_to_continue_is_without_restart(profile_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profile --restart` interrupted (or with failed parts) said "run the same command again to continue where it
+    stopped": the same command, --restart and all, starts over again."""
+    from moetune.tuner.bringup import flow
+
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])  # no subprocesses
+    MEASURE["fn"] = flat
+
+    def interrupted(self: Any) -> list[dict]:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(flow.Bringup, "stage_tune", interrupted)
+        r = profile_cli("--restart")
+    assert r.exit_code == 130, r.output
+    said = " ".join(r.output.split())
+    assert "without --restart" in said and "the same command again" not in said, said
+    MEASURE["fn"] = times_out  # every trial fails: the failed parts say how to try them again
+    r = profile_cli("--restart")
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "without --restart" in said and "the same command again" not in said, said
+    r = profile_cli()  # without --restart: the same words as before
+    assert r.exit_code == 1, r.output
+    assert "run the same command again" in " ".join(r.output.split())
+
+    def broken(self: Any) -> list[dict]:
+        raise RuntimeError("bench worker died")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(flow.Bringup, "stage_tune", broken)
+        r = profile_cli("--restart")
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.output.split())
+    assert "bench worker died (finished stages are kept; run it again without --restart to continue)" in said, said

@@ -172,7 +172,7 @@ def profile(
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
 
-    Interrupted (Ctrl-C)? Run the same command again: finished stages are skipped and tuning resumes.
+    Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """
     import logging
 
@@ -284,28 +284,30 @@ def profile(
 
     # Ctrl-C, or SIGTERM raised as KeyboardInterrupt: the progress closed, one line, exit 130 / 143. The `except`s are
     # inside it, so `RuntimeError` below never takes its typer.Exit (a RuntimeError) for a failed stage
-    with ends_cleanly_on_interrupt(lambda: "run the same command again to continue where it stopped", console):
+    # the same command again, --restart and all, starts over again: after one, the way on is without it
+    again = "run it again without --restart" if restart else "run the same command again"
+    with ends_cleanly_on_interrupt(lambda: f"{again} to continue where it stopped", console):
         try:
             try:
                 done = flow.run()
             finally:
                 flow.progress.close()  # its last lines before any message below (closed after one, they followed it)
         except StoreError as e:  # e.g. another process holds the database: exit 1, as db/tune/profiles do
-            _fail(f"{e} (finished stages are kept; rerun to continue)", e.exit_code)
+            _fail(f"{e} (finished stages are kept; {again} to continue)", e.exit_code)
         except FabricMovedOn as e:  # before RuntimeError: says itself what a rerun does
             _fail(str(e), e.exit_code)
         except NotOurReport as e:  # a plot file of the user's (or a report.md put there meanwhile): nothing replaced
             where = f"--report-dir {report_dir}" if report_dir is not None else f"report folder {flow.report_dir}"
             _fail(f"{where}: {e}: move it, or pass {'another ' if report_dir is not None else ''}--report-dir DIR "
-                  "(finished stages are kept; rerun to continue)")
+                  f"(finished stages are kept; {again} to continue)")
         except OSError as e:
             # the report folder passed the up-front check but could not be written (root and /proc, a folder removed
             # meanwhile): name the option, as `report --out` does
             mine = report_dir is not None and e.filename is not None and str(e.filename).startswith(str(report_dir))
-            _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; rerun to continue)",
+            _fail(f"{'--report-dir ' if mine else ''}{e} (finished stages are kept; {again} to continue)",
                   write_error_code(e))
         except (ValueError, KnobError, RuntimeError) as e:
-            _fail(f"{e} (finished stages are kept; rerun to continue)")
+            _fail(f"{e} (finished stages are kept; {again} to continue)")
     rows = done.get("compare") or []
     failed = flow.failures()
     if as_json:  # a failed run's time is NaN: null here (JSON has no NaN; `NaN` broke jq and every strict reader)
@@ -318,7 +320,7 @@ def profile(
                                "not_measured": flow.not_measured or None,
                                "calibration": done.get("calibrate"), "report": done.get("report"),
                                "failed": failed}), indent=1, allow_nan=False))
-        _failed_parts(Console(stderr=True, highlight=False), failed)
+        _failed_parts(Console(stderr=True, highlight=False), failed, again)
         return
     cells = []
 
@@ -360,7 +362,7 @@ def profile(
     if flow.not_measured:
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
-    _failed_parts(console, failed)
+    _failed_parts(console, failed, again)
 
 
 def node_limits(facts: Any) -> list[str]:
@@ -374,13 +376,13 @@ def node_limits(facts: Any) -> list[str]:
     return out
 
 
-def _failed_parts(console: Console, failed: list[str]) -> None:
+def _failed_parts(console: Console, failed: list[str], again: str = "run the same command again") -> None:
     """Exit 1 (the work failed) naming each failed part of the bring-up: its stage is not done, a rerun tries it
     again. A bucket whose trials all failed was said nowhere and the command exited 0."""
     if not failed:
         return
-    console.print(f"[red]error:[/] {len(failed)} part(s) of the bring-up failed (run the same command again to try "
-                  "them again; finished parts are kept):", soft_wrap=True)
+    console.print(f"[red]error:[/] {len(failed)} part(s) of the bring-up failed ({again} to try them again; finished "
+                  "parts are kept):", soft_wrap=True)
     for why in failed:
         console.print(f"  {escape(why)}", soft_wrap=True)
     raise typer.Exit(1)
