@@ -526,3 +526,30 @@ def test_after_restart_the_way_to_continue_is_without_restart(profile_cli: Any, 
     assert r.exit_code == 2, r.output
     said = " ".join(r.output.split())
     assert "bench worker died (finished stages are kept; run it again without --restart to continue)" in said, said
+
+
+def test_the_megakernel_backends_are_closed_after_their_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The megakernel's LocalBackend of the tune stage, and one per bucket of the compare stage, were never closed:
+    the layer's weights and reference its trials put on the GPU stayed there while the EP comparisons after it ran
+    (`LocalBackend.close` releases them)."""
+    from moetune.tuner.search.local_backend import LocalBackend
+
+    made: list[Any] = []
+    closed: list[Any] = []
+    init, close = LocalBackend.__init__, LocalBackend.close
+
+    def tracked_init(self: Any, *a: Any, **kw: Any) -> None:
+        init(self, *a, **kw)
+        made.append(self)
+
+    def tracked_close(self: Any) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(LocalBackend, "__init__", tracked_init)
+    monkeypatch.setattr(LocalBackend, "close", tracked_close)
+    b = _compare_bringup(tmp_path, [])  # its tune stage ran
+    assert made and all(be in closed for be in made), (made, closed)
+    made.clear()
+    b.stage_compare()
+    assert made and all(be in closed for be in made), (made, closed)

@@ -668,10 +668,13 @@ class Bringup:
                 be.close()  # the persistent bench workers
         if self.mk_ok:
             mk = self._mk_backend()
-            res += [(1, mk.label, r) for r in tune_profiles_detailed(
-                self.store, self.facts, models=models, tokens=self.plan.tokens, backend=mk, trials=self.plan.trials,
-                progress=self.progress, storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
-                study_tag=tag, recheck=False)]
+            try:
+                res += [(1, mk.label, r) for r in tune_profiles_detailed(
+                    self.store, self.facts, models=models, tokens=self.plan.tokens, backend=mk, trials=self.plan.trials,
+                    progress=self.progress, storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
+                    study_tag=tag, recheck=False)]
+            finally:
+                mk.close()  # the layer's weights and reference its trials put on the GPU, kept there until closed
         # recheck=False stores nothing: the candidates wait in this stage's result (the state file) for the compare
         # stage, the only writer, so no unchecked best is served meanwhile. Ctrl-C before this stage is marked done
         # loses none: a rerun resumes the studies, whose finished trials run no more.
@@ -709,7 +712,7 @@ class Bringup:
     def stage_compare(self) -> list[dict]:
         """Tuned against the policy default (and the current stored profile) for every bucket, measured side by
         side (interleaved); the only stage that stores profiles."""
-        backends: dict[int, Any] = {}  # EP size -> its backend, started when a row of that size comes
+        backends: dict[int, Any] = {}  # EP size (1: the megakernel) -> its backend, started when a row of it comes
         try:
             return self._compare_with(backends)
         finally:
@@ -760,9 +763,9 @@ class Bringup:
             default = policy.defaults  # the policy default the runtime falls back to
             mk = t["family"] == MEGAKERNEL_FAMILY
             ep = 1 if mk else int(t["key"]["ep_size"])  # measured as tuned: that many ranks on this node
-            if not mk and ep not in ep_backends:
-                ep_backends[ep] = self._backend(ep)
-            be = self._mk_backend() if mk else ep_backends[ep]
+            if ep not in ep_backends:  # the megakernel's under 1 (no EP size is 1): one for its buckets, closed too
+                ep_backends[ep] = self._mk_backend() if mk else self._backend(ep)
+            be = ep_backends[ep]
             routing = t.get("routing") or "uniform"  # state of an older version: the bring-up tuned uniform
             wl = TuneWorkload(model=get_model(t["model"]), tokens=t["tokens"], nodes=1, gpus_per_node=ep,
                               routing=routing)
