@@ -171,7 +171,7 @@ def test_a_stored_control_character_is_shown_not_obeyed(tmp_path: Path) -> None:
 def test_the_tune_tables_note_says_a_written_row_was_stored() -> None:
     """Run 191 (H200): a row stored as new got the note "study best 198.2 µs; no current profile for this key", which
     reads as nothing stored; the note now says what was stored and why."""
-    from moetune.tuner.cli.tune import row_note
+    from moetune.tuner.cli.tune_notes import row_note
 
     row = {"family": "megakernel", "model": "qwen3-30b", "tokens": 16, "best_us": 199.1, "study_best_us": 198.2,
            "written": True, "reason": "no current profile for this key"}

@@ -80,12 +80,12 @@ def test_sweep_over_tokens_notes_the_points_outside_the_range() -> None:
 def test_a_model_tune_notes_tokens_outside_the_range() -> None:
     from types import SimpleNamespace
 
-    from moetune.tuner.cli.tune import _scale_note
+    from moetune.tuner.cli.tune_notes import tune_scale_note
 
     def result(tokens: int) -> SimpleNamespace:
         return SimpleNamespace(study=SimpleNamespace(workload=SimpleNamespace(nodes=1, gpus_per_node=2, tokens=tokens)))
 
-    said = _scale_note("model", "nvlink-h200x2", [result(4096), result(32768)])
+    said = tune_scale_note("model", "nvlink-h200x2", [result(4096), result(32768)])
     assert said == ("preset nvlink-h200x2 was calibrated on measurements of 128 to 16384 tokens per GPU ([calibration] "
                     "tokens); at 32768 tokens per GPU this tune extrapolates outside the measured range")
-    assert _scale_note("model", "nvlink-h200x2", [result(4096)]) is None
+    assert tune_scale_note("model", "nvlink-h200x2", [result(4096)]) is None

@@ -138,7 +138,7 @@ def test_a_busy_studies_file_is_not_called_broken() -> None:
     """Two first runs at once: the loser was told to move a good studies file aside."""
     from sqlalchemy.exc import IntegrityError, OperationalError
 
-    from moetune.tuner.cli.tune import _storage_error
+    from moetune.tuner.cli.tune_storage import _storage_error
 
     for e in (IntegrityError("INSERT", {}, Exception("UNIQUE constraint failed: alembic_version.version_num")),
               OperationalError("CREATE", {}, Exception("table trials already exists")),

@@ -76,7 +76,7 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     import moetune.tuner.search.tune as search
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=_objective))
-    monkeypatch.setattr(tune_cli, "_model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
+    monkeypatch.setattr(tune_cli, "model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     db = tmp_path / "moetune.db"  # the real profile store: its write rules decide `written`
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128,1024", "--backend", "model", "--preset", "fake-ibrc-x4",
@@ -236,7 +236,7 @@ def test_workload_the_model_cannot_run_is_one_clear_error(tmp_path: Path, monkey
         raise ValueError("preset 'fake-ibrc-x4' has no network between nodes; use nodes=1")
 
     monkeypatch.setattr(search, "make_backend", lambda *a, **k: ModelBackend(FakePreset(), predictor=nope))
-    monkeypatch.setattr(tune_cli, "_model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
+    monkeypatch.setattr(tune_cli, "model_preset_warning", lambda preset: "")  # FakePreset is no shipped preset
     db = tmp_path / "moetune.db"
     r = _run("tune", "--model", "qwen3-30b", "--tokens", "128", "--backend", "model", "--preset", "fake-ibrc-x4",
              "--nodes", "2", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--db", str(db))

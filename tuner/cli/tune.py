@@ -12,12 +12,13 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.tuner.cli import tune_show
 from moetune.tuner.cli._args import (
     distinct_buckets,
     int_list,
@@ -31,11 +32,33 @@ from moetune.tuner.cli._args import (
 from moetune.tuner.cli._help import examples
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
+from moetune.tuner.cli.tune_notes import (
+    budget_ended,
+    err,
+    forced_note,
+    model_preset_warning,
+    no_success,
+    nothing_stored,
+    quiet_optuna,
+    row_note,
+    store_failed,
+    tune_scale_note,
+)
+from moetune.tuner.cli.tune_storage import (
+    STORAGE_EMPTY,
+    check_storage,
+    disk_full,
+    open_store,
+    read_config,
+    redacted,
+    refuse_memory,
+    storage_failed,
+    storage_problem,
+    storage_url,
+)
 
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
                   invoke_without_command=True, no_args_is_help=False, epilog=examples(("tune",)))
-
-err = Console(stderr=True, soft_wrap=True)
 
 
 # the capture option's two spellings (Click does not say which one was typed): errors name both
@@ -43,12 +66,8 @@ CAPTURE_OPT = "--from/--capture"
 
 COMM_BACKENDS = ("nccl", "gloo")  # what the local backend launches its ranks with (`moetune bench ep --backend`)
 
-# --storage "": refused by its parser (it was taken for the default studies file: `if storage:`)
-STORAGE_EMPTY = ("an empty URL names no storage (leave the option out for the default studies file NAME-studies.db "
-                 "beside the profile database NAME.db)")
-# --backend "" was taken for the configured backend (`backend or cfg_backend`); --study "" matched every study's name
+# --backend "" was taken for the configured backend (`backend or cfg_backend`)
 BACKEND_EMPTY = "an empty backend names none: give model or local (leave the option out for config [tune] backend)"
-STUDY_EMPTY = "an empty name matches every study (leave the option out to list the studies)"
 FAMILY_EMPTY = "an empty family names none (leave the option out for every family of the fabric)"
 
 
@@ -70,165 +89,6 @@ def cuda_problem(comm: str, world: int, given: bool, why_default: str) -> str:
     what = "--comm nccl" if given else f"--comm nccl (the default: {why_default})"
     return (f"{what} needs {world} CUDA GPUs on this machine (one per rank, --world {world}), found {found}: "
             "pass --comm gloo to measure between CPU processes" + ("" if found < 2 else f", or --world {found}"))
-
-
-def _redact(url: str) -> str:
-    from moetune.tuner.search.tune import _redact as redact
-
-    return redact(url)  # a postgresql:// URL's password stays off the terminal
-
-
-# another process holds or is creating the studies file: the file is fine, a re-run works (never "move it aside")
-BUSY_MARKERS = ("database is locked", "database table is locked", "already exists", "UNIQUE constraint failed")
-
-
-Problem = tuple[Literal["busy", "denied", "full", ""], str]  # _storage_problem's answer
-
-
-def _storage_failed(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> NoReturn:
-    """Exit with `_storage_error`'s message: 1 where nothing is wrong in what was given (the storage is busy: a re-run
-    works; this user may not write the file or its folder; the disk under it is full), 2 otherwise."""
-    problem = problem or _storage_problem(url, e)
-    _fail(_storage_error(url, given, e, problem), 1 if problem[0] else 2)
-
-
-def _read_failed(url: str, given: bool, e: BaseException) -> NoReturn:
-    """`tune show`'s read failed. Optuna wraps SQLAlchemy's errors (StorageInternalError "...invalid data in the
-    commit..."): the chain says what happened. A writer changed the file under the read (DatabaseChanged, after the
-    reads `list_studies`/`describe_study` ran again) or holds it locked: exit 1, retry; else `_storage_failed`."""
-    from moetune.tuner.search.readback import changed_while_read
-    from moetune.tuner.search.storage import sqlite_path
-    from moetune.tuner.search.workers import exception_chain
-
-    if changed_while_read(e):
-        where = f"--storage {_redact(url)}" if given else f"the studies file {sqlite_path(url) or _redact(url)}"
-        _fail(f"{where}: the studies file changed while being read (a tune is writing it); the file is kept as it is: "
-              "retry", 1)
-    busy = next((x for x in exception_chain(e) if _storage_busy(x)), None)
-    _storage_failed(url, given, busy or e)
-
-
-def _why(e: BaseException) -> str:
-    return str(getattr(e, "orig", None) or e)
-
-
-def _storage_busy(e: BaseException) -> bool:
-    return any(m in _why(e) for m in BUSY_MARKERS)
-
-
-def _storage_problem(url: str, e: BaseException) -> Problem:
-    """What failed that is not wrong in what was given, read once per failure: ("busy", "") when another process
-    holds or is creating the studies file; ("denied", why) when this user cannot write the SQLite studies file or its
-    folder (SQLite's "readonly database" or "unable to open database file", and the permissions say so); ("full",
-    why) when SQLite said, anywhere in e's chain (Optuna wraps it: StorageInternalError, or the AssertionError its
-    `_run_trial` raises when the trial's state could not be stored), that the disk took no more (`_disk_full`);
-    ("", "") for anything else."""
-    from moetune.tuner.search.storage import sqlite_path
-    from moetune.tuner.store._folders import not_writable
-    from moetune.tuner.store.sqlite_errors import SQLITE_CANNOT_WRITE
-
-    if _storage_busy(e):
-        return "busy", ""
-    path = sqlite_path(url)
-    full = _disk_full(url, e)
-    if full is not None:
-        if full[0] == "io" and path is not None:  # an I/O error where this user may not write: the permission says why
-            denied = not_writable(path, side_files=True)
-            if denied:
-                return "denied", denied
-        return "full", full[1]
-    if path is None or not any(m in _why(e) for m in SQLITE_CANNOT_WRITE):
-        return "", ""
-    denied = not_writable(path, side_files=True)
-    return ("denied", denied) if denied else ("", "")
-
-
-def _disk_full(url: str, e: BaseException) -> tuple[str, str] | None:
-    """(kind, why) when an exception in e's chain is SQLite's answer of a disk that took no more
-    (`sqlite_errors.disk_failed`: SQLITE_FULL, kind "full", or SQLITE_IOERR, kind "io": on a full disk the -wal/-shm cannot
-    grow), why naming the folder of the studies file; else None."""
-    from moetune.tuner.search.storage import sqlite_path
-    from moetune.tuner.search.workers import exception_chain
-    from moetune.tuner.store.sqlite_errors import disk_failed
-
-    for x in exception_chain(e):
-        kind = disk_failed(x)
-        if kind is None:
-            continue
-        path = sqlite_path(url)
-        disk = f"the disk holding {Path(os.path.abspath(path)).parent}" if path is not None else "its disk"
-        state = "is full" if kind == "full" else "is full or failed"
-        return kind, f"{disk} {state} (SQLite: {(_why(x).splitlines() or [''])[0]})"
-    return None
-
-
-def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> str:
-    """The error for a study storage that cannot be opened, naming --storage (or the default studies file).
-    `problem`: `_storage_problem(url, e)` where the caller has it already."""
-    from moetune.tuner.search.storage import sqlite_path
-
-    kind, reason = problem or _storage_problem(url, e)  # reason: the denial's, the full disk's
-    why = (_why(e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
-    path = sqlite_path(url)
-    if path is not None and path.is_dir():
-        why = f"{path} is a directory"
-    if kind == "busy":
-        where = f"--storage {_redact(url)}" if given else f"the studies file {path or _redact(url)}"
-        return (f"{where} is busy: another moetune process is using or creating it ({type(e).__name__}: {why}); "
-                "the file is kept as it is: run the command again")
-    if "://" not in url:  # SQLAlchemy's "Could not parse SQLAlchemy URL" says nothing of what to type
-        return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
-    if kind == "full":  # reason: the folder, SQLite's words
-        where = f"--storage {_redact(url)}" if given else f"the studies file {path or _redact(url)}"
-        check = " (or check the disk)" if "full or failed" in reason else ""
-        return (f"{where}: {reason}; free space there{check}, then run the same command again: the study resumes "
-                "(the trials the file holds are kept)")
-    if kind == "denied":
-        return f"--storage {_redact(url)}: {reason}" if given else f"the studies file (the default --storage): {reason}"
-    if given:
-        return f"--storage {_redact(url)}: cannot open the study storage ({type(e).__name__}: {why})"
-    return (f"the studies file {path or _redact(url)} (the default --storage, beside the profile database) cannot be "
-            f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside or pass --storage")
-
-
-def _refuse_memory(storage: str, why: str) -> None:
-    """Exit 2 on an in-memory SQLite --storage (`sqlite://`, `sqlite:///:memory:`): it exited 0 and the studies
-    vanished."""
-    from moetune.tuner.search.storage import is_memory
-
-    if is_memory(storage):
-        _fail(f"--storage {storage}: an in-memory database: {why}; give a file (sqlite:///PATH) or a server URL "
-              "(postgresql://...)")
-
-
-def _check_storage(url: str, given: bool, *, create: bool = True) -> None:
-    """Open the study storage once before anything runs: a bad URL, a folder or a file that is not a database is
-    one clear error, not a traceback from Optuna or SQLAlchemy. `create` False: only what can be checked without
-    creating anything (`refuse_storage`: a URL that does not parse, another program's file, a missing folder),
-    before the profile database is created (a refused storage leaves no new --db file behind)."""
-    import warnings
-
-    from moetune.tuner.search.storage import (
-        StorageRefused,
-        make_storage,
-        refuse_default_storage,
-        refuse_storage,
-    )
-
-    try:
-        with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
-            warnings.simplefilter("ignore")
-            if create:
-                make_storage(url, own=not given)  # the default studies file is moetune's own (WAL)
-            else:  # the checks that create nothing, once, before the profile database is made
-                if not given:
-                    refuse_default_storage(url)
-                refuse_storage(url)
-    except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
-        _fail(f"--storage {_redact(url)}: {e}" if given
-              else f"the studies file (the default --storage, beside the profile database): {e}", e.exit_code)
-    except Exception as e:  # SQLAlchemy / sqlite3 / a missing driver / Optuna's schema check: all mean "cannot open"
-        _storage_failed(url, given, e)
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -269,43 +129,6 @@ def _inert_options(ctx: typer.Context, backend: str) -> str:
         return ""
     return (f"{', '.join(extra)}: {'it applies' if len(extra) == 1 else 'they apply'}{why.removeprefix('apply')}: "
             f"leave {'it' if len(extra) == 1 else 'them'} out, or use --backend {'local' if backend == 'model' else 'model'}")
-
-
-def _load_config(config: Path | None, *, measuring: bool = False):
-    """The configuration, or a clear error naming the key and file (never silently the defaults). `measuring`: its
-    [runtime] table checked too (a bad key fails here, not in every trial) and --config made the chain the trials
-    measure under (`load_config_checked`); `tune show` reads no runtime option and keeps working past a bad one."""
-    from moetune.runtime.config import ConfigError, load_config
-    from moetune.runtime.options import load_config_checked
-
-    try:
-        return load_config_checked(config) if measuring else load_config(config)
-    except ConfigError as e:
-        _fail(str(e))
-
-
-def _open_store(db: Path | None, *, readonly: bool = False):
-    try:
-        from moetune.tuner.store.store import Store  # type: ignore[attr-defined]
-    except ImportError as e:
-        _fail(f"the profile store is not available in this build ({e})")
-    try:
-        # intact: a damaged file is refused before the trials (they ran for minutes, then the write failed or spread it)
-        store = Store(db, readonly=readonly, intact=not readonly)
-    except (RuntimeError, OSError, ValueError) as e:  # StoreError: not a database, damaged, newer schema, busy, ...
-        _fail(str(e), getattr(e, "exit_code", 2))
-    from moetune.tuner.cli.db import say_upgraded
-
-    say_upgraded(store)
-    return store
-
-
-def _storage_url(storage: str | None, db: Path | None, store=None) -> str:
-    from moetune.tuner.search.storage import default_storage_url
-
-    if storage is not None:
-        return storage
-    return default_storage_url(db or (store.path if store is not None else None))
 
 
 @app.callback(invoke_without_command=True)
@@ -354,7 +177,7 @@ def tune(
         err.print(escape(note))
         shapes = [get_model(m) for m in names]
     toks = _parse_tokens(tokens)
-    cfg = _load_config(config, measuring=True)
+    cfg = read_config(config, measuring=True)
     cfg_trials, cfg_timeout, cfg_backend = int(cfg.tune.trials), cfg.tune.timeout_s, str(cfg.tune.backend)
     backend = backend if backend is not None else cfg_backend
     if backend not in ("model", "local"):
@@ -427,10 +250,10 @@ def tune(
             _fail(str(e) if policy is not None else f"{ENV_POLICY}: {e}")
 
     if storage is not None:
-        _refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")
-    forced = _model_preset_warning(preset) if backend == "model" else ""
+        refuse_memory(storage, "the studies would be lost when moetune exits: nothing could resume or show them")
+    forced = model_preset_warning(preset) if backend == "model" else ""
 
-    _quiet_optuna()
+    quiet_optuna()
     logging.getLogger("moetune").setLevel(logging.WARNING)
 
     facts = None
@@ -467,7 +290,7 @@ def tune(
         if why:  # before any database is created
             _fail(f"--node-model: {why}")
     if forced:  # said once the preset is accepted for this use (a refused --node-model says only why)
-        err.print(_forced_note(preset, forced, node_model))
+        err.print(forced_note(preset, forced, node_model))
     if backend == "local":
         gpus = facts.gpu_count
         # the ranks launched on this node: --world, else the EP size asked (what is measured is what is stored)
@@ -499,8 +322,8 @@ def tune(
                  if backend == "local" and facts is not None else "")
         _fail(f"{e}{where}")
     db_path = db if db is not None else cfg.db_path
-    url = _storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
-    _check_storage(url, storage is not None, create=False)  # refused: no profile database created
+    url = storage_url(storage, db_path)  # the URL tune_profiles_detailed opens (storage, else beside the store)
+    check_storage(url, storage is not None, create=False)  # refused: no profile database created
     from moetune.tuner.cli._run_lock import close_orphaned_runs, hold_run_lock, refuse_serving_daemon
 
     refuse_serving_daemon(db_path)  # the daemon is its database's single writer (as for `profile`)
@@ -509,9 +332,9 @@ def tune(
         # as their measurements would skew each other. Model tunes may share a study and a database (workers of one
         # study, tests/test_tune_storage_journal.py): they measure nothing
         hold_run_lock(db_path, ctx)
-    store = _open_store(db_path)
+    store = open_store(db_path)
     close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
-    _check_storage(url, storage is not None)  # refused --db: no studies file created
+    check_storage(url, storage is not None)  # refused --db: no studies file created
     from moetune.tuner.cli._progress import RichProgress
     from moetune.tuner.fabric.moved import FabricGuard, FabricMovedOn, GuardedStore
     from moetune.tuner.search.tune import tune_profiles_detailed
@@ -564,28 +387,28 @@ def tune(
             if isinstance(e, FabricMovedOn):  # nothing stored under the old fingerprint since the change
                 _fail(str(e), e.exit_code)
             if isinstance(e, StoreError):  # before `ValueError/OSError`: the profile database, not the tune, failed
-                _fail(_store_failed(e, store, url, ran[0]), e.exit_code)
+                _fail(store_failed(e, store, url, ran[0]), e.exit_code)
             if isinstance(e, ValueError | OSError):
                 _fail(str(e))
             if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
-                _storage_failed(url, storage is not None, e)
+                storage_failed(url, storage is not None, e)
             cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
             if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError):
-                problem = _storage_problem(url, cause)
+                problem = storage_problem(url, cause)
                 if problem[0]:
-                    _storage_failed(url, storage is not None, cause, problem)
+                    storage_failed(url, storage is not None, cause, problem)
             # a full disk under the studies file, however Optuna passed it on: a StorageInternalError, or the
             # AssertionError ("Should not reach.") its `_run_trial` raises when the trial's end could not be stored
-            full = _disk_full(url, e)
+            full = disk_full(url, e)
             if full is not None:
-                _storage_failed(url, storage is not None, e, _storage_problem(url, e))
+                storage_failed(url, storage is not None, e, storage_problem(url, e))
             if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
                 _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept "
-                      f"in {_redact(url)}: run the same command again to resume")
+                      f"in {redacted(url)}: run the same command again to resume")
             raise
         finally:
             bar.close()
-    scale = _scale_note(backend, preset, results)
+    scale = tune_scale_note(backend, preset, results)
     rows = []
     for r in results:
         rec = r.record
@@ -609,12 +432,12 @@ def tune(
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
     if forced:  # again after the progress bar and the results, where it is read: the reminder, not the reasons twice
-        err.print(_forced_note(preset, forced, node_model, again=True))
+        err.print(forced_note(preset, forced, node_model, again=True))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
-        _budget_ended(results, trials, timeout, budget_from)
-        _no_success(no_trial, len(results))
-        _nothing_stored(results)
+        budget_ended(results, trials, timeout, budget_from)
+        no_success(no_trial, len(results))
+        nothing_stored(results)
         return
     from rich import box
 
@@ -654,52 +477,13 @@ def tune(
         c.print(n, markup=False)  # wrapped between words at the console's width (soft_wrap printed one long line)
     if scale:
         c.print(f"[yellow]note[/yellow]: {escape(scale)}")
-    _budget_ended(results, trials, timeout, budget_from)
-    _no_success(no_trial, len(results))
-    _nothing_stored(results)
+    budget_ended(results, trials, timeout, budget_from)
+    no_success(no_trial, len(results))
+    nothing_stored(results)
 
 
 # the table's "stored" column: TuneResult.stored
 STORED_CELL = {"new": "[green]new[/green]", "kept": "[yellow]kept[/yellow]", "none": "[red]none[/red]"}
-
-
-def _quiet_optuna() -> None:
-    """Optuna logs a failed trial as a WARNING with its exception: Ctrl-C printed a full KeyboardInterrupt
-    traceback and "Trial N failed with value None." over the progress bar. The CLI reports failures itself (the
-    interrupted line, each study's first failure), so only Optuna's errors are shown."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-
-
-def _store_failed(e: BaseException, store: object, url: str, ran: int) -> str:
-    """A profile-database error during the tune (a corrupt or locked file, a full disk): name the database and
-    say what is kept. The trials are in the study storage, apart from the database: a re-run resumes them. Only a
-    damaged file (or another StoreError of the file) gets "fix the database": a busy one, one this user may not
-    write and a full disk have their own advice."""
-    from moetune.tuner.store import StoreBusy, StoreFull, StoreNotWritable
-
-    db = getattr(store, "path", None)
-    head = f"the profile database {db} failed: {e}" if db is not None and str(db) not in str(e) else \
-        f"the profile database failed: {e}"
-    if isinstance(e, StoreFull):  # nothing is wrong with the file: the disk took no more (e names its folder)
-        if ran:
-            return (f"{head}; the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}: free "
-                    "space, then run the same command again: the studies resume and the profiles are written then")
-        return f"{head}; no trial ran"  # e ends "free space there, then run the command again"
-    if isinstance(e, StoreBusy | StoreNotWritable):  # nothing is wrong with the file: no "fix the database"
-        fix = "" if isinstance(e, StoreBusy) else " make it writable (or pass another --db) and"  # e says "retry"
-        if ran:
-            return (f"{e}; the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}:{fix} "
-                    "run the same command again: the studies resume and the profiles are written then")
-        return f"{e}; no trial ran" + (f":{fix} run the command again" if fix else "")
-    if ran:
-        kept = (f"the {ran} trial(s) this run finished are saved in the studies file {_redact(url)}; fix the "
-                "database (or pass another --db) and run the same command again: the studies resume and the "
-                "profiles are written then")
-    else:
-        kept = "no trial ran; fix the database (or pass another --db) and run the command again"
-    return f"{head}; {kept}"
 
 
 # what `moetune tune` takes for itself: given before a subcommand (`tune --db X show`), they were silently ignored
@@ -721,240 +505,4 @@ def _no_options_before(ctx: typer.Context, policy: Path | None) -> None:
               f"it from there; put the subcommand's options after it (`moetune tune {ctx.invoked_subcommand} --help`)")
 
 
-def _model_preset_warning(preset: str | None) -> str:
-    """The model backend's --preset checked before any database is opened (missing, unknown or unreadable: exit 2);
-    its `[calibration] warning` when it is a fit the calibration checks refused, else ''."""
-    from moetune.tuner.fabric_model.calibration_record import forced_fit_warning
-    from moetune.tuner.fabric_model.presets import load_preset
-
-    if preset is None:
-        _fail("the model backend needs --preset: a preset name, or a calibrated preset file of this node "
-              "(`moetune model calibrate --out FILE`) with --node-model")
-    try:
-        return forced_fit_warning(load_preset(preset))
-    except (OSError, ValueError) as e:  # PresetError names the preset and what is wrong with it
-        _fail(str(e))
-
-
-def _scale_note(backend: str, preset: str | None, results: list) -> str | None:
-    """The model backend's note where the EP size it predicted at lies beyond the most ranks the preset's calibration
-    measured together (`[calibration] world`), or a token count outside the tokens per GPU its rows measured
-    (`[calibration] tokens`), as `model predict` says it; None elsewhere, or where the preset records neither. Advice only: a preset file that cannot be read again (edited or removed during the tune) gives
-    none, never a failure of a tune whose profiles are stored."""
-    if backend != "model" or preset is None or not results:
-        return None
-    from moetune.tuner.cli.model import scale_note
-    from moetune.tuner.fabric_model.presets import load_preset
-
-    try:
-        pr = load_preset(preset)
-    except (OSError, ValueError):  # PresetError is a ValueError
-        return None
-    gpus = max(r.study.workload.nodes * r.study.workload.gpus_per_node for r in results)
-    return scale_note(pr, gpus, "this tune", tokens=[r.study.workload.tokens for r in results])
-
-
-def _forced_note(preset: str, warning: str, node_model: bool, again: bool = False) -> str:
-    """What the user is told, before and after the tune, when --preset is a forced (refused) fit: the explicit
-    choice is honoured, never silently. `again` (after the results): the reminder only, its warning (the reasons,
-    long) was printed once, before the tune."""
-    use = "profiles stored as THIS NODE's model" if node_model else "profiles stored from it"
-    if again:
-        stored = ", stored as THIS NODE's model," if node_model else ""
-        return (f"[bold red]FORCED MODEL: this tune's profiles{stored} rest on {escape(preset)}, a fit the "
-                "calibration checks REFUSED[/bold red] [red](why: printed before the tune; the --json rows' "
-                "forced_model). For a model to trust, re-run `moetune profile` or `moetune model calibrate` without "
-                "--force.[/red]")
-    return (f"[bold red]FORCED MODEL: {escape(preset)} is a fit the calibration checks REFUSED (written by "
-            f"`moetune model calibrate --force`):[/bold red] {escape(warning)}\n"
-            f"[red]its predictions are not trusted; the {use} rest on it. For a model to trust, re-run "
-            "`moetune profile` or `moetune model calibrate` without --force.[/red]")
-
-
-def row_note(row: dict[str, Any]) -> str | None:
-    """The line under the results table for a row that stored nothing, or whose stored number is not its study's
-    best (the side-by-side measurement is); None for the others."""
-    best, sb = row["best_us"], row["study_best_us"]
-    if row["written"] and (sb is None or best is None or abs(sb - best) <= 1e-9):
-        return None
-    # the store's reason is why it wrote or did not: alone after a written row, "no current profile for this key"
-    # read as "nothing stored" beside a stored column that said new
-    outcome = (f"stored {best:,.1f} µs as measured side by side ({row['reason']})" if row["written"] and best is not None
-               else row["reason"])
-    return (f"{row['family']} {row['model']} S={row['tokens']}: study best {'-' if sb is None else f'{sb:,.1f}'} µs "
-            f"in its search trial; {outcome}")
-
-
-def _budget_ended(results: list, asked: int, timeout: float | None, source: str) -> None:
-    """Say on stderr what share of the time budget each study got (where it was shared by several), and which
-    studies it cut short, with the trials each ran of those asked: a table of winners does not show that they come
-    from a shortened search (the exit code stays as it is)."""
-    if timeout is not None and len(results) > 1:
-        shares = "; ".join(f"{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}"
-                           f" {r.budget_s:.1f} s (took {r.used_s:.1f} s)" for r in results
-                           if r.budget_s is not None and r.used_s is not None)
-        err.print(f"[dim]the time budget ({escape(source)}, {timeout:g} s) shared over {len(results)} studies, each "
-                  f"the time left / the studies left: {shares}[/dim]", soft_wrap=False)
-    cut = [r for r in results if r.budget_ended]
-    if not cut:
-        return
-    # wrapped at the console's width between words (the stderr console prints soft-wrapped lines whole)
-    err.print(f"[yellow]the time budget ({escape(source)}, {timeout:g} s) ended the tune early: {len(cut)} of "
-              f"{len(results)} studies ran fewer trials than the {asked} asked, or no side-by-side check[/yellow]",
-              soft_wrap=False)
-    for r in cut:
-        ran = r.study.trials
-        # a study whose trials all ran was cut at the side-by-side check of its winner: nothing was stored
-        what = " (not started)" if ran == 0 else " (the side-by-side check not run: nothing stored)" if ran >= asked else ""
-        err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}: "
-                  f"{ran} of {asked} trials{what}"
-                  f"{f' in its {r.budget_s:.1f} s' if r.budget_s is not None else ''}", soft_wrap=False)
-    err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume", soft_wrap=False)
-
-
-def _no_success(failed: list, total: int) -> None:
-    """Name the studies without a successful trial on stderr; exit 1 when that is every study (nothing measured)."""
-    if not failed:
-        return
-    for r in failed:
-        what = f"{escape(r.study.family)} {escape(r.study.workload.model.name)} S={r.study.workload.tokens}"
-        if r.budget_ended and r.study.trials == 0:  # no trial failed: the time budget was spent before it
-            err.print(f"[yellow]{what}: no trial, the time budget ended before this study started[/yellow]",
-                      soft_wrap=False)
-            continue
-        why = r.study.first_error  # recorded as the tune summed the study up (a real failure before a cut trial)
-        err.print(f"[yellow]{what}: no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""),
-                  soft_wrap=False)
-    if len(failed) == total:
-        err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored", soft_wrap=False)
-        raise typer.Exit(1)
-
-
-def _nothing_stored(results: list) -> None:
-    """Exit 1 when the tune left no profile for any of its keys: nothing written, and none stored before (a winner
-    that failed when measured again, ...). A key with no successful trial is named by `_no_success` already."""
-    if not results or any(r.stored != "none" for r in results):
-        return
-    err.print("[red]error:[/red] nothing stored: no key got a profile from this tune and none had one before",
-              soft_wrap=False)
-    for r in results:
-        if r.study.best is not None:  # the others: "no successful trial", said above
-            err.print(f"  {escape(r.study.family)} {escape(r.study.workload.model.name)} "
-                      f"S={r.study.workload.tokens}: {escape(r.reason)}", soft_wrap=True)
-    raise typer.Exit(1)
-
-
-@app.command("show")
-def show(
-    study: str = text_option(None, "--study", "-s", empty=STUDY_EMPTY, help="Study name (default: list the studies)."),
-    storage: str = text_option(None, "--storage", empty=STORAGE_EMPTY, help="Optuna storage URL."),
-    db: Path = path_option(None, "--db", help="Profile database (its studies file, NAME-studies.db for NAME.db, sits beside it)."),
-    config: Path = path_option(None, "--config", help="TOML config file (for the default database)."),
-    as_json: bool = typer.Option(False, "--json", help="JSON output."),
-) -> None:
-    # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
-    """Summarise the studies (or one study: its best and policy-default trials, the profile stored for its key, importances); reads only.
-
-    The storage is opened read-only and one without Optuna's tables is refused, never given them."""
-    import warnings
-
-    from moetune.tuner.search.readback import NotAMoetuneStudy, describe_study, list_studies
-
-    _quiet_optuna()
-    warnings.simplefilter("ignore")  # Optuna's experimental/deprecation notes are not the user's to read
-    if db is None and storage is None:
-        db = _load_config(config).db_path
-    url = _storage_url(storage, db)
-    from moetune.tuner.search.storage import StorageRefused, refuse_query, sqlite_path
-
-    if storage is not None:
-        _refuse_memory(storage, "a new one holds no studies")
-    try:
-        refuse_query(url)  # a query string (`?mode=rw`) is refused by name here, before any read
-    except StorageRefused as e:
-        _fail(f"--storage {_redact(url)}: {e}")
-    p = sqlite_path(url)
-    if p is not None and not p.exists():
-        _fail(f"no studies yet ({p} does not exist)")
-    try:
-        names_rows = list_studies(url)
-    except Exception as e:  # SQLAlchemy / sqlite3 / Optuna: a bad URL, a folder, a file that is not a database
-        _read_failed(url, storage is not None, e)
-    if study is None:
-        rows = names_rows
-        if as_json:
-            typer.echo(json.dumps(rows, indent=2))
-            return
-        print_table(Console(), (Col("study", "text"), Col("trials", "num"), Col("best µs", "num"), Col("backend", "word")),
-                    [(escape(r["study"]), str(r["trials"]), "-" if r["best_us"] is None else f"{r['best_us']:,.1f}",
-                      escape(str(r["backend"]) + (" (modelled)" if r.get("modelled") else ""))) for r in rows],
-                    title=escape(f"studies in {_redact(url)}"))
-        return
-    names = [r["study"] for r in names_rows]
-    if study not in names:  # a unique part of a name will do (names are long)
-        hits = [n for n in names if study in n]
-        if len(hits) == 1:
-            study = hits[0]
-        elif len(hits) > 1:
-            _fail(f"{study!r} matches {len(hits)} studies: " + ", ".join(hits[:10]))
-    try:
-        d = describe_study(url, study)
-    except KeyError:
-        _fail(f"no study named {study!r} in {_redact(url)}")
-    except NotAMoetuneStudy as e:
-        _fail(f"{e} ({_redact(url)})")
-    except Exception as e:  # as list_studies: a file changed or locked meanwhile is one line, not a traceback
-        _read_failed(url, storage is not None, e)
-    # what the profile database (--db, else the configured one) holds for the study's key: the stored number (after
-    # the tune's side-by-side check, where it made one), not a ratio of trials; the summary stands without it
-    stored_note = "no profile database given (--db)" if db is None else f"{db} does not exist"
-    if db is not None and Path(db).expanduser().exists():
-        try:
-            from moetune.tuner.search.readback import stored_for_key
-            from moetune.tuner.store.store import Store
-
-            with Store(db, readonly=True) as ro:
-                d["stored"] = stored_for_key(ro, d.get("key"), d.get("best_knobs"))
-        except Exception as e:  # broad: a newer schema, a locked or foreign file: said, the study still shown
-            stored_note = f"{db} could not be read: {e}"
-    if "stored" not in d:
-        d["stored_note"] = stored_note
-    if as_json:
-        typer.echo(json.dumps(d, indent=2, default=str))
-        return
-    c = Console()
-    c.print(f"[bold]{d['study']}[/bold]  backend {d['backend']}{' (modelled)' if d['modelled'] else ''}")
-    cut = d.get("interrupted") or 0  # the failed trials cut short (Ctrl-C, a process that died): not counted
-    c.print("trials: " + ", ".join(f"{k} {v}" + (f" ({cut} interrupted, not counted)" if k == "fail" and cut else "")
-                                   for k, v in d["states"].items() if v))
-    if d["best_us"] is not None or d["default_us"] is not None:
-        c.print(f"{d['trials_note']}:")
-    if d["best_us"] is not None:
-        sp = d.get("best_spread_us")
-        c.print(f"  best trial: {d['best_us']:,.1f} µs" + (f" ± {sp:,.1f}" if sp else "") + f" (trial {d['best_trial']})")
-    if d["default_us"] is not None:
-        c.print(f"  policy default trial: {d['default_us']:,.1f} µs")
-    if d["best_knobs"]:
-        c.print("best trial's knobs: " + ", ".join(f"{k}={v}" for k, v in d["best_knobs"].items()))
-    if "stored" not in d:
-        c.print(f"stored for this key: not looked up ({escape(d['stored_note'])})")
-    elif d["stored"] is None:
-        c.print("stored for this key: nothing")
-    else:
-        p = d["stored"]
-        c.print(f"stored for this key: {p['latency_us']:,.1f} ± {p['spread_us']:,.1f} µs, {escape(p['backend'])} "
-                f"({p['provenance']}, {str(p['updated'])[:19]}), "
-                + ("the best trial's knobs" if p["is_study_best"] else
-                   "knobs " + ", ".join(f"{k}={v}" for k, v in p["knobs"].items())))
-    if d["importances"]:
-        print_table(c, (Col("parameter", "word"), Col("importance", "num")),
-                    [(escape(k), f"{v:.3f}") for k, v in d["importances"].items()],
-                    title="parameter importances (fANOVA)")
-    elif d["importance_note"]:
-        c.print(f"importances: {d['importance_note']}")
-    for f in d["failed"]:
-        if f.get("interrupted"):  # cut short, not a failed measurement (not counted): its own word, not "failed: None"
-            why = "" if f["error"] in ("interrupted", None) else f" ({escape(str(f['error']))})"
-            c.print(f"[yellow]trial {f['trial']} interrupted[/yellow]{why} (not counted)")
-        else:
-            c.print(f"[red]trial {f['trial']} failed:[/red] {escape(str(f['error'] or 'no reason recorded'))}")
+tune_show.register(app)  # `moetune tune show` (tune_show.py)
