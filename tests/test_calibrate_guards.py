@@ -157,7 +157,7 @@ def test_the_preset_file_itself_may_be_regenerated(tmp_path: Path, no_fit) -> No
     assert load_preset(str(own), fresh=True).calibration["points"] == 1
     # a shipped preset by name, --out its file (as its header says): allowed without --replace (checked only here:
     # no test writes the shipped file)
-    from moetune.tuner.cli.model import _check_calibrate_out
+    from moetune.tuner.cli.model_calibrate import _check_calibrate_out
 
     _check_calibrate_out(SHIPPED, [data], "nvlink-h200x2", False)
     _check_calibrate_out(SHIPPED, [data], str(SHIPPED), False)

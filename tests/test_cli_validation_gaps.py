@@ -163,15 +163,15 @@ def test_model_sweep_json_names_no_plot_it_did_not_write(tmp_path: Path) -> None
 def test_model_sweep_plot_shows_no_python_warning(tmp_path: Path) -> None:
     import warnings
 
-    from moetune.tuner.cli.model import _plot
+    from moetune.tuner.cli.model_plot import plot
 
     out = tmp_path / "one.png"
     # one point per series and a series with nothing to draw: matplotlib warns of both
     series = {"a": [{"x": 1, "latency_us": 3.0, "fences": 0}], "b": [{"x": 1, "error": "no", "modelled": True}]}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _plot({"b": series["b"]}, "nodes", out, "t")
-        _plot(series, "nodes", out, "t")
+        plot({"b": series["b"]}, "nodes", out, "t")
+        plot(series, "nodes", out, "t")
     assert not caught, [str(w.message) for w in caught]
     assert out.exists()
 
