@@ -409,6 +409,26 @@ def tune(
         finally:
             bar.close()
     scale = tune_scale_note(backend, preset, results)
+    rows = _result_rows(results, trials, forced, scale)
+    # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
+    no_trial = [r for r in results if r.study.best is None]
+    if forced:  # again after the progress bar and the results, where it is read: the reminder, not the reasons twice
+        err.print(forced_note(preset, forced, node_model, again=True))
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        budget_ended(results, trials, timeout, budget_from)
+        no_success(no_trial, len(results))
+        nothing_stored(results)
+        return
+    _print_results(rows, backend, scale)
+    budget_ended(results, trials, timeout, budget_from)
+    no_success(no_trial, len(results))
+    nothing_stored(results)
+
+
+def _result_rows(results: list, trials: int, forced: str, scale: str | None) -> list[dict[str, Any]]:
+    """One row a study (the --json rows; the table is drawn from them): its trials, best, default and what was
+    stored, with what the numbers are (provenance, a forced fit's warning, the extrapolation note)."""
     rows = []
     for r in results:
         rec = r.record
@@ -429,16 +449,12 @@ def tune(
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
             "extrapolation": scale,  # the EP size tuned at lies beyond the preset's measured scale (model predict's)
         })
-    # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
-    no_trial = [r for r in results if r.study.best is None]
-    if forced:  # again after the progress bar and the results, where it is read: the reminder, not the reasons twice
-        err.print(forced_note(preset, forced, node_model, again=True))
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        budget_ended(results, trials, timeout, budget_from)
-        no_success(no_trial, len(results))
-        nothing_stored(results)
-        return
+    return rows
+
+
+def _print_results(rows: list[dict[str, Any]], backend: str, scale: str | None) -> None:
+    """The results table on stdout, its legend, the line under it for each row whose stored number is not
+    its study's best, and the extrapolation note."""
     from rich import box
 
     # through the layout helper: no cell cut with '…' at 80 columns (a long model or family name made the table
@@ -477,9 +493,6 @@ def tune(
         c.print(n, markup=False)  # wrapped between words at the console's width (soft_wrap printed one long line)
     if scale:
         c.print(f"[yellow]note[/yellow]: {escape(scale)}")
-    budget_ended(results, trials, timeout, budget_from)
-    no_success(no_trial, len(results))
-    nothing_stored(results)
 
 
 # the table's "stored" column: TuneResult.stored
