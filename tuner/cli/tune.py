@@ -3,6 +3,9 @@
     moetune tune --model qwen3-30b --tokens 128,1024,4096 [--backend model|local] [--preset P]
                  [--trials N] [--timeout S] [--storage URL] [--seed N] [--db PATH]
     moetune tune show [--study NAME] [--json]
+
+Here: the `tune` command and its options' checks. `tune show` is in tune_show.py, the study-storage checks in
+tune_storage.py, the notes and outcome messages in tune_notes.py.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from rich.markup import escape
 from moetune.tuner.cli.db import abort
 from moetune.tuner.cli.tune_storage import redacted
 
+# `moetune tune`'s stderr console: tune.py prints its notes on this one too
 err = Console(stderr=True, soft_wrap=True)
 
 
