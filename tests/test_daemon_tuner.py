@@ -21,7 +21,6 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def test_real_tuner_retune_after_fabric_change(tmp_path: Path) -> None:
-    pytest.importorskip("moetune.tuner.search.study", reason="the tuner (issue 7) is not merged yet")
     cap = tmp_path / "capture"
     facts = F.make_capture(cap, "dgx-h100")
     store = F.open_store(tmp_path / "moetune.db")

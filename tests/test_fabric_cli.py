@@ -78,7 +78,6 @@ def test_diff_against_hash_is_clear_without_traceback(tmp_path: pathlib.Path, mo
 
 
 def test_diff_against_stored_fingerprint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("moetune.tuner.store.store", reason="the store (branch found) is not merged here")
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
     res = invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record", "--json")
     assert res.exit_code == 0, res.output

@@ -43,7 +43,6 @@ def _daemon(tmp: Path, store, **kw) -> Daemon:
 
 # -- point 1: the re-tune never takes a preset as this node's profile --------------------------------------
 def test_retune_without_calibrated_model_says_so_and_writes_no_preset(tmp_path: Path) -> None:
-    pytest.importorskip("moetune.tuner.search.study")
     from moetune.tuner.fabric.discovery import discover
 
     cap = tmp_path / "capture"
@@ -78,7 +77,6 @@ def test_a_users_retune_that_could_only_fail_is_refused_not_queued(tmp_path: Pat
     finished bring-up and wrote no model again. Now the request is refused up front with the reason, and the
     advice names what writes a model (`moetune profile --restart`) or measures (backend "local"). With the node
     model there, the same request is queued."""
-    pytest.importorskip("moetune.tuner.search.study")
     facts = F.FakeFacts({"gpu_model": "H200"})
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, facts, ep_size=2, buckets=(64,))
@@ -557,7 +555,6 @@ def test_retune_refuses_a_node_model_the_calibration_checks_refused(tmp_path: Pa
 def test_a_forced_node_model_fails_the_daemons_retune_and_status_says_why(tmp_path: Path) -> None:
     """End to end: the daemon's re-tune job on a forced node model fails as impossible, status says why, and
     nothing modelled on it becomes current."""
-    pytest.importorskip("moetune.tuner.search.study")
     from moetune.tuner.fabric.discovery import discover
 
     cap = tmp_path / "capture"

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, nearest_bucket_within
+from moetune.runtime.shapes import get_model
 from moetune.tuner.cli import app
 from moetune.tuner.store.store import ProfileImportError, Store, head_revision
 
@@ -315,7 +316,7 @@ def test_profiles_list_and_show_label_provenance(tmp_path):
 
 def test_query_shows_provenance_from_the_database(tmp_path):
     db = tmp_path / "q.db"
-    m = pytest.importorskip("moetune.runtime.shapes").get_model("qwen3-30b")
+    m = get_model("qwen3-30b")
     k = ProfileKey(fingerprint="fp", software="sw", transport_family="collective", ep_size=2, nodes=1,
                    hidden=m.hidden, intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype,
                    token_bucket=128)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -192,12 +192,6 @@ def test_show_counts_the_finished_trials_and_calls_predictions_modelled(tmp_path
     assert "each a MODELLED prediction of the fabric model (not measured)" in text and "measured alone" not in text
 
 
-needs_real = pytest.mark.skipif(
-    importlib.util.find_spec("moetune.tuner.fabric_model.predict") is None or importlib.util.find_spec("moetune.tuner.store.store") is None,
-    reason="the fabric model and the store are not in this branch yet")
-
-
-@needs_real
 def test_real_model_backend_end_to_end(tmp_path: Path) -> None:
     presets = importlib.import_module("moetune.tuner.fabric_model.presets")
 
@@ -288,7 +282,6 @@ def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Pa
     assert "interrupted" in _first_failure(url, "moetune/y")  # nothing better to say
 
 
-@needs_real
 @pytest.mark.parametrize("node_model", [False, True])
 def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool,
                                                caplog: pytest.LogCaptureFixture) -> None:
