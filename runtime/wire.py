@@ -166,9 +166,14 @@ OPS: tuple[str, ...] = ("hello", "get_profile", "list_profiles", "fabric", "stat
 
 
 # -- replies ---------------------------------------------------------------------------------------
+ERROR_MESSAGE_MAX = 1024  # characters of an error's message: encode_error cuts it here
+
+
 class ErrorInfo(msgspec.Struct):
-    code: str
-    message: str
+    # bounded as a daemon sends them (codes are short words, messages cut by encode_error): a client decoding a reply
+    # with more refuses it as a bad reply instead of carrying megabytes into its fallback warning
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=ERROR_MESSAGE_MAX)]
 
 
 class Reply(msgspec.Struct, omit_defaults=True):
@@ -435,7 +440,7 @@ def encode_ok(req_id: Any, epoch: str, result: Any) -> bytes:
 
 def encode_error(req_id: Any, epoch: str, code: str, message: str) -> bytes:
     return encoder.encode(
-        Reply(v=PROTOCOL_VERSION, id=req_id, ok=False, epoch=epoch, error=ErrorInfo(code=code, message=message[:1024]))
+        Reply(v=PROTOCOL_VERSION, id=req_id, ok=False, epoch=epoch, error=ErrorInfo(code=code, message=message[:ERROR_MESSAGE_MAX]))
     )
 
 

@@ -600,6 +600,20 @@ GARBAGE = ["not_json", "wrong_types", "bad_knobs", "newer_version", "unknown_env
            "result_not_object"]
 
 
+def test_an_oversized_error_reply_is_a_bad_reply_not_a_megabyte_warning(fake, tmp_path: Path) -> None:
+    """A daemon caps an error's message at 1024 characters (wire.encode_error) and its codes are short words: an
+    ok=false reply with a 2 MB message or code is not a daemon's, and its text must not reach the warning whole."""
+    def answer(req: dict) -> bytes:
+        return json.dumps({"v": 1, "id": req["id"], "ok": False, "epoch": "e1",
+                           "error": {"code": "c" * 100_000, "message": "m" * 2_000_000}}).encode()
+
+    d = fake(answer)
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and d.requests
+    assert len(warned) == 1 and "validate" in warned[0]
+    assert len(warned[0]) < 8192 and len(res.message) < 8192
+
+
 @pytest.mark.parametrize("kind", GARBAGE)
 def test_bad_reply_falls_back_once_within_budget(fake, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
     d = fake(_garbage(kind))
