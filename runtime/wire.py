@@ -185,13 +185,18 @@ class Reply(msgspec.Struct, omit_defaults=True):
     error: ErrorInfo | None = None
 
 
+# A daemon's epoch is uuid4().hex[:16]: a reply or change notice with a longer one is not a daemon's (the client keeps
+# the epoch: in its resolution, its per-process identity memo's keys and its messages)
+Epoch = Annotated[str, Meta(max_length=64)]
+
+
 class RawReply(msgspec.Struct):
     """Client side: the reply with its result left undecoded until the op is known."""
 
     v: int
     id: Any
     ok: bool
-    epoch: str
+    epoch: Epoch
     result: msgspec.Raw = msgspec.Raw(b"null")
     error: ErrorInfo | None = None
 
@@ -333,7 +338,7 @@ CHANGE_KINDS: tuple[str, ...] = ("profile_updated", "profile_stale", "fabric_cha
 class Change(msgspec.Struct, kw_only=True, omit_defaults=True):
     v: int = PROTOCOL_VERSION
     version: int
-    epoch: str
+    epoch: Epoch
     kind: ChangeKind
     fingerprint: str | None = None
     old_fingerprint: str | None = None

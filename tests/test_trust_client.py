@@ -614,6 +614,17 @@ def test_an_oversized_error_reply_is_a_bad_reply_not_a_megabyte_warning(fake, tm
     assert len(warned[0]) < 8192 and len(res.message) < 8192
 
 
+def test_an_oversized_epoch_is_a_bad_reply(fake, tmp_path: Path) -> None:
+    """A daemon's epoch is 16 hex digits: a reply with a 100 KB one is not a daemon's. It must not become the
+    client's epoch (kept in the resolution, in the per-process identity memo's keys, in messages)."""
+    d = fake(lambda req: json.dumps({"v": 1, "id": req["id"], "ok": True, "epoch": "e" * 100_000,
+                                     "result": result()}).encode(), fabric=None)
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and d.requests
+    assert res.epoch is None or len(res.epoch) <= 64
+    assert len(warned) == 1 and "validate" in warned[0] and len(warned[0]) < 8192
+
+
 @pytest.mark.parametrize("kind", GARBAGE)
 def test_bad_reply_falls_back_once_within_budget(fake, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
     d = fake(_garbage(kind))
