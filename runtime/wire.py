@@ -75,7 +75,8 @@ ERROR_CODES: tuple[str, ...] = (
 )
 
 Id = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | Annotated[str, Meta(max_length=128)]
-Name = Annotated[str, Meta(min_length=1, max_length=256)]
+NAME_MAX = 256  # characters of a name a request carries (a model, fingerprint, software hash, family, dtype)
+Name = Annotated[str, Meta(min_length=1, max_length=NAME_MAX)]
 POS_INT_MAX = 1 << 31  # the largest id or size a request may carry
 PosInt = Annotated[int, Meta(ge=1, le=POS_INT_MAX)]
 Tokens = Annotated[int, Meta(ge=0, le=1 << 31)]

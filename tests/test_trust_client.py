@@ -291,6 +291,19 @@ def test_daemon_profile_of_another_node_is_refused(fake, tmp_path: Path) -> None
     assert res.source == "daemon" and res.tuned and res.provenance == "measured" and not warned
 
 
+@pytest.mark.parametrize("field", ["fp", "sw"])
+def test_a_profile_key_with_a_megabyte_fingerprint_is_a_bad_reply(fake, tmp_path: Path, field: str) -> None:
+    """A request names a fingerprint or software of at most 256 characters (wire.Name): a key with a 1 MB one (its
+    profile_hash computed to match) is not what a daemon serves. It must not reach the warning whole, nor key the
+    per-process identity memo."""
+    k = key(**{field: "6" * 1_000_000})
+    d = fake(lambda req: ok_reply(req["id"], result(k)))
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and d.requests
+    assert len(warned) == 1 and len(warned[0]) < 8192
+    assert all(len(m[2]) + len(m[3]) < 1024 for m in client._REPORTED)
+
+
 def _seed_db(db: Path, facts: dict, records: list[ProfileRecord]) -> None:
     store = F.open_store(db)
     fps = {facts["_fp"]} | {r.key.fingerprint for r in records}

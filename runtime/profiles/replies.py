@@ -78,6 +78,11 @@ def _reply_mismatch(r: wire.ProfileResult, *, model: ModelShape | None, ep_size:
     family only when one was asked for. `model` None: the shape is not compared (a tracked query whose model name
     this client cannot parse; the daemon answered it, so it knows the name)."""
     k = r.key
+    # the names a request carries are at most NAME_MAX long, the key's are looked up by them: a longer one is not a
+    # served profile's (and would be repeated whole in messages and the client's per-process identity memo)
+    for name in ("fingerprint", "software", "transport_family", "dtype"):
+        if len(getattr(k, name)) > wire.NAME_MAX:
+            return f"key {name} is {len(getattr(k, name))} characters long, more than a request may name ({wire.NAME_MAX})"
     if r.status != "current":
         return f"profile status is {r.status!r}, not 'current'"
     want: dict[str, Any] = {"ep_size": ep_size, "nodes": nodes}
