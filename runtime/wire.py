@@ -270,8 +270,9 @@ class ListProfilesResult(msgspec.Struct, kw_only=True):
 
 
 class FabricResult(msgspec.Struct, kw_only=True):
-    fingerprint: str | None
-    software: str | None
+    # hashes as a daemon sends them: bounded, so that a client never repeats a hostile megabyte in its messages
+    fingerprint: Annotated[str, Meta(max_length=NAME_MAX)] | None
+    software: Annotated[str, Meta(max_length=NAME_MAX)] | None
     transports: list[str]
     facts: dict[str, Any]
     discovered_at: str

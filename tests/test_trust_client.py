@@ -304,6 +304,17 @@ def test_a_profile_key_with_a_megabyte_fingerprint_is_a_bad_reply(fake, tmp_path
     assert all(len(m[2]) + len(m[3]) < 1024 for m in client._REPORTED)
 
 
+@pytest.mark.parametrize("field", ["fingerprint", "software"])
+def test_a_fabric_reply_with_a_megabyte_fingerprint_or_software_is_a_bad_reply(fake, tmp_path: Path,
+                                                                                field: str) -> None:
+    """A daemon's fingerprint and software are hashes: a `fabric` reply naming a 1 MB one is not a daemon's, and must
+    not reach the fallback warning whole (it said "reports software <1 MB> that is not its facts'")."""
+    d = fake(lambda req: ok_reply(req["id"], result()), fabric={**F.this_node_fabric(FP), field: "9" * 1_000_000})
+    res, warned = resolve(d.endpoint, tmp_path)
+    assert res.source in ("policy", "default") and d.requests
+    assert len(warned) == 1 and len(warned[0]) < 8192
+
+
 def _seed_db(db: Path, facts: dict, records: list[ProfileRecord]) -> None:
     store = F.open_store(db)
     fps = {facts["_fp"]} | {r.key.fingerprint for r in records}
