@@ -904,3 +904,37 @@ def test_this_nodes_fingerprint_behind_many_newer_foreign_ones_is_still_found(tm
     assert ident is not None and ident.fingerprint == "c" * 16, why
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
     assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash, warned
+
+
+def test_autoload_cache_never_serves_a_modelled_profile_once_allow_modelled_is_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key left out the settings the lookup judged under: a preset's MODELLED profile, resolved while
+    MOETUNE_CLIENT_ALLOW_MODELLED=1, was served again from the cache after the variable was unset (a modelled
+    number applied without allow_modelled). Likewise MOETUNE_AUTOLOAD=0 must not be answered from the cache."""
+    F.pretend_node(monkeypatch, _local_facts(), tmp_path / "proc")
+    db = tmp_path / "moetune.db"
+    preset = ProfileRecord(key=key("preset:nvlink-h200x2", "0" * 16, bucket=64),
+                           knobs=default_knobs("nvlink").replace(num_sms=8), latency_us=1.0, spread_us=0.0,
+                           backend="model:nvlink-h200x2")
+    _seed_db(db, {"_fp": "preset:nvlink-h200x2", "facts": {}}, [preset])
+    for var in [k for k in os.environ if k.startswith("MOETUNE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{tmp_path}/nowhere/daemon.sock")
+    monkeypatch.setenv("MOETUNE_STORE_DB", str(db))
+    monkeypatch.setenv("MOETUNE_CLIENT_ALLOW_MODELLED", "1")
+    autoload.clear_cache()
+    try:
+        with pytest.warns(FallbackWarning):
+            res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=64)
+        assert res.source == "database" and res.profile_hash == preset.profile_hash and not res.tuned
+        monkeypatch.delenv("MOETUNE_CLIENT_ALLOW_MODELLED")
+        with pytest.warns(FallbackWarning):
+            res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=64)
+        assert res.source in ("policy", "default") and res.profile_hash != preset.profile_hash, res
+        monkeypatch.setenv("MOETUNE_CLIENT_ALLOW_MODELLED", "1")
+        monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=64)
+        assert res.source in ("policy", "default") and "client.autoload is false" in res.message, res
+    finally:
+        autoload.clear_cache()

@@ -22,7 +22,8 @@ process's and never exported: where they differ the resolution says so (`env_sta
 names the variables, or with `client.env_mismatch = "refuse"` the profile is passed over (client.py). Variables already set in the
 environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
 this module is not called at all). Results are cached per process, key and device (what can run depends on
-the device), so the many layers of one model cost one lookup.
+the device) and the MOETUNE_* variables and performance environment they were judged under (allow_modelled unset
+since must not leave a modelled profile served), so the many layers of one model cost one lookup.
 
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
@@ -53,7 +54,9 @@ family, with one warning naming the hashes (never an error). Every rank exports 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import socket
 import threading
 from typing import Any
@@ -71,6 +74,7 @@ from moetune.runtime.profiles.client import (
     warn_fallback,
 )
 from moetune.runtime.profiles.launcher_env import allowed_env, apply_env, launcher_env
+from moetune.runtime.profiles.perf_env import performance_environment
 from moetune.runtime.shapes import DTYPES, ModelShape
 
 __all__ = ["ProfileMismatch", "apply_env", "autoload_group_profile", "autoload_knobs", "autoload_profile",
@@ -120,6 +124,17 @@ def group_hosts(group: Any = None) -> list[int]:
 def group_nodes(group: Any = None) -> int:
     """How many hosts the ranks of `group` run on (1 without torch.distributed). Collective."""
     return len(set(group_hosts(group)))
+
+
+def _lookup_env_digest() -> str:
+    """A digest of the environment a lookup is judged under: every MOETUNE_* variable (client.allow_modelled,
+    env_mismatch, autoload, the socket and database, the runtime options `options=None` resolves) and the job's
+    performance environment. In the cache key: a resolution made under other settings (allow_modelled since unset)
+    must not be served again. launcher_env's variables, which a resolution exports, are no part of either."""
+    env = os.environ
+    own = sorted((k, v) for k, v in env.items() if k.startswith("MOETUNE_"))
+    dump = json.dumps([own, performance_environment(env).variables], separators=(",", ":"))
+    return hashlib.sha256(dump.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -206,7 +221,8 @@ def autoload_profile(
     # device too: which transports can run (transport_ok) depends on it, so a CUDA device's nvlink profile must
     # not be handed to a layer on the CPU.
     key = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device),
-           None if options is None else options.digest())  # other options may be served another profile
+           None if options is None else options.digest(),  # other options may be served another profile
+           _lookup_env_digest())  # and other settings (allow_modelled, env_mismatch, autoload) judge otherwise
     with _lock:
         if use_cache and client is None and key in _cache:
             _last = _cache[key]
