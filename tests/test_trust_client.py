@@ -938,3 +938,23 @@ def test_autoload_cache_never_serves_a_modelled_profile_once_allow_modelled_is_o
         assert res.source in ("policy", "default") and "client.autoload is false" in res.message, res
     finally:
         autoload.clear_cache()
+
+
+def test_a_kept_user_value_of_a_profile_variable_is_warned_not_only_logged(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """launcher_env's variables are left out of the performance environment compared with a profile's (they follow
+    from its knobs), so a job that set NVSHMEM_REMOTE_TRANSPORT=ucx itself ran a proxy:ibrc profile under ucx with
+    env_status "same" and only an INFO line saying the user's value was kept: it must be a warning (once)."""
+    from moetune.runtime import _once
+
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ucx")
+    _once.reset("launcher_env.kept")
+    try:
+        with caplog.at_level(logging.INFO, logger="moetune.autoload"):
+            for _ in range(2):  # every layer's cache hit applies it again: said once
+                assert launcher_env.apply_env({"NVSHMEM_REMOTE_TRANSPORT": "ibrc"}) == {}
+        assert os.environ["NVSHMEM_REMOTE_TRANSPORT"] == "ucx"
+        said = [r for r in caplog.records if r.levelno >= logging.WARNING and "NVSHMEM_REMOTE_TRANSPORT" in r.getMessage()]
+        assert len(said) == 1 and "ibrc" in said[0].getMessage() and "ucx" in said[0].getMessage(), caplog.records
+    finally:
+        _once.reset("launcher_env.kept")

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 
+from moetune.runtime import _once
 from moetune.runtime.knobs import Knobs
 
 log = logging.getLogger("moetune.autoload")
@@ -98,6 +99,9 @@ def allowed_env(env: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     return kept, refused
 
 
+KEPT_SCOPE = "launcher_env.kept"  # the _once scope of the warnings about a profile's variable the user set otherwise
+
+
 def apply_env(env: dict[str, str], *, override: bool = False) -> dict[str, str]:
     """Export the allowed variables of `env`; variables already set win unless `override`. Returns what was set."""
     kept, refused = allowed_env(env)
@@ -107,7 +111,12 @@ def apply_env(env: dict[str, str], *, override: bool = False) -> dict[str, str]:
     for k, v in kept.items():
         if k in os.environ and not override:
             if os.environ[k] != v:
-                log.info("moetune: keeping %s=%s from the environment (profile wants %s)", k, os.environ[k], v)
+                # a warning, once: these variables are left out of the performance environment compared with the
+                # profile's (they follow from its knobs), so nothing else says the profile runs outside what it
+                # was measured in
+                _once.say_once(KEPT_SCOPE, (k, os.environ[k], v),
+                               f"moetune: keeping {k}={os.environ[k]} from the environment; the profile was measured "
+                               f"with {k}={v}, so its numbers are not this run's", logger=log)
             continue
         os.environ[k] = v
         applied[k] = v
