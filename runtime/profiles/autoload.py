@@ -22,8 +22,8 @@ process's and never exported: where they differ the resolution says so (`env_sta
 names the variables, or with `client.env_mismatch = "refuse"` the profile is passed over (client.py). Variables already set in the
 environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
 this module is not called at all). Results are cached per process, key and device (what can run depends on
-the device) and the MOETUNE_* variables and performance environment they were judged under (allow_modelled unset
-since must not leave a modelled profile served), so the many layers of one model cost one lookup.
+the device) and the settings and performance environment they were judged under (`_JUDGED_UNDER`: allow_modelled
+unset since must not leave a modelled profile served), so the many layers of one model cost one lookup.
 
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
@@ -63,7 +63,7 @@ from typing import Any
 
 from moetune.runtime.config import client_autoload
 from moetune.runtime.knobs import Knobs, default_knobs
-from moetune.runtime.options import RuntimeOptions
+from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
     ProfileClient,
@@ -126,13 +126,19 @@ def group_nodes(group: Any = None) -> int:
     return len(set(group_hosts(group)))
 
 
+# The variables that change how a lookup judges a profile (not where it looks: a resolution judged for this node
+# stays valid when the daemon becomes unreachable): the client's allow_modelled and env_mismatch, autoload, the config
+# file that may set them, and the runtime options' own variables (what `options=None` resolves).
+_JUDGED_UNDER = frozenset({"MOETUNE_CLIENT_ALLOW_MODELLED", "MOETUNE_CLIENT_ENV_MISMATCH", "MOETUNE_AUTOLOAD",
+                           "MOETUNE_CONFIG", *(d.env for d in OPTION_DOCS)})
+
+
 def _lookup_env_digest() -> str:
-    """A digest of the environment a lookup is judged under: every MOETUNE_* variable (client.allow_modelled,
-    env_mismatch, autoload, the socket and database, the runtime options `options=None` resolves) and the job's
-    performance environment. In the cache key: a resolution made under other settings (allow_modelled since unset)
-    must not be served again. launcher_env's variables, which a resolution exports, are no part of either."""
+    """A digest of the environment a lookup is judged under: the `_JUDGED_UNDER` variables and the job's performance
+    environment. In the cache key: a resolution made under other settings (allow_modelled since unset) must not be
+    served again. launcher_env's variables, which a resolution exports, are in neither."""
     env = os.environ
-    own = sorted((k, v) for k, v in env.items() if k.startswith("MOETUNE_"))
+    own = sorted((k, v) for k, v in env.items() if k in _JUDGED_UNDER)
     dump = json.dumps([own, performance_environment(env).variables], separators=(",", ":"))
     return hashlib.sha256(dump.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
