@@ -958,3 +958,19 @@ def test_a_kept_user_value_of_a_profile_variable_is_warned_not_only_logged(
         assert len(said) == 1 and "ibrc" in said[0].getMessage() and "ucx" in said[0].getMessage(), caplog.records
     finally:
         _once.reset("launcher_env.kept")
+
+
+def test_recorded_gpu_uuids_are_checked_where_only_some_gpus_have_one(tmp_path: Path) -> None:
+    """Discovery records "" for a GPU whose UUID it could not read; the UUID check ran only where every recorded GPU
+    had one, so another node's facts with one UUID missing matched any node with as many GPUs (count only)."""
+    gpus = tmp_path / "proc" / "driver" / "nvidia" / "gpus"
+    for i, uuid in enumerate(("GPU-here-0", "GPU-here-1")):
+        (gpus / f"0000:{i:02x}:00.0").mkdir(parents=True)
+        (gpus / f"0000:{i:02x}:00.0" / "information").write_text(f"Model: \t H100\nGPU UUID: \t {uuid}\n")
+    proc = tmp_path / "proc"
+    why, _ = node_identity.mismatch({"gpus": [{"uuid": "GPU-elsewhere"}, {"uuid": ""}]}, proc)
+    assert why is not None and "UUID" in why
+    # this node's own facts with one UUID unread still match (what was recorded is here), as before
+    assert node_identity.mismatch({"gpus": [{"uuid": "GPU-here-1"}, {"uuid": ""}]}, proc)[0] is None
+    assert node_identity.mismatch({"gpus": [{"uuid": ""}, {"uuid": ""}]}, proc)[0] is None  # count only: nothing read
+    assert node_identity.mismatch({"gpus": [{"uuid": "GPU-here-0"}, {"uuid": "GPU-here-1"}]}, proc)[0] is None

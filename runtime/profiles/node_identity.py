@@ -209,7 +209,8 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
     if here is not None:
         if len(here) != len(gpus):
             return f"{len(here)} GPUs here, {len(gpus)} recorded", tuple(checked)
-        if len(recorded) == len(gpus) and recorded != here:
+        # every UUID recorded must be here, also where discovery could not read some (""): those went unchecked
+        if recorded - here or (len(recorded) == len(gpus) and recorded != here):
             return "the GPUs here are not the recorded ones (UUIDs differ)", tuple(checked)
         checked.append("GPU UUIDs" if recorded else "GPU count")
     if not gpus and not here:
