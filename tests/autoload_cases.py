@@ -65,3 +65,14 @@ def case_group_profile(rank: int, world: int, answers: dict[int, Any], hosts: li
     return {"knobs": buf.knobs.to_dict(), "hash": buf.resolution.profile_hash, "source": buf.resolution.source,
             "calls": calls, "env": os.environ.get("NVSHMEM_IBGDA_NUM_RC_PER_PE"),
             "warnings": [str(c.message) for c in caught]}
+
+
+def case_group_default_named(rank: int, world: int, hosts: list[str]) -> dict:
+    """Two hosts disagree and rank 0's family has no policy file this runtime can run (a proxy:ucx profile on a CPU
+    buffer): the group falls back to the built-in default; report what every rank ended with and was warned."""
+    from moetune.runtime.knobs import default_knobs
+
+    mine = Resolution(knobs=default_knobs("proxy"), source="daemon", profile_hash="tuned-ucx", status="current",
+                      family="proxy:ucx", provenance="measured", tuned=True)
+    answers = {0: mine, 1: _tuned(TUNED_B, "B")}
+    return case_group_profile(rank, world, answers, hosts)

@@ -222,3 +222,13 @@ def test_a_layer_built_with_options_looks_up_every_profile_under_them(monkeypatc
     layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))  # bucket 1's profile, looked up on its first call
     assert [family for family, _ in seen] == ["ep", "megakernel", "megakernel"]
     assert all(o == mine for _, o in seen), seen
+
+
+@pytest.mark.timeout(60)
+def test_the_group_fallback_warning_names_the_default_it_applies() -> None:
+    """Hosts that disagree fall back to rank 0's family's policy default, else the built-in default; the warning said
+    "using the policy default" whichever of the two every rank then ran."""
+    res = launch(cases.case_group_default_named, 2, args=(["node-a", "node-b"],), timeout_s=20, join_timeout_s=55)
+    assert res[0]["source"] == res[1]["source"] == "default" and res[0]["hash"] == res[1]["hash"]
+    said = [w for w in res[0]["warnings"] if "hosts of this EP group resolved different profiles" in w]
+    assert len(said) == 1 and "using the built-in default on every rank" in said[0], said

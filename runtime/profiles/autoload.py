@@ -397,7 +397,9 @@ def autoload_group_profile(
                 why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
                        f"measured per node, so every host must resolve the same one")
                 final = _group_default(mine, nodes, device, why, options)
-                warn_fallback(f"moetune: using the policy default on every rank ({final.message})")
+                # say which default: a family without a runnable policy file falls back to the built-in one
+                what = "the policy default" if final.source == "policy" else "the built-in default"
+                warn_fallback(f"moetune: using {what} on every rank ({final.message})")
         payload = msgspec.json.encode(final)
     try:
         got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
