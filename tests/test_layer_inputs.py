@@ -1082,3 +1082,24 @@ def test_close_lets_the_megakernels_scratch_go(fake_launch: FakeLaunchLib, monke
     layer.load_state_dict(before)  # the parameters take it k-tiled; nothing to hand to a megakernel any more
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
     layer.close()  # a second call does nothing
+
+
+def test_close_keeps_the_scratch_from_reuse_under_a_launch_on_another_stream(
+        fake_launch: FakeLaunchLib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() drops the MegakernelMoE: its scratch goes back to the allocator's pool of the stream it was allocated
+    on. The latest launch may have run on another stream (calls on any stream are ordered by `_order_streams`) and
+    still be running: without the scratch marked as used by that stream (record_stream), the allocation stream's
+    next tensors could take its memory under it."""
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    b = FakeStream("b")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: b)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(mk_layer, "_has_streams", lambda device: True, raising=False)
+    recorded: list[tuple[int, str]] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append((id(t), s.name)), raising=False)
+    layer = _mk_layer(engine="megakernel")
+    layer(_x(3))  # launched on stream b
+    mk = layer.megakernel
+    scratch = {id(t): name for name, t in (("h", mk.h), ("y", mk.y), ("err", mk.err), ("q_task", mk.q_task))}
+    layer.close()
+    assert {scratch[i] for i, s in recorded if i in scratch and s == "b"} == set(scratch.values()), recorded

@@ -144,7 +144,10 @@ class MegakernelEngine(MoEEngine):
 
     def close(self) -> None:
         # the MegakernelMoE holds the scratch (gate logits, routing lists, h, y, queue, error words: hundreds of MB
-        # at max_tokens=4096); this was its one reference, so it is freed once collected
+        # at max_tokens=4096); this was its one reference, so it is freed once collected: not reused by the allocator
+        # before the latest launch (on another stream than the scratch's, maybe) completed (let_go)
+        if self.megakernel is not None:
+            self.megakernel.let_go()
         self.megakernel = None
 
     def check(self) -> None:

@@ -428,6 +428,18 @@ class MegakernelMoE:
                     stream.wait_stream(last)
         self._last_stream = stream
 
+    def let_go(self) -> None:
+        """Before the owner drops its last reference (MoELayer.close): mark every device tensor of the layer as used
+        by the latest call's stream (`record_stream`, no host wait), so that the caching allocator does not hand its
+        memory out again while that launch may still run. Freed blocks return to the stream they were allocated on;
+        a launch on another stream (`_order_streams`) is not ordered before that stream's next allocation."""
+        last = self._last_stream
+        if last is None or not _has_streams(self.device):
+            return
+        for t in [*vars(self).values(), *self._retired]:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(last)
+
     def _check_x(self, x: Any) -> int:
         """S of a valid x (bf16 [S, H] on the layer's device, S <= max_tokens), else ValueError."""
         h = self.model.hidden
