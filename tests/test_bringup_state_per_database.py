@@ -134,3 +134,22 @@ def test_an_unreadable_state_file_starts_over_saying_so(tmp_path: Path, body: by
     state = BringupState(path, "ab12", _plan(), db="moetune.db")
     assert state.data["done"] == {}
     assert "cannot be read as a bring-up state" in state.dropped and "starting over" in state.dropped
+
+
+def test_a_new_database_that_already_holds_this_nodes_fingerprint_is_not_resumed_into(tmp_path: Path) -> None:
+    """The database deleted, the new one got this node's fingerprint row before the rerun (a restarted daemon,
+    `fabric show --record`): a fingerprint row is no sign the stages' rows are there, and the rerun found every stage
+    "done earlier", stored nothing and said the profiles were stored."""
+    from moetune.tuner.fabric.change import record_node_facts
+
+    db = tmp_path / "a.db"
+    first, store, _ = _run(db)
+    store.close()
+    for p in tmp_path.glob("a.db*"):
+        p.unlink()
+    fresh = F.open_store(db)
+    record_node_facts(fresh, first.facts, by="fabric show --record")  # the node's fingerprint row, no measurement
+    fresh.close()
+    _again, store2, out = _run(db)
+    assert "done earlier" not in out and "starting over" in out
+    assert len(store2.list_profiles()) == 1  # measured and stored into the new database

@@ -966,18 +966,23 @@ class Bringup:
 
     def _forget_state_of_another_database(self) -> None:
         """Start over when the state's finished stages stored rows (microbenchmarks, compared buckets) and the
-        database holds no row of this node at all: it is not the file they went into (deleted, or replaced, since).
-        Resumed, every stage was "done earlier", nothing was stored in it, and the summary and report said stored."""
+        database holds no measurement of this node at all: it is not the file they went into (deleted, or replaced,
+        since). Resumed, every stage was "done earlier", nothing was stored in it, and the summary and report said
+        stored."""
         st = self.state
         if not self.measures or self.store is None:
             return
-        stored = bool(st.result("microbench") or st.partial("microbench") or st.compared())
-        if not stored or self.store.get_fingerprint(self.facts.fingerprint) is not None:
-            return  # every stored row names this fingerprint, so its database has the fingerprint's row
+        # a microbenchmark kept with no rows stored none
+        stored = bool(st.result("microbench") or any(st.partial("microbench").values()) or st.compared())
+        # each stored row is a measurement of this fingerprint (a microbenchmark's, a compared bucket's
+        # tuned_vs_default); the fingerprint row alone is no sign of them: a new database gets it from a restarted
+        # daemon or `fabric show --record` before this rerun
+        if not stored or self.store.list_measurements(fingerprint=self.facts.fingerprint, limit=1):
+            return
         # the studies are kept (as for a new plan): their finished trials were measured on this node
         st.data = {**{k: st.data[k] for k in ("fingerprint", "plan", "db", "study_tag") if k in st.data}, "done": {}}
         st.dropped = (f"its finished stages stored their rows into a database {self.store.path} no longer holds "
-                      f"(no row of this node, {self.facts.fingerprint}: deleted or replaced since): starting over")
+                      f"(no measurement of this node, {self.facts.fingerprint}: deleted or replaced since): starting over")
         st.save()
 
     def run(self) -> dict[str, Any]:
