@@ -437,7 +437,7 @@ class MegakernelMoE:
         if last is None or not _has_streams(self.device):
             return
         for t in [*vars(self).values(), *self._retired]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device == self.device:  # the allocator's (no host tensors)
                 t.record_stream(last)
 
     def _check_x(self, x: Any) -> int:
