@@ -852,7 +852,7 @@ class Bringup:
                 # nothing measured, nothing stored: the stage is not done (the command fails) and the bucket is not
                 # kept as compared, so a rerun measures it again (it was done, exit 0, and never compared again)
                 self.failed.append(f"comparing {t['family']} {t['model']} S={t['tokens']} EP {ep} with the policy "
-                                   f"default: every run failed ({md.error})")
+                                   f"default: the default's and the tuned setting's runs failed ({md.error})")
                 continue
             finished[part] = {"tuned": tuned_as, "row": row}
             self.state.keep_compared(finished)
