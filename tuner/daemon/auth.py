@@ -58,17 +58,25 @@ def check_secret_key_file(secret_file: str | Path) -> None:
                            risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
 
 
-def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
+def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool) -> tuple[bytes, bytes | None]:
+    """zmq's (public, secret) of a key file; DaemonConfigError `not_regular` where it is not a regular file (a FIFO's
+    open waits for ever: the start hung there; `missing_ok`: a missing one is left to zmq's error), "cannot read
+    WHAT" where zmq cannot read it."""
     import zmq.auth
 
-    if Path(secret_file).exists() and not Path(secret_file).is_file():  # a FIFO's open waits for ever
-        raise DaemonConfigError(f"the CURVE key file {secret_file} is not a regular file (a FIFO, a device or a "
-                                "directory): give the NAME.key_secret `moetune keys generate` wrote")
+    if not path.is_file() and (path.exists() or not missing_ok):
+        raise DaemonConfigError(not_regular)
     try:
-        public, secret = zmq.auth.load_certificate(str(secret_file))
+        return zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as e:
-        raise DaemonConfigError(f"cannot read the CURVE key file {secret_file}: {e}") from None
+        raise DaemonConfigError(f"cannot read {what}: {e}") from None
+
+
+def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
+    public, secret = _certificate(
+        Path(secret_file), f"the CURVE key file {secret_file} is not a regular file (a FIFO, a device or a directory): "
+        "give the NAME.key_secret `moetune keys generate` wrote", f"the CURVE key file {secret_file}", missing_ok=True)
     if not secret:
         raise DaemonConfigError(f"{secret_file} holds no secret key")
     return public, secret
@@ -137,7 +145,6 @@ class CurveAllowList:
 
 def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     """The client public keys in `directory` (`*.key` files written by `moetune keys`)."""
-    import zmq.auth
 
     if not directory.is_dir():
         raise DaemonConfigError(f"the CURVE client {role} {directory} is not a directory: "
@@ -150,12 +157,8 @@ def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     keys = []
     for f in sorted(directory.glob("*.key")):
         check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
-        if not f.is_file():  # a FIFO's open waits for ever: the start hung here
-            raise DaemonConfigError(f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
-                                    "directory): remove it, or put a client's public key file there")
-        try:
-            public, _ = zmq.auth.load_certificate(str(f))
-        except (OSError, ValueError) as e:
-            raise DaemonConfigError(f"cannot read the client key {f}: {e}") from None
+        public, _ = _certificate(f, f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
+                                 "directory): remove it, or put a client's public key file there", f"the client key {f}",
+                                 missing_ok=False)
         keys.append(public)
     return keys
