@@ -983,11 +983,9 @@ def test_a_close_its_buffer_refused_can_be_called_again(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
 def test_ids_of_the_wider_unsigned_dtypes_are_checked_not_crashed_on(cpu_lib, monkeypatch: pytest.MonkeyPatch,
                                                                      dtype: torch.dtype) -> None:
-    """Before: topk_idx of uint16 / uint32 / uint64 passed the dtype check (an integer tensor) and then failed inside
-    the range check with torch's NotImplementedError ('aminmax_cpu' not implemented for 'UInt32'), naming neither
-    topk_idx nor what to do: MoELayer.forward_routed at world 1 and MegakernelMoE.forward_routed (check_ids=True)
-    refused every such call. Now the ids are read as int64 for the check: in range they run, out of range they are
-    the usual ValueError."""
+    """topk_idx of uint16 / uint32 / uint64 is range-checked as int64 ids (torch has no range kernels for them): in
+    MoELayer.forward_routed at world 1 and MegakernelMoE.forward_routed (check_ids=True) in-range ids run as int64
+    ids do, out-of-range ones are the usual ValueError naming topk_idx."""
     from moetune.runtime.routing import expert_ids_problem
 
     picks = torch.tensor([[0, 1], [3, 2], [1, 0]])

@@ -445,11 +445,9 @@ def test_dense_reference_takes_both_routing_tensors_or_neither() -> None:
 @pytest.mark.parametrize("layout", ["dense", "packed", "resident"])
 def test_buffer_checks_ids_of_the_wider_unsigned_dtypes_on_every_layout(monkeypatch: pytest.MonkeyPatch, layout: str,
                                                                          dtype: torch.dtype) -> None:
-    """Before: the dense and device-resident layouts' input check compared topk_idx of uint16 / uint32 / uint64 with
-    0 and E in torch, which has no such kernels: NotImplementedError ('lt_cpu' not implemented for 'UInt32') inside
-    dispatch, raised on that rank alone (its peers wait in the status exchange until the group's timeout). Now the
-    ids are read as int64 for the check, as runtime/routing.py's expert_ids_problem does: in range they travel as
-    int64 ids would, out of range they are the usual ValueError."""
+    """Every layout's input check reads topk_idx of uint16 / uint32 / uint64 as int64 (torch has no comparison
+    kernels for them), as runtime/routing.py's expert_ids_problem does: in range they travel as int64 ids would, out
+    of range they are the usual ValueError, never a torch error raised on one rank alone."""
     from moetune.runtime.buffer import facade as B
     from moetune.runtime.transports.base import Availability, EPTransport
 
