@@ -47,6 +47,17 @@ def distinct_buckets(counts: list[int], option: str = "--tokens") -> tuple[list[
     return [ts[0] for ts in by_bucket.values()], note
 
 
+def distinct_values(items: list[Any], option: str, done: str) -> tuple[list[Any], str]:
+    """`items` with each one once (the first kept, order kept), and a note naming those given more than once ('' when
+    none were): "OPTION: X given N times, DONE once" (`bench moe --engine unfused,unfused` timed every case again,
+    `model sweep --values 2,2` printed the same point twice)."""
+    repeated = {x: items.count(x) for x in items if items.count(x) > 1}
+    if not repeated:
+        return items, ""
+    return list(dict.fromkeys(items)), (f"{option}: " + ", ".join(f"{x} given {n} times" for x, n in repeated.items())
+                                        + (f", {done} once" if len(repeated) == 1 else f", each {done} once"))
+
+
 def distinct_shapes(names: list[str], option: str = "--model") -> tuple[list[str], str]:
     """`names` with one name per model shape (the first given, order kept), and a note naming those that are one shape
     ('' when none are): a shape (hidden, intermediate, experts, top-k, dtype) is one key and one study per bucket, so

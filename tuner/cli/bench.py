@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from moetune.tuner.cli._args import (
     SEED_MAX,
+    distinct_values,
     int_list,
     nearest_existing,
     path_text_option,
@@ -371,13 +372,11 @@ def _check_tokens(toks: list[int]) -> None:
 
 
 def _once_each(items: list[Any], option: str) -> list[Any]:
-    """`items` with each one once (the first kept, order kept), a note on stderr naming those given more than once:
-    `bench moe --engine unfused,unfused --tokens 2,2` timed every case again and printed each row four times."""
-    repeated = {x: items.count(x) for x in items if items.count(x) > 1}
-    if repeated:
-        _err.print(escape(f"note: {option}: " + ", ".join(f"{x} given {n} times" for x, n in repeated.items())
-                          + (", timed once" if len(repeated) == 1 else ", each timed once")))
-    return list(dict.fromkeys(items))
+    """`items` with each one once, a note on stderr naming those given more than once (`distinct_values`)."""
+    items, note = distinct_values(items, option, "timed")
+    if note:
+        _err.print(escape(f"note: {note}"))
+    return items
 
 
 def _warmup_for(warmup: int, rotate: int) -> int:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from moetune.tuner.cli import model_calibrate
-from moetune.tuner.cli._args import int_list, path_option, path_text_option, routing_problem
+from moetune.tuner.cli._args import distinct_values, int_list, path_option, path_text_option, routing_problem
 from moetune.tuner.cli._help import examples
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
@@ -382,11 +382,9 @@ def sweep_cmd(
             _fail(str(e))
         if not xs:
             _fail(f"--values: nothing to sweep in {values!r}; give comma-separated integers")
-        repeated = {x: xs.count(x) for x in xs if xs.count(x) > 1}
-        if repeated:  # one point each: the same prediction printed (and plotted) again is no second finding
-            xs = list(dict.fromkeys(xs))
-            notes.append("--values: " + ", ".join(f"{x} given {n} times" for x, n in repeated.items())
-                         + (", swept once" if len(repeated) == 1 else ", each swept once"))
+        xs, note = distinct_values(xs, "--values", "swept")  # the same point printed (and plotted) again is no finding
+        if note:
+            notes.append(note)
         _check_sweep_values(over, xs, w0)
         lowest = f"the {{families}} point at nodes = {min(xs)} would be a latency"
         if over == "nodes" and (why := _one_rank(k0.transport, min(xs) * w0.gpus_per_node, lowest, one_rank_fix)):
