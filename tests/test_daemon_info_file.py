@@ -83,6 +83,33 @@ def test_a_copy_of_our_daemon_json_is_not_ours(tmp_path: Path) -> None:
     assert info.read_text() == before
 
 
+def test_the_record_forgets_the_replaced_file_once_the_rename_is_done(tmp_path: Path) -> None:
+    """The replaced daemon.json's inode is free after the rename, and the filesystem may give it to the next file
+    made there (a user's copy put over daemon.json would pass for ours). Once the rename is done the record names
+    the new file alone."""
+    run = _run(tmp_path)
+    _daemon(tmp_path).start(background=True).stop()  # start wrote daemon.json, stop replaced it
+    record = json.loads((run / ".daemon.json.moetune-owner").read_text())
+    st = os.stat(run / "daemon.json")
+    assert (record["dev"], record["ino"]) == (st.st_dev, st.st_ino) and record["prev"] is None
+
+
+def test_a_daemon_killed_between_the_record_and_the_rename_still_owns_the_old_file(tmp_path: Path) -> None:
+    """A record written for a new file whose rename never happened: the old daemon.json it names as replaced is
+    still ours, and the next daemon replaces it."""
+    run = _run(tmp_path)
+    _daemon(tmp_path).start(background=True).stop()
+    info, rec = run / "daemon.json", run / ".daemon.json.moetune-owner"
+    st = os.stat(info)
+    rec.write_text(json.dumps({"dev": st.st_dev, "ino": st.st_ino + 10**9, "prev": [st.st_dev, st.st_ino],
+                               "pid": None}))
+    d = _daemon(tmp_path).start(background=True)
+    try:
+        assert _info(run)["epoch"] == d.epoch
+    finally:
+        d.stop()
+
+
 def test_a_daemon_json_written_before_the_mark_is_replaced(tmp_path: Path) -> None:
     """After an upgrade: the old daemon's file (exactly its keys, this endpoint, no record) is ours."""
     run = _run(tmp_path)

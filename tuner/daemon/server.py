@@ -622,6 +622,10 @@ class Daemon(FabricWatch):
             os.replace(tmp, path)
             tmp = None
             sync_folder(path.parent)
+            # the replaced file's inode is free now and the next file made in this folder may get it (a user's
+            # copy put over daemon.json would then pass for ours): the record names the new file alone from here
+            if prev is not None:
+                rec_id = write_info_record(path, (st.st_dev, st.st_ino), None)
             self._info_id, self._info_rec_id = (st.st_dev, st.st_ino), rec_id
         except (OSError, DaemonConfigError) as e:
             log.warning("cannot write %s: %s", path, e)
