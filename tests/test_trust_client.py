@@ -940,6 +940,30 @@ def test_autoload_cache_never_serves_a_modelled_profile_once_allow_modelled_is_o
         autoload.clear_cache()
 
 
+def test_autoload_cache_follows_an_edit_of_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config file may set client.autoload (and allow_modelled, env_mismatch): a resolution judged before the
+    file said `autoload = false` must not be served after it does."""
+    for var in [k for k in os.environ if k.startswith("MOETUNE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{tmp_path}/nowhere/daemon.sock")
+    monkeypatch.setenv("MOETUNE_STORE_DB", str(tmp_path / "none.db"))
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text("[client]\nautoload = true\n")
+    monkeypatch.setenv("MOETUNE_CONFIG", str(cfg))
+    autoload.clear_cache()
+    try:
+        with pytest.warns(FallbackWarning):
+            first = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=64)
+        assert "client.autoload is false" not in first.message, first
+        cfg.write_text("[client]\nautoload = false\n")
+        res = autoload.autoload_profile(model=QWEN, ep_size=2, nodes=1, max_tokens=64)
+        assert "client.autoload is false" in res.message, res
+    finally:
+        autoload.clear_cache()
+
+
 def test_a_kept_user_value_of_a_profile_variable_is_warned_not_only_logged(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """launcher_env's variables are left out of the performance environment compared with a profile's (they follow

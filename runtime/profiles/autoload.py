@@ -59,9 +59,10 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-from moetune.runtime.config import client_autoload
+from moetune.runtime.config import client_autoload, config_files
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
@@ -128,7 +129,8 @@ def group_nodes(group: Any = None) -> int:
 
 # The variables that change how a lookup judges a profile (not where it looks: a resolution judged for this node
 # stays valid when the daemon becomes unreachable): the client's allow_modelled and env_mismatch, autoload, the config
-# file that may set them, and the runtime options' own variables (what `options=None` resolves).
+# file that may set them, and the runtime options' own variables (what `options=None` resolves). The config files'
+# contents join them in the digest (`_config_files_state`).
 _JUDGED_UNDER = frozenset({"MOETUNE_CLIENT_ALLOW_MODELLED", "MOETUNE_CLIENT_ENV_MISMATCH", "MOETUNE_AUTOLOAD",
                            "MOETUNE_CONFIG", *(d.env for d in OPTION_DOCS)})
 
@@ -139,8 +141,22 @@ def _lookup_env_digest() -> str:
     served again. launcher_env's variables, which a resolution exports, are in neither."""
     env = os.environ
     own = sorted((k, v) for k, v in env.items() if k in _JUDGED_UNDER)
-    dump = json.dumps([own, performance_environment(env).variables], separators=(",", ":"))
+    dump = json.dumps([own, performance_environment(env).variables, _config_files_state(env)], separators=(",", ":"))
     return hashlib.sha256(dump.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _config_files_state(env: Mapping[str, str]) -> list[Any]:
+    """Each config file's path and (size, mtime, inode), None where absent: the files may set allow_modelled,
+    env_mismatch or autoload, so an edit to one must not be answered by a resolution judged before it (a stat each,
+    once per lookup)."""
+    out: list[Any] = []
+    for f in config_files(env=env):
+        try:
+            st = os.stat(f)
+            out.append([str(f), st.st_size, st.st_mtime_ns, st.st_ino])
+        except OSError:
+            out.append([str(f), None])
+    return out
 
 
 def dtype_name(dtype: Any) -> str:
