@@ -219,3 +219,29 @@ def test_curve_sockets_refuse_everyone_without_a_zap_handler(tmp_path: Path) -> 
         evil.close()
     finally:
         d.stop()
+
+
+def test_poll_changes_reads_a_bounded_number_of_notices_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher that never stops sending: poll_changes returns after MAX_NOTICES_PER_POLL notices, the rest wait."""
+    from moetune.runtime.profiles import client as client_mod
+
+    class Endless:
+        sent = 0
+
+        def poll(self, timeout: int, flags: int) -> int:
+            return zmq.POLLIN
+
+        def recv_multipart(self) -> list[bytes]:
+            self.sent += 1
+            change = wire.Change(version=self.sent, epoch="e", kind="profile_stale")
+            return [b"profile_stale", wire.encoder.encode(change)]
+
+    monkeypatch.setattr(client_mod, "MAX_NOTICES_PER_POLL", 50)
+    c = ProfileClient("ipc:///nowhere/daemon.sock", timeout_ms=10, retries=0)
+    try:
+        c._sub = Endless()  # type: ignore[assignment]
+        assert [ch.version for ch in c.poll_changes()] == list(range(1, 51))
+        assert [ch.version for ch in c.poll_changes()] == list(range(51, 101))
+    finally:
+        c._sub = None
+        c.close()

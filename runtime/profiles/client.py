@@ -136,6 +136,7 @@ __all__ = [
 log = logging.getLogger("moetune.client")
 
 DEFAULT_TIMEOUT_MS = 200
+MAX_NOTICES_PER_POLL = 1000  # poll_changes reads at most this many change notices a call (zmq's default receive HWM)
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -575,12 +576,16 @@ class ProfileClient:
         return untrusted_socket_reason(Path(pub.removeprefix("ipc://")))  # absolute: endpoint_problem took it
 
     def poll_changes(self, timeout_ms: int = 0) -> list[wire.Change]:
-        """Changes newer than `self.version` (received so far, waiting up to timeout_ms for the first)."""
+        """Changes newer than `self.version` (received so far, waiting up to timeout_ms for the first). At most
+        MAX_NOTICES_PER_POLL notices are read per call (the rest wait for the next): a publisher that never stops
+        sending cannot keep the caller (a layer's refresh) here."""
         if self._sub is None:
             raise RuntimeError("call subscribe() first")
         out: list[wire.Change] = []
         wait = timeout_ms
-        while self._sub.poll(wait, zmq.POLLIN):
+        for _ in range(MAX_NOTICES_PER_POLL):
+            if not self._sub.poll(wait, zmq.POLLIN):
+                break
             wait = 0
             frames = self._sub.recv_multipart()
             try:
