@@ -41,7 +41,7 @@ def _patch(rank: int, answers: dict[int, Any], hosts: list[str] | None) -> list[
 
     autoload._resolve = fake_resolve  # type: ignore[assignment]
     if hosts is not None:
-        autoload.socket.gethostname = lambda: hosts[rank]  # type: ignore[assignment]
+        autoload.host_identity = lambda: hosts[rank]  # type: ignore[assignment]
     return calls
 
 

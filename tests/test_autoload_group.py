@@ -89,6 +89,20 @@ def test_two_hosts_agreeing_use_rank0s_profile() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_node_is_told_by_its_boot_id_not_its_host_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers of one host may each have a host name yet share the node (and its NVLink); hosts may share a
+    name. The kernel's boot id tells nodes apart; the host name only where it cannot be read."""
+    boot = tmp_path / "boot_id"
+    boot.write_text("e0ec2882-a100-4979-a256-56129669cc35\n")
+    monkeypatch.setattr(autoload, "_BOOT_ID", str(boot))
+    monkeypatch.setattr(autoload.socket, "gethostname", lambda: "pod-1")
+    first = autoload.host_identity()
+    monkeypatch.setattr(autoload.socket, "gethostname", lambda: "pod-2")
+    assert autoload.host_identity() == first == "boot:e0ec2882-a100-4979-a256-56129669cc35"
+    monkeypatch.setattr(autoload, "_BOOT_ID", str(tmp_path / "absent"))
+    assert autoload.host_identity() == "host:pod-2"
+
+
 def test_two_hosts_disagreeing_fall_back_to_the_policy_default_everywhere() -> None:
     """A second node that resolves another profile (another fingerprint, or its lookup timed out): the whole
     group runs rank 0's policy default with a warning, never an error."""

@@ -107,13 +107,28 @@ def _dist_on(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def host_identity() -> str:
+    """What tells this node from another: the kernel's boot id, which every container on one host shares (each may
+    have its own host name, yet they share the node's NVLink) and no two hosts do (host names may repeat across
+    nodes); the host name where it cannot be read (not Linux)."""
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            boot = f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        boot = ""
+    return f"boot:{boot}" if boot else f"host:{socket.gethostname()}"
+
+
 def group_hosts(group: Any = None) -> list[int]:
-    """A hash of the host name of every rank of `group`, in group rank order ([one] without torch.distributed).
-    Collective."""
+    """A hash of the node (`host_identity`) of every rank of `group`, in group rank order ([one] without
+    torch.distributed). Collective."""
     import torch
     import torch.distributed as dist
 
-    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+    host = int.from_bytes(hashlib.sha256(host_identity().encode()).digest()[:7], "little")
     if not _dist_on(group):
         return [host]
     mine = torch.tensor([host], dtype=torch.int64, device=_group_device(group))
