@@ -471,6 +471,22 @@ def test_imported_rows_hold_in_median_p10_p90_what_their_raw_files_say() -> None
     assert checked >= 100  # 24 x 3 daemon latencies, 24 throughputs, 24 autoload, 8 predict, 7 discovery
 
 
+def test_the_imported_host_cost_means_are_no_medians() -> None:
+    """bench/runtime_host_cost.py of 2026-11-30 printed the mean of all its calls: the imported rows hold it as
+    host_mean_us_per_roundtrip (the raw line's number, read here by hand), never in host_us_per_roundtrip, the metric
+    whose median column today's script fills with a median of batch means."""
+    import tarfile
+
+    with tarfile.open(checkout.ROOT / "bench/results/archive/2026-11-30.tar.xz") as tar:
+        text = tar.extractfile("2026-11-30_cpu_runtime_host_cost.txt").read().decode()  # type: ignore[union-attr]
+    lines = [ln.split() for ln in text.splitlines() if "us/roundtrip" in ln]
+    want = {(f"cpu-{i // 5 + 1}", f[0].replace("_", "-")): float(f[1]) for i, f in enumerate(lines)}
+    rows = [r for r in R.read_rows(checkout.SUMMARY_CSV) if r["scenario"] == "runtime-host-cost" and r["source"] == "imported"]
+    got = {(r["launch"], r["case"]): R.fnum(r["median"]) for r in rows}
+    assert len(lines) == 10 and got == want
+    assert all(r["metric"] == "host_mean_us_per_roundtrip" and not r["p10"] and "not a median" in r["note"] for r in rows)
+
+
 def test_committed_rows_have_both_quantiles_or_neither_around_the_median() -> None:
     """Every committed row with a median has both p10 and p90 or neither, with p10 <= median <= p90: a p90 alone was
     a max (autoload_ms, predict_ms and live discover_s rows of the first import: 17 rows failed here)."""

@@ -89,13 +89,31 @@ def discovery_2026_11_30(d: dict[str, Any]) -> dict[str, dict[str, records.Stat]
 
 
 CAPTURE_MEAN_NOTE = "a mean of 20 calls (total / 20: bench/fabric_discovery_cpu.py before 9dc4891), not a median"
+HOST_COST_FILE = "2026-11-30_cpu_runtime_host_cost.txt"
+HOST_COST_MEAN_NOTE = "a mean of all calls (bench/runtime_host_cost.py before 9709558), not a median"
+
+
+def host_cost_runs(f: Path) -> list[dict[str, dict[str, records.Stat]]]:
+    """The launches of bench/runtime_host_cost.py in `f` (a case seen again starts the next), each case's number
+    as `host_mean_us_per_roundtrip`: the script then printed the mean of all its calls, never a median, so the
+    number is no `host_us_per_roundtrip` (the median of batch means today's script prints)."""
+    runs: list[dict[str, dict[str, records.Stat]]] = [{}]
+    for ln in f.read_text().splitlines():
+        m = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln)
+        if m:
+            case = m.group(1).replace("_", "-")
+            if case in runs[-1]:
+                runs.append({})
+            runs[-1][case] = {"host_mean_us_per_roundtrip": records.Stat(float(m.group(2)), unit="us")}
+    return runs
 # the metrics a stored row's p10 / p90 columns held other statistics of (the first import, before 536074c): what
 # the raw file holds beside the row's own number is a metric of its own, after that row
 _SPLIT_OFF = {"p99_us": ("p50_us", "max_us"), "autoload_ms": ("autoload_max_ms",), "predict_ms": ("predict_max_ms",),
               "discover_s": ("discover_max_s",)}
 _FIXED_SOURCES = {"daemon-load": ("2026-11-30_daemon_load.json", "2026-11-30_daemon_load_tcp.json",
                                   "2026-11-30_daemon_load_busy.json"),
-                  "fabric-discovery": ("fabric_discovery_cpu.jsonl",), "fabric-model": ("2026-11-30_fabric_model_cpu.json",)}
+                  "fabric-discovery": ("fabric_discovery_cpu.jsonl",), "fabric-model": ("2026-11-30_fabric_model_cpu.json",),
+                  "runtime-host-cost": (HOST_COST_FILE,)}
 
 
 def _source_metrics(scenario: str, case: str, launch: str, raw: Path) -> dict[str, records.Stat]:
@@ -104,17 +122,20 @@ def _source_metrics(scenario: str, case: str, launch: str, raw: Path) -> dict[st
         return daemon_driver.daemon_metrics(json.loads(raw.read_text()))
     if scenario == "fabric-model":
         return fabric_drivers.model_metrics(json.loads(raw.read_text()))
-    i = int(launch.removeprefix("cpu-")) - 1  # fabric-discovery: launch cpu-N is the file's line N
+    i = int(launch.removeprefix("cpu-")) - 1  # fabric-discovery and runtime-host-cost: launch cpu-N is the Nth
+    if scenario == "runtime-host-cost":
+        return host_cost_runs(raw)[i][case]
     return discovery_2026_11_30(json.loads(raw.read_text().splitlines()[i]))[case]
 
 
 def fix_quantile_rows(rows: list[dict[str, str]], res: Path) -> tuple[list[dict[str, str]], list[str]]:
-    """The rows (summary.csv's, as read_rows gives them) with the 2026-11-30 imports of daemon-load, fabric-discovery
-    and fabric-model corrected from their raw files in `res`, and what was changed. The first import put the p50 of a
+    """The rows (summary.csv's, as read_rows gives them) with the 2026-11-30 imports of daemon-load, fabric-discovery,
+    fabric-model and runtime-host-cost corrected from their raw files in `res`, and what was changed. The first import put the p50 of a
     p99_us row in its p10 column and the max in its p90 column, and the max of autoload_ms, predict_ms and live
     discover_s in the p90 column: those columns are emptied (the raw files hold no p10 / p90 of these numbers) and
     the p50 / max become rows of their own (p50_us, max_us, autoload_max_ms, predict_max_ms, discover_max_s) right
-    after, stamped as the row is. A capture-* discover_s row (a mean) becomes discover_mean_s. Every median is
+    after, stamped as the row is. A capture-* discover_s row (a mean) becomes discover_mean_s, a runtime-host-cost
+    host_us_per_roundtrip row (a mean) host_mean_us_per_roundtrip. Every median is
     checked against the raw file first. Idempotent: corrected rows are left as they are."""
     out: list[dict[str, str]] = []
     log: list[str] = []
@@ -130,6 +151,9 @@ def fix_quantile_rows(rows: list[dict[str, str]], res: Path) -> tuple[list[dict[
         if r["case"].startswith("capture-") and r["metric"] == "discover_s":
             r["metric"], r["note"] = "discover_mean_s", f"{r['note']}; {CAPTURE_MEAN_NOTE}"
             log.append(f"{where}: metric renamed discover_mean_s (the raw number is a mean)")
+        if r["scenario"] == "runtime-host-cost" and r["metric"] == "host_us_per_roundtrip":
+            r["metric"], r["note"] = "host_mean_us_per_roundtrip", f"{r['note']}; {HOST_COST_MEAN_NOTE}"
+            log.append(f"{where}: metric renamed host_mean_us_per_roundtrip (the raw number is a mean)")
         st = fresh.get(r["metric"])
         if st is None:
             raise SystemExit(f"{where}: not in {src} as today's driver reads it")
@@ -305,16 +329,13 @@ def main() -> int:
     d = json.loads((res / "2026-11-30_fabric_model_cpu.json").read_text())
     rows += rows_for("fabric-model", "cpu-1", [("presets", fabric_drivers.model_metrics(d), "")], res / "2026-11-30_fabric_model_cpu.json",
                      CPU, "python bench/model_reproduce.py --out bench/results/2026-11-30_fabric_model_cpu.json")
-    f = res / "2026-11-30_cpu_runtime_host_cost.txt"
-    runs: list[list[tuple[str, dict[str, records.Stat], str]]] = [[]]
-    for ln in f.read_text().splitlines():
-        m = re.match(r"^(\w+)\s+([\d.]+) us/roundtrip", ln)
-        if m:
-            if any(c == m.group(1).replace("_", "-") for c, _, _ in runs[-1]):
-                runs.append([])
-            runs[-1].append((m.group(1).replace("_", "-"), {"host_us_per_roundtrip": records.Stat(float(m.group(2)), unit="us")}, ""))
-    for i, per in enumerate(runs):
-        rows += rows_for("runtime-host-cost", f"cpu-{i + 1}", per, f, CPU, "python bench/runtime_host_cost.py")
+    f = res / HOST_COST_FILE
+    for i, per in enumerate(host_cost_runs(f)):
+        rows += rows_for("runtime-host-cost", f"cpu-{i + 1}", list((c, m, "") for c, m in per.items()), f, CPU,
+                         "python bench/runtime_host_cost.py")
+    for r in rows:
+        if r["scenario"] == "runtime-host-cost":
+            r["note"] = f"{r['note']}; {HOST_COST_MEAN_NOTE}"
     f = res / "2026-11-30_h200x2_run1" / "proxy_micro.jsonl"
     per_mode = proxy_drivers.proxy_metrics([json.loads(x) for x in f.read_text().splitlines() if x.strip()])
     rows += rows_for("proxy-fences", "run1", list((c, m, "") for c, m in per_mode.items()), f, H200,
