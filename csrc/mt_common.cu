@@ -12,8 +12,10 @@
 // rows their counts address (mt_nvl_exchange send_rows, mt_nvl_exchange_strided src_rows, mt_nvl_exchange_gather
 // x_rows and tok_rows) and refuse counts outside them; a refused call's count-matrix row carries MT_COUNT_REFUSED
 // (count words are 39 bits) and its peers report MT_ERR_PEER_REFUSED; mt_pxy_clear_error is new and
-// mt_nvl_clear_error clears only a refusal.
-MT_API int mt_abi_version() { return 22; }
+// mt_nvl_clear_error clears only a refusal. 23: mt_proxy_create, mt_ipc_malloc and mt_device_malloc take the
+// caller's timeout_s (before their out-pointers) as the bound of their set-up waits, and refuse one that is not a
+// finite number > 0 (215, 121, 121); a 22 library would read the out-pointer where the timeout now is.
+MT_API int mt_abi_version() { return 23; }
 
 MT_API int mt_ctrl_bytes(uint64_t* out) {
   *out = MT_CTRL_BYTES;
@@ -69,27 +71,32 @@ MT_API int mt_host_free(void* host_ptr) {
   return 0;
 }
 
-// The zeroing of `what` (mt_ipc_malloc, mt_device_malloc: *ptr, `bytes` at it) did not complete within the default
-// timeout (these calls take none): *ptr is leaked rather than freed under the memset that may still be queued, and
-// nulled, so the caller frees nothing (SymmBuffer.close frees only the pointer it got). Returns 120.
-static int zeroing_timed_out(const char* what, int device, void** ptr, uint64_t bytes) {
+// The zeroing of `what` (mt_ipc_malloc, mt_device_malloc: *ptr, `bytes` at it) did not complete within the caller's
+// timeout: *ptr is leaked rather than freed under the memset that may still be queued, and nulled, so the caller frees
+// nothing (SymmBuffer.close frees only the pointer it got). Returns 120.
+static int zeroing_timed_out(const char* what, int device, void** ptr, uint64_t bytes, uint64_t timeout_ns) {
   *ptr = nullptr;
   mt::set_error("%s: the zeroing of %llu bytes on device %d did not complete within %.1f s: other work on the device "
                 "does not end (a stuck persistent kernel, a peer that never signals). The allocation is leaked rather "
                 "than freed under it; end that work (or restart the process) before building the transport again",
-                what, (unsigned long long)bytes, device, (double)mt::kDefaultTimeoutNs / 1e9);
+                what, (unsigned long long)bytes, device, (double)timeout_ns / 1e9);
   return 120;
 }
 
 // --- CUDA IPC fallback for symmetric buffers (used when torch symmetric memory is unavailable) ---
-MT_API int mt_ipc_malloc(int device, uint64_t bytes, void** ptr, unsigned char* handle_out /*64 bytes*/) {
+// timeout_s: the bound of the wait for the zeroing (RuntimeOptions.onesided_timeout_s); not finite and > 0: 121,
+// before anything is allocated.
+MT_API int mt_ipc_malloc(int device, uint64_t bytes, double timeout_s, void** ptr,
+                         unsigned char* handle_out /*64 bytes*/) {
+  MT_REQUIRE(mt::timeout_s_ok(timeout_s), 121, "mt_ipc_malloc: timeout_s %g is not a finite number > 0", timeout_s);
   MT_SET_DEVICE(device);
   MT_CUDA(cudaMalloc(ptr, bytes));
   MT_CUDA(cudaMemset(*ptr, 0, bytes));
   {
-    // within the default timeout, never without end (mt::setup_sync_within); past it 120, the memory leaked
-    const cudaError_t e = mt::setup_sync_within(device, mt::kDefaultTimeoutNs);
-    if (e == cudaErrorNotReady) return zeroing_timed_out("mt_ipc_malloc", device, ptr, bytes);
+    // within the caller's timeout, never without end (mt::setup_sync_within); past it 120, the memory leaked
+    const uint64_t timeout_ns = mt::timeout_ns(timeout_s);
+    const cudaError_t e = mt::setup_sync_within(device, timeout_ns);
+    if (e == cudaErrorNotReady) return zeroing_timed_out("mt_ipc_malloc", device, ptr, bytes, timeout_ns);
     MT_REQUIRE(e == cudaSuccess, (int)e, "mt_ipc_malloc: cudaDeviceSynchronize -> %s (%s)", cudaGetErrorName(e),
                cudaGetErrorString(e));
   }
@@ -119,13 +126,16 @@ MT_API int mt_device_free(int device, void* ptr) {
   return 0;
 }
 
-MT_API int mt_device_malloc(int device, uint64_t bytes, void** ptr) {
+// timeout_s as mt_ipc_malloc's (121: not finite and > 0).
+MT_API int mt_device_malloc(int device, uint64_t bytes, double timeout_s, void** ptr) {
+  MT_REQUIRE(mt::timeout_s_ok(timeout_s), 121, "mt_device_malloc: timeout_s %g is not a finite number > 0", timeout_s);
   MT_SET_DEVICE(device);
   MT_CUDA(cudaMalloc(ptr, bytes));
   cudaError_t e = cudaMemset(*ptr, 0, bytes);
-  // within the default timeout, never without end (mt::setup_sync_within); past it 120, the memory leaked
-  if (e == cudaSuccess) e = mt::setup_sync_within(device, mt::kDefaultTimeoutNs);
-  if (e == cudaErrorNotReady) return zeroing_timed_out("mt_device_malloc", device, ptr, bytes);
+  // within the caller's timeout, never without end (mt::setup_sync_within); past it 120, the memory leaked
+  const uint64_t timeout_ns = mt::timeout_ns(timeout_s);
+  if (e == cudaSuccess) e = mt::setup_sync_within(device, timeout_ns);
+  if (e == cudaErrorNotReady) return zeroing_timed_out("mt_device_malloc", device, ptr, bytes, timeout_ns);
   if (e != cudaSuccess) {  // not zeroed: freed here, the caller gets an error and nothing to free
     (void)cudaGetLastError();
     cudaFree(*ptr);

@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <thread>
 
@@ -148,10 +149,16 @@ inline cudaError_t device_sync_within(int device, uint64_t deadline_ns) {
   return st->err;
 }
 
-// How long a wait that was given no timeout of its own lasts: RuntimeOptions.onesided_timeout_s's default. The proxy
-// engine's timeout until mt_proxy_set_timeout sets it (so mt_proxy_create's own wait), and the bound of
-// mt_ipc_malloc's and mt_device_malloc's zeroing, which take no timeout.
+// How long a wait that was given no timeout of its own lasts: RuntimeOptions.onesided_timeout_s's default. What a
+// timeout_s <= 0 of mt_nvl_create / mt_pxy_create takes (setup_timeout_ns). mt_proxy_create, mt_ipc_malloc and
+// mt_device_malloc take the caller's bound instead and refuse one that is not a finite number > 0 (timeout_s_ok).
 constexpr uint64_t kDefaultTimeoutNs = 20ull * 1000000000ull;
+
+// Whether `s` is a bound those creations accept: finite and > 0. Not mapped to kDefaultTimeoutNs: the Python side
+// passes RuntimeOptions.onesided_timeout_s, validated to (0, 86400], so anything else is a caller's bug, and a
+// silent 20 s is what made the user's bound go unheeded before (ABI 23). NaN fails `s > 0`; +inf would saturate to
+// a week, which nobody configures.
+inline bool timeout_s_ok(double s) { return s > 0.0 && std::isfinite(s); }
 
 // The bound of a creation's wait for its set-up work: timeout_ns, the same its destroy waits (the context's timeout);
 // 0 (from a timeout_s <= 0) takes kDefaultTimeoutNs, so that such a creation succeeds as it did before.

@@ -274,8 +274,8 @@ struct Engine {
   std::thread th;
   std::atomic<bool> stop{false};
   std::atomic<bool> running{false};
-  // how long a drain or release() waits for a QP stream, and mt_proxy_create for its set-up work (mt_proxy_set_timeout,
-  // after the create; the default is RuntimeOptions.onesided_timeout_s's, which ProxyEngine passes on)
+  // how long a drain or release() waits for a QP stream, and mt_proxy_create for its set-up work: the create's
+  // timeout_s, which mt_proxy_set_timeout may change later (ProxyEngine passes RuntimeOptions.onesided_timeout_s to both)
   std::atomic<uint64_t> timeout_ns{mt::kDefaultTimeoutNs};
   std::atomic<int> err{0};
   // what the thread is doing (for diagnostics): 0 idle, else the CUDA call it is inside (PH_*) since when
@@ -838,10 +838,11 @@ extern "C" int mt_proxy_gpu_view(void* h, MtGpuView* out) {
 // peer_sig[i]: address of MY signal slot 0 at peer i (the proxy writes slot k at peer_sig[i] + 8k).
 // cpus[0..ncpus): the set of CPUs the proxy thread pins itself to (the OS places it within the set); ncpus 0 or
 // -1 (or cpus NULL with ncpus <= 0): no pinning. A pinning the kernel refuses is recorded (mt_proxy_cpu), not an
-// error.
+// error. timeout_s: the engine's timeout (as mt_proxy_set_timeout sets it), so also the bound of this create's wait
+// for its set-up work (216 past it); not a finite number > 0: 215, as mt_proxy_set_timeout refuses one <= 0.
 MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, const uint64_t* peer_ctrl,
                            const uint64_t* peer_sig, int qps, int qp_mapping, int fence_mode, int fifo_slots,
-                           const int* cpus, int ncpus, void** out) {
+                           const int* cpus, int ncpus, double timeout_s, void** out) {
   MT_REQUIRE(npeers >= 1 && npeers <= 4096, 200, "npeers %d outside 1..4096", npeers);
   MT_REQUIRE(qps >= 1 && qps <= MT_MAX_QPS, 201, "qps %d (per peer) outside 1..%d", qps, MT_MAX_QPS);
   MT_REQUIRE((long)npeers * qps <= MT_MAX_STREAMS, 201, "%d peers x %d QPs per peer = %ld streams, more than %d",
@@ -853,9 +854,11 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
              MT_PROXY_MAX_CPU);
   MT_REQUIRE(ncpus <= 0 || cpus != nullptr, 208, "ncpus %d with no cpus array", ncpus);
   for (int i = 0; i < ncpus; ++i) MT_REQUIRE(cpus[i] >= 0, 208, "bad cpu %d (cpus[%d])", cpus[i], i);
+  MT_REQUIRE(mt::timeout_s_ok(timeout_s), 215, "mt_proxy_create: timeout_s %g is not a finite number > 0", timeout_s);
   MT_SET_DEVICE(device);
   Engine* e = new Engine();
   e->device = device;
+  e->timeout_ns.store(mt::timeout_ns(timeout_s));
   if (ncpus > 0) e->cpu_req.assign(cpus, cpus + ncpus);
   e->npeers = npeers;
   e->qps = qps;
@@ -905,12 +908,8 @@ MT_API int mt_proxy_create(int device, int npeers, const uint64_t* peer_data, co
     ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (ce == cudaSuccess) e->streams.push_back(s);
   }
-  // the set-up work (the memsets above, the warm-up copies below) is waited for within the engine's timeout (its
-  // default: mt_proxy_set_timeout comes after the create), never without end (mt::device_sync_within); past it 216
-#ifdef MT_HOST_SIM
-  // a test's shorter default (mtsim_set_device_busy): the real one's 20 s would make a test of it slow
-  if (const uint64_t t = __atomic_load_n(&mtsim::create_timeout_ns, __ATOMIC_RELAXED)) e->timeout_ns.store(t);
-#endif
+  // the set-up work (the memsets above, the warm-up copies below) is waited for within the engine's timeout (the
+  // caller's timeout_s), never without end (mt::device_sync_within); past it 216
   const uint64_t setup_deadline = mt::host_ns() + e->timeout_ns.load(std::memory_order_relaxed);
 #ifndef MT_HOST_SIM
   if (ce == cudaSuccess) {

@@ -36,8 +36,9 @@ from moetune.runtime.paths import foreign_link_reason, loose_key_path
 # csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked); 22 = the nvlink
 # exchanges take the rows their counts address (send_rows / src_rows / x_rows + tok_rows) and refuse counts outside
 # them, a refused call marks its count-matrix row and its peers report MT_ERR_PEER_REFUSED at once, and a refusal can
-# be cleared (mt_pxy_clear_error, mt_nvl_clear_error)
-ABI_VERSION = 22
+# be cleared (mt_pxy_clear_error, mt_nvl_clear_error); 23 = mt_proxy_create, mt_ipc_malloc and mt_device_malloc take
+# the caller's timeout_s (a double before their out-pointers) as the bound of their set-up waits, no longer a fixed 20 s
+ABI_VERSION = 23
 LIB_NAME = "libmoetune_csrc.so"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-O3", "-lineinfo")
 _BUILD_TIMEOUT_S = 600
@@ -262,10 +263,10 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_enable_peer_access": (c_int, [c_int, c_int]),
     "mt_host_alloc_mapped": (c_int, [c_int, c_uint64, _PP, _PP]),
     "mt_host_free": (c_int, [c_void_p]),
-    "mt_ipc_malloc": (c_int, [c_int, c_uint64, _PP, c_char_p]),
+    "mt_ipc_malloc": (c_int, [c_int, c_uint64, c_double, _PP, c_char_p]),  # device, bytes, timeout_s, ...
     "mt_ipc_open": (c_int, [c_int, c_char_p, _PP]),
     "mt_ipc_close": (c_int, [c_int, c_void_p]),
-    "mt_device_malloc": (c_int, [c_int, c_uint64, _PP]),
+    "mt_device_malloc": (c_int, [c_int, c_uint64, c_double, _PP]),  # device, bytes, timeout_s, ptr
     "mt_device_free": (c_int, [c_int, c_void_p]),
     # nvlink
     "mt_nvl_create": (c_int, [c_int, c_int, c_int, _P64, c_int, c_double, _PP]),
@@ -310,7 +311,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "mt_hs_error": (c_int, [c_void_p, _PI]),
     "mt_hs_destroy": (c_int, [c_void_p]),
     # proxy engine
-    "mt_proxy_create": (c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PI, c_int, _PP]),
+    "mt_proxy_create": (  # device, npeers, peer_data/_ctrl/_sig, qps, qp_mapping, fence_mode, fifo_slots, cpus, ncpus,
+        c_int, [c_int, c_int, _P64, _P64, _P64, c_int, c_int, c_int, c_int, _PI, c_int, c_double, _PP]  # timeout_s, out
+    ),
     "mt_proxy_cpu": (c_int, [c_void_p, _PI, c_int]),
     "mt_proxy_cpu_list": (c_int, [c_void_p, _PI, c_int]),
     "mt_proxy_mem": (c_int, [c_void_p, _PI, c_int, c_char_p, c_int]),
@@ -370,9 +373,12 @@ def load(*, verbose: bool = False) -> ctypes.CDLL:
             path = Path(pre) if pre else build(verbose=verbose).path
             lib = ctypes.CDLL(str(path))
             _bind(lib)
-            abi = lib.mt_abi_version()
+            abi = lib.mt_abi_version()  # before any other call: an older library's signatures differ
             if abi != ABI_VERSION:
-                raise BuildError(f"{path}: ABI {abi}, expected {ABI_VERSION}")
+                raise BuildError(
+                    f"{path}: ABI {abi}, expected {ABI_VERSION}: the library was built from other sources than this "
+                    "moetune's (a stale MOETUNE_CSRC_LIB?) and would be called with the wrong arguments; rebuild it "
+                    "from this checkout's csrc/ (or unset MOETUNE_CSRC_LIB to build into the cache)")
             _lib = lib
             return lib
         except BuildError as e:

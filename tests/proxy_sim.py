@@ -101,7 +101,7 @@ class SimRanks:
             for r in range(world):
                 h = ctypes.c_void_p()
                 rc = lib.mt_proxy_create(0, world, u64(dptr), u64(cptr), u64([c + 8 * r * MAX_SLOTS for c in cptr]), qps,
-                                         mapping, fence, 64, None, 0, ctypes.byref(h))
+                                         mapping, fence, 64, None, 0, 20.0, ctypes.byref(h))
                 assert rc == 0, lib.mt_last_error()
                 self.engines.append(h)
                 x = ctypes.c_void_p()

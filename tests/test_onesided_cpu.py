@@ -272,7 +272,7 @@ def test_proxy_engine_drain_loop_in_host_simulation(
     u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
     h = ctypes.c_void_p()
     rc = lib.mt_proxy_create(0, npeers, u64([addr(d) for d in data]), u64([addr(c) for c in ctrl]),
-                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, None, 0, ctypes.byref(h))
+                             u64([addr(s) for s in sig]), 2, qp_mapping, fence_mode, 16, None, 0, 20.0, ctypes.byref(h))
     assert rc == 0, lib.mt_last_error()
     try:
         assert lib.mt_proxy_set_batch(h, batch) == 0
@@ -363,7 +363,7 @@ def _sim_exchange(lib: ctypes.CDLL, variant: tuple, *, async_delay_us: int = -1,
         for r in range(world):
             h = ctypes.c_void_p()
             rc = lib.mt_proxy_create(0, world, u64(dptr), u64(cptr), u64([c + 8 * r * 1024 for c in cptr]), qps,
-                                     mapping, fence, 32, None, 0, ctypes.byref(h))
+                                     mapping, fence, 32, None, 0, 20.0, ctypes.byref(h))
             assert rc == 0, lib.mt_last_error()
             engines.append(h)
             assert lib.mt_proxy_set_batch(h, batch) == 0
@@ -580,7 +580,7 @@ def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL)
     cptr = [c.ctypes.data for c in ctrl]
     h, x = ctypes.c_void_p(), ctypes.c_void_p()
     assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr), u64(cptr), 1, 1, 1, 64, None, 0,
-                               ctypes.byref(h)) == 0
+                               20.0, ctypes.byref(h)) == 0
     try:
         assert lib.mt_pxy_create(h, 0, 0, world, cptr[0], 0.3, ctypes.byref(x)) == 0
         sc = np.ones(world, dtype=np.int64)
@@ -615,7 +615,7 @@ def test_proxy_calls_give_the_caller_its_own_device_back_in_host_simulation(sim_
     lib.mtsim_set_device(3)
     try:
         assert lib.mt_proxy_create(1, 1, u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]), 1,
-                                   1, 1, 64, None, 0, ctypes.byref(h)) == 0, lib.mt_last_error()
+                                   1, 1, 64, None, 0, 20.0, ctypes.byref(h)) == 0, lib.mt_last_error()
         assert lib.mtsim_get_device() == 3
         assert lib.mt_pxy_create(h, 1, 0, 1, ctrl.ctypes.data, 5.0, ctypes.byref(x)) == 0, lib.mt_last_error()
         assert lib.mtsim_get_device() == 3
@@ -735,7 +735,7 @@ def _alias_run(lib: ctypes.CDLL, host_wait: int, iters: int = 8) -> list[str]:
         for r in range(world):
             h, x = ctypes.c_void_p(), ctypes.c_void_p()
             assert lib.mt_proxy_create(0, world, u64([d.ctypes.data for d in data]), u64(cptr),
-                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, None, 0, ctypes.byref(h)) == 0
+                                       u64([c + 8 * r * 1024 for c in cptr]), 1, 1, 2, 64, None, 0, 20.0, ctypes.byref(h)) == 0
             engines.append(h)
             assert lib.mt_pxy_create(h, 0, r, world, cptr[r], 1.0, ctypes.byref(x)) == 0
             assert lib.mt_pxy_set_data(x, per_parity) == 0
@@ -886,7 +886,7 @@ def test_kernel_context_destroy_is_bounded_when_a_launch_never_completes_in_host
     word, n = ctypes.POINTER(ctypes.c_uint64)(), ctypes.c_uint64()
     try:
         assert lib.mt_proxy_create(0, 1, u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]), 1,
-                                   1, 1, 64, None, 0, ctypes.byref(h)) == 0, lib.mt_last_error()
+                                   1, 1, 64, None, 0, 20.0, ctypes.byref(h)) == 0, lib.mt_last_error()
         assert lib.mt_pxy_create(h, 0, 0, 1, ctrl.ctypes.data, 0.5, ctypes.byref(x)) == 0, lib.mt_last_error()
         assert lib.mt_pxy_counts(x, sc.ctypes.data, recv.ctypes.data, 1, 0) == 0, lib.mt_last_error()
         lib.mt_pxy_sim_done(x, ctypes.byref(word), ctypes.byref(n))
@@ -934,14 +934,14 @@ def _timed_call(lib: ctypes.CDLL, call: Callable[[], int]) -> tuple[int, bytes, 
 def test_creation_is_bounded_when_the_device_never_idles_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
     """mt_proxy_create and mt_pxy_create wait for their set-up memsets within a bound (mt::setup_sync_within), as the
     destroys wait, instead of a bare cudaDeviceSynchronize: here the simulated device never becomes idle (a stuck
-    persistent kernel) until the test says so. The engine's create returns 216 past its timeout (the default until
-    mt_proxy_set_timeout; shortened to 0.5 s for the test), the kernel context's 326 past the context's timeout, each
-    naming the leak in mt_last_error and freeing nothing a queued memset may still write. Before, both hung until
-    the device was idle. Once it is, both succeed as before."""
+    persistent kernel) until the test says so. The engine's create returns 216 past the timeout_s it was given (ABI
+    23; it waited a fixed 20 s before, whatever the caller configured), the kernel context's 326 past the context's
+    timeout, each naming the leak in mt_last_error and freeing nothing a queued memset may still write. Before, both
+    hung until the device was idle. Once it is, both succeed as before."""
     import numpy as np
 
     lib = sim_lib
-    lib.mtsim_set_device_busy.argtypes = [ctypes.c_int, ctypes.c_double]
+    lib.mtsim_set_device_busy.argtypes = [ctypes.c_int]
     lib.mtsim_set_device_busy.restype = None
     lib.mtsim_device_frees.restype = ctypes.c_ulonglong
     ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
@@ -949,25 +949,29 @@ def test_creation_is_bounded_when_the_device_never_idles_in_host_simulation(sim_
     u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
     peers = (u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]))
 
-    def engine(out: ctypes.c_void_p) -> int:
-        return lib.mt_proxy_create(0, 1, *peers, 1, 1, 1, 64, None, 0, ctypes.byref(out))
+    def engine(out: ctypes.c_void_p, timeout_s: float = 0.5) -> int:
+        return lib.mt_proxy_create(0, 1, *peers, 1, 1, 1, 64, None, 0, timeout_s, ctypes.byref(out))
 
     def context(eng: ctypes.c_void_p, out: ctypes.c_void_p) -> int:
         return lib.mt_pxy_create(eng, 0, 0, 1, ctrl.ctypes.data, 0.5, ctypes.byref(out))
 
     h, x, lost, lost_x = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     try:
-        lib.mtsim_set_device_busy(1, 0.5)
+        lib.mtsim_set_device_busy(1)
         frees = lib.mtsim_device_frees()
         rc, err, took = _timed_call(lib, lambda: engine(lost))
         assert rc == 216 and took < 4.0, (rc, err, took)
         assert b"mt_proxy_create: the set-up work on device 0" in err and b"did not complete within 0.5 s" in err, err
         assert b"FIFO, control page and device words are leaked rather than freed" in err, err
         assert not lost.value and lib.mtsim_device_frees() == frees  # nothing freed, no engine handed out
+        # the caller's bound, whatever it is: 1.5 s is waited out, not 0.5 s and not the old fixed 20 s
+        rc, err, took = _timed_call(lib, lambda: engine(lost, 1.5))
+        assert rc == 216 and 1.4 < took < 6.0 and b"did not complete within 1.5 s" in err, (rc, err, took)
+        assert not lost.value
 
-        lib.mtsim_set_device_busy(0, 0.0)
+        lib.mtsim_set_device_busy(0)
         assert engine(h) == 0, lib.mt_last_error()
-        lib.mtsim_set_device_busy(1, 0.0)
+        lib.mtsim_set_device_busy(1)
         frees = lib.mtsim_device_frees()
         rc, err, took = _timed_call(lib, lambda: context(h, lost_x))
         assert rc == 326 and took < 4.0, (rc, err, took)
@@ -976,14 +980,30 @@ def test_creation_is_bounded_when_the_device_never_idles_in_host_simulation(sim_
         assert b"error record, completion word and abort flag are leaked rather than freed" in err, err
         assert not lost_x.value and lib.mtsim_device_frees() == frees
 
-        lib.mtsim_set_device_busy(0, 0.0)
+        lib.mtsim_set_device_busy(0)
         assert context(h, x) == 0, lib.mt_last_error()  # the success path as before
     finally:
-        lib.mtsim_set_device_busy(0, 0.0)  # the detached waits of the failed creations return now
+        lib.mtsim_set_device_busy(0)  # the detached waits of the failed creations return now
         if x:
             lib.mt_pxy_destroy(x)
         if h:
             lib.mt_proxy_destroy(h)
+
+
+def test_proxy_create_refuses_a_timeout_that_is_not_a_finite_number_above_zero(sim_lib: ctypes.CDLL) -> None:
+    """mt_proxy_create's timeout_s (ABI 23) is refused, as mt_proxy_set_timeout refuses one (215), when it is not a
+    finite number > 0: not mapped to a default, so a caller's bad bound is an error instead of a silent 20 s. Nothing
+    is created."""
+    import numpy as np
+
+    ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
+    one = (ctypes.c_uint64 * 1)(ctrl.ctypes.data)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), float("-inf")):
+        h = ctypes.c_void_p()
+        rc = sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 64, None, 0, bad, ctypes.byref(h))
+        assert rc == 215 and not h.value, (bad, rc)
+        assert b"mt_proxy_create: timeout_s" in sim_lib.mt_last_error() and b"is not a finite number > 0" in \
+            sim_lib.mt_last_error()
 
 
 def _engine_cpu(lib: ctypes.CDLL, h: ctypes.c_void_p) -> list:
@@ -1012,7 +1032,7 @@ def _sim_engine(lib: ctypes.CDLL, cpus: tuple[int, ...] | None, sink: list) -> c
     h = ctypes.c_void_p()
     arr = None if cpus is None else (ctypes.c_int * len(cpus))(*cpus)
     n = -1 if cpus is None else len(cpus)
-    assert lib.mt_proxy_create(0, 1, u64(data), u64(ctrl), u64(sig), 1, 1, 1, 16, arr, n, ctypes.byref(h)) == 0, \
+    assert lib.mt_proxy_create(0, 1, u64(data), u64(ctrl), u64(sig), 1, 1, 1, 16, arr, n, 20.0, ctypes.byref(h)) == 0, \
         lib.mt_last_error()
     return h
 
@@ -1095,11 +1115,11 @@ def test_a_refused_pinning_leaves_the_engine_running_unpinned_in_host_simulation
     h = ctypes.c_void_p()
     one = (ctypes.c_uint64 * 1)(0)
     bad = (ctypes.c_int * 2)(0, -2)
-    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, bad, 2, ctypes.byref(h)) != 0  # a bad argument
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, bad, 2, 20.0, ctypes.byref(h)) != 0  # a bad argument
     assert b"bad cpu -2" in sim_lib.mt_last_error()
-    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, bad, -2, ctypes.byref(h)) != 0
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, bad, -2, 20.0, ctypes.byref(h)) != 0
     assert b"bad ncpus -2" in sim_lib.mt_last_error()
-    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, None, 3, ctypes.byref(h)) != 0
+    assert sim_lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, None, 3, 20.0, ctypes.byref(h)) != 0
     assert b"no cpus array" in sim_lib.mt_last_error()
 
 

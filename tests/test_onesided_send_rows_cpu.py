@@ -70,7 +70,7 @@ def lib(monkeypatch: pytest.MonkeyPatch) -> RecLib:
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(csrc_build, "load", lambda **kw: rec)
-    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": FakeSymm(nbytes))
+    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch", timeout_s=20.0: FakeSymm(nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)
@@ -128,9 +128,9 @@ def test_nvlink_passes_the_rows_its_counts_address(lib: RecLib) -> None:
 
 
 def _c_prototypes(text: str) -> dict[str, list[str]]:
-    """MT_API functions of a C source: name -> parameter types (the parameter name dropped)."""
+    """MT_API functions of a C source: name -> parameter types (the parameter name and /* */ comments dropped)."""
     out = {}
-    for m in re.finditer(r"MT_API\s+int\s+(mt_\w+)\s*\(([^)]*)\)", text):
+    for m in re.finditer(r"MT_API\s+int\s+(mt_\w+)\s*\(([^)]*)\)", re.sub(r"/\*.*?\*/", "", text, flags=re.S)):
         params = [p.strip() for p in m.group(2).replace("\n", " ").split(",") if p.strip()]
         out[m.group(1)] = [re.sub(r"\s*\w+$", "", p).replace("const ", "").replace(" *", "*").strip() for p in params]
     return out
@@ -139,13 +139,14 @@ def _c_prototypes(text: str) -> dict[str, list[str]]:
 def _matches(c_type: str, py_type: Any) -> bool:
     if c_type.endswith("*"):
         return py_type in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(py_type, ctypes._Pointer)
-    return {"int": ctypes.c_int, "uint64_t": ctypes.c_uint64, "double": ctypes.c_double}.get(c_type) is py_type
+    return {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint64_t": ctypes.c_uint64,
+            "double": ctypes.c_double}.get(c_type) is py_type
 
 
 def test_the_ctypes_table_matches_the_c_prototypes_of_the_exchanges() -> None:
     """Every mt_nvl_* and mt_pxy_* function the table binds, against its prototype in csrc/ (ep_nvlink.cu,
     proxy_gpu.cu): as many parameters, of matching kinds -- an argument added on one side only (send_rows) would shift
-    every later one. And the library and the Python check both say ABI 22."""
+    every later one. And the library and the Python check both say ABI 22 or later."""
     protos = {**_c_prototypes((CSRC / "ep_nvlink.cu").read_text()), **_c_prototypes((CSRC / "proxy_gpu.cu").read_text())}
     names = [n for n in csrc_build.SIGNATURES if n.startswith(("mt_nvl_", "mt_pxy_"))]
     assert {"mt_nvl_exchange", "mt_nvl_exchange_gather", "mt_pxy_clear_error", "mt_nvl_clear_error"} <= set(names)
@@ -156,7 +157,30 @@ def test_the_ctypes_table_matches_the_c_prototypes_of_the_exchanges() -> None:
         assert not bad, (name, bad)
     assert protos["mt_nvl_exchange"][2] == "uint64_t" and protos["mt_nvl_exchange_gather"][6] == "uint64_t"
     abi = int(re.search(r"mt_abi_version\(\) \{ return (\d+);", (CSRC / "mt_common.cu").read_text()).group(1))
-    assert abi == csrc_build.ABI_VERSION == 22
+    assert abi == csrc_build.ABI_VERSION >= 22
+
+
+def test_the_ctypes_table_matches_the_c_prototypes_of_the_other_entry_points() -> None:
+    """The rest of the table against csrc/ (the allocators, the proxy engine, host staging, packing, fp8), as the
+    exchanges above. ABI 23 added timeout_s (a double, before the out-pointers) to mt_proxy_create, mt_ipc_malloc and
+    mt_device_malloc: the bound of their set-up waits, until then a fixed 20 s whatever the caller configured. A
+    library of ABI 22 would read an out-pointer where the timeout is: the load check refuses it (ABI 23 both sides)."""
+    protos: dict[str, list[str]] = {}
+    for f in ("mt_common.cu", "proxy_engine.cpp", "host_staged.cu", "ep_pack.cu", "ep_fp8.cu"):
+        protos.update(_c_prototypes((CSRC / f).read_text()))
+    names = [n for n in csrc_build.SIGNATURES if n in protos]
+    assert {"mt_proxy_create", "mt_ipc_malloc", "mt_device_malloc", "mt_hs_create", "mt_pack_rows"} <= set(names)
+    for name in names:
+        c_types, py_types = protos[name], csrc_build.SIGNATURES[name][1]
+        assert len(c_types) == len(py_types), (name, c_types, py_types)
+        bad = [(i, c, p) for i, (c, p) in enumerate(zip(c_types, py_types, strict=True)) if not _matches(c, p)]
+        assert not bad, (name, bad)
+    for name in ("mt_proxy_create", "mt_ipc_malloc", "mt_device_malloc"):
+        c_types = protos[name]
+        i = c_types.index("double")
+        assert i == len(c_types) - (2 if name == "mt_ipc_malloc" else 1) - 1, (name, c_types)  # before the outs
+    abi = int(re.search(r"mt_abi_version\(\) \{ return (\d+);", (CSRC / "mt_common.cu").read_text()).group(1))
+    assert abi == csrc_build.ABI_VERSION >= 23
 
 
 def _words(code: int, rank: int, peer: int, slot: int, epoch: int, seen: int, expected: int) -> list[int]:

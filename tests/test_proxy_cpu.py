@@ -344,7 +344,7 @@ def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.Monkey
             return 0
 
         def mt_proxy_create(self, *args: object) -> int:
-            cpus, n = args[-3], args[-2]  # the CPU set and its size, before the out pointer
+            cpus, n = args[-4], args[-3]  # the CPU set and its size, before timeout_s and the out pointer
             created.append(list(cpus[:n]))  # type: ignore[index]
             args[-1]._obj.value = 0x5001  # type: ignore[attr-defined]
             return 0
@@ -375,7 +375,7 @@ def test_the_transport_hands_its_choice_to_the_engine(monkeypatch: pytest.Monkey
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(csrc_build, "load", lambda **kw: Lib())
-    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": Symm(nbytes))
+    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch", timeout_s=20.0: Symm(nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)

@@ -131,7 +131,7 @@ def engine(lib: ctypes.CDLL, cpus: tuple[int, ...] | None, keep: list) -> ctypes
     h = ctypes.c_void_p()
     arr = None if cpus is None else (ctypes.c_int * len(cpus))(*cpus)
     rc = lib.mt_proxy_create(0, 1, u64(data), u64(data), u64(sig), 1, 1, 1, 1024, arr,
-                             -1 if cpus is None else len(cpus), ctypes.byref(h))
+                             -1 if cpus is None else len(cpus), 20.0, ctypes.byref(h))
     assert rc == 0, lib.mt_last_error()
     return h
 
@@ -378,7 +378,7 @@ def test_a_failed_create_releases_the_placed_pages(sim: ctypes.CDLL, faults) -> 
     before = counters(sim)
     one = (ctypes.c_uint64 * 1)(0)
     h = ctypes.c_void_p()
-    rc = sim.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, (ctypes.c_int * 1)(allowed[0]), 1, ctypes.byref(h))
+    rc = sim.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, (ctypes.c_int * 1)(allowed[0]), 1, 20.0, ctypes.byref(h))
     assert rc == 2 and b"mt_proxy_create: simError" in sim.mt_last_error()
     undone(sim, before)  # placed (mapped, registered), then released: unregistered and unmapped
 
@@ -400,7 +400,7 @@ one = (ctypes.c_uint64 * 1)(0)
 h = ctypes.c_void_p()
 cpus = (ctypes.c_int * 1)(min(os.sched_getaffinity(0)))
 rc = lib.mt_proxy_create(0, 1, one, one, one, 1, 1, 1, 16, cpus if {pinned} else None, 1 if {pinned} else 0,
-                         ctypes.byref(h))
+                         ctypes.c_double(20.0), ctypes.byref(h))  # no argtypes here: the double said as one
 lib.mtsim_page_counters(pages)
 print(rc, h.value, before[:2] == list(pages)[:2], lib.mt_last_error().decode())
 """
@@ -470,7 +470,7 @@ for i in range(4096):
     src[i] = (i * 7 + 3) % 251
 u64 = lambda a: (ctypes.c_uint64 * 1)(ctypes.addressof(a))
 h = ctypes.c_void_p()
-assert lib.mt_proxy_create(0, 1, u64(data), u64(data), u64(sig), 1, 1, 1, 64, None, -1, ctypes.byref(h)) == 0
+assert lib.mt_proxy_create(0, 1, u64(data), u64(data), u64(sig), 1, 1, 1, 64, None, -1, 20.0, ctypes.byref(h)) == 0
 n = 40  # a PUT of 64 bytes to offset 64*i for even i, a signal of slot i for odd i
 raw = ctypes.create_string_buffer(64 * (n + 2))
 reqs = (P.Request * n).from_address((ctypes.addressof(raw) + 63) // 64 * 64 + 8)

@@ -47,7 +47,7 @@ def _host_batch(lib: ctypes.CDLL, qps: int, mapping: int, fence: int, npeers: in
     h = ctypes.c_void_p()
     assert lib.mt_proxy_create(0, npeers, proxy_sim.u64([addr(d) for d in data]), proxy_sim.u64([addr(c) for c in ctrl]),
                                proxy_sim.u64([addr(s) for s in sig]), qps, mapping, fence, 64, None, 0,
-                               ctypes.byref(h)) == 0, lib.mt_last_error()
+                               20.0, ctypes.byref(h)) == 0, lib.mt_last_error()
     try:
         reqs = []
         for p in range(npeers):
@@ -109,9 +109,9 @@ def test_an_engine_refuses_more_streams_than_it_can_acknowledge(lib: ctypes.CDLL
     """npeers x qps streams, at most MT_MAX_STREAMS (8 x 64: every qps_per_pe at every transport world size)."""
     addrs = proxy_sim.u64([0] * 9)
     h = ctypes.c_void_p()
-    assert lib.mt_proxy_create(0, 9, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, ctypes.byref(h)) == 201
+    assert lib.mt_proxy_create(0, 9, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, 20.0, ctypes.byref(h)) == 201
     assert b"9 peers x 64 QPs per peer = 576 streams, more than 512" in lib.mt_last_error()
-    assert lib.mt_proxy_create(0, 8, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, ctypes.byref(h)) == 0
+    assert lib.mt_proxy_create(0, 8, addrs, addrs, addrs, 64, PEER_HASH, DRAIN, 64, None, 0, 20.0, ctypes.byref(h)) == 0
     lib.mt_proxy_destroy(h)
 
 
@@ -130,7 +130,7 @@ def test_the_diagnosis_names_a_stream_as_a_stream(lib: ctypes.CDLL) -> None:
     h = ctypes.c_void_p()
     assert lib.mt_proxy_create(0, 2, proxy_sim.u64([addr(d) for d in data]), proxy_sim.u64([addr(c) for c in ctrl]),
                                proxy_sim.u64([addr(s) for s in sig]), 2, PEER_HASH, DRAIN, 64, None, 0,
-                               ctypes.byref(h)) == 0, lib.mt_last_error()
+                               20.0, ctypes.byref(h)) == 0, lib.mt_last_error()
     try:
         arr = (Request * 2)(Request(OP_PUT, 1, 0, 1, addr(src), 0, 64, 0, 0, 0), Request(OP_SIGNAL, 1, 0, 1, 0, 0, 0, 9, 0, 0))
         assert lib.mt_proxy_enqueue(h, arr, 2, 10.0) == 0, lib.mt_last_error()

@@ -71,7 +71,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple], set[str]]:
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(csrc_build, "load", lambda **kw: lib)
-    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch": FakeSymm(log, nbytes))
+    monkeypatch.setattr(_onesided, "SymmBuffer", lambda nbytes, group, device, lib, mode="torch", timeout_s=20.0: FakeSymm(log, nbytes))
     monkeypatch.setattr(_onesided, "_all_gather_ints", lambda values, group, device: [list(values)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: True)
@@ -130,6 +130,42 @@ def test_proxy_engine_whose_batch_setting_fails_stops_its_thread(fake_gpu: tuple
     with pytest.raises(csrc_build.CsrcError, match="mt_proxy_set_batch"):
         ProxyEngine(0, [0], [0], [0], batch=4)
     assert _names(log) == ["mt_proxy_create", "mt_proxy_set_timeout", "mt_proxy_set_batch", "mt_proxy_destroy"]
+
+
+@pytest.mark.parametrize("cls", [ProxyTransport, NvlinkTransport])
+def test_the_configured_timeout_bounds_every_creation(fake_gpu: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                      cls: type) -> None:
+    """The user's onesided_timeout_s reaches every creation's bounded set-up wait: mt_proxy_create's timeout_s (ABI
+    23), both symmetric buffers (control and data: their CUDA IPC fallback's mt_ipc_malloc), and the contexts'
+    mt_pxy_create / mt_nvl_create. Before, mt_proxy_create and mt_ipc_malloc waited a fixed 20 s (the default),
+    whatever was configured."""
+    log, _fail = fake_gpu
+    lib = csrc_build.load()
+    calls: dict[str, tuple] = {}
+    plain = lib.call
+
+    def call(name: str, args: tuple) -> int:
+        calls.setdefault(name, args)
+        return plain(name, args)
+
+    monkeypatch.setattr(lib, "call", call)
+    symm: list[float] = []
+
+    def buffer(nbytes: int, group: Any, device: Any, lib: Any, mode: str = "torch", *, timeout_s: float) -> FakeSymm:
+        symm.append(timeout_s)
+        return FakeSymm(log, nbytes)
+
+    monkeypatch.setattr(_onesided, "SymmBuffer", buffer)
+    t = cls(None, default_knobs(cls.name), torch.device("cuda", 0), options=RuntimeOptions(onesided_timeout_s=45.0),
+            max_send_rows=8, row_bytes=256)
+    t.close()
+    assert symm == [45.0, 45.0]  # control buffer, data buffer
+    if cls is ProxyTransport:
+        create = calls["mt_proxy_create"]
+        assert len(create) == len(csrc_build.SIGNATURES["mt_proxy_create"][1]) and create[-2] == 45.0, create
+        assert calls["mt_proxy_set_timeout"][1] == 45.0 and calls["mt_pxy_create"][-2] == 45.0
+    else:
+        assert calls["mt_nvl_create"][-2] == 45.0
 
 
 def test_a_failure_while_releasing_is_noted_not_raised_over_the_cause(fake_gpu: tuple,
@@ -385,15 +421,17 @@ class FakeIpcLib:
     """The CUDA IPC calls of SymmBuffer, logged. `fail` names a call that returns an error: mt_ipc_malloc after it
     allocated (as when cudaIpcGetMemHandle fails), mt_ipc_open at the peer given in `fail_peer`;
     "mt_ipc_malloc_timeout": its zeroing did not complete within the bound (120: the memory leaked, the pointer
-    nulled)."""
+    nulled). `timeouts`: the timeout_s each mt_ipc_malloc was given (the bound of its wait for the zeroing)."""
 
     def __init__(self, log: list[tuple], fail: set[str], fail_peer: int = -1):
         self.log, self.fail, self.fail_peer, self.opened = log, fail, fail_peer, 0
+        self.timeouts: list[float] = []
 
     def mt_last_error(self) -> bytes:
         return b"injected failure"
 
-    def mt_ipc_malloc(self, dev: Any, nbytes: int, ptr: Any, handle: Any) -> int:
+    def mt_ipc_malloc(self, dev: Any, nbytes: int, timeout_s: float, ptr: Any, handle: Any) -> int:
+        self.timeouts.append(timeout_s)
         ptr._obj.value = 0xA000
         self.log.append(("malloc", 0xA000))
         if "mt_ipc_malloc_timeout" in self.fail:  # csrc/mt_common.cu zeroing_timed_out
@@ -439,8 +477,9 @@ def ipc_world(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     return log
 
 
-def _symm(lib: FakeIpcLib) -> _onesided.SymmBuffer:
-    return _onesided.SymmBuffer(4096, None, torch.device("cpu"), lib, mode="ipc")  # type: ignore[arg-type]
+def _symm(lib: FakeIpcLib, timeout_s: float = 20.0) -> _onesided.SymmBuffer:
+    return _onesided.SymmBuffer(4096, None, torch.device("cpu"), lib, mode="ipc",  # type: ignore[arg-type]
+                                timeout_s=timeout_s)
 
 
 def _freed(log: list[tuple]) -> list[tuple]:
@@ -455,6 +494,14 @@ def test_symm_buffer_built_and_closed_frees_everything_once(ipc_world: list[tupl
     n = len(ipc_world)
     b.close()
     assert len(ipc_world) == n
+
+
+def test_symm_buffer_bounds_its_zeroing_by_the_timeout_it_is_given(ipc_world: list[tuple]) -> None:
+    """mt_ipc_malloc waits for its zeroing within the timeout_s it is passed (ABI 23), the transport's
+    onesided_timeout_s, no longer a fixed 20 s whatever the user configured."""
+    lib = FakeIpcLib(ipc_world, set())
+    _symm(lib, timeout_s=45.0).close()
+    assert lib.timeouts == [45.0]
 
 
 def test_symm_buffer_whose_handle_exchange_fails_frees_its_memory(ipc_world: list[tuple],

@@ -48,7 +48,6 @@ extern uintptr_t copy_fault_lo, copy_fault_hi;
 // test clears it (mtsim_set_device_busy)
 extern int device_busy;
 extern unsigned long long device_frees;  // cudaFree / cudaFreeHost calls so far (a test sees what was not freed)
-extern unsigned long long create_timeout_ns;  // mt_proxy_create's bound on its set-up wait (0: the engine's default)
 // called after every mt::fence_system where set (mtsim_race_reports: a reporter yields between its record's stores)
 extern void (*fence_hook)();
 void host_register(void* p, size_t n);

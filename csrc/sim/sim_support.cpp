@@ -29,7 +29,7 @@ int madvise_errno = 0, devptr_error = 0;
 int copy_fault_err = 0;
 int thread_errno = 0;
 int device_busy = 0;
-unsigned long long device_frees = 0, create_timeout_ns = 0;
+unsigned long long device_frees = 0;
 void (*fence_hook)() = nullptr;
 uintptr_t copy_fault_lo = 0, copy_fault_hi = 0;
 static std::string sysfs_cpu_dir_text;
@@ -239,11 +239,9 @@ MT_API void mtsim_set_copy_fault(int err, uint64_t lo, uint64_t hi) {
 // engine is being created.
 MT_API void mtsim_set_thread_errno(int err) { mtsim::thread_errno = err; }
 // A device whose work does not end (1: every cudaDeviceSynchronize waits until it is 0 again, as behind a stuck
-// persistent kernel), and mt_proxy_create's bound on its set-up wait in seconds (0: the engine's default, 20 s).
-MT_API void mtsim_set_device_busy(int on, double create_timeout_s) {
-  __atomic_store_n(&mtsim::create_timeout_ns, mt::timeout_ns(create_timeout_s), __ATOMIC_RELAXED);
-  __atomic_store_n(&mtsim::device_busy, on, __ATOMIC_RELEASE);
-}
+// persistent kernel). The creations' bounds on their set-up waits are their callers' timeouts (a test passes a short
+// one), not set here.
+MT_API void mtsim_set_device_busy(int on) { __atomic_store_n(&mtsim::device_busy, on, __ATOMIC_RELEASE); }
 // cudaFree and cudaFreeHost calls so far
 MT_API unsigned long long mtsim_device_frees() { return __atomic_load_n(&mtsim::device_frees, __ATOMIC_RELAXED); }
 // [the FIFO pages' mappings now, their bytes mapped now, their mmaps so far] (Engine::place_pages and release)

@@ -224,12 +224,15 @@ class SymmBuffer:
     """`nbytes` of device memory on every rank, each rank's copy mapped into every process.
 
     `.local` is a uint8 tensor over this rank's copy; `.peer_ptrs[r]` the address of rank r's copy
-    as seen from this process. Collective: every rank constructs it in the same order.
+    as seen from this process. Collective: every rank constructs it in the same order. `timeout_s`
+    (the transport's onesided_timeout_s): how long the CUDA IPC fallback's mt_ipc_malloc waits for
+    its zeroing (code 120 past it, the memory leaked).
     """
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup | None, device: torch.device, lib: ctypes.CDLL,
-                 mode: str = "torch"):
+                 mode: str = "torch", *, timeout_s: float):
         self.nbytes = int(nbytes)
+        self.timeout_s = float(timeout_s)
         self.group = group
         self.device = device
         self.lib = lib
@@ -306,7 +309,7 @@ class SymmBuffer:
         lib = self.lib
         ptr = ctypes.c_void_p()
         handle = ctypes.create_string_buffer(64)
-        rc = lib.mt_ipc_malloc(self.device.index, self.nbytes, ctypes.byref(ptr), handle)
+        rc = lib.mt_ipc_malloc(self.device.index, self.nbytes, self.timeout_s, ctypes.byref(ptr), handle)
         self._ipc_local = int(ptr.value or 0)  # before the check: the allocation may succeed and a later step fail
         csrc_build.check(lib, rc, "cudaMalloc+IPC")
         h = torch.frombuffer(bytearray(handle.raw), dtype=torch.uint8).to(self.device)
@@ -417,7 +420,8 @@ class OneSidedTransport(EPTransport):
         self.lib = csrc_build.load()
         ctrl_bytes = ctypes.c_uint64(0)
         self.lib.mt_ctrl_bytes(ctypes.byref(ctrl_bytes))
-        self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib, self.options.symm)
+        self.ctrl = SymmBuffer(_round(ctrl_bytes.value), group, self.device, self.lib, self.options.symm,
+                               timeout_s=self.timeout_s)
         self.data_bytes = 0  # one parity area (data, _err0: the class defaults None until reserve() / the subclass)
         self._epoch = 0
         self._counts_epoch = 0
@@ -447,7 +451,8 @@ class OneSidedTransport(EPTransport):
             # forgotten before it is freed: if the new allocation fails, no call may view (or close again) the old one
             old, self.data, self.data_bytes, self._views = self.data, None, 0, {}
             old.close()
-        self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib, self.options.symm)
+        self.data = SymmBuffer(2 * per_parity, self.group, self.device, self.lib, self.options.symm,
+                               timeout_s=self.timeout_s)
         self.data_bytes = per_parity
         self._views = {}
         self._set_data()

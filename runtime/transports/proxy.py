@@ -182,7 +182,9 @@ class ProxyEngine:
     ):
         """`cpu`: the set of CPUs the proxy thread pins itself to (the OS places it within the set; empty: no
         pinning), as `CpuChoice.cpus` gives it. A pinning the kernel refuses leaves the thread unpinned and warns
-        once (ProxyCpuWarning); `cpu_binding()` says where it runs."""
+        once (ProxyCpuWarning); `cpu_binding()` says where it runs. `timeout_s`: how long the engine's waits last
+        (its drains, close(), and mt_proxy_create's own wait for its set-up work); the C side refuses one that is
+        not a finite number > 0 (code 215)."""
         if qp_mapping not in QP_MAPPINGS or fence_mode not in FENCE_MODES:
             raise KnobError(f"unknown qp_mapping {qp_mapping!r} or fence_mode {fence_mode!r}")
         if not _allow_unsafe:
@@ -193,19 +195,19 @@ class ProxyEngine:
         self.device = device
         self.fence_mode, self.qp_mapping, self.qps = fence_mode, qp_mapping, qps
         self.npeers = len(peer_data)
+        self.timeout_s = float(timeout_s)
         h = ctypes.c_void_p()
         csrc_build.check(
             self.lib,
             self.lib.mt_proxy_create(
                 device, self.npeers, u64_array(peer_data), u64_array(peer_ctrl), u64_array(peer_sig), qps,
                 QP_MAPPINGS[qp_mapping], FENCE_MODES[fence_mode], fifo_slots, (ctypes.c_int * len(cpus))(*cpus),
-                len(cpus), ctypes.byref(h),
+                len(cpus), self.timeout_s, ctypes.byref(h),  # the set-up wait's bound: the caller's, not 20 s
             ),
             "mt_proxy_create",
         )
         self.handle = h
         self._finalizer = on_collect(self, _destroy_engine, self.lib, h)
-        self.timeout_s = float(timeout_s)
         try:
             # the thread's drains and destroy wait this long for a QP stream, never forever
             csrc_build.check(self.lib, self.lib.mt_proxy_set_timeout(h, self.timeout_s), "mt_proxy_set_timeout")
