@@ -1,5 +1,5 @@
 """The proxy engine and the proxy transport's GPU-side logic (csrc/proxy_xchg.h) built with -DMT_HOST_SIM, for tests
-that run them on CPU threads: the library's build and its ctypes bindings (as tests/test_onesided_cpu.py builds it),
+that run them on CPU threads (with csrc/mt_common.cu: the allocators' bounded zeroing runs there too): the library's build and its ctypes bindings (as tests/test_onesided_cpu.py builds it),
 and ranks of a simulated exchange (one engine and one kernel context per rank, all in this process)."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def build(out: Path) -> Path:
         pytest.skip("no C++ compiler")
     r = subprocess.run(
         [gxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-DMT_HOST_SIM", "csrc/proxy_engine.cpp",
-         "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "-o", str(out), "-lpthread"],
+         "csrc/sim/sim_support.cpp", "csrc/mt_error.cpp", "-x", "c++", "csrc/proxy_gpu.cu", "csrc/mt_common.cu", "-o",
+         str(out), "-lpthread"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0, r.stderr

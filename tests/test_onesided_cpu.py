@@ -990,6 +990,54 @@ def test_creation_is_bounded_when_the_device_never_idles_in_host_simulation(sim_
             lib.mt_proxy_destroy(h)
 
 
+def test_the_allocators_zeroing_is_bounded_by_the_callers_timeout_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """mt_ipc_malloc and mt_device_malloc (csrc/mt_common.cu) wait for their zeroing within the timeout_s they are
+    given (ABI 23; a fixed 20 s before): on a simulated device that never idles, 120 once that bound has passed, the
+    pointer nulled (the memory leaked, nothing freed). A timeout_s that is not a finite number > 0 is refused (121)
+    before anything is allocated. On an idle device both succeed as before: zeroed memory (and an IPC handle)."""
+    from moetune.runtime import csrc_build
+
+    lib = sim_lib
+    for name in ("mt_ipc_malloc", "mt_device_malloc", "mt_device_free"):
+        res, args = csrc_build.SIGNATURES[name]
+        getattr(lib, name).restype = res
+        getattr(lib, name).argtypes = args
+    lib.mtsim_set_device_busy.argtypes = [ctypes.c_int]
+    lib.mtsim_set_device_busy.restype = None
+    lib.mtsim_device_frees.restype = ctypes.c_ulonglong
+    handle = ctypes.create_string_buffer(64)
+
+    def ipc(ptr: ctypes.c_void_p, timeout_s: float) -> int:
+        return lib.mt_ipc_malloc(0, 4096, timeout_s, ctypes.byref(ptr), handle)
+
+    def dev(ptr: ctypes.c_void_p, timeout_s: float) -> int:
+        return lib.mt_device_malloc(0, 4096, timeout_s, ctypes.byref(ptr))
+
+    for name, alloc in (("mt_ipc_malloc", ipc), ("mt_device_malloc", dev)):
+        frees = lib.mtsim_device_frees()
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            p = ctypes.c_void_p()
+            assert alloc(p, bad) == 121 and not p.value, (name, bad)
+            assert f"{name}: timeout_s".encode() in lib.mt_last_error()
+        try:
+            lib.mtsim_set_device_busy(1)
+            for bound in (0.5, 1.5):
+                p = ctypes.c_void_p()
+                rc, err, took = _timed_call(lib, lambda p=p, bound=bound, alloc=alloc: alloc(p, bound))
+                assert rc == 120 and bound - 0.1 < took < bound + 4.0, (name, rc, err, took)
+                assert f"{name}: the zeroing of 4096 bytes on device 0 did not complete within {bound:.1f} s".encode() \
+                    in err, err
+                assert not p.value and lib.mtsim_device_frees() == frees  # leaked, not freed under the memset
+        finally:
+            lib.mtsim_set_device_busy(0)  # the detached waits return now
+        p = ctypes.c_void_p()
+        assert alloc(p, 20.0) == 0 and p.value, lib.mt_last_error()
+        assert bytes((ctypes.c_char * 4096).from_address(p.value)) == bytes(4096)
+        if alloc is ipc:
+            assert handle.raw[:8] == p.value.to_bytes(8, "little")  # the simulation's handle: the address
+        assert lib.mt_device_free(0, p) == 0
+
+
 def test_proxy_create_refuses_a_timeout_that_is_not_a_finite_number_above_zero(sim_lib: ctypes.CDLL) -> None:
     """mt_proxy_create's timeout_s (ABI 23) is refused, as mt_proxy_set_timeout refuses one (215), when it is not a
     finite number > 0: not mapped to a default, so a caller's bad bound is an error instead of a silent 20 s. Nothing

@@ -1,6 +1,6 @@
 // Host-only stand-ins for the few CUDA runtime/driver calls the proxy engine makes, so its FIFO,
 // drain loop, fence modes and flow control can be tested on a machine without a GPU
-// (tests/test_onesided_cpu.py builds proxy_engine.cpp with -DMT_HOST_SIM). By default copies and
+// (tests/proxy_sim.py builds proxy_engine.cpp, proxy_gpu.cu and mt_common.cu with -DMT_HOST_SIM). By default copies and
 // stream writes run at once (synchronous streams); mtsim_set_async(1, delay_us) gives every stream a
 // worker thread that runs its operations in order, each copy after `delay_us` -- then the ordering the
 // fence modes promise (or fail to promise: round_robin + nic_ordered) shows, as on a GPU.
@@ -17,7 +17,13 @@ typedef int CUresult;
 typedef void* CUstream;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long cuuint64_t;
-enum { cudaSuccess = 0, CUDA_SUCCESS = 0, cudaErrorMemoryAllocation = 2, cudaErrorNotReady = 600 };
+enum {
+  cudaSuccess = 0,
+  CUDA_SUCCESS = 0,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorNotReady = 600,
+  cudaErrorPeerAccessAlreadyEnabled = 704
+};
 enum cudaMemcpyKind { cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriverEntryPointSymbolNotFound = 1 };
 #define cudaStreamNonBlocking 1
@@ -26,6 +32,7 @@ enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriv
 #define cudaEnableDefault 0
 #define cudaHostRegisterPortable 1
 #define cudaHostRegisterMapped 2
+#define cudaIpcMemLazyEnablePeerAccess 1
 
 namespace mtsim {
 extern unsigned long long memcpys, writes, syncs;
@@ -166,6 +173,38 @@ inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) 
     memcpy(d, s, n);
   return cudaSuccess;
 }
+// mt_common.cu's calls (the allocators, device queries, CUDA IPC), so that its bounded waits run here too. One device
+// that is its own peer; an IPC handle carries the address (one process: opening it gives the address back).
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDriverGetVersion(int* v) {
+  *v = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceCanAccessPeer(int* out, int, int) {
+  *out = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceEnablePeerAccess(int, unsigned) { return cudaErrorPeerAccessAlreadyEnabled; }
+struct cudaIpcMemHandle_t {
+  char reserved[64];
+};
+inline cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* h, void* p) {
+  memset(h, 0, sizeof(*h));
+  memcpy(h->reserved, &p, sizeof(p));
+  return cudaSuccess;
+}
+inline cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t h, unsigned) {
+  memcpy(p, h.reserved, sizeof(*p));
+  return cudaSuccess;
+}
+inline cudaError_t cudaIpcCloseMemHandle(void*) { return cudaSuccess; }
 inline CUresult sim_write64(CUstream st, CUdeviceptr addr, cuuint64_t v, unsigned) {
   mtsim::stream_write64(st, reinterpret_cast<uint64_t*>(addr), (uint64_t)v);
   __atomic_add_fetch(&mtsim::writes, 1, __ATOMIC_RELAXED);
