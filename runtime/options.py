@@ -149,7 +149,9 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
               "plain CUDA IPC handles exchanged through the process group (`ipc`)."),
     OptionDoc("onesided_timeout_s", "MOETUNE_ONESIDED_TIMEOUT_S", "float in (0, 86400]",
               "Seconds a GPU wait (a peer's count, signal or staging slot) may last before the transport reports "
-              "the peer lost instead of hanging (nvlink, proxy, host_staged)."),
+              "the peer lost instead of hanging (nvlink, proxy, host_staged); also the bound of the creations' "
+              "waits for their set-up work (the proxy engine, the kernel contexts, the CUDA IPC buffers) and of "
+              "the destroys'."),
     OptionDoc("megakernel_timeout_s", "MOETUNE_MK_TIMEOUT_S", "float > 0",
               "Seconds the MoE megakernel's scheduler or a processor may wait without progress before the kernel "
               "ends with an error record (read by `MegakernelMoE.check()`) instead of hanging. Its own option: a "
