@@ -234,3 +234,35 @@ def test_proxy_clear_error_refuses_a_failed_proxy_thread(lib: RecLib) -> None:
     finally:
         lib.rc["mt_proxy_error"] = 0
         t.close()
+
+
+def test_a_library_of_an_older_abi_is_refused_before_any_call(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """A prebuilt library (MOETUNE_CSRC_LIB) of ABI 22 has every symbol, but its mt_proxy_create / mt_ipc_malloc /
+    mt_device_malloc take no timeout_s: called with ABI 23's arguments it would read an out-pointer where the timeout
+    is. load() asks mt_abi_version first and refuses it, saying why and what to do."""
+    called: list[str] = []
+
+    class Fn:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, *args: Any) -> int:
+            called.append(self.name)
+            return 22 if self.name == "mt_abi_version" else 0
+
+    class OldLib:
+        def __getattr__(self, name: str) -> Fn:
+            fn = Fn(name)
+            setattr(self, name, fn)
+            return fn
+
+    old = tmp_path / "libmoetune_csrc.so"
+    monkeypatch.setenv("MOETUNE_CSRC_LIB", str(old))
+    monkeypatch.setattr(csrc_build.ctypes, "CDLL", lambda path: OldLib())
+    monkeypatch.setattr(csrc_build, "_lib", None)
+    monkeypatch.setattr(csrc_build, "_lib_error", None)
+    with pytest.raises(csrc_build.BuildError, match=r"ABI 22, expected 23: the library was built from other sources"):
+        csrc_build.load()
+    assert called == ["mt_abi_version"]
+    assert "MOETUNE_CSRC_LIB" in str(csrc_build._lib_error)
