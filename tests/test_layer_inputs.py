@@ -908,6 +908,32 @@ def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(fake_launc
     assert b.waited == ["a"]
 
 
+def test_the_first_call_on_another_stream_waits_for_the_stream_the_layer_was_built_on(
+        fake_launch: FakeLaunchLib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the layer remembered no stream until its first call, so a first call on another stream than the one it
+    was built on waited for nothing, while the kernels that zeroed its scratch there (the control, counter and error
+    words its launches read first; with MoELayer also the tiling of the weights) could still be queued: the launch
+    raced on them. Split-K buffers grown on a third stream (`set_bucket_config`, `resolve_buckets`) were not waited
+    for either. Now the first call waits for the construction stream, and a stream that grew the buffers is ordered
+    after the previous call's and before the next call's."""
+    built, a, b, c = FakeStream("built"), FakeStream("a"), FakeStream("b"), FakeStream("c")
+    current = [built]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(mk_layer, "_has_streams", lambda device: True, raising=False)
+    mk = _cpu_mk()
+    assert built.waited == []
+    current[0] = a
+    mk.forward(_x(3))
+    assert a.waited == ["built"]
+    current[0] = c
+    assert mk.set_bucket_config(1, MegakernelConfig(split_k1=2)) is None and mk.sk_room[1] == 2  # grew
+    assert c.waited == ["a"]  # not while a's launch may still use the scratch
+    current[0] = b
+    mk.forward(_x(3))
+    assert b.waited == ["c"]  # nor before c's zeroing of the new buffers
+
+
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
 def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_fails(
         cpu_lib, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:

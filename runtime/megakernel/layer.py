@@ -89,8 +89,9 @@ class MegakernelMoE:
 
     Not thread-safe: one instance must not run `forward` from two threads at once (its launch templates and scratch
     buffers are shared by every call); use one instance per thread (or a lock). Streams: a call made on another CUDA
-    stream than the previous call's first waits for that stream's queued work (no host wait), so switching streams
-    serialises the calls instead of racing on the scratch; graph replays are ordered by the stream they run on.
+    stream than the previous call's (the first call: than the one the layer was built on, which zeroed its scratch)
+    first waits for that stream's queued work (no host wait), so switching streams serialises the calls instead of
+    racing on the scratch; graph replays are ordered by the stream they run on.
     """
 
     _last_stream: Any = None  # the CUDA stream of the latest call that used the scratch (`_order_streams`)
@@ -126,6 +127,10 @@ class MegakernelMoE:
         if why is not None:
             raise ValueError(f"megakernel: {why}")
         self.max_tokens = max_tokens
+        if _has_streams(self.device):
+            # the weights below and the scratch (zeroed: the counters and error words the first launch reads) are
+            # written on this stream: a first call on another stream must wait for it like any later one
+            self._last_stream = torch.cuda.current_stream(self.device)
         bf = torch.bfloat16
         if w_gate_up is None or w_down is None or gate is None:
             from ..weights import expert_weights, gate_weight  # torch + the generators only
@@ -198,6 +203,9 @@ class MegakernelMoE:
         if tiles <= have_t and parts <= have_p:
             return
         tiles, parts = max(tiles, have_t), max(parts, have_p)
+        # the new buffers are zeroed on the current stream (set_bucket_config, resolve_buckets: maybe not the
+        # stream of the calls): order it after the previous call's and the next call on another stream after it
+        self._order_streams()
         slots = tiles * (self.n1 + self.n2)
         q_cap = max(self.max_tiles * (self.n1 + self.n2), slots * parts) + self.max_ctiles * \
             combine_blocks(self.model.hidden)
