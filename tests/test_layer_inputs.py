@@ -934,6 +934,25 @@ def test_the_first_call_on_another_stream_waits_for_the_stream_the_layer_was_bui
     assert b.waited == ["c"]  # nor before c's zeroing of the new buffers
 
 
+def test_routing_is_read_after_the_launch_that_wrote_it(fake_launch: FakeLaunchLib,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `routing(s)` read the picks and weights on the current stream with nothing ordering it after the
+    latest launch, which writes them, where that ran on another stream (as `check`, `counters` and `clear_error` are
+    ordered): it could read the previous forward's routing, or half of this one's. Now it waits for that stream."""
+    a, b = FakeStream("a"), FakeStream("b")
+    current = [a]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(mk_layer, "_has_streams", lambda device: True, raising=False)
+    mk = _cpu_mk()
+    current[0] = b
+    mk.forward_routed(_x(3), _picks(3), torch.full((3, TINY.topk), 0.5))
+    current[0] = a
+    idx, w = mk.routing(3)
+    assert a.waited == ["b"]
+    assert torch.equal(idx, _picks(3)) and torch.equal(w, torch.full((3, TINY.topk), 0.5))
+
+
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
 def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_fails(
         cpu_lib, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:

@@ -603,7 +603,9 @@ class MegakernelMoE:
         return {"tokens": s, "grid": dg[0], "rows": dg[1], "config": self.launch.for_tokens(s).to_dict(), "ctas": ctas}
 
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K])."""
+        """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K]), read on the
+        current stream after the last forward's (no host wait)."""
+        self._order_streams()  # the picks the latest launch writes, whichever stream it ran on
         return self.topk_idx[:s].long(), self.topk_w[:s]
 
     def error(self) -> tuple[int, str, list[int]] | None:
