@@ -47,10 +47,17 @@ __all__ = ["MoELayer", "dense_reference", "expert_weights", "gate_weight", "grou
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the gate logits (fp32), top-k, renormalised: (topk_idx int64 [S, k], weights fp32 [S, k])."""
+    """Softmax over the gate logits (fp32), top-k, renormalised: (topk_idx int64 [S, k], weights fp32 [S, k]).
+
+    Equal probabilities go to the lower expert first, in pick order, as in the megakernel's routing kernels
+    (runtime/megakernel/topk.py `select`; a row of NaNs picks experts 0..k-1 there too)."""
     logits = x.float() @ gate_w.float().t()
     probs = torch.softmax(logits, dim=-1)
-    w, idx = probs.topk(topk, dim=-1)
+    # a stable sort, not topk: topk leaves the order of ties unspecified (on the CPU a row of 128 equal
+    # probabilities, as a zero gate gives, picked experts 84, 87, 86, ...), so the unfused engine and
+    # dense_reference routed such tokens to other experts than the megakernel
+    w, idx = probs.sort(dim=-1, descending=True, stable=True)
+    w, idx = w[:, :topk], idx[:, :topk].contiguous()
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return idx, w
 

@@ -134,6 +134,29 @@ def test_route_row_matches_torch_route_on_finite_logits():
         assert max(abs(a - b) for a, b in zip(w, rw[t].tolist(), strict=True)) < 1e-6
 
 
+@pytest.mark.parametrize(("e", "k"), [(128, 8), (4, 2), (33, 5), (512, 16)])
+def test_torch_route_breaks_ties_as_the_kernels(e, k):
+    """Before: moe_layer.route took torch's topk, whose order of equal probabilities is unspecified: a zero gate (every
+    probability 1/E) routed each token to experts 84, 87, 86, ... on the CPU, where the kernels pick 0..k-1 (the
+    lower expert first), so the unfused engine and dense_reference sent such tokens to other experts than the
+    megakernel. Now route picks what `select` picks, ties included (and NaN rows: experts 0..k-1)."""
+    torch = pytest.importorskip("torch")
+    from moetune.runtime.moe_layer import route
+
+    g = torch.Generator().manual_seed(e)
+    x = torch.randn(6, 64, generator=g)
+    rows = torch.randn(3, 64, generator=g)
+    gates = [torch.zeros(e, 64),  # every probability equal
+             rows[torch.randint(0, 3, (e,), generator=g)],  # three distinct logits, many experts on each
+             torch.full((e, 64), math.nan)]  # NaN probabilities
+    for wg in gates:
+        idx, w = route(x, wg, k)
+        probs = torch.softmax(x.float() @ wg.float().t(), dim=-1).tolist()
+        for t in range(x.shape[0]):
+            assert idx[t].tolist() == topk.select(probs[t], k), (t, probs[t][:8])
+        assert idx.is_contiguous() and idx.dtype == torch.int64 and w.shape == (x.shape[0], k)
+
+
 def test_kernel_source_mirrors_the_model():
     """The constants the model mirrors, the error code and its name, and every routing kernel reporting it."""
     from moetune.runtime.megakernel import _lib
