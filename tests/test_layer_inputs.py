@@ -953,6 +953,20 @@ def test_routing_is_read_after_the_launch_that_wrote_it(fake_launch: FakeLaunchL
     assert torch.equal(idx, _picks(3)) and torch.equal(w, torch.full((3, TINY.topk), 0.5))
 
 
+def test_the_timelines_check_x_before_they_look_up_its_launch(fake_launch: FakeLaunchLib) -> None:
+    """Before: task_timeline and decode_timeline took x.shape[0] and looked up that S's launch before any check of x:
+    an x that is no tensor raised AttributeError, and decode_timeline of more tokens than max_tokens said the S "does
+    not run the decode kernel" (or, on the GPU, the occupancy query of a launch shape the layer never checked could
+    refuse first). Now x is checked first, as forward checks it: ValueError naming x or max_tokens."""
+    mk = _cpu_mk(max_tokens=2)
+    for timeline in (mk.task_timeline, mk.decode_timeline):
+        with pytest.raises(ValueError, match=r"x must be bf16 \[S, 128\]"):
+            timeline([[1.0] * TINY.hidden])
+        with pytest.raises(ValueError, match="x has 3 tokens, more than max_tokens=2"):
+            timeline(_x(3))
+    assert not fake_launch.launches
+
+
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
 def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_fails(
         cpu_lib, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:

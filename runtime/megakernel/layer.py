@@ -524,7 +524,7 @@ class MegakernelMoE:
         ([start, end] per processor CTA) and the scheduler's stamps. Syncs; the stamps cost a few stores per task, so
         absolute times run slightly long.
         """
-        s = x.shape[0]
+        s = self._check_x(x)  # first: the launch shape below is looked up for this S (and x may be no tensor)
         if s < 1:
             raise ValueError("megakernel: task_timeline needs at least one token")
         if self.decode_grid(s) is not None:
@@ -582,7 +582,7 @@ class MegakernelMoE:
         down-projection rows landed, or warp 0's own pairs done if later), `ready` (every slot complete), `h_loaded`
         (stamped with `ready` since run 167: each lane loads its own h chunks in the sums), `summed` (thread 0's share
         of the sums done) and `end`; None where a CTA has no such step (no output rows). Syncs."""
-        s = x.shape[0]
+        s = self._check_x(x)  # first: S past max_tokens is named as such, not as "does not run the decode kernel"
         dg = self.decode_grid(s)
         if dg is None:
             raise ValueError(f"megakernel: S={s} does not run the decode kernel (task_timeline traces the task graph)")
