@@ -800,6 +800,32 @@ def test_moe_layer_hands_a_misaligned_x_to_the_megakernel_as_an_aligned_copy(fak
     assert all(c["x"] % 16 == 0 and c["x_bytes"] == _bytes(x) for c in fake_launch.launches)
 
 
+def test_replaced_parameters_at_an_odd_offset_reach_the_megakernel_as_aligned_copies(
+        fake_launch: FakeLaunchLib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the megakernel engine copied a replaced parameter that was not contiguous, but handed one at an address
+    that is not a multiple of 16 bytes (a view into a flat checkpoint buffer loaded with assign=True) to
+    MegakernelMoE.rebind as it was, which refuses it: the load raised, and every later forward too, where the
+    unfused engine runs the same checkpoint. Now such a parameter is copied as a non-contiguous one is."""
+    monkeypatch.setattr(E, "megakernel_problem", lambda device, dtype=None, model=None: None)
+    layer = _mk_layer(engine="megakernel")
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:
+        v = torch.empty(t.numel() + 8, dtype=t.dtype)[1:1 + t.numel()].view(t.shape).copy_(t)
+        assert v.is_contiguous() and v.data_ptr() % 16
+        return v
+
+    layer.load_state_dict({**sd, "gate": shifted(sd["gate"])}, assign=True)
+    layer.w_down = torch.nn.Parameter(shifted(layer.w_down.detach()), requires_grad=False)
+    layer(_x(3))  # the replaced w_down is handed over here
+    mk = layer.megakernel
+    for name, held in (("gate", mk.gate), ("w_down", mk.w2t)):
+        p = getattr(layer, name)
+        assert p.data_ptr() % 16 == 0 and held.data_ptr() == p.data_ptr(), name
+    assert torch.equal(layer.gate, sd["gate"]) and torch.equal(layer.state_dict()["w_down"], sd["w_down"])
+    assert len(fake_launch.launches) == 2
+
+
 def _bench_tool(monkeypatch: pytest.MonkeyPatch) -> Any:
     """bench/tools/megakernel_profile.py (phase_times) as a module, with CUDA events and synchronize stood in for (no GPU
     here)."""

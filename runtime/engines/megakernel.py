@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from moetune.runtime.options import RuntimeOptions
 
 _PARAMS = ("w_gate_up", "w_down", "gate")  # the layer's parameters the megakernel reads in place
+_ALIGN = 16  # bytes: the alignment the megakernel's loads need (megakernel/layer.py ALIGN, not imported: ctypes, _lib)
 
 
 class MegakernelEngine(MoEEngine):
@@ -137,8 +138,11 @@ class MegakernelEngine(MoEEngine):
                                  f"is now {t.dtype} on {t.device} (after .to(), .float(), .half() or "
                                  f"load_state_dict(assign=True)?); build a new layer with the dtype and device wanted "
                                  f"(engine='unfused' for other dtypes)")
-            if not t.is_contiguous():  # the kernels read the storage in place; the layer owns its parameters
-                t.data = t.data.contiguous()
+            # the kernels read the storage in place with 16-byte loads; the layer owns its parameters: a copy where
+            # they are not contiguous, or start at an address that is not a multiple of 16 bytes (a view into a flat
+            # checkpoint buffer), which MegakernelMoE.rebind refuses
+            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
+                t.data = t.data.clone(memory_format=torch.contiguous_format)
         mk.rebind(layer.w_gate_up.data, layer.w_down.data, layer.gate.data)
         self._ptrs = _param_ptrs(layer)
 
