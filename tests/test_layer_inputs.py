@@ -1125,6 +1125,18 @@ def test_an_output_of_another_shape_is_as_wrong_as_can_be(out: tuple[int, ...], 
     assert max_rel_err(torch.ones(ref), torch.ones(ref)) == 0.0
 
 
+@pytest.mark.parametrize(("device", "exc", "match"), [(1.5, TypeError, "megakernel: device must be a torch.device"),
+                                                      (0, TypeError, "megakernel: device must be a torch.device"),
+                                                      ("gpu", ValueError, "megakernel: device='gpu': "),
+                                                      ("cuda:x", ValueError, "megakernel: device='cuda:x': ")])
+def test_megakernel_names_a_device_argument_it_cannot_take(device: Any, exc: type, match: str) -> None:
+    """Before: MegakernelMoE handed `device` straight to torch.device, so a wrong one raised torch's own TypeError or
+    RuntimeError naming no argument (or, for an int, was taken where MoELayer and EPBuffer refuse it). Now it is
+    checked as theirs is (runtime/_args.py): TypeError / ValueError naming the argument."""
+    with pytest.raises(exc, match=re.escape(match)):
+        mk_layer.MegakernelMoE(TINY, max_tokens=8, device=device)
+
+
 @pytest.mark.parametrize("model", ["qwen3-30b", None, {"hidden": 128}])
 def test_megakernel_names_a_model_that_is_no_shape(cpu_lib, model: Any) -> None:
     """Before: a model name (or anything without the shape's fields) failed with AttributeError ('str' object has no

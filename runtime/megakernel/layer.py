@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._args import check_flag, check_int, indexed_device
+from .._args import check_device, check_flag, check_int, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
@@ -118,7 +118,12 @@ class MegakernelMoE:
         self.config = (config or MegakernelConfig()).resolve(model.hidden, model.intermediate)  # bn auto -> 128/256
         # per token bucket configs (`set_bucket_config`); self.config sized the scratch and runs the other launches
         self.launch = LaunchConfigs(self.config)
-        why = _device_problem(torch.device(device if device is not None else "cuda"))
+        check_device(device, "megakernel: ")  # as MoELayer and EPBuffer: TypeError naming it, not torch's own
+        try:
+            dev = torch.device(device if device is not None else "cuda")
+        except RuntimeError as e:  # "Invalid device string: 'cuda:x'", naming no argument
+            raise ValueError(f"megakernel: device={device!r}: {e}") from None
+        why = _device_problem(dev)
         if why is not None:  # now, not at the first buffer or launch with torch's "Expected a cuda device"
             raise ValueError(f"megakernel: {why}")
         self.device = _device(device)
