@@ -1030,3 +1030,79 @@ def test_decode_other_shapes(spec, tokens):
         idx, w = _routing(s, m.experts, m.topk, "zipf", seed=s)
         out = layer.forward_routed(x, idx, w, out=_poisoned(s, m.hidden))
         _check(layer, m, x, out, idx, w)
+
+
+# ~0.5-1 s of one SM spinning (torch.cuda._sleep counts clock cycles): long against any launch here
+_SPIN_CYCLES = 2_000_000_000
+
+
+def test_first_call_on_another_stream_waits_for_the_construction_stream(model, layer):
+    """The first forward on a side stream waits for the work queued on the stream the layer was built on (its zeroed
+    scratch; here a spin queued after it): the side stream cannot finish before that stream's spin does. Before, the
+    layer remembered no stream until its first call and the side stream's launch ran at once."""
+    from moetune.runtime.megakernel import MegakernelMoE
+
+    built = torch.cuda.current_stream()
+    m = MegakernelMoE(model, max_tokens=8, w_gate_up=layer.w1t, w_down=layer.w2t, gate=layer.gate, tiled=True)
+    x = _x(8, model.hidden, seed=4100)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_SPIN_CYCLES)
+    spun = torch.cuda.Event()
+    spun.record(built)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = m(x)
+    side.synchronize()
+    assert spun.query(), "the first call on another stream ran before the construction stream's queued work"
+    torch.cuda.synchronize()
+    m.check()
+    assert torch.isfinite(out.float()).all()
+
+
+def test_routing_waits_for_the_launch_on_another_stream(model, layer):
+    """routing(s) on the default stream reads the picks the latest launch wrote on a side stream, after it: the
+    given routing of that launch, not the previous forward's, and only once the side stream's spin before it ended."""
+    from moetune.runtime.megakernel import MegakernelMoE
+
+    s = 8
+    m = MegakernelMoE(model, max_tokens=s, w_gate_up=layer.w1t, w_down=layer.w2t, gate=layer.gate, tiled=True)
+    x = _x(s, model.hidden, seed=4200)
+    idx, w = _routing(s, model.experts, model.topk, "uniform", seed=4200)
+    m(x)  # routes from the gate on the default stream: other picks than idx
+    torch.cuda.synchronize()
+    assert not torch.equal(m.routing(s)[0].long(), idx)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(_SPIN_CYCLES)
+        m.forward_routed(x, idx, w, check_ids=False)  # no host sync: the spin is still running when it returns
+        done = torch.cuda.Event()
+        done.record(side)
+    got_idx, got_w = (t.clone() for t in m.routing(s))
+    torch.cuda.current_stream().synchronize()
+    assert done.query(), "routing() read before the launch on the side stream ended"
+    assert torch.equal(got_idx, idx) and torch.allclose(got_w, w)
+    torch.cuda.synchronize()
+
+
+def test_tied_probabilities_route_as_torch_routes_them(model, layer):
+    """A zero gate gives every expert the same probability: the kernels pick experts 0..topk-1 (the lower expert
+    first), and moe_layer.route (a stable sort since it stopped using topk) the same, so the unfused engine and
+    dense_reference agree with the megakernel on such tokens."""
+    from moetune.runtime.megakernel import MegakernelMoE
+    from moetune.runtime.moe_layer import dense_reference, max_rel_err, route
+
+    for s in (1, 7):  # the decode kernel's routing and the routing kernels'
+        m = MegakernelMoE(model, max_tokens=s, w_gate_up=layer.w1t, w_down=layer.w2t,
+                          gate=torch.zeros_like(layer.gate), tiled=True)
+        x = _x(s, model.hidden, seed=4300 + s)
+        out = m(x)
+        torch.cuda.synchronize()
+        m.check()
+        idx, w = (t.clone() for t in m.routing(s))
+        ridx, rw = route(x, m.gate, model.topk)
+        want = torch.arange(model.topk, device="cuda").expand(s, -1)
+        assert torch.equal(idx.long(), want) and torch.equal(ridx, want), (s, idx, ridx)
+        assert torch.allclose(w, rw, atol=1e-6)
+        ref = dense_reference(x, model, seed=0, topk_idx=ridx, topk_weights=rw)
+        assert max_rel_err(out, ref) <= 1e-2
