@@ -57,7 +57,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, topk: int) -> tuple[torch.Tenso
     # probabilities, as a zero gate gives, picked experts 84, 87, 86, ...), so the unfused engine and
     # dense_reference routed such tokens to other experts than the megakernel
     w, idx = probs.sort(dim=-1, descending=True, stable=True)
-    w, idx = w[:, :topk], idx[:, :topk].contiguous()
+    w, idx = w[:, :topk].contiguous(), idx[:, :topk].contiguous()  # as topk returned them: the same sums below
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     return idx, w
 
