@@ -979,6 +979,19 @@ def test_routing_is_read_after_the_launch_that_wrote_it(fake_launch: FakeLaunchL
     assert torch.equal(idx, _picks(3)) and torch.equal(w, torch.full((3, TINY.topk), 0.5))
 
 
+@pytest.mark.parametrize(("s", "exc", "match"), [(9, ValueError, "s=9 is more than max_tokens=8"),
+                                                 (-1, ValueError, "s must be >= 0"),
+                                                 (2.0, TypeError, "s must be an int")])
+def test_routing_of_more_rows_than_the_scratch_holds_is_refused(cpu_lib, s: Any, exc: type, match: str) -> None:
+    """Before: routing(s) sliced the scratch's [max_tokens, K] picks with s as given: more than max_tokens handed back
+    max_tokens rows (shaped unlike [S, K], some of them no forward's of these S), a negative s all but the last rows,
+    a float a TypeError from the slice. Now s is checked: an int in 0..max_tokens."""
+    mk = _cpu_mk(max_tokens=8)
+    with pytest.raises(exc, match=match):
+        mk.routing(s)
+    assert [tuple(t.shape) for t in mk.routing(8)] == [(8, TINY.topk)] * 2 and mk.routing(0)[0].shape == (0, TINY.topk)
+
+
 def test_the_timelines_check_x_before_they_look_up_its_launch(fake_launch: FakeLaunchLib) -> None:
     """Before: task_timeline and decode_timeline took x.shape[0] and looked up that S's launch before any check of x:
     an x that is no tensor raised AttributeError, and decode_timeline of more tokens than max_tokens said the S "does

@@ -609,7 +609,10 @@ class MegakernelMoE:
 
     def routing(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last forward's routing for its S tokens: (expert ids int64 [S, K], weights fp32 [S, K]), read on the
-        current stream after the last forward's (no host wait)."""
+        current stream after the last forward's (no host wait). S: an int in 0..max_tokens (the scratch's rows)."""
+        check_int("s", s, 0, "megakernel: routing: ")
+        if s > self.max_tokens:  # a slice would hand back max_tokens rows for it, some of no forward of these S
+            raise ValueError(f"megakernel: routing: s={s} is more than max_tokens={self.max_tokens}")
         self._order_streams()  # the picks the latest launch writes, whichever stream it ran on
         return self.topk_idx[:s].long(), self.topk_w[:s]
 
