@@ -221,7 +221,7 @@ def test_launch_shapes_cover_every_bm_and_stages() -> None:
 def test_a_bucket_config_is_checked_against_its_own_launches_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bucket 16's config runs launches of S = 4..31 only (bm 16 on qwen3-30b); a launch shape it never runs (the wide
     bm=128 tile of S = 4096) that cannot take it must not refuse it, while bucket 4096's config, which runs there, is
-    refused. (The tuner measures a bucket with max_tokens = S; a layer with a larger max_tokens used to refuse it.)"""
+    refused. (The tuner measures a bucket with max_tokens = S: a layer with a larger max_tokens must still take it.)"""
     from moetune.runtime.megakernel.config import LaunchConfigs, bucket_tokens
     from moetune.runtime.shapes import MODELS
 
@@ -281,9 +281,9 @@ def test_dtype_or_storage_changes_are_caught_before_a_launch(fake_mk) -> None:
 
 
 def test_the_unfused_engine_names_parameters_of_another_dtype_device_or_shape() -> None:
-    """Before: the unfused engine ran on whatever the parameters had become; after .float() / .half(), or an fp32
-    checkpoint loaded with assign=True, the first matmul failed with "expected m1 and m2 to have the same dtype".
-    Now the call (and the load) names the parameter, as the megakernel engine does."""
+    """Parameters of another dtype, device or shape (after .float() / .half(), or an fp32 checkpoint loaded with
+    assign=True) are named by the call (and the load), as the megakernel engine does: otherwise the first matmul
+    fails with torch's "expected m1 and m2 to have the same dtype", naming no parameter."""
     x = _x(3)
     want = _unfused()(x)
     for change in (lambda m: m.float(), lambda m: m.half()):
@@ -354,9 +354,9 @@ def test_unchecked_wide_ids_stay_invalid_when_narrowed(cpu_lib, monkeypatch: pyt
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32])
 def test_narrow_integer_ids_reach_the_kernel_as_given(cpu_lib, monkeypatch: pytest.MonkeyPatch,
                                                       dtype: torch.dtype) -> None:
-    """Before: ids of another integer dtype than int32 were clamped to [-1, experts] in their own dtype: uint8 took -1
-    as 255, so every id became `experts` (out of range: the launch aborted, error 4); int8 raised an overflow with 128
-    experts, uint16 / uint32 had no clamp. Now they reach the int32 scratch as given."""
+    """Ids of another integer dtype than int32 reach the int32 scratch as given. A clamp to [-1, experts] in their
+    own dtype would be wrong for each: uint8 takes -1 as 255, so every id becomes `experts` (out of range: the launch
+    aborts, error 4); int8 overflows with 128 experts; uint16 / uint32 would get no clamp."""
     model = ModelShape(name="e128", hidden=128, intermediate=64, experts=128, topk=2, dtype="bfloat16")
     mk = mk_layer.MegakernelMoE(model, max_tokens=8, device="cpu")
     seen: list[list[list[int]]] = []
@@ -405,9 +405,9 @@ def _repeating(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_a_token_repeating_an_expert_is_refused_where_the_megakernel_runs(fake_mk, cpu_lib) -> None:
-    """Before: the megakernel took it. Its per-expert row lists hold max_tokens rows (one per token), so picks that
-    repeat an expert could give one expert S * topk rows and k_lists wrote past them. Refused on the host now,
-    naming the first such token; the torch engines add a repeated expert's rows like any others and still take it."""
+    """The megakernel's per-expert row lists hold max_tokens rows (one per token), so picks that repeat an expert
+    could give one expert S * topk rows and k_lists would write past them: refused on the host, naming the first
+    such token. The torch engines add a repeated expert's rows like any others and still take it."""
     x = _x(6)
     idx, w = _repeating(x)
     e = int(idx[2, 0])
@@ -498,7 +498,8 @@ def test_cuda_device_without_index_is_the_current_device(monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu")])
 def test_a_device_that_is_not_cuda_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch, device: Any) -> None:
-    """Before: the layer built on the CPU and failed at its first launch with torch's "Expected a cuda device"."""
+    """A device that is not CUDA is refused when the layer is built, not at its first launch with torch's
+    "Expected a cuda device"."""
     monkeypatch.setattr(_lib, "load", lambda: pytest.fail("the library is loaded before the device is checked"))
     with pytest.raises(ValueError, match=r"megakernel: device must be a CUDA device .*got (cpu|meta)"):
         mk_layer.MegakernelMoE(TINY, max_tokens=8, device=device)
@@ -615,8 +616,8 @@ def test_wrong_argument_types_name_the_argument(kw: dict, match: str) -> None:
 
 @pytest.mark.parametrize("seed", [2**45, 2**60, -(2**44)])
 def test_a_seed_out_of_the_generators_range_is_named(seed: int) -> None:
-    """Before: torch's "Overflow when unpacking long long" from manual_seed, naming no argument (dense_reference's
-    weights the same)."""
+    """A seed out of the generator's range is refused naming the argument and the range (dense_reference's too),
+    not left to manual_seed's "Overflow when unpacking long long", which names no argument."""
     from moetune.runtime.weights import SEED_MAX, SEED_MIN
 
     with pytest.raises(ValueError, match=r"MoELayer: seed must be in \[-9223344366804, 18446688733626\]"):
@@ -724,8 +725,8 @@ def _misaligned(s: int, h: int = TINY.hidden) -> torch.Tensor:
 
 @pytest.mark.parametrize("s", [1, 3])
 def test_misaligned_x_reaches_the_kernels_as_an_aligned_copy(fake_launch: FakeLaunchLib, s: int) -> None:
-    """Before: a contiguous view at an odd offset went to the kernels as it was; their 16-byte loads read the wrong
-    bytes (or faulted at S=1). Now it is copied, as a non-contiguous x is."""
+    """A contiguous view at an odd offset is copied, as a non-contiguous x is: the kernels' 16-byte loads would read
+    the wrong bytes from it (or fault at S=1)."""
     mk = _cpu_mk()
     x = _misaligned(s)
     idx = _picks(s)
@@ -779,8 +780,8 @@ def test_misaligned_weights_read_in_place_are_refused(cpu_lib) -> None:
 
 
 def test_launches_run_under_the_layers_device_guard(fake_launch: FakeLaunchLib) -> None:
-    """Before: `_run` took the layer's device's stream but launched with whichever GPU was current (the library
-    launches on the current device), so a layer on another GPU than the current one launched on the wrong one."""
+    """`_run` launches under the layer's device, not whichever GPU is current: the library launches on the current
+    device, so a layer on another GPU than the current one would launch on the wrong one."""
     mk = _cpu_mk()
     mk.forward(_x(3))
     mk.forward_routed(_x(2), _picks(2), torch.ones(2, TINY.topk))
@@ -853,9 +854,10 @@ def _bench_tool(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_bench_phase_times_sets_each_launchs_fields_and_checks_return_codes(fake_launch: FakeLaunchLib,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: phase_times relied on combine_tokens / l2_evict_w that only a forward sets in the cached template
-    (megakernel_profile's route_splits clears the templates first, so every launch was refused with
-    "combine_tokens must be >= 1") and ignored the return codes, printing numbers for launches that never ran."""
+    """phase_times sets combine_tokens / l2_evict_w itself rather than rely on the cached template, which only a
+    forward fills (megakernel_profile's route_splits clears the templates first, so every launch would be refused
+    with "combine_tokens must be >= 1"), and checks the return codes, so no numbers are printed for launches that
+    never ran."""
     bench = _bench_tool(monkeypatch)
     mk = _cpu_mk()
     x = _x(3)
@@ -878,7 +880,8 @@ def test_bench_phase_times_sets_each_launchs_fields_and_checks_return_codes(fake
 @pytest.mark.parametrize(("base", "bucket"), [(1, 0), (0, 1)])
 def test_a_bucket_configs_decode_setting_decides_its_launches(fake_launch: FakeLaunchLib, base: int,
                                                              bucket: int) -> None:
-    """Before: decode_grid read the layer's config, so a bucket profile's decode setting was silently ignored."""
+    """decode_grid reads the bucket's config, not the layer's: otherwise a bucket profile's decode setting is
+    silently ignored."""
     fake_launch.decode_rows = 16  # S <= 8 fits the decode kernel (topk 2)
     mk = _cpu_mk(config=MegakernelConfig(decode=base), max_tokens=16)
     assert mk.set_bucket_config(1, MegakernelConfig(decode=bucket)) is None
@@ -908,11 +911,11 @@ class FakeStream:
 
 def test_a_call_on_another_stream_waits_for_the_previous_calls_stream(fake_launch: FakeLaunchLib,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: every forward reuses the layer's scratch (logits, routing, row lists, h, y, the control and error words)
-    on whatever stream is current, with nothing ordering a call on stream B after one still running on stream A: the
-    two launches raced on the scratch (wrong outputs, or a persistent kernel waiting on counters the other reset).
-    Now a call (and a read or reset of the error record) on another stream than the previous call's first waits for
-    that stream's queued work, as EPBuffer's calls do; nothing while a CUDA graph is captured."""
+    """Every forward reuses the layer's scratch (logits, routing, row lists, h, y, the control and error words) on
+    whatever stream is current, so a call (and a read or reset of the error record) on another stream than the
+    previous call's first waits for that stream's queued work, as EPBuffer's calls do; nothing while a CUDA graph is
+    captured. Without it a call on stream B races one still running on stream A on the scratch (wrong outputs, or a
+    persistent kernel waiting on counters the other reset)."""
     a, b = FakeStream("a"), FakeStream("b")
     current, capturing = [a], [False]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
@@ -1009,11 +1012,10 @@ def test_the_timelines_check_x_before_they_look_up_its_launch(fake_launch: FakeL
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
 def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_fails(
         cpu_lib, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
-    """Before: `_reserve_split` set the new queue capacity and dropped the launch templates, then allocated the new
-    queue and split-K buffers one by one; an allocation that failed (out of memory) left the larger capacity with the
-    old, smaller queue (or some buffers new and some old), and the next launch template told the kernels to use
-    more queue slots than the queue held. Now the new buffers are all allocated first and the layer takes them
-    together: a failure leaves it as it was."""
+    """`_reserve_split` allocates all the new queue and split-K buffers before the layer takes any of them (with the
+    new capacity): a failed allocation (out of memory) leaves the layer as it was. Setting the larger capacity first
+    and allocating one by one would leave it with the old, smaller queue (or some buffers new and some old), and the
+    next launch template would tell the kernels to use more queue slots than the queue holds."""
     mk = _cpu_mk()
     before = (mk.q_cap, mk.sk_room, mk.q_task, mk.q_flag, mk.sk_part, mk.sk_cnt)
     zeros, calls = torch.zeros, [0]
@@ -1037,9 +1039,9 @@ def test_growing_the_split_buffers_keeps_the_old_ones_whole_when_an_allocation_f
 
 @pytest.mark.parametrize("bad", [-1, TINY.experts, TINY.experts + 3])
 def test_weights_of_an_expert_the_model_does_not_have_are_refused(bad: int) -> None:
-    """Before: `expert_weights` built weights for any integer (its generator seed is defined for every one), so
-    `dense_reference` given routing with an id out of range computed a 'reference' through experts the model does not
-    have, where the layer refuses the same routing. Now the id is refused, naming it and the model's range."""
+    """`expert_weights` refuses an id out of the model's range, naming it and the range, although its generator seed
+    is defined for every integer: otherwise `dense_reference` given such routing computes a 'reference' through
+    experts the model does not have, where the layer refuses the same routing."""
     from moetune.runtime.weights import expert_weights
 
     with pytest.raises(ValueError, match=rf"expert {bad} .*\[0, {TINY.experts}\)"):
@@ -1052,10 +1054,10 @@ def test_weights_of_an_expert_the_model_does_not_have_are_refused(bad: int) -> N
 
 
 def test_a_close_its_buffer_refused_can_be_called_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: MoELayer.close() marked the layer closed before it closed its buffer; where the buffer refused (another
-    thread inside a call of it: EPBuffer.close raises RuntimeError), the layer stayed 'closed' with its buffer open,
-    and the retry after that call returned did nothing: the buffer's transport (its proxy thread, its memory) was
-    left to the garbage collector. Now the layer is closed once its buffer is."""
+    """MoELayer.close() marks the layer closed only once its buffer is. Where the buffer refuses (another thread
+    inside a call of it: EPBuffer.close raises RuntimeError), a layer marked closed first would keep its buffer open
+    and the retry after that call returns would do nothing, leaving the buffer's transport (its proxy thread, its
+    memory) to the garbage collector."""
     layer = _unfused()
     buf = layer.buffer
     real, calls = EPBuffer.close, []
@@ -1108,10 +1110,9 @@ def test_ids_of_the_wider_unsigned_dtypes_are_checked_not_crashed_on(cpu_lib, mo
 
 
 def test_an_out_of_memory_probe_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: grouped_mm_usable cached its answer per (device, dtype, shape), and a probe that failed for want of
-    memory answered False like a torch without the op: every later layer of that shape in the process ran the
-    per-expert loop (host syncs, not capturable in a CUDA graph), silently. Now an out-of-memory probe answers False
-    for that call only; the next layer probes again."""
+    """grouped_mm_usable caches its answer per (device, dtype, shape), but an out-of-memory probe answers False for
+    that call only and the next layer probes again: cached like a torch without the op, it would silently send every
+    later layer of that shape in the process to the per-expert loop (host syncs, not capturable in a CUDA graph)."""
     if not grouped_mm_usable("cpu", None, BF, TINY.hidden, TINY.intermediate):
         pytest.skip("torch._grouped_mm does not run here")
     randn = torch.randn
@@ -1128,10 +1129,10 @@ def test_an_out_of_memory_probe_is_not_remembered(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize(("out", "ref"), [((1, 4), (3, 4)), ((3, 1), (3, 4)), ((4,), (3, 4)), ((2, 4), (0, 4))])
 def test_an_output_of_another_shape_is_as_wrong_as_can_be(out: tuple[int, ...], ref: tuple[int, ...]) -> None:
-    """Before: max_rel_err broadcast out against ref, so an output of one row (or one column) equal to the
-    reference's first measured 0.0, and any output against an empty reference 0.0 too: a layer or transport
-    returning the wrong shape passed the correctness checks of the EP benchmark. Now it is inf (as
-    tuner/measure/moe.py's wrapper already said for the layer's own check)."""
+    """max_rel_err of an output of another shape is inf (as tuner/measure/moe.py's wrapper says for the layer's own
+    check). Broadcasting out against ref would measure 0.0 for an output of one row (or one column) equal to the
+    reference's first, and for any output against an empty reference: a layer or transport returning the wrong shape
+    would pass the correctness checks of the EP benchmark."""
     from moetune.runtime.moe_layer import max_rel_err
 
     assert max_rel_err(torch.ones(out), torch.ones(ref)) == float("inf")
@@ -1152,9 +1153,9 @@ def test_megakernel_names_a_device_argument_it_cannot_take(device: Any, exc: typ
 
 @pytest.mark.parametrize("model", ["qwen3-30b", None, {"hidden": 128}])
 def test_megakernel_names_a_model_that_is_no_shape(cpu_lib, model: Any) -> None:
-    """Before: a model name (or anything without the shape's fields) failed with AttributeError ('str' object has no
-    attribute 'hidden') from inside the config's resolve; EPBuffer and MoELayer name the argument. Now MegakernelMoE
-    does too (it still takes anything with hidden, intermediate, experts and topk)."""
+    """MegakernelMoE names the argument when given a model name (or anything without the shape's fields), as
+    EPBuffer and MoELayer do, rather than fail with AttributeError ('str' object has no attribute 'hidden') from
+    inside the config's resolve; it still takes anything with hidden, intermediate, experts and topk."""
     with pytest.raises(TypeError, match=r"megakernel: model must be a ModelShape"):
         mk_layer.MegakernelMoE(model, max_tokens=8, device="cpu")
     shape = types.SimpleNamespace(**{f: getattr(TINY, f) for f in ("hidden", "intermediate", "experts", "topk")})
@@ -1163,10 +1164,10 @@ def test_megakernel_names_a_model_that_is_no_shape(cpu_lib, model: Any) -> None:
 
 
 def test_close_lets_the_megakernels_scratch_go(fake_launch: FakeLaunchLib, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: MoELayer.close() closed the layer's buffer but kept its MegakernelMoE, with its scratch (gate logits,
-    routing lists, h, y, queue, error words: a few hundred MB per layer at max_tokens=4096), for as long as the closed
-    layer lived. Now close() lets it go (nothing in the layer refers to it any more), a forward still raises the
-    "closed" error, and the layer's state_dict still speaks row-major (its parameters stay k-tiled)."""
+    """MoELayer.close() lets its MegakernelMoE go (nothing in the layer refers to it after): its scratch (gate logits,
+    routing lists, h, y, queue, error words: a few hundred MB per layer at max_tokens=4096) must not live as long as
+    the closed layer. A forward still raises the "closed" error, and the layer's state_dict still speaks row-major
+    (its parameters stay k-tiled)."""
     import gc
     import weakref
 
