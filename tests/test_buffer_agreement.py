@@ -176,7 +176,8 @@ def test_extra_communicators_keep_the_groups_timeout() -> None:
 @pytest.mark.timeout(120)
 def test_moe_layers_with_other_seeds_on_one_rank_are_an_error_on_every_rank(
         layer_arguments: list[dict[str, Any]]) -> None:
-    """Before: each rank built its gate and experts from its own seed, and the layer ran with wrong outputs."""
+    """Ranks given other seeds would build different gates and experts, and the layer would run with wrong outputs:
+    every rank raises instead."""
     for res in layer_arguments:
         kind, msg, _ = res["seed"]
         assert kind == "ValueError" and "different seeds ([0, 7], by rank)" in msg, res["seed"]
@@ -185,14 +186,15 @@ def test_moe_layers_with_other_seeds_on_one_rank_are_an_error_on_every_rank(
 
 @pytest.mark.timeout(120)
 def test_an_engine_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
-    """Before: rank 1 raised MegakernelUnavailable, rank 0 went on to wait in its first dispatch."""
+    """Rank 0 must raise too when rank 1 raises MegakernelUnavailable: otherwise it waits in its first dispatch."""
     _raised(layer_arguments, "engine", ("ValueError", "the layer was refused on rank(s) [1]"),
             ("MegakernelUnavailable", "world 1"))
 
 
 @pytest.mark.timeout(120)
 def test_a_layer_argument_refused_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
-    """Before: rank 1 raised before the buffer's agreement, rank 0 waited in it until the group's timeout."""
+    """Rank 0 must raise too when rank 1 raises before the buffer's agreement: otherwise it waits in that agreement
+    until the group's timeout."""
     _raised(layer_arguments, "argument", ("ValueError", "refused on another rank (rank 1: layer arguments)"),
             ("TypeError", "max_tokens must be an int"))
     # with a given buffer the first collective is the layer's own agreement
@@ -202,9 +204,9 @@ def test_a_layer_argument_refused_on_one_rank_is_an_error_on_every_rank(layer_ar
 
 @pytest.mark.timeout(120)
 def test_a_buffer_given_on_one_rank_only_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
-    """Before: the rank given a buffer ran the layer's 2-wide all-gather, the other the buffer's 12-wide one (gloo
-    aborted a process; the other read the row as "knobs=None"); a `buffer` that is no EPBuffer raised on its rank
-    alone. The layer's agreement now has the buffer agreement's shape, marked."""
+    """The layer's agreement has the buffer agreement's shape, marked, so the rank given a buffer and the other run
+    the same all-gather: a 2-wide one against a 12-wide one makes gloo abort a process while the other reads the row
+    as "knobs=None". A `buffer` that is no EPBuffer is an error on every rank, not on its rank alone."""
     _raised(layer_arguments, "buffer_on_one", ("ValueError", "rank 1: buffer (that rank's layer was given one"),
             ("ValueError", "rank(s) [0] built their own EPBuffer where this rank's layer was given one"))
     not_one = ("TypeError", "buffer must be an EPBuffer or None")
@@ -216,6 +218,7 @@ def test_a_buffer_given_on_one_rank_only_is_an_error_on_every_rank(layer_argumen
 @pytest.mark.timeout(120)
 def test_a_layer_failing_to_build_its_weights_on_one_rank_is_an_error_on_every_rank(
         layer_arguments: list[dict[str, Any]]) -> None:
-    """Before: rank 1 raised while building its experts, rank 0 waited in the layer's agreement until the timeout."""
+    """Rank 0 must raise too when rank 1 raises while building its experts: otherwise it waits in the layer's
+    agreement until the timeout."""
     _raised(layer_arguments, "weights_fail", ("ValueError", "the layer was refused on rank(s) [1]"),
             ("RuntimeError", "out of memory (simulated)"))

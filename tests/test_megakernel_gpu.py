@@ -809,11 +809,11 @@ def test_decode_bad_expert_is_reported(model, layer):
 def test_decode_after_an_earlier_launchs_error(model, layer):
     """An error in an earlier launch, not cleared: forward_routed(check_ids=False) at a prefill size (the task graph)
     with an expert id out of range, which k_lists records and aborts after k_reset ran, leaving ctl's abort flag
-    raised. Before: every later decode launch (no reset kernel before it) polled that flag, so each CTA's logit
-    waits gave up at once (routing from NaN for the logits not yet written) and its slot waits too (sums of h never
-    completed): wrong outputs, silently, until clear_error. Now the decode kernel polls its own flag: the S=1
-    forwards after it, routing in the kernel (decode=2) and given picks (decode=1), match the reference, while
-    check() still raises the first error, unchanged, until clear_error."""
+    raised. The decode kernel polls its own flag: a later decode launch (no reset kernel before it) polling ctl's
+    would give up each CTA's logit waits at once (routing from NaN for the logits not yet written) and its slot waits
+    too (sums of h never completed): wrong outputs, silently, until clear_error. The S=1 forwards after it, routing
+    in the kernel (decode=2) and given picks (decode=1), match the reference, while check() still raises the first
+    error, unchanged, until clear_error."""
     from moetune.runtime.megakernel import MegakernelError, MegakernelMoE, _lib
     from moetune.runtime.megakernel.layer import CTL_ABORT
     from moetune.runtime.moe_layer import dense_reference, max_rel_err
@@ -864,10 +864,10 @@ def test_decode_after_an_earlier_launchs_error(model, layer):
 def test_repeated_expert_rows_past_the_list_are_dropped_and_reported(model, layer):
     """Given routing whose picks repeat an expert, unchecked (check_ids=False: MoELayer's own check; or captured into
     a CUDA graph, where the host check cannot run): every pick of 64 tokens names one expert, S * topk = 512 rows for
-    a list of max_tokens = 64. Before: k_lists wrote rows 64.. past the expert's list (into the next experts' lists,
-    past the buffer for the last expert) and the task graph read them. Now the rows past the list are dropped and
-    recorded (code 7) and that launch is aborted (its outputs are not checked: none is valid), the count stops at
-    max_tokens, the other lists are untouched, and the layer's later launches compute."""
+    a list of max_tokens = 64. Rows 64.. must never be written past the expert's list (into the next experts'
+    lists, past the buffer for the last expert): they are dropped and recorded (code 7) and that launch is aborted
+    (its outputs are not checked: none is valid), the count stops at max_tokens, the other lists are untouched, and
+    the layer's later launches compute."""
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
 
     s, k, n_exp = 64, model.topk, model.experts
@@ -926,11 +926,12 @@ NONFINITE_CASES = [("qwen3-30b", "", 1, "decode"), ("qwen3-30b", "decode=0", 1, 
 
 @pytest.mark.parametrize(("spec", "cfg", "s", "kernel"), NONFINITE_CASES, ids=[f"{c[3]}-S{c[2]}" for c in NONFINITE_CASES])
 def test_nonfinite_logits_are_reported_never_a_fault(model, layer, spec, cfg, s, kernel):
-    """x rows holding a NaN, +inf or -inf make those tokens' gate logits non-finite. Before: every probability NaN,
-    no expert ever compared greater, every pick out of range (1 << 30, or a padding lane past E): the routing kernels
-    appended at lists[2^30 S_cap] (an illegal address: the CUDA context lost) and the decode kernel read weights past
-    W. Now: check() raises error 8 naming a bad token row (detail = its lowest non-finite expert: 0, every logit of
-    such a row is NaN / inf); the bad tokens take experts 0..topk-1 with NaN weights and NaN output rows; every other
+    """x rows holding a NaN, +inf or -inf make those tokens' gate logits non-finite: every probability NaN, no
+    expert ever compares greater, and left as they come every pick is out of range (1 << 30, or a padding lane past
+    E), so the routing kernels would append at lists[2^30 S_cap] (an illegal address: the CUDA context lost) and the
+    decode kernel read weights past W. Checked: check() raises error 8 naming a bad token row (detail = its lowest
+    non-finite expert: 0, every logit of such a row is NaN / inf); the bad tokens take experts 0..topk-1 with NaN
+    weights and NaN output rows; every other
     token's routing is distinct in-range experts, its list rows exact, its output row the reference's (recorded
     without the abort: the launch computed them); the next forward, before and after clear_error, is right."""
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE

@@ -677,11 +677,11 @@ def test_a_huge_timeout_waits_instead_of_failing_at_once_in_host_simulation(sim_
 def test_send_counts_outside_the_send_rows_are_refused_before_any_put_in_host_simulation(
         sim_lib: ctypes.CDLL, counts: list[int], err: list[int], seen: int) -> None:
     """Rank 0's send buffer holds 4 rows (the memory after it: 0xEE rows). Send counts that sum past 4 rows, or a
-    negative one, made PUTs whose source lay outside the buffer: its neighbour's bytes reached the peers (the 0xEE rows
-    landed in rank 1's receive area, and both calls succeeded). Now the kernel refuses the counts before any PUT:
-    rank 0 reports MT_ERR_SEND_COUNTS (peer = the first bad destination; slot 0: negative, 1: past the rows), and no
-    byte outside a send buffer reaches any rank. Rank 0 still publishes its count-matrix row, marked refused, so rank 1
-    reports MT_ERR_PEER_REFUSED naming rank 0 at once (it used to wait out its count-word timeout: 20 s here)."""
+    negative one, would make PUTs whose source lies outside the buffer (the 0xEE rows landing in rank 1's receive
+    area, and both calls succeeding). The kernel refuses the counts before any PUT: rank 0 reports
+    MT_ERR_SEND_COUNTS (peer = the first bad destination; slot 0: negative, 1: past the rows), and no byte outside a
+    send buffer reaches any rank. Rank 0 still publishes its count-matrix row, marked refused, so rank 1 reports
+    MT_ERR_PEER_REFUSED naming rank 0 at once, not after its count-word timeout (20 s here)."""
     import numpy as np
 
     from moetune.runtime.transports._onesided import decode_error
@@ -791,8 +791,8 @@ def test_host_completed_calls_survive_hardware_queue_aliasing_in_host_simulation
 def test_quiesce_is_bounded_when_a_qp_stream_never_completes_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
     """mt_proxy_quiesce(timeout) must end within its timeout, in a reported error, when a QP stream stays busy: here
     the engine's stream shares one simulated hardware queue with work that waits for a word nobody writes (as a copy
-    behind a spinning kernel). Before: its cudaStreamSynchronize waited as long as the blocker did (8 s here, forever
-    on a GPU) and then returned success."""
+    behind a spinning kernel). A cudaStreamSynchronize there would wait as long as the blocker does (8 s here,
+    forever on a GPU) and then return success."""
     from moetune.runtime.transports.proxy import OP_WRITE64, Request
 
     lib = sim_lib
@@ -828,8 +828,7 @@ def test_a_drain_and_destroy_are_bounded_when_a_qp_stream_never_completes_in_hos
     engine's timeout (mt_proxy_set_timeout), as mt_proxy_quiesce does: here the stream shares one simulated hardware
     queue with work that waits for a word nobody writes (as a copy behind a spinning kernel). The drain fails the
     engine with 213 and writes no signal; destroy returns 213 and leaks the engine's memory rather than free it under
-    the stream. Before: both were cudaStreamSynchronize, waiting as long as the blocker (30 s here, forever on a
-    GPU)."""
+    the stream. A cudaStreamSynchronize in either would wait as long as the blocker (30 s here, forever on a GPU)."""
     from moetune.runtime.transports.proxy import OP_SIGNAL, OP_WRITE64, Request
 
     lib = sim_lib
@@ -872,7 +871,7 @@ def test_kernel_context_destroy_is_bounded_when_a_launch_never_completes_in_host
     most the context's timeout, and then returns 324 with the leak named in mt_last_error, instead of waiting for
     the device (cudaDeviceSynchronize, unbounded and also other libraries' work) and joining the simulated kernel.
     Here the completion word is wound back after launch 1, so launch 2 waits in stream order for a kernel that never
-    completes (as a kernel stuck on its stream). Before: destroy joined that "kernel" and never returned."""
+    completes (as a kernel stuck on its stream): a destroy that joined that "kernel" would never return."""
     import threading
 
     import numpy as np
