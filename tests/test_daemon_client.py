@@ -114,8 +114,8 @@ def test_tcp_nobody_listening_bounded(tmp_path: Path) -> None:
 def test_a_daemon_in_another_python_environment_serves_nothing_tuned_here(tmp_path: Path) -> None:
     """The daemon runs in another Python environment than this job (here: its capture of this node records another
     torch). Its daemon.json (a running daemon of this host) names the fingerprint and software it discovered, and it
-    serves the profiles measured with them. Before: daemon.json's word made them tuned in this process, whose torch
-    is another; now the facts the daemon reports are checked against this process's packages."""
+    serves the profiles measured with them. The facts the daemon reports are checked against this process's
+    packages: daemon.json's word alone would make them tuned in this process, whose torch is another."""
     from moetune.runtime.profiles import node_identity
     from moetune.tuner.fabric.discovery import discover
 

@@ -356,8 +356,8 @@ def test_subscribe_refuses_a_pub_endpoint_unlike_the_request_socket(plain, tmp_p
 
 def test_subscribe_over_tcp_takes_only_the_port_from_the_reply(plain) -> None:
     """The SUB socket connects to the advertised port on the host the requests go to: a reply naming another host
-    never sends the client there (it used to be refused; a wildcard-bound daemon's `tcp://*:P` and another name of
-    the host, `localhost`, were refused with it), and a PUB endpoint without a port is refused."""
+    never sends the client there and is not refused (refusing it would refuse a wildcard-bound daemon's `tcp://*:P`
+    and another name of the host, `localhost`, with it), and a PUB endpoint without a port is refused."""
     port = free_port()
     want = {"pub": "tcp://10.9.9.9:5"}
     plain(f"tcp://127.0.0.1:{port}", lambda req: ok_reply(req["id"], hello_result(want["pub"])))
@@ -525,7 +525,8 @@ QUERY = {"model": "qwen3-30b", "ep_size": 2, "tokens": 64}
     ({"perf_env": {"LD_PRELOAD": "/tmp/evil.so"}}, "perf_env does not validate"),
 ])
 def test_a_tracked_profile_refuses_what_resolve_refuses(over: dict, why: str) -> None:
-    """Before: track() kept any reply (a stale profile of another key, a forged perf_env) as `current`."""
+    """track() must not keep just any reply as `current`: a stale profile of another key or a forged perf_env is
+    refused, as resolve refuses them."""
     good = msgspec.convert(result(), wire.ProfileResult)
     t = tracked_profile.TrackedProfile(_TrackClient(good), QUERY)  # type: ignore[arg-type]
     assert t.current == good and t.error is None
@@ -552,8 +553,9 @@ def _preset_result() -> wire.ProfileResult:
 ])
 def test_a_tracked_profile_is_judged_as_resolve_judges_it(answer: Callable[[], wire.ProfileResult], kw: dict,
                                                           why: str) -> None:
-    """Before: only the reply checks ran, so a modelled profile (allow_modelled off), one measured on another node,
-    one whose transport is missing or whose environment env_mismatch = refuse passes over stayed `current`."""
+    """Beyond the reply checks, a tracked profile gets resolve's judgement: a modelled profile (allow_modelled off),
+    one measured on another node, one whose transport is missing or whose environment env_mismatch = refuse passes
+    over must not stay `current`."""
     ok = kw.pop("transport_ok", None)
     c = _TrackClient(answer(), **kw)
     t = tracked_profile.TrackedProfile(c, QUERY, ok)
@@ -569,9 +571,9 @@ def test_a_tracked_modelled_profile_is_kept_with_allow_modelled_and_not_called_t
 
 
 def test_a_tracked_profile_is_judged_under_the_tracking_jobs_options() -> None:
-    """Before: track() took no options and judged every fetch under the config's and variables' options, never the
-    job's own (an EP buffer built with explicit ones): a profile tuned under other data-path options stayed `current`
-    and tuned, and one tuned under the job's was refused because of a variable the job had overridden."""
+    """track() judges every fetch under the job's own options (an EP buffer built with explicit ones), not the
+    config's and variables': otherwise a profile tuned under other data-path options stays `current` and tuned, and
+    one tuned under the job's is refused because of a variable the job has overridden."""
     from moetune.runtime.options import RuntimeOptions
 
     tuned = msgspec.convert(result(runtime_options=RuntimeOptions().data_path()), wire.ProfileResult)
@@ -596,8 +598,8 @@ def test_a_tracked_profile_is_judged_under_the_tracking_jobs_options() -> None:
 
 
 def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
-    """One poll holding the old daemon's v101 and the new one's v1: the new daemon's v2.. must still be seen (before:
-    the client's version stayed at 101 and every later change of the new daemon was dropped)."""
+    """One poll holding the old daemon's v101 and the new one's v1: the new daemon's v2.. must still be seen (a
+    client version left at 101 would drop every later change of the new daemon)."""
     good = msgspec.convert(result(), wire.ProfileResult)
     c = _TrackClient(msgspec.structs.replace(good, version=100))
     t = tracked_profile.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
@@ -611,7 +613,7 @@ def test_a_tracked_profile_follows_a_restarted_daemons_changes() -> None:
 
 def test_a_change_whose_fetch_failed_is_fetched_by_the_next_refresh() -> None:
     """The notice is taken off the socket before the fetch: when the daemon stops answering in between, refresh
-    raises and the change must stay pending (before: the next refresh saw no notice and kept the old profile)."""
+    raises and the change must stay pending (else the next refresh sees no notice and keeps the old profile)."""
     from moetune.runtime.profiles.errors import DaemonUnavailable
 
     good = msgspec.convert(result(), wire.ProfileResult)

@@ -239,8 +239,8 @@ OTHER_TORCH = "2.12.0+cpu" if node_identity.local_package_fact("torch") != "2.12
 def test_a_daemon_of_other_software_does_not_make_its_profile_tuned_here(fake, tmp_path: Path) -> None:
     """A daemon in another Python environment than this job's (or serving a capture): this node's GPUs and driver,
     another torch. daemon.json (a running daemon of this host) names its fingerprint and software, and it serves a
-    profile it measured with them. Before: daemon.json's word made it tuned here, with this process's torch; now the
-    daemon's reported facts are checked against this process's packages."""
+    profile it measured with them. The daemon's reported facts are checked against this process's packages:
+    daemon.json's word alone would make the profile tuned here, with this process's other torch."""
     theirs = F.this_node_facts(torch=OTHER_TORCH)
     sw = node_identity.software_hash(theirs)
     d = fake(lambda req: ok_reply(req["id"], result(key(sw=sw))),
@@ -263,7 +263,8 @@ def test_a_daemon_of_other_software_does_not_make_its_profile_tuned_here(fake, t
 def test_daemon_json_alone_does_not_make_a_profile_tuned(fake, tmp_path: Path, fabric: str) -> None:
     """daemon.json of a running daemon of this host names this node's fingerprint and software (this process's), but
     the daemon does not answer `fabric` (it hangs on it, or does not know the op): nothing checks its word against
-    this node, so its measured profile is not tuned, and the warning says why. Before: tuned on daemon.json alone."""
+    this node, so its measured profile is not tuned (daemon.json alone vouches for nothing), and the warning says
+    why."""
     def answer(req: dict) -> bytes | None:
         if req.get("op") != "fabric":
             return ok_reply(req["id"], result())

@@ -80,8 +80,8 @@ def resolve(c: ProfileClient) -> tuple[client.Resolution, list[str]]:
 # -- 1: daemon.json of another host, or of a stopped daemon -------------------------------------------------------
 def test_another_hosts_daemon_json_does_not_make_its_profiles_tuned_here(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOETUNE_HOME on a shared file system: node A's daemon.json and database. Before: A's identity became this
-    node's, and A's measured profile was applied here as tuned from the database."""
+    """MOETUNE_HOME on a shared file system: node A's daemon.json and database. A's identity must not become this
+    node's: otherwise A's measured profile is applied here as tuned from the database."""
     F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
     db = tmp_path / "moetune.db"
     sw_a = node_identity.software_hash(ELSEWHERE)
@@ -98,8 +98,8 @@ def test_another_hosts_daemon_json_does_not_make_its_profiles_tuned_here(tmp_pat
 def test_a_daemon_json_from_before_an_upgrade_does_not_vouch_for_the_software_here(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running: bool) -> None:
     """This host's daemon.json says FP/SW, recorded before torch was upgraded here; the daemon is down (the database
-    fallback). Before: daemon.json's word made the old software's profile tuned; now the database's facts are
-    checked against this node (torch differs), as they are without daemon.json."""
+    fallback). The database's facts are checked against this node (torch differs), as they are without
+    daemon.json: daemon.json's word alone would make the profile of the software it recorded tuned here."""
     old = {"gpus": HERE["gpus"], "software": {**HERE["software"], "torch": "2.3.0"}}
     F.pretend_node(monkeypatch, HERE, tmp_path / "proc")
     db = tmp_path / "moetune.db"
@@ -142,7 +142,8 @@ def _fabric(fp: str, facts: dict, software: str | None = None) -> wire.FabricRes
 
 
 def test_with_this_nodes_identity_unknown_a_measured_profile_is_not_tuned(tmp_path: Path) -> None:
-    """Before: `foreign` was False with no identity, so any 'measured' profile a daemon sent was tuned."""
+    """With no identity of this node, `foreign` must not be False: otherwise any 'measured' profile a daemon sends
+    is tuned."""
     r = reply(measured(key("9" * 16, "8" * 16)))
     c, _ = _faked(tmp_path, r, DaemonUnavailable("no reply from the daemon"))
     res, warned = resolve(c)
@@ -217,8 +218,9 @@ def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Pa
     ("local:nccl", "node_model", "node_model"),  # an unlabelled import of a measurement (by design)
 ])
 def test_is_tuned_for_and_the_client_follow_one_provenance_rule(backend: str, label: str, want: str) -> None:
-    """Before: is_tuned_for trusted the label alone (a preset labelled 'measured' was tuned), and a node_model label
-    on a preset's backend or another node's model was taken as this node's model (it outranks preset)."""
+    """is_tuned_for and the client apply the same rule, not the label alone: a preset labelled 'measured' is not
+    tuned, and a node_model label on a preset's backend or another node's model is not taken as this node's model
+    (which would outrank preset)."""
     rec = ProfileRecord(key=key(FP_HERE, "5" * 16), knobs=default_knobs("nvlink"), latency_us=27, spread_us=0,
                         backend=backend, provenance=label)
     assert rec.effective_provenance == want == db_lookup.provenance_of(rec) == effective_provenance(label, backend, FP_HERE)
@@ -243,7 +245,8 @@ def test_the_package_facts_are_read_as_discovery_reads_them(monkeypatch: pytest.
 
 
 def test_nccl_and_nvshmem_versions_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Before: only driver, torch and moetune were compared; NCCL (which the software hash covers) was not."""
+    """NCCL and NVSHMEM versions are compared (the software hash covers them), not only driver, torch and
+    moetune."""
     monkeypatch.setattr(node_identity, "PROC_ROOT", tmp_path)  # no NVIDIA driver: GPU-less facts only
     installed = {"torch": "2.4.1", "nvidia-nccl-cu12": "2.21.5"}
     monkeypatch.setattr(node_identity, "_dist_version", installed.get)
