@@ -519,7 +519,7 @@ def test_an_ep_buffer_looks_up_under_its_own_options(monkeypatch: pytest.MonkeyP
 
 
 def test_autoload_knobs_forwards_the_callers_options(node_db, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: autoload_knobs took no options, so it always looked up under the config's and variables' options."""
+    """autoload_knobs looks up under the options its caller passes, not always under the config's and variables'."""
     tuned = measured(qkey(), DEFAULTS)
     db = node_db([tuned])
     monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{tmp_path}/nowhere/daemon.sock")
@@ -547,9 +547,9 @@ def test_autoload_knobs_forwards_the_callers_options(node_db, tmp_path: Path, mo
 
 
 def test_whether_a_profiles_transport_runs_is_asked_under_the_callers_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: the lookup asked a transport's availability under the config's and variables' options (host_staged's
-    depends on hs_native on a GPU; there an unreadable MOETUNE_* variable made it 'availability check failed' and passed
-    its profile over), not the options of the EP buffer that looks up, which its own knobs are checked under."""
+    """The lookup asks a transport's availability under the options of the EP buffer that looks up (which its own
+    knobs are checked under), not the config's and variables': host_staged's depends on hs_native on a GPU, and there
+    an unreadable MOETUNE_* variable would make it 'availability check failed' and pass its profile over."""
     from moetune.runtime.transports.base import Availability
     from moetune.runtime.transports.host_staged import HostStagedTransport
 

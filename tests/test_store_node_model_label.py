@@ -1,8 +1,9 @@
 """A `node_model` label is this node's calibrated model's, never a shipped preset's nor another node's model's. The
-store used to refuse only a false `measured`: a `node_model` row on a preset backend (`model:dgx-h100`) or another
-node's model (`model:node:<other fp>`), stored by put_profile or an import, replaced a faster real preset by the rank
-rule (node_model outranks preset), was served as this node's model, and `db check` said ok. A `local:*` backend may
-still be labelled node_model: an unlabelled import of a measurement becomes node_model by design."""
+store refuses a false `node_model` as it refuses a false `measured`: a `node_model` row on a preset backend
+(`model:dgx-h100`) or another node's model (`model:node:<other fp>`), stored by put_profile or an import, would
+replace a faster real preset by the rank rule (node_model outranks preset), be served as this node's model, and pass
+`db check`. A `local:*` backend may still be labelled node_model: an unlabelled import of a measurement becomes
+node_model by design."""
 
 from __future__ import annotations
 

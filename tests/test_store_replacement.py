@@ -44,8 +44,9 @@ def store(tmp_path):
 
 # -- the same knobs measured again ------------------------------------------------------------------------------
 def test_slower_remeasurement_of_the_same_knobs_replaces_the_stored_number(store):
-    """The reviewer's case: a change the fingerprint does not capture (NCCL_* env, power cap, clocks) makes the
-    node slower; the old code kept the outdated fast number for good ("gain -50 does not beat the noise")."""
+    """A change the fingerprint does not capture (NCCL_* env, power cap, clocks) makes the node slower: the
+    re-measurement of the same knobs replaces the stored number, or the outdated fast one is kept for good ("gain -50
+    does not beat the noise")."""
     assert store.put_profile(measured(100.0))[0]
     ok, why = store.put_profile(measured(150.0, spread=2.0))
     assert ok, why
