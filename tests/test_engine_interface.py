@@ -101,8 +101,9 @@ def test_a_fallback_asks_once_too(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_request_the_megakernel_cannot_serve_looks_up_no_profile(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: engine="megakernel" without knobs looked the megakernel profile up (daemon, database; on a miss a "NO
-    tuned profile ... policy default" warning) and only then raised MegakernelUnavailable for a layer on the CPU."""
+    """engine="megakernel" without knobs, for a layer on the CPU, raises MegakernelUnavailable before any lookup of
+    the megakernel profile (daemon, database; on a miss a "NO tuned profile ... policy default" warning), which
+    would be wasted work and a misleading warning."""
     from moetune.runtime.profiles import autoload
 
     families: list[str] = []
@@ -140,10 +141,10 @@ def test_every_declared_capability_and_hook_is_used_by_the_layer() -> None:
 
 
 def test_unfused_forward_on_several_ranks_reports_x_on_another_device_through_the_collective_check() -> None:
-    """Before: at world > 1 an x on another device than the layer's went to the gate first, where the matmul with
-    the gate's weights raised a device-mismatch RuntimeError naming neither x nor the layer, on this rank only,
-    while its peers waited in their dispatch. Now it takes the path of a wrongly shaped x: the dispatch's input
-    check, which every rank takes part in (its error names x and the device)."""
+    """At world > 1 an x on another device than the layer's takes the path of a wrongly shaped x: the dispatch's
+    input check, which every rank takes part in (its error names x and the device). Sent to the gate first, it
+    would raise a device-mismatch RuntimeError from the matmul naming neither x nor the layer, on this rank only,
+    while its peers wait in their dispatch."""
     calls: list[tuple[Any, ...]] = []
 
     def route(x: torch.Tensor) -> Any:

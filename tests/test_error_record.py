@@ -25,7 +25,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 def test_reporters_failing_at_once_leave_one_whole_error(lib: ctypes.CDLL) -> None:
     """4 threads report 4 different errors into each of 256 records, 200 rounds (51,200 races; every fence yields the
-    CPU, as a warp may stall between its stores). With the old check-then-write record a few hundred of them came out
-    mixed on a 2-core box (100 to 600 a run); it is a race, so the old code could pass by chance, but not plausibly
-    over this many."""
+    CPU, as a warp may stall between its stores). A check-then-write record leaves a few hundred of them mixed on a
+    2-core box (100 to 600 a run); it is a race, so such a record could pass by chance, but not plausibly over this
+    many."""
     assert lib.mtsim_race_reports(4, 256, 200) == 0

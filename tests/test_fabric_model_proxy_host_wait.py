@@ -44,7 +44,8 @@ def test_proxy_phases_name_the_host_waits() -> None:
 def test_dispatch_and_combine_scale_as_the_runtime_launches_and_waits(param: str, dispatch_per_us: float,
                                                                       combine_per_us: float) -> None:
     """One microsecond more per launch (per poll) adds one per exposed launch (per poll and host wait) on the
-    critical path. Before: 3 launches and 2 polls per dispatch, 1 poll per combine."""
+    critical path, as the proxy runtime launches and waits (not 3 launches and 2 polls per dispatch, 1 poll per
+    combine)."""
     pr = load_preset(H200)
     hi = pr.with_params({param: pr.get(param) + 1.0})
     w = Workload(DSV3, 4096, 1, 2)

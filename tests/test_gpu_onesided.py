@@ -159,8 +159,8 @@ def test_a_receiver_that_the_senders_overflow_together_raises_the_capacity_error
 def test_a_refused_call_reaches_the_peer_at_once_and_the_next_calls_are_exact() -> None:
     """Rank 0 refuses its send counts in call 2 of 4 (counts past its send rows; nvlink's gather: a token outside x),
     on nvlink (packed, strided and gathered sends) and proxy, with a 20 s wait timeout. Rank 0 must raise the
-    send-count error and rank 1 the peer-refused error naming rank 0, both well under the timeout (rank 1 used to wait
-    it out), with no row written to rank 0 and only its own rows in rank 1's area; after clear_error() on both
+    send-count error and rank 1 the peer-refused error naming rank 0, both well under the timeout (rank 1 must not
+    wait it out), with no row written to rank 0 and only its own rows in rank 1's area; after clear_error() on both
     ranks, calls 3 and 4 (both parities again) must be exact. Library ABI 22; written without a GPU run."""
     from moetune.runtime.testing.selftest import refusal_worker, spawn_world
 

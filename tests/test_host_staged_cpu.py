@@ -253,8 +253,8 @@ def _posting(monkeypatch: pytest.MonkeyPatch) -> tuple[hs.HostStagedTransport, _
 
 def test_a_failed_post_breaks_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     """mt_hs_post stages piece by piece, so a failure may leave some pieces queued: the ring counters (moved
-    before the post) no longer match the peer's whichever way they are set. Such a failure used to raise once
-    and let the next exchange post on the out-of-step rings; now every later call raises and posts nothing."""
+    before the post) no longer match the peer's whichever way they are set. Every later call raises and posts
+    nothing: raising once would let the next exchange post on the out-of-step rings."""
     import torch
 
     t, lib = _posting(monkeypatch)

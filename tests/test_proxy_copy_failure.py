@@ -31,8 +31,8 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 def test_a_failed_copy_is_not_signalled(lib: ctypes.CDLL, coupled: int, batch: int) -> None:
     """Rank 1's copies (from its send rows) fail. Rank 1's engine records the failure and its call returns the
     engine's error; the engine must then write no signal for those rows, so rank 0 does not take the call as done:
-    its wait for rank 1's signal times out and is reported. (Before: the signal went out after the failed copy and
-    rank 0 returned success with rank 1's rows never written.)"""
+    its wait for rank 1's signal times out and is reported. (A signal sent after the failed copy would make rank 0
+    return success with rank 1's rows never written.)"""
     world, rb, rows = 2, 32, 4
     ranks = proxy_sim.SimRanks(lib, world, world * rows * rb, timeout_s=0.5)
     sends = [np.full((rows, rb), 10 + r, dtype=np.uint8) for r in range(world)]

@@ -370,7 +370,7 @@ def test_a_set_without_a_known_node_falls_back(sim: ctypes.CDLL, faults, tmp_pat
 
 def test_a_failed_create_releases_the_placed_pages(sim: ctypes.CDLL, faults) -> None:
     """A CUDA failure after the pages were placed (here cudaMalloc of the producer index) is an error code and
-    message, and the registered range is released (it used to be leaked)."""
+    message, and the registered range is released, not leaked."""
     allowed = tuple(sorted(os.sched_getaffinity(0)))
     if sysfs_node(allowed[0]) is None or mbind_refusal() is not None:
         pytest.skip("mbind cannot succeed here, so no range is registered")

@@ -79,8 +79,8 @@ def test_init_process_group_is_called_in_one_place() -> None:
 
 
 def test_free_port_never_hands_out_one_port_twice(monkeypatch) -> None:
-    """The kernel may give two binds in a row one ephemeral port: a daemon's socket and its publisher then got the
-    same endpoint and the daemon refused to start (a CI flake)."""
+    """The kernel may give two binds in a row one ephemeral port: free_port must not hand it out twice, or a
+    daemon's socket and its publisher get the same endpoint and the daemon refuses to start."""
     import socket
 
     from moetune.runtime.testing import launch as L

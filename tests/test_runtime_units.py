@@ -116,9 +116,9 @@ def test_world1_layer_follows_a_rewritten_gate_and_keeps_bf16_accuracy() -> None
 
 
 def test_world1_layer_follows_a_gate_written_through_data() -> None:
-    """Before: the unfused layer kept an fp32 copy of the gate keyed by its data pointer and version counter; a write
-    through `gate.data` (`layer.gate.data.copy_(w)`, a common way to load weights) leaves the version as it was, so
-    the layer went on routing by the old gate (and the megakernel, which reads the gate in place, by the new one)."""
+    """The unfused layer routes by the gate as it is now after a write through `gate.data` (`layer.gate.data.copy_(w)`,
+    a common way to load weights), which leaves the version counter as it was: an fp32 copy keyed by data pointer
+    and version would keep routing by the old gate (and the megakernel, which reads the gate in place, by the new)."""
     model = ModelShape(name="t", hidden=64, intermediate=32, experts=8, topk=3, dtype="bfloat16")
     layer = MoELayer(model, knobs=Knobs(), max_tokens=32, seed=4)
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(0)).bfloat16()

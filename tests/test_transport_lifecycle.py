@@ -584,7 +584,7 @@ def test_a_reserve_whose_new_buffer_fails_keeps_no_freed_buffer(fake_gpu: tuple,
 def test_proxy_reserve_takes_a_per_rank_total_and_does_not_refuse_chunk_tokens_on_it(fake_gpu: tuple) -> None:
     """max_send_rows is what one rank sends in all, not to one peer: reserve (and the first call's pow2 reserve)
     cannot tell how many PUTs a peer needs and refuses no chunk_tokens. chunk_tokens=3, a first call of 3000 rows
-    spread over 3 peers is 1000 rows (334 PUTs) per peer; it used to reserve 4096 and refuse it as 1366 PUTs."""
+    spread over 3 peers is 1000 rows (334 PUTs) per peer and must not be refused as 4096 rows (1366 PUTs) to one."""
     t = ProxyTransport(None, default_knobs("proxy").replace(chunk_tokens=3), torch.device("cuda", 0),
                        options=RuntimeOptions())
     try:
