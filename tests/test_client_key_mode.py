@@ -69,7 +69,7 @@ def test_the_cli_still_shows_the_loose_key_warning(tmp_path: Path) -> None:
 
 def test_a_curve_clients_socket_can_be_remade_at_once_many_times() -> None:
     """Each retry closes the socket and its handshake monitor and makes new ones at once: the new monitor must not
-    collide with the old one's inproc name (pyzmq's default name reuses the socket's fd), which used to escape
+    collide with the old one's inproc name (pyzmq's default name reuses the socket's fd): such a collision escapes
     request() as a ZMQError ("Address already in use") instead of DaemonUnavailable."""
     spub, _ = zmq.curve_keypair()
     c = ProfileClient("tcp://127.0.0.1:9", timeout_ms=1, curve_server_key=spub, env={})

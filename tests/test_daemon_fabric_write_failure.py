@@ -1,7 +1,8 @@
 """A fabric change whose store write fails (StoreBusy after the store's wait, StoreFull, StoreDamaged) is retried
-by the next discovery round: the daemon used to adopt the new facts before writing the change, so the round after
-the failure saw nothing to do and the change was lost until a restart (the old fingerprint's profiles current, no
-fabric_changed / profile_stale published, no re-tune queued). A retry writes no second fabric_changed event."""
+by the next discovery round: the daemon adopts the new facts only once the change is written. Adopted first, the
+round after the failure would see nothing to do and the change be lost until a restart (the old fingerprint's
+profiles current, no fabric_changed / profile_stale published, no re-tune queued). A retry writes no second
+fabric_changed event."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Job recovery after a restart (recover_jobs + Daemon._resume): every job the last daemon left queued or running is
-resumed exactly once. Before: a job past the queue's capacity was dropped while the store said "re-queued"; the old
-job was closed before its resumption was queued (a crash in between lost it); and only the newest 2000 events of any
-kind were read, so a job's per-profile events could push the jobs out of sight (ids restarting at 1)."""
+resumed exactly once. Checked: a job past the queue's capacity is not dropped while the store says "re-queued"; the
+old job is closed only after its resumption is queued (a crash in between must not lose it); and the jobs are found
+however many events came after them (a window of the newest 2000 events of any kind lets a job's per-profile events
+push the jobs out of sight, ids restarting at 1)."""
 
 from __future__ import annotations
 

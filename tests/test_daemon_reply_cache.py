@@ -1,6 +1,6 @@
-"""The daemon's caches of encoded replies are bounded and evict the least recently used entry. They used to keep their
-first keys for good: one reader asking list_profiles with limit=1..64 filled the 64 list slots, after which every
-other list request was read and encoded again on the one list worker (whose queue then answered `busy`). A list
+"""The daemon's caches of encoded replies are bounded and evict the least recently used entry, not keep their first
+keys for good: otherwise one reader asking list_profiles with limit=1..64 fills the 64 list slots, after which every
+other list request is read and encoded again on the one list worker (whose queue then answers `busy`). A list
 request's key is also the page it gets, not its spelling (limits past the page size or the profile count are one)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Two daemons starting at once on one socket path (different databases): checking the path and binding it is no
-atomic step, and libzmq unlinks an IPC path before binding, so the second used to remove the first's live socket.
-The socket's lock (taken before the check, held while serving) makes the one that comes second refuse (exit 1)."""
+atomic step, and libzmq unlinks an IPC path before binding, so without a lock the second would remove the first's
+live socket. The socket's lock (taken before the check, held while serving) makes the one that comes second refuse
+(exit 1)."""
 
 from __future__ import annotations
 
