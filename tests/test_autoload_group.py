@@ -216,8 +216,8 @@ def test_split_room_is_what_a_launch_indexes() -> None:
 
 
 def test_a_layer_built_with_options_looks_up_every_profile_under_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: the EP buffer's lookup had the layer's options, but the megakernel's (construction and per token
-    bucket) were made under the config's and variables' options, so one layer resolved under two sets of options."""
+    """The megakernel's lookups (construction and per token bucket) take the layer's options, as the EP buffer's
+    does, not the config's and variables': otherwise one layer resolves under two sets of options."""
     from moetune.runtime.options import RuntimeOptions
 
     use_fake_megakernel(monkeypatch)

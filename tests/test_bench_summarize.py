@@ -268,11 +268,10 @@ def _bench_module(name: str) -> Any:
 
 
 def test_search_efficiency_counts_never_and_gives_random_no_feasibility_oracle(monkeypatch) -> None:
-    """A grid where 1 point in 20 is feasible and one of those is the optimum. Before: random search drew from the
-    feasible points only (a free oracle TPE lacks: it saw every one within the budget, hit rate 100%) and counted
-    evaluations over the whole permutation, never 'never'; a search that never got within 3% had a null count, which
-    the scenario dropped. Now random draws `budget` points of the whole grid and 'never' is budget + 1 for every
-    search."""
+    """A grid where 1 point in 20 is feasible and one of those is the optimum. Random search draws `budget` points
+    of the whole grid, not of the feasible points only (a free oracle TPE lacks: it would see every one within the
+    budget, hit rate 100%), and counts evaluations within the budget; 'never' is budget + 1 for every search, not a
+    null count the scenario would drop."""
     import zlib
 
     from moetune.runtime.knobs import KnobError

@@ -132,9 +132,9 @@ def test_an_existing_out_is_replaced_only_with_replace(tmp_path: Path, no_fit) -
 
 
 def test_out_is_never_a_sqlite_database(tmp_path: Path, no_fit) -> None:
-    """Before: `--out moetune.db --replace` replaced moetune's profile database (any SQLite file) with a calibrated
-    preset TOML, exit 0, while `profiles export` and `bench summarize --out` refuse a SQLite target. Now a SQLite
-    --out is refused before the fit (exit 2, naming it), --replace or --force or not, and the file is left as it was."""
+    """A SQLite --out is refused before the fit (exit 2, naming it), --replace or --force or not, and the file is left
+    as it was, as `profiles export` and `bench summarize --out` refuse a SQLite target: otherwise `--out moetune.db
+    --replace` replaces moetune's profile database (any SQLite file) with a calibrated preset TOML, exit 0."""
     from moetune.tuner.store.store import Store
 
     data = _jsonl(tmp_path / "rows.jsonl", ROW)

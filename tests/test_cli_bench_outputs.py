@@ -520,8 +520,8 @@ TINY_MODEL = "custom:128,64,4,2"
 
 
 def test_bench_moe_reports_a_megakernel_error_as_a_failed_case(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: bench moe never read the megakernel's error record, so launches that timed out (and returned at once)
-    were a timing row. Now that case fails, is not run again at later S, and the command exits 1 naming it."""
+    """bench moe reads the megakernel's error record: a case whose launches timed out (and returned at once) fails
+    rather than make a timing row, is not run again at later S, and the command exits 1 naming it."""
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe as M
 
