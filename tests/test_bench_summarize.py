@@ -44,7 +44,7 @@ def _table_rows(md: list[str]) -> dict[str, list[str]]:
 def test_a_ratio_pairs_each_case_with_the_baseline_of_the_same_launches() -> None:
     """Launch 1 ran the baseline (100) and megakernel (50); launch 2 (`bench run --case torch`) the baseline at 200
     and torch (100). Each case is twice as fast as the baseline it ran beside: the ratio of a case must not take
-    the baseline from a launch the case was not in (before: 150 / 50 = 3.00x and 150 / 100 = 1.50x)."""
+    the baseline from a launch the case was not in (pooled, the baseline's 150 would give 3.00x and 1.50x)."""
     s = SCENARIOS["moe-megakernel-vs-unfused"]
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
             _row(s.name, "unfused", "L2", 200, date="2026-12-01T11:00:00Z"),
@@ -63,7 +63,7 @@ def test_a_case_never_run_beside_the_baseline_gets_no_ratio() -> None:
 def test_the_latest_batch_is_one_tree_state_and_one_kind_of_row() -> None:
     """Rows of a dirty tree at the same SHA are other code than the clean commit's, and imported rows are not this
     command's measurement: the latest batch takes only rows of the latest row's SHA, dirty flag, hardware and
-    source (before: a clean launch and a later dirty one were pooled under '(dirty tree)')."""
+    source (a clean launch and a later dirty one must not be pooled under '(dirty tree)')."""
     s = SCENARIOS["moe-megakernel-vs-unfused"]
     later = {"date": "2026-12-02T10:00:00Z", "git_dirty": True}
     rows = [_row(s.name, "unfused", "L1", 100), _row(s.name, "megakernel", "L1", 50),
@@ -104,7 +104,7 @@ def _one_commit_repo(path) -> None:
 
 def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
     """A scenario file or driver not yet added to git ran, but the stamped commit does not hold it: the row must say
-    dirty (before: `git status --untracked-files=no` called such a tree clean)."""
+    dirty (`git status --untracked-files=no` would call such a tree clean)."""
     _one_commit_repo(tmp_path)
     monkeypatch.setattr(stamp, "ROOT", tmp_path)
     monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
@@ -115,8 +115,8 @@ def test_an_untracked_file_makes_the_tree_dirty(tmp_path, monkeypatch) -> None:
 
 def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
     """The drivers' outputs give a p99 with its p50 and max, or a median with its max: those are their own metrics,
-    never the row's p10 / p90 (before: p99_us rows carried the p50 as p10 and the max as p90, and BENCHMARKS.md
-    showed them under 'p10' and 'p90')."""
+    never the row's p10 / p90 (a p99_us row must not carry its p50 as p10 and its max as p90, which BENCHMARKS.md
+    would show under 'p10' and 'p90')."""
     d = daemon_driver.daemon_metrics({"phases": [{"clients": 64, "mode": "paced", "p99_us": 545.0, "p50_us": 190.0,
                                                   "max_us": 2505.0, "requests": 1000, "req_per_s": 9990.0}],
                                       "autoload_daemon_up": {"call": {"median_ms": 3.0, "max_ms": 9.0, "runs": 5}}})
@@ -134,7 +134,7 @@ def test_p10_and_p90_columns_hold_only_p10_and_p90() -> None:
 
 def test_capture_discovery_is_a_median_of_single_calls(monkeypatch, capsys) -> None:
     """bench/fabric_discovery_cpu.py's capture times land in the discover_s rows as medians of 20 calls (the live
-    case's is one): one slow first call must not move them (before: total / 20, a mean, stored as the median)."""
+    case's is one): one slow first call must not move them, as it would a mean (total / 20) stored as the median."""
     import importlib.util
     import json
     import subprocess

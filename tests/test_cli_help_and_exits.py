@@ -272,7 +272,7 @@ def test_bench_moe_says_what_it_times_before_the_long_run(monkeypatch: pytest.Mo
 
 
 def test_bench_moe_shows_each_case_as_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After the one line above, `bench moe` was silent until every case had run (minutes): each (engine, S) case
+    """`bench moe` is not silent after its first line until every case has run (minutes): each (engine, S) case
     is named on stderr as it starts; stdout stays the one JSON report."""
     import json
 

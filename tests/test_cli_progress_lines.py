@@ -1,6 +1,7 @@
 """Progress where stderr is no terminal (CI logs, the systemd journal, `2>log`): Rich Live draws nothing there until
-it stops, so `moetune tune --backend local ... 2>log` wrote nothing for minutes and then one bar saying elapsed
-0:00:00. The shared helper (tuner/cli/_progress.py) prints plain lines there instead; a terminal keeps the bar."""
+it stops, so a bar would leave `moetune tune --backend local ... 2>log` writing nothing for minutes and then one bar
+saying elapsed 0:00:00. The shared helper (tuner/cli/_progress.py) prints plain lines there instead; a terminal
+keeps the bar."""
 
 from __future__ import annotations
 

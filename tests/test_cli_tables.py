@@ -1,6 +1,7 @@
-"""Tables at 80 columns (the width Rich takes in a pipe or a CI log): `moetune profiles list` printed `698…` for
-6987.4 µs, `curre…` for current and `bflo…` for bfloat16. A number or a status is never cut now: text wraps,
-low-value columns are left out (the caption names them), and only a table that cannot fit is printed wider."""
+"""Tables at 80 columns (the width Rich takes in a pipe or a CI log): a number or a status is never cut (Rich's
+default cut turns 6987.4 µs into `698…`, current into `curre…`, bfloat16 into `bflo…` in `moetune profiles list`):
+text wraps, low-value columns are left out (the caption names them), and only a table that cannot fit is printed
+wider."""
 
 from __future__ import annotations
 

@@ -286,7 +286,7 @@ def test_first_failure_prefers_a_real_error_to_an_interrupted_trial(tmp_path: Pa
 def test_tune_on_a_forced_model_says_so_loudly(tmp_path: Path, node_model: bool,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """A model the calibration checks refused (written with --force) may still be tuned on when the user points at
-    it, but `moetune tune` says, before and after, that it is a forced model (before: not a word; its profiles were
+    it, but `moetune tune` says, before and after, that it is a forced model (in silence its profiles would be
     stored as this node's like any calibrated model's), and the JSON rows carry its warning. Shipped presets and
     accepted calibrations print nothing of the kind."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
