@@ -166,8 +166,8 @@ def test_a_job_whose_fabric_changes_under_it_is_redone_for_the_new_one(tmp_path:
 
 def test_a_change_while_stopped_is_seen_after_many_events(tmp_path: Path) -> None:
     """The fabric a restarted daemon compares with is the last one recorded, however many events (a year of
-    re-tune jobs) came after it (before: only the newest 500 events were searched; past them the restart took
-    a new fabric for the first one, left the old profiles current and queued no re-tune)."""
+    re-tune jobs) came after it (a search of the newest 500 events only would, past them, take a new fabric for
+    the first one, leave the old profiles current and queue no re-tune)."""
     node = Node(tmp_path)
     node.start().stop()  # records the fabric it discovered
     store = F.open_store(tmp_path / "moetune.db")
@@ -187,8 +187,8 @@ def test_a_change_while_stopped_is_seen_after_many_events(tmp_path: Path) -> Non
 
 
 def test_an_incomplete_discovery_is_not_counted_ok(tmp_path: Path) -> None:
-    """moetune_discoveries{outcome} agrees with `status` (before: an nvidia-smi time-out, whose facts the daemon
-    kept out, was counted `ok` while status said the discovery failed)."""
+    """moetune_discoveries{outcome} agrees with `status`: an nvidia-smi time-out, whose facts the daemon keeps out,
+    is not counted `ok` while status says the discovery failed."""
     node = Node(tmp_path)
     d = node.start()
     try:
@@ -205,8 +205,8 @@ def test_an_incomplete_discovery_is_not_counted_ok(tmp_path: Path) -> None:
 
 
 def test_why_a_retune_cannot_run_survives_a_restart(tmp_path: Path) -> None:
-    """`status` still says why the stale profiles are not re-tuned after the daemon restarts (before: the
-    notice was only in memory; the restarted daemon showed stale profiles and no reason, and queued nothing)."""
+    """`status` still says why the stale profiles are not re-tuned after the daemon restarts: a notice kept only in
+    memory would leave the restarted daemon showing stale profiles and no reason, and queueing nothing."""
     from moetune.tuner.daemon.retune import RetuneImpossible
 
     def retune(ctx: Any) -> list[ProfileRecord]:
@@ -273,8 +273,8 @@ def test_a_resumed_job_and_a_startup_fabric_change_tune_each_key_once(tmp_path: 
 
 def test_a_job_stopped_after_some_profiles_resumes_only_the_keys_it_had_not_tuned(tmp_path: Path) -> None:
     """A job stopped (kill -9, or a stop) after it wrote some of its profiles but before its job_finished event is
-    resumed at the next start with only the keys it had not finished (before: every key was tuned again). The
-    profiles it wrote stay current; the one it had not reached is tuned once."""
+    resumed at the next start with only the keys it had not finished, not every key again. The profiles it wrote
+    stay current; the one it had not reached is tuned once."""
     from moetune.tuner.daemon.retune import tuning_key
 
     wrote = threading.Event()

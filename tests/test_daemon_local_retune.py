@@ -207,8 +207,9 @@ def test_a_job_cancelled_while_it_stores_ends_cancelled_and_counts_a_re_measurem
 
 
 def test_a_queued_job_cancelled_frees_its_slot_at_once_and_is_recorded_once(tmp_path: Path) -> None:
-    """A queued job's cancel only set its flag: it held its queue slot (and was listed as queued) until the worker
-    reached it, so `retune` was refused "the job queue is full" meanwhile."""
+    """A queued job's cancel frees its queue slot at once and records it once: a cancel that only set its flag would
+    hold the slot (and list the job as queued) until the worker reached it, and `retune` be refused "the job queue is
+    full" meanwhile."""
     import queue
 
     store = F.open_store(tmp_path / "m.db")

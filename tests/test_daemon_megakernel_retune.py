@@ -142,7 +142,7 @@ def test_a_stale_megakernel_key_is_re_measured_as_the_megakernel(tmp_path: Path,
 
 def test_a_megakernel_key_tuned_under_zipf_is_re_measured_under_zipf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      mk_lib: Path) -> None:
-    """Its profile's routing, as for an EP key (before: every re-tune measured uniform routing, and the key came back
+    """Its profile's routing, as for an EP key, not uniform routing for every re-tune (which would bring the key back
     as a uniform profile)."""
     measure = Measure()
     _inject(monkeypatch, measure)

@@ -102,9 +102,9 @@ def test_a_zipf_key_is_re_tuned_under_zipf_after_a_fabric_change(tmp_path: Path,
 @pytest.mark.parametrize("how", ["retune --all", "gpu swap"])
 def test_on_the_same_fingerprint_the_zipf_profile_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               how: str) -> None:
-    """`retune --all`: the current zipf profile is replaced by the faster zipf result (before: the uniform result
-    was history beside it, the key "kept" its old profile). A GPU swap (its rows stale, same fingerprint): the key
-    gets a zipf profile again (before: a uniform one)."""
+    """`retune --all`: the current zipf profile is replaced by the faster zipf result (a uniform result would be
+    history beside it, the key "keeping" its old profile). A GPU swap (its rows stale, same fingerprint): the key
+    gets a zipf profile again, not a uniform one."""
     calls = _fake_tune(monkeypatch)
     store = F.open_store(tmp_path / "m.db")
     facts = F.FakeFacts({"gpu_count": 8, "name": "node"})

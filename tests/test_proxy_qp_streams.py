@@ -96,7 +96,7 @@ def test_peer_hash_gives_each_peer_qps_streams_and_keeps_a_group_on_one(lib: cty
 @pytest.mark.parametrize("qps", [1, 2, 4])
 def test_round_robin_rotates_over_the_peers_own_streams(lib: ctypes.CDLL, qps: int) -> None:
     """round_robin (with proxy_drain, the fence that allows it with several QPs): a peer's PUTs and SIGNALs rotate
-    over its own qps streams; no peer shares another's (before: all peers rotated over the same qps streams)."""
+    over its own qps streams; no peer shares another's."""
     r = _host_batch(lib, qps, ROUND_ROBIN, DRAIN)
     assert r["nstreams"] == 3 * qps
     assert [len(r["copies"][p]) for p in range(3)] == [qps] * 3

@@ -526,9 +526,9 @@ def test_read_profiles_reports_a_store_error_as_is(tmp_path: Path) -> None:
 
 def test_retune_refuses_a_node_model_the_calibration_checks_refused(tmp_path: Path) -> None:
     """A node-<fp>.toml written by `moetune model calibrate --force` (its [calibration] warning says the checks refused
-    the fit) is never the basis of the automatic re-tune: RetuneImpossible naming the file and the way out (before:
-    used like an accepted model). An accepted one is used as before, and the file is read as it is now: a daemon
-    that read the accepted model sees it replaced by a forced one (and the reverse) without a restart."""
+    the fit) is never the basis of the automatic re-tune, unlike an accepted model: RetuneImpossible naming the file
+    and the way out. An accepted one is used, and the file is read as it is at each re-tune: a daemon that read the
+    accepted model sees it replaced by a forced one (and the reverse) without a restart."""
     from types import SimpleNamespace
 
     from moetune.tuner.daemon.retune import RetuneImpossible, _backend_for
