@@ -705,11 +705,11 @@ def test_served_ibgda_profile_falls_back(fake, tmp_path: Path, monkeypatch: pyte
 
 
 def _nodes_rank(rank: int, world: int, hosts: list[str]) -> int:
-    import socket as _socket
-
     from moetune.runtime.profiles import autoload as _autoload
 
-    _socket.gethostname = lambda: hosts[rank]  # type: ignore[assignment]
+    # the node's identity itself, not the host name: that is only its fallback where the kernel's boot id cannot be
+    # read, and every rank spawned here shares this machine's boot id
+    _autoload.host_identity = lambda: hosts[rank]  # type: ignore[assignment]
     return _autoload.group_nodes(None)
 
 
