@@ -142,12 +142,14 @@ def test_live_command_timeout_and_missing_tool() -> None:
 
 
 def test_live_prefetch_runs_in_parallel() -> None:
-    src = LiveSource(timeout_s=3.0)
-    cmds = [("sleep", "0.4"), ("sleep", "0.41"), ("sleep", "0.42"), ("sleep", "0.43")]
+    src = LiveSource(timeout_s=5.0)
+    # ~1 s each: one after another they take 4 s, together ~1 s; the bound of 2.5 s tells the two apart with room
+    # for a loaded CI box (2 pytest-xdist workers on 2 cores) of 1.5 s rather than 0.8 s
+    cmds = [("sleep", "1.0"), ("sleep", "1.01"), ("sleep", "1.02"), ("sleep", "1.03")]
     t0 = time.perf_counter()
     src.prefetch(cmds)
     assert all(src.run(c).ok for c in cmds)
-    assert time.perf_counter() - t0 < 1.2
+    assert time.perf_counter() - t0 < 2.5
     src.close()
 
 
