@@ -82,7 +82,7 @@ def test_a_faster_current_profile_is_measured_and_kept(tmp_path: Path) -> None:
     _store_x(b, "uniform")
     row = _tune_and_compare(b)
     cur = b.store.get_current(_key(b))
-    # before: the 210 µs winner replaced the 150 µs profile (compared with the default only, stored by force)
+    # the 210 µs winner must not replace the 150 µs profile (compared with the default only, stored by force)
     assert cur is not None and cur.knobs == X, row
     assert row["stored"] == "current profile" and "incumbent kept" in row["reason"], row
     assert row["current_us"] == 150.0
@@ -93,7 +93,7 @@ def test_a_profile_of_another_routing_is_not_replaced(tmp_path: Path) -> None:
     _store_x(b, "zipf:1.2")
     row = _tune_and_compare(b)
     cur = b.store.get_current(_key(b))
-    # before: replaced by a record without routing (UNSET), which skipped the store's routing guard
+    # not replaced by a record without routing (UNSET), which would skip the store's routing guard
     assert cur is not None and cur.knobs == X and cur.tuned_routing == "zipf:1.2", row
     assert not row["written"] and "routing zipf:1.2" in row["reason"], row
     history = [r for _, r in b.store.list_profiles(status="superseded")]
@@ -106,7 +106,7 @@ def test_a_tuned_setting_that_beats_both_replaces_and_says_its_routing(tmp_path:
     row = _tune_and_compare(b)
     cur = b.store.get_current(_key(b))
     assert cur is not None and cur.knobs not in (X, DEFAULT) and cur.latency_us == 100.0, row
-    assert cur.tuned_routing == "uniform"  # before: UNSET
+    assert cur.tuned_routing == "uniform"  # not UNSET
     assert row["stored"] == "tuned" and "beat the incumbent side by side" in row["reason"], row
 
 
@@ -115,7 +115,7 @@ def test_compare_keeps_each_runs_own_spread() -> None:
     wl = TuneWorkload(get_model("qwen3-30b"), 128)
     be = CallableBackend(lambda k, w: Measurement(100.0, 20.0, [100.0], True))
     (m,) = be.compare([Knobs()], wl, rounds=1)
-    assert m.spread_us == 20.0  # before: 0 (the pooled medians of one run)
+    assert m.spread_us == 20.0  # not 0 (the pooled medians of one run)
     (m,) = be.compare([Knobs()], wl, rounds=2)
     assert m.spread_us == 20.0  # two equal medians: still the runs' spread
 
@@ -126,7 +126,7 @@ def test_one_sample_each_keeps_the_default_and_says_why(tmp_path: Path) -> None:
     b = _bringup(tmp_path, timed(x_us=200.0, other_us=200.0, samples=1), compare_rounds=1)
     row = _tune_and_compare(b)
     cur = b.store.get_current(_key(b))
-    # before: 200 vs 300 µs, each one sample of spread 0, stored the tuned setting
+    # 200 vs 300 µs, each one sample of spread 0, must not store the tuned setting
     assert cur is not None and cur.knobs == DEFAULT, row
     assert row["stored"] == "policy default" and "sample(s)" in row["why_default"], row
     from moetune.tuner.search.backends import MIN_COMPARE_SAMPLES
@@ -141,7 +141,7 @@ def test_the_tune_stage_stores_nothing_and_an_interrupted_bringup_serves_nothing
     b = _bringup(tmp_path, timed(x_us=296.0, other_us=296.0))
     F.interrupt_before_compare(b, monkeypatch)
     assert b.state.result("tune")[0]["knobs"]  # the candidate waits in the state file
-    assert b.store.list_profiles() == []  # before: the unchecked winner was current (served)
+    assert b.store.list_profiles() == []  # the unchecked winner is not current (served)
     again = _bringup(tmp_path, timed(x_us=296.0, other_us=296.0))
     again.run()
     cur = again.store.get_current(_key(again))
@@ -207,7 +207,7 @@ def test_a_spent_time_budget_skips_the_recheck(tmp_path: Path) -> None:
     assert done.study.trials == 3 and not done.budget_ended
     be = _Counting()
     res = _tune_small(tmp_path, store, be, timeout_s=1e-9)  # the study resumes, done
-    assert be.runs == 0, "re-measured after the time budget was spent"  # before: 2 rounds x 2 repeats per setting
+    assert be.runs == 0, "re-measured after the time budget was spent"  # not 2 rounds x 2 repeats per setting
     assert res.budget_ended and not res.written
     assert res.reason == "time budget spent before the side-by-side check; rerun to finish"
 
@@ -264,7 +264,7 @@ def test_recheck_false_stores_nothing_where_no_knob_acts_either(tmp_path: Path) 
     rec, written, reason = _write_profile(store, key, be, res, _Facts(), default=DEFAULT,
                                           inert="the decode kernel: no knob acts", recheck=False)
     assert rec is not None and not written and "not stored yet" in reason
-    assert store.list_profiles() == []  # before: the default was stored unchecked by the tune stage
+    assert store.list_profiles() == []  # the tune stage stores no default unchecked
 
 
 def test_a_slower_search_best_is_not_called_a_gain_within_noise() -> None:

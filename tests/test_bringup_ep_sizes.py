@@ -80,7 +80,7 @@ def test_default_plan_tunes_every_gpu_of_the_node(tmp_path: Path, monkeypatch: p
     b = _bringup(tmp_path, monkeypatch)
     assert b.facts.gpu_count == 8
     b.run()
-    assert _ep_profiles(b.store) == {(8, 1, "measured")}  # was {(2, 1, "measured")}
+    assert _ep_profiles(b.store) == {(8, 1, "measured")}  # not {(2, 1, "measured")}
     assert set(b.worlds) == {8}
     rows = b.state.result("compare")
     assert {r["ep_size"] for r in rows if r["family"] != "megakernel"} == {8}
@@ -248,7 +248,7 @@ def test_the_compare_stage_holds_a_compressed_setting_to_the_policys_error_budge
         r["knobs"] = {**r["knobs"], "compression": "fp8_e4m3"}
     b.state.mark("tune", rows)
     compared = b.stage_compare()
-    assert compared and all(r["stored"] == "policy default" for r in compared), compared  # before: "tuned"
+    assert compared and all(r["stored"] == "policy default" for r in compared), compared  # not "tuned"
     assert all("over the budget" in r["why_default"] for r in compared), compared
     for _, rec in b.store.list_profiles(status="current"):
         assert rec.knobs.compression == "none", rec

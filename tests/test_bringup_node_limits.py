@@ -52,7 +52,7 @@ def test_a_one_gpu_node_says_why_no_exchange_runs(tmp_path: Path) -> None:
 def test_a_capture_without_a_file_its_manifest_records_is_refused_naming_it(tmp_path: Path) -> None:
     cap = tmp_path / "cap"
     shutil.copytree(CAPTURES / "h200x2", cap)
-    (cap / "proc" / "modules").unlink()  # was read as "nvidia_peermem not loaded": another fingerprint, no word
+    (cap / "proc" / "modules").unlink()  # not to be read as "nvidia_peermem not loaded": another fingerprint, no word
     r = _profile(tmp_path, cap)
     assert r.exit_code == 2, r.output
     said = " ".join(r.output.split())
@@ -92,7 +92,7 @@ def test_a_capture_without_its_package_versions_is_refused_or_warned_of(tmp_path
     shutil.copytree(CAPTURES / "h200x2", written)  # written by `moetune fabric capture`: it always has the file
     (written / "python" / "packages.json").unlink()
     with pytest.raises(CaptureError, match=r"packages\.json: missing"):
-        discover(written)  # was read as a node without torch, NCCL or moetune: another software hash, no word
+        discover(written)  # not to be read as a node without torch, NCCL or moetune: another software hash, no word
     hand = tmp_path / "hand"
     shutil.copytree(CAPTURES / "rtx4090x4", hand)
     (hand / "python" / "packages.json").unlink()

@@ -47,7 +47,7 @@ def test_a_parameter_fitted_out_of_the_rows_sight_keeps_the_preset_value(monkeyp
     assert lo < hi
     monkeypatch.setattr(C, "MIN_SENSITIVITY", (lo + hi) / 2)
     rep = C.calibrate(base, _rows(0.5), rounds=15)
-    assert rep.usable, rep.problems  # refused before: "... at its fitted value ...: so its value is arbitrary"
+    assert rep.usable, rep.problems  # not refused with "... at its fitted value ...: so its value is arbitrary"
     assert HOST not in rep.fitted and rep.params_after[HOST] == start
     assert HOST in rep.kept and rep.kept[HOST].startswith("fitted to ") and "preset's value kept" in rep.kept[HOST]
     assert rep.summary()["max_abs_rel_err"] <= 0.10

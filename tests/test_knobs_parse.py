@@ -15,7 +15,7 @@ def test_parse_refuses_what_is_not_text(text: object) -> None:
 
 
 def test_parse_refuses_a_base_that_is_not_knobs() -> None:
-    # {} used to be read as "no base" (falsy) and a non-empty mapping raised AttributeError
+    # {} must not be read as "no base" (falsy), nor a non-empty mapping raise AttributeError
     for base in ({}, {"transport": "nvlink"}, "transport=nvlink"):
         with pytest.raises(KnobError, match="base must be a Knobs"):
             Knobs.parse("num_sms=4", base=base)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ def test_default_group_size_sweep_picks_a_chunk_and_says_so(preset: str) -> None
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     chunk = doc["knobs"]["chunk_tokens"]
-    assert chunk > 0, doc["knobs"]  # was chunk_tokens 0: one PUT per peer, one point
+    assert chunk > 0, doc["knobs"]  # not chunk_tokens 0: one PUT per peer, one point
     # the chunk gives 8 PUTs per peer: the default points are their divisors
     for rows in doc["series"].values():
         assert [p["x"] for p in rows] == [1, 2, 4, 8] and all("error" not in p for p in rows), rows

@@ -59,7 +59,7 @@ def ro_dir(tmp_path: Path) -> Path:
 def test_db_upgrade_in_a_folder_that_cannot_be_written(tmp_path: Path, ro_dir: Path) -> None:
     r = moetune("db", "upgrade", "--db", str(ro_dir / "p.db"), home=tmp_path / "home")
     assert r.returncode == 1, r.stderr
-    assert f"cannot write {ro_dir}: permission denied" in _one_line(r), r.stderr  # was "unable to open database file"
+    assert f"cannot write {ro_dir}: permission denied" in _one_line(r), r.stderr  # not "unable to open database file"
     assert "unable to open" not in r.stderr
 
 
@@ -82,7 +82,7 @@ def test_tune_storage_file_whose_journal_cannot_be_made_exits_1(tmp_path: Path, 
     ro_dir.chmod(0o555)
     r = moetune(*TUNE, "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{users}", home=tmp_path / "home")
     assert r.returncode == 1, r.stderr
-    assert f"cannot write {ro_dir}: permission denied" in _one_line(r), r.stderr  # was an Optuna commit error
+    assert f"cannot write {ro_dir}: permission denied" in _one_line(r), r.stderr  # not an Optuna commit error
 
 
 def test_a_read_only_database_file_is_named(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_a_read_only_database_file_is_named(tmp_path: Path) -> None:
     db.chmod(0o444)
     r = moetune("profiles", "delete", "1", "-y", "--db", str(db), home=tmp_path / "home")
     assert r.returncode == 1, r.stderr
-    assert f"{db} is read-only for this user" in _one_line(r), r.stderr  # was "attempt to write a readonly database"
+    assert f"{db} is read-only for this user" in _one_line(r), r.stderr  # not "attempt to write a readonly database"
     r = moetune(*TUNE, "--db", str(db), home=tmp_path / "home")
     assert r.returncode == 1, r.stderr
     line = _one_line(r)

@@ -64,7 +64,7 @@ def test_slower_remeasurement_of_the_same_knobs_replaces_the_stored_number(store
 
 def test_faster_remeasurement_within_the_noise_replaces_too(store):
     store.put_profile(measured(100.0, spread=5.0))
-    ok, why = store.put_profile(measured(98.0, spread=5.0))  # 2 us < noise 5: the old code kept 100
+    ok, why = store.put_profile(measured(98.0, spread=5.0))  # 2 us < noise 5, yet 100 is not kept
     assert ok, why
     assert store.get_current(key()).latency_us == 98.0
 

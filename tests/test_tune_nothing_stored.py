@@ -60,7 +60,7 @@ def test_no_profile_before_and_none_stored_says_none_and_exits_1(tmp_path: Path)
     r = _tune(tmp_path)
     assert r.exit_code == 1, r.output
     row = next(line for line in r.stdout.splitlines() if line.lstrip().startswith("collective"))
-    assert row.split()[-1] == "none", row  # was "kept"
+    assert row.split()[-1] == "none", row  # not "kept"
     assert "nothing stored" in r.stderr and TIMED_OUT in r.stderr, r.stderr
     assert "Traceback" not in r.output
     with Store(tmp_path / "m.db") as store:

@@ -142,7 +142,7 @@ def test_an_enqueued_trial_is_taken_by_one_process_only(tmp_path: Path, monkeypa
         return st.set_trial_state_values(waiting, TrialState.RUNNING)
 
     got = _run_two(take, arrived)
-    assert sorted(got) == [False, True], got  # was [True, True]
+    assert sorted(got) == [False, True], got  # not [True, True]
 
 
 def test_two_first_runs_create_the_studies_file_one_after_the_other(tmp_path: Path,

@@ -46,7 +46,7 @@ def test_a_users_file_keeps_its_journal_mode(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, [*TUNE, "--trials", "3", "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{users}"],
                            env={"MOETUNE_HOME": str(tmp_path)})
     assert r.exit_code == 0, r.output
-    assert _journal(users) == "delete"  # was "wal"
+    assert _journal(users) == "delete"  # not "wal"
     assert not (tmp_path / "optuna.db-wal").exists() and not (tmp_path / "optuna.db-shm").exists()
     names = {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{users}")}
     assert "mine" in names and any(n.startswith("moetune/") for n in names)

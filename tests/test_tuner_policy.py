@@ -173,7 +173,7 @@ def test_an_override_of_no_known_family_is_refused(tmp_path: Path) -> None:
     provider.write_text('[policy]\nfamily = "proxy:libfabric/cxi"\n[compression]\nerror_budget = 0.02\n')
     assert load_policy("proxy:libfabric/cxi", provider).error_budget == 0.02
     assert load_policy("proxy:libfabric/efa", provider).error_budget == 0.05  # another provider: not applied
-    # a directory: a file named for no family is refused too (it was ignored)
+    # a directory: a file named for no family is refused too (not ignored)
     d = tmp_path / "dir"
     d.mkdir()
     (d / "proxy_libfabric_cxi.toml").write_text("[compression]\nerror_budget = 0.02\n")

@@ -59,7 +59,7 @@ def test_a_side_by_side_winner_replaces_a_stale_fast_number(tmp_path: Path) -> N
     store = _store_incumbent(tmp_path, 50.0)  # stored long ago; today those knobs run at 120 µs
     _rec, written, reason = _write_profile(store, KEY, SideBySide({NEW: 90.0, OLD: 120.0}),
                                            _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)), Facts())
-    assert written, reason  # before: "gain -40.000 us does not beat the noise" against the stored 50
+    assert written, reason  # not "gain -40.000 us does not beat the noise" against the stored 50
     cur = store.get_current(KEY)
     assert cur is not None and cur.knobs == NEW and cur.latency_us == 90.0
 
@@ -70,7 +70,7 @@ def test_an_incumbent_that_holds_gets_its_fresh_number(tmp_path: Path) -> None:
                                            _result(TuneWorkload(MODEL, 1024, gpus_per_node=2)), Facts())
     assert not written and "incumbent kept" in reason, reason
     cur = store.get_current(KEY)
-    assert cur is not None and cur.knobs == OLD and cur.latency_us == 100.0  # before: the stale 50.0 stayed
+    assert cur is not None and cur.knobs == OLD and cur.latency_us == 100.0  # not the stale 50.0
     assert any(e.kind == "remeasured" for e in store.list_events(kinds=("remeasured",)))
 
 

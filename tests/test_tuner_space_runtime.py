@@ -350,7 +350,7 @@ def test_every_megakernel_point_is_a_distinct_run() -> None:
     pol = load_policy("megakernel")
     space = SearchSpace(pol, experts=128, ep_size=1)
     points = list(space.enumerate())
-    assert len({_mk_behaviour(k) for k in points}) == len(points), len(points)  # before: 5760 points, 1464 runs
+    assert len({_mk_behaviour(k) for k in points}) == len(points), len(points)  # not 5760 points for 1464 runs
     d = pol.defaults
     assert not space.feasible(d.replace(mk_bm=16, mk_core="mma"))[0]
     assert not space.feasible(d.replace(mk_bm=64, mk_split_k=2))[0]
@@ -406,7 +406,7 @@ def test_host_staged_chunks_are_distinct_slots_at_the_token_count(tokens: int) -
         return (*_behaviour(k, 8), min(k.chunk_tokens or rows, rows))
 
     points = list(space.enumerate())
-    assert len({run(k) for k in points}) == len(points), (tokens, len(points))  # before: 1020 points at every count
+    assert len({run(k) for k in points}) == len(points), (tokens, len(points))  # not 1020 points at every count
     d = pol.defaults
     if tokens <= 128:  # every chunk_tokens value of the policy (>= 128) is one slot of all the tokens, as 0
         assert {k.chunk_tokens for k in points} == {0}

@@ -153,7 +153,7 @@ def sound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_db_downgrade_refuses_a_damaged_database(sound: Path) -> None:
     bad, before = _damaged_table(sound, "tuning_runs")
     r = CliRunner().invoke(app, ["db", "downgrade", "0005", "--yes", "--db", str(bad)])
-    _refused(r, bad, before)  # before: "at revision 0005", exit 0, the profiles table rebuilt in the damaged file
+    _refused(r, bad, before)  # not "at revision 0005", exit 0, the profiles table rebuilt in the damaged file
     assert ".recover" in r.output
     _still_checked(bad, before)
 
@@ -168,7 +168,7 @@ def test_db_upgrade_refuses_a_damaged_database(sound: Path, at: str) -> None:
             s.downgrade(at)
     bad, before = _damaged_table(src, "tuning_runs")
     r = CliRunner().invoke(app, ["db", "upgrade", "--db", str(bad)])
-    _refused(r, bad, before)  # before: "upgraded 0005 -> 0007" into the damaged file, exit 0
+    _refused(r, bad, before)  # not "upgraded 0005 -> 0007" into the damaged file, exit 0
     _still_checked(bad, before)
 
 
