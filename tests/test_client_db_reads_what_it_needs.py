@@ -27,7 +27,7 @@ from moetune.runtime.shapes import MODELS
 
 HERE = {"gpus": [], "software": {"driver": "none", "torch": "2.4.1", "moetune": "0.1.0"}}
 QWEN = MODELS["qwen3-30b"]
-# the single query the fallback ran before: every row, facts included, sorted
+# one query of every row, facts included, sorted: the reading the fallback must not need
 ALL_ROWS = ("SELECT hash, facts, last_seen FROM fingerprints WHERE hash NOT LIKE ? AND facts IS NOT NULL AND "
             "trim(facts) NOT IN ('', '{}', 'null') ORDER BY last_seen DESC, rowid DESC")
 
@@ -89,7 +89,7 @@ def test_only_the_facts_up_to_the_newest_match_are_read(tmp_path: Path, monkeypa
     _seed(db, [*older, ("here", HERE, "2025-01-01T00:00:00"), ("newer", _other(99), "2025-06-01T00:00:00")])
     ident, why = db_lookup.node_identity_from_db(db)
     assert ident is not None and ident.fingerprint == "here", why
-    assert facts_read == ["newer", "here"]  # not the 40 older ones (before: all 42)
+    assert facts_read == ["newer", "here"]  # not the 40 older ones (nor all 42)
 
 
 LAYOUTS: dict[str, list[tuple[str, Any, str]]] = {

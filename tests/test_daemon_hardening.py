@@ -219,7 +219,7 @@ def test_daemon_json_never_written_through_a_planted_link(tmp_path: Path) -> Non
     run.mkdir(mode=0o700)
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    (run / f".daemon.json.{os.getpid()}").symlink_to(victim)  # the temp name the daemon used to use
+    (run / f".daemon.json.{os.getpid()}").symlink_to(victim)  # a fixed temp name a daemon could have used
     d = _daemon(tmp_path).start(background=True)
     try:
         info = run / "daemon.json"

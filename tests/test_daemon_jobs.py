@@ -76,7 +76,7 @@ def test_clean_stop_resumes_the_running_and_the_queued_job(tmp_path: Path, monke
     d2 = node.start()
     c = ProfileClient(d2.endpoint, timeout_ms=2000)
     try:
-        # both jobs are resumed (before: the stop recorded them cancelled, nothing re-tuned, 3 profiles stale for good)
+        # both jobs are resumed (not recorded cancelled by the stop: nothing re-tuned, 3 profiles stale for good)
         def resumed() -> list:
             done = [j for j in c.status().jobs.recent if j.state == "done"]
             return len(done) == 2 and done
@@ -114,10 +114,10 @@ def test_a_cancelled_job_publishes_the_profiles_it_wrote(tmp_path: Path) -> None
         assert wrote.wait(15)
         c.retune(cancel=running.id)
         job = F.until(lambda: next((j for j in c.status().jobs.recent if j.id == running.id), None))
-        # status says what the job left behind (before: written=0 although one profile became current)
+        # status says what the job left behind (not written=0 although one profile became current)
         assert job.state == "cancelled" and job.written == 1 and "1 profile(s) written" in job.message
 
-        # a client tracking that key is told (before: no profile_updated, it never asked again)
+        # a client tracking that key is told (without profile_updated it would never ask again)
         def picked_up() -> bool:
             tracked.refresh(100)
             return tracked.current is not None and tracked.current.key.fingerprint == new.fingerprint
@@ -145,7 +145,7 @@ def test_a_job_whose_fabric_changes_under_it_is_redone_for_the_new_one(tmp_path:
         F.until(lambda: (j := c.status().jobs.running) is not None and j.fingerprint == second.fingerprint)
         third = node.become(port="down", gpu="replaced")
         F.until(lambda: c.status().fingerprint == third.fingerprint)
-        release.set()  # before: the first job now wrote 3 profiles for `second`, and nothing was queued for `third`
+        release.set()  # the first job must not now write 3 profiles for `second` and leave `third` unqueued
 
         def served() -> Any:
             try:
@@ -268,7 +268,7 @@ def test_a_resumed_job_and_a_startup_fabric_change_tune_each_key_once(tmp_path: 
         F.until(idle)
     finally:
         d.stop()
-    assert len(tuned) == 3 and len(set(tuned)) == 3, tuned  # before: 6, every key twice
+    assert len(tuned) == 3 and len(set(tuned)) == 3, tuned  # not 6, every key twice
 
 
 def test_a_job_stopped_after_some_profiles_resumes_only_the_keys_it_had_not_tuned(tmp_path: Path) -> None:
@@ -318,7 +318,7 @@ def test_a_job_stopped_after_some_profiles_resumes_only_the_keys_it_had_not_tune
         F.until(idle)
     finally:
         d.stop()
-    assert len(tuned) == 1 and tuned[0] not in first, (tuned, first)  # before: all 3 again
+    assert len(tuned) == 1 and tuned[0] not in first, (tuned, first)  # not all 3 again
     current = store.list_profiles(status="current", fingerprint=new.fingerprint)
     assert sorted(r.key.token_bucket for _, r in current) == [64, 1024, 4096]
     finished = [e for e in store.list_events(200) if e["kind"] == "job_finished"]
@@ -356,7 +356,7 @@ def test_a_job_stopped_after_all_its_profiles_is_not_resumed(tmp_path: Path) -> 
     d = node.start()
     try:
         with d.jobs._lock:
-            # resumed nothing (before: a job of the 3 keys); a resumed job is queued by start() itself
+            # resumed nothing (no job of the 3 keys); a resumed job is queued by start() itself
             assert d.jobs.running is None and not d.jobs._queued and not d.jobs._recent
     finally:
         d.stop()

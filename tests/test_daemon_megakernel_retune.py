@@ -175,7 +175,7 @@ def test_a_model_re_tune_leaves_a_megakernel_key_stale_and_says_why(tmp_path: Pa
     F.write_node_model(tmp_path, facts.fingerprint)
     stale = _stale_mk(store, facts)
     job, written = _run_job(store, facts, [stale], backend="model", node_model_dir=str(tmp_path))
-    assert calls == []  # nothing tuned in its place (before: the model's family at EP 1)
+    assert calls == []  # nothing tuned in its place (such as the model's family at EP 1)
     assert written == []
     assert job.state == "failed" and job.impossible, job.message
     assert "megakernel" in job.message and "fabric model" in job.message and "stay stale" in job.message

@@ -52,7 +52,7 @@ def test_a_client_using_another_name_for_the_daemons_host_subscribes_there(tmp_p
         c = ProfileClient(f"tcp://localhost:{port}", timeout_ms=2000, env={}, allow_insecure_tcp=True)
         try:
             assert c.hello().pub_endpoint == f"tcp://127.0.0.1:{port + 1}"  # reported as bound, for display
-            c.subscribe()  # refused before: "not on the request endpoint's host (localhost)"
+            c.subscribe()  # not refused as "not on the request endpoint's host (localhost)"
             assert c.sub_endpoint == f"tcp://localhost:{port + 1}"
             changes: list[wire.Change] = []
             _publish_until(d, lambda: changes.extend(c.poll_changes(100)) or changes)

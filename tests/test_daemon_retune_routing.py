@@ -90,7 +90,7 @@ def test_a_zipf_key_is_re_tuned_under_zipf_after_a_fabric_change(tmp_path: Path,
     assert store.put_profile(stale)[0]
     store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
     job = _run(store, new, [stale.key], old_fingerprint=old.fingerprint)
-    assert [c.get("routing") for c in calls] == [ZIPF]  # before: no routing, tune_profiles' uniform
+    assert [c.get("routing") for c in calls] == [ZIPF]  # not without routing (tune_profiles' uniform)
     assert job.state == "done" and job.written == 1, job.message
     (rec,) = _current(store, new.fingerprint)
     assert rec.tuned_routing == ZIPF

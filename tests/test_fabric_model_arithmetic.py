@@ -51,9 +51,9 @@ def test_transfers_refuse_a_queued_transport_the_preset_cannot_post(preset: str,
 
 @pytest.mark.parametrize("signalling", ["coupled", "decoupled"])
 def test_signalled_transfers_are_never_faster_than_put_only(signalling: str) -> None:
-    # put-only is the same PUTs without signals or fences; with peer_hash over 4 QPs it used to post
-    # every PUT of a peer on one QP while the signalled run spread them, so signalled came out faster
-    # (relative throughput 1.03)
+    # put-only is the same PUTs without signals or fences; with peer_hash over 4 QPs, posting every PUT of a
+    # peer on one QP while the signalled run spread them would make signalled come out faster (relative
+    # throughput 1.03)
     k = Knobs(transport="proxy", signalling=signalling, group_size=1 if signalling == "decoupled" else 0,
               fence_mode="nic_ordered", qp_mapping="peer_hash", qps_per_pe=4)
     for transfers in (24, 96, 192):

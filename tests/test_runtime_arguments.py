@@ -28,13 +28,13 @@ def _no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
     (dict(model="qwen3-30b"), TypeError, r"EPBuffer: model must be a ModelShape, got str; .*get_model\('qwen3-30b'\)"),
     (dict(knobs={"transport": "collective"}), TypeError, r"EPBuffer: knobs must be a Knobs or None, got dict"),
     (dict(max_tokens="8"), TypeError, r"EPBuffer: max_tokens must be an int >= 0, got str '8'"),
-    (dict(max_tokens=2.5), TypeError, r"max_tokens must be an int >= 0, got float 2.5"),  # was truncated to 2
-    (dict(max_tokens=True), TypeError, r"max_tokens must be an int >= 0, got bool"),  # was 1
+    (dict(max_tokens=2.5), TypeError, r"max_tokens must be an int >= 0, got float 2.5"),  # not truncated to 2
+    (dict(max_tokens=True), TypeError, r"max_tokens must be an int >= 0, got bool"),  # not taken as 1
     (dict(max_tokens=-1), ValueError, r"max_tokens must be >= 0, got -1"),
     (dict(dtype="bfloat16"), TypeError, r"EPBuffer: dtype must be a torch.dtype"),
     (dict(device=0.5), TypeError, r"EPBuffer: device must be a torch.device"),
-    (dict(dense="no"), TypeError, r"EPBuffer: dense must be a bool or None, got str 'no'"),  # was the dense layout
-    (dict(check_inputs="no"), TypeError, r"EPBuffer: check_inputs must be a bool, got str"),  # was checking
+    (dict(dense="no"), TypeError, r"EPBuffer: dense must be a bool or None, got str 'no'"),  # not the dense layout
+    (dict(check_inputs="no"), TypeError, r"EPBuffer: check_inputs must be a bool, got str"),  # not taken as true
     (dict(check_inputs=None), TypeError, r"check_inputs must be a bool"),
     (dict(group="world"), TypeError, r"EPBuffer: group must be a torch.distributed ProcessGroup or None"),
 ])

@@ -348,7 +348,7 @@ def test_one_sided_transports_refuse_other_knobs_before_allocating(fake_gpu: tup
     for other in ("collective", "host_staged", "nvlink", "proxy"):
         if other == cls.name:
             continue
-        # nvlink used to rewrite them into nvlink knobs, running a setting nobody asked for
+        # not rewritten into this transport's knobs, which would run a setting nobody asked for
         with pytest.raises(KnobError, match=f"needs transport={cls.name} knobs, got transport='{other}'") as e:
             cls(None, default_knobs(other), torch.device("cuda", 0), options=RuntimeOptions())
         assert e.value.knobs == ("transport",)
