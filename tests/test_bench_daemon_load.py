@@ -72,8 +72,8 @@ def _client(tmp: Path, *, seconds: float, rate: float, service_s: float, fail_ev
 
 def test_paced_phase_is_an_open_loop_timed_from_the_schedule(tmp_path: Path) -> None:
     """200 requests/s offered to a daemon that serves 100/s: requests queue, and their latency grows to ~0.3 s by
-    the end of a 0.6 s phase. Before, a socket still waiting skipped its send slot and latency was timed from the
-    actual send, so every request read ~10 ms (the service time alone): the queueing never showed in p99."""
+    the end of a 0.6 s phase. A socket still waiting must not skip its send slot, nor latency be timed from the
+    actual send: every request would read ~10 ms (the service time alone) and the queueing never show in p99."""
     r, replies = _client(tmp_path, seconds=0.6, rate=200.0, service_s=0.01)
     lat = sorted(r["lat"])
     assert lat[int(0.99 * len(lat))] > 0.15, lat[-5:]

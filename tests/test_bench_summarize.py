@@ -587,7 +587,7 @@ def test_launches_of_unknown_code_are_each_a_batch_of_their_own() -> None:
 
 def test_launches_of_a_dirty_tree_are_each_a_batch_of_their_own() -> None:
     """Two launches of a dirty tree at the same SHA (a run, an edit, another run: the flag says changes, not which) are
-    not one tree state either: before, they were pooled into one figure as if the same code had run twice."""
+    not one tree state either: pooled, they would make one figure as if the same code had run twice."""
     s = SCENARIOS["moe-megakernel-vs-unfused"]
     rows = [_row(s.name, c, launch, v, git_dirty=True, date=date)
             for launch, date, mk in (("L1", "2026-12-01T10:00:00Z", 50.0), ("L2", "2026-12-01T11:00:00Z", 80.0))

@@ -1,7 +1,7 @@
 """`moetune profile` tunes the EP group of the whole node by default (a plan may list EP sizes, each <= the GPUs).
 
-Before, Plan.world = 2 and the bring-up keyed its profiles ep_size = min(2, GPUs): on an 8-GPU node only EP 2 was
-tuned, and the first EP 8 job found no profile."""
+Profiles keyed ep_size = min(2, GPUs) (a fixed Plan.world = 2) would leave an 8-GPU node tuned at EP 2 only, and
+the first EP 8 job without a profile."""
 
 from __future__ import annotations
 
@@ -158,9 +158,9 @@ def test_profile_cli_refuses_an_ep_size_over_the_gpus(tmp_path: Path) -> None:
 
 
 def test_the_bring_up_searches_the_knobs_the_runtime_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """host_staged reads chunk_tokens (its staging message size): the bring-up's search may ask it. Before, the
-    bring-up's own policy override pinned chunk_tokens = 0 (and num_sms) for host_staged and collective, written
-    when both ran on the collective; the search space now pins what a runtime ignores by itself."""
+    """host_staged reads chunk_tokens (its staging message size): the bring-up's search may ask it. The search
+    space pins what a runtime ignores by itself; the bring-up adds no override of its own pinning chunk_tokens = 0
+    (and num_sms) for host_staged and collective, as if both ran on the collective."""
     from moetune.tuner.search import tune as T
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
@@ -195,8 +195,8 @@ def test_plan_backend_model_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_node_without_gpus_runs_at_most_one_gloo_rank_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A docs tester's find: ep_sizes = [2, 4, 8] on a 2-core node without GPUs was taken (8 gloo ranks on 2 cores:
-    minutes a trial), though the docs say a size is at most what the node can run."""
+    """ep_sizes = [2, 4, 8] on a 2-core node without GPUs is refused past what the node can run, as the docs say
+    (8 gloo ranks on 2 cores would take minutes a trial)."""
     import os
 
     from moetune.tuner.bringup.flow import Plan, plan_ep_sizes

@@ -1,8 +1,8 @@
 """The bring-up's microbenchmark stage runs the sizes and iterations the plan names.
 
-Before, any plan of trials <= 8 got the quick sweep and 5 iterations whatever its `iters`: bench/plans/h200x2.toml
-(trials 8, iters 20) silently ran the 4-size quick sweep at 5 iterations. Now `iters` and `microbench_sizes`
-(empty: the default sweep) govern; --quick's short sweep is its own plan's `microbench_sizes`."""
+`iters` and `microbench_sizes` (empty: the default sweep) govern, not the plan's trial count: bench/plans/h200x2.toml
+(trials 8, iters 20) must not silently run the 4-size quick sweep at 5 iterations. --quick's short sweep is its own
+plan's `microbench_sizes`."""
 
 from __future__ import annotations
 

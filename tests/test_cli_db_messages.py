@@ -134,9 +134,9 @@ def test_an_empty_file_is_said_to_be_empty(tmp_path: Path) -> None:
 
 
 def test_a_file_that_is_not_a_database_is_not_ok_exit_1(tmp_path: Path) -> None:
-    """A reviewer's find: `db check` of a file SQLite cannot read as a database ("file is not a database") exited 2,
-    while its help says exit 1 when anything is off (2 only for a newer moetune's database), as a damaged file
-    does. Other commands given it still refuse it with exit 2 (the wrong file)."""
+    """`db check` of a file SQLite cannot read as a database ("file is not a database") exits 1, as its help says
+    when anything is off (2 only for a newer moetune's database), as a damaged file does. Other commands given it
+    still refuse it with exit 2 (the wrong file)."""
     f = tmp_path / "x.db"
     f.write_text("garbage\n")
     r, text = run("db", "check", "--db", str(f))

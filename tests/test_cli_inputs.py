@@ -487,10 +487,10 @@ def test_report_out_must_be_a_folder_it_can_make(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_profile_refuses_a_report_dir_it_cannot_make_before_any_stage(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reviewer's find: `profile --report-dir /proc/x` passed the up-front check (as root every permission bit
-    passes, and /proc looks writable) and failed only after the whole bring-up, with "--report-dir [Errno 2] ...".
-    The check now makes the folder and a file in it (and removes them): the error names the option, the path and
-    the OS's words, before the database is opened or a stage runs."""
+    """`profile --report-dir /proc/x` passes a permission check (as root every permission bit passes, and /proc
+    looks writable), so the up-front check makes the folder and a file in it (and removes them): the error names the
+    option, the path and the OS's words before the database is opened or a stage runs, not after the whole bring-up
+    as "--report-dir [Errno 2] ..."."""
     from moetune.tuner.bringup import flow
 
     def run(_self: object) -> None:

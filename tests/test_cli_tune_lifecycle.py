@@ -107,8 +107,8 @@ def _storage_failed(*_a: object, **_k: object) -> None:
 def test_a_second_ctrl_c_in_optunas_clean_up_ends_the_tune_as_an_interrupt(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
                                                                           tell: Any, requeue: Any) -> None:
-    """A reviewer's find: Ctrl-C twice (~0.3 s apart) during `tune --backend model` printed a traceback and exited 1:
-    the second interrupt landed in Optuna's clean-up of the first, whose `finally` then raised "UnboundLocalError:
+    """Ctrl-C twice (~0.3 s apart) during `tune --backend model` ends as an interrupt, not in a traceback and exit 1:
+    the second interrupt may land in Optuna's clean-up of the first, whose `finally` then raises "UnboundLocalError:
     ... 'updated_state'". Here the trial is interrupted and so is the clean-up after it (an error of the study
     storage raised while the interrupt unwound is no storage failure: the interrupt ends the command)."""
     import optuna.study._optimize as optimize
@@ -388,8 +388,8 @@ def test_profile_plan_help_lists_every_key_the_plan_takes() -> None:
 
 def test_an_interrupted_profile_says_so_after_its_last_progress_lines(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A docs tester's find: after Ctrl-C, `moetune profile` printed a task's last progress line after its
-    "interrupted: ..." message (the bar was closed after the message)."""
+    """After Ctrl-C, `moetune profile` prints no progress line after its "interrupted: ..." message (the bar is
+    closed before the message)."""
     from moetune.tuner.bringup import flow
     from moetune.tuner.cli import profile as P
 
@@ -427,9 +427,9 @@ def _after_begin_line() -> int:
 
 def test_ctrl_c_inside_a_study_storage_transaction_ends_the_tune_as_an_interrupt(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tester's find (2 of ~37 Ctrl-Cs of `tune --backend model`): the interrupt landed inside SQLAlchemy's
-    bookkeeping of a study-storage transaction, after BEGIN IMMEDIATE; the connection kept SQLite's write lock, the
-    interrupted trial's FAIL then waited the busy timeout and failed "database is locked", and Optuna ended in
+    """An interrupt may land inside SQLAlchemy's bookkeeping of a study-storage transaction, after BEGIN IMMEDIATE
+    (2 of ~37 Ctrl-Cs of `tune --backend model`); left there, the connection keeps SQLite's write lock, the
+    interrupted trial's FAIL waits the busy timeout and fails "database is locked", and Optuna ends in
     "AssertionError: Should not reach." (no KeyboardInterrupt in the chain): a ~480-line traceback, exit 1, the
     trial left RUNNING. Here a real SIGINT arrives at that very line, inside the objective's storage write: the
     interrupt is held back until the storage call returns, the trial is failed as interrupted and saved, one line,

@@ -209,7 +209,7 @@ def test_a_stored_setting_that_ties_the_default_is_replaced_by_the_default(tmp_p
 
 def test_a_modelled_incumbent_kept_on_a_tie_is_stored_as_measured(tmp_path: Path) -> None:
     """A tie with a MODELLED incumbent keeps its knobs, and the side-by-side measurement of them replaces the
-    prediction (before, nothing was written: the prediction stayed current beside a fresh measurement)."""
+    prediction (writing nothing would leave the prediction current beside a fresh measurement)."""
     kept = Knobs(engine="megakernel", mk_bm=16, mk_stages=3)
 
     def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:

@@ -156,9 +156,9 @@ def test_sweep_out_without_suffix_prints_the_real_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name, real", [("thesis.pdf", "thesis.pdf"), ("plot", "plot.png"), ("link.svg", "link.svg")])
 def test_sweep_out_replaces_an_existing_file_only_with_force(tmp_path: Path, name: str, real: str) -> None:
-    """A reviewer's find: `model sweep --out thesis.pdf` replaced any existing file with the plot, without a word
-    (as `profiles export` and `model calibrate` do not). Refused up front, before the sweep, unless --force; the
-    real file (FILE.png for a FILE without suffix; a symlink, which the write would replace) is the one checked."""
+    """`model sweep --out thesis.pdf` must not replace an existing file with the plot without a word (as `profiles
+    export` and `model calibrate` do not): refused up front, before the sweep, unless --force; the real file
+    (FILE.png for a FILE without suffix; a symlink, which the write would replace) is the one checked."""
     out, path = tmp_path / name, tmp_path / real
     if name == "link.svg":
         path.symlink_to(tmp_path / "elsewhere.svg")  # dangling: still a file the write replaces

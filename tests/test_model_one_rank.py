@@ -1,9 +1,8 @@
 """EP size 1 with the fabric model: one rank exchanges nothing, so a modelled number for it is of no exchange at all.
 
-Before, `moetune tune --backend model --ep-size 1` stored a MODELLED EP-1 nvlink profile (~14 µs of nothing) and
-`moetune model predict -g 1` printed one, both without comment, while `tune --backend local` refuses EP size 1 for
-transport families. The model backend and `model predict`/`sweep` now apply the same check
-(`backends.one_rank_exchange`), with the same wording, exit 2."""
+`tune --backend local` refuses EP size 1 for transport families; the model backend and `model predict`/`sweep`
+apply the same check (`backends.one_rank_exchange`), with the same wording, exit 2, rather than store a MODELLED
+EP-1 nvlink profile (~14 µs of nothing) or print one without comment."""
 
 from __future__ import annotations
 

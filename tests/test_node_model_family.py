@@ -1,12 +1,10 @@
 """A node model describes a transport family the node runs, or is not made.
 
-Before, on a node without GPUs, `moetune model calibrate --this-node` from the pcie4 preset (the bring-up's base
-preset there) wrote family host_staged, which that node cannot run, and `moetune tune --node-model` refused the
-file ("transport family host_staged was not found on this fabric"); the bring-up relabelled its own node model
-to collective by a rule of its own, and calibrated from a base preset of no family the node runs (a model
-`tune --node-model` refuses). Now both ask `presets.node_model_family`: the family is the one the node runs,
-and where it runs none of the preset's, the bring-up says "node fabric model not calibrated: ..." (as for one
-GPU) and `model calibrate --this-node` refuses before the fit (exit 2)."""
+`moetune model calibrate --this-node` and the bring-up both ask `presets.node_model_family`: the family is the one
+the node runs, and where it runs none of the preset's, the bring-up says "node fabric model not calibrated: ..."
+(as for one GPU) and `model calibrate --this-node` refuses before the fit (exit 2). On a node without GPUs the
+pcie4 preset's family, host_staged, would give a file `moetune tune --node-model` refuses ("transport family
+host_staged was not found on this fabric"), as would a base preset of no family the node runs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""A profile database whose write lock another process holds (`BEGIN EXCLUSIVE` in another process). Before, `db
-upgrade`, `profiles delete`, `profiles import` and `tune` printed nothing for ~31 s, then `error: …/moetune.db:
-database is locked` (exit 2), and tune added "fix the database (or pass another --db)" though nothing was wrong with
-the file. Now a write that has waited NOTICE_AFTER_S says once on stderr that another process is writing the database
-and it is waiting; past the busy timeout a StoreBusy (exit_code 1) says another process held the database for that
-long: retry. The commands here run in a child process with the timeouts shortened (3 s, notice after 0.5 s)."""
+"""A profile database whose write lock another process holds (`BEGIN EXCLUSIVE` in another process). A write that has
+waited NOTICE_AFTER_S says once on stderr that another process is writing the database and it is waiting; past the
+busy timeout a StoreBusy (exit_code 1) says another process held the database for that long: retry. Not ~31 s of
+silence and then `error: …/moetune.db: database is locked` (exit 2), nor tune's "fix the database (or pass another
+--db)" when nothing is wrong with the file. The commands here run in a child process with the timeouts shortened
+(3 s, notice after 0.5 s)."""
 
 from __future__ import annotations
 

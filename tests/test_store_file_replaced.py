@@ -1,9 +1,9 @@
 """A writing store (the daemon's stays open for weeks) whose database file is deleted, moved away or replaced by
 another file (a backup restored over it) while it is open: every write from then on is refused (StoreReplaced, a
 StoreDamaged: one clear line naming the file and "restart"), and the daemon says it in `status` and fails its re-tune
-job with it, serving on. Before, SQLite went on writing the file it had open: after a delete every write (a re-tune's
-profiles, its job events) "succeeded" into a file no longer at the path and was lost when the daemon exited, and a
-replacement got the old file's pages added to the -wal left at the path."""
+job with it, serving on. SQLite would go on writing the file it has open: after a delete every write (a re-tune's
+profiles, its job events) would "succeed" into a file no longer at the path and be lost when the daemon exits, and a
+replacement would get the old file's pages added to the -wal left at the path."""
 
 from __future__ import annotations
 

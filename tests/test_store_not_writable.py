@@ -1,8 +1,8 @@
-"""A database (or studies file) this user may not write, or a folder where one cannot be made. Before, SQLite's own
-words came out with exit 2: `db upgrade --db /ro-dir/p.db` and `tune --storage sqlite:////ro-dir/new.db` said
-"unable to open database file", `profiles delete 1 -y` and `serve` on a 0444 file "attempt to write a readonly
-database". Now the file or folder is named ("cannot write /ro-dir: permission denied" / "<file> is read-only for this
-user"): StoreNotWritable / StorageNotWritable, exit_code 1 (tune exits 1 on them).
+"""A database (or studies file) this user may not write, or a folder where one cannot be made: the file or folder is
+named ("cannot write /ro-dir: permission denied" / "<file> is read-only for this user"): StoreNotWritable /
+StorageNotWritable, exit_code 1 (tune exits 1 on them), not SQLite's own words with exit 2 ("unable to open database
+file" from `db upgrade --db /ro-dir/p.db` and `tune --storage sqlite:////ro-dir/new.db`, "attempt to write a
+readonly database" from `profiles delete 1 -y` and `serve` on a 0444 file).
 
 As in tests/test_store_readonly.py, root's permission override is dropped with setpriv and the folder is given to
 nobody (65534)."""

@@ -113,9 +113,9 @@ def test_other_knobs_replace_after_a_side_by_side_or_by_beating_the_noise(store)
 
 # -- metric -----------------------------------------------------------------------------------------------------
 def test_numbers_of_two_metrics_are_never_compared(store):
-    """The reviewer's case: `moetune tune` stored a whole layer (900 us, `local:gloo`); a bring-up's round trip
-    (500 us, `local:gloo:comm`) of other knobs replaced it on 'gain 400 us beats the noise' -- the difference of
-    two figures, not a gain."""
+    """`moetune tune` stored a whole layer (900 us, `local:gloo`); a bring-up's round trip (500 us,
+    `local:gloo:comm`) of other knobs must not replace it on 'gain 400 us beats the noise' -- the difference of two
+    figures, not a gain."""
     assert store.put_profile(msgspec.structs.replace(measured(900.0), backend="local:gloo"))[0]
     comm = msgspec.structs.replace(measured(500.0, knobs=sms(8)), backend="local:gloo:comm")
     ok, why = store.put_profile(comm)
@@ -156,8 +156,8 @@ def test_routing_is_recorded_in_canonical_form_and_read_back(store):
 
 
 def test_a_profile_tuned_under_another_routing_never_replaces_by_latency(store):
-    """The reviewer's second case: uniform best 643.45 stored; a zipf:1.2 tune (inherently slower) was refused with
-    'gain -587.746 us does not beat the noise' -- a comparison of two different workloads."""
+    """Uniform best 643.45 stored; a zipf:1.2 tune (inherently slower) must not be refused with 'gain -587.746 us
+    does not beat the noise' -- a comparison of two different workloads."""
     assert store.put_profile(measured(643.45, routing="uniform"))[0]
     ok, why = store.put_profile(measured(1231.2, knobs=sms(8), routing="zipf:1.2"))
     assert not ok and "routing" in why and "not compared" in why and "noise" not in why

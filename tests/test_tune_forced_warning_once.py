@@ -1,10 +1,8 @@
 """`moetune tune` on a forced fit (`model calibrate --force`) prints the fit's warning once.
 
-Before, the FORCED MODEL banner before the tune, the model backend's log line and the banner after the results
-each printed the whole warning (its reasons): the same text three times (twice when the tune was refused after
-the first banner). Now the banner before the tune gives it, the one after the results is a short reminder, and
-the backend the CLI builds does not log it as well; the library (a caller that prints nothing itself) still logs
-it once."""
+The banner before the tune gives it, the one after the results is a short reminder, and the backend the CLI builds
+does not log it as well (not the same text three times, or twice when the tune is refused after the first banner);
+the library (a caller that prints nothing itself) still logs it once."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""A local tune whose winner fails when measured again stores nothing. Before, `moetune tune` said "kept" in its
-stored column though no profile had been stored for the key before, and exited 0 with an empty profile database
-(QA: "the winner failed when measured again: timed out after 120 s"). Now the column says "none" where the key has
-no profile (still "kept" where an earlier one stands), and a tune that left no key with a profile exits 1 with
-"nothing stored" and the reasons."""
+"""A local tune whose winner fails when measured again ("the winner failed when measured again: timed out after
+120 s") stores nothing. Its stored column says "none" where the key has no profile (not "kept"; "kept" where an
+earlier one stands), and a tune that left no key with a profile exits 1 with "nothing stored" and the reasons, not 0
+with an empty profile database."""
 
 from __future__ import annotations
 

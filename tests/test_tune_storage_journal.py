@@ -1,6 +1,6 @@
 """A SQLite studies file keeps its journal mode unless moetune creates it (or it is moetune's own default studies
-file). Before, `tune --storage sqlite:///D/optuna.db` on a user's Optuna file (journal_mode delete) switched it to
-WAL for good and left -wal/-shm beside it: a lasting change to a file moetune did not create (WAL also breaks on
+file): `tune --storage sqlite:///D/optuna.db` on a user's Optuna file (journal_mode delete) must not switch it to
+WAL for good and leave -wal/-shm beside it, a lasting change to a file moetune did not create (WAL also breaks on
 network filesystems). Tunes sharing such a file in rollback-journal mode still work (BEGIN IMMEDIATE either way)."""
 
 from __future__ import annotations

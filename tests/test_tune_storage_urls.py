@@ -1,7 +1,6 @@
-"""SQLite --storage URLs that tune cannot keep, or that were misread. Before, `tune --storage sqlite:///:memory:` and
-`--storage sqlite://` exited 0 and the studies vanished at exit; `tune show --storage 'sqlite:///D/optuna.db?mode=rw'`
-said "no studies yet (/D/optuna.db?mode=rw does not exist)" (the query read as part of the file name). Now an
-in-memory storage is refused (exit 2, before anything is made) and a query string is refused by name."""
+"""SQLite --storage URLs that tune cannot keep, or could misread: an in-memory storage (`sqlite:///:memory:`,
+`sqlite://`, whose studies would vanish at exit) is refused (exit 2, before anything is made), and a query string
+(`sqlite:///D/optuna.db?mode=rw`, not to be read as part of the file name) is refused by name."""
 
 from __future__ import annotations
 

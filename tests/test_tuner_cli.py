@@ -135,9 +135,9 @@ def test_show_lists_studies_written_by_tune_profiles(tmp_path: Path) -> None:
 
 
 def test_show_reads_no_speed_up_from_search_trials(tmp_path: Path) -> None:
-    """The reviewer's case: every setting is the same run (100 µs ± 15 of noise); `tune show` printed the default
-    trial over the best of 20 trials as a "speed-up 1.26×", measured side by side nowhere. It shows the trials as
-    what they are and the profile stored for the key instead."""
+    """Every setting is the same run (100 µs ± 15 of noise): `tune show` must not print the default trial over the
+    best of 20 trials as a "speed-up 1.26×", measured side by side nowhere. It shows the trials as what they are and
+    the profile stored for the key instead."""
     import random
 
     from moetune.tuner.store.store import Store

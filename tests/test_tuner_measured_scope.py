@@ -1,7 +1,7 @@
 """A local (measuring) tune stores only the EP group it measured: `world` ranks on this one node.
 
-Before, `moetune tune --backend local --world 2 --ep-size 8 --nodes 2` stored a MEASURED `local:gloo` profile for
-EP 8 over 2 nodes (the backend always launches --world ranks on this host), and the library did the same."""
+`moetune tune --backend local --world 2 --ep-size 8 --nodes 2` (and the library) must not store a MEASURED
+`local:gloo` profile for EP 8 over 2 nodes: the backend always launches --world ranks on this host."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_library_stores_the_measured_group(tmp_path: Path) -> None:
 
 def test_library_refuses_gloo_on_a_gpu_node(tmp_path: Path) -> None:
     """gloo runs CPU processes: on a GPU node its number would be stored as the node's measured profile and served to
-    its NCCL/GPU jobs as tuned (the reviewer's h200x2 case). Refused before any studies file or profile is made."""
+    its NCCL/GPU jobs as tuned (an h200x2 node, say). Refused before any studies file or profile is made."""
     from moetune.tuner.search.tune import tune_profiles_detailed
 
     store = _store(tmp_path / "p.db")

@@ -1,7 +1,7 @@
 """A damaged database file (a page of profile rows overwritten, which opening it does not read): `moetune tune`,
 `moetune profile` and `moetune serve` refuse it when they open it, before anything is measured or served (one clear
-line naming the file and `moetune db check`, exit 2, not a byte written), as `profiles import` does. Before, tune and
-profile measured and then wrote their rows into it, and the daemon served from it. A daemon's re-tune job on a file
+line naming the file and `moetune db check`, exit 2, not a byte written), as `profiles import` does, rather than
+measure and then write their rows into it, or serve from it. A daemon's re-tune job on a file
 damaged after the daemon started ends failed with that reason, nothing measured or written, and the worker lives.
 `moetune db upgrade` and `db downgrade` refuse it too, before a migration step writes (a damaged page the migration
 does not read let it migrate the file, exit 0), while `moetune db check` still reports it; `profiles delete` and
@@ -197,8 +197,8 @@ def _files(path: Path) -> dict[str, bytes]:
 def test_once_a_scan_finds_the_file_damaged_no_write_of_the_store_is_made(tmp_path: Path) -> None:
     """A failed scan latches: the later writes of the same open store (the watch's add_event, upsert_fingerprint and
     mark_stale, the next job's job_queued, a migration) raise StoreDamaged with the scan's message, without a scan;
-    reads of what is still readable go on. Before, only the failed job's own writes were skipped: everything else
-    went on writing into the damaged file."""
+    reads of what is still readable go on. Skipping only the failed job's own writes would let everything else go
+    on writing into the damaged file."""
     good, _other = databases(tmp_path)
     store = Store(good, intact=True)
     try:

@@ -1,8 +1,8 @@
 """A run whose output was wrong gives no timing: the EP round trip (the tuner's trials and the `ep` scenario driver),
 `bench moe` / `bench knobs` (and their scenario drivers) and the proxy micro-benchmark's scenario driver.
 
-Before, each computed or recorded the error and nothing compared it with its bound: a transport that moved stale rows,
-or nothing, was timed, stored and could win a tuning run."""
+Each compares the error it computes or records with its bound: otherwise a transport that moved stale rows, or
+nothing, is timed, stored and could win a tuning run."""
 
 from __future__ import annotations
 
