@@ -68,8 +68,8 @@ def test_expected_tokens_picks_the_construction_bucket(monkeypatch: pytest.Monke
 # -- one profile per group ------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_a_slow_rank_gets_rank0s_profile_instead_of_crashing() -> None:
-    """Rank 1's lookup times out (policy default) while rank 0's finds the tuned profile: before, the ranks'
-    knobs differed and EPBuffer._agree raised on every rank; now rank 1 does not look up and runs rank 0's."""
+    """Rank 1's lookup times out (policy default) while rank 0's finds the tuned profile: rank 1 does not look up
+    and runs rank 0's, as ranks with different knobs would make EPBuffer._agree raise on every rank."""
     res = launch(cases.case_group_profile, 2, args=({0: (cases.TUNED_A, "A"), 1: "slow"}, None), timeout_s=20,
                  join_timeout_s=55)
     for r in res:

@@ -1,7 +1,7 @@
 """At lookup (runtime/profiles/client.py, autoload): a tuned profile's recorded performance environment (NCCL_*,
 NVSHMEM_*, FI_*, ...) is compared with the job's. Where they differ the profile is still served, the resolution
 says so and one warning names the variables; `client.env_mismatch = "refuse"` falls back instead; a daemon's reply
-can never make the job set a recorded variable. Before, the job was served such a profile as if it applied."""
+can never make the job set a recorded variable. Such a profile must not be served as if it applied."""
 
 from __future__ import annotations
 

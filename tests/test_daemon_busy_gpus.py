@@ -1,6 +1,5 @@
 """A measuring (local) re-tune waits while other processes run on the node's GPUs: its benchmarks would disturb a
-production job and measure that job's noise. Before, the daemon's job ran the benchmarks at once, whatever ran on
-the GPUs. The probe is faked here (no GPU, no nvidia-smi needed)."""
+production job and measure that job's noise. The probe is faked here (no GPU, no nvidia-smi needed)."""
 
 from __future__ import annotations
 

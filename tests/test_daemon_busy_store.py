@@ -53,8 +53,8 @@ def _lock(db: Path, seconds: float) -> threading.Thread:
 
 
 def test_list_requests_do_not_wait_behind_a_retune_waiting_on_the_store(tmp_path: Path) -> None:
-    """The reviewer's r6: the retune is answered once the lock is gone (its job committed); a list_profiles sent
-    while it waits is answered at once."""
+    """The retune is answered once the lock is gone (its job committed); a list_profiles sent while it waits is
+    answered at once, not queued behind it."""
     hold = threading.Event()
     d = _daemon(tmp_path, lambda ctx: hold.wait(30) and [])
     try:
@@ -110,8 +110,8 @@ def test_moetune_retune_waits_longer_than_the_store_and_says_a_timed_out_job_may
 
 
 def test_stop_while_retunes_wait_on_the_store_is_prompt_and_clean(tmp_path: Path) -> None:
-    """The reviewer's r7: ten retunes queued behind a locked database; stop() returns promptly, and the worker
-    that waited on the store ends without a traceback once the lock goes."""
+    """Ten retunes queued behind a locked database: stop() returns promptly, and the worker that waited on the
+    store ends without a traceback once the lock goes."""
     died: list[Any] = []
     old_hook = threading.excepthook
     threading.excepthook = lambda a: died.append(a)

@@ -172,7 +172,7 @@ def test_a_start_up_failing_late_keeps_the_previous_daemon_json(tmp_path: Path, 
 
 
 def test_daemon_process_keeps_the_users_file(tmp_path: Path) -> None:
-    """The QA report's case end to end: a daemon process serving beside the user's daemon.json, then SIGTERM."""
+    """End to end: a daemon process serving beside the user's daemon.json, then SIGTERM, leaves the file as it was."""
     run = _run(tmp_path)
     (run / "daemon.json").write_text(USER_FILE)
     with F.seeded_daemon(tmp_path, interval=0) as (d, _facts):

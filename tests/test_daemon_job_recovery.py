@@ -218,8 +218,9 @@ def test_a_cancelled_queued_job_leaves_the_workers_queue_at_once() -> None:
 
 def test_a_restarted_daemon_closes_the_study_runs_of_the_job_killed_with_it(tmp_path: Path) -> None:
     """A daemon killed mid-job left the `running` rows of the studies its job ran (`tune_profiles`' own, named after
-    the study, not moetune-daemon-job-N): the next daemon's recovery marks them `interrupted`. Before, only `moetune
-    tune`/`profile` closed them, and neither runs beside a daemon: `running` for as long as it served."""
+    the study, not moetune-daemon-job-N): the next daemon's recovery marks them `interrupted`. `moetune
+    tune`/`profile` also close them, but neither runs beside a daemon: left to them, they stay `running` for as long
+    as it serves."""
     from test_tuning_run_owner import _killed_run, _status
 
     db = tmp_path / "m.db"

@@ -1,7 +1,7 @@
 """The daemon's local (measuring) re-tune: each stale key is measured with world = its EP size on this node, and
 keys this node cannot measure (several nodes, more GPUs than it has) are refused and left stale, never
-"re-measured" by another group and overwritten. Before, every group ran with world = min(GPUs, 8): an EP 16,
-2-node key was re-tuned by 8 ranks on one node and stored as measured."""
+"re-measured" by another group and overwritten (world = min(GPUs, 8) for every group would re-tune an EP 16, 2-node
+key with 8 ranks on one node and store it as measured)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The daemon's re-tune of a megakernel key (family `megakernel`, EP 1 on one node: the whole MoE layer in one kernel
-on one GPU, which `moetune profile` tunes on Hopper nodes). Before, the re-tune grouped keys by (EP size, nodes) only
-and called tune_profiles without families: a stale megakernel key was "re-tuned" by tuning every transport family of
-the node at EP 1 (and with the model backend, the calibrated model's family at EP 1), never the megakernel. Now it is
-measured as the megakernel family with the bring-up's megakernel backend, or refused (model backend, no Hopper GPU,
-no library) and left stale with the reason in the job. No GPU here: the megakernel's timing is injected."""
+on one GPU, which `moetune profile` tunes on Hopper nodes). It is measured as the megakernel family with the
+bring-up's megakernel backend, or refused (model backend, no Hopper GPU, no library) and left stale with the reason
+in the job. Grouping keys by (EP size, nodes) only and calling tune_profiles without families would "re-tune" it by
+tuning every transport family of the node at EP 1 (and with the model backend, the calibrated model's family at EP
+1), never the megakernel. No GPU here: the megakernel's timing is injected."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A peer that sends many list_profiles and never reads the replies: the daemon queues at most a bounded number of
 replies for it (the ROUTER's send HWM, sized from the largest reply) and drops the rest, its memory stays bounded,
-and other peers are answered meanwhile. Before, 10000 replies of up to ~1 MB each could be queued per peer."""
+and other peers are answered meanwhile (unbounded, 10000 replies of up to ~1 MB each could be queued per peer)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The daemon's re-tune tunes each key under the routing its profile was tuned under (`Store.routing_of`). Before, it
-never passed a routing, so every key was re-tuned under tune_profiles' default, uniform: after a fabric change a key
-`moetune tune --routing zipf:S` had tuned came back as a uniform profile, and beside a current zipf profile (`retune
---all`, same fingerprint) the uniform result was one the store never compares with it, so the key kept its old
-profile and the job counted it "kept". A row that records no routing (from before migration 0005) is uniform."""
+"""The daemon's re-tune tunes each key under the routing its profile was tuned under (`Store.routing_of`). Without a
+routing every key would be re-tuned under tune_profiles' default, uniform: after a fabric change a key `moetune tune
+--routing zipf:S` had tuned would come back as a uniform profile, and beside a current zipf profile (`retune --all`,
+same fingerprint) the uniform result is one the store never compares with it, so the key would keep its old profile
+and the job count it "kept". A row that records no routing (from before migration 0005) is uniform."""
 
 from __future__ import annotations
 

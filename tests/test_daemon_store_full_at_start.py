@@ -1,9 +1,9 @@
 """A daemon started on a database it cannot write (a full disk: StoreFull; the lock held past the busy timeout) starts
 and serves what the database holds: the last daemon's jobs it cannot close stay open in the store (the next start
 closes or resumes them), the start's discovery is not adopted and status says why (last_discovery_ok false, the
-store's words), and a later discovery round records it once the store takes writes again. Before, the first write of
-the start (a recovered job's job_finished, the fingerprint's upsert) raised out of `start`: `moetune serve` exited 1
-and its service restarted it every few seconds, to fail the same way, serving nothing."""
+store's words), and a later discovery round records it once the store takes writes again. The first write of the
+start (a recovered job's job_finished, the fingerprint's upsert) must not raise out of `start`: `moetune serve` would
+exit 1 and its service restart it every few seconds, to fail the same way, serving nothing."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ S) to every rank whatever the routing, in the same wire row as the packed layout
 one activation-dtype row per received row, i.e. S rows to every rank, summed inside the collective (no index_add
 after it). host_staged's copy-engine reduce-scatter (runtime/transports/host_staged.py `reduce_scatter_async`)
 receives the `world - 1` blocks and sums the `world` blocks afterwards. The packed layout instead sends a token
-only to the ranks that need it, S x P(token needs r) rows. Before, the model costed the dense payload as the
-packed one (and gave the dense combine the packed layout's index_add)."""
+only to the ranks that need it, S x P(token needs r) rows: the model must not cost the dense payload as the
+packed one (nor give the dense combine the packed layout's index_add)."""
 
 from __future__ import annotations
 

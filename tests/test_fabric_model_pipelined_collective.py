@@ -6,8 +6,8 @@ payload call (packed: an all_to_all_single, an empty chunk too; dense: an all-ga
 chunks skipped), chunk c on communicator c mod channels (at most MAX_COMM_CHANNELS). One communicator runs its
 calls in order; calls on different communicators overlap but share the links: bounded by the links' capacity (an
 assumption, MODELLED) on the staged path, by one call's rate on direct NVLink (as measured there, 0.94x for depth 2
-/ channels 2). Before, the model costed one call whatever pipeline_depth and channels (and did not read either knob),
-then bounded parallel calls by one call's rate on every path.
+/ channels 2). The model reads both knobs, rather than cost one call whatever pipeline_depth and channels, and
+bounds parallel calls by one call's rate on direct NVLink only, not on every path.
 
 nvlink-h200x2 constants: collective.alpha_us 34.5655, sync_us 1.53995, per_peer_us 5.0, intra_gbps 285.194.
 pcie4-consumer-4090x4 (staged, no NVLink): collective.host_alpha_us 40, per_peer_us 3, pcie.d2h_gbps 24,
@@ -97,8 +97,9 @@ def _staged_link_floor(nbytes: float) -> float:
 
 def test_staged_parallel_calls_are_bounded_by_the_links_not_one_call() -> None:
     """EP 4 (dense: every slot to each of the 3 peers, 4096 x 4192 B each way), depth 4 over 4 communicators: the
-    four calls' copy overheads overlap and the payload takes the links' time (host memory binds here). Before, it
-    could not beat one call moving every byte (depth 1), so channels never ranked above depth 1 on this path."""
+    four calls' copy overheads overlap and the payload takes the links' time (host memory binds here). Bounded by
+    one call's rate it could not beat one call moving every byte (depth 1), and channels would never rank above
+    depth 1 on this path."""
     w = Workload(QWEN, 4096, 1, 4)
     nbytes = 3 * 4096 * 4192
     four = predict(PCIE, w, Knobs(transport="collective", pipeline_depth=4, channels=4), phase="dispatch")

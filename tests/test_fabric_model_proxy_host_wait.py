@@ -9,8 +9,8 @@ then launches the reduce. So per dispatch two exposed launches (pack, exchange) 
 launches (exchange, reduce) and one host wait.
 
 A host wait is a host thread noticing a word the GPU wrote into pinned memory: the mechanism the preset's
-`proxy.poll_us` prices for the proxy thread's FIFO. Before, the model charged the counts kernel a launch of its own
-and no host wait at all."""
+`proxy.poll_us` prices for the proxy thread's FIFO. The model charges these waits, and no launch of its own for the
+counts kernel."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
   wording, with the nodes x GPUs it came from.
 * MAX_COMM_CHANNELS and the equal pipeline chunks live in runtime/buffer/layout_choice.py (torch-free); the EP
   buffer (facade.py, _packed.py `_plan_packed`, _dense.py `_dense_bounds`) and the model (phases/layouts.py payload_calls) call
-  them. Before, predict.py and facade.py each had the constant, and predict.py wrote the chunk rule out again."""
+  them: neither predict.py nor facade.py keeps a copy of the constant or writes the chunk rule out again."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A calibrated preset records the tokens per GPU its fitted rows measured (`[calibration] tokens = [least, most]`),
 and `model predict`, `model sweep` and `tune --backend model` say so where they predict outside that range, as they
-do for a scale beyond its `[calibration] world`. Before, only the scale was checked: nvlink-h200x2 fitted on S = 128
-.. 16384 predicted S = 64 or 65536 with no word that no row of that size constrained its parameters (the shipped
+do for a scale beyond its `[calibration] world`. With only the scale checked, nvlink-h200x2 fitted on S = 128 ..
+16384 would predict S = 64 or 65536 with no word that no row of that size constrained its parameters (the shipped
 file says its own latency-bound rows disagree by up to 2.6x)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The performance environment (runtime/profiles/perf_env.py): which variables of a process steer the data path,
 in one canonical form with a digest, and how a profile's recorded one compares with a job's.
 
-Before, nothing recorded it: a profile measured with NCCL_P2P_DISABLE=1 (or NCCL_ALGO=Tree, FI_CXI_...) was served
-to a job without it as if it applied."""
+Unrecorded, a profile measured with NCCL_P2P_DISABLE=1 (or NCCL_ALGO=Tree, FI_CXI_...) would be served to a job
+without it as if it applied."""
 
 from __future__ import annotations
 

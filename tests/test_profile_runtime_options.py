@@ -1,7 +1,7 @@
 """Tuned profiles record the data-path runtime options they were measured under (hs_native, symm, fused_pack,
 proxy_host_wait, ...: MOETUNE_* variables or the config's [runtime] table), the study digest includes them, and the
-runtime applies a profile as tuned only under the options it was measured under. Before, a profile tuned with one set
-of data-path options was applied as tuned to a job running others, and studies resumed across option changes."""
+runtime applies a profile as tuned only under the options it was measured under: a profile tuned with one set of
+data-path options is not tuned for a job running others, and a study does not resume across option changes."""
 
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ def test_the_comparison_names_each_option_and_never_takes_unknown_for_same() -> 
 
 
 def test_each_option_is_compared_only_for_the_families_it_acts_on() -> None:
-    """Before, every option was compared for every transport family: recorded defaults against a job with symm=ipc,
-    proxy_batch=4, hs_native=False "differed" for collective, nvlink and host_staged alike."""
+    """An option is compared only for the families it acts on: recorded defaults against a job with symm=ipc,
+    proxy_batch=4, hs_native=False must not "differ" for collective, nvlink and host_staged alike."""
     assert set(DATA_PATH_FAMILIES) == set(DATA_PATH_OPTIONS)
     assert set(registered_transports()) | ENGINE_FAMILIES == DATA_PATH_KNOWN_FAMILIES
     assert all(fams <= DATA_PATH_KNOWN_FAMILIES - ENGINE_FAMILIES for fams in DATA_PATH_FAMILIES.values())
@@ -186,8 +186,8 @@ def test_other_data_path_options_are_another_study_and_other_options_are_not() -
 
 
 def test_an_option_changes_only_the_studies_of_the_families_it_acts_on() -> None:
-    """Before, every data-path option was in every family's study name: a collective study was started anew for
-    symm=ipc or proxy_batch=4, which its trials never read."""
+    """A data-path option is in the study names of the families it acts on only: a collective study must not be
+    started anew for symm=ipc or proxy_batch=4, which its trials never read."""
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
     from moetune.tuner.search.study import study_config

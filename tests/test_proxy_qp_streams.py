@@ -84,7 +84,7 @@ def _host_batch(lib: ctypes.CDLL, qps: int, mapping: int, fence: int, npeers: in
 def test_peer_hash_gives_each_peer_qps_streams_and_keeps_a_group_on_one(lib: ctypes.CDLL, qps: int, fence: int) -> None:
     """peer_hash: a peer's 6 signal groups rotate over ITS qps streams (qps distinct streams per peer, no stream
     shared between peers: 3 x qps in all), and a group's PUTs and its SIGNAL share one stream (nic_ordered relies on
-    it). Before, the engine made qps streams in all and gave a peer exactly one (peer mod qps), whatever qps."""
+    it), not qps streams in all with exactly one (peer mod qps) for each peer, whatever qps."""
     r = _host_batch(lib, qps, PEER_HASH, fence)
     assert r["nstreams"] == 3 * qps
     assert [len(r["copies"][p]) for p in range(3)] == [qps] * 3
