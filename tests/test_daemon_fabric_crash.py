@@ -304,7 +304,10 @@ def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after
         _wait(lambda: any(e["kind"] == "stale" and e["reason"].startswith("job ")
                           for e in store.list_events(limit=50)))
         assert store.list_profiles(status="current", fingerprint=a.fingerprint) == []  # the job's row made stale
-        time.sleep(0.5)  # the job's re-queue (for B) runs and stores nothing
+        # the job's re-queue (for B) runs and stores nothing: waited for, as a fixed sleep could end before it ran
+        # (a loaded CI box) and let it run after B → A
+        _wait(lambda: len(_ran) >= 2 and d.jobs.info()[:2] == ([], None))
+        assert len(_ran) == 2 and d.jobs.info()[:2] == ([], None), (_ran, d.jobs.info())
         now[0] = a
         d.rediscover()  # B → A
         cur = store.list_profiles(status="current", fingerprint=a.fingerprint)
