@@ -92,8 +92,8 @@ def _start(store: Any, tmp_path: Path, new: Any) -> tuple[Daemon, list[list[Any]
 
 def test_a_change_whose_retune_was_queued_is_not_acted_on_at_later_starts(tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
-    """The reviewer's r2: a change handled to its end (stale, queued, finished), then profiles of the old fingerprint
-    came in (an import from a sibling node, a model tune of its capture): a start neither makes them stale nor
+    """A change handled to its end (stale, queued, finished), then profiles of the old fingerprint came in (an
+    import from a sibling node, a model tune of its capture): a start neither makes them stale nor
     re-tunes them, nor says the daemon stopped before queuing."""
     old, new = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
     store = F.open_store(tmp_path / "moetune.db")
