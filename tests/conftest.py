@@ -15,7 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("COLUMNS", None)
     os.environ.pop("LINES", None)
 
-from moetune.runtime import _once
+from moetune.runtime import _once, paths
 from moetune.runtime.profiles import autoload
 
 
@@ -75,3 +75,18 @@ def _config_chain_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     if not os.environ["MOETUNE_CONFIG"]:
         monkeypatch.delenv("MOETUNE_CONFIG")
     yield
+
+
+@pytest.fixture(autouse=True)
+def _nothing_of_this_machines_user(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every config load reads /etc/moetune/moetune.toml and the user's ~/.config/moetune/moetune.toml, and without
+    MOETUNE_HOME the default database is the user's ~/.local/share/moetune/moetune.db: no test reads any of them (a
+    test of those files sets its own after this). A node deployed with moetune has the first, pointing clients at
+    that node's real daemon and database; a developer may have the others: outcomes depended on the machine, and a
+    profile lookup could read (a command write) the user's own database. The user's files move through XDG_CONFIG_HOME
+    and XDG_DATA_HOME (a fresh folder per test), so the CLI children a test starts with its environment skip them too
+    (the system file they still read: no variable moves it)."""
+    nowhere = tmp_path_factory.getbasetemp() / "no-config-of-this-machine"  # never made: both files absent
+    monkeypatch.setattr(paths, "SYSTEM_CONFIG", nowhere / "etc" / "moetune.toml")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(nowhere / "xdg-config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
