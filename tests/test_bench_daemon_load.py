@@ -82,7 +82,8 @@ def test_paced_phase_is_an_open_loop_timed_from_the_schedule(tmp_path: Path) -> 
 
 
 def test_error_replies_are_counted_apart_from_the_latencies(tmp_path: Path) -> None:
-    """Every third request is answered ok:false: before, those replies were timed into p50 / p99 and req/s."""
+    """Every third request is answered ok:false: those replies are counted apart, not timed into p50 / p99 and
+    req/s."""
     for rate, service_s in ((100.0, 0.0), (0.0, 0.001)):  # paced, closed loop
         r, replies = _client(tmp_path, seconds=0.3, rate=rate, service_s=service_s, fail_every=3)
         missed = (replies[True] - 1 - len(r["lat"]), replies[False] - r["errors"])

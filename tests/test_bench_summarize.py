@@ -176,8 +176,9 @@ def _moe_rep(fail_from: int | None) -> dict[str, Any]:
 
 
 def test_a_case_failing_at_some_sizes_gets_failed_rows_and_shows_failed(tmp_path, monkeypatch) -> None:
-    """The megakernel failing from S=128 on: before, the launch wrote no FAILED row (the error only in the notes of its
-    S=1 / S=16 rows) and the graph_us[S=128] table listed unfused and torch only, as if the megakernel never ran."""
+    """The megakernel failing from S=128 on: the launch writes FAILED rows (not the error only in the notes of its
+    S=1 / S=16 rows), so the graph_us[S=128] table does not list unfused and torch only, as if the megakernel never
+    ran."""
     from moetune.tuner.measure import moe as M
 
     s = SCENARIOS["moe-megakernel-vs-unfused"]

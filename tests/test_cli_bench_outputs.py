@@ -465,9 +465,9 @@ def test_summarize_leaves_the_old_file_whole_when_the_write_fails(tmp_path: Path
 
 
 def test_bench_names_and_reports_of_the_wrong_shape_are_refused_clearly(tmp_path: Path) -> None:
-    """A scenario name is a name (`../scenarios/x` loaded a TOML from anywhere), and a hand-made report whose cases
-    lack keys, or that holds no number, is refused by name (KeyError / AttributeError tracebacks before, and an
-    all-null report went in as rows of "-")."""
+    """A scenario name is a name (`../scenarios/x` must not load a TOML from anywhere), and a hand-made report whose
+    cases lack keys, or that holds no number, is refused by name (not a KeyError / AttributeError traceback, nor an
+    all-null report taken in as rows of "-")."""
     r = _run("bench", "run", "../scenarios/gpu-rates", "--smoke", "--results", str(tmp_path / "r.csv"))
     assert r.exit_code == 2 and "no scenario '../scenarios/gpu-rates'" in r.output
     meta = {"date": "2026-12-05T00:00:00Z", "git_sha": "a" * 40, "git_dirty": False, "moetune": "0", "torch": "2",

@@ -149,7 +149,7 @@ def test_export_without_force_never_replaces_a_file_made_after_its_check(tmp_pat
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          links: bool) -> None:
     """The target is checked, the export is built, then a file appears there (another process): without --force it
-    is refused, not replaced (was: os.replace over it). On a filesystem without hard links the rename is checked
+    is refused, not replaced (an os.replace would go over it). On a filesystem without hard links the rename is checked
     again just before."""
     import errno
     import os

@@ -218,8 +218,8 @@ def test_a_deferred_job_that_runs_no_longer_says_deferred(tmp_path: Path) -> Non
 def test_a_queued_job_cancelled_before_its_queued_event_is_written_stays_cancelled_after_a_restart(
         tmp_path: Path) -> None:
     """An automatic job's job_queued is written by the thread that queues it: a cancel that came while that write
-    was still going on must write job_finished after it (before, finished-then-queued, and a restarted daemon's
-    recover_jobs took the job as queued and ran it), and returns only once that job_finished is committed."""
+    was still going on must write job_finished after it (finished-then-queued would make a restarted daemon's
+    recover_jobs take the job as queued and run it), and returns only once that job_finished is committed."""
     import threading
 
     jm, ran, _done, facts = _manager(tmp_path, Probe((True, "busy: keeps the worker waiting")))

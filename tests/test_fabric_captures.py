@@ -163,9 +163,9 @@ def test_capture_refuses_non_empty_dir(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("existed", [False, True])
 def test_an_interrupted_capture_leaves_no_half_written_folder(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                              exc: BaseException, existed: bool) -> None:
-    """Ctrl-C or a full disk once the command outputs are written (packages.json, the manifest still to come): the
-    folder was left with sys/, proc/ and commands/ but no manifest, which readers refuse and a new `fabric capture`
-    into it refused as "not an empty directory". Now DIR is as it was: absent, or empty."""
+    """Ctrl-C or a full disk once the command outputs are written (packages.json, the manifest still to come) leaves
+    DIR as it was: absent, or empty. A folder with sys/, proc/ and commands/ but no manifest would be refused by
+    readers, and a new `fabric capture` into it as "not an empty directory"."""
     from moetune.tuner.fabric.capture import CaptureWriteError
 
     dest = tmp_path / "cap"

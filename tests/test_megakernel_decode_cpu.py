@@ -66,9 +66,9 @@ def test_stalled_slot_times_out_and_the_launch_ends(stall):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_an_aborted_launch_writes_no_finite_row_over_missing_h(shape):
     """A CTA whose logit wait gave up (decode = 2) stores no h (its picks are -1) but still signals its pairs; a CTA
-    that got every logit could see the counts complete and, before, sum the last launch's h into finite-looking rows
-    (only the failed CTA wrote NaN). The failed CTA raised or saw the abort before signalling, and every CTA now reads
-    the flag before its exit ticket: in any CTA order, no row is written finite unless every pair's h was computed."""
+    that got every logit could see the counts complete and sum the last launch's h into finite-looking rows (only the
+    failed CTA writing NaN). The failed CTA raises or sees the abort before signalling, and every CTA reads the flag
+    before its exit ticket: in any CTA order, no row is written finite unless every pair's h was computed."""
     s, k, h, i, g = shape
     p = dec.plan(tokens=s, topk=k, hidden=h, intermediate=i, grid=g)
     working = [c for c in range(g) if p.pair_ranges[c][1] > p.pair_ranges[c][0]]

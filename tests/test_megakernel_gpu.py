@@ -554,8 +554,8 @@ def test_overlap_other_expert_counts(spec):
 def test_combine_hidden_odd_multiple_of_128(spec, cfg):
     """Top-k 8 on hidden sizes that are odd multiples of 128 (chunks = H/32 of a column block not a multiple of 8): a
     128-byte y line there may straddle two column blocks' COMBINE tasks or two rounds of one warp, and the combine's
-    L2 discard (MK_Y_L2 bit 2) must leave it alone (schedule.combine_discards; before, the straddling lines were
-    discarded and their other reader could read undefined bytes). Two inputs in turn, then the first again: each
+    L2 discard (MK_Y_L2 bit 2) must leave it alone (schedule.combine_discards: a straddling line discarded could leave
+    its other reader undefined bytes). Two inputs in turn, then the first again: each
     within 1e-2 of the dense reference, every row written, and the repeat the first run's bits."""
     need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE

@@ -40,8 +40,8 @@ def _probs(rng: random.Random, e: int, mode: str) -> list[float]:
 @pytest.mark.parametrize(("e", "k"), SHAPES)
 @pytest.mark.parametrize("mode", ["random", "ties", "zeros"])
 def test_finite_picks_are_the_float_compares(e, k, mode):
-    """The key changes nothing for numbers: warp_topk's rounds and k_topk_small's ranks pick what the float compares
-    picked before, in the same order, and that is the (value desc, lower expert) sort."""
+    """The key changes nothing for numbers: warp_topk's rounds and k_topk_small's ranks pick what plain float
+    compares pick, in the same order, and that is the (value desc, lower expert) sort."""
     rng = random.Random(e * 1000 + k)
     for _ in range(20):
         p = _probs(rng, e, mode)
@@ -52,8 +52,8 @@ def test_finite_picks_are_the_float_compares(e, k, mode):
 
 @pytest.mark.parametrize(("e", "k"), SHAPES)
 def test_nan_probabilities_still_pick_k_distinct_experts(e, k):
-    """All NaN (what a NaN or +inf logit, or all -inf, makes of a token): experts 0..K-1 in order; before, out of range (the
-    sentinel 1 << 30 where E is a multiple of 32, else the padding lanes past E). Mixed (never made by the softmax,
+    """All NaN (what a NaN or +inf logit, or all -inf, makes of a token): experts 0..K-1 in order, never out of range
+    (the sentinel 1 << 30 where E is a multiple of 32, else the padding lanes past E). Mixed (never made by the softmax,
     the key orders it anyway): every number before every NaN, ties by index; never an expert past E."""
     assert topk.select_warp([NAN] * e, k) == list(range(k)) == topk.select_rank([NAN] * e, k)
     old = _by_compares([NAN] * e, k)
@@ -85,7 +85,7 @@ def test_key_order():
 def test_route_row_of_non_finite_logits(e):
     """Whole tokens: any NaN / +inf logit, or all -inf, gives experts 0..K-1 with NaN weights and names the lowest
     non-finite expert (a -inf beside a NaN included); -inf among finite logits routes as usual (those experts get 0)
-    and is not named (before it was: error 8 for a launch whose outputs were all right); all-equal finite logits pick
+    and is not named (error 8 would be raised for a launch whose outputs are all right); all-equal finite logits pick
     0..K-1 with weights 1/K."""
     k = 4
     rng = random.Random(e)

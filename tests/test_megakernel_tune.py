@@ -363,7 +363,8 @@ def test_megakernel_output_check_catches_what_a_wrong_setting_computes() -> None
 
 
 def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Path) -> None:
-    """A setting 30 % faster whose output is wrong: before, its timing was stored as the tuned setting."""
+    """A setting 30 % faster whose output is wrong is infeasible: its timing must never be stored as the tuned
+    setting."""
     from moetune.tuner.measure.outputs import WrongOutput
     from moetune.tuner.search.tune import tune_profiles_detailed
 
@@ -516,8 +517,8 @@ def test_a_bucket_where_no_knob_acts_says_so_in_the_compare_row(tmp_path: Path,
 
 def test_profile_compares_the_searchs_winner_with_the_default_once(tmp_path: Path) -> None:
     """The bring-up's compare stage measures the search's winner beside the default (rounds, spread) and stores
-    what wins; the tune stage does not make that comparison too (before, the tune re-measured a tie beside the
-    default, stored the default, and the report said 'the tuned setting is the default', hiding the winner)."""
+    what wins; the tune stage does not make that comparison too (a tie re-measured there beside the default would
+    store the default, and the report say 'the tuned setting is the default', hiding the winner)."""
     from moetune.tuner.search.policy import load_policy
 
     default = load_policy("megakernel").defaults

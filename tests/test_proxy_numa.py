@@ -386,8 +386,8 @@ def test_a_failed_create_releases_the_placed_pages(sim: ctypes.CDLL, faults) -> 
 @pytest.mark.parametrize("pinned", [False, True], ids=["no-cpu-set", "cpu-set"])
 def test_a_thread_the_system_refuses_is_an_error_not_the_end_of_the_process(sim_path: Path, pinned: bool) -> None:
     """std::thread throws where the system refuses a thread (EAGAIN: a pids cgroup, RLIMIT_NPROC). mt_proxy_create
-    must return an error code and message and release what it allocated (the placed pages too); before, the exception
-    left the C entry point and std::terminate ended the process. In a child process, since that is what it did."""
+    must return an error code and message and release what it allocated (the placed pages too): an exception leaving
+    the C entry point would end the process in std::terminate. In a child process, in case it does."""
     script = f"""
 import ctypes, os, sys
 lib = ctypes.CDLL({str(sim_path)!r})

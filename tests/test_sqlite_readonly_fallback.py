@@ -142,7 +142,7 @@ def closed_studies_file(folder: Path) -> str:
 @needs_setpriv
 def test_tune_show_storage_opens_the_daemons_closed_studies_file(tmp_path: Path) -> None:
     """A closed WAL-mode studies file, no -shm, in a folder owned by another user: read with the shared opener
-    (was: "attempt to write a readonly database")."""
+    (not "attempt to write a readonly database")."""
     shared = tmp_path / "shared"
     shared.mkdir()
     url = closed_studies_file(shared)

@@ -88,7 +88,8 @@ def half_created(path: Path, *names: str) -> set[str]:
 @pytest.mark.parametrize("names", [("studies", "study_directions", "version_info"),
                                    ("studies", "trials", "version_info", "trial_params"), ("studies",)])
 def test_a_half_created_studies_file_is_finished_not_refused(tmp_path: Path, names: tuple[str, ...]) -> None:
-    """Was: refused for ever as "another program's database (it has tables studies, study_directions, ...)"."""
+    """Finished, not refused for ever as "another program's database (it has tables studies, study_directions,
+    ...)"."""
     db = tmp_path / "studies.db"
     assert half_created(db, *names) == set(names)
     tables = _tables.existing_tables(db, timeout_s=5)  # the names with their columns

@@ -1,7 +1,7 @@
 """`moetune tune show` on a studies file a tune writes while it reads: Optuna wraps SQLAlchemy's errors
-(StorageInternalError "...invalid data in the commit..."), which hid the read-only opener's DatabaseChanged. Was:
-"cannot be opened ... move it aside" (exit 2) about a healthy file, and `tune show -s NAME` ended in a traceback
-(also on "database is locked"). Now: read again a few times, then one line, exit 1. The fallback (immutable=1) is
+(StorageInternalError "...invalid data in the commit..."), which hides the read-only opener's DatabaseChanged. The
+file is read again a few times, then one line, exit 1: not "cannot be opened ... move it aside" (exit 2) about a
+healthy file, nor a traceback from `tune show -s NAME` (also on "database is locked"). The fallback (immutable=1) is
 forced as in test_sqlite_readonly_fallback.py, and a writer changes the file before a statement runs."""
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def test_the_lock_is_taken_only_while_the_schema_is_missing(tmp_path: Path) -> N
 
 def test_a_read_only_lock_file_is_used(tmp_path: Path) -> None:
     """flock needs no write access: a lock file another user (root, 0644) made still serializes the creation.
-    Was: opened O_RDWR, which fails for the daemon's user on such a file, and the lock was silently skipped."""
+    Opened O_RDWR it would fail for the daemon's user on such a file, and the lock be silently skipped."""
     db = tmp_path / "s.db"
     lock = tmp_path / "s.db.lock"
     lock.touch(mode=0o444)

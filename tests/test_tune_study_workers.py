@@ -91,8 +91,8 @@ def _registrations(url: str) -> dict[str, object]:
 
 def test_a_dead_processes_trial_is_failed_while_another_worker_lives(tmp_path: Path) -> None:
     """Process A stays registered; process B asks for a trial (the enqueued policy default) and is killed before
-    its objective runs. Was: B's trial had no `worker` attr and A registered before it started, so it stayed
-    RUNNING until A exited, and the policy default was never queued again."""
+    its objective runs. B's trial is failed and the policy default queued again, though A registered before it
+    started: without B's `worker` attr the trial would stay RUNNING until A exits."""
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study("moetune/t", url, seed=0)
     study.enqueue_trial({"x": 1}, user_attrs={"warm_start": "policy_default"})
@@ -227,9 +227,9 @@ print(*(_worker_alive(w) for w in sys.argv[1:]))
 @HAS_PROC
 @pytest.mark.parametrize("tz", ["UTC", "Asia/Tokyo", "America/New_York", "JST-9"])
 def test_a_worker_is_known_by_its_start_ticks_under_any_time_zone(tz: str) -> None:
-    """Was: a live worker's trial start (recorded under TZ=UTC) was compared with its /proc start time converted to
-    the reader's zone (TZ=Asia/Tokyo): the worker looked started 9 hours after its trial, was judged dead, and its
-    RUNNING trial failed. Now only the ticks are compared: right ticks alive, wrong ticks dead, in any zone."""
+    """Only the start ticks are compared: right ticks alive, wrong ticks dead, in any zone. A live worker's trial
+    start (recorded under TZ=UTC) compared with its /proc start time converted to the reader's zone (TZ=Asia/Tokyo)
+    would look started 9 hours after its trial, be judged dead, and its RUNNING trial failed."""
     import os
     import socket
 
@@ -248,7 +248,7 @@ def test_a_worker_is_known_by_its_start_ticks_under_any_time_zone(tz: str) -> No
 @HAS_PROC
 def test_a_live_workers_trial_survives_a_reader_in_another_time_zone(tmp_path: Path) -> None:
     """The reproduction: the holder (TZ=UTC) asks a trial and lives; a process under TZ=Asia/Tokyo opens the study.
-    Was: the holder's trial was failed as interrupted and its registration deleted."""
+    The holder's trial must not be failed as interrupted, nor its registration deleted."""
     import os
     import socket
 

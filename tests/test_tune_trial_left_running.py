@@ -1,8 +1,8 @@
 """No trial of this process is left RUNNING by an interrupt: Ctrl-C (or SIGTERM) inside Optuna's `ask()` (the trial's
 creation, an enqueued trial taken, the sampler's `before_trial`), between `ask()` and the objective, inside a suggest
-call or inside `tell()` before the state is written. Was: a trial cut inside `ask()` (or its `tell()`) stayed
-RUNNING: a live process's as long as this one lived (the daemon, for weeks), on a server storage for good (it had no
-heartbeat), listed as running by `tune show`. The study resumes to the trials asked. A RUNNING trial of a dead owner
+call or inside `tell()` before the state is written. A trial cut there and left RUNNING would stay so as long as this
+process lives (the daemon, for weeks), on a server storage for good (it has no heartbeat), listed as running by `tune
+show`. The study resumes to the trials asked. A RUNNING trial of a dead owner
 is failed when the study is opened again; a live concurrent owner's is left alone."""
 
 from __future__ import annotations
