@@ -375,8 +375,9 @@ def test_a_bench_moe_report_with_a_skipped_engine_imports_it_as_failed(tmp_path:
 
 
 def test_a_case_argument_a_single_shot_driver_would_ignore_is_refused(tmp_path: Path) -> None:
-    """run_moe and run_moe_knobs read tokens, iters, knobs (moe) ... of the first case only, for every case: a second
-    case's own `knobs` (or tokens) loaded fine and was silently not measured. Now the scenario is refused at load."""
+    """run_moe and run_moe_knobs read tokens, iters, knobs (moe) ... of the first case only, for every case: a
+    scenario giving a second case its own `knobs` (or tokens) is refused at load, not loaded and silently not
+    measured."""
     head = 'question = "q"\nmetrics = ["graph_us[S=16]"]\n[args]\ntokens = [16]\n'
     (tmp_path / "m.toml").write_text(f'name = "m"\ndriver = "moe"\n{head}[[cases]]\nname = "unfused"\n'
                                      'args = { engine = "unfused" }\n[[cases]]\nname = "mk"\n'

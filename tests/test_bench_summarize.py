@@ -343,9 +343,9 @@ def test_a_prediction_launch_that_failed_outright_is_stored_and_headed_modelled(
 
 
 def test_one_launch_of_predictions_and_timings_is_one_batch_whatever_the_row_order() -> None:
-    """A fabric-model launch holds modelled rows (the speedups) and measured ones (predict_ms): the batch was keyed by
-    source, so which half the table showed (and whether it was headed MODELLED or measured) depended on which row
-    came first in the CSV. Now the launch is the batch, in any order the rows come."""
+    """A fabric-model launch holds modelled rows (the speedups) and measured ones (predict_ms): the launch is the
+    batch, in any order the rows come. Keyed by source, which half the table showed (and whether it was headed
+    MODELLED or measured) would depend on which row came first in the CSV."""
     s = SCENARIOS["fabric-model"]
     cpu = {"gpu": "none", "hardware": "2 CPU cores (x86_64), no GPU"}
     pred = [_row(s.name, "presets", "L1", v, metric=m, unit="x MODELLED", source="modelled", **cpu)

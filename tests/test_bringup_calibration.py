@@ -197,8 +197,8 @@ def test_a_node_without_gpus_is_calibrated_on_its_gloo_rows(tmp_path: Path) -> N
 
 def test_a_failed_node_model_write_leaves_the_earlier_one_whole(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The node model was written with Path.write_text: a crash or a full disk mid-write left the earlier node model
-    of this fingerprint truncated (the daemon's model re-tune then had none). Now it is replaced atomically."""
+    """The node model is replaced atomically: written in place (Path.write_text), a crash or a full disk mid-write
+    would leave the earlier node model of this fingerprint truncated (and the daemon's model re-tune without one)."""
     import errno
     import os
 

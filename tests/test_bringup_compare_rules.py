@@ -307,9 +307,9 @@ def test_a_round_trip_never_displaces_a_whole_layer(tmp_path: Path) -> None:
 
 
 def test_a_time_budget_is_shared_over_the_studies_so_a_later_bucket_starts(tmp_path: Path) -> None:
-    """One --timeout over several studies (buckets): each was given all the time left, so a first study that cannot
-    finish its trials took the whole budget on every rerun and the later buckets never started. Now each study gets
-    the time left divided by the studies left, and says what it got."""
+    """One --timeout over several studies (buckets): each study gets the time left divided by the studies left, and
+    says what it got. Given all the time left, a first study that cannot finish its trials would take the whole
+    budget on every rerun and the later buckets never start."""
     import time
 
     import optuna

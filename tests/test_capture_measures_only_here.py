@@ -221,10 +221,9 @@ def test_a_daemon_serving_a_capture_of_another_node_does_not_measure_for_it(tmp_
 
 def test_a_bring_up_of_another_nodes_capture_leaves_this_nodes_seen_fingerprint_and_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`profile --capture` of another node recorded that node as seen in this node's database (`fabric diff` then
-    reported "GPU 0 missing ..." on an unchanged node) and replaced this node's report/ with one of nothing
-    measured. Now: no fingerprint recorded, and the report goes to report-<its fingerprint>/ beside the database
-    (an explicit --report-dir is still used as given)."""
+    """`profile --capture` of another node records no fingerprint (as seen in this node's database, `fabric diff`
+    would report "GPU 0 missing ..." on an unchanged node), and its report goes to report-<its fingerprint>/ beside
+    the database, not over this node's report/ (an explicit --report-dir is still used as given)."""
     live = _live_is(monkeypatch, CAPTURES / "cpu-laptop")
     _count_runs(monkeypatch)
     db = tmp_path / "p.db"
@@ -253,9 +252,9 @@ def test_a_bring_up_of_another_nodes_capture_leaves_this_nodes_seen_fingerprint_
 
 def test_a_report_of_another_nodes_capture_leaves_this_nodes_report(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """`moetune report --capture` of another node replaced this node's report/ beside the database with that node's
-    report. Now it follows `profile`'s rule: report-<its fingerprint>/; a capture of this node still writes report/,
-    and an explicit --out is used as given."""
+    """`moetune report --capture` of another node leaves this node's report/ beside the database alone: it follows
+    `profile`'s rule, report-<its fingerprint>/; a capture of this node still writes report/, and an explicit --out
+    is used as given."""
     _live_is(monkeypatch, CAPTURES / "cpu-laptop")
     db = tmp_path / "p.db"
     F.open_store(db).close()

@@ -329,7 +329,7 @@ def test_bench_ep_refuses_a_negative_seed(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_bench_ep_refuses_more_ranks_than_it_may_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--world 1000 on gloo started a thousand torch processes; now at most 8 a CPU (the scenarios' rule)."""
+    """--world 1000 on gloo must not start a thousand torch processes: at most 8 a CPU (the scenarios' rule)."""
     import os
 
     from moetune.runtime.testing import launch
@@ -345,8 +345,8 @@ def test_bench_ep_refuses_more_ranks_than_it_may_spawn(monkeypatch: pytest.Monke
 
 
 def test_bench_moe_without_a_runnable_engine_builds_no_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without CUDA, `bench moe --engine megakernel,torch` built the layers' weights (and timed a plain read of them)
-    for 20-75 s before saying both engines were skipped: now nothing is built and the refusal comes at once."""
+    """Without CUDA, `bench moe --engine megakernel,torch` builds nothing and refuses at once, rather than build the
+    layers' weights (and time a plain read of them) for 20-75 s before saying both engines were skipped."""
     import torch
 
     from moetune.runtime import moe_layer
@@ -394,9 +394,9 @@ def test_bench_moe_makes_its_cuda_device_current(monkeypatch: pytest.MonkeyPatch
 
 
 def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The floors were always an H200's (4.2 TB/s, 790 TFLOP/s) whatever the device, with no word of it: an H100's
-    HBM3 reads ~25 % slower, so its floors read as unreachable. Now the rates measured on the GPU model in use, and
-    on a device with none the H200's, named as such."""
+    """The floors are the rates measured on the GPU model in use, and on a device with none the H200's, named as
+    such: an H200's (4.2 TB/s, 790 TFLOP/s) on every device without a word would put an H100's floors out of reach
+    (its HBM3 reads ~25 % slower)."""
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe as M
 
@@ -426,9 +426,9 @@ def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPat
 
 
 def test_results_rows_are_never_glued_or_swallowed(tmp_path: Path) -> None:
-    """A results CSV whose last row has no newline (a hand edit) took the next appended row into that row's note,
-    and the summary lost it; a row of the wrong width (an unclosed quote swallows every row after it) was read as if
-    whole. Now the newline is added before appending, and a broken row is refused, naming its line."""
+    """A results CSV whose last row has no newline (a hand edit) gets the newline before appending, or that row's
+    note would take the next row in and the summary lose it; a row of the wrong width (an unclosed quote swallows
+    every row after it) is refused, naming its line, not read as if whole."""
     row = {c: "" for c in R.COLUMNS} | {"scenario": "gpu-rates", "case": "read-sum", "baseline": "1", "position": "0",
                                         "launch": "L1", "metric": "read_tbps", "unit": "TB/s", "median": "2.5",
                                         "source": "measured", "date": "2026-12-05T00:00:00Z", "git_sha": "a" * 40}
@@ -448,8 +448,8 @@ def test_results_rows_are_never_glued_or_swallowed(tmp_path: Path) -> None:
 
 def test_summarize_leaves_the_old_file_whole_when_the_write_fails(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bench summarize --out` wrote in place: a full disk left a truncated BENCHMARKS.md. Now a temporary file is
-    renamed into place, and a failed write leaves the old file as it was."""
+    """`bench summarize --out` renames a temporary file into place: a failed write (a full disk) leaves the old
+    file as it was, not a truncated BENCHMARKS.md."""
     import os
 
     out = tmp_path / "B.md"
@@ -564,10 +564,10 @@ def test_bench_knobs_reports_a_megakernel_error_as_a_failed_case(monkeypatch: py
 
 
 def test_bench_knobs_never_rebases_onto_another_variant_when_the_base_is_skipped(tmp_path: Path) -> None:
-    """The megakernel base cannot run here (a CPU; on a GPU, this shape): compare_knobs took the next variant as the base, so u2's "minus base"
-    was u2 - u1 while stderr said the base was engine=megakernel, exit 0, and the moe-knobs scenario stored those
-    minus_base_us rows. Now the variants are timed with no difference to the skipped base, each row says why, the
-    command exits 1 saying so, and the scenario stores those differences as FAILED."""
+    """The megakernel base cannot run here (a CPU; on a GPU, this shape): the variants are timed with no difference
+    to the skipped base, each row says why, the command exits 1 saying so, and the scenario stores those differences
+    as FAILED. Taking the next variant as the base would make u2's "minus base" u2 - u1 while stderr says the base
+    is engine=megakernel."""
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe_compare as MC
@@ -668,9 +668,9 @@ def _ep_report(roundtrip_rel_err: float) -> dict[str, Any]:
 
 
 def test_bench_ep_fails_a_wrong_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bench ep` checked only --verify's layer error: a round trip that moved nothing (relative error 1 against a
-    bound of 0.03) printed its timings and exited 0, where the tuner's trials and the ep scenario fail it
-    (outputs.ep_report_problem). Now it says why and exits 1; the table shows the round trip's error and bound."""
+    """`bench ep` checks the round trip's error, not only --verify's layer error: a round trip that moved nothing
+    (relative error 1 against a bound of 0.03) exits 1 saying why, as the tuner's trials and the ep scenario fail it
+    (outputs.ep_report_problem); the table shows the round trip's error and bound."""
     from moetune.runtime.testing import launch
 
     got = [_ep_report(1.0)]
@@ -740,11 +740,10 @@ def test_bench_moe_raises_a_warmup_below_rotate_so_no_input_has_its_first_call_t
 
 def test_every_caller_of_the_moe_timings_raises_a_warmup_below_rotate(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
-    """The rule of `bench moe` (a warm-up below the rotation is raised to it, with a note) was the CLI's only: the
-    `moe` scenario driver calls bench_moe directly and timed the first eager call of the inputs its warm-up did not
-    reach; `bench knobs` and the `moe-knobs` driver (compare_knobs) rotate their inputs the same way. Now bench_moe
-    and compare_knobs apply it themselves (moe.warmup_for), their reports say the raised warm-up and the note, the
-    drivers' rows carry the note and `bench knobs` prints it."""
+    """The rule of `bench moe` (a warm-up below the rotation is raised to it, with a note) is bench_moe's and
+    compare_knobs' own (moe.warmup_for), not the CLI's only: the `moe` scenario driver calls bench_moe directly, and
+    `bench knobs` and the `moe-knobs` driver (compare_knobs) rotate their inputs the same way. Their reports say the
+    raised warm-up and the note, the drivers' rows carry the note and `bench knobs` prints it."""
     import torch
 
     from moetune.runtime.knobs import Knobs

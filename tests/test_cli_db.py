@@ -121,11 +121,11 @@ def test_profiles_list_show_delete(tmp_path):
 
 
 def test_profiles_delete_and_import_refuse_a_database_a_daemon_serves_unless_forced(tmp_path):
-    """`profiles delete 1 --yes` under a daemon serving the database said only "deleted profile 1" (then a note): the
-    daemon kept serving its copy (it reads the profiles at start and after a re-tune job; no request reloads them),
-    behind the single writer's back. Now both refuse (exit 1, naming the daemon, the database unchanged, no
-    traceback), as `profile` and `tune` do; --force writes anyway and says what the daemon still serves. The lock is
-    held as a serving daemon holds it, its pid inside; none held, nothing said."""
+    """`profiles delete` and `profiles import` under a daemon serving the database refuse (exit 1, naming the daemon,
+    the database unchanged, no traceback), as `profile` and `tune` do: the daemon would keep serving its copy (it
+    reads the profiles at start and after a re-tune job; no request reloads them), behind the single writer's back.
+    --force writes anyway and says what the daemon still serves. The lock is held as a serving daemon holds it, its
+    pid inside; none held, nothing said."""
     import fcntl
     import os
 

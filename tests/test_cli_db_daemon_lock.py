@@ -118,8 +118,8 @@ def test_a_migration_holds_the_lock_and_creates_none(tmp_path: Path, monkeypatch
 
 def test_a_daemon_starting_during_a_migration_leaves_the_database_alone(tmp_path: Path) -> None:
     """The other order: `db downgrade` holds the lock (no pid in it) when `moetune serve` starts on the database. The
-    daemon opened the store first, and that open upgraded the database back under the migration; now it takes the
-    lock before opening the store: exit 1 naming the lock, the downgraded schema untouched."""
+    daemon takes the lock before opening the store (whose open would upgrade the database back under the
+    migration): exit 1 naming the lock, the downgraded schema untouched."""
     import subprocess
 
     db = tmp_path / "m.db"

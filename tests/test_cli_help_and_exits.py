@@ -128,9 +128,9 @@ def test_tune_refuses_ep_size_and_nodes_below_one(tmp_path: Path, opt: str, valu
 
 # -- tune: a run the time budget cut short says so ----------------------------------------------------------------
 def test_tune_says_when_its_time_budget_ended_the_studies_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--timeout` (default [tune] timeout_s) stopped the studies before their trials were done and the output
-    showed only the winners, as if the search had run in full. Now stderr names each study cut short with the
-    trials it ran of those asked, --json says it per study, and the exit stays 0 where a profile was stored."""
+    """`--timeout` (default [tune] timeout_s) may stop the studies before their trials are done: stderr names each
+    study cut short with the trials it ran of those asked, --json says it per study (not only the winners, as if the
+    search had run in full), and the exit stays 0 where a profile was stored."""
     import json
     from datetime import datetime, timedelta
 

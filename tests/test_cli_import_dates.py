@@ -1,7 +1,7 @@
-"""`profiles import` of a date near year 1 ("0001-01-01T00:00:00+01:00": no UTC date exists for it) crashed with an
-OverflowError traceback (exit 1) when the date was put in UTC, and --skip-invalid did not help. Now it is the
-validator's error naming the field (exit 2: an input file that cannot serve, database unchanged), --skip-invalid
-skips that record, and a date before 1970 (no store wrote it) is refused the same way."""
+"""`profiles import` of a date near year 1 ("0001-01-01T00:00:00+01:00": no UTC date exists for it) is the
+validator's error naming the field (exit 2: an input file that cannot serve, database unchanged), not an
+OverflowError traceback from putting it in UTC; --skip-invalid skips that record, and a date before 1970 (no store
+wrote it) is refused the same way."""
 
 from __future__ import annotations
 

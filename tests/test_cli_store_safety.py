@@ -150,9 +150,9 @@ def test_export_replacing_a_file_keeps_its_permissions_and_symlink(tmp_path):
 
 
 def test_write_atomic_writes_through_a_symlink(tmp_path):
-    """write_atomic (bench summarize, model calibrate --out, the bring-up's files) replaced a symlink with a regular
-    file, the file it named left stale; export alone resolved the link first. Now the link stays, its file is
-    replaced (permissions kept); a dangling link gets the file it names."""
+    """write_atomic (bench summarize, model calibrate --out, the bring-up's files) resolves a symlink, as export
+    does: the link stays and its file is replaced (permissions kept), not the link replaced by a regular file with
+    the file it named left stale; a dangling link gets the file it names."""
     from moetune.tuner.store.io import write_atomic
 
     f = tmp_path / "d" / "real.md"

@@ -1,9 +1,8 @@
 """A stopped daemon's daemon.json (it stays after a clean exit, `"running": false`; a killed daemon leaves
-`"running": true` with its pid gone) redirected every database fallback to the database it named: `moetune query
---config c.toml`, whose [store] db names another database, read the daemon's, and a query with nothing configured
-read it without a word while `moetune db path` printed the default. Now a database the user configured (--db,
-MOETUNE_STORE_DB, a config file's [store] db) outranks daemon.json, and reading the database of a daemon that is not
-running is said in the fallback warning."""
+`"running": true` with its pid gone) must not redirect every database fallback to the database it names: a database
+the user configured (--db, MOETUNE_STORE_DB, a config file's [store] db) outranks daemon.json, and reading the
+database of a daemon that is not running is said in the fallback warning (not read without a word while `moetune db
+path` prints the default)."""
 
 from __future__ import annotations
 

@@ -51,8 +51,8 @@ def test_an_interrupted_change_of_gpus_only_is_finished_at_start(tmp_path: Path,
                                                                  ids_recorded: bool) -> None:
     """A GPU replaced by one of the same model: same fingerprint, another identity. The daemon was killed after
     writing fabric_changed (before mark_stale, or before queuing the re-tune): the next start, on the new GPUs, sees
-    no change (`same_hardware`), and the recovery returned at once for equal fingerprints, so the old GPUs' profiles
-    stayed current (or stale) for good with nothing re-tuned. Now they are made stale and re-tuned."""
+    no change (`same_hardware`), yet the old GPUs' profiles are made stale and re-tuned; a recovery that returned at
+    once for equal fingerprints would leave them current (or stale) for good with nothing re-tuned."""
     x, y = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H200"})
     x.identity_hash, y.identity_hash = "gpus-X", "gpus-Y"
     store = F.open_store(tmp_path / "moetune.db")
@@ -213,10 +213,10 @@ def _seeded_daemon(tmp_path: Path, a: Any) -> tuple[Any, list[Any], list[Any], D
 
 
 def test_a_fabric_back_to_one_it_had_serves_that_ones_profiles_again(tmp_path: Path) -> None:
-    """A → B → A (a GPU off the bus and back, a package changed then restored): A's profiles went stale at A → B, B's
-    re-tune stored nothing, and at B → A they stayed stale (a re-tune of hours, or modelled rows in their place,
-    though they were measured on this very fabric). Now B → A makes each of A's keys current again, measured as it
-    was, with nothing re-tuned for them; a key tuned on A in between keeps its newer profile."""
+    """A → B → A (a GPU off the bus and back, a package changed then restored): A's profiles go stale at A → B, B's
+    re-tune stores nothing, and B → A makes each of A's keys current again, measured as it was, with nothing
+    re-tuned for them (not left stale for a re-tune of hours, or modelled rows in their place, though measured on
+    this very fabric); a key tuned on A in between keeps its newer profile."""
     a, b = _fabrics()  # the same GPUs back (`test_..._on_other_gpus_...`)
     store = F.open_store(tmp_path / "moetune.db")
     seeded = F.seed_profiles(store, a)
@@ -278,8 +278,8 @@ def test_a_fabric_back_on_other_gpus_does_not_serve_the_old_gpus_profiles(tmp_pa
 
 def test_a_fabric_back_restores_the_row_measured_on_it_not_one_a_job_wrote_after_it_moved_on(tmp_path: Path) -> None:
     """A re-tune of A's key is running when the fabric moves to B; the job writes its A-keyed result after that, and
-    `_fabric_moved_on` makes it stale (it was not measured on A throughout). At B → A that newest stale row came back,
-    not the older row A served until it left; now only the rows A served are candidates."""
+    `_fabric_moved_on` makes it stale (it was not measured on A throughout). At B → A only the rows A served are
+    candidates: the older row A served until it left comes back, not that newest stale row."""
     import msgspec
 
     a, b = _fabrics()

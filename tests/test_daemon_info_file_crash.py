@@ -1,10 +1,9 @@
-"""daemon.json and its owner record were renamed into place without being synced: after a power loss the rename can
-be on disk and the bytes not (a 0-byte daemon.json is what ext4 or XFS leave then). The next daemon took that empty
-file for another program's ("moetune did not write it (it is not a JSON object)") and served without daemon.json
-for good, every run, until someone removed it by hand: the runtime lost the daemon's database path (its fallback read
-the default database instead) and could not tell a killed daemon's socket. Now both files are synced before their
-rename (and the folder after it), and an empty daemon.json that this daemon's owner record names (the very file it
-wrote) is taken as the daemon's own, torn by a crash."""
+"""daemon.json and its owner record are synced before their rename (and the folder after it): after a power loss the
+rename can be on disk and the bytes not (a 0-byte daemon.json is what ext4 or XFS leave then). An empty daemon.json
+that this daemon's owner record names (the very file it wrote) is taken as the daemon's own, torn by a crash. Taken
+for another program's ("moetune did not write it (it is not a JSON object)"), it would leave the daemon serving
+without daemon.json for good, every run, until someone removed it by hand: the runtime would lose the daemon's
+database path (its fallback reading the default database instead) and could not tell a killed daemon's socket."""
 
 from __future__ import annotations
 

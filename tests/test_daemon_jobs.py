@@ -234,9 +234,9 @@ def test_why_a_retune_cannot_run_survives_a_restart(tmp_path: Path) -> None:
 def test_a_resumed_job_and_a_startup_fabric_change_tune_each_key_once(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A job cut short by a stop is resumed at the next start; if the fabric changed while no daemon ran, that start
-    also queues a re-tune of the stale keys. Both covered the same keys and each key was tuned twice: the fabric
-    change was queued first, the resumed job after it. Now the resumed jobs are queued first and the fabric change's
-    re-tune (skip_queued, as every automatic one) leaves out the keys they hold."""
+    also queues a re-tune of the stale keys. Both cover the same keys, so the resumed jobs are queued first and the
+    fabric change's re-tune (skip_queued, as every automatic one) leaves out the keys they hold: queued the other
+    way round, each key would be tuned twice."""
     from moetune.tuner.daemon.retune import tuning_key
 
     node = Node(tmp_path)

@@ -284,8 +284,8 @@ def test_a_running_job_cancelled_then_a_daemon_stop_is_not_resumed(tmp_path: Pat
 def test_a_stale_ep1_transport_key_is_refused_and_the_other_groups_are_still_re_tuned(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An nvlink key at EP 1 (stored before today's EP-1 refusal of the tune backends) in a re-tune job: the search
-    refuses EP 1 for a transport family with a ValueError, and its group sorts first, so the whole job failed with
-    it and the EP 2 key was never re-tuned. Now it is refused among the job's refusals and stays stale."""
+    refuses EP 1 for a transport family with a ValueError, and its group sorts first: it is refused among the job's
+    refusals and stays stale, and the EP 2 key is still re-tuned (the whole job must not fail with it)."""
     import moetune.tuner.search.tune as search
 
     real = search.tune_profiles_detailed

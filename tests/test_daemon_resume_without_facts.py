@@ -1,8 +1,8 @@
 """A re-tune job the last daemon left unfinished is resumed at start, before the start-up discovery runs. When that
-discovery failed (a transient nvidia-smi error) or was incomplete and differed from the known fabric, the daemon had
-no facts: the worker took the resumed job at once, failed it "no fabric facts", recorded it finished, and no later
-start resumed it (its stale keys were never re-tuned, though discovery succeeded a second later). Now the job waits
-queued, said in `status`, until a discovery round gives facts, and then runs."""
+discovery failed (a transient nvidia-smi error) or was incomplete and differed from the known fabric, the daemon has
+no facts: the job waits queued, said in `status`, until a discovery round gives facts, and then runs. Taken at once,
+it would fail "no fabric facts" and be recorded finished, and no later start would resume it (its stale keys never
+re-tuned, though discovery succeeds a second later)."""
 
 from __future__ import annotations
 

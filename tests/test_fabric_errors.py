@@ -132,9 +132,9 @@ def test_capture_error_is_a_discovery_error() -> None:
 @pytest.mark.parametrize("which", ["all", "topo"])
 def test_a_command_output_the_manifest_records_but_the_capture_lacks_is_named(tmp_path: pathlib.Path,
                                                                                which: str) -> None:
-    """The manifest says `status: ok` but commands/ lost the file: it was read as "tool missing", so a copy of an 8-GPU
-    capture with an empty commands/ gave a node of 0 GPUs (another fingerprint), rc 0. Now a CaptureError names the
-    missing file; a command recorded as missing, failed or timed out still reads as before."""
+    """The manifest says `status: ok` but commands/ lost the file: a CaptureError names the missing file. Read as
+    "tool missing", a copy of an 8-GPU capture with an empty commands/ would give a node of 0 GPUs (another
+    fingerprint), rc 0. A command recorded as missing, failed or timed out still reads as such."""
     root = copy("dgx-h100", tmp_path)
     lost = sorted((root / "commands").iterdir()) if which == "all" else [root / "commands/nvidia-smi_topo_-m"]
     for p in lost:

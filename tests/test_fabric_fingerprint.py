@@ -248,9 +248,9 @@ def test_volatile_facts_ignored(tmp_path: pathlib.Path) -> None:
 
 
 def test_nvswitch_management_ports_count_as_rdma_devices(tmp_path: pathlib.Path) -> None:
-    """They were left out of the fingerprint, but only root can tell them (their VPD): a user saw two more NICs and
-    computed another fingerprint. Now they count in both views alike: a management port's link going down or the
-    port disappearing is a change for everyone (tests/test_fabric_privilege.py)."""
+    """They count as RDMA devices in both views alike: only root can tell them (their VPD), so leaving them out would
+    make a user see two more NICs and compute another fingerprint. A management port's link going down or the port
+    disappearing is a change for everyone (tests/test_fabric_privilege.py)."""
     root = copy("dgx-h100", tmp_path)
     base = discover(CAPTURES / "dgx-h100").fingerprint
     edit(root, f"{IB}/mlx5_12/ports/1/state", lambda s: "1: DOWN\n")

@@ -156,8 +156,8 @@ def _proxy_rows(truth_changes: dict[str, float]) -> list[dict]:
 
 
 def test_a_single_proxy_probe_row_is_refused() -> None:
-    """One row moved all 7 proxy/NIC parameters and was accepted (with zero error: any one row is fitted
-    exactly). Now the parameters it cannot tell apart keep the preset's values and the fit is refused."""
+    """One row cannot tell 7 proxy/NIC parameters apart (any one row is fitted exactly, with zero error): they keep
+    the preset's values and the fit is refused, not accepted."""
     row = next(r for r in read_rows([PROBE]) if r["mode"] == "coupled_drain")
     rep = calibrate("nvlink-h200x2", [row])
     assert not rep.usable

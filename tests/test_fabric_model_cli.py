@@ -310,8 +310,8 @@ def _full_disk(monkeypatch) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_calibrate_out_is_replaced_atomically(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """`--out` may be the --preset file itself (or an earlier calibration): a full disk or Ctrl-C mid-write left it
-    truncated (Path.write_text). Now the earlier file stays whole, the error is one line, no temporary file left."""
+    """`--out` may be the --preset file itself (or an earlier calibration): a full disk or Ctrl-C mid-write leaves the
+    earlier file whole (not truncated, as Path.write_text would), the error is one line, no temporary file left."""
     from moetune.tuner.fabric_model.presets import load_preset
 
     data = _host_staged_rows(tmp_path)
@@ -350,8 +350,8 @@ def test_calibrate_out_through_a_symlink_replaces_the_file_it_names(tmp_path: Pa
 
 
 def test_sweep_plot_that_cannot_be_saved_leaves_the_earlier_plot_whole(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """`model sweep --out plot.png` saved with fig.savefig(path): a full disk (or Ctrl-C) mid-save left the earlier
-    plot of that name truncated. Now the figure is rendered in memory and the file replaced atomically."""
+    """`model sweep --out plot.png` renders the figure in memory and replaces the file atomically: saved with
+    fig.savefig(path), a full disk (or Ctrl-C) mid-save would leave the earlier plot of that name truncated."""
     import errno
 
     from PIL import Image

@@ -345,8 +345,8 @@ def test_the_copy_engine_path_shares_and_gives_back_the_combine_lanes() -> None:
 def test_rows_that_do_not_match_the_splits_are_refused_before_anything_is_posted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native path posts raw device addresses and byte counts: splits naming more rows than `send` holds made it
     read past the tensor, an `out` shorter than the received rows made the receiver's copies write past it, and a
-    strided tensor was copied as if contiguous -- all posted without a word, where the collective path (NCCL) refuses
-    each. Now each is a ValueError before any ring counter moves."""
+    strided tensor copied as if contiguous -- each is a ValueError before any ring counter moves, as the collective
+    path (NCCL) refuses each, never posted without a word."""
     import torch
 
     t, lib = _posting(monkeypatch)
@@ -376,10 +376,11 @@ def test_rows_that_do_not_match_the_splits_are_refused_before_anything_is_posted
 
 
 def test_a_closed_transport_says_so_and_never_hands_the_library_a_null_handle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """close() destroyed the library's context and freed the staging memory, but nothing remembered it: a work
-    posted before close() and waited after it called mt_hs_wait with the NULL handle (the library dereferences it: a
-    crash, not an error), and a later exchange or stage_capacity found no staging memory and set it up again on this
-    rank alone (a collective its peers never join). Now each raises HostStagedError saying the transport is closed."""
+    """close() destroys the library's context and frees the staging memory, and the transport remembers it: a work
+    posted before close() and waited after it, a later exchange and stage_capacity each raise HostStagedError saying
+    the transport is closed. Otherwise the wait would call mt_hs_wait with the NULL handle (the library dereferences
+    it: a crash, not an error), and the exchange set the staging memory up again on this rank alone (a collective
+    its peers never join)."""
     import torch
 
     t, lib = _posting(monkeypatch)
@@ -406,8 +407,8 @@ def test_a_closed_transport_says_so_and_never_hands_the_library_a_null_handle(mo
 
 def test_close_raises_naming_a_destroy_that_leaked_and_keeps_the_staging_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """mt_hs_destroy past its timeout (a lane stream still copying) leaks the registration and returns nonzero; close()
-    ignored that and unmapped the staging memory under the copy. Now it keeps the mapping (and the tensors failed
-    posts hold) for the life of the process and raises a RuntimeError naming the leak; a second close does nothing."""
+    then keeps the mapping (and the tensors failed posts hold) for the life of the process, rather than unmap the
+    staging memory under the copy, and raises a RuntimeError naming the leak; a second close does nothing."""
     import torch
 
     t, lib = _posting(monkeypatch)

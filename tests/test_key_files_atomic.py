@@ -1,9 +1,9 @@
 """`moetune keys` writes its key files with the one atomic writer (tuner/store/atomic_files.py), 0600 from creation.
 
-`keys allow` wrote the allow-list copy through a fixed temporary name (`.NAME.key.tmp`) with a plain write: a link
-left there was written through (the file it named got the key) and then renamed into the allow-list as a link; the
-permissions came from a process-wide umask (other threads' files too) rather than from the file's own creation. Now
-every key file is a new temporary file (O_EXCL, never a link) created 0600, fsynced, then renamed into place.
+Every key file is a new temporary file (O_EXCL, never a link) created 0600, fsynced, then renamed into place. A fixed
+temporary name (`.NAME.key.tmp`) with a plain write would write through a link left there (the file it names getting
+the key) and rename the link into the allow-list; permissions from a process-wide umask would touch other threads'
+files too, rather than come from the file's own creation.
 """
 
 from __future__ import annotations

@@ -388,10 +388,10 @@ def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Pa
 
 
 def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure_megakernel timed an eager block and then the graph replays right after it (rest 0): on a GPU at its
-    power limit the replays, the trial's value, were clocked down by the eager block's heat (S=4096: 743 µs a replay
-    after eager calls of 689 µs). Now only the replays are timed, and the output check comes after them. The CUDA
-    parts are fakes here (the layer records its calls)."""
+    """measure_megakernel times only the graph replays, and the output check comes after them: an eager block timed
+    right before the replays (rest 0) would, on a GPU at its power limit, clock the replays, the trial's value, down
+    by its heat (S=4096: 743 µs a replay after eager calls of 689 µs). The CUDA parts are fakes here (the layer
+    records its calls)."""
     import torch
 
     from moetune.runtime import moe_layer
@@ -495,8 +495,8 @@ def test_profile_on_a_one_gpu_node_tunes_the_megakernel(tmp_path: Path) -> None:
 def test_a_bucket_where_no_knob_acts_says_so_in_the_compare_row(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no knob acts at the compare stage (the decode kernel) only the default runs, and the row's tuned column
-    shows that same run: its reason said "tuned 300.0 ± 1.0 µs did not beat the default 300.0 ± 1.0 µs", of a
-    setting never run; now it is why only the default was measured."""
+    shows that same run: its reason is why only the default was measured, not "tuned 300.0 ± 1.0 µs did not beat the
+    default 300.0 ± 1.0 µs", of a setting never run."""
     from moetune.tuner.bringup.flow import Bringup, Plan
 
     plan = Plan(models=["qwen3-30b"], tokens=[16], trials=12, repeats=1, iters=5, compare_rounds=2)

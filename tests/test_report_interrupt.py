@@ -1,8 +1,8 @@
 """`moetune report` and Ctrl-C, from a tester's runs:
 
-- interrupted before the report was written, it printed nothing, left the empty folder it had made (rep_2.2/) and
-  exited 130: now one "interrupted: ..." line says what is left, and the folder it made is removed while empty;
-- a report written whole (it had printed `report: rep_2.8/report.md`) still exited 130: a Ctrl-C once report.md is
+- interrupted before the report is written, one "interrupted: ..." line says what is left, and the folder it made
+  (rep_2.2/) is removed while empty, not left behind with nothing printed;
+- a report written whole (it has printed `report: rep_2.8/report.md`) does not exit 130: a Ctrl-C once report.md is
   in place (it is written last), or during the interpreter's teardown after the command ended, changes nothing.
 """
 

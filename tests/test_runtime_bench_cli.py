@@ -140,8 +140,8 @@ def test_bench_ep_no_p2p_needs_the_nccl_backend() -> None:
 
 
 def test_bench_ep_refuses_tokens_above_the_cap_before_any_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bench ep --tokens 99999999` started 2 ranks, then failed allocating 819 GB: now refused up front with the cap
-    `query` and `model` apply (runtime.shapes.MAX_TOKENS_PER_GPU), exit 2, no rank launched."""
+    """`bench ep --tokens 99999999` is refused up front with the cap `query` and `model` apply
+    (runtime.shapes.MAX_TOKENS_PER_GPU), exit 2, no rank launched: not 2 ranks failing to allocate 819 GB."""
     from moetune.runtime.testing import launch as launch_mod
 
     def no_launch(*a: object, **kw: object) -> None:

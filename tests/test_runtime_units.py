@@ -327,7 +327,7 @@ def test_a_buffer_whose_set_up_fails_after_its_transport_closes_the_transport(mo
 
 
 def test_a_second_thread_inside_a_buffer_call_is_refused(monkeypatch) -> None:
-    """Two threads calling one EPBuffer at once mixed their tokens in its reused rows without a word; now the second
+    """Two threads calling one EPBuffer at once would mix their tokens in its reused rows without a word: the second
     call raises while the first is inside, the first finishes right, and the buffer serves either thread after."""
     import threading
 
@@ -370,8 +370,8 @@ def test_a_second_thread_inside_a_buffer_call_is_refused(monkeypatch) -> None:
 def test_a_second_thread_is_refused_while_pipelined_moe_runs_the_experts(dense: bool) -> None:
     """pipelined_moe is a sequence of the buffer's calls (plan, pack, post_dispatch, unpack, post_combine, ...) whose
     later chunks' transfers still read the reused send/stage rows while expert_fn runs on an earlier chunk; each step
-    held the one-thread guard only for itself, so another thread's dispatch (or close()) between two steps ran
-    without a word. Now the whole pipelined_moe is one call: the other thread's dispatch and close raise, the
+    holding the one-thread guard only for itself would let another thread's dispatch (or close()) run between two
+    steps without a word. The whole pipelined_moe is one call: the other thread's dispatch and close raise, the
     pipeline finishes right, and the buffer serves (and closes) after."""
     import threading
 

@@ -209,9 +209,9 @@ def test_cli_import_of_escape_sequences_exits_2_and_prints_none(tmp_path, export
 
 
 def test_an_import_reads_the_stored_rows_once_not_per_record(tmp_path: Path) -> None:
-    """Each record cost two queries with twelve-column filters (already stored? the current one?): 4,000 records took
-    ~50 s holding the write lock. Now the import's fingerprints' rows are read once: a file imported again (nothing to
-    write) runs a handful of SELECTs whatever its size, and a first import one re-read per inserted row."""
+    """The import's fingerprints' rows are read once: a file imported again (nothing to write) runs a handful of
+    SELECTs whatever its size, and a first import one re-read per inserted row. Two queries with twelve-column
+    filters a record (already stored? the current one?) take ~50 s for 4,000 records, holding the write lock."""
     from sqlalchemy import event
 
     buckets = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

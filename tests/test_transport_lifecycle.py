@@ -232,10 +232,10 @@ def test_a_closed_transport_says_so_and_never_hands_c_a_freed_handle(fake_gpu: t
                                               (ProxyTransport, "mt_proxy_destroy")])
 def test_close_raises_naming_a_destroy_that_leaked_and_keeps_the_buffers(fake_gpu: tuple, cls: type,
                                                                          destroy: str) -> None:
-    """A native destroy past its timeout leaks what a kernel or stream may still write and returns nonzero; close()
-    ignored that (the leak showed in mt_last_error only) and freed the symmetric buffers the kernel addresses. Now
-    close() raises a RuntimeError naming the destroy and its message, keeps the buffers, and still stops the rest
-    (the proxy's engine after its kernel context)."""
+    """A native destroy past its timeout leaks what a kernel or stream may still write and returns nonzero: close()
+    raises a RuntimeError naming the destroy and its message, keeps the symmetric buffers the kernel addresses
+    (rather than free them with the leak shown in mt_last_error only), and still stops the rest (the proxy's engine
+    after its kernel context)."""
     log, fail = fake_gpu
     t = _build(cls, max_send_rows=8, row_bytes=256)
     fail.add(destroy)
@@ -253,9 +253,9 @@ def test_close_raises_naming_a_destroy_that_leaked_and_keeps_the_buffers(fake_gp
 
 def test_close_leaks_the_buffers_when_the_current_stream_does_not_finish(fake_gpu: tuple,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """close() waited with torch.cuda.synchronize (no bound, and every library's work on the device); now it polls
-    an event on the current stream for timeout_s. Past it the native context is still destroyed (bounded) but the
-    buffers the returned views alias are kept, and close() says so."""
+    """close() polls an event on the current stream for timeout_s, not torch.cuda.synchronize (no bound, and every
+    library's work on the device). Past it the native context is still destroyed (bounded) but the buffers the
+    returned views alias are kept, and close() says so."""
     log, _fail = fake_gpu
     t = _build(NvlinkTransport, max_send_rows=8, row_bytes=256)
     monkeypatch.setattr(_onesided.OneSidedTransport, "_current_stream_done", lambda self, timeout_s: False)
@@ -290,9 +290,9 @@ def test_proxy_engine_close_raises_and_its_finalizer_warns_where_destroy_leaked(
 
 @pytest.mark.parametrize("cls", [NvlinkTransport, ProxyTransport])
 def test_a_transport_dropped_without_close_destroys_its_native_context_once(fake_gpu: tuple, cls: type) -> None:
-    """nvlink had no finalizer: a transport dropped without close() never ran mt_nvl_destroy, so its context's device
-    memory (error record, abort flag, group counters, epochs) leaked. Now collecting it destroys the context, once,
-    and leaves the symmetric buffers alone as the proxy does; a close() before means no second destroy."""
+    """A transport dropped without close() is finalized: collecting it runs mt_nvl_destroy, once, so its context's
+    device memory (error record, abort flag, group counters, epochs) is not leaked, and leaves the symmetric buffers
+    alone as the proxy does; a close() before means no second destroy."""
     import gc
 
     log, _fail = fake_gpu
@@ -563,9 +563,9 @@ def test_symm_buffer_release_failure_is_a_note_on_the_cause(ipc_world: list[tupl
 
 
 def test_a_reserve_whose_new_buffer_fails_keeps_no_freed_buffer(fake_gpu: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """reserve() closed the old receive buffer and then allocated the larger one; when that failed, the transport kept
-    the closed buffer (and its size) as its data buffer: the next exchange that fitted the old size viewed freed
-    memory, and close() closed it a second time. Now it has no data buffer: the next call reserves anew."""
+    """reserve() closes the old receive buffer and then allocates the larger one; when that fails, the transport has
+    no data buffer and the next call reserves anew. Keeping the closed buffer (and its size) would let the next
+    exchange that fits the old size view freed memory, and close() close it a second time."""
     log, _fail = fake_gpu
     t = _build(NvlinkTransport, max_send_rows=8, row_bytes=256)
 

@@ -866,8 +866,8 @@ def test_an_empty_database_file_is_said_to_be_no_moetune_database(tmp_path: Path
 
 def test_the_daemons_fabric_is_asked_once_per_process_not_per_autoload(fake, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """autoload makes a client per resolution, and the identity memo lived on the client: every resolution sent
-    get_profile AND fabric (a ~24 KB reply). Now one fabric request per daemon start for the process."""
+    """autoload makes a client per resolution, so the identity memo is the process's, not the client's: one fabric
+    request per daemon start for the process, not get_profile AND fabric (a ~24 KB reply) for every resolution."""
     d = fake(lambda req: ok_reply(req["id"], result()))
     monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
     autoload.clear_cache()

@@ -73,10 +73,10 @@ def test_retune_without_calibrated_model_says_so_and_writes_no_preset(tmp_path: 
 
 def test_a_users_retune_that_could_only_fail_is_refused_not_queued(tmp_path: Path) -> None:
     """After a bring-up whose calibration was refused (no node-<fp>.toml), `retune --all` with [tune] backend =
-    "model" queued a job (exit 0) that failed saying "run `moetune profile` on this node", which only resumed the
-    finished bring-up and wrote no model again. Now the request is refused up front with the reason, and the
-    advice names what writes a model (`moetune profile --restart`) or measures (backend "local"). With the node
-    model there, the same request is queued."""
+    "model" is refused up front with the reason, and the advice names what writes a model (`moetune profile
+    --restart`) or measures (backend "local"): not a queued job (exit 0) failing with "run `moetune profile` on this
+    node", which would only resume the finished bring-up and write no model again. With the node model there, the
+    same request is queued."""
     facts = F.FakeFacts({"gpu_model": "H200"})
     store = F.open_store(tmp_path / "moetune.db")
     F.seed_profiles(store, facts, ep_size=2, buckets=(64,))

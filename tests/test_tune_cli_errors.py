@@ -28,8 +28,8 @@ def _clean_exit(r, code: int = 2) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_store_error_after_the_trials_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A corrupt or locked profile database (or a full disk) raised StoreError from the profile write after the
-    trials ran: exit 1 with a Rich traceback. Now: the database named, and that the trials are kept."""
+    """A corrupt or locked profile database (or a full disk) raising StoreError from the profile write after the
+    trials ran: one line naming the database and saying the trials are kept, not a Rich traceback."""
     from moetune.tuner.store import Store, StoreError
 
     db = tmp_path / "x.db"
@@ -204,11 +204,11 @@ def _tune_child(args: list[str], tmp_path: Path) -> tuple[int, str]:
 
 
 def test_a_full_disk_under_the_studies_file_exits_1_and_the_study_resumes(tmp_path: Path) -> None:
-    """A studies file on a full disk (a real 1 MiB tmpfs, filled to a few KiB): SQLite's "disk I/O error" or
-    "database or disk is full" reached the generic branches: "cannot open the study storage" (exit 2) when it was
-    opened, "the tune stopped on an Optuna error (StorageInternalError ...)" (exit 2) or Optuna's own AssertionError
-    ("Should not reach.", a traceback) mid-run. Now: exit 1, naming the folder, free space and run the same command
-    again; it resumes the trials the file holds."""
+    """A studies file on a full disk (a real 1 MiB tmpfs, filled to a few KiB): exit 1, naming the folder, free
+    space and run the same command again; it resumes the trials the file holds. SQLite's "disk I/O error" or
+    "database or disk is full" must not reach the generic branches: "cannot open the study storage" (exit 2) when it
+    is opened, "the tune stopped on an Optuna error (StorageInternalError ...)" (exit 2) or Optuna's own
+    AssertionError ("Should not reach.", a traceback) mid-run."""
     import re
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -239,8 +239,8 @@ def test_a_full_disk_under_the_studies_file_exits_1_and_the_study_resumes(tmp_pa
 
 def test_a_full_disk_under_the_profile_database_after_the_trials_says_free_space(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A StoreFull from the profile write after the trials got the damaged file's advice ("fix the database (or pass
-    another --db)"): nothing is wrong with the file. Now: exit 1, free space and run the same command again; the
+    """A StoreFull from the profile write after the trials: exit 1, free space and run the same command again, not
+    the damaged file's advice ("fix the database (or pass another --db)"): nothing is wrong with the file. The
     trials are kept and a re-run with room stores the profile."""
     from moetune.tuner.store import Store, StoreFull
 
@@ -263,8 +263,8 @@ def test_a_full_disk_under_the_profile_database_after_the_trials_says_free_space
 
 
 def test_tokens_above_the_largest_bucket_are_refused(tmp_path: Path) -> None:
-    """`--tokens 99999999999` was tuned and stored at S=65536, rc 0, while `profile` refused it: now the same rule and
-    words as `profile` (tuner/cli/_args.tokens_over_bucket), exit 2, no database made."""
+    """`--tokens 99999999999` is refused with the same rule and words as `profile` (tuner/cli/_args.tokens_over_bucket),
+    exit 2, no database made, not tuned and stored at S=65536."""
     db = tmp_path / "x.db"
     r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--tokens", "128,99999999999",
                             "--db", str(db)])
@@ -295,8 +295,8 @@ def test_counts_sharing_a_bucket_are_tuned_once_and_said_once(tmp_path: Path) ->
     (["--backend", "local", "--node-model"], "--node-model"),
 ])
 def test_an_option_the_backend_does_not_read_is_refused(tmp_path: Path, args: list[str], named: str) -> None:
-    """Each was accepted and did nothing (`--backend model --world 4` tuned as without it): now exit 2 naming it
-    and why, before any database."""
+    """Each is refused, exit 2 naming it and why, before any database: accepted, it would do nothing (`--backend
+    model --world 4` tuning as without it)."""
     db = tmp_path / "x.db"
     r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--tokens", "128", *args,
                             "--db", str(db)] if "--node-model" not in args else
@@ -315,8 +315,8 @@ def test_a_preset_with_the_local_backend_is_refused(tmp_path: Path) -> None:
 
 
 def test_tune_show_says_interrupted_never_none(tmp_path: Path) -> None:
-    """A trial ended by SIGTERM/Ctrl-C has no `error`: `tune show --study` printed "trial N failed: None". Now
-    "interrupted" (trials.is_interrupted), and a failed measurement keeps its own reason."""
+    """A trial ended by SIGTERM/Ctrl-C has no `error`: `tune show --study` says "interrupted"
+    (trials.is_interrupted), not "trial N failed: None", and a failed measurement keeps its own reason."""
     import json
 
     db = tmp_path / "x.db"

@@ -209,8 +209,8 @@ def test_the_store_and_the_studies_storage_word_one_rule_alike(tmp_path: Path,
 
 def test_a_fifo_at_the_lock_name_does_not_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """A FIFO planted at `<file>.lock` (a sticky shared folder, another user): the read-only open waited for a writer
-    for ever. Now: opened without blocking, refused as not a regular file, and the creation is retried."""
+    """A FIFO planted at `<file>.lock` (a sticky shared folder, another user) is opened without blocking (a
+    read-only open would wait for a writer for ever), refused as not a regular file, and the creation is retried."""
     import threading
 
     db = tmp_path / "s.db"

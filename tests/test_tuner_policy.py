@@ -155,8 +155,8 @@ def test_defaults_are_plain_knob_sets() -> None:
 
 
 def test_an_override_of_no_known_family_is_refused(tmp_path: Path) -> None:
-    """`[policy] family = "ibgdaa"` matched no family: the override applied to nothing and the tune ran without a
-    word. Now it is refused, the valid families named; a prefix (proxy) and a provider's family still apply."""
+    """`[policy] family = "ibgdaa"` matches no family: refused, the valid families named, rather than an override
+    applied to nothing and a tune run without a word; a prefix (proxy) and a provider's family still apply."""
     typo = tmp_path / "typo.toml"
     typo.write_text('[policy]\nfamily = "ibgdaa"\n[knobs]\nnum_sms = [1]\n')
     for fam in ("ibgda", "nvlink"):  # whichever family is loaded

@@ -133,8 +133,9 @@ def test_an_interrupted_run_records_the_trials_that_finished(tmp_path: Path) -> 
 
 def test_a_store_that_cannot_close_the_row_does_not_hide_what_ended_the_run(tmp_path: Path,
                                                                             caplog: Any) -> None:
-    """A Ctrl-C (or an error) ended the run and then its row could not be closed (a full disk): the StoreFull from
-    `finish_run` replaced the KeyboardInterrupt; now the interrupt propagates and the store's error is logged."""
+    """A Ctrl-C (or an error) ended the run and then its row could not be closed (a full disk): the interrupt
+    propagates and the store's error is logged; the StoreFull from `finish_run` must not replace the
+    KeyboardInterrupt."""
     import pytest
 
     from moetune.runtime.shapes import get_model

@@ -216,8 +216,8 @@ def _cli(*args: str) -> Any:
 
 @pytest.mark.parametrize("scale", [0.0, 1.05])
 def test_bench_moe_fails_an_engine_whose_output_is_wrong(monkeypatch: pytest.MonkeyPatch, scale: float) -> None:
-    """rel_err_vs_unfused was reported beside the timings and never bounded: an engine computing zeros was a timing
-    row. Now over PAIR_REL_ERR_BOUND (0.02: two right bf16 layers' difference) the case fails at that S."""
+    """rel_err_vs_unfused is bounded, not only reported beside the timings: over PAIR_REL_ERR_BOUND (0.02: two right
+    bf16 layers' difference) the case fails at that S, so an engine computing zeros is no timing row."""
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe as M
 
@@ -252,7 +252,7 @@ def test_moe_scenario_records_a_wrong_engine_as_failed(monkeypatch: pytest.Monke
 
 
 def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """rel_err_vs_base was reported beside the differences and never bounded; now over 0.02 the variant fails."""
+    """rel_err_vs_base is bounded, not only reported beside the differences: over 0.02 the variant fails."""
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe_compare as MC
 
@@ -283,9 +283,9 @@ def test_bench_knobs_fails_a_variant_whose_output_is_wrong(monkeypatch: pytest.M
 
 def test_bench_moe_without_the_unfused_engine_checks_each_engine_against_the_fp32_reference(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Every output was checked against the unfused engine's only: `bench moe --engine megakernel` (the unfused engine
-    not timed) checked nothing, and a megakernel writing zeros was stored as a timing. Now each engine is checked
-    against the fp32 dense reference where the unfused engine is not beside it."""
+    """Where the unfused engine is not beside it (`bench moe --engine megakernel`), each engine is checked against
+    the fp32 dense reference: checked against the unfused engine's output only, it would be checked against nothing,
+    and a megakernel writing zeros stored as a timing."""
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe as M
 
@@ -309,9 +309,9 @@ def test_bench_moe_without_the_unfused_engine_checks_each_engine_against_the_fp3
 
 
 def test_bench_moe_checks_the_unfused_engine_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The unfused engine's output was every other engine's reference and checked against nothing: a wrong unfused
-    layer was a timing row, and right engines beside it failed. Now it is checked against the fp32 reference, and
-    where it is wrong the others are checked against that reference instead."""
+    """The unfused engine's output, every other engine's reference, is itself checked against the fp32 reference,
+    and where it is wrong the others are checked against that reference instead: a wrong unfused layer must not be
+    a timing row, nor fail the right engines beside it."""
     from moetune.runtime.moe_layer import MoELayer
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe as M
@@ -331,9 +331,9 @@ def test_bench_moe_checks_the_unfused_engine_itself(monkeypatch: pytest.MonkeyPa
 
 def test_bench_knobs_checks_the_base_against_the_fp32_reference(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
-    """The base variant was never checked (`wrong = None if n == base`): a megakernel base writing zeros was timed,
-    and every right variant beside it failed as 'not the base's output'. Now the base fails, and the others are
-    checked against the fp32 reference, with no difference to the wrong base."""
+    """The base variant is checked too: a megakernel base writing zeros fails, and the others are checked against the
+    fp32 reference, with no difference to the wrong base, rather than timed as the base with every right variant
+    beside it failing as 'not the base's output'."""
     from moetune.runtime.shapes import get_model
     from moetune.tuner.measure import moe_compare as MC
 
@@ -370,9 +370,9 @@ def test_bench_knobs_checks_the_base_against_the_fp32_reference(monkeypatch: pyt
 @pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
 def test_bench_knobs_says_why_there_is_no_difference_where_the_base_failed(monkeypatch: pytest.MonkeyPatch,
                                                                             base: str, as_json: bool) -> None:
-    """A base whose output was wrong (a megakernel writing zeros) or whose launches failed is a failed case: `_skips`
-    exited 1 on it before `_no_differences` ran, so the right variant beside it was a timing row with an empty
-    "minus base" and no word of why. Now the reason is said too, then one exit 1."""
+    """A base whose output was wrong (a megakernel writing zeros) or whose launches failed is a failed case: the
+    right variant beside it says why it has no "minus base", then one exit 1 (exiting before `_no_differences` runs
+    would leave that row's "minus base" empty without a word)."""
     from moetune.runtime.megakernel.layer import MegakernelError
 
     _megakernel_on_cpu(monkeypatch, 0.0 if base == "wrong" else 1.0)
