@@ -1,15 +1,15 @@
 """`moetune tune` / `moetune profile` from start to end: signals, the GPUs a run needs, its studies file, its options:
 
-- SIGTERM (`kill`, `timeout`) ended a local tune at once, exit 143 with no message, and left the bench worker and
-  its ranks measuring, re-parented to init; now it ends as Ctrl-C does, and the worker (and its ranks) end when the
-  tuning process is gone however it ended.
-- a second Ctrl-C that landed in Optuna's clean-up of the first printed a traceback (UnboundLocalError) and exited
-  1; an error raised while an interrupt unwinds now ends the command as that interrupt (one line, 130).
-- `--comm nccl` on a machine without CUDA GPUs started the ranks and failed ~11 s later in init; refused up front.
-- two profile databases of one folder shared one default studies file: a tune of the second resumed the first's
-  finished studies and ran no trial.
-- errors that named no option (`--seed -1`) or three (`profile --model foo`), and `profile --plan`'s help that
-  listed 6 of the 11 keys it takes.
+- SIGTERM (`kill`, `timeout`) ends a local tune as Ctrl-C does (not at once, exit 143 with no message), and the
+  bench worker (and its ranks) end when the tuning process is gone however it ended, never left measuring,
+  re-parented to init.
+- an error raised while an interrupt unwinds (a second Ctrl-C landing in Optuna's clean-up of the first) ends the
+  command as that interrupt (one line, 130), not in a traceback (UnboundLocalError) and exit 1.
+- `--comm nccl` on a machine without CUDA GPUs is refused up front, not ~11 s later in the ranks' init.
+- two profile databases of one folder do not share one default studies file (a tune of the second would resume
+  the first's finished studies and run no trial).
+- errors name the one option at fault (not none for `--seed -1`, nor three for `profile --model foo`), and
+  `profile --plan`'s help lists every key it takes.
 """
 
 from __future__ import annotations
