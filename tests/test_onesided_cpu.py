@@ -602,9 +602,9 @@ def test_proxy_exchange_alone_times_out_in_host_simulation(sim_lib: ctypes.CDLL)
 
 def test_proxy_calls_give_the_caller_its_own_device_back_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
     """Building, using and destroying a proxy transport on device 1 leaves the calling thread's current device as it
-    was (3 here): every C entry point that switches device restores it on return (mt::DeviceGuard). Before, the
-    thread stayed on the transport's device (torch.cuda.set_device undone by a create, or by a GC finalizer's
-    destroy on any thread)."""
+    was (3 here): every C entry point that switches device restores it on return (mt::DeviceGuard), or the thread
+    stays on the transport's device (torch.cuda.set_device undone by a create, or by a GC finalizer's destroy on
+    any thread)."""
     import numpy as np
 
     lib = sim_lib
@@ -649,9 +649,9 @@ def test_proxy_calls_give_the_caller_its_own_device_back_in_host_simulation(sim_
 def test_a_huge_timeout_waits_instead_of_failing_at_once_in_host_simulation(sim_lib: ctypes.CDLL,
                                                                             timeout_s: float) -> None:
     """timeout_s=1e11 (or inf) means "wait as long as it takes" (the library caps it at a week, mt::timeout_ns): an
-    exchange that needs a few waits succeeds. Before, (uint64_t)(timeout_s * 1e9) was out of range (gcc gave 0) and
-    every wait that did not see its word at once timed out. Asynchronous streams with a copy delay make the waits
-    real."""
+    exchange that needs a few waits succeeds: (uint64_t)(timeout_s * 1e9) is out of range (gcc gives 0), and
+    uncapped would time out every wait that does not see its word at once. Asynchronous streams with a copy delay
+    make the waits real."""
     import numpy as np
 
     world, rb, rows = 2, 32, 6
@@ -934,9 +934,8 @@ def test_creation_is_bounded_when_the_device_never_idles_in_host_simulation(sim_
     """mt_proxy_create and mt_pxy_create wait for their set-up memsets within a bound (mt::setup_sync_within), as the
     destroys wait, instead of a bare cudaDeviceSynchronize: here the simulated device never becomes idle (a stuck
     persistent kernel) until the test says so. The engine's create returns 216 past the timeout_s it was given (ABI
-    23; it waited a fixed 20 s before, whatever the caller configured), the kernel context's 326 past the context's
-    timeout, each naming the leak in mt_last_error and freeing nothing a queued memset may still write. Before, both
-    hung until the device was idle. Once it is, both succeed as before."""
+    23), the kernel context's 326 past the context's timeout, each naming the leak in mt_last_error and freeing nothing
+    a queued memset may still write; neither waits for the device to be idle. Once it is, both succeed."""
     import numpy as np
 
     lib = sim_lib
@@ -1223,7 +1222,7 @@ def test_proxy_engine_reports_its_cpus_and_warns_once_when_pinning_fails(sim_lib
 def test_an_explicit_zero_timeout_is_not_the_default_in_host_simulation(sim_lib: ctypes.CDLL,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """ProxyEngine.quiesce(timeout=0) looks once and fails at once while a copy is still in flight (every copy 2 s
-    late here); before, `timeout or timeout_s` turned the 0 into the engine's 30 s and it waited. None is the engine's
+    late here), not taken as the engine's 30 s (as `timeout or timeout_s` would take a 0). None is the engine's
     timeout; a negative or non-finite timeout is refused naming the argument (the C side read it as 0, or saturated
     inf), a non-number too."""
     from moetune.runtime import csrc_build
@@ -1296,9 +1295,9 @@ def test_the_engines_of_many_layers_all_get_the_numa_set_in_host_simulation(
 
 def test_more_ranks_than_one_node_holds_are_refused_among_the_buffers_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """nvlink and proxy serve at most MAX_WORLD (8) ranks (csrc MT_MAX_WORLD). EPBuffer's local checks (the first
-    agreement, before autoload and any allocation) let a larger group through: every rank went on and raised a
-    RuntimeError ('world 16 > 8') only in the transport's constructor. Now its transport check refuses it, as a
-    KnobError naming the knob, and the constructor raises the same."""
+    agreement, before autoload and any allocation) refuse a larger group in the transport check, as a KnobError
+    naming the knob, and the constructor raises the same: let through, every rank would go on and raise a
+    RuntimeError ('world 16 > 8') only in the transport's constructor."""
     import torch
     import torch.distributed as dist
 
