@@ -65,7 +65,7 @@ def test_a_model_search_asks_only_the_knobs_the_model_reads(transport: str) -> N
     for k in space.enumerate():
         assert all(k.to_dict()[n] == defaults[n] for n in pinned)
     # without pinning, the policies offer knobs the model cannot tell apart (the gap this closes); the proxy
-    # policy no longer offers pipeline_depth (the proxy runtime ignores it, tuner/search/space.py RUNTIME_READS);
+    # policy does not offer pipeline_depth (the proxy runtime ignores it, tuner/search/space.py RUNTIME_READS);
     # the collective policy's pipeline_depth and channels are read by the model (its payload calls), so nothing
     # of it is pinned
     if transport in ("host_staged", "ibgda"):

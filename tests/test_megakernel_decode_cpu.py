@@ -81,7 +81,7 @@ def test_an_aborted_launch_writes_no_finite_row_over_missing_h(shape):
         stale_before += dec.simulate(p, seed=seed, failed=fail, timeout_polls=50, nan_if_aborted=False).rows_stale
         sim = dec.simulate(p, seed=seed)  # no failure: nothing NaN
         assert not sim.aborted and sim.rows_nan == [0] * h and sim.rows_stale == 0
-    assert stale_before > 0  # the kernel before: finite rows over h never computed
+    assert stale_before > 0  # without the NaN on abort (nan_if_aborted=False): finite rows over h never computed
 
 
 def test_plan_rejects_bad_sizes():

@@ -1,6 +1,6 @@
 """The microbenchmarks that feed the node model's calibration run with NVLink SHARP off (NCCL_NVLS_ENABLE=0) and
 torch's symmetric memory without multicast: a declared measurement setting (`micro.MEASUREMENT_ENV`), recorded
-with every row (and the node model calibrated on them), no longer set silently."""
+with every row (and the node model calibrated on them), never set silently."""
 
 from __future__ import annotations
 

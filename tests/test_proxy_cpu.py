@@ -172,7 +172,7 @@ def test_none_and_explicit_settings(tmp_path: Path) -> None:
 
 def test_the_docs_say_the_fifo_pages_follow_the_pinned_set() -> None:
     """mt_proxy_create places the FIFO and control pages on the set's NUMA node (place_pages) before it falls back
-    to cudaHostAlloc, and before the thread exists: the docs must say so, and no longer that pinning places the
+    to cudaHostAlloc, and before the thread exists: the docs must say so, and not that pinning places the
     thread only (tests/test_proxy_numa.py checks the placement itself)."""
     engine = (ROOT / "csrc" / "proxy_engine.cpp").read_text()
     create = engine[engine.index("MT_API int mt_proxy_create("):]

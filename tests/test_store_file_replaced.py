@@ -49,7 +49,7 @@ def test_a_write_after_the_file_was_deleted_is_refused_not_lost(tmp_path: Path) 
 
 def test_a_file_replaced_under_the_store_gets_no_write_of_it(tmp_path: Path) -> None:
     """(The old file's -wal, left at the path, is SQLite's to read over the replacement: a file restored over a live
-    database is the user's to stop the daemon for. What the store no longer does is add to it.)"""
+    database is the user's to stop the daemon for. What the store must not do is add to it.)"""
     db, other = tmp_path / "m.db", tmp_path / "backup.db"
     with Store(other) as s:
         s.add_event(kind="job_queued", reason="the backup's", details={"job_id": 1})

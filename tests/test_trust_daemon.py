@@ -507,8 +507,8 @@ def test_index_prefers_a_measurement_within_reach_over_a_nearer_prediction() -> 
 
 
 def test_read_profiles_reports_a_store_error_as_is(tmp_path: Path) -> None:
-    """A locked or broken database is a StoreError for the caller; the old row-by-row retry imported a helper the
-    store no longer has and turned it into an ImportError (unreadable rows are skipped by list_profiles itself)."""
+    """A locked or broken database is a StoreError for the caller, as it is, not turned into another error by a
+    row-by-row retry (unreadable rows are skipped by list_profiles itself)."""
     from moetune.tuner.daemon.index import read_profiles
     from moetune.tuner.store.store import StoreError
 

@@ -74,7 +74,7 @@ def test_ignored_knobs_stay_at_the_policy_default(family: str) -> None:
         for name in ("num_sms", "pipeline_depth", "chunk_tokens", "channels"):
             if name not in reads:
                 assert getattr(k, name) == getattr(pol.defaults, name), (family, name)
-    # the policy files no longer list them either
+    # nor do the policy files list them
     for name in pol.knobs:
         assert name in reads or name in ("compression", "scale_granularity", "signalling", "fence_mode",
                                           "qp_mapping", "qps_per_pe"), (family, name)
@@ -121,7 +121,7 @@ def test_priors_and_tune_do_not_reintroduce_ignored_knobs() -> None:
 
 def test_fabric_model_reads_agree_where_the_runtime_is_restricted() -> None:
     # the fabric model never varies a knob this runtime ignores, except where noted (reported, not fixed here)
-    known = {"proxy": {"num_sms"}}  # host_staged: the model no longer reads num_sms either
+    known = {"proxy": {"num_sms"}}  # host_staged: the model does not read num_sms either
     for t, reads in RUNTIME_READS.items():
         plain_model = {n for n in KNOBS_READ[t] if n in ("num_sms", "pipeline_depth", "chunk_tokens", "channels")}
         assert plain_model - reads <= known.get(t, set()), (t, plain_model - reads)
