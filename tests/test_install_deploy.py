@@ -17,6 +17,9 @@ from moetune.tuner.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = resources.files("moetune.tuner.daemon") / "deploy"
+# where clients look for a system daemon, read at import: tests/conftest.py moves it during each test (a node's real
+# /run/moetune must not answer a test)
+SYSTEM_RUNTIME_DIR = paths.SYSTEM_RUNTIME_DIR
 
 
 def _unit() -> configparser.SectionProxy:
@@ -58,7 +61,7 @@ def test_example_config_matches_the_unit() -> None:
     assert Path(cfg.store.db).parent == state and state in writable
     for endpoint in (cfg.daemon.socket, cfg.daemon.pub_socket):
         sock = paths.ipc_path(endpoint)
-        assert sock is not None and sock.parent == run == paths.SYSTEM_RUNTIME_DIR and run in writable
+        assert sock is not None and sock.parent == run == SYSTEM_RUNTIME_DIR and run in writable
     # systemd makes /run/<RuntimeDirectory> owned by User:Group with RuntimeDirectoryMode and the daemon never
     # chmods a directory it did not create: group members can reach the 0660 sockets only through a group that
     # may enter it (before, the unit said group moetune-clients while the directory was 0750 moetune:moetune).
