@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_checks import alive, gone_within, kill  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def python_sigint_handler() -> Iterator[None]:
+    """Python's own SIGINT handler, as in a terminal, for a test that sends this process a Ctrl-C. A pytest started
+    with SIGINT ignored (`nohup`, `cmd &` in a non-interactive shell) keeps it ignored, and the CLI then leaves
+    SIGINT alone, as it must: the Ctrl-C would never arrive and the test would fail for how it was started."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 # A stand-in for the bench worker (no torch): ready at once, one "rank" child in its process group, and a case
@@ -425,6 +436,7 @@ def _after_begin_line() -> int:
     raise AssertionError("unreachable")
 
 
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_ctrl_c_inside_a_study_storage_transaction_ends_the_tune_as_an_interrupt(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An interrupt may land inside SQLAlchemy's bookkeeping of a study-storage transaction, after BEGIN IMMEDIATE
@@ -481,6 +493,7 @@ def test_ctrl_c_inside_a_study_storage_transaction_ends_the_tune_as_an_interrupt
     assert all(t.state != optuna.trial.TrialState.RUNNING for t in trials), states
 
 
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_an_error_after_a_received_interrupt_is_that_interrupt(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same find's other half: Optuna caught the interrupt (to fail the trial), and its own clean-up then raised
     an error whose chain does not hold it (StorageInternalError, then "AssertionError: Should not reach."). An error
