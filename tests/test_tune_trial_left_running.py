@@ -67,6 +67,16 @@ def ctrl_c() -> Any:
     signal.signal(signal.SIGINT, old)
 
 
+@pytest.fixture
+def python_sigint_handler() -> Any:
+    """Python's own SIGINT handler, as in a terminal, for a test of the CLI's: a pytest started with SIGINT ignored
+    (`nohup`, `cmd &` in a non-interactive shell) keeps it ignored, and the CLI then leaves SIGINT alone, as it must:
+    the Ctrl-C would never arrive and the test would fail for how it was started."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 def _once(when: Callable[..., bool], then: Callable[[], None] = _sigint) -> Callable[..., bool]:
     """`when`, true the first time only, running `then` there."""
     fired: list[bool] = []
@@ -310,6 +320,7 @@ def test_a_dead_owners_trial_is_failed_on_resume_and_a_live_owners_is_not(tmp_pa
         child.communicate(input="", timeout=60)
 
 
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_tune_interrupted_inside_ask_says_so_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`moetune tune` with a Ctrl-C (its own handler) inside the creation of a trial: one line, exit 130, no trial
     left RUNNING; `tune show` counts the cut trial as interrupted, not as a trial; the same command resumes to the
