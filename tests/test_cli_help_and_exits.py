@@ -287,3 +287,68 @@ def test_bench_moe_shows_each_case_as_it_runs(monkeypatch: pytest.MonkeyPatch) -
     assert err.index("unfused S=4 (1/2)") < err.index("unfused S=16 (2/2)")
     rep = json.loads(r.stdout)  # the whole of stdout: nothing else printed there
     assert [c["S"] for c in rep["cases"]] == [4, 16]
+
+
+# -- Ctrl-C before a command's own handling: one line, exit 130, never a traceback ---------------------------------
+# A Ctrl-C that lands while the module NAME is imported: the handler raises KeyboardInterrupt in the import, as a real
+# Ctrl-C does (sent from inside the process, so the test does not depend on timing)
+_CTRL_C_AT_IMPORT = """
+import os, signal, sys
+class CtrlCAt:
+    def find_spec(self, name, path=None, target=None):
+        if name == {name!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, CtrlCAt())
+sys.argv = ["moetune", *{args!r}]
+from moetune.tuner.cli import main
+main()
+"""
+
+# `moetune profile` with a Ctrl-C while its fabric discovery reads the node (the bring-up flow's construction)
+_CTRL_C_IN_DISCOVERY = """
+import sys
+from moetune.tuner.bringup import flow
+class Discovering:
+    def __init__(self, **kw):
+        raise KeyboardInterrupt
+flow.Bringup = Discovering
+sys.argv = ["moetune", "profile", "--quick"]
+from moetune.tuner.cli import main
+main()
+"""
+
+
+def _script(code: str, home: Path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"),
+           "MOETUNE_CONFIG": "", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=100)
+
+
+@pytest.mark.parametrize("name", ["importlib.metadata", "typer", "rich.console"])
+def test_ctrl_c_while_the_cli_is_imported_is_one_line_and_exit_130(tmp_path: Path, name: str) -> None:
+    """A Ctrl-C in the first few tenths of a second of any command (the imports of `moetune.tuner` and of the app)
+    printed a traceback from inside an import and ended the process by the signal, before the CLI had any code
+    running to catch it."""
+    groups = sorted({path[0] for path, _cmd in cli_commands()})
+    assert {"profile", "tune", "serve", "db"} <= set(groups)
+    for group in groups:
+        r = _script(_CTRL_C_AT_IMPORT.format(name=name, args=[group]), tmp_path / "home")
+        assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, (group, r.stderr[-2000:])
+        assert r.returncode == 130, (group, r.returncode, r.stderr[-2000:])
+        assert r.stderr.strip().splitlines() == ["interrupted: before the command started; nothing was done"], group
+
+
+@pytest.mark.parametrize("code", [_CTRL_C_AT_IMPORT.format(name="optuna", args=["profile", "--quick"]),
+                                  _CTRL_C_IN_DISCOVERY], ids=["its-imports", "discovery"])
+def test_ctrl_c_before_profiles_stages_start_is_one_line_and_exit_130(tmp_path: Path, code: str) -> None:
+    """`moetune profile` interrupted in its own imports or its fabric discovery, before its stages (and their
+    "interrupted: ..." line) start: Typer made that a bare exit 130 with nothing said."""
+    r = _script(code, tmp_path / "home")
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines() == ["interrupted"], r.stderr

@@ -1,0 +1,96 @@
+"""The `moetune` command line: the one Typer app, its command groups registered (one module each), and `run`, which
+`moetune.tuner.cli.main` calls once this module is imported."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import sys
+
+import typer
+
+from moetune.tuner import __version__
+from moetune.tuner.cli import _help, bench, db, fabric, keys, model, profile, profiles, query, serve, tune
+from moetune.tuner.cli._args import WRITE_FAILED_ERRNOS
+
+_help.apply()  # a flag shows no `<bool>`, two long names read `--a, --b` (Typer's Rich help)
+
+# The exit statuses of every command, stated once (tests/test_cli_path_errors.py holds the commands to it).
+EXIT_STATUS_HELP = (
+    "Exit status: 0 done. 2 the command line is wrong: a bad value or an empty path; an input file or folder that is "
+    "missing, unreadable or not what it should be (not a database, a newer one, bad TOML, JSON or CSV); an output path "
+    "that cannot be written (no permission, a read-only file system, no such folder, a file in the way). 1 the "
+    "command line is fine but the work failed: the database is busy, served by a daemon or not writable by this user; "
+    "a write ran out of space or hit an I/O error; the daemon, a measurement, a fit or a check failed. 130 / 143: "
+    "ended by Ctrl-C / SIGTERM."
+)
+
+app = typer.Typer(
+    name="moetune",
+    help="Profile the GPU fabric, tune MoE expert-parallel communication, keep and serve tuned profiles.",
+    epilog=EXIT_STATUS_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"moetune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """moetune: tuned expert-parallel communication for MoE models."""
+
+
+for module in (profile, query, serve):
+    module.register(app)
+app.add_typer(tune.app, name="tune")
+app.add_typer(fabric.app, name="fabric")
+app.add_typer(model.app, name="model")
+app.add_typer(bench.app, name="bench")
+app.add_typer(db.app, name="db")
+app.add_typer(profiles.app, name="profiles")
+app.add_typer(keys.app, name="keys")
+
+
+# the output itself cannot be written: a full disk (`>/dev/full`), a reader gone, an I/O error
+_OUTPUT_ERRNOS = WRITE_FAILED_ERRNOS | {errno.EPIPE}
+
+
+def run() -> None:
+    """The app run as the `moetune` entry point: an output that cannot be written ends the command with one line on
+    stderr and exit 1, not a traceback (the commands' own files say their errors themselves)."""
+    # SQLAlchemy's pool logs an error (with its traceback) when a connection's rollback is interrupted, e.g. by a
+    # second Ctrl-C while the first unwinds, and then re-raises it: with no handler configured Python's last-resort
+    # handler printed that traceback before the command's own "interrupted" line. The exception itself still ends
+    # the command the usual way.
+    logging.getLogger("sqlalchemy.pool").addHandler(logging.NullHandler())
+    try:
+        try:
+            app()
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # here, not at the interpreter's exit where its error is only printed
+            # the command has ended and its exit status is decided: a Ctrl-C during the interpreter's teardown
+            # (which puts Python's handlers back to the default, for a few tenths of a second once matplotlib and
+            # SQLAlchemy are loaded) killed the process, and a report written whole exited 130 with nothing undone.
+            # SIGTERM keeps its default, so a teardown that hangs (a thread that never ends) can still be ended.
+            with contextlib.suppress(ValueError):  # not the main thread: no signal handler can be set
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS or e.filename is not None:  # a named file's error is not the output's
+            raise
+        with contextlib.suppress(OSError, AttributeError):
+            sys.stderr.write(f"error: cannot write the output ({e.strerror or e})\n")
+        with contextlib.suppress(OSError, AttributeError, ValueError):  # keep the exit's own flush from failing
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
