@@ -95,6 +95,20 @@ def test_an_empty_path_is_refused_naming_the_option(command: list[str], words: l
     assert list(tmp_path.iterdir()) == []  # no database, report, key or home folder made
 
 
+@pytest.mark.parametrize(("command", "words", "name"), _PATHS)
+def test_a_path_too_long_for_the_file_system_is_refused_naming_the_option(command: list[str], words: list[str],
+                                                                           name: str, tmp_path: Path) -> None:
+    """A name over 255 bytes (a pasted value, a path glued to another): every later look at it (exists, is_dir,
+    open) raised "File name too long", and `db current --db`, `--config`, `profile --plan`, `report --out`, `model
+    predict --preset` ended in that traceback. Refused before anything runs, exit 2, naming the option."""
+    long = str(tmp_path / ("x" * 300))
+    r = _invoke([*command, *words, long], tmp_path)
+    said = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 2, said
+    assert f"Invalid value for '{name}'" in said and "is too long for the file system" in said, said
+    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit))
+
+
 def test_the_empty_path_check_leaves_the_help_as_typer_shows_a_path() -> None:
     """path_option's parser would show `<Path>`: the help keeps `<path>` (and `<list[Path]>` for --data)."""
     r = CliRunner().invoke(app, ["profile", "--help"], env={"COLUMNS": "200"})

@@ -84,7 +84,9 @@ def path_text(text: str) -> str:
     stdout, say): "" is refused, naming the argument (Click says "Invalid value for 'PATH': ..."); so is a path below
     a folder this user may not search (mode 0000): every later look at it (exists, is_dir) raised PermissionError,
     and `report --out`, `model sweep --out`, `bench summarize --out`, `fabric capture`, `db upgrade --db` ended in
-    its traceback."""
+    its traceback. So is a path the file system cannot name (a name over 255 bytes): exists() and is_dir() raise
+    its OSError, and `db current --db`, `--config`, `profile --plan`, `report --out`, `model predict --preset` (a
+    name too long) ended in that traceback."""
     import os
 
     import typer
@@ -96,7 +98,11 @@ def path_text(text: str) -> str:
     except PermissionError as e:
         raise typer.BadParameter(f"path {text!r} cannot be reached: a folder on the way may not be searched "
                                  f"({e.strerror or e})") from None
-    except (OSError, ValueError):  # missing, a dangling link, a NUL byte: the command's own checks say what is wrong
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise typer.BadParameter(f"path {text!r} is too long for the file system ({e.strerror or e})") from None
+        # missing, a dangling link: the command's own checks say what is wrong
+    except ValueError:  # a NUL byte: as a missing path, the command's own checks say so
         pass
     return text
 
