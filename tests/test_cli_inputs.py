@@ -225,6 +225,16 @@ def test_tune_names_a_bad_storage(tmp_path: Path) -> None:
     assert not any(folder.iterdir())
 
 
+def test_tune_and_show_name_a_storage_file_name_too_long(tmp_path: Path) -> None:
+    """A SQLite --storage whose file name is over 255 bytes: the error path's own is_dir() (tune) and `tune show`'s
+    exists() raised "File name too long" again, a traceback. One line naming --storage, exit 2, nothing created."""
+    url = f"sqlite:///{tmp_path / ('x' * 300)}.db"
+    db = ["--db", str(tmp_path / "m.db")]
+    for argv in ([*MODEL_TUNE, *db, "--storage", url], ["tune", "show", "--storage", url]):
+        _refused(_run(*argv, home=tmp_path / "home"), f"--storage {url}", "File name too long")
+    assert not (tmp_path / "m.db").exists()
+
+
 @pytest.mark.parametrize("url", ["", "  "])
 def test_tune_and_show_refuse_an_empty_storage(url: str, tmp_path: Path) -> None:
     """`--storage ""` was taken for the default studies file (`if storage:`): the tune ran and stored its studies in

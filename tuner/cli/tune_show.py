@@ -58,7 +58,11 @@ def show(
     except StorageRefused as e:
         _fail(f"--storage {redacted(url)}: {e}")
     p = sqlite_path(url)
-    if p is not None and not p.exists():
+    try:
+        missing = p is not None and not p.exists()
+    except OSError as e:  # a name too long for the file system: said as a storage that cannot be opened
+        read_failed(url, storage is not None, e)
+    if missing:
         _fail(f"no studies yet ({p} does not exist)")
     try:
         names_rows = list_studies(url)

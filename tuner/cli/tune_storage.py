@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Literal, NoReturn
@@ -114,8 +115,9 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
     kind, reason = problem or storage_problem(url, e)  # reason: the denial's, the full disk's
     why = (_why(e).splitlines() or [""])[0] or type(e).__name__  # SQLAlchemy's first line
     path = sqlite_path(url)
-    if path is not None and path.is_dir():
-        why = f"{path} is a directory"
+    with contextlib.suppress(OSError):  # a name too long for the file system: `why`, its own OSError, says so
+        if path is not None and path.is_dir():
+            why = f"{path} is a directory"
     if kind == "busy":
         where = f"--storage {redacted(url)}" if given else f"the studies file {path or redacted(url)}"
         return (f"{where} is busy: another moetune process is using or creating it ({type(e).__name__}: {why}); "
