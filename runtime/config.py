@@ -296,6 +296,12 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
     why = paths.endpoint_problem(c["socket"], bind=False) if c["socket"] else None
     if why is not None:
         fail("client", "socket", f"{why}, got {c['socket']!r}")
+    # a path the file system cannot name: every later look at it raised "File name too long", a traceback
+    for section, key in sorted(_PATH_KEYS):
+        v = values[section][key]
+        why = paths.too_long_problem(v) if v else None
+        if why is not None:
+            fail(section, key, f"{v!r}: {why}")
 
 
 def _resolve_path(value: str, base: Path | None) -> str:
@@ -475,6 +481,10 @@ def _load(config_file: Path | None, env: Mapping[str, str], report: _Report) -> 
     daemon_socket_set = bool(values["daemon"]["socket"])
     if not values["store"]["db"]:
         values["store"]["db"] = str(paths.default_db_path(env))
+        why = paths.too_long_problem(values["store"]["db"])
+        if why is not None:  # the folder it is in comes from a variable: named, as a bad key is
+            var = "MOETUNE_HOME" if paths.moetune_home(env) is not None else "XDG_DATA_HOME or HOME"
+            report("store", "db", ConfigError(f"the default database {values['store']['db']!r} (in ${var}): {why}"))
     if not values["daemon"]["socket"]:
         values["daemon"]["socket"] = f"ipc://{run / 'daemon.sock'}"
     if not values["daemon"]["pub_socket"]:

@@ -23,6 +23,22 @@ def _home(env: Mapping[str, str]) -> Path:
     return Path(home) if home else Path.home()
 
 
+NAME_MAX_BYTES = 255  # one name of a path (Linux file systems)
+PATH_MAX_BYTES = 4095  # a whole path, less its NUL
+
+
+def too_long_problem(path: str | Path) -> str | None:
+    """Why the file system cannot name `path` (a name over 255 bytes, or the whole over 4095), else None: every look
+    at such a path (exists, is_dir, open) raises "File name too long". Read from the text alone."""
+    raw = os.fsencode(path)
+    longest = max((len(part) for part in raw.split(b"/")), default=0)
+    if longest > NAME_MAX_BYTES:
+        return f"a name in it is {longest} bytes, longer than the file system allows ({NAME_MAX_BYTES})"
+    if len(raw) > PATH_MAX_BYTES:
+        return f"it is {len(raw)} bytes, longer than the file system allows ({PATH_MAX_BYTES})"
+    return None
+
+
 def moetune_home(env: Mapping[str, str] = os.environ) -> Path | None:
     """`$MOETUNE_HOME` (expanded, made absolute against the current directory) when set and non-empty, else None.
     Absolute: a relative one made the socket `ipc://relhome/run/daemon.sock`, which every daemon command refused

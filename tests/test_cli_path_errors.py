@@ -109,6 +109,32 @@ def test_a_path_too_long_for_the_file_system_is_refused_naming_the_option(comman
     assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit))
 
 
+@pytest.mark.parametrize("where", ["MOETUNE_STORE_DB", "MOETUNE_HOME", "[store] db"])
+def test_a_configured_database_path_too_long_is_a_config_error(where: str, tmp_path: Path) -> None:
+    """The same name set by MOETUNE_STORE_DB, a config file's [store] db, or MOETUNE_HOME (the default database in
+    it): `db current`, `profiles list`, `tune show`, `tune` and `profile` ended in the "File name too long"
+    traceback of their first look at the file. Now the config's error naming the variable or key, exit 2."""
+    long = str(tmp_path / ("x" * 300))
+    home = tmp_path / "home"
+    env = {"MOETUNE_HOME": str(home), "HOME": str(home), "COLUMNS": "400", "MOETUNE_CONFIG": "",
+           "XDG_CONFIG_HOME": str(home / "cfg"), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    named = {"MOETUNE_STORE_DB": "store.db in environment variable MOETUNE_STORE_DB",
+             "MOETUNE_HOME": "(in $MOETUNE_HOME)", "[store] db": "store.db in "}[where]
+    if where == "[store] db":
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'[store]\ndb = "{long}"\n')
+        env["MOETUNE_CONFIG"] = str(cfg)
+    else:
+        env[where] = long
+    for args in (["db", "current"], ["profiles", "list"], ["tune", "show"], ["profile", "--quick", "--capture", CAP],
+                 ["tune", *_T]):
+        r = CliRunner().invoke(app, args, env=env)
+        said = " ".join(r.output.replace("│", " ").split())
+        assert r.exit_code == 2, (args, said, r.exception)
+        assert named in said and "longer than the file system allows (255)" in said, (args, said)
+        assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit))
+
+
 def test_the_empty_path_check_leaves_the_help_as_typer_shows_a_path() -> None:
     """path_option's parser would show `<Path>`: the help keeps `<path>` (and `<list[Path]>` for --data)."""
     r = CliRunner().invoke(app, ["profile", "--help"], env={"COLUMNS": "200"})
