@@ -182,6 +182,10 @@ def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
     client.socket). ZeroMQ answers the rest with a bare "Invalid argument" (tcp://node1, tcp://node1:notaport) or "File
     name too long", or takes it and waits out every time-out (tcp://:5555). A daemon may bind tcp://*:PORT (every
     interface) and inproc:// (tests); a client connects to neither."""
+    try:
+        endpoint.encode()
+    except UnicodeEncodeError:  # undecodable bytes of argv or the environment (a Latin-1 folder name): pyzmq
+        return "not UTF-8 (ZeroMQ takes an endpoint as UTF-8 text)"  # encodes it as UTF-8, and so did the length check
     if endpoint.startswith("ipc://"):
         p = ipc_path(endpoint)
         if p is None or not str(p) or not p.is_absolute():

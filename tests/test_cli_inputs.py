@@ -182,6 +182,9 @@ def test_timeout_ms_must_be_positive_and_at_most_a_day(value: str, tmp_path: Pat
     ("ipc://relative/sock", "expected ipc:///absolute/path"),
     ("tcp://127.0.0.1:99999", "port in 1..65535"),
     ("inproc://x", "expected ipc:///absolute/path or tcp://HOST:PORT"),
+    # a folder name that is not UTF-8 (argv's byte 0xE9 as Python decodes it): the length check's encode() raised
+    # UnicodeEncodeError, a traceback
+    ("ipc:///tmp/caf\udce9/d.sock", "not UTF-8"),
 ])
 def test_client_commands_refuse_a_bad_socket(socket: str, words: str, tmp_path: Path) -> None:
     for args in (["status"], ["retune"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]):
