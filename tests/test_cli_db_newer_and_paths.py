@@ -157,3 +157,27 @@ def test_query_refuses_a_newer_database_given_as_db(tmp_path: Path) -> None:
     said = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
     assert "schema revision 0099" in said and NEWER in said and "Traceback" not in said, said
+
+
+def test_a_database_path_that_is_not_utf8_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """A database whose name is not UTF-8 (a Latin-1 "café.db" given on the command line: Python decodes the byte
+    to a surrogate): the read-only opener's quote() and the store's SQLAlchemy URL raised UnicodeEncodeError, and
+    db current/check/upgrade, profiles list, report and tune ended in that traceback. The store now says the name
+    is not UTF-8 (exit 2); the read-only opener percent-encodes the name's bytes, so the runtime's read works."""
+    import os
+
+    db = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.db"))
+    Store(tmp_path / "ok.db").close()
+    os.rename(tmp_path / "ok.db", db)
+    env = {"MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": "", "COLUMNS": "400"}
+    for args in (["db", "current"], ["db", "check"], ["db", "upgrade"], ["profiles", "list"], ["report"],
+                 ["tune", "-m", "qwen3-30b", "--backend", "model", "--preset", "nvlink-h200x2", "--trials", "1",
+                  "--tokens", "16"]):
+        r = runner.invoke(app, [*args, "--db", str(db)], env=env)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 2, (args, said, r.exception)
+        assert f"database path {str(db)!r} is not UTF-8" in said, (args, said)
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, repr(r.exception))
+    from moetune.runtime.profiles.sqlite_open import read
+
+    assert read(db, lambda con: con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0], timeout_s=5) > 0

@@ -22,6 +22,7 @@ No SQLAlchemy, no moetune.tuner here: the runtime may not import them.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import time
 import urllib.parse
@@ -86,7 +87,9 @@ class ReadOnlyConnection(sqlite3.Connection):
 
 
 def _uri(path: Path) -> str:
-    return f"file:{urllib.parse.quote(str(path.absolute()))}?mode=ro"
+    # the name's bytes, percent-encoded: a name that is not UTF-8 (argv's bytes as Python decodes them) made quote()
+    # raise UnicodeEncodeError; SQLite decodes %XX to the very bytes the file system has
+    return f"file:{urllib.parse.quote(os.fsencode(path.absolute()))}?mode=ro"
 
 
 def _open_ro(uri: str, timeout_s: float) -> ReadOnlyConnection:

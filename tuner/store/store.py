@@ -216,6 +216,11 @@ class Store:
             )
         else:
             self.path = database_path(path)
+            try:
+                str(self.path).encode()
+            except UnicodeEncodeError:  # argv's or the environment's non-UTF-8 bytes: the URL below is UTF-8 only
+                raise StoreError(f"database path {str(self.path)!r} is not UTF-8 (the store opens its file through "
+                                 "a UTF-8 URL): rename the file (or its folder)") from None
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
             if self.path.exists() and not self.path.is_file():
                 raise not_a_file(self.path)
