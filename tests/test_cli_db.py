@@ -120,6 +120,41 @@ def test_profiles_list_show_delete(tmp_path):
     assert run("profiles", "delete", "999", "--yes", "--db", str(db)).exit_code == 2
 
 
+def test_ctrl_c_at_the_delete_question_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C at `profiles delete`'s "delete profile N? [y/N]" became Click's Abort: "Aborted." and exit 1, where
+    Ctrl-C ends every other command with exit 130. Nothing is deleted; the end of stdin still answers no (exit 1).
+    A real process, its stdin a pipe left open: the SIGINT arrives while it waits for the answer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    db = tmp_path / "m.db"
+    Store(db).close()
+    fill(db)
+    pid = str(json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)[0]["id"])
+    env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+    p = subprocess.Popen([sys.executable, "-c", "import sys; from moetune.tuner.cli import main; sys.exit(main())",
+                          "profiles", "delete", pid, "--db", str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    try:
+        asked = b""
+        while b"[y/N]:" not in asked:  # the question is out: the process waits on stdin
+            chunk = os.read(p.stdout.fileno(), 100)
+            assert chunk, asked
+            asked += chunk
+        p.send_signal(signal.SIGINT)
+        _out, stderr = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    said = stderr.decode()
+    assert p.returncode == 130, said
+    assert said.strip().splitlines() == ["interrupted: nothing deleted"], said
+    r = runner.invoke(app, ["profiles", "delete", pid, "--db", str(db)], input="")
+    assert r.exit_code == 1, r.output
+    assert len(json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)) == 2
+
+
 def test_profiles_delete_and_import_refuse_a_database_a_daemon_serves_unless_forced(tmp_path):
     """`profiles delete` and `profiles import` under a daemon serving the database refuse (exit 1, naming the daemon,
     the database unchanged, no traceback), as `profile` and `tune` do: the daemon would keep serving its copy (it

@@ -230,6 +230,18 @@ def _no_profile(store: Any, profile_id: int) -> NoReturn:
     raise fail(f"no profile {profile_id}")
 
 
+def _confirmed(question: str) -> bool:
+    """typer.confirm, where Ctrl-C at the question ends the command as Ctrl-C ends every command: one line, exit 130
+    (Click turns it into an Abort, which Typer ended as "Aborted." and exit 1). The end of stdin stays that Abort."""
+    try:
+        return typer.confirm(question)
+    except typer.Abort as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # Click raises Abort `from None` inside its except
+            err.print("\ninterrupted: nothing deleted", markup=False, highlight=False)
+            raise typer.Exit(130) from None
+        raise
+
+
 @app.command()
 def delete(
     profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id."),
@@ -246,7 +258,7 @@ def delete(
         what = f" (unreadable: {unreadable[0][1]})" if unreadable else ""
         if not yes and sys.stdin is None:  # started with stdin closed (`<&-`): no one to answer the question
             raise fail(f"delete {profile_id}: stdin is closed, so it cannot ask; pass --yes to delete without asking")
-        if not yes and not typer.confirm(f"delete profile {profile_id}{what}?"):
+        if not yes and not _confirmed(f"delete profile {profile_id}{what}?"):
             raise typer.Exit(1)
         store.delete_profile(profile_id)
         path = store.path
