@@ -323,3 +323,22 @@ def test_query_env_lines_are_quoted_and_filtered_whatever_resolve_returns(tmp_pa
     assert "export MOETUNE_PROFILE_HASH='default:$(touch PWNED)'" in r.stdout, r.stdout
     assert all(line.startswith(("# ", "export ")) for line in r.stdout.splitlines()), r.stdout
     _eval_env_lines(r.stdout, tmp_path)
+
+
+def test_output_the_terminal_cannot_encode_is_no_traceback(tmp_path: Path) -> None:
+    """Under a UTF-8 locale (stdout's errors "strict") a path whose name is not UTF-8 (argv's byte 0xE9, decoded to
+    a surrogate) printed by `db path` raised UnicodeEncodeError; on an ASCII terminal the output's µ, ±, ·, × did:
+    a traceback and exit 1 once the work was done. Now the name's own bytes, and \\xNN for what ASCII lacks."""
+    import os
+
+    name = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.db")
+    code = "import sys; from moetune.tuner.cli import main; sys.exit(main())"
+    env = child_env(MOETUNE_HOME=str(tmp_path / "home"), MOETUNE_CONFIG="", COLUMNS="200")
+    r = subprocess.run([sys.executable, "-c", code, "db", "path", "--db", name], capture_output=True, timeout=120,
+                       env={**env, "PYTHONIOENCODING": "utf-8:strict"})
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+    assert r.stdout == os.fsencode(name) + b"\n"
+    r = subprocess.run([sys.executable, "-c", code, "model", "predict", "--preset", "nvlink-h200x2", "--model",
+                        "qwen3-30b"], capture_output=True, timeout=120, env={**env, "PYTHONIOENCODING": "ascii"})
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+    assert b"MODELLED" in r.stdout

@@ -66,6 +66,22 @@ app.add_typer(keys.app, name="keys")
 _OUTPUT_ERRNOS = WRITE_FAILED_ERRNOS | {errno.EPIPE}
 
 
+def _output_encodes_anything() -> None:
+    """stdout takes any text: a path whose name is not UTF-8 (argv's bytes, decoded to surrogates) printed under a
+    UTF-8 locale (errors "strict"), or the output's µ, ±, ·, × and … on an ASCII or Latin-1 terminal, raised
+    UnicodeEncodeError once the work was done: a traceback, exit 1. A UTF-8 stdout writes such a name's own bytes back
+    (surrogateescape, as Python does in the C locale); another encoding shows what it cannot encode as \\xNN. stderr's
+    default is backslashreplace already."""
+    import codecs
+
+    stream = sys.stdout
+    if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+        return
+    with contextlib.suppress(LookupError, ValueError, OSError):  # an odd encoding name, a stream that cannot change
+        utf8 = codecs.lookup(stream.encoding).name == "utf-8"
+        stream.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
+
+
 def run() -> None:
     """The app run as the `moetune` entry point: an output that cannot be written ends the command with one line on
     stderr and exit 1, not a traceback (the commands' own files say their errors themselves)."""
@@ -74,6 +90,7 @@ def run() -> None:
     # handler printed that traceback before the command's own "interrupted" line. The exception itself still ends
     # the command the usual way.
     logging.getLogger("sqlalchemy.pool").addHandler(logging.NullHandler())
+    _output_encodes_anything()
     try:
         try:
             app()
