@@ -352,3 +352,35 @@ def test_ctrl_c_before_profiles_stages_start_is_one_line_and_exit_130(tmp_path: 
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-2000:]
     assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
     assert r.stderr.strip().splitlines() == ["interrupted"], r.stderr
+
+
+# a Ctrl-C inside a compiled module's initialisation: pybind11 raises "ImportError: initialization failed" from the
+# KeyboardInterrupt (as matplotlib's ft2font did under `model sweep`); here the import of matplotlib does the same
+_CTRL_C_IN_A_COMPILED_IMPORT = """
+import sys
+class BrokenInit:
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib":
+            sys.meta_path.remove(self)
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as e:
+                raise ImportError("initialization failed") from e
+        return None
+sys.meta_path.insert(0, BrokenInit())
+sys.argv = ["moetune", "model", "sweep", "--preset", "nvlink-h200x2", "--model", "qwen3-30b", "--over", "tokens",
+            "--values", "128,256", "--out", {out!r}]
+from moetune.tuner.cli import main
+main()
+"""
+
+
+def test_ctrl_c_that_breaks_a_compiled_import_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """Ctrl-C while `model sweep` imported matplotlib for its plot: the compiled module's initialisation turned the
+    KeyboardInterrupt into "ImportError: initialization failed", which Typer does not catch: its traceback, then a
+    core dump from the half-made module at the interpreter's exit. Any error raised from a KeyboardInterrupt ends the
+    command as that interrupt: one line, exit 130."""
+    r = _script(_CTRL_C_IN_A_COMPILED_IMPORT.format(out=str(tmp_path / "sweep.png")), tmp_path / "home")
+    assert "Traceback" not in r.stderr and "ImportError" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines() == ["interrupted"], r.stderr

@@ -8,7 +8,8 @@ and `EXIT_STATUS_HELP` are re-exported lazily (`from moetune.tuner.cli import ap
 
 from __future__ import annotations
 
-import contextlib  # already imported by Python's start (site), as sys is
+import contextlib  # already imported by Python's start (site), as os and sys are
+import os
 import signal
 import sys
 
@@ -33,14 +34,33 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _interrupted(line: str) -> NoReturn:
-    """End the process on a Ctrl-C that no command's own handling took: `line` on stderr, exit 130."""
+def _interrupted(line: str, *, at_once: bool = False) -> NoReturn:
+    """End the process on a Ctrl-C that no command's own handling took: `line` on stderr, exit 130. `at_once`: without
+    the interpreter's teardown (os._exit, the output flushed first), for an interrupt that broke an import midway."""
     with contextlib.suppress(ValueError):  # not the main thread: no signal handler can be set
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the line short with a traceback
-    with contextlib.suppress(OSError, AttributeError):
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        if sys.stdout is not None:
+            sys.stdout.flush()
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+    if at_once:
+        os._exit(130)
     sys.exit(130)
+
+
+def _interrupt_in_chain(e: BaseException) -> bool:
+    """Whether `e` was raised by a KeyboardInterrupt: one in its `__cause__` / `__context__` chain."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        cur = todo.pop()
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        if id(cur) not in seen:
+            seen.add(id(cur))
+            todo += [x for x in (cur.__context__, cur.__cause__) if x is not None]
+    return False
 
 
 def main() -> None:
@@ -62,3 +82,10 @@ def main() -> None:
         if e.code == 130 and isinstance(getattr(e.__context__, "__cause__", None), KeyboardInterrupt):
             _interrupted("interrupted")
         raise
+    except Exception as e:
+        # a Ctrl-C inside a compiled module's initialisation (matplotlib's ft2font, in `model sweep`'s plot) comes out
+        # as "ImportError: initialization failed" raised from the KeyboardInterrupt, which Typer does not catch: its
+        # traceback was printed, and the half-made module then aborted the interpreter's teardown (a core dump)
+        if not _interrupt_in_chain(e):
+            raise
+        _interrupted("interrupted", at_once=True)
