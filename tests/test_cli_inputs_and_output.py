@@ -75,6 +75,27 @@ def test_serve_applies_the_same_rule_with_a_discover_hook(tmp_path: Path, monkey
     _refused(r, out, f"--capture {empty}", "not a fabric capture")
 
 
+@pytest.mark.parametrize(("option", "hook", "said"), [
+    ("--store-hook", "nosuch_module_x:f", "cannot import 'nosuch_module_x'"),
+    ("--discover-hook", "os:nosuch", "module 'os' has no attribute 'nosuch'"),
+    ("--retune-hook", "os:sep", "is not callable"),
+    ("--store-hook", ".x:y", "relative import"),
+])
+def test_serve_names_a_hook_that_cannot_be_loaded(option: str, hook: str, said: str, tmp_path: Path) -> None:
+    """A hook (`serve`'s test seams) naming a module or attribute that is not there ended `serve` in the import's
+    ModuleNotFoundError / AttributeError traceback, and one that is not callable in a TypeError once called (a
+    --retune-hook only at the first re-tune). A child process: the daemon's log handler stays out of this one."""
+    from moetune.tuner.store.store import Store
+
+    Store(tmp_path / "m.db").close()
+    r = subprocess.run([sys.executable, "-c", "import sys; from moetune.tuner.cli import main; sys.exit(main())",
+                        "serve", "--db", str(tmp_path / "m.db"), "--capture", str(CAPTURES / "dgx-h100"), "--socket",
+                        f"ipc://{tmp_path}/d.sock", option, hook], capture_output=True, text=True, timeout=60,
+                       env=child_env(MOETUNE_HOME=str(tmp_path / "home"), MOETUNE_CONFIG="", COLUMNS="400"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"hook {hook!r}" in r.stderr and said in r.stderr, r.stderr
+
+
 # -- 2. --help shows every option name whole at 80 columns ---------------------------------------------------------
 def _names_whole(args: tuple[str, ...], columns: int) -> None:
     import typer

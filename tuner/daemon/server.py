@@ -896,7 +896,18 @@ def _load_hook(spec: str) -> Any:
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise DaemonConfigError(f"a hook is module:attribute, got {spec!r}")
-    return getattr(importlib.import_module(mod), attr)
+    # a module or attribute that is not there (a typo) ended `serve` in the import's traceback
+    try:
+        hook = getattr(importlib.import_module(mod), attr)
+    except ImportError as e:
+        raise DaemonConfigError(f"hook {spec!r}: cannot import {mod!r} ({e})") from None
+    except AttributeError:
+        raise DaemonConfigError(f"hook {spec!r}: module {mod!r} has no attribute {attr!r}") from None
+    except (TypeError, ValueError) as e:  # ".x": a relative module name, which needs a package
+        raise DaemonConfigError(f"hook {spec!r}: {e}") from None
+    if not callable(hook):
+        raise DaemonConfigError(f"hook {spec!r}: {type(hook).__name__} {hook!r} is not callable")
+    return hook
 
 
 def _load_config(config: Path | None, *, measuring: bool = False) -> Any:
