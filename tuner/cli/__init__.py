@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from moetune.tuner.cli._exc_chain import interrupt_in_chain  # no Typer: light, as this module must stay
+
 TYPE_CHECKING = False  # not `typing`'s: importing typing is one more import ahead of `main`'s handling
 if TYPE_CHECKING:
     from typing import Any, NoReturn
@@ -49,20 +51,6 @@ def _interrupted(line: str, *, at_once: bool = False) -> NoReturn:
     sys.exit(130)
 
 
-def _interrupt_in_chain(e: BaseException) -> bool:
-    """Whether `e` was raised by a KeyboardInterrupt: one in its `__cause__` / `__context__` chain."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [e]
-    while todo:
-        cur = todo.pop()
-        if isinstance(cur, KeyboardInterrupt):
-            return True
-        if id(cur) not in seen:
-            seen.add(id(cur))
-            todo += [x for x in (cur.__context__, cur.__cause__) if x is not None]
-    return False
-
-
 def main() -> None:
     """The `moetune` entry point. A Ctrl-C before a command's own handling of it (its `ends_cleanly_on_interrupt`)
     ends the command with one line on stderr and exit 130: while the app is imported (nothing was done yet), or in a
@@ -86,6 +74,6 @@ def main() -> None:
         # a Ctrl-C inside a compiled module's initialisation (matplotlib's ft2font, in `model sweep`'s plot) comes out
         # as "ImportError: initialization failed" raised from the KeyboardInterrupt, which Typer does not catch: its
         # traceback was printed, and the half-made module then aborted the interpreter's teardown (a core dump)
-        if not _interrupt_in_chain(e):
+        if interrupt_in_chain(e) is None:
             raise
         _interrupted("interrupted", at_once=True)

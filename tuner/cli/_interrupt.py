@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.tuner.cli._exc_chain import interrupt_in_chain
+
 # the interrupts the handlers of `signals_interrupt` raised or held back, in the body now running: an error that
 # ends the body after one is that interrupt, whatever its own chain holds (`interrupt_behind`)
 _received: list[KeyboardInterrupt] = []
@@ -89,15 +91,8 @@ def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
     1. A CLI exit (`typer.Exit`, a usage error) is no such error: the command ended itself, with its own words."""
     if isinstance(e, typer.Exit | typer.Abort | typer.exceptions.TyperException):
         return None
-    seen: set[int] = set()
-    todo: list[BaseException] = [e]
-    while todo:
-        cur = todo.pop()
-        if isinstance(cur, KeyboardInterrupt):
-            return cur
-        if id(cur) not in seen:
-            seen.add(id(cur))
-            todo += [x for x in (cur.__context__, cur.__cause__) if x is not None]
+    if (ki := interrupt_in_chain(e)) is not None:
+        return ki
     # an error after a Ctrl-C / SIGTERM the handlers received is that interrupt too: one Optuna caught and handled
     # (the trial's FAIL) before its clean-up raised an error of its own, without the interrupt in its chain
     return _received[0] if _received else None
