@@ -146,12 +146,14 @@ def expert_ids_problem(topk_idx: torch.Tensor, experts: int, *, distinct: bool =
     """Why these routing ids are not all in [0, experts), or with `distinct` why a token's ids repeat an expert (the
     megakernel's per-expert row lists hold one row per token: a repeat can overflow them), or None. Reads them on the
     host in one device sync (both checks' numbers in one copy; a refusal's message reads more), so it does nothing
-    while the current CUDA stream is being captured into a graph (no sync is allowed there)."""
+    while the current CUDA stream of the ids' device is being captured into a graph (no sync is allowed there)."""
     import torch
+
+    from moetune.runtime._capture import capturing
 
     if topk_idx.numel() == 0:
         return None
-    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(topk_idx.device):  # the ids' device, not the current one (a layer on cuda:1 while cuda:0 is)
         return None
     topk_idx = comparable_ids(topk_idx)
     lo, hi = torch.aminmax(topk_idx)

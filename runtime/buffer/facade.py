@@ -87,6 +87,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
+from moetune.runtime._capture import capturing
 from moetune.runtime.buffer._dense import _dense_bounds, _DenseLayout
 from moetune.runtime.buffer._meta import (
     _DTYPE_CODE,
@@ -894,7 +895,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return
         stream = torch.cuda.current_stream(self.device)
         last = self._last_stream
-        if last is not None and last != stream and not torch.cuda.is_current_stream_capturing():
+        if last is not None and last != stream and not capturing(self.device):  # the buffer's device's stream
             stream.wait_stream(last)  # one event: nothing waits on the host
         self._last_stream = stream
 

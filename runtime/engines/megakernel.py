@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from moetune.runtime._capture import capturing
 from moetune.runtime.engines.base import MoEEngine
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import engine as _mk
@@ -195,7 +196,7 @@ class MegakernelEngine(MoEEngine):
         assert self.buckets is not None
         bucket = _bucket_of(tokens)
         if bucket not in self.buckets:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if capturing(self.device):  # the layer's device: it need not be the current one
                 return
             from moetune.runtime.profiles.autoload import autoload_profile
 

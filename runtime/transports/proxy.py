@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
+from moetune.runtime._capture import capturing
 from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, chunk_tokens_fit
 from moetune.runtime.options import RuntimeOptions, proxy_cpu_setting
 from moetune.runtime.transports import _affinity
@@ -512,7 +513,7 @@ class ProxyTransport(OneSidedTransport):
         ct = int(self.knobs.chunk_tokens)
         if ct <= 0 or rows <= ct * MAX_SLOTS:
             return
-        if send_counts.device.type != "cpu" and torch.cuda.is_current_stream_capturing():
+        if capturing(send_counts.device):  # the counts' device, which need not be the current one
             return
         peak = int(send_counts.max()) if send_counts.numel() else 0
         check_chunk_tokens(ct, peak, f"{self.name}: a call sending one peer {peak} rows: ")
