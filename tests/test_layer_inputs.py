@@ -249,6 +249,33 @@ def test_a_bucket_config_is_checked_against_its_own_launches_only(monkeypatch: p
     assert mk.launch.for_tokens(4096).ctas_per_sm != 2  # refused: nothing installed for it
 
 
+@pytest.mark.parametrize(("bucket", "config", "exc", "match"), [
+    (100, MegakernelConfig(), ValueError, r"bucket 100 is not a token bucket of the profile ladder \(1, 16, 64, "),
+    (0, MegakernelConfig(), ValueError, r"bucket 0 is not a token bucket .*, 65536\)"),
+    (16, "bm=16", TypeError, "config must be a MegakernelConfig, got str"),
+    (16, None, TypeError, "config must be a MegakernelConfig, got NoneType"),
+    (16.0, MegakernelConfig(), TypeError, "bucket must be an int"),
+])
+def test_a_bucket_config_off_the_ladder_or_of_the_wrong_type_is_refused(bucket: Any, config: Any, exc: type,
+                                                                        match: str) -> None:
+    """Before: a bucket that is not on the profile ladder (TOKEN_BUCKETS) was installed and None returned, though
+    launches look their config up by their S's ladder bucket, so no S ever ran it; a config that is no
+    MegakernelConfig raised dataclasses.replace's TypeError, which names no argument. Now a ValueError naming the
+    ladder's buckets and a TypeError naming `config` (or `bucket`), and nothing is installed."""
+    from moetune.runtime.megakernel.config import LaunchConfigs
+    from moetune.runtime.shapes import MODELS
+
+    mk = object.__new__(mk_layer.MegakernelMoE)  # only the attributes set_bucket_config reads
+    mk.model, mk.max_tokens, mk.device = MODELS["qwen3-30b"], 4096, torch.device("cpu")
+    mk.config = MegakernelConfig().resolve(mk.model.hidden, mk.model.intermediate)
+    mk.launch = LaunchConfigs(mk.config)
+    mk._reserve_split = lambda cfg: None  # type: ignore[method-assign]
+    with pytest.raises(exc, match=match):
+        mk.set_bucket_config(bucket, config)
+    assert mk.launch._by_bucket == {}
+    assert mk.set_bucket_config(16, MegakernelConfig()) is None and set(mk.launch._by_bucket) == {16}
+
+
 # -- 4: parameters replaced after construction ---------------------------------------------------------------------
 def test_assigned_state_dict_is_handed_to_the_megakernel(fake_mk) -> None:
     layer, ref = _mk_layer(), _unfused()

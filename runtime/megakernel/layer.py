@@ -261,9 +261,22 @@ class MegakernelMoE:
         """Run launches whose S is nearest token bucket `bucket` with `config` (its timeout: this layer's; its
         `decode` decides whether those that fit the decode kernel run it). Returns
         why not (and installs nothing) where it does not fit the scratch buffers (`LaunchConfigs.problem`) or the
-        library refuses one of the launch shapes of the S that get it (`bucket_tokens`); None when installed."""
+        library refuses one of the launch shapes of the S that get it (`bucket_tokens`); None when installed.
+        TypeError where `config` is no MegakernelConfig or `bucket` no int; ValueError where `bucket` is not on the
+        profile ladder (TOKEN_BUCKETS): launches look their config up by their S's ladder bucket, so no S would
+        ever run one installed under another number."""
         import dataclasses
 
+        from moetune.runtime.profile_record import TOKEN_BUCKETS
+
+        if not isinstance(config, MegakernelConfig):  # else an unnamed TypeError from dataclasses.replace
+            raise TypeError(f"megakernel: config must be a MegakernelConfig, got {type(config).__name__}")
+        if isinstance(bucket, bool) or not isinstance(bucket, int):
+            raise TypeError(f"megakernel: bucket must be an int (a token bucket), got {type(bucket).__name__} "
+                            f"{bucket!r}")
+        if bucket not in TOKEN_BUCKETS:
+            raise ValueError(f"megakernel: bucket {bucket} is not a token bucket of the profile ladder "
+                             f"({', '.join(map(str, TOKEN_BUCKETS))}): no S would run its config")
         cfg = dataclasses.replace(config, timeout_ms=self.config.timeout_ms).resolve(self.model.hidden,
                                                                                     self.model.intermediate)
         why = self.launch.problem(cfg) or limits_problem(self.model, self.max_tokens, cfg)
