@@ -286,7 +286,12 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             raise KnobError(f"base must be a Knobs or None, got {type(base).__name__}")
         data = (base if base is not None else cls()).to_dict()
         given: set[str] = set()
-        for item in filter(None, (p.strip() for p in text.split(","))):
+        items = [p.strip() for p in text.split(",")]
+        # "" (or blanks) sets none; an empty item beside others ("num_sms=24,,") is a lost name=value, a typo
+        # not to skip silently (as the CLI's integer lists refuse "1,,2")
+        if text.strip() and "" in items:
+            raise KnobError(f"expected comma-separated name=value pairs, got {text!r} (an empty item)")
+        for item in items if text.strip() else []:
             if "=" not in item:
                 raise KnobError(f"expected name=value, got {item!r}")
             name, value = (s.strip() for s in item.split("=", 1))

@@ -131,6 +131,25 @@ def test_empty_list_items_are_refused_naming_the_option(args: list[str], tmp_pat
     _refused(_run(*args, home=tmp_path), "--tokens", "comma-separated integers")
 
 
+@pytest.mark.parametrize("knobs", ["num_sms=24,,", "num_sms=24,", ",num_sms=24", "num_sms=24,,channels=2", " , "])
+# small cases after the knobs: where the knobs were taken, each ends in a second instead of timing the defaults
+@pytest.mark.parametrize("cmd", [["bench", "ep", "--world", "1", "--backend", "nccl", "--model", "custom:128,64,8,2"],
+                                 ["bench", "moe", "--engine", "torch", "--tokens", "1", "--model", "custom:128,64,8,2"],
+                                 ["model", "predict", "-p", "nvlink-h200x2"]])
+def test_an_empty_knob_item_is_refused(cmd: list[str], knobs: str, tmp_path: Path) -> None:
+    """`--knobs num_sms=24,,` dropped the empty items without a word: a lost name=value is a typo, as --tokens 1,,2."""
+    r = _run(*cmd, "--knobs", knobs, home=tmp_path)
+    _refused(r, f"expected comma-separated name=value pairs, got {knobs!r} (an empty item)")
+    assert "timing" not in r.output and "started" not in r.output
+
+
+def test_an_empty_knobs_value_still_sets_none() -> None:
+    from moetune.runtime.knobs import Knobs
+
+    assert Knobs.parse("") == Knobs.parse("  ") == Knobs()
+    assert Knobs.parse(" num_sms=16 , channels=2").num_sms == 16
+
+
 @pytest.mark.parametrize("cmd", [["profile", "--quick"], ["db", "upgrade"]])
 def test_moetune_home_that_is_a_file_is_said_to_be_one(cmd: list[str], tmp_path: Path) -> None:
     """MOETUNE_HOME=<a regular file>: `profile --quick` said "cannot create the folder of .../moetune.db: [Errno 17]
