@@ -121,6 +121,25 @@ def test_int_list_refuses_empty_items(value: str) -> None:
     assert int_list(" 1, 16 ,128", "--tokens") == [1, 16, 128]
 
 
+@pytest.mark.parametrize("value", ["1_000", "16,1_0", "٣", "0x10", "1e3", "2.0"])
+def test_int_list_takes_digits_only(value: str) -> None:
+    """int() read "1_000" as 1000 and "٣" as 3, which a knob list refuses (`num_sms=1_0`): one rule for both."""
+    from moetune.tuner.cli._args import int_list
+
+    with pytest.raises(ValueError, match=r"--tokens: expected comma-separated integers, got .* \(digits only, as in --knobs\)"):
+        int_list(value, "--tokens")
+    assert int_list("+16,-1, 02", "--values") == [16, -1, 2]
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "moe", "--engine", "torch", "--model", "custom:128,64,8,2", "--tokens", "1_000"],
+    ["model", "sweep", "-p", "nvlink-h200x2", "--over", "tokens", "--values", "1_000"],
+])
+def test_an_underscore_in_a_list_is_refused_naming_the_option(args: list[str], tmp_path: Path) -> None:
+    _refused(_run(*args, home=tmp_path), "comma-separated integers, got '1_000' (digits only, as in --knobs)")
+    assert not (tmp_path / "moetune.db").exists()
+
+
 @pytest.mark.parametrize("args", [
     ["bench", "moe", "--tokens", "1,,2"],
     ["bench", "knobs", "--vs", "a=mk_bm=16", "--tokens", "16,"],

@@ -9,15 +9,18 @@ from typing import Any
 
 def int_list(text: str, option: str) -> list[int]:
     """The integers of a comma-separated option value ("1,16, 128"); a ValueError naming the option where an item
-    is empty ("1,,2", "1,") or not an integer."""
-    items = text.split(",")
+    is empty ("1,,2", "1,") or not an integer. An item is ASCII digits with an optional sign (`int_of_text`, as the
+    knob lists read theirs): int() took "1_000" and Arabic-Indic digits, which `--knobs` refuses."""
+    from moetune.runtime.knobs import int_of_text
+
+    items = [t.strip() for t in text.split(",")]
     # an empty item is a typo (a lost number), not something to skip silently
-    if any(not t.strip() for t in items):
+    if "" in items:
         raise ValueError(f"{option}: expected comma-separated integers, got {text!r} (an empty item)")
-    try:
-        return [int(t) for t in items]
-    except ValueError:
-        raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
+    out = [int_of_text(t) for t in items]
+    if None in out:
+        raise ValueError(f"{option}: expected comma-separated integers, got {text!r} (digits only, as in --knobs)")
+    return [v for v in out if v is not None]
 
 
 def tokens_over_bucket(counts: list[int], option: str = "--tokens") -> str:
