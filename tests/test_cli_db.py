@@ -97,6 +97,27 @@ def test_default_path_from_env_and_config(tmp_path):
     assert r.exit_code == 2 and "unknown key store.database" in r.stderr and str(conf) in r.stderr
 
 
+@pytest.mark.parametrize("cmd", [["db", "current"], ["db", "check"], ["db", "downgrade", "base", "--yes"], ["db", "path"],
+                                 ["profiles", "list"]])
+def test_a_bad_config_is_refused_beside_db(tmp_path, cmd):
+    """`db current|check|downgrade --db X --config <garbage>` ignored the file and exited 0 (downgrade went ahead):
+    a --config given is read, and refused as it is without --db."""
+    db = tmp_path / "m.db"
+    fill(db)
+    before = sha(db)
+    conf = tmp_path / "bad.toml"
+    conf.write_text("garbage = [\n")
+    alone = run(*cmd, "--config", str(conf))
+    assert alone.exit_code == 2 and "not valid TOML" in alone.stderr, alone.output
+    r = run(*cmd, "--db", str(db), "--config", str(conf))
+    assert r.exit_code == 2, r.output
+    assert r.stderr == alone.stderr and str(conf) in r.stderr and "Traceback" not in r.output
+    assert sha(db) == before and r.stdout == ""
+    good = tmp_path / "good.toml"
+    good.write_text(f'[store]\ndb = "{tmp_path / "other.db"}"\n')
+    assert run("db", "path", "--db", str(db), "--config", str(good)).stdout.strip() == str(db)  # --db still wins
+
+
 def test_profiles_list_show_delete(tmp_path):
     db = tmp_path / "m.db"
     Store(db).close()

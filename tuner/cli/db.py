@@ -48,9 +48,14 @@ def print_json(obj: Any) -> None:
 
 
 def db_path(db: Path | None, config: Path | None) -> Path:
-    from moetune.runtime.config import ConfigError, resolve_db_path
+    """The database a command opens: --db, else the configured one. A --config that is given is read (its errors
+    reported, exit 2) even where --db makes it unneeded: `db current --db X --config <garbage>` ignored the file and
+    exited 0, while without --db the same file is refused, as by the commands that read other settings from it."""
+    from moetune.runtime.config import ConfigError, load_config, resolve_db_path
 
     try:
+        if db is not None and config is not None:
+            load_config(config)
         return resolve_db_path(db, config)
     except ConfigError as e:
         raise fail(str(e)) from None
