@@ -112,7 +112,7 @@ def _spawned_ranks(parent: int) -> list[int]:
 BENCH_EP = """
 import sys
 sys.argv = ["moetune", "bench", "ep", "--world", "2", "--backend", "gloo", "--model", "custom:64,32,8,2",
-            "--tokens", "4", "--iters", "100000000", "--warmup", "0", "--json"]
+            "--tokens", "4", "--iters", "1000000", "--warmup", "0", "--json"]
 from moetune.tuner.cli import main
 main()
 """

@@ -804,3 +804,29 @@ def test_summarize_never_replaces_a_database_with_its_markdown(tmp_path: Path) -
     results.write_text(",".join(R.COLUMNS) + "\n")
     _refused(_run("bench", "summarize", "--results", str(results), "--out", str(db)), f"--out {db} is a SQLite database")
     assert db.read_bytes() == before
+
+
+# -- counts of calls, rounds and launches: bounded above, the bound in --help ------------------------------------
+HUGE = "100000000000000000000"
+SMALL_SHAPE = ["--model", "custom:128,64,8,2", "--tokens", "1"]
+
+
+@pytest.mark.parametrize(("args", "option", "limit"), [
+    (["bench", "moe", "--engine", "torch", *SMALL_SHAPE, "--iters", HUGE], "--iters", "1000000"),
+    (["bench", "moe", "--engine", "torch", *SMALL_SHAPE, "--warmup", HUGE], "--warmup", "1000000"),
+    (["bench", "moe", "--engine", "torch", *SMALL_SHAPE, "--rotate", "1000001"], "--rotate", "1000000"),
+    (["bench", "knobs", "--vs", "a=mk_bn=128", *SMALL_SHAPE, "--iters", HUGE], "--iters", "1000000"),
+    (["bench", "knobs", "--vs", "a=mk_bn=128", *SMALL_SHAPE, "--chain", HUGE], "--chain", "1000000"),
+    (["bench", "ep", "--world", "1", "--backend", "nccl", *SMALL_SHAPE, "--iters", HUGE], "--iters", "1000000"),
+    (["bench", "ep", "--world", "1", "--backend", "nccl", *SMALL_SHAPE, "--warmup", "1000001"], "--warmup", "1000000"),
+    (["bench", "run", "no-such-scenario", "--launches", HUGE], "--launches", "1000"),
+])
+def test_bench_counts_are_bounded_above(args: list[str], option: str, limit: str) -> None:
+    """`bench moe --iters 100000000000000000000` was taken and ran practically forever: refused up front, exit 2,
+    naming the option and its bound, which --help states."""
+    value = args[args.index(option) + 1]
+    flat = _refused(_run(*args), f"{option} must be at most {limit}, got {value}")
+    assert "timing" not in flat
+    cmd = args[:2]
+    helped = " ".join(_run(*cmd, "--help", width=400).output.split())
+    assert f"to {limit}" in helped, helped

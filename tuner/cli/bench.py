@@ -37,6 +37,21 @@ TRANSPORT_EMPTY = "an empty transport names none (leave the option out for the o
 CASE_EMPTY = "an empty case names none (leave the option out to run every case)"
 
 
+# the most calls (--iters, --warmup), rounds, rotated inputs or chained forwards a benchmark takes, and the most
+# launches of a scenario: `bench moe --iters 100000000000000000000` was taken and ran practically forever. A million
+# calls of 10 µs is 10 s on a GPU (hours on a CPU); a launch takes seconds to minutes
+COUNT_MAX = 1_000_000
+LAUNCHES_MAX = 1_000
+
+
+def _check_at_most(limit: int, **counts: int) -> None:
+    """Refuse (exit 2, naming the option) a count above `limit`; keyword `iters` is --iters. Their lower bounds are
+    checked beside, with their own words."""
+    for name, v in counts.items():
+        if v > limit:
+            _fail(f"--{name} must be at most {limit}, got {v}")
+
+
 def _check_seed(seed: int) -> None:
     if seed_problem(seed):
         _fail(seed_problem(seed))
@@ -125,8 +140,8 @@ def ep(
     tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S), 0 to 4194304."),
     knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2; none when left out or \"\")."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S (e.g. zipf:1.2)."),
-    iters: int = typer.Option(20, "--iters", help="Timed iterations."),
-    warmup: int = typer.Option(5, "--warmup", help="Warm-up iterations (not timed)."),
+    iters: int = typer.Option(20, "--iters", help=f"Timed iterations (1 to {COUNT_MAX})."),
+    warmup: int = typer.Option(5, "--warmup", help=f"Warm-up iterations (not timed; 0 to {COUNT_MAX})."),
     verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
     layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = _json_opt(),
@@ -212,6 +227,7 @@ def ep(
         _fail(f"--tokens {tokens_per_gpu_problem(tokens)} per rank")
     if iters < 1 or warmup < 0:
         _fail("--iters must be >= 1 and --warmup >= 0")
+    _check_at_most(COUNT_MAX, iters=iters, warmup=warmup)
     if cuda_graph and backend != "nccl":
         _fail("--cuda-graph needs --backend nccl (CUDA graphs exist on GPUs only)")
     if k.transport not in ("collective", "host_staged") and impl == "moetune":
@@ -397,11 +413,11 @@ def moe(
     tokens: str = typer.Option("1,16,128,1024,4096", "--tokens", help="Token counts S (comma-separated)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture one CUDA graph per input and time its replays."),
     knobs: str = typer.Option("", "--knobs", help="The megakernel's knobs, e.g. mk_bm=16,mk_stages=3 (engine=megakernel is implied; its defaults when left out or \"\")."),
-    iters: int = typer.Option(50, "--iters", help="Timed single calls per case."),
-    warmup: int = typer.Option(10, "--warmup", help="Untimed calls first; at least one per rotated input: a value below --rotate is raised to it (with a note), so no input's first call is timed."),
-    rotate: int = typer.Option(4, "--rotate", help="Input tensors rotated over (one graph each)."),
+    iters: int = typer.Option(50, "--iters", help=f"Timed single calls per case (1 to {COUNT_MAX})."),
+    warmup: int = typer.Option(10, "--warmup", help=f"Untimed calls first (0 to {COUNT_MAX}); at least one per rotated input: a value below --rotate is raised to it (with a note), so no input's first call is timed."),
+    rotate: int = typer.Option(4, "--rotate", help=f"Input tensors rotated over (one graph each; 1 to {COUNT_MAX})."),
     seed: int = _seed_opt(),
-    rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
+    rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0 to 60; 0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
     as_json: bool = _json_opt(),
 ) -> None:
     """The whole MoE layer (routing included) on one device: each engine per S, with the floors beside (at the rates measured on this GPU model, an H200's where none were)."""
@@ -419,6 +435,7 @@ def moe(
         _fail(f"--engine: expected comma-separated engines, got {engine!r} (an empty item)")
     if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
         _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
+    _check_at_most(COUNT_MAX, iters=iters, warmup=warmup, rotate=rotate)
     _check_seed(seed)
     warmup = _warmup_for(warmup, rotate)
     # checked before anything is timed (bench_moe would refuse them only after the 'timing ...' line)
@@ -496,10 +513,10 @@ def knobs_side_by_side(
     knobs: str = typer.Option("", "--knobs", help="The base variant's knobs (engine=megakernel is implied; engine=unfused for the unfused layer; the defaults when left out or \"\")."),
     model: str = _model_opt(),
     tokens: str = typer.Option("16,128,1024", "--tokens", help="Token counts S (comma-separated)."),
-    iters: int = typer.Option(200, "--iters", help="Interleaved rounds (one call of each variant per round)."),
-    warmup: int = typer.Option(20, "--warmup", help="Untimed rounds first; at least one per rotated input: a value below --rotate is raised to it (with a note), so no input's first call is timed."),
-    rotate: int = typer.Option(8, "--rotate", help="Input tensors rotated over (one graph each)."),
-    chain: int = typer.Option(20, "--chain", help="Forwards per chain (one CUDA graph of back-to-back layers)."),
+    iters: int = typer.Option(200, "--iters", help=f"Interleaved rounds (one call of each variant per round; 1 to {COUNT_MAX})."),
+    warmup: int = typer.Option(20, "--warmup", help=f"Untimed rounds first (0 to {COUNT_MAX}); at least one per rotated input: a value below --rotate is raised to it (with a note), so no input's first call is timed."),
+    rotate: int = typer.Option(8, "--rotate", help=f"Input tensors rotated over (one graph each; 1 to {COUNT_MAX})."),
+    chain: int = typer.Option(20, "--chain", help=f"Forwards per chain (one CUDA graph of back-to-back layers; 1 to {COUNT_MAX})."),
     seed: int = _seed_opt(),
     as_json: bool = _json_opt(),
 ) -> None:
@@ -515,6 +532,7 @@ def knobs_side_by_side(
             _fail(f"{name} must be >= 1, got {v}")
     if warmup < 0:
         _fail(f"--warmup must be >= 0, got {warmup}")
+    _check_at_most(COUNT_MAX, iters=iters, warmup=warmup, rotate=rotate, chain=chain)
     _check_seed(seed)
     warmup = _warmup_for(warmup, rotate)
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
@@ -642,7 +660,7 @@ def _read_report(path: str) -> Any:
 def run_scenario(
     scenario: str = typer.Argument(..., help="A scenario name (`moetune bench list`)."),
     case: str = text_option(None, "--case", empty=CASE_EMPTY, help="Run only this case, beside the baseline (first, and again last where the driver times its cases one by one; the drivers that time all cases in one process run it once)."),
-    launches: int = typer.Option(None, "--launches", help="Launches (default: the scenario's; 1 with --smoke)."),
+    launches: int = typer.Option(None, "--launches", help=f"Launches (1 to {LAUNCHES_MAX}; default: the scenario's; 1 with --smoke)."),
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes on CPU/gloo: checks the plumbing, rows marked source=smoke."),
     results: str = path_text_option(None, "--results", help="CSV to append to (default: bench/results/summary.csv of the moetune source tree, whatever the current "
                                  "directory)."),
@@ -656,6 +674,8 @@ def run_scenario(
     from moetune.tuner.measure.scenarios import definitions, moe_report, runner
     from moetune.tuner.measure.scenarios.errors import ScenarioError
 
+    if launches is not None:  # its lower bound: the runner's (it checks a scenario's own launches too)
+        _check_at_most(LAUNCHES_MAX, launches=launches)
     out = _results_path(results)
     saved: list[dict[str, Any]] = []  # the rows of the launches already appended to `out`
 
