@@ -678,7 +678,9 @@ def test_paired_differences_and_variant_parsing() -> None:
                      ("fast=mk_bm", "a variant is NAME=KNOBS"),
                      ("base=mk_bm=16", "given twice"), ("", "at least one variant"),
                      # `a=` was the base's knobs again, measured as a second variant: refused, naming it
-                     ("a=", "variant 'a' sets no knob"), ("ok=mk_bm=16; b=  ", "variant 'b' sets no knob")):
+                     ("a=", "variant 'a' sets no knob"), ("ok=mk_bm=16; b=  ", "variant 'b' sets no knob"),
+                     # an empty item beside others is a lost variant
+                     ("a=mk_bm=16;;b=mk_bm=64", "an empty item"), ("a=mk_bm=16;", "an empty item")):
         with pytest.raises(ValueError, match=msg):
             MC.parse_variants(bad, mk)
     with pytest.raises(KnobError, match="unknown knob"):

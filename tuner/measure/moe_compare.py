@@ -43,7 +43,10 @@ def parse_variants(text: str, base: Knobs) -> dict[str, Knobs]:
 
     Raises ValueError naming the item that is malformed or repeats a name, KnobError for a bad knob."""
     out: dict[str, Knobs] = {}
-    for item in filter(None, (p.strip() for p in text.split(";"))):
+    items = [p.strip() for p in text.split(";")]
+    if text.strip() and "" in items:  # "a=mk_bm=16;;b=mk_bm=64": a lost variant, not to skip without a word
+        raise ValueError(f"expected NAME=KNOBS;NAME=KNOBS, got {text!r} (an empty item)")
+    for item in items if text.strip() else []:
         name, sep, knobs = item.partition("=")
         name = name.strip()
         # KNOBS without any "=" ("compression=fp8_e4m3": a knob where the variant's name goes) was parsed as the
