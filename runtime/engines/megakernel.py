@@ -24,14 +24,13 @@ from moetune.runtime._capture import capturing
 from moetune.runtime.engines.base import MoEEngine
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.megakernel import engine as _mk
-from moetune.runtime.megakernel.config import MegakernelConfig
+from moetune.runtime.megakernel.config import ALIGN, MegakernelConfig
 
 if TYPE_CHECKING:
     from moetune.runtime.moe_layer import MoELayer
     from moetune.runtime.options import RuntimeOptions
 
 _PARAMS = ("w_gate_up", "w_down", "gate")  # the layer's parameters the megakernel reads in place
-_ALIGN = 16  # bytes: the alignment the megakernel's loads need (megakernel/layer.py ALIGN, not imported: ctypes, _lib)
 
 
 class MegakernelEngine(MoEEngine):
@@ -142,7 +141,7 @@ class MegakernelEngine(MoEEngine):
             # the kernels read the storage in place with 16-byte loads; the layer owns its parameters: a copy where
             # they are not contiguous, or start at an address that is not a multiple of 16 bytes (a view into a flat
             # checkpoint buffer), which MegakernelMoE.rebind refuses
-            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
+            if not t.is_contiguous() or t.data_ptr() % ALIGN:
                 t.data = t.data.clone(memory_format=torch.contiguous_format)
         mk.rebind(layer.w_gate_up.data, layer.w_down.data, layer.gate.data)
         self._ptrs = _param_ptrs(layer)

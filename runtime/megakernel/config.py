@@ -35,6 +35,10 @@ from moetune.runtime.knobs import (
     int_of_text,
 )
 
+# bytes: the kernels read x, the gate and the expert weights and write out with 16-byte accesses (uint4 loads and
+# stores, cp.async, TMA), which fault or read the wrong bytes at an address that is not a multiple of this
+ALIGN = 16
+
 if TYPE_CHECKING:
     from moetune.runtime.knobs import Knobs
     from moetune.runtime.options import RuntimeOptions

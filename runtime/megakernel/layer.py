@@ -24,6 +24,7 @@ from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
 from .config import (
+    ALIGN,
     BN,
     ConfigError,
     LaunchConfigs,
@@ -48,9 +49,6 @@ ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor
                 "finite); it still picked topk distinct experts (0..topk-1, NaN weights) and its output row is NaN; "
                 "the other rows were computed (-inf logits among finite ones are no error)"}
 CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
-# bytes: the kernels read x, the gate and the expert weights and write out with 16-byte accesses (uint4 loads and
-# stores, cp.async, TMA), which fault or read the wrong bytes at an address that is not a multiple of this
-ALIGN = 16
 
 
 class MegakernelError(RuntimeError):
