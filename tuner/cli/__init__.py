@@ -14,6 +14,7 @@ import signal
 import sys
 
 from moetune.tuner.cli._exc_chain import interrupt_in_chain  # no Typer: light, as this module must stay
+from moetune.tuner.cli._torch_import import hold_signals_while_torch_imports  # light too
 
 TYPE_CHECKING = False  # not `typing`'s: importing typing is one more import ahead of `main`'s handling
 if TYPE_CHECKING:
@@ -55,7 +56,9 @@ def main() -> None:
     """The `moetune` entry point. A Ctrl-C before a command's own handling of it (its `ends_cleanly_on_interrupt`)
     ends the command with one line on stderr and exit 130: while the app is imported (nothing was done yet), or in a
     command's checks before its work starts, where Typer turned the KeyboardInterrupt into a bare exit 130 with no
-    word (`moetune profile`'s fabric discovery, for one)."""
+    word (`moetune profile`'s fabric discovery, for one). A Ctrl-C while torch is imported waits for the import
+    to finish (`_torch_import`): torch's initialisation loses or aborts on one."""
+    hold_signals_while_torch_imports()
     try:
         from moetune.tuner.cli._app import run
     except KeyboardInterrupt:
