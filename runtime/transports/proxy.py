@@ -210,8 +210,7 @@ class ProxyEngine:
         self.handle = h
         self._finalizer = on_collect(self, _destroy_engine, self.lib, h)
         try:
-            # the thread's drains and destroy wait this long for a QP stream, never forever
-            csrc_build.check(self.lib, self.lib.mt_proxy_set_timeout(h, self.timeout_s), "mt_proxy_set_timeout")
+            # (the engine's timeout, the bound of its drains and destroy, was set by mt_proxy_create: ABI 23)
             if batch > 1:
                 csrc_build.check(self.lib, self.lib.mt_proxy_set_batch(h, int(batch)), "mt_proxy_set_batch")
             if cpus:
