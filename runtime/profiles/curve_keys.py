@@ -9,16 +9,27 @@ from pathlib import Path
 from moetune.runtime import _once
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 
-__all__ = ["read_curve_key_file", "warn_loose_secret"]
+__all__ = ["is_curve_key", "read_curve_key_file", "warn_loose_secret"]
 
 log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
+
+
+def is_curve_key(key: bytes | None) -> bool:
+    """Whether `key` is a CURVE key as zmq writes it in a key file: 40 Z85 characters (32 bytes). zmq checks a key only
+    when it is set on a socket, and then says a bare "Invalid argument" that names no file."""
+    from zmq.utils import z85
+
+    try:
+        return key is not None and len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):  # z85 raises KeyError for a character outside its alphabet
+        return False
 
 
 def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     """(public, secret or None) of a CURVE key file (`moetune keys generate`), else a ValueError saying what is
     wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "is not a
-    regular file (...)", "cannot be read (...)", "holds no CURVE public key" (zmq.auth says "Invalid certificate file"
-    of a missing one)."""
+    regular file (...)", "cannot be read (...)", "holds no CURVE public key", "holds a ... that is not a CURVE key"
+    (zmq.auth says "Invalid certificate file" of a missing one)."""
     from zmq.auth import load_certificate
 
     p = Path(path)
@@ -29,11 +40,17 @@ def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     if not p.is_file():  # a FIFO's open waits for a writer for ever: the lookup (and the EP buffer) hung here
         raise ValueError("is not a regular file (a FIFO or a device), not a key file")
     try:
-        return load_certificate(p)
+        public, secret = load_certificate(p)
     except OSError as e:
         raise ValueError(f"cannot be read ({e.strerror or e})") from None
     except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
         raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
+    # said here, naming the file: set on the socket, a broken key failed each request with "Invalid argument"
+    for what, key in (("public key", public), ("secret key", secret or None)):  # none: the caller says if it needs one
+        if key is not None and not is_curve_key(key):
+            raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
+                             "generate` key file, or an edited one)")
+    return public, secret
 
 
 def warn_loose_secret(path: str) -> None:
