@@ -17,6 +17,7 @@ from pathlib import Path
 import zmq
 
 from moetune.runtime.paths import loose_key_path, secret_key_checks
+from moetune.runtime.profiles.curve_keys import is_curve_key
 from moetune.tuner.daemon.errors import DaemonConfigError
 
 
@@ -67,9 +68,16 @@ def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool) -
     if not path.is_file() and (path.exists() or not missing_ok):
         raise DaemonConfigError(not_regular)
     try:
-        return zmq.auth.load_certificate(str(path))
+        public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as e:
         raise DaemonConfigError(f"cannot read {what}: {e}") from None
+    # zmq checks a key only when it is set on a socket ("Invalid argument", naming no file), and an allow-list entry
+    # that is no key lets nobody in without a word: said here, naming the file
+    for kind, key in (("public key", public), ("secret key", secret or None)):
+        if key is not None and not is_curve_key(key):
+            raise DaemonConfigError(f"{what} holds a {kind} that is not a CURVE key (40 Z85 characters, as `moetune "
+                                    "keys` writes them): replace the file with one `moetune keys` wrote")
+    return public, secret
 
 
 def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
