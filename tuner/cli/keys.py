@@ -19,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from moetune.runtime.profiles.curve_keys import is_curve_key
 from moetune.tuner.cli._args import path_arg, path_option, write_error_code
 
 app = typer.Typer(help="CURVE keys for a daemon listening on TCP.", no_args_is_help=True)
@@ -165,16 +166,6 @@ def generate(
         typer.echo(json.dumps({"public": str(public), "secret": str(secret)}))
     else:
         typer.echo(f"public key: {public}\nsecret key: {secret}  (set daemon.curve_secret_key_file to this)")
-
-
-def is_curve_key(key: bytes) -> bool:
-    """Whether `key` is a CURVE key as zmq writes it: 40 Z85 characters (32 bytes)."""
-    from zmq.utils import z85
-
-    try:
-        return len(key) == 40 and len(z85.decode(key)) == 32
-    except (ValueError, KeyError, TypeError):  # z85 raises KeyError for a character outside its alphabet
-        return False
 
 
 def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -> Path:
