@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from moetune.runtime.knobs import int_of_text
+
 # The largest dimension a shape may have: what a profile key can carry to and from a daemon (runtime/wire.py
 # POS_INT_MAX, the most a get_profile request takes; a test holds the two equal). A custom shape past it was taken and
 # failed later: as an OverflowError out of the database read of `moetune query` and `ProfileClient.resolve`.
@@ -89,10 +91,14 @@ def get_model(spec: str) -> ModelShape:
         parts = spec[len("custom:") :].split(",")
         if len(parts) not in (4, 5):
             raise ValueError(f"custom model {spec!r}: expected custom:HIDDEN,INTERMEDIATE,EXPERTS,TOPK[,DTYPE]")
+        # int_of_text, not int(): int() reads "1_28" as 128 and any Unicode digits; blanks around a field stay allowed
         try:
-            h, i, e, k = (int(p) for p in parts[:4])
-        except ValueError:
-            raise ValueError(f"custom model {spec!r}: the first four fields must be integers") from None
+            dims = [int_of_text(p.strip()) for p in parts[:4]]
+        except ValueError:  # past int()'s digit limit
+            dims = [None]
+        if None in dims:
+            raise ValueError(f"custom model {spec!r}: the first four fields must be integers")
+        h, i, e, k = (d for d in dims if d is not None)
         return ModelShape(name=spec, hidden=h, intermediate=i, experts=e, topk=k,
                           dtype=parts[4] if len(parts) == 5 else "bfloat16")
     raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODELS)} or custom:H,I,E,K[,dtype]")

@@ -53,3 +53,14 @@ def test_client_resolve_never_meets_an_unstorable_shape(tmp_path: Path) -> None:
     OverflowError out of resolve is never reached."""
     with pytest.raises(ValueError):
         ModelShape(name=HUGE, hidden=99999999999999999999999, intermediate=1, experts=1, topk=1)
+
+
+@pytest.mark.parametrize("field", ["1_28", "\uff11\uff12\uff18", "128.0", "0x80"])
+def test_a_custom_dimension_is_ascii_digits(field: str) -> None:
+    """`custom:1_28,64,4,2` was taken as hidden 128 (and full-width digits too): int() reads underscores and any
+    Unicode digits, which every other runtime parser of typed text refuses (knobs.int_of_text). The same shape then
+    went by another name (`ModelShape.name` is the spec) than the one it is usually written as."""
+    with pytest.raises(ValueError, match="must be integers"):
+        get_model(f"custom:{field},64,4,2")
+    # blanks around a field and a sign were taken before and still are (a sign of - is refused as <= 0)
+    assert get_model("custom: 128,+64,4 ,2").hidden == 128
