@@ -50,7 +50,11 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, topk: int) -> tuple[torch.Tenso
     """Softmax over the gate logits (fp32), top-k, renormalised: (topk_idx int64 [S, k], weights fp32 [S, k]).
 
     Equal probabilities go to the lower expert first, in pick order, as in the megakernel's routing kernels
-    (runtime/megakernel/topk.py `select`; a row of NaNs picks experts 0..k-1 there too)."""
+    (runtime/megakernel/topk.py `select`; a row of NaNs picks experts 0..k-1 there too). ValueError where `topk` is
+    not in 0..experts (the gate's rows)."""
+    experts = gate_w.shape[0]
+    if not 0 <= topk <= experts:  # the slice below would hand back fewer than topk picks, silently (topk raised)
+        raise ValueError(f"route: topk must be in 0..{experts} (the gate's experts), got {topk}")
     logits = x.float() @ gate_w.float().t()
     probs = torch.softmax(logits, dim=-1)
     # a stable sort, not topk: topk leaves the order of ties unspecified (on the CPU a row of 128 equal

@@ -157,6 +157,21 @@ def test_torch_route_breaks_ties_as_the_kernels(e, k):
         assert idx.is_contiguous() and idx.dtype == torch.int64 and w.shape == (x.shape[0], k)
 
 
+
+@pytest.mark.parametrize("k", [5, 9, -1])
+def test_torch_route_refuses_a_topk_the_gate_cannot_give(k):
+    """route() took torch's topk, which refused k past the gate's experts ("selected index k out of range"); its
+    stable sort sliced [:, :k] instead: k=5 of 4 experts gave 4 picks, k=-1 gave 3, [S, k] neither, silently."""
+    torch = pytest.importorskip("torch")
+    from moetune.runtime.moe_layer import route
+
+    x, wg = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"topk must be in 0\.\.4 \(the gate's experts\), got " + str(k)):
+        route(x, wg, k)
+    for ok in (0, 1, 4):  # what topk took, 0 included
+        idx, w = route(x, wg, ok)
+        assert idx.shape == w.shape == (3, ok)
+
 def test_kernel_source_mirrors_the_model():
     """The constants the model mirrors, the error code and its name, and every routing kernel reporting it."""
     from moetune.runtime.megakernel import _lib
