@@ -11,9 +11,9 @@ import torch
 
 from moetune.runtime.shapes import ModelShape
 
-# The seeds whose generator seeds (seed * 1_000_003 plus an offset below 2**24: 7 * expert + 1, or 999_983) are within
-# what torch.Generator.manual_seed takes, [-2**63, 2**64); outside, it failed with "Overflow when unpacking long long",
-# naming no argument
+# The seeds whose generator seeds (seed * 1_000_003 plus an offset below 2**24: 7 * expert + 1 up to ~2.4M experts,
+# or 999_983) are within what torch.Generator.manual_seed takes, [-2**63, 2**64); outside, it failed with "Overflow
+# when unpacking long long", naming no argument (past that many experts `_generator` wraps modulo 2**64)
 SEED_MIN = -((2**63 - 2**24) // 1_000_003)
 SEED_MAX = (2**64 - 2**24) // 1_000_003
 
@@ -29,7 +29,10 @@ def check_seed(seed: object, who: str = "") -> None:
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed(seed)
+    # modulo 2**64: manual_seed's own reading of a negative seed (the same stream), and what keeps a model of more than
+    # ~2.4M experts (7 * expert + 1 past 2**24) inside its range at SEED_MAX instead of failing "Overflow when
+    # unpacking long long"
+    g.manual_seed(seed % 2**64)
     return g
 
 

@@ -655,6 +655,22 @@ def test_a_seed_out_of_the_generators_range_is_named(seed: int) -> None:
         MoELayer(TINY, None, Knobs(), max_tokens=8, device="cpu", seed=ok)
 
 
+
+def test_the_weights_of_any_expert_build_at_the_seed_range_ends() -> None:
+    """The last expert of a model of 3M experts at SEED_MAX (its generator seed past 2**64) builds, and negative seeds
+    give the streams they gave before (the generator seed taken modulo 2**64, as manual_seed reads a negative)."""
+    from moetune.runtime.shapes import ModelShape
+    from moetune.runtime.weights import SEED_MAX, SEED_MIN, expert_weights
+
+    huge = ModelShape(name="huge", hidden=1, intermediate=1, experts=3_000_000, topk=1)
+    for seed in (SEED_MIN, SEED_MAX):
+        w1, w2 = expert_weights(huge, huge.experts - 1, seed=seed)
+        assert w1.shape == (2, 1) and w2.shape == (1, 1)
+    g = torch.Generator()
+    g.manual_seed(-3 * 1_000_003 + 7 * 3 + 1)  # seed -3, expert 3, as manual_seed takes it directly
+    want = torch.randn(2 * TINY.intermediate, TINY.hidden, generator=g) * TINY.hidden**-0.5
+    assert torch.equal(expert_weights(TINY, 3, seed=-3)[0], want)
+
 def test_epbuffer_options_type() -> None:
     with pytest.raises(TypeError, match="options must be"):
         EPBuffer(None, Knobs(), model=TINY, max_tokens=8, device="cpu", options="megakernel_timeout_s=5")
