@@ -34,7 +34,7 @@ from torch import nn
 from moetune.runtime import _args
 from moetune.runtime.buffer.facade import TORCH_DTYPES, EPBuffer, RecvMeta
 from moetune.runtime.engines.base import MoEEngine
-from moetune.runtime.engines.choice import choose_engine
+from moetune.runtime.engines.choice import choose_engine, refuse_unrunnable_megakernel
 from moetune.runtime.engines.unfused import UnfusedEngine
 from moetune.runtime.knobs import ENGINES, MK_KNOBS, Knobs
 from moetune.runtime.options import RuntimeOptions
@@ -196,6 +196,8 @@ class MoELayer(nn.Module):
         self.register_load_state_dict_post_hook(_load_state_dict_rebind)
         fault: Exception | None = None
         try:
+            if engine == "megakernel":  # before the weights: a large model's take minutes (or all memory) on a CPU
+                refuse_unrunnable_megakernel(self)
             self._build_weights(seed, use_grouped_mm)
             self._setup_engine(engine, knobs, max_tokens)
         except Exception as e:  # out of memory, engine="megakernel" refused, ... on this rank: the others are told in
@@ -222,7 +224,7 @@ class MoELayer(nn.Module):
     # -- engine ------------------------------------------------------------------------------------------
     def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:
         """Choose the engine (runtime/engines/choice.py has the rules) and build it."""
-        choice = choose_engine(self, engine, knobs, max_tokens)
+        choice = choose_engine(self, engine, knobs, max_tokens, runnable=engine == "megakernel")
         self._engine, self.engine_note, self.engine_resolution = choice.engine, choice.note, choice.resolution
 
     # what the layer shows of its engine (names tests, benchmarks and docs use)

@@ -161,3 +161,19 @@ def test_unfused_forward_on_several_ranks_reports_x_on_another_device_through_th
     assert engine.forward(layer, x) == "checked"
     (got_x, idx, w), = calls
     assert got_x is x and idx.shape == w.shape == (3, TINY.topk) and idx.device == w.device == layer.device
+
+
+def test_a_megakernel_request_that_cannot_run_is_refused_before_the_weights_are_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine="megakernel" on a CPU: refused before the layer builds its weights (deepseek-v3's 256 experts take
+    minutes and more memory than many nodes have on a CPU), not after them."""
+    from moetune.runtime import moe_layer
+    from moetune.runtime.shapes import get_model
+
+    built: list[int] = []
+    monkeypatch.setattr(moe_layer, "expert_weights", lambda *a, **kw: built.append(1) or (_ for _ in ()).throw(
+        AssertionError("weights built before the refusal")))
+    with pytest.raises(E.MegakernelUnavailable, match=r"no CUDA device \(the layer is on cpu\)"):
+        MoELayer(get_model("deepseek-v3"), None, None, max_tokens=16, device="cpu", dtype=torch.bfloat16,
+                 engine="megakernel")
+    assert built == []

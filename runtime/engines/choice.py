@@ -42,14 +42,16 @@ class EngineChoice(NamedTuple):
     resolution: Any = None  # the autoload Resolution where the megakernel profile was looked up
 
 
-def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_tokens: int) -> EngineChoice:
+def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_tokens: int, *,
+                  runnable: bool = False) -> EngineChoice:
     """The engine `layer` runs (its weights and buffer built), by the rules above; builds the megakernel when it is
-    chosen. Raises `MegakernelUnavailable` where `engine="megakernel"` was asked for and it cannot run."""
+    chosen. Raises `MegakernelUnavailable` where `engine="megakernel"` was asked for and it cannot run. `runnable`:
+    `refuse_unrunnable_megakernel` found no problem already (not asked again)."""
     if engine == "unfused":
         return EngineChoice(UnfusedEngine())
     world = layer.buffer.world
     world1 = world == 1
-    asked: list[str | None] = []  # MegakernelEngine.problem's answer, once asked
+    asked: list[str | None] = [None] if runnable else []  # MegakernelEngine.problem's answer, once asked
 
     def problem() -> str | None:
         if not asked:
@@ -98,6 +100,15 @@ def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_
         _mk.warn_fallback_once(why_not)
         return EngineChoice(UnfusedEngine(), note=why_not, resolution=resolution)
     return EngineChoice(built, resolution=resolution)
+
+
+def refuse_unrunnable_megakernel(layer: MoELayer) -> None:
+    """`MegakernelUnavailable` where the megakernel cannot run on the layer's device, dtype, model and world: asked
+    before the layer builds its weights (minutes, or more memory than the node has, for a large model on a CPU)
+    rather than after."""
+    why = MegakernelEngine.problem(layer.device, layer.dtype, layer.model, layer.buffer.world)
+    if why is not None:
+        raise _unavailable(why)
 
 
 def _unavailable(why: str) -> _mk.MegakernelUnavailable:
