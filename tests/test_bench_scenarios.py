@@ -423,3 +423,28 @@ def test_the_moe_driver_stores_the_plain_read_it_timed_beside_the_engines(monkey
     st = out["unfused"].metrics["plain_read_us[S=16]"]
     assert (st.median, st.p10, st.p90, st.n, st.unit) == (5.0, 4.5, 5.5, 50, "us")
     assert set(out["megakernel"].failed) == {"layer_us[S=16]", "graph_us[S=16]"}
+
+
+def test_a_mistyped_key_of_a_scenario_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """A key the loader does not read was dropped without a word: `[needs] gpu = 2` (for gpus) made a GPU scenario
+    a CPU one that `bench run` ran (and stamped) on any machine, `launchs = 5` ran the default 3 launches, a case's
+    `smoke_arg` ran the smoke variant at full size. Each is refused, naming the file, where it is and the key."""
+    head = 'name = "x"\ndriver = "gpu-rates"\nquestion = "q"\nmetrics = ["read_tbps"]\n'
+    case = '[[cases]]\nname = "a"\n'
+    for extra, where, key in (("launchs = 5\n", "", "launchs"), ("", "needs", "gpu"), ("", "smoke", "skp"),
+                              ("", "case", "smoke_arg"), ("", "smoke.needs", "worlds")):
+        body = head + extra
+        if where == "needs":
+            text = body + "[needs]\ngpu = 2\n" + case
+        elif where == "smoke":
+            text = body + '[smoke]\nskp = "GPU only"\n' + case
+        elif where == "smoke.needs":
+            text = body + "[smoke.needs]\nworlds = 2\n" + case
+        elif where == "case":
+            text = body + case + "smoke_arg = { size = 1 }\n"
+        else:
+            text = body + case
+        (tmp_path / "x.toml").write_text(text)
+        with pytest.raises(ScenarioError, match=f"unknown key.*'{key}'") as e:
+            definitions.load(tmp_path / "x.toml")
+        assert str(tmp_path / "x.toml") in str(e.value)

@@ -78,7 +78,24 @@ def _table(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
     return v
 
 
+# the keys each table of a scenario file takes: any other is a typo, refused (it was dropped without a word: `[needs]
+# gpu = 2` made a GPU scenario one that runs on any machine)
+TOP_KEYS = ("name", "driver", "question", "cases", "metrics", "better", "launches", "modelled", "args", "env", "options",
+            "needs", "smoke")
+CASE_KEYS = ("name", "args", "env", "options", "smoke", "smoke_args")
+NEEDS_KEYS = ("gpus", "world", "backend", "hardware")
+SMOKE_KEYS = ("args", "needs", "skip")
+
+
+def _known(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """ScenarioError naming `where` and each key of `d` not in `keys`."""
+    unknown = sorted(set(d) - set(keys))
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {unknown}; known: {', '.join(keys)}")
+
+
 def _needs(d: dict[str, Any], where: str) -> Needs:
+    _known(d, NEEDS_KEYS, where)
     try:
         n = Needs(gpus=int(d.get("gpus", 0)), world=int(d.get("world", 1)), backend=str(d.get("backend", "none")),
                   hardware=str(d.get("hardware", "any machine")))
@@ -160,6 +177,7 @@ def load(path: Path) -> Scenario:
     drv = d.get("driver", "")
     if drv not in DRIVERS:
         raise ScenarioError(f"{where}: unknown driver {drv!r}; registered drivers: {', '.join(sorted(DRIVERS))}")
+    _known(d, TOP_KEYS, where)
     raw_cases = d.get("cases", [])
     if not isinstance(raw_cases, list) or not raw_cases:
         raise ScenarioError(f"{where}: at least one [[cases]] entry is needed (the first is the baseline)")
@@ -170,6 +188,7 @@ def load(path: Path) -> Scenario:
         if not isinstance(c, dict) or not _NAME.match(str(c.get("name", ""))):
             raise ScenarioError(f"{cw}: every case needs a lower-case-with-dashes 'name'")
         cw = f"{cw} ({c['name']})"
+        _known(c, CASE_KEYS, cw)
         cases.append(Case(name=c["name"], args=_table(c, "args", cw), env=_env(c, cw),
                           options=_options(scenario_options, _table(c, "options", cw), cw, drv),
                           smoke=bool(c.get("smoke", True)), smoke_args=_table(c, "smoke_args", cw)))
@@ -201,6 +220,7 @@ def load(path: Path) -> Scenario:
         raise ScenarioError(f"{where}: 'modelled' must be a list of metric names (or of the name before '[' of a "
                             "family of metrics) that are predictions, not measurements")
     smoke = _table(d, "smoke", where)
+    _known(smoke, SMOKE_KEYS, f"{where}: smoke")
     question = str(d.get("question", "")).strip()
     if not question:
         raise ScenarioError(f"{where}: 'question' (what the scenario measures, in words) is required")
