@@ -805,3 +805,18 @@ def test_tune_refuses_an_unknown_family_before_any_database_is_made(tmp_path: Pa
     r = _run(*MODEL_TUNE, "--family", "nvlink", "--family", "bogus", home=tmp_path)
     _refused(r, "--family bogus: not a transport family", "proxy:ibrc")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_ep_serve_refuses_the_options_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench ep --serve` takes its cases (model, tokens, knobs, ...) from stdin and its environment from its start:
+    --no-p2p (NCCL_P2P_DISABLE=1) was dropped without a word, so a "no peer-to-peer" world measured with P2P on, and
+    --model, --tokens, --knobs, ... were ignored. Each is refused naming it, before any rank is spawned."""
+    from moetune.tuner.measure import worker as bench_worker
+
+    def served(*a: object, **k: object) -> int:
+        raise AssertionError("the worker was started")
+
+    monkeypatch.setattr(bench_worker, "serve", served)
+    _refused(_run("bench", "ep", "--serve", "--backend", "nccl", "--no-p2p"), "--no-p2p", "--serve")
+    _refused(_run("bench", "ep", "--serve", "--model", "deepseek-v3", "--tokens", "4096"), "--model", "--tokens")
+    _refused(_run("bench", "ep", "--serve", "--knobs", "compression=fp8_e4m3"), "--knobs")

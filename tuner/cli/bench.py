@@ -132,8 +132,20 @@ def _check_world(world: int, *, spawned: bool) -> None:
     if spawned and world > spawn_limit():
         _fail(f"--world {world}: too many ranks to spawn here (at most {spawn_limit()}, 8 per CPU)")
 
+# what `bench ep --serve` applies: its cases (model, tokens, knobs, ...) come on stdin, its environment from its start
+SERVE_OPTIONS = frozenset({"world", "backend", "timeout", "serve"})
+
+
+def _given_options(ctx: typer.Context) -> list[str]:
+    """The options typed on the command line (not left at their defaults), as the command line names them."""
+    return [f"--{p.name.replace('_', '-')}" if not p.opts else p.opts[0] for p in ctx.command.params
+            if p.name and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+            and p.name not in SERVE_OPTIONS]
+
+
 @app.command("ep")
 def ep(
+    ctx: typer.Context,
     world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun)."),
     backend: str = typer.Option("gloo", "--backend", "--comm", help="gloo (CPU) or nccl (GPUs) (--comm, as for `moetune tune`)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
@@ -153,7 +165,7 @@ def ep(
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once more with new inputs (and, for the device-resident layout, a poisoned receive buffer). Needs a layout without host syncs (dense collective or host_staged, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
     no_p2p: bool = typer.Option(False, "--no-p2p", help="Emulate a node without GPU peer-to-peer: NCCL_P2P_DISABLE=1 in the ranks, set before NCCL initialises (--backend nccl only; any transport). Off by default: the ranks get the environment the tuner measures in and a launcher serves (launcher_env), which sets no NCCL variable."),
-    serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.measure.worker); only --world, --backend and --timeout apply."),
+    serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.measure.worker); only --world, --backend and --timeout apply (any other option is refused)."),
 ) -> None:
     """Time EP dispatch, combine and the whole MoE layer; with --verify, the error vs the dense reference."""
     if not (math.isfinite(timeout) and timeout > 0):  # torch's process group would fail deep in C++ instead
@@ -161,6 +173,13 @@ def ep(
     _check_seed(seed)
     if serve:
         from moetune.tuner.measure import worker as bench_worker
+
+        ignored = _given_options(ctx)
+        if ignored:  # dropped without a word: --no-p2p measured with P2P on, --model another model than asked
+            _fail(f"{', '.join(ignored)}: --serve takes each case (model, tokens, knobs, ...) as a JSON line on stdin "
+                  "and applies only --world, --backend and --timeout; leave "
+                  f"{'it' if len(ignored) == 1 else 'them'} out (for no peer-to-peer, start the worker with "
+                  "NCCL_P2P_DISABLE=1 in its environment)")
 
         if backend not in ("gloo", "nccl"):
             _fail(f"--backend must be gloo or nccl, got {backend!r}")
