@@ -448,3 +448,22 @@ def test_a_mistyped_key_of_a_scenario_file_is_refused_naming_it(tmp_path: Path) 
         with pytest.raises(ScenarioError, match=f"unknown key.*'{key}'") as e:
             definitions.load(tmp_path / "x.toml")
         assert str(tmp_path / "x.toml") in str(e.value)
+
+
+def test_the_moe_driver_takes_one_token_count_as_it_runs_it(monkeypatch, tmp_path: Path) -> None:
+    """run_moe times `tokens = 16` (one count, not a list) as [16], but the command stored with its rows was built
+    first from the list it is not: TypeError 'int' object is not iterable, a traceback out of `bench run`, nothing
+    timed. The command names the count it times."""
+    from moetune.tuner.measure import moe as M
+
+    q = {"median": 10.0, "p10": 9.0, "p90": 11.0}
+    seen: list[object] = []
+
+    def bench(shape: object, toks: list[int], *a: object, **k: object) -> dict:
+        seen.append(toks)
+        return {"iters": 50, "graph": False, "cases": [{"engine": "unfused", "S": 16, "eager_us": q}]}
+
+    monkeypatch.setattr(M, "bench_moe", bench)
+    (r,) = moe_drivers.run_moe([records.Resolved("unfused", {"model": "qwen3-30b", "tokens": 16, "engine": "unfused"},
+                                                 {})], records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))
+    assert seen == [[16]] and "--tokens 16 " in r.command and r.metrics["layer_us[S=16]"].median == 10.0

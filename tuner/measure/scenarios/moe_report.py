@@ -10,7 +10,13 @@ from typing import Any
 from moetune.tuner.measure import results as R
 from moetune.tuner.measure.scenarios.checkout import SUMMARY_CSV
 from moetune.tuner.measure.scenarios.definitions import Scenario
-from moetune.tuner.measure.scenarios.drivers.moe import MOE_TIMINGS, PLAIN_READ, failed_rows, per_case
+from moetune.tuner.measure.scenarios.drivers.moe import (
+    MOE_TIMINGS,
+    PLAIN_READ,
+    failed_rows,
+    moe_tokens,
+    per_case,
+)
 from moetune.tuner.measure.scenarios.errors import ScenarioError
 from moetune.tuner.measure.scenarios.records import CaseResult
 from moetune.tuner.measure.scenarios.runner import launch_rows, plan
@@ -69,7 +75,7 @@ def _report_cases(s: Scenario, rep: dict[str, Any], meta: dict[str, Any], origin
     from moetune.tuner.measure.moe import warmup_for
 
     a = plan(s, None, False)[0].args
-    want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(a.get("tokens", [128])),
+    want = {"model": str(a.get("model", "qwen3-30b")), "tokens": sorted(moe_tokens(a)),
             # the warm-up bench moe runs for these args (moe.warmup_for: raised to the rotation where below it)
             "iters": int(a.get("iters", 50)), "warmup": warmup_for(int(a.get("warmup", 10)), int(a.get("rotate", 4)))[0],
             "rotate": int(a.get("rotate", 4)),

@@ -11,10 +11,16 @@ from moetune.tuner.measure.scenarios.errors import ScenarioError
 from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat
 
 
+def moe_tokens(args: dict[str, Any]) -> list[Any]:
+    """A moe case's `tokens` as the list run_moe times: one count (`tokens = 16`) is [16]."""
+    toks = args.get("tokens", [128])
+    return toks if isinstance(toks, list) else [toks]
+
+
 def moe_command(args: dict[str, Any], engines: Sequence[str]) -> str:
     """The `moetune bench moe` command that measures these cases on its own."""
     a = ["moetune", "bench", "moe", "--engine", ",".join(engines), "--model", str(args.get("model", "qwen3-30b")),
-         "--tokens", ",".join(map(str, args.get("tokens", [128])))]
+         "--tokens", ",".join(map(str, moe_tokens(args)))]
     for k in ("iters", "warmup", "rotate", "knobs", "rest", "seed"):  # seed: the weights and inputs run_moe times
         if args.get(k) not in (None, ""):
             a += ["--" + k, str(args[k])]
