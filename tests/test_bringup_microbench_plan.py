@@ -77,3 +77,17 @@ def test_quick_stays_quick_as_its_plan_says(tmp_path: Path, monkeypatch: pytest.
     assert plan.microbench_sizes == list(micro.QUICK_SIZES)
     seen, _ = _microbench(tmp_path, monkeypatch, plan)
     assert seen == [(list(micro.QUICK_SIZES), plan.iters)]
+
+
+@pytest.mark.parametrize("key", ["iters", "repeats", "compare_rounds"])
+def test_a_plan_count_past_the_bench_limit_is_refused_naming_it(tmp_path: Path, key: str) -> None:
+    """`iters = 9999999999999999999999` was taken: the first microbenchmark then ran until killed (`bench ep --iters`
+    refuses past 1000000). A count of timed runs past that limit is refused up front, naming the file and the key."""
+    from moetune.tuner.bringup.flow import Plan
+
+    path = tmp_path / "plan.toml"
+    path.write_text(f"{key} = 1000001\n")
+    with pytest.raises(ValueError, match=f"{path}: {key} must be an integer from 1 to 1000000"):
+        Plan.from_file(path, Plan())
+    path.write_text(f"{key} = 1000000\n")
+    assert getattr(Plan.from_file(path, Plan()), key) == 1000000

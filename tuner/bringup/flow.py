@@ -32,6 +32,8 @@ MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is thi
 # the key of a tuned_vs_default row's `extra` that names the comparison it records: {"run": the state's
 # `compare_token`, "part": the bucket, "tuned": the tuned setting compared} (`Bringup._stored_comparisons`)
 COMPARED_AS = "compared_as"
+# the most timed runs a plan's iters, repeats and compare_rounds may ask for (`moetune bench ep --iters`'s limit)
+COUNT_MAX = 1_000_000
 
 
 @dataclass
@@ -136,6 +138,9 @@ class Plan:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{where}: {name} must be an integer >= 1, got {v!r}")
+            if name != "trials" and v > COUNT_MAX:  # a count of timed runs: 10**22 ran the first microbenchmark forever
+                raise ValueError(f"{where}: {name} must be an integer from 1 to {COUNT_MAX} (as `bench ep --iters`), "
+                                 f"got {v!r}")
         if not is_int(self.world) or self.world < 0 or self.world == 1:  # 0: not set
             # as ep_sizes = [1]: one rank exchanges nothing (it stored "measured" collective profiles at EP 1)
             raise ValueError(f"{where}: world must be an integer >= 2 (an EP exchange needs 2 GPUs; a one-GPU node "
