@@ -467,3 +467,11 @@ def test_the_moe_driver_takes_one_token_count_as_it_runs_it(monkeypatch, tmp_pat
     (r,) = moe_drivers.run_moe([records.Resolved("unfused", {"model": "qwen3-30b", "tokens": 16, "engine": "unfused"},
                                                  {})], records.Ctx(world=1, backend="none", smoke=False, tmp=tmp_path))
     assert seen == [[16]] and "--tokens 16 " in r.command and r.metrics["layer_us[S=16]"].median == 10.0
+
+
+def test_the_moe_knobs_driver_fails_a_bad_token_count_without_a_traceback(tmp_path: Path) -> None:
+    """run_moe_knobs turned one token count into an int before its try: `tokens = "x"` raised ValueError out of
+    `bench run` (a traceback). The cases fail with the reason, as any other bad argument does."""
+    out = moe_drivers.run_moe_knobs([records.Resolved("base", {"tokens": "x"}, {}), records.Resolved("v", {}, {})],
+                                    records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    assert [r.case for r in out] == ["base", "v"] and all("x" in r.error and not r.metrics for r in out)

@@ -128,8 +128,7 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
             raise ScenarioError(f"case {c.name}: unknown moe-knobs argument(s) {sorted(unknown)}; known: "
                                 f"{', '.join(_KNOBS_KEYS)}")
     a = cases[0].args
-    toks = a.get("tokens", [128])
-    toks = toks if isinstance(toks, list) else [int(toks)]
+    toks = moe_tokens(a)  # each made an int inside the try below: a bad one fails the cases, not `bench run`
     cmd = shlex.join(["moetune", "bench", "knobs", "--knobs", str(a.get("knobs", "")), "--vs",
                       ";".join(f"{c.name}={c.args.get('knobs', '')}" for c in cases[1:]), "--model",
                       str(a.get("model", "qwen3-30b")), "--tokens", ",".join(map(str, toks)),
