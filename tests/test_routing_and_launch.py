@@ -109,9 +109,9 @@ def test_free_port_never_hands_out_one_port_twice(monkeypatch) -> None:
 
 
 def test_a_group_that_did_not_form_is_started_once_more(monkeypatch) -> None:
-    """Every rank failing to form the group (a port race between concurrent launches under xdist: "Connection closed
-    by peer" from Gloo) starts the ranks once more on fresh ports; a failure of fn, or a second rendezvous failure,
-    is raised."""
+    """Every failed rank failing to form the group (a port race between concurrent launches under xdist: "Connection
+    closed by peer" from Gloo), whether or not the others' fn returned, starts the ranks once more on fresh ports; a
+    failure of fn, or a second rendezvous failure, is raised."""
     import pickle
 
     from moetune.runtime.testing import launch as L
@@ -130,6 +130,11 @@ def test_a_group_that_did_not_form_is_started_once_more(monkeypatch) -> None:
     with pytest.raises(L.LaunchError):
         L.launch(_group_facts, 2)
     assert len(calls) == 2
+    calls.clear()
+    # one rank's group did not form while the other's fn (needing no peer) returned: started once more too
+    monkeypatch.setattr(L, "_launch_once", lambda *_a, **_k: calls.append(1) or (
+        ({1: pickle.dumps("b")}, {0: rendezvous[0]}) if len(calls) == 1 else ({0: pickle.dumps("a"), 1: pickle.dumps("b")}, {})))
+    assert L.launch(_group_facts, 2) == ["a", "b"] and len(calls) == 2
     calls.clear()
     monkeypatch.setattr(L, "_launch_once", lambda *_a, **_k: calls.append(1) or ({0: pickle.dumps(1)}, {1: "ValueError"}))
     with pytest.raises(L.LaunchError):
