@@ -1005,3 +1005,28 @@ def test_recorded_gpu_uuids_are_checked_where_only_some_gpus_have_one(tmp_path: 
     assert node_identity.mismatch({"gpus": [{"uuid": "GPU-here-1"}, {"uuid": ""}]}, proc)[0] is None
     assert node_identity.mismatch({"gpus": [{"uuid": ""}, {"uuid": ""}]}, proc)[0] is None  # count only: nothing read
     assert node_identity.mismatch({"gpus": [{"uuid": "GPU-here-0"}, {"uuid": "GPU-here-1"}]}, proc)[0] is None
+
+
+def test_gpus_recorded_without_a_uuid_are_checked_by_model(tmp_path: Path) -> None:
+    """Where discovery recorded no UUID, only the GPU count was compared: another node's facts (two H100s, UUIDs
+    unread) matched a node of two H200s with the same driver and packages, and its profiles were applied as tuned
+    on hardware they were not measured on. The model /proc reports for each unrecorded GPU is compared instead."""
+    gpus = tmp_path / "proc" / "driver" / "nvidia" / "gpus"
+    for i, uuid in enumerate(("GPU-here-0", "GPU-here-1")):
+        (gpus / f"0000:{i:02x}:00.0").mkdir(parents=True)
+        (gpus / f"0000:{i:02x}:00.0" / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nIRQ: \t\t 16\nGPU UUID: \t {uuid}\n")
+    proc = tmp_path / "proc"
+    h100 = {"model": "NVIDIA H100 80GB HBM3", "uuid": ""}
+    why, _ = node_identity.mismatch({"gpus": [h100, h100]}, proc)
+    assert why is not None and "NVIDIA H100 80GB HBM3" in why and "NVIDIA H200" in why, why
+    # one UUID recorded (here), the other GPU unread and of another model: refused too
+    why, _ = node_identity.mismatch({"gpus": [{"model": "NVIDIA H200", "uuid": "GPU-here-0"}, h100]}, proc)
+    assert why is not None and "model" in why, why
+    # this node's own facts with the UUIDs unread still match (the models are its own)
+    h200 = {"model": "NVIDIA H200", "uuid": ""}
+    why, checked = node_identity.mismatch({"gpus": [h200, h200]}, proc)
+    assert why is None and "GPU models" in checked, why
+    assert node_identity.mismatch({"gpus": [{"model": "NVIDIA H200", "uuid": "GPU-here-1"}, h200]}, proc)[0] is None
+    # no model recorded (older facts): nothing to compare, as before
+    assert node_identity.mismatch({"gpus": [{"uuid": ""}, {"uuid": ""}]}, proc)[0] is None

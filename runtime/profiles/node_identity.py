@@ -20,7 +20,8 @@ Else no identity: no profile is applied as tuned (the caller falls back to polic
 shaped as discovery records them (`facts_shape_problem`: a hand edit, another program's row, a daemon's odd reply) are
 unreadable: never this node, and never an exception out of the lookup.
 
-What `mismatch` checks: the GPU UUIDs and driver version in /proc/driver/nvidia, on a node without GPUs the
+What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery did not read) and driver version in
+/proc/driver/nvidia, on a node without GPUs the
 recorded NICs in /sys/class (infiniband, cxi), and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
@@ -136,6 +137,45 @@ def local_gpu_uuids(proc: Path | None = None) -> set[str] | None:
     return out
 
 
+def local_gpu_models(proc: Path | None = None) -> dict[str, str] | None:
+    """UUID -> model ("Model:" line; "" where it has none) of this node's GPUs from the same files as
+    `local_gpu_uuids` (None: not readable)."""
+    root = (proc or PROC_ROOT) / "driver" / "nvidia" / "gpus"
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return None
+    out: dict[str, str] = {}
+    for e in entries:
+        try:
+            text = (e / "information").read_text(errors="replace")
+        except OSError:
+            return None
+        uuid = re.search(r"GPU UUID:\s*(\S+)", text)
+        if uuid is None:
+            return None
+        model = re.search(r"^Model:[ \t]*(.*?)[ \t]*$", text, re.MULTILINE)
+        out[uuid.group(1)] = model.group(1) if model else ""
+    return out
+
+
+def _unrecorded_models_problem(gpus: list[dict[str, Any]], recorded: set[str], proc: Path | None) -> tuple[str | None, bool]:
+    """(why the GPUs recorded without a UUID are not this node's other GPUs, by model, or None; whether the models
+    were compared: not where a model is unread on either side). The count alone let another node's GPUs of another
+    model match."""
+    want = sorted(" ".join(str(g.get("model") or "").split()) for g in gpus if not g.get("uuid"))
+    models = local_gpu_models(proc)
+    if not want or models is None:
+        return None, False
+    have = sorted(" ".join(m.split()) for u, m in models.items() if u not in recorded)
+    if "" in want or "" in have or len(have) != len(want):
+        return None, False
+    if have != want:
+        return (f"the GPUs here are not the recorded model(s) ({', '.join(have)} here, {', '.join(want)} recorded "
+                "for the GPUs whose UUID discovery did not read)"), True
+    return None, True
+
+
 def local_driver(proc: Path | None = None) -> str | None:
     try:
         text = ((proc or PROC_ROOT) / "driver" / "nvidia" / "version").read_text(errors="replace")
@@ -213,6 +253,12 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
         if recorded - here or (len(recorded) == len(gpus) and recorded != here):
             return "the GPUs here are not the recorded ones (UUIDs differ)", tuple(checked)
         checked.append("GPU UUIDs" if recorded else "GPU count")
+        if len(recorded) < len(gpus):  # some UUIDs unread: the rest told apart by model, not by count alone
+            why_model, compared = _unrecorded_models_problem(gpus, recorded, proc)
+            if why_model is not None:
+                return why_model, tuple(checked)
+            if compared:
+                checked.append("GPU models")
     if not gpus and not here:
         # no GPU compared: the NICs are the hardware a node without GPUs is told apart by (a shared database's
         # other node passed on package versions alone). Not where GPUs matched: a containerised job sees only the
