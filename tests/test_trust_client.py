@@ -1030,3 +1030,25 @@ def test_gpus_recorded_without_a_uuid_are_checked_by_model(tmp_path: Path) -> No
     assert node_identity.mismatch({"gpus": [{"model": "NVIDIA H200", "uuid": "GPU-here-1"}, h200]}, proc)[0] is None
     # no model recorded (older facts): nothing to compare, as before
     assert node_identity.mismatch({"gpus": [{"uuid": ""}, {"uuid": ""}]}, proc)[0] is None
+
+
+@pytest.mark.parametrize("transports", [["host_staged", "collective"], ["nvlink", "host_staged", "collective"]])
+def test_a_multi_host_fallback_never_picks_a_one_host_family(tmp_path: Path, transports: list[str]) -> None:
+    """The policy-default step picks the node's preferred family from daemon.json, leaving NVLink out where the group
+    spans hosts, but not host_staged, whose staging memory is one host's /dev/shm file: a two-node group of PCIe
+    boxes (nvlink absent or skipped) got host_staged's default knobs, and every GPU rank failed building its buffer."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": transports,
+                                                 "db": str(tmp_path / "none.db")}))
+    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", env={"HOME": "/nonexistent"})
+    with pytest.warns(FallbackWarning, match="NO tuned profile"):
+        res = c.resolve(model=QWEN, ep_size=4, tokens=100, nodes=2)
+    assert res.family == "collective" and res.knobs.transport == "collective", res
+    with pytest.warns(FallbackWarning, match="NO tuned profile"):  # one host: the node's preferred family, as before
+        res = c.resolve(model=QWEN, ep_size=4, tokens=100, nodes=1)
+    assert res.family == transports[0], res
+    # the group default a multi-host group falls back to when its hosts disagree keeps to it too
+    one_host = client.Resolution(knobs=default_knobs("host_staged"), source="policy", profile_hash="x",
+                                 status="default", family="host_staged")
+    assert autoload._group_default(one_host, 2, None, "hosts disagree").family == "collective"

@@ -71,6 +71,7 @@ from moetune.runtime.profiles.client import (
     Resolution,
     forget_env_warnings,
     forget_reported_identities,
+    one_host_family,
     policy_or_default,
     warn_fallback,
 )
@@ -362,7 +363,7 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str,
     """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it under
     `options` (the group's RuntimeOptions)."""
     family = res.family or "collective"
-    if family.startswith("nvlink") and nodes > 1:
+    if one_host_family(family) and nodes > 1:  # nvlink, host_staged: one host's ranks only
         family = "collective"
     knobs, source = policy_or_default(family)
     if runtime_transport_problem(knobs.transport, device, options) is not None:

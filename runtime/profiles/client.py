@@ -129,6 +129,7 @@ __all__ = [
     "Resolution",
     "forget_env_warnings",
     "forget_reported_identities",
+    "one_host_family",
     "policy_or_default",
     "warn_fallback",
 ]
@@ -960,12 +961,23 @@ def _transport_problem(family: str, knobs: Knobs | None, transport_ok: Callable[
     return None
 
 
+# Families whose transport serves the ranks of one host only: NVLink (its GPUs store into each other's memory) and
+# host_staged (its staging memory is one host's /dev/shm file). A group spanning hosts never falls back to them.
+ONE_HOST_FAMILIES = ("nvlink", "host_staged")
+
+
+def one_host_family(family: str) -> bool:
+    """Whether `family` runs only within one host (`ONE_HOST_FAMILIES`)."""
+    return family.startswith(ONE_HOST_FAMILIES)
+
+
 def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1) -> str:
-    """The node's preferred transport family as the daemon last discovered it (NVLink only within a node)."""
+    """The node's preferred transport family as the daemon last discovered it (NVLink and host_staged only within a
+    node)."""
     fams = info.get("transports") if info else None
     if isinstance(fams, list):
         for f in fams:
-            if isinstance(f, str) and (nodes == 1 or not f.startswith("nvlink")):
+            if isinstance(f, str) and (nodes == 1 or not one_host_family(f)):
                 return f
     return "collective"
 
