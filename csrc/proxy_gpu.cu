@@ -101,6 +101,8 @@ __global__ void race_check_kernel(const uint64_t* flags, uint64_t flag_stride_wo
 MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t ctrl_local, double timeout_s, void** out) {
   MT_REQUIRE(world >= 1 && world <= MT_MAX_WORLD, 300, "world %d outside 1..%d", world, MT_MAX_WORLD);
   MT_REQUIRE(world < 32, 301, "world must be < 32");
+  // the kernels index the count matrix and the count words by rank (as mt_nvl_create checks, 101)
+  MT_REQUIRE(rank >= 0 && rank < world, 306, "mt_pxy_create: rank %d outside 0..%d", rank, world - 1);
   MT_REQUIRE(engine != nullptr, 305, "no proxy engine");
   {
     int rc = mt_proxy_mark_gpu_producer_internal(engine);

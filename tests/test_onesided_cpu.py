@@ -1367,3 +1367,32 @@ def test_row_counts_that_are_not_integers_are_refused_not_truncated() -> None:
         assert got.dtype == torch.int64 and got.tolist() == [3, 4]
         with pytest.raises(ValueError, match="counts must have 2 entries"):
             t._counts_arg(torch.tensor([1, 2, 3]))
+
+
+def test_proxy_context_refuses_a_rank_outside_its_world_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """mt_pxy_create refuses a rank outside 0..world-1 (306), as mt_nvl_create does (101), before it marks the engine
+    or allocates anything: the kernels index the count matrix and the count words by rank, so such a rank wrote its
+    row past MT_CTRL_BYTES of every peer's control region (rank >= MT_MAX_WORLD) or into a row no rank reads."""
+    import numpy as np
+
+    lib = sim_lib
+    ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
+    data = np.zeros(2 * 4096, dtype=np.uint8)
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    h = ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, 2, u64([data.ctypes.data] * 2), u64([ctrl.ctypes.data] * 2),
+                               u64([ctrl.ctypes.data] * 2), 1, 1, 1, 64, None, 0, 5.0, ctypes.byref(h)) == 0, \
+        lib.mt_last_error()
+    try:
+        for rank in (2, 8, -1):
+            x = ctypes.c_void_p()
+            rc = lib.mt_pxy_create(h, 0, rank, 2, ctrl.ctypes.data, 5.0, ctypes.byref(x))
+            if rc == 0:
+                lib.mt_pxy_destroy(x)
+            assert rc == 306 and not x.value, (rank, rc)
+            assert f"mt_pxy_create: rank {rank} outside 0..1".encode() in lib.mt_last_error()
+        x = ctypes.c_void_p()  # a valid rank still builds on the same engine
+        assert lib.mt_pxy_create(h, 0, 1, 2, ctrl.ctypes.data, 5.0, ctypes.byref(x)) == 0, lib.mt_last_error()
+        assert lib.mt_pxy_destroy(x) == 0
+    finally:
+        lib.mt_proxy_destroy(h)
