@@ -105,6 +105,14 @@ MT_API int mt_pxy_create(void* engine, int device, int rank, int world, uint64_t
   MT_REQUIRE(rank >= 0 && rank < world, 306, "mt_pxy_create: rank %d outside 0..%d", rank, world - 1);
   MT_REQUIRE(engine != nullptr, 305, "no proxy engine");
   {
+    // one engine peer per rank: the kernels push to every rank of the world and the ACK lane waits on
+    // ack[peer * qps + k] for each, which the engine holds for its npeers * qps streams only
+    MtGpuView v;
+    mt_proxy_gpu_view(engine, &v);
+    const int npeers = v.qps > 0 ? v.nstreams / v.qps : 0;
+    MT_REQUIRE(world == npeers, 307, "mt_pxy_create: world %d but the proxy engine has %d peers", world, npeers);
+  }
+  {
     int rc = mt_proxy_mark_gpu_producer_internal(engine);
     if (rc != 0) return rc;
   }

@@ -1396,3 +1396,30 @@ def test_proxy_context_refuses_a_rank_outside_its_world_in_host_simulation(sim_l
         assert lib.mt_pxy_destroy(x) == 0
     finally:
         lib.mt_proxy_destroy(h)
+
+
+def test_proxy_context_refuses_a_world_other_than_its_engines_peers_in_host_simulation(sim_lib: ctypes.CDLL) -> None:
+    """mt_pxy_create refuses a world other than its engine's peer count (307): the kernels push count words to every
+    rank of the world (a peer the engine lacks fails the engine, 700) and the ACK lane waits on ack[peer * qps + k]
+    for every peer of the world, past the engine's npeers * qps ACK words."""
+    import numpy as np
+
+    lib = sim_lib
+    ctrl = np.zeros(8 * 1024 + 2 * 8 + 2 * 64, dtype=np.uint64)
+    data = np.zeros(2 * 4096, dtype=np.uint8)
+    u64 = lambda xs: (ctypes.c_uint64 * len(xs))(*xs)  # noqa: E731
+    h = ctypes.c_void_p()
+    assert lib.mt_proxy_create(0, 1, u64([data.ctypes.data]), u64([ctrl.ctypes.data]), u64([ctrl.ctypes.data]), 2, 1,
+                               1, 64, None, 0, 5.0, ctypes.byref(h)) == 0, lib.mt_last_error()
+    try:
+        x = ctypes.c_void_p()
+        rc = lib.mt_pxy_create(h, 0, 0, 2, ctrl.ctypes.data, 5.0, ctypes.byref(x))
+        if rc == 0:
+            lib.mt_pxy_destroy(x)
+        assert rc == 307 and not x.value, rc
+        assert b"mt_pxy_create: world 2 but the proxy engine has 1 peers" in lib.mt_last_error()
+        x = ctypes.c_void_p()  # the matching world still builds on the same engine
+        assert lib.mt_pxy_create(h, 0, 0, 1, ctrl.ctypes.data, 5.0, ctypes.byref(x)) == 0, lib.mt_last_error()
+        assert lib.mt_pxy_destroy(x) == 0
+    finally:
+        lib.mt_proxy_destroy(h)
