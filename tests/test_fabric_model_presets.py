@@ -79,3 +79,22 @@ def test_nvlink_h200x2_is_calibrated() -> None:
     p = load_preset("nvlink-h200x2")
     assert p.calibration["points"] > 0
     assert p.sources["collective.alpha_us"].startswith("calibrated:")
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    # a misspelled section: its numbers were dropped and the preset predicted with no NVLink at all (3.7x slower)
+    (lambda t: t.replace("[nvlink]", "[nvlnk]"), r"\[nvlnk\]"),
+    # a misspelled top-level key: max_nodes stayed 0 (no limit) and a one-box preset predicted 4 nodes
+    (lambda t: t.replace("max_nodes = 1", "max_node = 1"), "max_node"),
+    # a misspelled parameter (with its source): read by nothing, the model kept the parameter's absence unnoticed
+    (lambda t: t.replace("[nvlink]\n", '[nvlink]\nlatncy_us = 9.0\n').replace(
+        "[sources]\n", '[sources]\n"nvlink.latncy_us" = "x"\n'), r"nvlink\.latncy_us"),
+])
+def test_unknown_keys_and_sections_are_refused(tmp_path: Path, edit, named: str) -> None:
+    """A key or section the model never reads is refused naming it, not silently dropped from the prediction."""
+    text = load_preset("nvlink-h200x2").to_toml()
+    f = tmp_path / "typo.toml"
+    f.write_text(edit(text))
+    assert f.read_text() != text
+    with pytest.raises(PresetError, match=named):
+        load_preset(str(f))

@@ -44,6 +44,8 @@ POSITIVE: frozenset[str] = frozenset({
 })
 # Parameters the model uses as counts: a fraction makes no sense.
 INTEGER: frozenset[str] = frozenset({"gpu.sms", "nic.shared_qps"})
+# The top-level keys a preset may hold besides its parameter sections.
+TOP_LEVEL = ("name", "family", "transports", "gpus_per_node", "description", "max_nodes", "calibration", "sources")
 # Non-numeric switches: (section, key) -> the Python type the value must have.
 SWITCHES: dict[tuple[str, str], type] = {
     ("proxy", "fence_quiet"): str,
@@ -343,7 +345,20 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
         missing = [k for k in want if k not in table]
         if missing:
             raise PresetError(f"{where}: [{section}] lacks {', '.join(missing)}")
+        switches = [k for (s, k) in SWITCHES if s == section]
+        extra = [k for k in table if k not in want and k not in switches]
+        if extra:  # the model reads none of them (a misspelled parameter, even with a source)
+            raise PresetError(f"{where}: unknown parameter {', '.join(f'{section}.{k}' for k in extra)} (the model "
+                              f"reads {', '.join(f'{section}.{k}' for k in (*want, *switches))})")
         params[section] = table
+    # a key or section nothing reads is a typo: `[nvlnk]` dropped the preset's NVLink, `max_node = 1` its node limit
+    # (checked after the sections' own checks, so that `gpu = 5` is still said to be no table)
+    unknown = sorted(set(data) - set(TOP_LEVEL) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        said = ", ".join(f"[{k}]" if isinstance(data[k], dict) else k for k in unknown)  # as the file spells it
+        sections = ", ".join(f"[{s}]" for s in (*REQUIRED, *OPTIONAL))
+        raise PresetError(f"{where}: unknown top-level key or section {said} (known: {', '.join(TOP_LEVEL)} and the "
+                          f"sections {sections})")
     # Non-numeric switches.
     if "proxy" in params:
         fq = params["proxy"].get("fence_quiet")
