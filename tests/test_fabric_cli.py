@@ -213,3 +213,14 @@ def test_diff_of_the_live_node_compares_with_its_own_facts_not_a_newer_capture(
     assert json.loads(res.output)["changed"] is False
     # a capture is still compared with the newest facts of any origin
     assert invoke("fabric", "diff", "--from", str(CAPTURES / "dgx-h100")).exit_code == 0
+
+
+@pytest.mark.parametrize("opt", ["--db", "--config"])
+def test_diff_against_capture_refuses_db_and_config(tmp_path: pathlib.Path, opt: str) -> None:
+    """--against DIR reads no database: --db/--config were taken and ignored (as `fabric show` without --record
+    refuses them), so a user comparing with a database's fingerprint got the capture's diff, exit 0 or 1."""
+    given = tmp_path / ("other.db" if opt == "--db" else "other.toml")
+    res = invoke("fabric", "diff", "--against", str(CAPTURES / "cpu-laptop"), "--from", str(CAPTURES / "cpu-laptop"),
+                 opt, str(given))
+    assert res.exit_code == 2, res.output
+    assert opt in res.output and "--against" in res.output and "Traceback" not in res.output

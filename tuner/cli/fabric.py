@@ -269,6 +269,10 @@ def diff(
         raise _fail("--against is empty: give a stored fingerprint hash (or its first 4+ hex digits) or a "
                     "capture directory, or leave --against out to compare with this node's most recently recorded fingerprint")
     if against is not None and Path(against).is_dir():
+        if db is not None or config is not None:  # taken and ignored: the capture is compared, no database is read
+            raise _fail(f"{'--db' if db is not None else '--config'}: names the database a stored fingerprint is read "
+                        f"from; --against {against} is a capture directory, compared without any database: leave "
+                        f"{'--db' if db is not None else '--config'} out, or give --against a stored fingerprint hash")
         old_f = _discover(Path(against), timeout_s)
         old_hash, old = old_f.fingerprint, old_f.to_dict()
     elif against is None or re.fullmatch(r"[0-9a-fA-F]{4,64}", against):
