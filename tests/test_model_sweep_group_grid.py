@@ -144,3 +144,20 @@ def test_out_in_a_missing_folder_is_refused_and_not_created(tmp_path, cmd: str) 
     assert f"--out {out}: the folder {out.parent} does not exist" in _flat(r.output), r.output
     assert "MODELLED" not in r.output  # refused before the sweep or the fit
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("over", ["group_size", "tokens"])
+def test_a_decoupled_group_size_given_leaves_the_coupled_series_modelled(over: str) -> None:
+    """-k signalling=decoupled,group_size=4: the coupled series the sweep adds are valid settings (coupled has no
+    group size). They were n/a at every point, "an invalid or unsafe setting", because the user's group_size was
+    kept on them."""
+    r = _sweep("-p", "ndr-ibrc-h100x8", "--over", over, "-k", "signalling=decoupled,group_size=4", "--json")
+    assert r.exit_code == 0, r.output
+    series = json.loads(r.stdout)["series"]
+    for label, rows in series.items():
+        assert label.startswith(("coupled/", "decoupled/"))
+        if label.startswith("coupled/"):
+            assert all("error" not in row for row in rows), (label, rows)
+    if over == "tokens":  # the decoupled series keep the group size given
+        plain = _sweep("-p", "ndr-ibrc-h100x8", "--over", over, "-k", "signalling=decoupled", "--json")
+        assert json.loads(plain.stdout)["series"]["coupled/proxy_drain"] == series["coupled/proxy_drain"]

@@ -405,7 +405,9 @@ def sweep_cmd(
     if not xs:
         _fail("nothing to sweep")
     series: dict[str, list[dict]] = {}
-    variants = [(f"coupled/{m}", {"signalling": "coupled", "fence_mode": m}) for m in modes]
+    # coupled signals every transfer: it has no group size (a decoupled group_size given with --knobs made every
+    # coupled point n/a, "an invalid or unsafe setting", for a combination the sweep itself made)
+    variants = [(f"coupled/{m}", {"signalling": "coupled", "fence_mode": m, "group_size": 0}) for m in modes]
     variants += [(f"decoupled/{m}", {"signalling": "decoupled", "fence_mode": m}) for m in modes]
     if k0.transport not in ("proxy", "ibgda", "nvlink"):
         variants = [(f"{k0.transport}", {})]
