@@ -211,3 +211,20 @@ def test_another_nodes_fabric_event_in_a_shared_database_is_no_base(tmp_path: Pa
         assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)
     finally:
         d.stop()
+
+
+def test_this_nodes_last_fabric_is_found_behind_other_nodes_newer_events(tmp_path: Path) -> None:
+    """A database shared by more nodes than the window of 20: once 20 other nodes had recorded a fabric event after
+    this node's, its last fabric read as never recorded (the window held none of its events), and its daemon took
+    the bring-up facts for the base. Its own events are found however many others came after them."""
+    from moetune.tuner.fabric.change import last_fabric_event, node_fabric_events
+
+    store, old, _seeded = _profiled(tmp_path, "h200x2")
+    mine = {"fingerprint": old.fingerprint, "identity": identity(old), "facts": old.to_dict(), "node": store.node}
+    store.add_event(kind="fabric_seen", reason="first discovery", details=mine)
+    for n in range(25):
+        store.add_event(kind="fabric_seen", reason="first discovery",
+                        details={"fingerprint": f"{n:016x}", "identity": "x", "facts": {}, "node": f"node-{n}"})
+    assert [e["details"]["node"] for e in node_fabric_events(store)] == [store.node]
+    last = last_fabric_event(store)
+    assert last is not None and last["fingerprint"] == old.fingerprint and last["node"] == store.node
