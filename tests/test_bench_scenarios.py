@@ -305,7 +305,11 @@ def test_a_bench_moe_report_imports_as_one_launch_only_where_it_is_the_scenarios
                         "seed None (scenario: 0)"),
                        (_moe_report([1, 16, 128, 1024, 4096], order=("megakernel", "unfused", "torch")),
                         "engine order ['megakernel', 'unfused', 'torch'] (scenario: ['unfused', 'megakernel', 'torch'])"),
-                       ({"cases": []}, "not a `moetune bench moe --json` report")):
+                       ({"cases": []}, "not a `moetune bench moe --json` report"),
+                       # a stamp emptied by hand: rows that trace to no code or machine
+                       (_moe_report([1, 16, 128, 1024, 4096], meta={**_moe_report([1])["meta"], "git_sha": "",
+                                                                    "hardware": None}),
+                        "the report's meta has no git_sha, hardware (empty or not text)")):
         with pytest.raises(ScenarioError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             moe_report.import_moe_report(s, rep, origin="x.json", results=out)
     # a report written before it held its seed: its command's --seed says it

@@ -23,6 +23,8 @@ from moetune.tuner.measure.scenarios.runner import launch_rows, plan
 
 _REPORT_FACTS = ("git_sha", "git_dirty", "moetune", "torch", "nccl", "cuda", "gpu", "gpu_count", "fabric_fingerprint",
                  "hardware", "date", "command")
+# the stamp a results row cannot stand without: what code, when, on what, by which command
+_REPORT_STAMP = ("git_sha", "date", "gpu", "hardware", "command")
 
 
 def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results: Path = SUMMARY_CSV
@@ -37,6 +39,10 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
     meta = rep.get("meta") if isinstance(rep, dict) else None
     if not isinstance(meta, dict) or any(k not in meta for k in _REPORT_FACTS) or not isinstance(rep.get("cases"), list):
         raise ScenarioError(f"{origin}: not a `moetune bench moe --json` report (its meta needs {', '.join(_REPORT_FACTS)})")
+    blank = [k for k in _REPORT_STAMP if not isinstance(meta[k], str) or not meta[k].strip()]
+    if blank:  # kept as is, the rows would carry no SHA (or date, machine, command): a claim nobody can trace
+        raise ScenarioError(f"{origin}: the report's meta has no {', '.join(blank)} (empty or not text): rows "
+                            "without it cannot be traced to the code, date and machine that measured them")
     try:
         out = _report_cases(s, rep, meta, origin)
     except ScenarioError:  # what it says is what is wrong (not "of the expected shape")
