@@ -111,7 +111,9 @@ def show(
         typer.echo(json.dumps(d, indent=2, default=str))
         return
     c = Console()
-    c.print(f"[bold]{d['study']}[/bold]  backend {d['backend']}{' (modelled)' if d['modelled'] else ''}")
+    # the name and the backend label carry a preset's own name (stored text): shown as written, as in the list
+    c.print(f"[bold]{escape(d['study'])}[/bold]  backend {escape(str(d['backend']))}"
+            f"{' (modelled)' if d['modelled'] else ''}")
     cut = d.get("interrupted") or 0  # the failed trials cut short (Ctrl-C, a process that died): not counted
     c.print("trials: " + ", ".join(f"{k} {v}" + (f" ({cut} interrupted, not counted)" if k == "fail" and cut else "")
                                    for k, v in d["states"].items() if v))
