@@ -49,7 +49,9 @@ def _record_json(pid: int, rec: Any) -> dict[str, Any]:
     d = {"id": pid, **msgspec.to_builtins(rec), "profile_hash": rec.profile_hash, "perf_env": env,
          "perf_env_digest": perf_env_digest(env) if env is not None else None,
          # likewise the data-path runtime options: null where not recorded
-         "runtime_options": rec.tuned_runtime_options, "runtime_options_digest": rec.runtime_options_digest}
+         "runtime_options": rec.tuned_runtime_options, "runtime_options_digest": rec.runtime_options_digest,
+         # and the routing: an unrecorded one is UNSET, which to_builtins leaves out (the key was missing)
+         "routing": rec.tuned_routing or None}
     # provenance and measured_on as the runtime takes them (as the table shows them): a row stored as measured whose
     # backend does not measure read "measured" here while the table said PRESET; the stored labels beside them
     eff = rec.as_effective()
