@@ -310,6 +310,7 @@ def test_profiles_list_and_show_label_provenance(tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.output
     r = runner.invoke(app, ["profiles", "show", "2", "--db", str(db)], env={"COLUMNS": "200"})
     assert "PRESET" in r.output and "preset:nvlink-h200x2" in r.output
+    assert "PRESET (MODELLED)" in r.output  # a preset's numbers are predictions: said as such, not only "PRESET"
     r = runner.invoke(app, ["profiles", "show", "2", "--json", "--db", str(db)])
     assert json.loads(r.output)["provenance"] == "preset"
 

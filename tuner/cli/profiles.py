@@ -39,7 +39,7 @@ FINGERPRINT_EMPTY = "an empty fingerprint is the start of every one (leave the o
 PROVENANCE_LABEL = {
     "measured": "[green]measured[/]",
     "node_model": "[yellow]MODELLED[/] (node)",
-    "preset": "[red]PRESET[/]",
+    "preset": "[red]PRESET[/] (MODELLED)",  # a preset fabric's numbers are the fabric model's predictions
 }
 
 

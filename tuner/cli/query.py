@@ -222,7 +222,7 @@ def preset_note(provenance: str, measured_on: str, backend: str) -> tuple[bool |
 
 
 PROVENANCE_LABEL = {"measured": "[green]measured[/]", "node_model": "[yellow]MODELLED[/] (node model)",
-                    "preset": "[red]PRESET[/] (another machine's model)", "unknown": "[red]UNKNOWN[/]"}
+                    "preset": "[red]PRESET[/] (MODELLED: another machine's model)", "unknown": "[red]UNKNOWN[/]"}
 # `--format env`: every profile that is not a measurement (defaults are labelled by their source alone).
 ENV_LABEL = {"node_model": "MODELLED profile (node model)", "preset": "MODELLED profile (preset, another machine's model)",
              "unknown": "profile of UNKNOWN provenance"}
