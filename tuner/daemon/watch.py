@@ -312,7 +312,6 @@ class FabricWatch:
             log.error("fabric change not recorded whole; the previous facts are kept and the next round retries it",
                       extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint})
             raise
-        self.metrics.fabric_changes += 1  # once per change, not per retried round
         if old_fp:
             self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
         with self._commit_lock:
@@ -322,7 +321,20 @@ class FabricWatch:
                 changes.append(dict(kind="profile_stale", fingerprint=old_fp, profiles=[r.profile_hash for r in stale_recs],
                                     keys=[r.key for r in stale_recs], reasons=reasons))
             if rebuild:
-                self._rebuild(changes)
+                try:
+                    self._rebuild(changes)
+                except BaseException:
+                    # its reads failed (StoreBusy): the facts the daemon had are put back, as for a failed write, so
+                    # the next round retries the change (its event is in: no second one). Kept adopted, the next
+                    # round saw nothing to do: the index served the old fingerprint's profiles as current, nothing
+                    # was published and the re-tune below never queued, until a restart
+                    if self.facts is facts:
+                        self.facts = kept
+                    log.error("fabric change recorded but its index not rebuilt; the previous facts are kept and the "
+                              "next round retries it",
+                              extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint})
+                    raise
+        self.metrics.fabric_changes += 1  # once per change, not per retried round
         if keys:
             try:
                 self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,

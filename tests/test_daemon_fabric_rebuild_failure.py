@@ -1,0 +1,75 @@
+"""A fabric change whose index rebuild fails (the store's read of the profiles: StoreBusy after its wait) is retried
+by the next discovery round, as a failed write is (test_daemon_fabric_write_failure). Adopted before the rebuild, the
+round after the failure saw the new facts as known and did nothing: the index went on serving the old fingerprint's
+profiles as current (marked stale in the store), nothing was published and no re-tune queued, until a restart."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.tuner.daemon.server import Daemon
+from moetune.tuner.store.store import StoreBusy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_fabric_change_whose_index_rebuild_failed_is_retried_by_the_next_round(tmp_path: Path) -> None:
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a)
+    now = [a]
+    ran: list[list[Any]] = []
+
+    def job(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=job).start(background=True)
+    try:
+        assert d.index.fingerprint == a.fingerprint
+        published: list[str] = []
+        rebuild = d._rebuild
+
+        def recording_rebuild(changes: list[dict[str, Any]] | None = None) -> None:
+            rebuild(changes)
+            published.extend(c["kind"] for c in changes or [])
+
+        d._rebuild = recording_rebuild  # type: ignore[method-assign]
+        real = store.list_profiles
+        failed: list[int] = []
+
+        def once_busy(**kw: Any) -> Any:
+            if not failed and kw.get("fingerprint") is None:  # the index's read of every profile
+                failed.append(1)
+                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
+            return real(**kw)
+
+        store.list_profiles = once_busy  # type: ignore[method-assign]
+        now[0] = b
+        with pytest.raises(StoreBusy):
+            d.rediscover()  # what the discovery loop logs as "discovery round failed"
+        assert failed == [1]
+        assert published == []
+
+        d.rediscover()  # retries the change's rebuild, notices and re-tune
+        assert d.facts.fingerprint == b.fingerprint
+        assert d.index.fingerprint == b.fingerprint
+        assert not [r for r in d.index.records if r.key.fingerprint == a.fingerprint]  # a's are stale, not served
+        assert len(store.list_events(limit=20, kinds=("fabric_changed",))) == 1
+        assert published.count("fabric_changed") == 1 and published.count("profile_stale") == 1, published
+        assert d.metrics.fabric_changes == 1
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ran and sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+    finally:
+        d.stop()
