@@ -73,3 +73,41 @@ def test_a_fabric_change_whose_index_rebuild_failed_is_retried_by_the_next_round
         assert ran and sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
     finally:
         d.stop()
+
+
+def test_a_first_discovery_whose_index_rebuild_failed_is_retried_by_the_next_round(tmp_path: Path) -> None:
+    a = F.FakeFacts({"gpu_model": "H200"})
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, a)
+    now: list[Any] = [None]
+
+    def discover() -> Any:
+        if now[0] is None:
+            raise RuntimeError("nvidia-smi failed (simulated)")
+        return now[0]
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=discover, rediscover_interval_s=0,
+               retune_job=lambda ctx: []).start(background=True)
+    try:
+        assert d.facts is None and d.index.fingerprint is None  # the start-up discovery failed
+        real = store.list_profiles
+        failed: list[int] = []
+
+        def once_busy(**kw: Any) -> Any:
+            if not failed and kw.get("fingerprint") is None:  # the index's read of every profile
+                failed.append(1)
+                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
+            return real(**kw)
+
+        store.list_profiles = once_busy  # type: ignore[method-assign]
+        now[0] = a
+        with pytest.raises(StoreBusy):
+            d.rediscover()
+        assert failed == [1]
+
+        d.rediscover()  # retried: the index has the facts and serves this node's profiles
+        assert d.facts is not None and d.facts.fingerprint == a.fingerprint
+        assert d.index.fingerprint == a.fingerprint
+        assert len(store.list_events(limit=20, kinds=("fabric_seen",))) == 1
+    finally:
+        d.stop()

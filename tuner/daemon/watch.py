@@ -361,9 +361,17 @@ class FabricWatch:
                     self.facts = facts
                     # the start-up discovery failed, so the start could not finish a change the last daemon recorded
                     # but did not queue (it needs the facts): done now, before the index is rebuilt
-                    self._retune_after_interrupted_change()
-                    self._write_info(running=True)
-                    self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint, reasons=["fabric discovered"])])
+                    try:
+                        self._retune_after_interrupted_change()
+                        self._write_info(running=True)
+                        self._rebuild([dict(kind="fabric_changed", fingerprint=facts.fingerprint,
+                                            reasons=["fabric discovered"])])
+                    except BaseException:
+                        # not adopted (the rebuild's read failed: StoreBusy): the next round sees no facts and tries
+                        # again (its event is in: no second one). Kept, the index had no facts and answered "not
+                        # discovered yet" to every lookup, nothing published, until a job ended or a restart
+                        self.facts = None
+                        raise
                 return
             if why := incomplete(facts):
                 self._kept(facts, why)
