@@ -522,14 +522,17 @@ class JobManager:
                 self.store.finish_run(job.run_id, status=job.state, trials=len(written), best_value=best)
             except Exception as e:  # broad: in the worker thread; a run row left open must not stop the queue
                 log.error("cannot finish run %s: %s", job.run_id, e)
+        # its keys queued again BEFORE its job_finished, the new job naming it (`resumes`): a daemon killed between
+        # the two writes resumes them once (recover_jobs closes this job as taken over); the other way round it left
+        # this job finished and nothing holding its keys, never re-tuned for the new fabric
+        if moved and job.cancelled_by not in ("user", "shutdown"):
+            self._requeue(job, moved)
         # an interrupted job stays `started` in the store: the next daemon resumes it; a job stopped by a damaged file
         # is not recorded in it (said in the log and `status`): the next daemon refuses the file until it is restored
         if not interrupted and not damaged:
             self._event("job_finished", job, job.message)
         if self.metrics:
             self.metrics.job_finished(job.state)
-        if moved and job.cancelled_by not in ("user", "shutdown"):
-            self._requeue(job, moved)
         try:
             self.on_done(job, written)
         except Exception:  # broad: the server's callback runs in the worker thread, which must survive it
@@ -562,7 +565,8 @@ class JobManager:
     def _requeue(self, job: Job, fingerprint: str) -> None:
         try:
             self.submit(reason=f"job {job.id} re-queued: the fabric changed to {fingerprint} during it"[:512],
-                        old_fingerprint=job.fingerprint, keys=job.keys, all_current=job.all_current, skip_queued=True)
+                        old_fingerprint=job.fingerprint, keys=job.keys, all_current=job.all_current, skip_queued=True,
+                        resumes=job.id)  # takes this job over (recover_jobs); past the capacity, as it ends
         except queue.Full as e:
             log.error("job %d not re-queued after the fabric changed: %s", job.id, e)
 
