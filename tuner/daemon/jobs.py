@@ -88,6 +88,7 @@ class Job:
         self.cancel = threading.Event()
         self.fingerprint: str | None = None
         self.software: str | None = None  # the node's software hash when the job started (what it writes)
+        self.identity: str | None = None  # its GPUs' identity then (None: unknown): a swap during it is a change too
         self.queued_recorded = False  # the job_queued event is in the store (a resumption closes its old job then)
         self.started_recorded = False  # the job_started event is in the store
         self.impossible = False  # failed because no profile true for this node could be produced
@@ -471,6 +472,7 @@ class JobManager:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
             job.software = getattr(facts, "software_hash", None)
+            job.identity = getattr(facts, "identity_hash", None) or None
             now_current = self._current(job.fingerprint)  # tells what a cancelled job wrote (None: unknown)
             before = None if now_current is None else {i for i, _ in now_current}
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
@@ -509,7 +511,7 @@ class JobManager:
             if written:
                 job.message += f" ({len(written)} profile(s) written{_modelled(written)} before it stopped)"
             job.message += _routed(job) + _outcomes(job)
-        moved = "" if damaged else self._fabric_moved_on(job)  # its mark_stale is a write
+        moved = "" if damaged else self._fabric_moved_on(job, before)  # its mark_stale is a write
         if moved:
             written = []  # nothing of the old fingerprint stays current: nothing to publish
         interrupted = job.state == "cancelled" and job.cancelled_by == "shutdown"
@@ -542,19 +544,30 @@ class JobManager:
             self._recent.append(job)
         log.info("job %d %s: %s", job.id, job.state, job.message)
 
-    def _fabric_moved_on(self, job: Job) -> str:
-        """The node's fingerprint when it is no longer the one `job` tuned for ('' otherwise). Its profiles
-        of the old fingerprint are made stale: the watch's mark_stale may have run before the job wrote."""
+    def _fabric_moved_on(self, job: Job, before: set[int] | None = None) -> str:
+        """The node's fingerprint when it is no longer the fabric `job` tuned for ('' otherwise): another
+        fingerprint, or the same one on other GPUs (`same_hardware`: a GPU replaced by one of the same model). Its
+        profiles of the old fingerprint are made stale: the watch's mark_stale may have run before the job wrote.
+        `before`: the fingerprint's current rows when the job started (None: unknown)."""
+        from moetune.tuner.fabric.change import same_hardware
+
         if job.fingerprint is None:
             return ""
         try:
             facts = self.facts_fn()
         except Exception:  # broad: the daemon's facts callback; treat as unchanged
             return ""
-        if facts is None or facts.fingerprint == job.fingerprint:
+        if facts is None or same_hardware(job.fingerprint, job.identity, facts):
             return ""
+        ids: list[int] | None = None  # another fingerprint: every current row of the old one is outdated
+        if facts.fingerprint == job.fingerprint and before is not None:
+            # other GPUs, same fingerprint: the change made the old GPUs' rows stale; what is left of the job's writes
+            # was measured for the GPUs it started on (compared by fingerprint alone, they stayed current and were
+            # served for the new GPUs). Where what it wrote is unknown, every current row of it is made stale
+            now_current = self._current(job.fingerprint)
+            ids = None if now_current is None else [i for i, _ in now_current if i not in before]
         try:
-            n = self.store.mark_stale(fingerprint=job.fingerprint,
+            n = self.store.mark_stale(fingerprint=job.fingerprint, ids=ids,
                                       reason=f"job {job.id} tuned for {job.fingerprint}; the fabric is now {facts.fingerprint}")
         except Exception as e:  # broad: in the worker thread
             log.error("cannot mark the profiles of %s stale: %s", job.fingerprint, e)
