@@ -23,8 +23,9 @@ written stays (a profile is whole once stored) and is counted and published like
 stopped by the daemon's own shutdown is not cancelled in the store: it stays queued (or started), so the
 next daemon resumes it as after a kill -9.
 
-A job whose fabric changed under it (the fingerprint it tuned for is no longer the node's) leaves nothing
-current for the old fingerprint and queues its keys again for the new one (the watch cancels it early).
+A job whose fabric changed under it (the fingerprint it tuned for is no longer the node's, or its GPUs were replaced)
+leaves nothing it wrote current for the old fabric and queues its keys again for the new one (the watch cancels it
+early); the new job's job_queued is written before the old job's job_finished and names it (`resumes`).
 """
 
 from __future__ import annotations
