@@ -125,8 +125,12 @@ def recorded_base(store: Any, origin: str = "local") -> tuple[dict[str, Any] | N
 def fabric_left(store: Any, fp: str) -> tuple[dict[str, Any] | None, str | None]:
     """When the fabric last left `fp`: that fabric_changed event's details and the GPU identity `fp` had until then
     (of the fabric event before it, which saw or entered `fp`); (None, None) where no such change is recorded in the
-    newest 2000 fabric events, the identity None where it is not recorded (never shown equal to any)."""
-    events = store.list_events(limit=2000, kinds=FABRIC_EVENTS)  # newest first
+    newest 2000 fabric events, the identity None where it is not recorded (never shown equal to any). This node's
+    events only (as `node_fabric_events`): in a database shared by nodes, an identical node that left `fp` later hid
+    this node's change, and its GPUs and profiles were taken for this node's (a fabric back restored nothing)."""
+    here = store.node
+    events = [e for e in store.list_events(limit=2000, kinds=FABRIC_EVENTS)  # newest first
+              if not (isinstance(e["details"], dict) and e["details"].get("node") not in (None, here))]
     for n, e in enumerate(events):
         d = e["details"] if isinstance(e["details"], dict) else {}
         if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
