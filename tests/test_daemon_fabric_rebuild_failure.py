@@ -111,3 +111,48 @@ def test_a_first_discovery_whose_index_rebuild_failed_is_retried_by_the_next_rou
         assert len(store.list_events(limit=20, kinds=("fabric_seen",))) == 1
     finally:
         d.stop()
+
+
+def test_the_running_job_is_cancelled_by_the_round_that_gets_the_change_through(tmp_path: Path) -> None:
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store = F.open_store(tmp_path / "moetune.db")
+    seeded = F.seed_profiles(store, a)
+    now = [a]
+    started = __import__("threading").Event()
+
+    def job(ctx: Any) -> list[Any]:
+        if not started.is_set():
+            started.set()
+            deadline = time.monotonic() + 20
+            while not ctx.job.cancel.is_set() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=job).start(background=True)
+    try:
+        running = d.jobs.submit(reason="operator", old_fingerprint=a.fingerprint, keys=[seeded[0].key])
+        assert running is not None and started.wait(15)
+        real = store.list_profiles
+        failed: list[int] = []
+
+        def once_busy(**kw: Any) -> Any:
+            if not failed and kw.get("fingerprint") is None:
+                failed.append(1)
+                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
+            return real(**kw)
+
+        store.list_profiles = once_busy  # type: ignore[method-assign]
+        now[0] = b
+        with pytest.raises(StoreBusy):
+            d.rediscover()
+        # not cancelled yet: ended under the old facts (put back), it would count as unmoved and its keys not queued
+        assert not running.cancel.is_set()
+        d.rediscover()
+        deadline = time.monotonic() + 15
+        while running.state in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running.state == "cancelled" and f"the fabric changed to {b.fingerprint}" in running.message, \
+            running.message
+    finally:
+        d.stop()

@@ -312,8 +312,6 @@ class FabricWatch:
             log.error("fabric change not recorded whole; the previous facts are kept and the next round retries it",
                       extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint})
             raise
-        if old_fp:
-            self.jobs.cancel_fingerprint(old_fp)  # its work is for a fabric that is gone
         with self._commit_lock:
             self._write_info(running=True)
             changes = [dict(kind="fabric_changed", fingerprint=facts.fingerprint, old_fingerprint=old_fp, reasons=reasons)]
@@ -335,6 +333,10 @@ class FabricWatch:
                               extra={"old_fingerprint": old_fp, "fingerprint": facts.fingerprint})
                     raise
         self.metrics.fabric_changes += 1  # once per change, not per retried round
+        if old_fp:
+            # its work is for a fabric that is gone; after the rebuild: cancelled with the old facts put back, the job
+            # ended unmoved (its keys not queued again) and the retry found nothing running to cancel
+            self.jobs.cancel_fingerprint(old_fp)
         if keys:
             try:
                 self.jobs.submit(reason=f"fabric changed: {reason}"[:512], old_fingerprint=old_fp,
