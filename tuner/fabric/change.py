@@ -55,6 +55,13 @@ def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> b
 FABRIC_EVENTS = ("fabric_seen", "fabric_changed")
 
 
+def _this_nodes(event: dict[str, Any], here: str) -> bool:
+    """Whether a fabric event is this node's: its details name no other node (one without `node`, from a moetune
+    before it, counts as this node's)."""
+    d = event["details"]
+    return not (isinstance(d, dict) and d.get("node") not in (None, here))
+
+
 NODE_EVENTS = 20  # this node's newest fabric events `node_fabric_events` returns
 NODE_EVENTS_SCAN = 20_000  # the most fabric events (of every node) it reads back to find them
 
@@ -71,7 +78,7 @@ def node_fabric_events(store: Any) -> list[dict[str, Any]]:
     before: int | None = None
     for _ in range(NODE_EVENTS_SCAN // 500):
         page = store.list_events(limit=500, kinds=FABRIC_EVENTS, before_id=before)
-        out += [e for e in page if not (isinstance(e["details"], dict) and e["details"].get("node") not in (None, here))]
+        out += [e for e in page if _this_nodes(e, here)]
         if len(out) >= NODE_EVENTS or len(page) < 500:
             break
         before = page[-1]["id"]
@@ -130,7 +137,7 @@ def fabric_left(store: Any, fp: str) -> tuple[dict[str, Any] | None, str | None]
     this node's change, and its GPUs and profiles were taken for this node's (a fabric back restored nothing)."""
     here = store.node
     events = [e for e in store.list_events(limit=2000, kinds=FABRIC_EVENTS)  # newest first
-              if not (isinstance(e["details"], dict) and e["details"].get("node") not in (None, here))]
+              if _this_nodes(e, here)]
     for n, e in enumerate(events):
         d = e["details"] if isinstance(e["details"], dict) else {}
         if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
