@@ -473,7 +473,9 @@ class JobManager:
                 raise RuntimeError("no fabric facts (discovery failed)")
             job.fingerprint = facts.fingerprint
             job.software = getattr(facts, "software_hash", None)
-            job.identity = getattr(facts, "identity_hash", None) or None
+            from moetune.tuner.fabric.change import identity
+
+            job.identity = identity(facts)  # its GPUs (None: unknown), as same_hardware compares them
             now_current = self._current(job.fingerprint)  # tells what a cancelled job wrote (None: unknown)
             before = None if now_current is None else {i for i, _ in now_current}
             job.run_id = self.store.start_run(study_name=f"moetune-daemon-job-{job.id}", storage=str(self.store.url),
