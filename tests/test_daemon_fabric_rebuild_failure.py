@@ -149,10 +149,12 @@ def test_the_running_job_is_cancelled_by_the_round_that_gets_the_change_through(
         # not cancelled yet: ended under the old facts (put back), it would count as unmoved and its keys not queued
         assert not running.cancel.is_set()
         d.rediscover()
+        # the worker sets the state before it writes the job's end (the fabric check appends to the message then):
+        # waited for until the message says the change, not only until the state leaves running
+        said = f"the fabric changed to {b.fingerprint}"
         deadline = time.monotonic() + 15
-        while running.state in ("queued", "running") and time.monotonic() < deadline:
+        while said not in running.message and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert running.state == "cancelled" and f"the fabric changed to {b.fingerprint}" in running.message, \
-            running.message
+        assert running.state == "cancelled" and said in running.message, running.message
     finally:
         d.stop()
