@@ -119,27 +119,13 @@ def from_reported_facts(fingerprint: str | None, software: str | None, facts: An
 # -- what the runtime can read cheaply ---------------------------------------------------------------
 def local_gpu_uuids(proc: Path | None = None) -> set[str] | None:
     """UUIDs of this node's GPUs from /proc/driver/nvidia/gpus/*/information (None: no NVIDIA driver)."""
-    root = (proc or PROC_ROOT) / "driver" / "nvidia" / "gpus"
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return None
-    out: set[str] = set()
-    for e in entries:
-        try:
-            text = (e / "information").read_text(errors="replace")
-        except OSError:
-            return None
-        m = re.search(r"GPU UUID:\s*(\S+)", text)
-        if m is None:
-            return None
-        out.add(m.group(1))
-    return out
+    models = local_gpu_models(proc)
+    return None if models is None else set(models)
 
 
 def local_gpu_models(proc: Path | None = None) -> dict[str, str] | None:
-    """UUID -> model ("Model:" line; "" where it has none) of this node's GPUs from the same files as
-    `local_gpu_uuids` (None: not readable)."""
+    """UUID -> model ("Model:" line; "" where it has none) of this node's GPUs from
+    /proc/driver/nvidia/gpus/*/information (None: no NVIDIA driver, or a file unread or naming no UUID)."""
     root = (proc or PROC_ROOT) / "driver" / "nvidia" / "gpus"
     try:
         entries = list(root.iterdir())
