@@ -21,6 +21,22 @@ from moetune.tuner.store.store import StoreBusy
 pytestmark = pytest.mark.timeout(60)
 
 
+def _index_read_busy_once(store: Any) -> list[int]:
+    """The store's next read of every profile (the index's rebuild) fails StoreBusy, once; the list returned gets an
+    item when it has."""
+    real = store.list_profiles
+    failed: list[int] = []
+
+    def once_busy(**kw: Any) -> Any:
+        if not failed and kw.get("fingerprint") is None:  # the index's read of every profile
+            failed.append(1)
+            raise StoreBusy("the database was locked by another process for 30 s (simulated)")
+        return real(**kw)
+
+    store.list_profiles = once_busy
+    return failed
+
+
 def test_a_fabric_change_whose_index_rebuild_failed_is_retried_by_the_next_round(tmp_path: Path) -> None:
     a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
     store = F.open_store(tmp_path / "moetune.db")
@@ -44,16 +60,7 @@ def test_a_fabric_change_whose_index_rebuild_failed_is_retried_by_the_next_round
             published.extend(c["kind"] for c in changes or [])
 
         d._rebuild = recording_rebuild  # type: ignore[method-assign]
-        real = store.list_profiles
-        failed: list[int] = []
-
-        def once_busy(**kw: Any) -> Any:
-            if not failed and kw.get("fingerprint") is None:  # the index's read of every profile
-                failed.append(1)
-                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
-            return real(**kw)
-
-        store.list_profiles = once_busy  # type: ignore[method-assign]
+        failed = _index_read_busy_once(store)
         now[0] = b
         with pytest.raises(StoreBusy):
             d.rediscover()  # what the discovery loop logs as "discovery round failed"
@@ -90,16 +97,7 @@ def test_a_first_discovery_whose_index_rebuild_failed_is_retried_by_the_next_rou
                retune_job=lambda ctx: []).start(background=True)
     try:
         assert d.facts is None and d.index.fingerprint is None  # the start-up discovery failed
-        real = store.list_profiles
-        failed: list[int] = []
-
-        def once_busy(**kw: Any) -> Any:
-            if not failed and kw.get("fingerprint") is None:  # the index's read of every profile
-                failed.append(1)
-                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
-            return real(**kw)
-
-        store.list_profiles = once_busy  # type: ignore[method-assign]
+        failed = _index_read_busy_once(store)
         now[0] = a
         with pytest.raises(StoreBusy):
             d.rediscover()
@@ -133,16 +131,7 @@ def test_the_running_job_is_cancelled_by_the_round_that_gets_the_change_through(
     try:
         running = d.jobs.submit(reason="operator", old_fingerprint=a.fingerprint, keys=[seeded[0].key])
         assert running is not None and started.wait(15)
-        real = store.list_profiles
-        failed: list[int] = []
-
-        def once_busy(**kw: Any) -> Any:
-            if not failed and kw.get("fingerprint") is None:
-                failed.append(1)
-                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
-            return real(**kw)
-
-        store.list_profiles = once_busy  # type: ignore[method-assign]
+        _index_read_busy_once(store)
         now[0] = b
         with pytest.raises(StoreBusy):
             d.rediscover()
