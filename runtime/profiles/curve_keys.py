@@ -9,7 +9,7 @@ from pathlib import Path
 from moetune.runtime import _once
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 
-__all__ = ["is_curve_key", "read_curve_key_file", "warn_loose_secret"]
+__all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "warn_loose_secret"]
 
 log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
 
@@ -23,6 +23,16 @@ def is_curve_key(key: bytes | None) -> bool:
         return key is not None and len(key) == 40 and len(z85.decode(key)) == 32
     except (ValueError, KeyError, TypeError):  # z85 raises KeyError for a character outside its alphabet
         return False
+
+
+def bad_curve_key(public: bytes | None, secret: bytes | None) -> str | None:
+    """"public key" or "secret key": the first of a key file's keys that is there but is no CURVE key (`is_curve_key`);
+    None where both are keys or absent. zmq checks a key only when it is set on a socket ("Invalid argument", naming no
+    file): the client and the daemon ask this where they read the file, to name it."""
+    for what, key in (("public key", public), ("secret key", secret or None)):
+        if key is not None and not is_curve_key(key):
+            return what
+    return None
 
 
 def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
@@ -45,11 +55,9 @@ def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot be read ({e.strerror or e})") from None
     except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
         raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
-    # said here, naming the file: set on the socket, a broken key failed each request with "Invalid argument"
-    for what, key in (("public key", public), ("secret key", secret or None)):  # none: the caller says if it needs one
-        if key is not None and not is_curve_key(key):
-            raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
-                             "generate` key file, or an edited one)")
+    if (what := bad_curve_key(public, secret)) is not None:  # no secret: the caller says if it needs one
+        raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
+                         "generate` key file, or an edited one)")
     return public, secret
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import zmq
 
 from moetune.runtime.paths import loose_key_path, secret_key_checks
-from moetune.runtime.profiles.curve_keys import is_curve_key
+from moetune.runtime.profiles.curve_keys import bad_curve_key
 from moetune.tuner.daemon.errors import DaemonConfigError
 
 
@@ -71,12 +71,10 @@ def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool) -
         public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as e:
         raise DaemonConfigError(f"cannot read {what}: {e}") from None
-    # zmq checks a key only when it is set on a socket ("Invalid argument", naming no file), and an allow-list entry
-    # that is no key lets nobody in without a word: said here, naming the file
-    for kind, key in (("public key", public), ("secret key", secret or None)):
-        if key is not None and not is_curve_key(key):
-            raise DaemonConfigError(f"{what} holds a {kind} that is not a CURVE key (40 Z85 characters, as `moetune "
-                                    "keys` writes them): replace the file with one `moetune keys` wrote")
+    # an allow-list entry that is no key lets nobody in without a word: said here, naming the file
+    if (kind := bad_curve_key(public, secret)) is not None:
+        raise DaemonConfigError(f"{what} holds a {kind} that is not a CURVE key (40 Z85 characters, as `moetune "
+                                "keys` writes them): replace the file with one `moetune keys` wrote")
     return public, secret
 
 
