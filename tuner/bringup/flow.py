@@ -24,6 +24,9 @@ from typing import Any
 
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, TOKEN_BUCKETS
 from moetune.runtime.shapes import get_model
+from moetune.tuner.measure import (
+    COUNT_MAX,  # a plan's iters, repeats and compare_rounds: as `bench ep --iters`
+)
 from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.store.atomic_files import write_atomic
 
@@ -32,8 +35,6 @@ MEASURING_STAGES = ("microbench", "tune", "compare")  # what they measure is thi
 # the key of a tuned_vs_default row's `extra` that names the comparison it records: {"run": the state's
 # `compare_token`, "part": the bucket, "tuned": the tuned setting compared} (`Bringup._stored_comparisons`)
 COMPARED_AS = "compared_as"
-# the most timed runs a plan's iters, repeats and compare_rounds may ask for (`moetune bench ep --iters`'s limit)
-COUNT_MAX = 1_000_000
 
 
 @dataclass

@@ -25,6 +25,7 @@ from moetune.tuner.cli._args import (
 )
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import abort
+from moetune.tuner.measure import COUNT_MAX
 
 app = typer.Typer(help="Benchmarks on this node: EP dispatch/combine, the MoE layer by engine (megakernel, unfused, "
                   "torch), knob sets side by side, named scenarios.", no_args_is_help=True)
@@ -37,11 +38,7 @@ TRANSPORT_EMPTY = "an empty transport names none (leave the option out for the o
 CASE_EMPTY = "an empty case names none (leave the option out to run every case)"
 
 
-# the most calls (--iters, --warmup), rounds, rotated inputs or chained forwards a benchmark takes, and the most
-# launches of a scenario: `bench moe --iters 100000000000000000000` was taken and ran practically forever. A million
-# calls of 10 µs is 10 s on a GPU (hours on a CPU); a launch takes seconds to minutes
-COUNT_MAX = 1_000_000
-LAUNCHES_MAX = 1_000
+LAUNCHES_MAX = 1_000  # the most launches of a scenario (a launch takes seconds to minutes); COUNT_MAX: the calls
 
 
 def _check_at_most(limit: int, **counts: int) -> None:
