@@ -198,7 +198,7 @@ def test_upgrade_from_0009_keeps_every_fingerprint_of_unknown_origin(tmp_path: P
         con.commit()
         con.close()
         s.upgrade()
-        assert s.current_revision() == head_revision() == "0010"
+        assert s.current_revision() == head_revision() == "0011"
         assert s.check()["ok"]
         rows = s.list_fingerprints()
         assert [(r["hash"], r["facts"], r["first_seen"], r["last_seen"]) for r in rows if r["hash"] != "fp-c"] == before

@@ -56,7 +56,7 @@ def test_a_row_of_another_nodes_model_is_a_preset_after_a_clean_upgrade(tmp_path
     r = run("db", "check", "--db", str(path))
     assert r.exit_code == 0 and "ok" in r.output, r.output
     with Store(path) as s:
-        assert s.current_revision() == head_revision() == "0010"
+        assert s.current_revision() == head_revision() == "0011"
         info = s.check()
         assert info["ok"] and info["mislabelled_profiles"] == [], info
         got = {(r.backend, r.status): (r.provenance, r.measured_on) for _i, r in s.list_profiles()}

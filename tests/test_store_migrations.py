@@ -228,7 +228,7 @@ def test_0004_relabels_rows_labelled_measured_by_a_backend_that_does_not_measure
     database_at_0003(path)
     before = profile_rows(path)
     with Store(path) as s:  # upgrades on first use
-        assert s.current_revision() == head_revision() == "0010"
+        assert s.current_revision() == head_revision() == "0011"
         assert s.check()["ok"]
         assert labels(s) == {(k[0], k[1], k[2]): v for k, v in AT_0003.items()}
         # The preset's number at 4096 tokens is no measurement: find_profile offers it as a preset only.

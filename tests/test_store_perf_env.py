@@ -77,7 +77,7 @@ def test_0006_upgrade_of_an_existing_database_says_unknown_and_downgrade_keeps_t
     old = query_db_profiles(path, **SHAPE)
     assert {r.key.token_bucket for r in old} == {128, 256} and all(r.tuned_perf_env is None for r in old)
     with Store(path) as s:  # upgrades on first use
-        assert s.current_revision() == head_revision() == "0010"
+        assert s.current_revision() == head_revision() == "0011"
         assert s.check()["ok"]
         assert "perf_env" in columns(path)
         assert len(s.list_profiles()) == 3 and all(r.tuned_perf_env is None for _i, r in s.list_profiles())

@@ -255,7 +255,7 @@ def test_0005_upgrade_labels_old_rows_unrecorded_and_downgrade_keeps_profiles_an
     con.commit()
     con.close()
     with Store(path) as s:  # upgrades on first use
-        assert s.current_revision() == head_revision() == "0010"
+        assert s.current_revision() == head_revision() == "0011"
         assert s.check()["ok"]
         assert {r.tuned_routing for _i, r in s.list_profiles()} == {""}
         F.assert_one_current_profile_per_key(path)  # the unique index on current keys survived the table copy

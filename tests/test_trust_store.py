@@ -155,7 +155,7 @@ def test_upgrade_from_0002_labels_existing_rows(tmp_path):
     with pytest.raises(Exception, match=f"moetune db upgrade --db {re.escape(str(path))}"):
         Store(path, readonly=True)
     with Store(path) as s:
-        assert s.current_revision() == head_revision() == "0010"
+        assert s.current_revision() == head_revision() == "0011"
         assert s.check()["ok"]
         got = {r.backend: (r.provenance, r.measured_on) for _i, r in s.list_profiles()}
     assert got == {

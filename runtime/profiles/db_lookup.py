@@ -102,7 +102,8 @@ def db_read_with(db_path: str | Path, use: Callable[[sqlite3.Connection], T], ti
 # The store's schema revisions whose `profiles` table this runtime reads (migrations/versions; a test holds the two
 # equal): a database at another revision was written by a newer moetune, refused as every `moetune` command refuses
 # it (its columns may mean what this runtime does not know)
-KNOWN_SCHEMA_REVISIONS = frozenset({"0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010"})
+KNOWN_SCHEMA_REVISIONS = frozenset({"0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
+                                    "0011"})
 _VERSION_TABLE = "moetune_alembic_version"
 
 
