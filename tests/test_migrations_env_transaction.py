@@ -49,3 +49,24 @@ def test_a_migration_failing_midway_through_env_py_s_own_connection_changes_noth
     with Store(db) as s:
         assert s.current_revision() == head_revision()
         assert s.check()["ok"]
+
+
+def test_a_migration_failing_midway_through_the_store_changes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The store's own path (Store.upgrade: one BEGIN IMMEDIATE around every step) leaves it as it was too."""
+    db = tmp_path / "s.db"
+    s = Store(db, upgrade=False)
+    s.upgrade("0004")
+    s.close()
+    before = schema_rows(db)
+
+    def fail(*_a: object, **_k: object) -> None:
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(_kept, "restore", fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        Store(db)
+    assert schema_rows(db) == before
+    monkeypatch.undo()
+    with Store(db) as s:
+        assert s.upgraded is not None and s.upgraded.from_revision == "0004"
+        assert s.check()["ok"]
