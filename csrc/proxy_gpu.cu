@@ -212,24 +212,32 @@ static PxParams base_params(PxCtx* c, uint64_t epoch) {
   return p;
 }
 
-// Bounded wait for the completion word of launch `seq` (the kernel writes it even after a timeout, so this returns;
-// a dead proxy thread is reported at once).
+// Bounded wait for the completion word of launch `seq` (the kernel writes it even after a timeout, so this returns).
+// A failed proxy engine (321) is reported once the kernel has ended, not when the failure is seen: the failed engine
+// still issues the PUTs behind the failed one (it only stops signalling), and the kernel's ACK lane waits, bounded, for
+// the ACK it then writes on every stream behind them, so the kernel's end is what tells that no copy of the call still
+// reads the caller's rows (a caller that catches the error reuses them at once). 322 past the deadline: the kernel, and
+// the copies it covers, may still read the call's buffers; mt_last_error says so.
 static int wait_done(PxCtx* c, uint64_t seq) {
   const uint64_t deadline = mt::host_ns() + 4 * c->timeout_ns + 10ull * 1000 * 1000 * 1000;
   uint32_t spins = 0;
+  int failed = 0;  // the engine's error code once seen, its text in why
+  char why[512] = "";
   while (__atomic_load_n(c->done_host, __ATOMIC_ACQUIRE) < seq) {
     if ((++spins & 255u) == 0) {
-      char buf[512];
-      int code = mt_proxy_error(c->engine, buf, sizeof(buf));
-      MT_REQUIRE(code == 0, 321, "proxy engine failed: %s", buf);
+      if (failed == 0) failed = mt_proxy_error(c->engine, why, sizeof(why));
       if (mt::host_ns() >= deadline) {
+        char buf[512];
         mt_proxy_diag(c->engine, buf, sizeof(buf));
-        mt::set_error("proxy kernel did not complete (launch %llu); %s", (unsigned long long)seq, buf);
+        mt::set_error("proxy kernel did not complete (launch %llu)%s%s; %s. Its copies may still read the call's send "
+                      "rows and counts: do not reuse or free them", (unsigned long long)seq,
+                      failed != 0 ? "; proxy engine failed: " : "", failed != 0 ? why : "", buf);
         return 322;
       }
       if ((spins & 4095u) == 0) std::this_thread::yield();
     }
   }
+  MT_REQUIRE(failed == 0, 321, "proxy engine failed: %s", why);
   return 0;
 }
 

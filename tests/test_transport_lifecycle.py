@@ -6,7 +6,9 @@ frees what it allocated when its constructor fails part way."""
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -635,6 +637,30 @@ def test_proxy_exchange_checks_the_rows_per_peer_before_launching(fake_gpu: tupl
         with pytest.raises(KnobError, match="chunk_tokens"):
             t.exchange(torch.zeros(4096, 128, dtype=torch.bfloat16), torch.tensor([4096]), None)
         assert t._epoch == 0 and "mt_pxy_exchange" not in _names(log)
+    finally:
+        t.close()
+
+
+def test_proxy_exchange_that_raises_holds_the_tensors_its_copies_may_still_read(fake_gpu: tuple,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose kernel did not complete within its bound (322) may still have copies reading its send rows and
+    counts: exchange() raises, but keeps the call's tensors (and an earlier failed call's) referenced rather than hand
+    them back to the allocator under those copies."""
+    t = ProxyTransport(None, default_knobs("proxy"), torch.device("cuda", 0), options=RuntimeOptions(),
+                       max_send_rows=64, row_bytes=256)
+    try:
+        monkeypatch.setattr(t, "_prepare", lambda send, counts: (send, 256, counts))
+        monkeypatch.setattr(t, "_stream", lambda: 0)
+        monkeypatch.setattr(t.lib, "mt_pxy_exchange", lambda *args: 322, raising=False)
+        held = []
+        for _ in range(2):
+            send, counts = torch.zeros(4, 256, dtype=torch.uint8), torch.tensor([4])
+            held += [weakref.ref(send), weakref.ref(counts)]
+            with pytest.raises(OneSidedError, match="mt_pxy_exchange"):
+                t.exchange(send, counts, None)
+            del send, counts
+        gc.collect()
+        assert all(r() is not None for r in held)
     finally:
         t.close()
 

@@ -410,6 +410,7 @@ class ProxyTransport(OneSidedTransport):
     cpu_choice: _affinity.CpuChoice = _affinity.CpuChoice((), "no proxy thread yet")  # where it was to run, why
     _h: ctypes.c_void_p | None = None  # the kernels' context (None until mt_pxy_create made it, and after close)
     _native: weakref.finalize | None = None  # destroys _h then the engine once: at close(), or when collected
+    _keep: tuple = ()  # the last exchange's tensors, which its copies read (and those of calls that raised: exchange)
 
     def __init__(
         self,
@@ -487,7 +488,12 @@ class ProxyTransport(OneSidedTransport):
         return out
 
     def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
-        """Returns a view that stays valid until this rank's second next exchange() call."""
+        """Returns a view that stays valid until this rank's second next exchange() call.
+
+        A call that raises (host wait on) has let its kernel end, and with it the copies of `send` that kernel's ACK
+        covers (also on a failed proxy engine), except where the error says the kernel did not complete or this
+        rank's own transfers timed out: then copies may still read `send`, so do not reuse or free it (the tensors
+        this transport made for the call are held while it lives)."""
         counts_in = send_counts
         send, rb, sc = self._prepare(send, send_counts)
         self._check_call_chunks(send.shape[0], counts_in)
@@ -498,7 +504,13 @@ class ProxyTransport(OneSidedTransport):
             self._h, send.data_ptr(), send.shape[0], rb, sc.data_ptr(), rcv.data_ptr() if rcv is not None else None,
             1 if k.signalling == "coupled" else 0, int(k.group_size), int(k.chunk_tokens), self._epoch, self._stream(),
         )
-        self._after_call(rc, "mt_pxy_exchange")
+        try:
+            self._after_call(rc, "mt_pxy_exchange")
+        except BaseException:
+            # a kernel that did not complete (322) or whose ACK timed out may leave copies reading these: held, with
+            # the earlier calls' tensors, rather than given back to the allocator under them
+            self._keep = (self._keep, send, sc, rcv)
+            raise
         self._keep = (send, sc, rcv)
         return self._recv_view(send, rb, self._epoch)
 
