@@ -243,12 +243,8 @@ static int wait_done(PxCtx* c, uint64_t seq) {
 
 // The host wait of a call (mt_pxy_set_host_wait): wait_done, except for a launch being captured (it runs at a replay).
 static int host_wait_done(PxCtx* c, uint64_t seq, uint64_t stream) {
-#ifndef MT_HOST_SIM
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) return 0;
-#else
-  (void)stream;
-#endif
   return wait_done(c, seq);
 }
 
@@ -267,10 +263,10 @@ static void run_counts_block(const PxParams& p) {
   for (int t = 0; t < 32; ++t) mtpx::wait_counts_lane(p, t);
   mtpx::finish(p);
 }
-// An asynchronous "launch": the block runs on its own thread once the previous launch finished
-// (stream order), like a kernel; the calling thread returns at once.
+// An asynchronous "launch": the block runs on its own thread once the previous launch run where it was issued
+// finished (stream order; a captured launch is not on the stream), like a kernel; the calling thread returns at once.
 static void sim_launch(PxCtx* c, const PxParams& p, bool exchange) {
-  const uint64_t prev = p.done_value - 1;
+  const uint64_t prev = c->direct_seq;
   uint64_t* done = c->done_host;
   c->sim_threads.emplace_back([p, prev, done, exchange] {
     while (__atomic_load_n(done, __ATOMIC_ACQUIRE) < prev) std::this_thread::yield();
@@ -293,15 +289,11 @@ MT_API int mt_pxy_sim_done(void* h, uint64_t** word, uint64_t* launches) {
 // completion word (a kernel being captured runs later, at a replay nobody announces: only the wake, then). Returns
 // whether the kernel runs now (not captured).
 static bool announce(PxCtx* c, uint64_t seq, uint64_t stream) {
-#ifndef MT_HOST_SIM
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing((cudaStream_t)stream, &cs) == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
     mt_proxy_expect_internal(c->engine, nullptr, 0);  // wake only: an earlier call in flight keeps its marker
     return false;
   }
-#else
-  (void)stream;
-#endif
   mt_proxy_expect_internal(c->engine, c->done_host, seq);
   return true;
 }
@@ -327,7 +319,7 @@ MT_API int mt_pxy_counts(void* h, const int64_t* send_counts, int64_t* recv_coun
   const bool direct = announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
   c->last_kind = 1;
-  sim_launch(c, p, false);
+  if (direct) sim_launch(c, p, false);  // a captured launch runs at a replay, which the simulation has none of
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   c->last_kind = 1;
@@ -361,7 +353,7 @@ MT_API int mt_pxy_exchange(void* h, const void* send, uint64_t send_rows, uint64
   const bool direct = announce(c, p.done_value, stream);
 #ifdef MT_HOST_SIM
   c->last_kind = 0;
-  sim_launch(c, p, true);
+  if (direct) sim_launch(c, p, true);  // a captured launch runs at a replay, which the simulation has none of
 #else
   (void)cudaGetLastError();  // drop a stale, non-sticky error from an earlier call
   c->last_kind = 0;
@@ -386,12 +378,16 @@ MT_API int mt_pxy_error(void* h, int* out) {
 
 // Forget a refused call so that the next one runs, where mt::refusal_clearable allows it (else 323): such a call kept
 // the protocol in step (every rank published its row of the count matrix and saw every other rank's, csrc/proxy_xchg.h;
-// no rows went to or from the refusing rank; the signal slots stay monotonic). Waits (bounded) for every launch so far.
+// no rows went to or from the refusing rank; the signal slots stay monotonic). Waits (bounded) for every launch so far
+// that runs: the last one issued where it was launched (direct_seq, as mt_pxy_destroy), then the device's work. Not for
+// the completion word of a launch captured into a CUDA graph: it is written at a replay, which may never come (the
+// wait would last until its bound and fail); a replay in flight is device work, waited for below. A captured launch
+// still counts as the rank's last call for the rule (mt::refusal_clearable).
 MT_API int mt_pxy_clear_error(void* h) {
   PxCtx* c = static_cast<PxCtx*>(h);
   MT_SET_DEVICE(c->device);
-  if (c->launches > 0) {
-    int rc = wait_done(c, c->launches);
+  if (c->direct_seq > 0) {
+    int rc = wait_done(c, c->direct_seq);
     if (rc != 0) return rc;
   }
   const uint64_t deadline = mt::host_ns() + c->timeout_ns;  // graph replays too: their completion words are not waited

@@ -52,6 +52,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mtsim_log.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_longlong]
     lib.mtsim_log.restype = ctypes.c_longlong
     lib.mt_proxy_gpu_view.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.mtsim_set_capturing.argtypes = [ctypes.c_uint64]
+    lib.mtsim_set_capturing.restype = None
     return lib
 
 

@@ -257,3 +257,45 @@ def test_clear_error_refuses_once_a_later_call_ran_after_the_refusal(lib: ctypes
         assert _errors(lib, ranks) == [ERR_SEND_COUNTS, ERR_PEER_REFUSED, ERR_PEER_REFUSED]
     finally:
         ranks.close()
+
+
+CAPTURED = 0x5000  # a stream handle the simulation takes as being captured into a CUDA graph (mtsim_set_capturing)
+
+
+def _counts_call(lib: ctypes.CDLL, ctx: ctypes.c_void_p, count: int, epoch: int, stream: int = 0) -> int:
+    """mt_pxy_counts of one rank sending `count` rows to itself; on the CAPTURED stream the launch is captured, not run
+    (the call returns at once and its kernel never writes its completion word: a graph that is never replayed)."""
+    sc, recv = np.array([count], dtype=np.int64), np.zeros(1, dtype=np.int64)
+    if stream == CAPTURED:
+        lib.mtsim_set_capturing(CAPTURED)
+    try:
+        return lib.mt_pxy_counts(ctx, sc.ctypes.data, recv.ctypes.data, epoch, stream)
+    finally:
+        lib.mtsim_set_capturing(0)
+
+
+@pytest.mark.parametrize("refused", [None, "before", "after"])
+def test_clear_error_does_not_wait_for_a_launch_only_captured(lib: ctypes.CDLL, refused: str | None) -> None:
+    """A launch captured into a CUDA graph writes its completion word only when the graph is replayed: clearing must
+    not wait for it (it did, until its host wait's bound of 4 x the timeout + 10 s, then failed with 322). It waits for
+    the last launch run where it was issued and for the device's work (a replay in flight), within the timeout, then
+    applies its rule: nothing recorded, or a refusal in a call run before the captured launch (the captured launch is
+    the rank's last: 323, promptly, naming it), or in a call run after it (cleared)."""
+    ranks = proxy_sim.SimRanks(lib, 1, 64, timeout_s=0.5)
+    ctx = ranks.ctxs[0]
+    try:
+        assert _counts_call(lib, ctx, -1 if refused == "before" else 1, 1) == 0
+        assert _counts_call(lib, ctx, 1, 2, CAPTURED) == 0
+        if refused == "after":
+            assert _counts_call(lib, ctx, -1, 3) == 0  # runs although the launch before it never did
+        t0 = time.monotonic()
+        rc = lib.mt_pxy_clear_error(ctx)
+        took = time.monotonic() - t0
+        msg = lib.mt_last_error().decode()
+        assert took < 2.0, (took, rc, msg)
+        if refused == "before":
+            assert rc == 323 and "(exchange_counts, epoch 1) is not this rank's last (exchange_counts, epoch 2" in msg, msg
+        else:
+            assert rc == 0, msg
+    finally:
+        ranks.close()

@@ -57,6 +57,9 @@ extern int device_busy;
 extern unsigned long long device_frees;  // cudaFree / cudaFreeHost calls so far (a test sees what was not freed)
 // called after every mt::fence_system where set (mtsim_race_reports: a reporter yields between its record's stores)
 extern void (*fence_hook)();
+// the stream being captured into a CUDA graph (mtsim_set_capturing; 0: none): a proxy launch on it is captured, and
+// the simulation never replays it (a graph captured and not, or not yet, replayed)
+extern unsigned long long capturing_stream;
 void host_register(void* p, size_t n);
 void host_unregister(void* p);
 bool host_registered(const void* p);
@@ -95,6 +98,12 @@ inline cudaError_t cudaDeviceSynchronize() {
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   __atomic_add_fetch(&mtsim::syncs, 1, __ATOMIC_RELAXED);
   mtsim::stream_sync(s);
+  return cudaSuccess;
+}
+enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* cs) {
+  const unsigned long long c = __atomic_load_n(&mtsim::capturing_stream, __ATOMIC_ACQUIRE);
+  *cs = c != 0 && (unsigned long long)(uintptr_t)s == c ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 // Not ready while the stream (async mode: its worker thread) still has operations queued or running.

@@ -31,6 +31,7 @@ int thread_errno = 0;
 int device_busy = 0;
 unsigned long long device_frees = 0;
 void (*fence_hook)() = nullptr;
+unsigned long long capturing_stream = 0;
 uintptr_t copy_fault_lo = 0, copy_fault_hi = 0;
 static std::string sysfs_cpu_dir_text;
 
@@ -242,6 +243,9 @@ MT_API void mtsim_set_thread_errno(int err) { mtsim::thread_errno = err; }
 // persistent kernel). The creations' bounds on their set-up waits are their callers' timeouts (a test passes a short
 // one), not set here.
 MT_API void mtsim_set_device_busy(int on) { __atomic_store_n(&mtsim::device_busy, on, __ATOMIC_RELEASE); }
+// A stream being captured into a CUDA graph (its handle; 0: none): the proxy kernels' launches on it are captured,
+// never run (the simulation has no replay).
+MT_API void mtsim_set_capturing(uint64_t stream) { __atomic_store_n(&mtsim::capturing_stream, stream, __ATOMIC_RELEASE); }
 // cudaFree and cudaFreeHost calls so far
 MT_API unsigned long long mtsim_device_frees() { return __atomic_load_n(&mtsim::device_frees, __ATOMIC_RELAXED); }
 // [the FIFO pages' mappings now, their bytes mapped now, their mmaps so far] (Engine::place_pages and release)
