@@ -493,7 +493,7 @@ class ProxyTransport(OneSidedTransport):
         A call that raises (host wait on) has let its kernel end, and with it the copies of `send` that kernel's ACK
         covers (also on a failed proxy engine), except where the error says the kernel did not complete or this
         rank's own transfers timed out: then copies may still read `send`, so do not reuse or free it (the tensors
-        this transport made for the call are held while it lives)."""
+        this transport made for the call are held rather than freed)."""
         counts_in = send_counts
         send, rb, sc = self._prepare(send, send_counts)
         self._check_call_chunks(send.shape[0], counts_in)
