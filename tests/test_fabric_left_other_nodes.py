@@ -34,3 +34,74 @@ def test_another_nodes_later_change_does_not_hide_this_nodes_own(tmp_path: Path)
     assert left is not None and left["node"] == here and left["profiles"] == [1, 2]
     assert was == "gpus-here"
     assert restorable(store, a) == [1, 2]  # back here on the same GPUs: what this node served until it left
+
+
+def test_this_nodes_change_is_found_behind_many_other_nodes_events(tmp_path: Path) -> None:
+    """However many fabric events other nodes recorded since (a database shared by many nodes), this node's change
+    is found: a window of the newest fabric events of every node lost it, and a fabric back restored nothing."""
+    store = F.open_store(tmp_path / "m.db")
+    here = store.node
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    a.identity_hash = "gpus-here"
+    store.add_event(kind="fabric_seen", reason="first discovery",
+                    details={"fingerprint": a.fingerprint, "identity": "gpus-here", "facts": a.to_dict(), "node": here})
+    store.add_event(kind="fabric_changed", reason="gpu model",
+                    details={"old_fingerprint": a.fingerprint, "fingerprint": b.fingerprint, "identity": None,
+                             "profiles": [1, 2], "node": here})
+    with store.atomic():  # one transaction: thousands of commits would make the test slow
+        for n in range(2100):
+            store.add_event(kind="fabric_seen", reason="first discovery",
+                            details={"fingerprint": f"{n:016x}", "identity": f"gpus-{n}", "node": f"node-{n}"})
+    left, was = fabric_left(store, a.fingerprint)
+    assert left is not None and left["node"] == here and left["profiles"] == [1, 2]
+    assert was == "gpus-here"
+    assert restorable(store, a) == [1, 2]
+
+
+def test_the_change_is_found_behind_a_long_history_of_this_nodes_own(tmp_path: Path) -> None:
+    """A node that moved between other fabrics many times since it left `fp` still finds that change (paged back
+    through its own events, not a window of the newest)."""
+    store = F.open_store(tmp_path / "m.db")
+    here = store.node
+    a = F.FakeFacts({"gpu_model": "H200"})
+    a.identity_hash = "gpus-here"
+    store.add_event(kind="fabric_seen", reason="first discovery",
+                    details={"fingerprint": a.fingerprint, "identity": "gpus-here", "node": here})
+    store.add_event(kind="fabric_changed", reason="gpu model",
+                    details={"old_fingerprint": a.fingerprint, "fingerprint": "1" * 16, "identity": "gpus-here",
+                             "profiles": [3], "node": here})
+    with store.atomic():
+        for n in range(2100):  # back and forth between two other fabrics
+            old, new = ("1" * 16, "2" * 16) if n % 2 == 0 else ("2" * 16, "1" * 16)
+            store.add_event(kind="fabric_changed", reason="port flap",
+                            details={"old_fingerprint": old, "fingerprint": new, "identity": "gpus-here",
+                                     "profiles": [], "node": here})
+    left, was = fabric_left(store, a.fingerprint)
+    assert left is not None and left["profiles"] == [3]
+    assert was == "gpus-here"
+
+
+def test_the_stores_node_filter_is_the_rule_of_this_nodes(tmp_path: Path) -> None:
+    """`list_events(node=...)` (SQL) keeps exactly the events `_this_nodes` (Python) keeps, details that are no object
+    included: `fabric_left` pages with the one, `node_fabric_events` filters with the other."""
+    import sqlite3
+
+    from moetune.tuner.fabric.change import _this_nodes
+
+    store = F.open_store(tmp_path / "m.db")
+    here = store.node
+    for d in ({"node": here}, {"node": "other"}, {}, {"node": None}, {"node": 7}, {"node": ""}, {"node": [here]}):
+        store.add_event(kind="fabric_seen", reason="r", details=d)
+    con = sqlite3.connect(tmp_path / "m.db")
+    try:
+        first = con.execute("SELECT id FROM events WHERE kind = 'fabric_seen' ORDER BY id LIMIT 1").fetchone()[0]
+        for n, raw in enumerate(("null", "[1, 2]", '"text"')):  # no object: what an older or hand-edited row may hold
+            con.execute("INSERT INTO events (created, kind, reason, details) SELECT created, kind, ?, ? FROM events "
+                        "WHERE id = ?", (f"raw {n}", raw, first))
+        con.commit()
+    finally:
+        con.close()
+    every = store.list_events(limit=100, kinds=("fabric_seen",))
+    kept = {e["id"] for e in store.list_events(limit=100, kinds=("fabric_seen",), node=here)}
+    assert kept == {e["id"] for e in every if _this_nodes(e, here)}
+    assert len(kept) == 3 + 3

@@ -129,23 +129,32 @@ def recorded_base(store: Any, origin: str = "local") -> tuple[dict[str, Any] | N
     return None, (bringup_fabric(store) if origin == "local" else None)
 
 
+FABRIC_LEFT_PAGE = 500  # this node's fabric events `fabric_left` reads back at a time
+
+
 def fabric_left(store: Any, fp: str) -> tuple[dict[str, Any] | None, str | None]:
     """When the fabric last left `fp`: that fabric_changed event's details and the GPU identity `fp` had until then
-    (of the fabric event before it, which saw or entered `fp`); (None, None) where no such change is recorded in the
-    newest 2000 fabric events, the identity None where it is not recorded (never shown equal to any). This node's
-    events only (as `node_fabric_events`): in a database shared by nodes, an identical node that left `fp` later hid
-    this node's change, and its GPUs and profiles were taken for this node's (a fabric back restored nothing)."""
+    (of the fabric event before it, which saw or entered `fp`); (None, None) where no such change is recorded, the
+    identity None where it is not recorded (never shown equal to any). This node's events only (as
+    `node_fabric_events`): in a database shared by nodes, an identical node that left `fp` later hid this node's
+    change, and its GPUs and profiles were taken for this node's (a fabric back restored nothing). Paged back through
+    this node's fabric events, filtered by node in the store's query: a window of the newest 2000 fabric events of
+    every node lost the change once other nodes (or this node's own later moves) had recorded that many since."""
     here = store.node
-    events = [e for e in store.list_events(limit=2000, kinds=FABRIC_EVENTS)  # newest first
-              if _this_nodes(e, here)]
-    for n, e in enumerate(events):
-        d = e["details"] if isinstance(e["details"], dict) else {}
-        if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
-            before = events[n + 1]["details"] if n + 1 < len(events) else None
-            before = before if isinstance(before, dict) else {}
-            was = before.get("identity") if before.get("fingerprint") == fp else None
-            return d, (was if isinstance(was, str) and was else None)
-    return None, None
+    found: dict[str, Any] | None = None
+    before: int | None = None
+    while True:
+        page = store.list_events(limit=FABRIC_LEFT_PAGE, kinds=FABRIC_EVENTS, before_id=before, node=here)
+        for e in page:  # newest first
+            d = e["details"] if isinstance(e["details"], dict) else {}
+            if found is not None:  # the event just before the change: the fabric it left
+                was = d.get("identity") if d.get("fingerprint") == fp else None
+                return found, (was if isinstance(was, str) and was else None)
+            if e["kind"] == "fabric_changed" and d.get("old_fingerprint") == fp:
+                found = d
+        if len(page) < FABRIC_LEFT_PAGE:
+            return found, None  # the oldest event reached: (None, None), or a change with no event before it
+        before = page[-1]["id"]
 
 
 def restorable(store: Any, facts: Any) -> list[int] | None:

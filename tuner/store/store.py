@@ -991,16 +991,20 @@ class Store:
 
     @retried
     def list_events(self, limit: int = 100, *, kinds: tuple[EventKind, ...] | None = None,
-                    before_id: int | None = None) -> list[Row]:
+                    before_id: int | None = None, node: str | None = None) -> list[Row]:
         """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds (ValueError
         for one that is no EventKind: it would match nothing); with `before_id`, only those older than that event
-        (page back with the last one's id)."""
+        (page back with the last one's id); with `node`, only those whose details name no other node (`node` in them
+        is that one, or absent: the rule of `moetune.tuner.fabric.change._this_nodes`), filtered in SQL so that a
+        page holds `limit` of that node's however many other nodes' events lie between."""
         q = select(Event).order_by(Event.id.desc()).limit(limit)
         if kinds is not None:
             check_event_kinds(kinds)
             q = q.where(Event.kind.in_(kinds))
         if before_id is not None:
             q = q.where(Event.id < before_id)
+        if node is not None:
+            q = q.where(_names_no_other_node(Event.details, node))
         with self._read() as s:
             return [_row(e) for e in s.scalars(q)]
 
@@ -1074,6 +1078,20 @@ def _json_int(column: Any, field: str) -> Any:
     path = f"$.{field}"
     return case((func.json_valid(column) == 1,
                  case((func.json_type(column, path) == "integer", func.json_extract(column, path, type_=Integer)))))
+
+
+def _names_no_other_node(column: Any, node: str) -> Any:
+    """SQL: whether a JSON column (an event's details) names no node but `node`: no object (no valid JSON, or another
+    type), no `node` field, a null one, or the text `node`; as `_this_nodes` reads the decoded details (CASE evaluates
+    in order: the JSON functions see valid JSON only)."""
+    at = func.json_type(column, "$.node")
+    return case((column.is_(None), True),
+                (func.json_valid(column) != 1, True),
+                (func.json_type(column) != "object", True),
+                (at.is_(None), True),
+                (at == "null", True),
+                (at == "text", func.json_extract(column, "$.node") == node),
+                else_=False)
 
 
 def _row(obj: Any) -> Row:
