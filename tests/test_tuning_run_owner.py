@@ -131,6 +131,31 @@ def test_an_interrupted_run_records_the_trials_that_finished(tmp_path: Path) -> 
     assert run["status"] == "interrupted" and run["trials"] >= 2, run
 
 
+def test_an_interrupted_resumed_run_records_its_own_trials(tmp_path: Path) -> None:
+    """A run that resumed a study holding trials and was interrupted records the trials IT finished, not the
+    study's (its earlier run's row has those)."""
+    import pytest
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    seen: list[int] = []
+
+    def stop_after_two(_name: str, _study: object, _trial: object) -> None:
+        seen.append(1)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    kw = dict(models=[get_model("qwen3-30b")], tokens=[128], backend="model", preset="nvlink-h200x2",
+              storage=f"sqlite:///{tmp_path / 'st.db'}", families=["nvlink"])
+    with Store(tmp_path / "m.db") as s:
+        tune_profiles_detailed(s, None, trials=4, **kw)
+        with pytest.raises(KeyboardInterrupt):
+            tune_profiles_detailed(s, None, trials=10, on_trial=stop_after_two, **kw)
+        runs = s.list_runs()
+    assert [(r["status"], r["trials"]) for r in runs] == [("interrupted", 2), ("done", 4)], runs
+
+
 def test_a_store_that_cannot_close_the_row_does_not_hide_what_ended_the_run(tmp_path: Path,
                                                                             caplog: Any) -> None:
     """A Ctrl-C (or an error) ended the run and then its row could not be closed (a full disk): the interrupt

@@ -48,8 +48,14 @@ def finished_trials(study: optuna.Study) -> int:
 
 
 def finished_in(storage: optuna.storages.BaseStorage, study_id: int) -> int:
+    return len(finished_ids(storage, study_id))
+
+
+def finished_ids(storage: optuna.storages.BaseStorage, study_id: int) -> set[int]:
+    """The ids of the study's finished trials (as `finished_trials` counts them)."""
     ids = _interrupted_ids(storage, study_id)
-    return sum(1 for t in storage.get_all_trials(study_id, deepcopy=False, states=FINISHED) if not is_interrupted(t, ids))
+    return {t._trial_id for t in storage.get_all_trials(study_id, deepcopy=False, states=FINISHED)
+            if not is_interrupted(t, ids)}
 
 
 def failed_before(study: optuna.Study) -> int:

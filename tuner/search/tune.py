@@ -53,7 +53,7 @@ from moetune.tuner.search.model_backend import (
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.storage import default_storage_url, make_storage
+from moetune.tuner.search.storage import default_storage_url, make_storage, storage_id
 from moetune.tuner.search.study import (
     BucketPrior,
     StudyResult,
@@ -64,7 +64,8 @@ from moetune.tuner.search.study import (
     study_model_name,
     study_name,
 )
-from moetune.tuner.search.trials import completed, failed_before, finished_trials
+from moetune.tuner.search.trials import completed, failed_before, finished_ids, finished_trials
+from moetune.tuner.search.workers import ASKED
 from moetune.tuner.store import StoreError
 from moetune.tuner.store import now as store_now
 
@@ -443,9 +444,11 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
     raising = False  # an exception ends the run: a store error closing its row must not replace it (`finally`)
     result: StudyResult | None = None
     study: optuna.Study | None = None
+    had: set[int] = set()  # the study's finished trials before this run: not this run's (`_ran_here`)
     try:
         # on SQLite open_study registers this process and fails only dead processes' running trials
         study = open_study(name, st, seed=seed, n_startup_trials=min(10, max(3, trials // 5)))
+        had = finished_ids(study._storage, study._study_id)
         study.set_user_attr("key", key.to_dict())
         # a study of failed trials only runs its whole budget again (`failed_before`): its bar counts from 0
         base = failed_before(study)
@@ -459,14 +462,15 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
         task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study) - base)
 
-        noted = [-1]  # the finished trials the run's row holds
+        noted = [-1]  # the trials this run finished that its row holds
 
         def cb(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
-            done, best = finished_trials(s), _best_value(s)
-            bar.update(task, done - base, best)
-            if run_id is not None and done != noted[0]:
-                noted[0] = done
-                _note_run(store, run_id, done, best)
+            done, best = finished_ids(s._storage, s._study_id), _best_value(s)
+            bar.update(task, len(done) - base, best)  # the bar: the study's progress toward its budget
+            mine = _ran_here(s, done, had)
+            if run_id is not None and mine != noted[0]:
+                noted[0] = mine
+                _note_run(store, run_id, mine, best)
             if on_trial is not None:
                 on_trial(name, s, t)
 
@@ -537,8 +541,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         if store is not None and run_id is not None:
             best_value = result.best.median_us if result is not None and result.best is not None else None
             try:
-                store.finish_run(run_id, status=status, trials=result.trials if result else _finished_or_0(study),
-                                 best_value=best_value)
+                store.finish_run(run_id, status=status, trials=_ran_or_0(study, had), best_value=best_value)
             except StoreError as e:
                 if not raising:
                     raise
@@ -557,13 +560,21 @@ def _note_run(store: Any, run_id: int, trials: int, best: float | None) -> None:
         log.debug("tuning run %s: trial count not recorded: %s", run_id, e)
 
 
-def _finished_or_0(study: optuna.Study | None) -> int:
-    """The finished trials of a study a run left without its result (interrupted, failed): what its run row records
-    as `trials` (it recorded 0 though trials had finished); 0 where the study was not opened or cannot be read."""
+def _ran_here(study: optuna.Study, done: set[int], had: set[int]) -> int:
+    """The trials of `done` (the study's finished ones) this process ran since the run began (`had`: those finished
+    before): what the run's row counts. Not the study's: a resumed study's earlier runs, and the other workers of a
+    study shared by nodes, ran the rest (each row counted them again)."""
+    sid = storage_id(study._storage)
+    return sum(1 for i in done - had if (sid, i) in ASKED)
+
+
+def _ran_or_0(study: optuna.Study | None, had: set[int]) -> int:
+    """The trials this run finished (`_ran_here`), whether it ended done or not (interrupted, failed: it recorded 0
+    though trials had finished); 0 where the study was not opened or cannot be read."""
     if study is None:
         return 0
     try:
-        return finished_trials(study)
+        return _ran_here(study, finished_ids(study._storage, study._study_id), had)
     except Exception:  # the storage that failed the run: its row still ends
         return 0
 

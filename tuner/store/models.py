@@ -103,6 +103,8 @@ class TuningRun(Base):
     storage: Mapped[str] = mapped_column(String(1024))
     backend: Mapped[str] = mapped_column(String(128))
     status: Mapped[str] = mapped_column(String(32))
+    # the trials THIS run finished (a resumed or shared study's others are its other runs' and workers'); a daemon
+    # job's row (`moetune-daemon-job-N`) counts the profiles the job wrote
     trials: Mapped[int] = mapped_column(Integer, default=0)
     best_value: Mapped[float | None] = mapped_column(Float)
     started: Mapped[str] = mapped_column(String(40))
