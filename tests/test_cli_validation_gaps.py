@@ -118,6 +118,26 @@ def test_model_gpus_per_node_below_one_is_refused_naming_the_option(tmp_path: Pa
     assert f"--gpus-per-node must be >= 1, got {g}" in flat(r.output), r.output
 
 
+@pytest.mark.parametrize("cmd", ["predict", "sweep"])
+@pytest.mark.parametrize("tile", ["0", "-3", str(2**22 + 1), str(10**30), str(10**400)])
+def test_model_tile_outside_its_range_is_refused_naming_the_option(tmp_path: Path, cmd: str, tile: str) -> None:
+    """--tile is checked as --tokens is (the Workload's rule, the option named): a tile above the most tokens per GPU
+    moetune handles was modelled (10**30: every expert padded to 10**30 rows, an absurd layer time) or crashed
+    (10**400: OverflowError, a traceback)."""
+    r = run("model", cmd, "-p", "nvlink-h200x2", "-n", "1", "--tile", tile, home=tmp_path)
+    no_traceback(r)
+    assert r.exit_code == 2, r.output
+    assert flat(r.output).startswith("error: --tile must be"), r.output
+
+
+@pytest.mark.parametrize("tile", ["1", "128", str(2**22)])
+def test_model_tile_within_its_range_is_modelled(tmp_path: Path, tile: str) -> None:
+    # a tile above the tokens an expert receives is a kernel's fixed tile (decode: one token per GPU, tile 128)
+    r = run("model", "predict", "-p", "nvlink-h200x2", "-t", "1", "--tile", tile, "--json", home=tmp_path)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["workload"]["tile"] == int(tile)
+
+
 @pytest.mark.parametrize("values", [""])
 def test_model_sweep_refuses_an_empty_values_list(tmp_path: Path, values: str) -> None:
     r = run("model", "sweep", "-p", "nvlink-h200x2", "-n", "1", "--values", values, home=tmp_path)

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from moetune.runtime.routing import parse_routing
-from moetune.runtime.shapes import ModelShape, get_model, tokens_per_gpu_problem
+from moetune.runtime.shapes import MAX_TOKENS_PER_GPU, ModelShape, get_model, tokens_per_gpu_problem
 
 
 class Workload(msgspec.Struct, frozen=True):
@@ -45,6 +45,12 @@ class Workload(msgspec.Struct, frozen=True):
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.tile < 1:
             raise ValueError(f"tile must be >= 1, got {self.tile}")
+        if self.tile > MAX_TOKENS_PER_GPU:
+            # a tile pads each expert's rows to a multiple of it: above the most tokens per GPU moetune handles it is
+            # no GEMM tile, and a huge one made an absurd expert time or an OverflowError. One above the tokens an
+            # expert receives is fine (a kernel's fixed tile at decode)
+            raise ValueError(f"tile must be at most {MAX_TOKENS_PER_GPU} (the most tokens per GPU moetune handles), "
+                             f"got {self.tile}")
         try:
             self.model.check_ep(self.nodes * self.gpus_per_node)  # the runtime's one rule (runtime/shapes.py)
         except ValueError as e:
