@@ -237,6 +237,9 @@ static int wait_done(PxCtx* c, uint64_t seq) {
       if ((spins & 4095u) == 0) std::this_thread::yield();
     }
   }
+  // once more after the end: the engine is polled every 256 spins, so a failure in the last stretch (or a kernel that
+  // ended within 256 spins) would otherwise return 0 for a call whose copies the failed engine did not signal
+  if (failed == 0) failed = mt_proxy_error(c->engine, why, sizeof(why));
   MT_REQUIRE(failed == 0, 321, "proxy engine failed: %s", why);
   return 0;
 }
