@@ -1,9 +1,9 @@
 """moetune's configuration: TOML files overridden by `MOETUNE_*` environment variables.
 
-Order (later wins): built-in defaults, `/etc/moetune/moetune.toml`, `~/.config/moetune/moetune.toml`
-(`$XDG_CONFIG_HOME` respected), the file given with `--config` (or `$MOETUNE_CONFIG`), then
-`MOETUNE_<SECTION>_<KEY>` variables (e.g. `MOETUNE_DAEMON_SOCKET`). `MOETUNE_HOME` moves the default
-database and socket directory.
+Order (later wins): built-in defaults, `/etc/moetune/moetune.toml` (or the file `$MOETUNE_SYSTEM_CONFIG` names),
+`~/.config/moetune/moetune.toml` (`$XDG_CONFIG_HOME` respected), the file given with `--config` (or
+`$MOETUNE_CONFIG`), then `MOETUNE_<SECTION>_<KEY>` variables (e.g. `MOETUNE_DAEMON_SOCKET`). `MOETUNE_HOME`
+moves the default database and socket directory.
 
 An unknown section or key, a wrong type or a bad value in a file is a `ConfigError` that names the key
 and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them). The runtime's
@@ -374,7 +374,7 @@ def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin
 
 def config_files(config_file: Path | None = None, env: Mapping[str, str] = os.environ) -> list[Path]:
     """The files load_config reads, in order (those that do not exist are skipped, except --config)."""
-    files = [paths.SYSTEM_CONFIG, paths.user_config_path(env)]
+    files = [paths.system_config_path(env), paths.user_config_path(env)]
     explicit = config_file or (Path(env["MOETUNE_CONFIG"]) if env.get("MOETUNE_CONFIG") else None)
     if explicit is not None:
         files.append(Path(explicit).expanduser())

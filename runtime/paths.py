@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-SYSTEM_CONFIG = Path("/etc/moetune/moetune.toml")
+SYSTEM_CONFIG = Path("/etc/moetune/moetune.toml")  # the node's file where $MOETUNE_SYSTEM_CONFIG is unset
 DB_NAME = "moetune.db"
 # The folder of the last fallback runtime dir, moetune-<uid> (a test moves it: a real one may hold a daemon's
 # leftover daemon.json, which the client's search takes)
@@ -60,6 +60,14 @@ def data_dir(env: Mapping[str, str] = os.environ) -> Path:
 def default_db_path(env: Mapping[str, str] = os.environ) -> Path:
     """The database when neither `--db` nor the config's `[store] db` names one."""
     return data_dir(env) / DB_NAME
+
+
+def system_config_path(env: Mapping[str, str] = os.environ) -> Path:
+    """`$MOETUNE_SYSTEM_CONFIG` (expanded) when set and non-empty, else `/etc/moetune/moetune.toml`. A path where no
+    file is means no system file: the one way a process and the processes it starts skip the node's file (a test
+    suite's CLI children, which no monkeypatch of `SYSTEM_CONFIG` reaches). Empty is unset, as for MOETUNE_CONFIG."""
+    value = env.get("MOETUNE_SYSTEM_CONFIG", "")
+    return Path(value).expanduser() if value else SYSTEM_CONFIG
 
 
 def user_config_path(env: Mapping[str, str] = os.environ) -> Path:

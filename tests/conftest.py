@@ -84,8 +84,9 @@ def _nothing_of_this_machines_user(monkeypatch: pytest.MonkeyPatch, tmp_path_fac
     test of those files sets its own after this). A node deployed with moetune has the first, pointing clients at
     that node's real daemon and database; a developer may have the others: outcomes depended on the machine, and a
     profile lookup could read (a command write) the user's own database. The user's files move through XDG_CONFIG_HOME
-    and XDG_DATA_HOME (a fresh folder per test), so the CLI children a test starts with its environment skip them too
-    (the system file they still read: no variable moves it).
+    and XDG_DATA_HOME (a fresh folder per test), so the CLI children a test starts with its environment skip them too;
+    the system file moves through MOETUNE_SYSTEM_CONFIG (children follow it, `child_env` passes it on) as well as
+    `paths.SYSTEM_CONFIG` (the in-process loads given an environment of their own).
 
     Likewise the daemon a client finds without an endpoint: the runtime directories it searches ($XDG_RUNTIME_DIR/
     moetune, /run/moetune, /tmp/moetune-<uid>) may hold this machine's real daemon, or, under pytest-xdist, one
@@ -93,6 +94,7 @@ def _nothing_of_this_machines_user(monkeypatch: pytest.MonkeyPatch, tmp_path_fac
     the other two a path that does not exist."""
     nowhere = tmp_path_factory.getbasetemp() / "no-config-of-this-machine"  # never made: nothing there
     monkeypatch.setattr(paths, "SYSTEM_CONFIG", nowhere / "etc" / "moetune.toml")
+    monkeypatch.setenv("MOETUNE_SYSTEM_CONFIG", str(nowhere / "etc" / "moetune.toml"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(nowhere / "xdg-config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
     monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", nowhere / "run-moetune")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 from moetune.runtime import config as config_mod
 from moetune.runtime import paths
 from moetune.runtime.config import ConfigError, load_client_config, load_config, resolve_db_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from child_env import child_env  # beside this file
 
 
 @pytest.fixture
@@ -261,3 +265,55 @@ def test_the_clients_read_past_a_bad_runtime_key(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     r = CliRunner().invoke(app, ["status", "--config", str(cfg)])
     assert "runtime.symm" not in r.output and "Traceback" not in r.output
+
+
+def test_the_system_file_is_the_one_moetune_system_config_names(env, tmp_path):
+    """MOETUNE_SYSTEM_CONFIG names the system file (a path with no file there: none is read); unset or empty, it is
+    /etc/moetune/moetune.toml (`paths.SYSTEM_CONFIG`) as before."""
+    assert paths.system_config_path({}) == paths.SYSTEM_CONFIG
+    assert paths.system_config_path({"MOETUNE_SYSTEM_CONFIG": ""}) == paths.SYSTEM_CONFIG
+    write(paths.SYSTEM_CONFIG, "[tune]\ntrials = 10\n")
+    other = write(tmp_path / "other" / "moetune.toml", "[tune]\ntrials = 11\n")
+    assert load_config(env=env).tune.trials == 10
+    assert load_config(env={**env, "MOETUNE_SYSTEM_CONFIG": ""}).tune.trials == 10
+    cfg = load_config(env={**env, "MOETUNE_SYSTEM_CONFIG": str(other)})
+    assert cfg.tune.trials == 11 and cfg.sources == (str(other),)
+    cfg = load_config(env={**env, "MOETUNE_SYSTEM_CONFIG": str(tmp_path / "none" / "moetune.toml")})
+    assert cfg.tune.trials == 40 and cfg.sources == ()
+
+
+# A CLI child whose built-in system path is `argv[1]` (a test cannot write /etc): `moetune db path` prints the
+# database, which that file moves
+_DB_PATH_WITH_SYSTEM_FILE_AT = """
+import sys
+from pathlib import Path
+from moetune.runtime import paths
+paths.SYSTEM_CONFIG = Path(sys.argv[1])
+sys.argv = ["moetune", "db", "path"]
+from moetune.tuner.cli import main
+main()
+"""
+
+
+def test_a_cli_child_of_the_test_suite_reads_no_system_config_file(tmp_path):
+    """The suite moved the system file in-process only (a monkeypatch of `paths.SYSTEM_CONFIG`): a CLI child read
+    this machine's /etc/moetune/moetune.toml, which (on a node deployed with moetune) points at the node's own
+    database and daemon. Its MOETUNE_SYSTEM_CONFIG reaches the children, through `child_env` or the inherited
+    environment. Without it, the child reads the file it was built with (the user-facing default unchanged)."""
+    import os
+    import subprocess
+
+    system = write(tmp_path / "etc" / "moetune.toml", f'[store]\ndb = "{tmp_path / "system.db"}"\n')
+    home = tmp_path / "home"
+
+    def db_path(env: dict[str, str]) -> str:
+        r = subprocess.run([sys.executable, "-c", _DB_PATH_WITH_SYSTEM_FILE_AT, str(system)], capture_output=True,
+                           text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip()
+
+    assert os.environ.get("MOETUNE_SYSTEM_CONFIG"), "tests/conftest.py sets it for every test"
+    assert db_path(child_env(MOETUNE_HOME=str(home))) == str(home / "moetune.db")
+    assert db_path({**os.environ, "MOETUNE_HOME": str(home)}) == str(home / "moetune.db")
+    # the control: the same child with the variable unset (or empty) reads the file
+    assert db_path(child_env(MOETUNE_HOME=str(home), MOETUNE_SYSTEM_CONFIG="")) == str(tmp_path / "system.db")
