@@ -95,7 +95,7 @@ def test_wheel_holds_moetune_only_with_data(wheel):
                 inst = "/".join((pkg, *p.parts[1:]))
                 assert inst in names, f"{rel} is not in the wheel (expected {inst})"
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "moetune = moetune.tuner.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "moetune = moetune.tuner.cli._entry:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_fresh_venv_install(wheel, tmp_path):

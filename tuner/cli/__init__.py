@@ -1,82 +1,29 @@
 """The `moetune` command line: one Typer app (`_app`), one module per command group.
 
-This module is the entry point (`moetune = "moetune.tuner.cli:main"`) and stays light: Python's default Ctrl-C
-raises KeyboardInterrupt wherever the interpreter is, and the app's imports (Typer, Rich, every command group, the
-runtime's schemas: about 0.3 s) ran before any code of the CLI could catch it, so a Ctrl-C right after the command
-was started printed a traceback from inside an import. `main` imports the app itself, under its own handling. `app`
-and `EXIT_STATUS_HELP` are re-exported lazily (`from moetune.tuner.cli import app`)."""
+The console script's module is `_entry` (pyproject: `moetune = "moetune.tuner.cli._entry:main"`): Python's default
+Ctrl-C raises KeyboardInterrupt wherever the interpreter is, and a Ctrl-C in the imports ahead of the CLI's own
+handling printed a traceback from inside an import. `_entry` takes Ctrl-C over first, so every module on its way
+(this one too, the package `__init__` the import of `_entry` runs first) stays free of imports: this one imports
+nothing. `main` (`_main`: the CLI's Ctrl-C handling around the app), `app` and `EXIT_STATUS_HELP` (`_app`) are
+re-exported lazily (`from moetune.tuner.cli import main, app`)."""
 
-from __future__ import annotations
-
-import contextlib  # already imported by Python's start (site), as os and sys are
-import os
-import signal
-import sys
-
-from moetune.tuner.cli._exc_chain import interrupt_in_chain  # no Typer: light, as this module must stay
-from moetune.tuner.cli._torch_import import hold_signals_while_torch_imports  # light too
-
-TYPE_CHECKING = False  # not `typing`'s: importing typing is one more import ahead of `main`'s handling
+TYPE_CHECKING = False  # not `typing`'s: importing typing is one more import ahead of the entry point's handling
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
+    from typing import Any
 
     from moetune.tuner.cli._app import EXIT_STATUS_HELP, app
+    from moetune.tuner.cli._main import main
 
 __all__ = ["EXIT_STATUS_HELP", "app", "main"]
 
-_LAZY = frozenset({"app", "EXIT_STATUS_HELP"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+def __getattr__(name: str) -> "Any":
+    if name == "main":
+        from moetune.tuner.cli._main import main as value
+    elif name in ("app", "EXIT_STATUS_HELP"):
         from moetune.tuner.cli import _app
 
         value = getattr(_app, name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _interrupted(line: str, *, at_once: bool = False) -> NoReturn:
-    """End the process on a Ctrl-C that no command's own handling took: `line` on stderr, exit 130. `at_once`: without
-    the interpreter's teardown (os._exit, the output flushed first), for an interrupt that broke an import midway."""
-    with contextlib.suppress(ValueError):  # not the main thread: no signal handler can be set
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the line short with a traceback
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        if sys.stdout is not None:
-            sys.stdout.flush()
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    if at_once:
-        os._exit(130)
-    sys.exit(130)
-
-
-def main() -> None:
-    """The `moetune` entry point. A Ctrl-C before a command's own handling of it (its `ends_cleanly_on_interrupt`)
-    ends the command with one line on stderr and exit 130: while the app is imported (nothing was done yet), or in a
-    command's checks before its work starts, where Typer turned the KeyboardInterrupt into a bare exit 130 with no
-    word (`moetune profile`'s fabric discovery, for one). A Ctrl-C while torch is imported waits for the import
-    to finish (`_torch_import`): torch's initialisation loses or aborts on one."""
-    hold_signals_while_torch_imports()
-    try:
-        from moetune.tuner.cli._app import run
-    except KeyboardInterrupt:
-        _interrupted("interrupted: before the command started; nothing was done")
-    try:
-        run()
-    except KeyboardInterrupt:  # outside Typer's own catch: while it builds the command tree, or after the command
-        _interrupted("interrupted")
-    except SystemExit as e:
-        # Typer's catch raises `Exit(130) from` the KeyboardInterrupt; a command that said its own line raised its
-        # Exit `from None` (or from no interrupt), and says nothing more here
-        if e.code == 130 and isinstance(getattr(e.__context__, "__cause__", None), KeyboardInterrupt):
-            _interrupted("interrupted")
-        raise
-    except Exception as e:
-        # a Ctrl-C inside a compiled module's initialisation (matplotlib's ft2font, in `model sweep`'s plot) comes out
-        # as "ImportError: initialization failed" raised from the KeyboardInterrupt, which Typer does not catch: its
-        # traceback was printed, and the half-made module then aborted the interpreter's teardown (a core dump)
-        if interrupt_in_chain(e) is None:
-            raise
-        _interrupted("interrupted", at_once=True)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
