@@ -317,3 +317,22 @@ def test_a_cli_child_of_the_test_suite_reads_no_system_config_file(tmp_path):
     assert db_path({**os.environ, "MOETUNE_HOME": str(home)}) == str(home / "moetune.db")
     # the control: the same child with the variable unset (or empty) reads the file
     assert db_path(child_env(MOETUNE_HOME=str(home), MOETUNE_SYSTEM_CONFIG="")) == str(tmp_path / "system.db")
+
+
+def test_a_child_env_child_reads_the_config_files_the_test_does(tmp_path):
+    """`child_env` builds a bare environment: without the suite's XDG_CONFIG_HOME and no HOME, a child's user file was
+    this user's own ~/.config/moetune/moetune.toml (from the password database). It reads the test's files; a test
+    that names HOME gets HOME/.config's."""
+    import json
+    import subprocess
+
+    code = "import json; from moetune.runtime.config import config_files; print(json.dumps([str(f) for f in config_files()]))"
+
+    def files(env: dict[str, str]) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    assert files(child_env(MOETUNE_HOME=str(tmp_path / "mh"))) == [str(f) for f in config_mod.config_files()]
+    home = tmp_path / "home"
+    assert files(child_env(HOME=str(home)))[1] == str(home / ".config" / "moetune" / "moetune.toml")
