@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.tuner.fabric.change import fabric_left, restorable
+
+
+def _this_nodes(event: dict[str, Any], here: str) -> bool:
+    """The rule in Python: an event is this node's where its details name no other node (one without `node`, from a
+    moetune before it, counts as this node's)."""
+    d = event["details"]
+    return not (isinstance(d, dict) and d.get("node") not in (None, here))
 
 
 def test_another_nodes_later_change_does_not_hide_this_nodes_own(tmp_path: Path) -> None:
@@ -82,11 +90,9 @@ def test_the_change_is_found_behind_a_long_history_of_this_nodes_own(tmp_path: P
 
 
 def test_the_stores_node_filter_is_the_rule_of_this_nodes(tmp_path: Path) -> None:
-    """`list_events(node=...)` (SQL) keeps exactly the events `_this_nodes` (Python) keeps, details that are no object
-    included: `fabric_left` pages with the one, `node_fabric_events` filters with the other."""
+    """`list_events(node=...)` (SQL, which `fabric_left` and `node_fabric_events` read) keeps exactly the events whose
+    details name no other node (`_this_nodes`, the rule in Python), details that are no object included."""
     import sqlite3
-
-    from moetune.tuner.fabric.change import _this_nodes
 
     store = F.open_store(tmp_path / "m.db")
     here = store.node
@@ -105,3 +111,25 @@ def test_the_stores_node_filter_is_the_rule_of_this_nodes(tmp_path: Path) -> Non
     kept = {e["id"] for e in store.list_events(limit=100, kinds=("fabric_seen",), node=here)}
     assert kept == {e["id"] for e in every if _this_nodes(e, here)}
     assert len(kept) == 3 + 3
+
+
+def test_node_fabric_events_finds_this_nodes_behind_any_number_of_other_nodes(tmp_path: Path,
+                                                                                 monkeypatch: Any) -> None:
+    """`node_fabric_events` (the daemon's recorded fabric: `last_fabric_event`) finds this node's events however many
+    fabric events other nodes recorded since: it read back at most NODE_EVENTS_SCAN events of every node, and past
+    that this node's last fabric read as never recorded (its next discovery no change). The scan cap is lowered here
+    so that a few hundred events show it; filtered by node in SQL there is no cap to lower."""
+    from moetune.tuner.fabric import change
+
+    monkeypatch.setattr(change, "NODE_EVENTS_SCAN", 500, raising=False)
+    store = F.open_store(tmp_path / "m.db")
+    here = store.node
+    store.add_event(kind="fabric_seen", reason="first discovery",
+                    details={"fingerprint": "a" * 16, "identity": "gpus-here", "node": here})
+    with store.atomic():
+        for n in range(600):
+            store.add_event(kind="fabric_seen", reason="first discovery",
+                            details={"fingerprint": f"{n:016x}", "identity": f"gpus-{n}", "node": f"node-{n}"})
+    events = change.node_fabric_events(store)
+    assert [e["details"]["fingerprint"] for e in events] == ["a" * 16]
+    assert change.last_fabric_event(store)["fingerprint"] == "a" * 16

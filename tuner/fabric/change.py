@@ -55,34 +55,17 @@ def same_hardware(old_fp: str | None, old_identity: str | None, facts: Any) -> b
 FABRIC_EVENTS = ("fabric_seen", "fabric_changed")
 
 
-def _this_nodes(event: dict[str, Any], here: str) -> bool:
-    """Whether a fabric event is this node's: its details name no other node (one without `node`, from a moetune
-    before it, counts as this node's)."""
-    d = event["details"]
-    return not (isinstance(d, dict) and d.get("node") not in (None, here))
-
-
 NODE_EVENTS = 20  # this node's newest fabric events `node_fabric_events` returns
-NODE_EVENTS_SCAN = 20_000  # the most fabric events (of every node) it reads back to find them
 
 
 def node_fabric_events(store: Any) -> list[dict[str, Any]]:
     """This node's newest 20 fabric events, newest first (however many other events came after them): those another
     node recorded (`node` in their details: a database shared by nodes) are passed over, as comparing this node with
     one took identical nodes' other GPUs for a replaced one and made their shared profiles stale. An event without
-    `node` (a moetune before it) is kept, as before. Paged back through the fabric events (at most NODE_EVENTS_SCAN):
-    a window of the newest 20 of every node's held none of this node's once 20 others had recorded since, and its
-    last fabric then read as never recorded."""
-    here = store.node
-    out: list[dict[str, Any]] = []
-    before: int | None = None
-    for _ in range(NODE_EVENTS_SCAN // 500):
-        page = store.list_events(limit=500, kinds=FABRIC_EVENTS, before_id=before)
-        out += [e for e in page if _this_nodes(e, here)]
-        if len(out) >= NODE_EVENTS or len(page) < 500:
-            break
-        before = page[-1]["id"]
-    return out[:NODE_EVENTS]
+    `node` (a moetune before it) is kept, as before. Filtered by node in SQL (`list_events(node=...)`: details that name no
+    other node): a window of every node's newest events, or a scan of a bounded number of them, held none of
+    this node's once enough others had recorded since, and its last fabric then read as never recorded."""
+    return store.list_events(limit=NODE_EVENTS, kinds=FABRIC_EVENTS, node=store.node)
 
 
 def last_fabric_event(store: Any) -> dict[str, Any] | None:

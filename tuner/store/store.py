@@ -995,8 +995,9 @@ class Store:
         """Newest first: Row(id, created, kind, reason, details); with `kinds`, only events of those kinds (ValueError
         for one that is no EventKind: it would match nothing); with `before_id`, only those older than that event
         (page back with the last one's id); with `node`, only those whose details name no other node (`node` in them
-        is that one, or absent: the rule of `moetune.tuner.fabric.change._this_nodes`), filtered in SQL so that a
-        page holds `limit` of that node's however many other nodes' events lie between."""
+        is that one, or absent or null, or the details are no object: an older moetune's event counts as this
+        node's), filtered in SQL so that a page holds `limit` of that node's however many other nodes' events lie
+        between."""
         q = select(Event).order_by(Event.id.desc()).limit(limit)
         if kinds is not None:
             check_event_kinds(kinds)
@@ -1082,8 +1083,8 @@ def _json_int(column: Any, field: str) -> Any:
 
 def _names_no_other_node(column: Any, node: str) -> Any:
     """SQL: whether a JSON column (an event's details) names no node but `node`: no object (no valid JSON, or another
-    type), no `node` field, a null one, or the text `node`; as `_this_nodes` reads the decoded details (CASE evaluates
-    in order: the JSON functions see valid JSON only)."""
+    type), no `node` field, a null one, or the text `node` (CASE evaluates in order: the JSON functions see valid JSON
+    only)."""
     at = func.json_type(column, "$.node")
     return case((column.is_(None), True),
                 (func.json_valid(column) != 1, True),
