@@ -671,3 +671,18 @@ def test_a_cpu_scenario_run_on_a_gpu_machine_is_headed_with_the_host_cpu_not_the
     line = next(ln for ln in summary.scenario_table(g, [_row(g.name, g.baseline.name, "L1", 100)])
                 if ln.startswith("measured"))
     assert "1x NVIDIA H200, 16 CPU cores, GPU NVIDIA H200; metric" in line, line
+
+
+def test_a_median_that_is_no_finite_number_is_left_out_as_the_warning_says() -> None:
+    """`bench summarize` warns that a row whose median is no finite number ("nan", "inf": a hand edit, or a script
+    that printed one) is left out of the summary (`results.row_problems`), but the table took it: launches 2, median
+    "nan", ratio "nan×". It is left out: the case's other launch gives its median and ratio."""
+    s = SCENARIOS["runtime-host-cost"]
+    rows = [_row(s.name, "plain", "L1", 100.0), _row(s.name, "dense", "L1", 50.0),
+            _row(s.name, "plain", "L2", 100.0), _row(s.name, "dense", "L2", float("nan")),
+            _row(s.name, "packed", "L2", float("inf"), p10=float("nan"))]
+    n_bad, _ = R.row_problems(rows, SCENARIOS)
+    assert n_bad == 2
+    got = _table_rows(summary.scenario_table(s, rows))
+    assert got["dense"] == ["1", "50", "-", "-", "2.00×"], got
+    assert "packed" not in got and not any("nan" in c or "inf" in c for cells in got.values() for c in cells), got

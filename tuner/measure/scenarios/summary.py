@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def _f(v: float | None) -> str:
     if v is None:
         return "-"
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _num(v: str) -> float | None:
+    """A numeric cell as the summary takes it: None where empty, not a number or not finite ("nan", "inf": such a
+    row is left out, as `results.row_problems` warns; it was shown as median "nan" and ratio "nan×")."""
+    x = R.fnum(v)
+    return x if x is not None and math.isfinite(x) else None
 
 
 def _failed(r: dict[str, str]) -> bool:
@@ -66,7 +74,7 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
     belong to the batch like numbers: a case that failed shows "FAILED: why", and a launch that failed as a whole is
     the latest batch, never hidden behind an older batch's numbers. Whatever order the rows come in, the table is
     the same."""
-    mine = [r for r in rows if r["scenario"] == s.name and (R.fnum(r["median"]) is not None or _failed(r))]
+    mine = [r for r in rows if r["scenario"] == s.name and (_num(r["median"]) is not None or _failed(r))]
     real = [r for r in mine if r["source"] != "smoke"]
     use = real or mine
     # the heading, then the question and what the scenario needs as one paragraph (BENCHMARKS.md stays a page a
@@ -91,8 +99,8 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         # one value per launch (the baseline's first and last runs pooled)
         per: dict[str, list[float]] = {}
         for r in batch:
-            if r["case"] == c and R.fnum(r[k]) is not None:
-                per.setdefault(r["launch"], []).append(R.fnum(r[k]))  # type: ignore[arg-type]
+            if r["case"] == c and _num(r[k]) is not None:
+                per.setdefault(r["launch"], []).append(_num(r[k]))  # type: ignore[arg-type]
         return {launch: statistics.mean(v) for launch, v in per.items()}
 
     def stat(c: str, k: str) -> float | None:
@@ -105,8 +113,8 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         # run_ep's OTHER_WORLD), for the ratio
         per: dict[str, list[float]] = {}
         for r in batch:
-            if r["case"] == c and R.fnum(r["median"]) is not None and OTHER_WORLD not in r["note"]:
-                per.setdefault(r["launch"], []).append(R.fnum(r["median"]))  # type: ignore[arg-type]
+            if r["case"] == c and _num(r["median"]) is not None and OTHER_WORLD not in r["note"]:
+                per.setdefault(r["launch"], []).append(_num(r["median"]))  # type: ignore[arg-type]
         return {launch: statistics.mean(v) for launch, v in per.items()}
 
     base = side_by_side(bname)
