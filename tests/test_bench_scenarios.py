@@ -479,3 +479,40 @@ def test_the_moe_knobs_driver_fails_a_bad_token_count_without_a_traceback(tmp_pa
     out = moe_drivers.run_moe_knobs([records.Resolved("base", {"tokens": "x"}, {}), records.Resolved("v", {}, {})],
                                     records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
     assert [r.case for r in out] == ["base", "v"] and all("x" in r.error and not r.metrics for r in out)
+
+
+def _bench_ep_knobs(command: str) -> dict:
+    """The knobs `moetune bench ep` runs for a stamped command (its --transport and --knobs, as its CLI takes them)."""
+    import shlex
+
+    from moetune.runtime.knobs import Knobs, default_knobs
+
+    argv = shlex.split(command)
+    opts = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--transport", "--knobs")}
+    if "--transport" in opts:
+        t = opts["--transport"]
+        return Knobs.parse(opts.get("--knobs", ""), base=default_knobs(t)).replace(transport=t).to_dict()
+    return Knobs.parse(opts.get("--knobs", "")).to_dict()
+
+
+@pytest.mark.parametrize("args", [{"transport": "nvlink"}, {"transport": "nvlink", "knobs": "num_sms=8"},
+                                  {"transport": "collective", "layout": "dense"},
+                                  {"knobs": "transport=host_staged,compression=fp8_e4m3,pipeline_depth=4,wait_mode=kernel"},
+                                  {"transport": "host_staged", "knobs": "compression=fp8_e4m3"}])
+def test_an_ep_rows_command_runs_the_knobs_the_case_ran(args: dict, monkeypatch) -> None:
+    """The ep driver builds a case's knobs as the bench worker does (`case_config`: `knobs` on the defaults, then
+    `transport` put in), but stamped its rows with `moetune bench ep --transport T`, which starts from T's safe
+    defaults (`default_knobs`): the nvlink case of ep-roundtrip-qwen3-s128 ran signalling=decoupled, and its command
+    runs signalling=coupled. The command now runs exactly the knobs that ran (unchanged where they agree)."""
+    from types import SimpleNamespace
+
+    from moetune.runtime.transports import registry as transports
+    from moetune.tuner.measure.worker import case_config
+
+    # nvlink needs GPUs to run; its knobs are built alike without them
+    monkeypatch.setattr(transports, "available_transports", lambda _dev: {args.get("transport"): SimpleNamespace(ok=True)})
+    ran = case_config(dict(args), 2, "nccl")["knobs"]
+    cmd = ep_driver.ep_command(args, {}, 2, "nccl")
+    assert _bench_ep_knobs(cmd) == ran, cmd
+    if args.get("transport") != "nvlink":  # where `--transport` already ran them: the command as it was
+        assert ("--knobs" in cmd) == ("knobs" in args), cmd

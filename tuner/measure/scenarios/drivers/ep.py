@@ -48,14 +48,36 @@ def option_env(options: dict[str, Any]) -> dict[str, str]:
     return {doc.env: text(options[doc.name]) for doc in OPTION_DOCS if doc.name in options}
 
 
+def _command_knobs(args: dict[str, Any]) -> Any:
+    """The --knobs of a case's `moetune bench ep` command. The case runs `knobs` on the defaults with `transport` put
+    in (worker.case_config); `bench ep --transport T` starts from T's safe defaults (`default_knobs`: nvlink's
+    signalling is coupled, the defaults' decoupled), so where they differ the command names each knob that ran
+    apart from T's defaults. A case whose knobs do not parse (it fails) keeps its own."""
+    from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+
+    given, t = args.get("knobs"), args.get("transport")
+    if not t or not isinstance(given, str | None):
+        return given
+    try:
+        ran = Knobs.parse(given or "").replace(transport=t)
+        if Knobs.parse(given or "", base=default_knobs(t)).replace(transport=t) == ran:
+            return given  # `--transport` runs them already: the command as the scenario gives it
+        base = default_knobs(t).to_dict()
+    except KnobError:
+        return given
+    return ",".join(f"{k}={v}" for k, v in ran.to_dict().items() if k != "transport" and v != base[k])
+
+
 def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: str,
                options: dict[str, Any] | None = None) -> str:
     """The `moetune bench ep` command that runs this one case on its own (its runtime options as their variables)."""
     env = {**env, **option_env(options or {})}
     a = ["moetune", "bench", "ep", "--world", str(world), "--backend", backend]
+    knobs = _command_knobs(args)
     for k in ("model", "tokens", "transport", "layout", "knobs", "routing", "impl", "iters", "warmup", "seed"):
-        if args.get(k) not in (None, ""):
-            a += ["--" + k, str(args[k])]
+        v = knobs if k == "knobs" else args.get(k)
+        if v not in (None, ""):
+            a += ["--" + k, str(v)]
     if args.get("layer") is False:
         a.append("--no-layer")
     if args.get("cuda_graph"):
