@@ -516,3 +516,31 @@ def test_an_ep_rows_command_runs_the_knobs_the_case_ran(args: dict, monkeypatch)
     assert _bench_ep_knobs(cmd) == ran, cmd
     if args.get("transport") != "nvlink":  # where `--transport` already ran them: the command as it was
         assert ("--knobs" in cmd) == ("knobs" in args), cmd
+
+
+@pytest.mark.parametrize("exit_code", [1, 0])
+@pytest.mark.parametrize("scenario", ["daemon-load", "runtime-host-cost", "fabric-discovery", "fabric-model",
+                                      "search-efficiency", "proxy-fences", "proxy-ack-cost"])
+def test_a_failed_script_case_is_stamped_with_the_command_that_ran(scenario: str, exit_code: int, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """A bench/*.py driver whose script exited non-zero, or whose output could not be read, stamped its FAILED rows
+    with `python bench/SCRIPT` alone: not the command that ran (its flags, its environment). They carry it now."""
+    import shlex
+
+    from moetune.tuner.measure.scenarios.drivers import scripts
+
+    ran: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        ran.append(argv)
+        return subprocess.CompletedProcess(argv, exit_code, stdout="not the script's output\n", stderr="boom\n")
+
+    monkeypatch.setattr(scripts.subprocess, "run", fake_run)
+    s = SCENARIOS[scenario]
+    seq = runner.plan(s, None, smoke=True)
+    out = registry.DRIVERS[s.driver](seq, records.Ctx(world=1, backend="none", smoke=True, tmp=tmp_path))
+    failed = [r for r in out if not r.metrics]
+    assert ran and failed, out
+    flags = {" ".join(map(shlex.quote, argv[2:])) for argv in ran}
+    for r in failed:
+        assert r.command.split("python bench/", 1)[-1].partition(" ")[2] in flags, (r.command, flags)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure.scenarios.drivers.registry import driver
-from moetune.tuner.measure.scenarios.drivers.scripts import run_script
+from moetune.tuner.measure.scenarios.drivers.scripts import run_script, script_command
 from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat
 
 
@@ -27,11 +27,12 @@ def discovery_metrics(d: dict[str, Any]) -> dict[str, dict[str, Stat]]:
 @driver("fabric-discovery", single_shot=True)
 def run_discovery(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/fabric_discovery_cpu.py times live discovery and discovery from captures in one process."""
+    cmd = script_command("fabric_discovery_cpu.py", cases[0].args, cases[0].env)
     try:
-        stdout, cmd = run_script("fabric_discovery_cpu.py", cases[0].args, cases[0].env, ctx)
+        stdout, _ = run_script("fabric_discovery_cpu.py", cases[0].args, cases[0].env, ctx)
         per = discovery_metrics(json.loads(stdout.strip().splitlines()[-1]))
     except (RuntimeError, ValueError, KeyError, IndexError) as e:
-        return [CaseResult(c.name, {}, "python bench/fabric_discovery_cpu.py", str(e)) for c in cases]
+        return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
     return [CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "not in the output") for c in cases]
 
 
@@ -66,9 +67,11 @@ def run_fabric_model(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     for c in cases:
         out = ctx.tmp / c.name
         out.mkdir(parents=True, exist_ok=True)
+        args = {**c.args, "out": str(out / "model.json")}
+        cmd = script_command("model_reproduce.py", args, c.env)
         try:
-            _, cmd = run_script("model_reproduce.py", {**c.args, "out": str(out / "model.json")}, c.env, ctx)
+            run_script("model_reproduce.py", args, c.env, ctx)
             res.append(CaseResult(c.name, _parse_model("", out), cmd))
         except (RuntimeError, ValueError, KeyError, OSError) as e:
-            res.append(CaseResult(c.name, {}, "python bench/model_reproduce.py", str(e)))
+            res.append(CaseResult(c.name, {}, cmd, str(e)))
     return res

@@ -4,29 +4,36 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure.scenarios.drivers.registry import driver
-from moetune.tuner.measure.scenarios.drivers.scripts import run_script
+from moetune.tuner.measure.scenarios.drivers.scripts import run_script, script_command
 from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat
 
 
-def _proxy_micro_rows(case: Resolved, ctx: Ctx, folder: str, **flags: Any) -> tuple[list[dict[str, Any]], str]:
-    """bench/proxy_micro.py with the case's arguments and `flags`: (its proxy_micro.jsonl rows, the command)."""
-    out = ctx.tmp / folder
-    _, cmd = run_script("proxy_micro.py", {**case.args, **flags, "out": str(out)}, case.env, ctx)
-    return [json.loads(x) for x in (out / "proxy_micro.jsonl").read_text().splitlines() if x.strip()], cmd
+def _proxy_micro_args(case: Resolved, ctx: Ctx, folder: str, **flags: Any) -> dict[str, Any]:
+    """bench/proxy_micro.py's arguments: the case's, `flags` and its output folder `folder` in the scratch folder."""
+    return {**case.args, **flags, "out": str(ctx.tmp / folder)}
+
+
+def _proxy_micro_rows(case: Resolved, ctx: Ctx, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench/proxy_micro.py run with `args` (`_proxy_micro_args`): its proxy_micro.jsonl rows."""
+    run_script("proxy_micro.py", args, case.env, ctx)
+    return [json.loads(x) for x in (Path(args["out"]) / "proxy_micro.jsonl").read_text().splitlines() if x.strip()]
 
 
 @driver("proxy-micro", single_shot=True)
 def run_proxy_micro(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py (C++ proxy engine, GPU 0 -> GPU 1) times every signalling mode in one process;
     the cases are its modes (put-only, coupled-proxy-drain, ...). A case with a failed point fails (`proxy_failures`)."""
+    args = _proxy_micro_args(cases[0], ctx, "proxy")
+    cmd = script_command("proxy_micro.py", args, cases[0].env)
     try:
-        rows, cmd = _proxy_micro_rows(cases[0], ctx, "proxy")
+        rows = _proxy_micro_rows(cases[0], ctx, args)
         per, bad = proxy_metrics(rows), proxy_failures(rows)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
-        return [CaseResult(c.name, {}, "python bench/proxy_micro.py", str(e)) for c in cases]
+        return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
     return [CaseResult(c.name, {}, cmd, bad[c.name]) if c.name in bad else
             CaseResult(c.name, per.get(c.name, {}), cmd, "" if c.name in per else "mode not in the output") for c in cases]
 
@@ -36,10 +43,12 @@ def run_proxy_ack(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/proxy_micro.py --ack-only (the proxy engine on one GPU, emulated peers): what an ACK costs against the
     streams it is written on; the cases are its batches (bench/proxy_micro.py ACK_BATCHES), metrics
     `batch_us[P{peers}xQ{qps}]`. A case whose engine recorded an error fails."""
+    args = _proxy_micro_args(cases[0], ctx, "proxy-ack", ack_only=True)
+    cmd = script_command("proxy_micro.py", args, cases[0].env)
     try:
-        rows, cmd = _proxy_micro_rows(cases[0], ctx, "proxy-ack", ack_only=True)
+        rows = _proxy_micro_rows(cases[0], ctx, args)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
-        return [CaseResult(c.name, {}, "python bench/proxy_micro.py --ack-only", str(e)) for c in cases]
+        return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
     per: dict[str, dict[str, Stat]] = {}
     bad: dict[str, str] = {}
     for r in rows:

@@ -29,10 +29,17 @@ def _flags(args: dict[str, Any]) -> list[str]:
     return out
 
 
+def script_command(script: str, args: dict[str, Any], env: dict[str, str]) -> str:
+    """The command `run_script` runs, in words (its environment, flags and all): a case's rows carry it, the FAILED
+    ones too (they carried `python bench/SCRIPT` alone, not what ran)."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "python", f"bench/{script}",
+                     *map(shlex.quote, _flags(args))])
+
+
 def run_script(script: str, args: dict[str, Any], env: dict[str, str], ctx: Ctx) -> tuple[str, str]:
     """Run bench/<script> with args as flags; return (stdout, the command in words). Raises RuntimeError."""
     argv = [sys.executable, str(ROOT / "bench" / script), *_flags(args)]
-    cmd = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "python", f"bench/{script}", *map(shlex.quote, argv[2:])])
+    cmd = script_command(script, args, env)
     try:
         p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx.timeout_s, env={**os.environ, **env})
     except subprocess.TimeoutExpired:
@@ -55,13 +62,14 @@ def one_script_per_case(script: str, parse: Callable[[str, Path], Parsed], out_f
             out = ctx.tmp / c.name
             out.mkdir(parents=True, exist_ok=True)
             args = {**c.args, **({"out": str(out)} if out_flag else {})}
+            cmd = script_command(script, args, c.env)
             try:
-                stdout, cmd = run_script(script, args, c.env, ctx)
+                stdout, _ = run_script(script, args, c.env, ctx)
                 got = parse(stdout, out)
                 metrics, failed = got if isinstance(got, tuple) else (got, {})
                 res.append(CaseResult(c.name, metrics, cmd, "; ".join(dict.fromkeys(failed.values())), failed))
             except (RuntimeError, ValueError, KeyError, OSError) as e:
-                res.append(CaseResult(c.name, {}, f"python bench/{script}", str(e)))
+                res.append(CaseResult(c.name, {}, cmd, str(e)))
         return res
     return run
 
@@ -73,10 +81,12 @@ def one_script_picks_lines(script: str, parse: Callable[[str, dict[str, Any]], t
     why the whole output is no measurement ("" when it is one): every case then fails with it."""
     def run(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
         args = dict(cases[0].args) if cases else {}
+        env = cases[0].env if cases else {}
+        cmd = script_command(script, args, env)
         try:
-            stdout, cmd = run_script(script, args, cases[0].env if cases else {}, ctx)
+            stdout, _ = run_script(script, args, env, ctx)
         except RuntimeError as e:
-            return [CaseResult(c.name, {}, f"python bench/{script}", str(e)) for c in cases]
+            return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
         if problem is not None and (why := problem(stdout, ctx)):
             return [CaseResult(c.name, {}, cmd, why) for c in cases]
         seen = dict(got for ln in stdout.splitlines() if (got := parse(ln.strip(), args)) is not None)

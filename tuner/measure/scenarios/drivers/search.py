@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure.scenarios.drivers.registry import driver
-from moetune.tuner.measure.scenarios.drivers.scripts import run_script
+from moetune.tuner.measure.scenarios.drivers.scripts import run_script, script_command
 from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat
 
 
@@ -62,13 +62,15 @@ def search_left_out(d: dict[str, Any]) -> str:
 def run_search(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
     """bench/search_efficiency.py runs every search on the same budget in one process; the cases pick one."""
     out = ctx.tmp / "search"
+    args = {**cases[0].args, "out": str(out)}
+    cmd = script_command("search_efficiency.py", args, cases[0].env)
     try:
-        stdout, cmd = run_script("search_efficiency.py", {**cases[0].args, "out": str(out)}, cases[0].env, ctx)
+        stdout, _ = run_script("search_efficiency.py", args, cases[0].env, ctx)
         mm = re.search(r"results: (\S+search_efficiency\.json)", stdout)
         doc = json.loads(Path(mm.group(1) if mm else out / "search_efficiency.json").read_text())
         per, left_out = search_metrics(doc), search_left_out(doc)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
-        return [CaseResult(c.name, {}, "python bench/search_efficiency.py", str(e)) for c in cases]
+        return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
     return [CaseResult(c.name, per.get(c.name, {}), cmd,
                        "" if per.get(c.name) else left_out or f"no {c.name} search in the output", note=left_out)
             for c in cases]
