@@ -81,3 +81,37 @@ def test_a_row_stamped_with_the_name_commit_is_restamped_once(ih, raw):
     assert out[1] == other and len(log) == 1
     again, log2 = ih.fix_content_commits(out, raw)
     assert again == out and log2 == []
+
+
+def test_a_rewrite_cut_short_leaves_the_results_table_whole(tmp_path):
+    """`--fix-*` rewrote bench/results/summary.csv in place (Path.write_text truncates first): a full disk or a crash
+    mid-write left every committed result truncated. It is replaced whole or not at all: the write cut short here by
+    a file-size limit (as a full disk would) leaves the table as it was."""
+    import sys
+    import textwrap
+
+    table = tmp_path / "bench/results/summary.csv"
+    table.parent.mkdir(parents=True)
+    head = ("scenario,case,baseline,position,launch,metric,unit,median,p10,p90,n,source,date,git_sha,git_dirty,"
+            "moetune,torch,nccl,cuda,gpu,gpu_count,fabric_fingerprint,hardware,world,backend,command,note\n")
+    table.write_text(head + "fabric-model,presets,1,0,cpu-1,speedup[16nodes],x MODELLED,1.5,,,1,imported,2026-11-30,"
+                     + "a" * 40 + ",0,,,,,none,0,,2 CPU cores,1,none,python bench/model_reproduce.py,note\n")
+    before = table.read_bytes()
+    code = textwrap.dedent(f"""
+        import importlib.util, resource, signal, sys
+        from pathlib import Path
+        spec = importlib.util.spec_from_file_location("ih", {str(ROOT / "bench/tools/import_history.py")!r})
+        ih = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ih)
+        ih.ROOT = Path({str(tmp_path)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            ih._rewrite_summary(lambda rows: (rows * 100, ["grown"]), "change(s)")
+        except OSError as e:
+            sys.exit(f"cut short: {{e}}")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode != 0 and "cut short" in p.stderr, (p.returncode, p.stderr)
+    assert table.read_bytes() == before
+    assert [f.name for f in table.parent.iterdir()] == ["summary.csv"]  # no temporary file left beside it

@@ -294,9 +294,12 @@ def fix_content_commits(rows: list[dict[str, str]], res: Path) -> tuple[list[dic
 
 def _rewrite_summary(fix: Any, what: str) -> int:
     """Apply `fix` (rows -> (rows, log)) to bench/results/summary.csv in place; print its log and how many `what`."""
+    from moetune.tuner.store.atomic_files import write_atomic
+
     csv_path = ROOT / "bench/results/summary.csv"
     rows, log = fix(R.read_rows(csv_path))
-    csv_path.write_text(R._csv_text(rows, header=True), encoding="utf-8")
+    # whole or not at all: written in place, a full disk or a crash mid-write truncated every committed result
+    write_atomic(csv_path, R._csv_text(rows, header=True))
     print("\n".join(log))
     print(f"{len(log)} {what}")
     return 0
