@@ -544,3 +544,18 @@ def test_a_failed_script_case_is_stamped_with_the_command_that_ran(scenario: str
     flags = {" ".join(map(shlex.quote, argv[2:])) for argv in ran}
     for r in failed:
         assert r.command.split("python bench/", 1)[-1].partition(" ")[2] in flags, (r.command, flags)
+
+
+def test_a_left_out_row_is_named_by_its_line_after_a_value_of_several_lines(tmp_path: Path) -> None:
+    """`bench summarize` names a row it leaves out by its line in the CSV; a value holding a newline (a FAILED note
+    quoting a script's error) spans lines, and every row after it was named a line too early: the editor opened at
+    `line 3` showed the middle of the note, not the bad row (line 5)."""
+    src = tmp_path / "r.csv"
+    base = {c: "" for c in R.COLUMNS} | {"scenario": "runtime-host-cost", "case": "plain", "metric":
+                                         "host_us_per_roundtrip", "source": "measured"}
+    R.append_rows(src, [base | {"note": "FAILED: exited 1:\nTraceback ...\nRuntimeError: boom"},
+                        base | {"median": "abc"}])
+    n, bad = R.row_problems(R.read_rows(src), SCENARIOS)
+    lines = src.read_text().splitlines()
+    assert lines[4].startswith("runtime-host-cost,plain,") and ",abc," in lines[4]  # line 5 of the file
+    assert (n, bad) == (1, ["line 5: median 'abc' of host_us_per_roundtrip is not a finite number"]), bad

@@ -234,8 +234,8 @@ def row_problems(rows: list[dict[str, str]], scenarios: Any, limit: int = 5) -> 
     word), a scenario no file defines."""
     bad: list[str] = []
     n = 0
-    for i, r in enumerate(rows):
-        line = i + 2  # the header is line 1
+    line = 2  # the header is line 1
+    for r in rows:
         why = ""
         if r.get("scenario") not in scenarios:
             why = f"scenario {r.get('scenario', '')[:60]!r} is defined by no bench/scenarios file"
@@ -247,6 +247,8 @@ def row_problems(rows: list[dict[str, str]], scenarios: Any, limit: int = 5) -> 
             n += 1
             if len(bad) < limit:
                 bad.append(f"line {line}: {why}")
+        # the next row's line: a quoted value with newlines in it (a FAILED note quoting an error) spans lines
+        line += 1 + sum(str(v).count("\n") for v in r.values() if v)
     return n, bad
 
 
