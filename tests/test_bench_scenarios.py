@@ -559,3 +559,14 @@ def test_a_left_out_row_is_named_by_its_line_after_a_value_of_several_lines(tmp_
     lines = src.read_text().splitlines()
     assert lines[4].startswith("runtime-host-cost,plain,") and ",abc," in lines[4]  # line 5 of the file
     assert (n, bad) == (1, ["line 5: median 'abc' of host_us_per_roundtrip is not a finite number"]), bad
+
+
+def test_an_ep_rows_command_quotes_its_environment() -> None:
+    """A case's `env` went into its rows' command unquoted: NCCL_DEBUG_SUBSYS="INIT,GRAPH ENV" gave
+    `NCCL_DEBUG_SUBSYS=INIT,GRAPH ENV moetune bench ep ...`, which a shell runs as the command `ENV`. Each value is
+    quoted as the bench/*.py drivers' commands quote theirs."""
+    import shlex
+
+    cmd = ep_driver.ep_command({"tokens": 8}, {"NCCL_DEBUG_SUBSYS": "INIT,GRAPH ENV", "NCCL_P2P_DISABLE": "1"}, 2, "gloo")
+    words = shlex.split(cmd)
+    assert words[:3] == ["NCCL_DEBUG_SUBSYS=INIT,GRAPH ENV", "NCCL_P2P_DISABLE=1", "moetune"], cmd

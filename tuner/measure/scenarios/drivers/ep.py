@@ -84,7 +84,7 @@ def ep_command(args: dict[str, Any], env: dict[str, str], world: int, backend: s
         a.append("--cuda-graph")
     if args.get("verify"):
         a.append("--verify")
-    return " ".join([*(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, a), "--json"])
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, a), "--json"])
 
 
 # the note of a case run that was not side by side with the baseline's first run (another spawned world: another set of
