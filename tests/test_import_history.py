@@ -115,3 +115,27 @@ def test_a_rewrite_cut_short_leaves_the_results_table_whole(tmp_path):
     assert p.returncode != 0 and "cut short" in p.stderr, (p.returncode, p.stderr)
     assert table.read_bytes() == before
     assert [f.name for f in table.parent.iterdir()] == ["summary.csv"]  # no temporary file left beside it
+
+
+def test_running_the_import_again_appends_no_second_copy(ih, tmp_path, monkeypatch, capsys):
+    """`import_history.py RESULTS_DIR` appends its rows to bench/results/summary.csv (its docstring said it printed
+    them, `> rows.csv`), and run again it appended all 2,000 a second time, with the first import's stamps and
+    quantiles the --fix-* rewrites had corrected: the summary's latest batch could be the stale copy. A launch
+    already in the table is refused, nothing appended."""
+    import sys
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with tarfile.open(ARCHIVE) as t:
+        t.extractall(raw, filter="data")
+    root = tmp_path / "root"
+    (root / "bench/results").mkdir(parents=True)
+    table = root / "bench/results/summary.csv"
+    shutil.copyfile(ROOT / "bench/results/summary.csv", table)
+    before = table.read_bytes()
+    monkeypatch.setattr(ih, "ROOT", root)
+    monkeypatch.setattr(sys, "argv", ["import_history.py", str(raw)])
+    assert ih.main() == 1
+    assert "already in" in capsys.readouterr().err
+    assert table.read_bytes() == before
+    assert "> rows.csv" not in ih.__doc__

@@ -1,6 +1,7 @@
 """One-off conversion of the 2026-11-30 lab notebook (bench/results/*) into summary.csv rows, source=imported.
 
-    python bench/tools/import_history.py RESULTS_DIR > rows.csv   (RESULTS_DIR: the unpacked archive)
+    python bench/tools/import_history.py RESULTS_DIR   (RESULTS_DIR: the unpacked archive; appends to
+                                                        bench/results/summary.csv, refused where a launch is in it)
 
 Each row's git SHA is the commit that recorded its raw file's content (`added_sha`), except the host-staged
 launches: those carry the commit whose code ran (`RUN_CODE`), or "unknown" with the reason in the note where no
@@ -343,7 +344,16 @@ def main() -> int:
     per_mode = proxy_drivers.proxy_metrics([json.loads(x) for x in f.read_text().splitlines() if x.strip()])
     rows += rows_for("proxy-fences", "run1", list((c, m, "") for c, m in per_mode.items()), f, H200,
                      "python bench/proxy_micro.py", world=1)
-    R.append_rows(ROOT / "bench/results/summary.csv", rows)
+    table = ROOT / "bench/results/summary.csv"
+    # run again it appended every row a second time, with the first import's stamps and quantiles (those the
+    # --fix-* rewrites corrected): a launch already in the table is refused, nothing appended
+    there = {(r["scenario"], r["launch"]) for r in R.read_rows(table)}
+    again = sorted({(r["scenario"], r["launch"]) for r in rows} & there)
+    if again:
+        print(f"{len(again)} launch(es) already in {table} (e.g. {again[0][0]} {again[0][1]}): nothing imported",
+              file=sys.stderr)
+        return 1
+    R.append_rows(table, rows)
     print(f"{len(rows)} rows imported")
     return 0
 
