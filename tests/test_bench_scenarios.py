@@ -570,3 +570,25 @@ def test_an_ep_rows_command_quotes_its_environment() -> None:
     cmd = ep_driver.ep_command({"tokens": 8}, {"NCCL_DEBUG_SUBSYS": "INIT,GRAPH ENV", "NCCL_P2P_DISABLE": "1"}, 2, "gloo")
     words = shlex.split(cmd)
     assert words[:3] == ["NCCL_DEBUG_SUBSYS=INIT,GRAPH ENV", "NCCL_P2P_DISABLE=1", "moetune"], cmd
+
+
+def test_an_ep_case_whose_pair_graph_failed_gets_a_failed_row_for_it(tmp_path: Path, monkeypatch) -> None:
+    """bench_case reports why dispatch + combine could not be replayed from a CUDA graph in `graph_pair_error` (the
+    round trip's graph captured fine); the ep driver read only `graph_error`, so graph_pair_us -- the first metric of
+    ep-roundtrip-qwen3-s128, its headline -- was missing without a word, as if the case did not give it, and the
+    summary silently headed the scenario with graph_roundtrip_us. It is a FAILED row with the reason now; the other
+    metrics' rows stand."""
+    from moetune.runtime.testing import launch as launch_mod
+
+    q = {"median": 30.0, "p10": 29.0, "p90": 31.0}
+    rep = {"iters": 5, "roundtrip_us": q, "graph_roundtrip_us": q, "graph_pair_us": None, "graph_error": None,
+           "graph_pair_error": "RuntimeError: operation not permitted when stream is capturing"}
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: [[dict(rep)]])
+    s = SCENARIOS["ep-roundtrip-qwen3-s128"]
+    case = records.Resolved("collective", {"model": "custom:64,32,8,2", "tokens": 8, "cuda_graph": True}, {})
+    out = registry.DRIVERS["ep"]([case], records.Ctx(world=2, backend="gloo", smoke=False, tmp=tmp_path))
+    rows = runner.launch_rows(s, out, "L1", {"source": "measured"})
+    by = {r["metric"]: r for r in rows}
+    assert s.metrics[0] == "graph_pair_us"
+    assert by["graph_pair_us"]["note"].startswith("FAILED") and "stream is capturing" in by["graph_pair_us"]["note"]
+    assert by["graph_roundtrip_us"]["median"] == 30.0 and not by["graph_roundtrip_us"]["note"].startswith("FAILED")

@@ -147,6 +147,11 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
             elif (wrong := ep_report_problem(rep)) is not None:  # a wrong output's timings are no measurement
                 results.append(CaseResult(c.name, {}, cmd, wrong))
             else:
-                results.append(CaseResult(c.name, _from_report(rep), cmd, rep.get("graph_error") or "", note=apart))
+                # the round trip's graph failed: every graph metric is missing (the error fails each listed one);
+                # only dispatch + combine's (graph_pair_error): that metric fails, named, not silently absent
+                pair, whole = rep.get("graph_pair_error"), rep.get("graph_error")
+                failed = {"graph_pair_us": f"dispatch + combine from a CUDA graph: {pair}"} if pair and not whole else {}
+                error = whole or "; ".join(failed.values())
+                results.append(CaseResult(c.name, _from_report(rep), cmd, error, failed, note=apart))
         i = j
     return results
