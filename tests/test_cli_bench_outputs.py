@@ -830,3 +830,15 @@ def test_bench_counts_are_bounded_above(args: list[str], option: str, limit: str
     cmd = args[:2]
     helped = " ".join(_run(*cmd, "--help", width=400).output.split())
     assert f"to {limit}" in helped, helped
+
+
+def test_bench_ep_says_why_dispatch_and_combine_were_not_replayed_from_a_graph(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --cuda-graph, bench_case reports why the round trip could not be captured (`graph_error`) and, apart,
+    why dispatch + combine alone could not (`graph_pair_error`); the table printed the first only, so a pair that
+    failed to capture just had no row, as if it had not been asked for."""
+    from moetune.tuner.cli import bench as bench_cli
+
+    q = {"median": 30.0, "p10": 29.0, "p90": 31.0}
+    bench_cli._print_table(_ep_report(0.001) | {"graph_roundtrip_us": q, "graph_pair_error": "RuntimeError: no capture"})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "dispatch + combine (CUDA graph)" in out and "RuntimeError: no capture" in out, out

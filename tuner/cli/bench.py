@@ -370,10 +370,10 @@ def _print_table(rep: dict) -> None:
                        f"routing={rep['routing']}"))
     if rep.get("graph_error"):
         c.print(f"[yellow]CUDA graph:[/yellow] {rep['graph_error']}")
+    elif rep.get("graph_pair_error"):  # the round trip replayed; dispatch + combine alone could not (no row above)
+        c.print(f"[yellow]dispatch + combine (CUDA graph):[/yellow] {escape(str(rep['graph_pair_error']))}")
     if rep.get("profile"):
         c.print(rep["profile"], markup=False, highlight=False)
-    from rich.markup import escape
-
     from moetune.tuner.measure.outputs import EP_CHECKS, rel_err_problem
 
     # each output checked (outputs.ep_report_problem, the same list): its relative error beside its bound
