@@ -842,3 +842,14 @@ def test_bench_ep_says_why_dispatch_and_combine_were_not_replayed_from_a_graph(c
     bench_cli._print_table(_ep_report(0.001) | {"graph_roundtrip_us": q, "graph_pair_error": "RuntimeError: no capture"})
     out = " ".join(capsys.readouterr().out.split())
     assert "dispatch + combine (CUDA graph)" in out and "RuntimeError: no capture" in out, out
+
+
+def test_bench_ep_prints_a_graph_error_with_brackets_as_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CUDA-graph error went into Rich markup unescaped: a bracketed part of torch's message
+    ("[cudaErrorStreamCaptureUnsupported]") vanished as a style tag, and a "[/...]" in it raised MarkupError, a
+    traceback instead of the table."""
+    from moetune.tuner.cli import bench as bench_cli
+
+    bench_cli._print_table(_ep_report(0.001) | {"graph_error": "RuntimeError: [cudaErrorStreamCaptureUnsupported] [/x]"})
+    out = capsys.readouterr().out
+    assert "RuntimeError: [cudaErrorStreamCaptureUnsupported] [/x]" in out, out

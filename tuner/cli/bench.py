@@ -369,7 +369,7 @@ def _print_table(rep: dict) -> None:
                        f"{rep['impl']} ({rep.get('layout', '?')} layout), {kn['transport']}, compression={kn['compression']}, depth={kn['pipeline_depth']}, "
                        f"routing={rep['routing']}"))
     if rep.get("graph_error"):
-        c.print(f"[yellow]CUDA graph:[/yellow] {rep['graph_error']}")
+        c.print(f"[yellow]CUDA graph:[/yellow] {escape(str(rep['graph_error']))}")
     elif rep.get("graph_pair_error"):  # the round trip replayed; dispatch + combine alone could not (no row above)
         c.print(f"[yellow]dispatch + combine (CUDA graph):[/yellow] {escape(str(rep['graph_pair_error']))}")
     if rep.get("profile"):
