@@ -686,3 +686,29 @@ def test_a_median_that_is_no_finite_number_is_left_out_as_the_warning_says() -> 
     got = _table_rows(summary.scenario_table(s, rows))
     assert got["dense"] == ["1", "50", "-", "-", "2.00×"], got
     assert "packed" not in got and not any("nan" in c or "inf" in c for cells in got.values() for c in cells), got
+
+
+def test_rows_and_the_summary_the_bench_commands_wrote_do_not_make_the_code_dirty(tmp_path, monkeypatch) -> None:
+    """`bench run` appends to bench/results/summary.csv and `bench summarize` rewrites BENCHMARKS.md, inside the
+    checkout: the next `bench run` found them changed and stamped its rows dirty though its code was HEAD's. A dirty
+    launch is a batch of its own, so a 3-launch run headed the summary with 1 launch, and `bench run NAME --case X`
+    never pooled with the baseline's earlier run at the same commit. Those files (and the rows kept beside the table
+    when it could not be written) are results, not code: the code stays clean; a change to code is still dirty."""
+    import subprocess
+
+    _one_commit_repo(tmp_path)
+    (tmp_path / "bench/results").mkdir(parents=True)
+    (tmp_path / "bench/results/summary.csv").write_text("scenario\n")
+    (tmp_path / "BENCHMARKS.md").write_text("# moetune benchmarks\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "b"],
+                   check=True)
+    monkeypatch.setattr(stamp, "ROOT", tmp_path)
+    monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
+    with (tmp_path / "bench/results/summary.csv").open("a") as f:
+        f.write("x\n")
+    (tmp_path / "BENCHMARKS.md").write_text("# moetune benchmarks\n\nnew\n")
+    (tmp_path / "bench/results/summary.unsaved-20261207T000000Z-abc.csv").write_text("scenario\nx\n")
+    assert stamp.code_stamp()[1] is False
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert stamp.code_stamp()[1] is True

@@ -17,7 +17,9 @@ rm -rf "$DEST/src"; mkdir -p "$DEST/src/.whl"
 git -C "$WT" ls-files -z --cached --others --exclude-standard | (cd "$WT" && xargs -0 tar -cf - --ignore-failed-read) \
   | tar -xf - -C "$DEST/src"
 git -C "$WT" rev-parse --short HEAD > "$DEST/SHA"
-echo "$(git -C "$WT" rev-parse HEAD)$([ -n "$(git -C "$WT" status --porcelain)" ] && echo -dirty)" > "$DEST/SHA_FULL"
+# dirty: code changed, not the results the bench commands write (as tuner/measure/scenarios/stamp.py _RESULTS)
+RESULTS=(':(exclude)bench/results/summary.csv' ':(exclude,glob)bench/results/summary.unsaved-*.csv' ':(exclude)BENCHMARKS.md')
+echo "$(git -C "$WT" rev-parse HEAD)$([ -n "$(git -C "$WT" status --porcelain -- . "${RESULTS[@]}")" ] && echo -dirty)" > "$DEST/SHA_FULL"
 nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -shared -Xcompiler -fPIC,-O3 -lineinfo -cudart=static \
   -o "$DEST/lib/libmoetune_moe.so" "$WT"/csrc/megakernel/*.cu
 cp "${WHEELS:-/nonexistent}"/*.whl "$DEST/src/.whl/" 2>/dev/null || true

@@ -11,7 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moetune.tuner.measure.scenarios.checkout import IN_CHECKOUT, ROOT
+from moetune.tuner.measure.scenarios.checkout import BENCHMARKS_MD, IN_CHECKOUT, ROOT, SUMMARY_CSV
+
+# what the bench commands themselves write into the checkout: the results table, the rows kept beside it where it could
+# not be written (results.keep_rows) and BENCHMARKS.md. Results, not code: changed, they left the next `bench run`'s
+# rows stamped dirty (each such launch a batch of its own in the summary, never pooled at its commit)
+_RESULTS = (SUMMARY_CSV.relative_to(ROOT).as_posix(),
+            (SUMMARY_CSV.parent / f"{SUMMARY_CSV.stem}.unsaved-*.csv").relative_to(ROOT).as_posix(),
+            BENCHMARKS_MD.relative_to(ROOT).as_posix())
 
 
 def _git(*args: str) -> str:
@@ -43,8 +50,9 @@ def _given_sha() -> tuple[str, bool]:
 def code_stamp() -> tuple[str, bool]:
     """(git SHA, dirty) of the code that runs. Where this tree is a git checkout of its own (git's top level is ROOT),
     git decides: HEAD, and dirty where `git status` shows any change, untracked files included (a scenario or driver
-    not yet added ran, and the commit does not hold it), and dirty where `git status` gives no answer (a timeout, an
-    error: the changes could not be checked, with a warning). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
+    not yet added ran, and the commit does not hold it), but for the results the bench commands write (`_RESULTS`),
+    and dirty where `git status` gives no answer (a timeout, an error: the changes could not be checked, with a
+    warning). MOETUNE_GIT_SHA (`_given_sha`) stamps only a tree without
     one (an exported tree on a GPU machine: bench/tools/sync_megakernel_device.sh writes it), and a tree whose .git does not know
     the commit the variable names (a stale .git copied with a newer tree: the variable's commit, always dirty, as
     unverified); where both exist and disagree otherwise,
@@ -64,7 +72,8 @@ def code_stamp() -> tuple[str, bool]:
         warnings.warn(f"MOETUNE_GIT_SHA={given} is unknown to this tree's .git (HEAD {head[:12]}): a stale .git? "
                       "stamping the variable's commit, marked dirty (unverified)", stacklevel=2)
         return given, True
-    status = _git_answer("status", "--porcelain", "--untracked-files=normal")
+    status = _git_answer("status", "--porcelain", "--untracked-files=normal", "--", ".",
+                         *(f":(exclude,glob){path}" for path in _RESULTS))
     if status is None:
         # git could not say whether the tree has changes (a status that timed out on a large copied tree, a broken
         # index): "" (no changes) was taken for an answer and such a tree was stamped clean. Unverified is dirty
