@@ -592,3 +592,22 @@ def test_an_ep_case_whose_pair_graph_failed_gets_a_failed_row_for_it(tmp_path: P
     assert s.metrics[0] == "graph_pair_us"
     assert by["graph_pair_us"]["note"].startswith("FAILED") and "stream is capturing" in by["graph_pair_us"]["note"]
     assert by["graph_roundtrip_us"]["median"] == 30.0 and not by["graph_roundtrip_us"]["note"].startswith("FAILED")
+
+
+@pytest.mark.parametrize("driver, args", [
+    ("ep", {"model": "custom:64,32,8,2", "tokens": [16, 128], "iters": 1, "warmup": 0, "layer": False}),
+    ("moe", {"model": "custom:128,64,8,2", "tokens": [4], "iters": [3], "engine": "unfused"}),
+    ("moe", {"model": "custom:128,64,8,2", "tokens": ["4"], "iters": 1, "warmup": 0, "rotate": 1, "engine": "unfused"}),
+    ("moe-knobs", {"model": "custom:128,64,8,2", "tokens": [4], "iters": 1, "warmup": 0, "rotate": 1, "chain": [2]}),
+])
+def test_a_scenario_argument_of_the_wrong_type_fails_its_cases_not_bench_run(driver: str, args: dict,
+                                                                                 tmp_path: Path) -> None:
+    """A scenario argument of the wrong type (`tokens = [16, 128]` in an ep scenario, where moe scenarios take a list;
+    `iters = [3]`; a token count written as a string) raised TypeError out of the driver: `bench run` ended in a
+    traceback, the launches before it saved but this one's other cases lost. The driver fails the cases with Python's
+    reason and the case's arguments beside it, as it fails a value of the right type that is out of range."""
+    cases = [records.Resolved("unfused" if driver == "moe" else "base", dict(args), {})]
+    out = registry.DRIVERS[driver](cases, records.Ctx(world=2 if driver == "ep" else 1,
+                                                       backend="gloo" if driver == "ep" else "none", smoke=True,
+                                                       tmp=tmp_path))
+    assert len(out) == 1 and not out[0].metrics and "an argument of the wrong type among" in out[0].error, out

@@ -59,3 +59,9 @@ class Resolved:
     args: dict[str, Any]
     env: dict[str, str]
     options: dict[str, Any] = field(default_factory=dict)
+
+
+def type_problem(e: TypeError, args: dict[str, Any]) -> str:
+    """A case's failure where one of its arguments had the wrong type (`tokens = [16, 128]` where one count goes):
+    Python's words name no argument, so the case's arguments are given beside them."""
+    return f"an argument of the wrong type among {', '.join(f'{k} = {v!r}' for k, v in args.items())}: {e}"

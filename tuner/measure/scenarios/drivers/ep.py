@@ -8,7 +8,7 @@ from typing import Any
 
 from moetune.tuner.measure.scenarios.drivers.registry import driver
 from moetune.tuner.measure.scenarios.errors import ScenarioError
-from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat
+from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat, type_problem
 
 
 def _from_report(rep: dict[str, Any]) -> dict[str, Stat]:
@@ -119,6 +119,9 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                 cfg = case_config({k: v for k, v in c.args.items() if k != "cuda_graph"}, ctx.world, ctx.backend)
             except ValueError as e:
                 bad[c.name] = str(e)
+                cfg = {}
+            except TypeError as e:  # `tokens = [16, 128]`: the case fails, not `bench run` (a traceback)
+                bad[c.name] = type_problem(e, c.args)
                 cfg = {}
             cfg["graph"] = bool(c.args.get("cuda_graph"))
             if c.options:  # the EP buffer's `options=` (RuntimeOptions over the config and the variables)

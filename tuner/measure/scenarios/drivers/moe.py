@@ -8,7 +8,7 @@ from typing import Any
 
 from moetune.tuner.measure.scenarios.drivers.registry import driver
 from moetune.tuner.measure.scenarios.errors import ScenarioError
-from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat
+from moetune.tuner.measure.scenarios.records import CaseResult, Ctx, Resolved, Stat, type_problem
 
 
 def moe_tokens(args: dict[str, Any]) -> list[Any]:
@@ -97,6 +97,8 @@ def run_moe(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                           rest_s=float(a.get("rest", 0.0)))
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
+    except TypeError as e:  # `iters = [3]`, `tokens = ["4"]`: the cases fail, not `bench run` (a traceback)
+        return [CaseResult(c.name, {}, cmd, type_problem(e, a)) for c in cases]
     per, skipped = per_case(rep, "engine", (*MOE_TIMINGS, PLAIN_READ))
     failed = failed_rows(rep, "engine", MOE_TIMINGS)  # the plain read is timed before the engine: it did not fail
     out = []
@@ -141,6 +143,8 @@ def run_moe_knobs(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                                rotate=int(a.get("rotate", 8)), chained=int(a.get("chain", 20)), seed=int(a.get("seed", 0)))
     except (ValueError, KnobError, RuntimeError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
+    except TypeError as e:  # `chain = [2]`: the cases fail, not `bench run` (a traceback)
+        return [CaseResult(c.name, {}, cmd, type_problem(e, a)) for c in cases]
     single = "graph_us" if rep["graph"] else "layer_us"
     per, skipped = per_case(rep, "variant", (("single_us", single), ("chain_us", "chain_us"),
                                               ("minus_base_us", "minus_base_us"),
