@@ -4,6 +4,7 @@ and appends fully stamped rows, and `moetune bench summarize` turns the rows int
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -611,3 +612,17 @@ def test_a_scenario_argument_of_the_wrong_type_fails_its_cases_not_bench_run(dri
                                                        backend="gloo" if driver == "ep" else "none", smoke=True,
                                                        tmp=tmp_path))
     assert len(out) == 1 and not out[0].metrics and "an argument of the wrong type among" in out[0].error, out
+
+
+def test_a_case_smoke_or_launches_of_another_type_is_refused(tmp_path: Path) -> None:
+    """`smoke = "false"` (a string) was taken for true by bool(): the GPU-only case ran in every smoke run and failed
+    there; `launches = true` passed as 1 (a bool is an int). Each is refused when the file is read, naming it."""
+    head = 'name = "x"\ndriver = "gpu-rates"\nquestion = "q"\nmetrics = ["read_tbps"]\n[[cases]]\nname = "read-sum"\n'
+    path = tmp_path / "x.toml"
+    for extra, words in (('[[cases]]\nname = "read-gemv"\nsmoke = "false"\n', "cases[1] (read-gemv): 'smoke'"),
+                         ('launches = true\n', "'launches'")):
+        path.write_text(extra + head if extra.startswith("launches") else head + extra)
+        with pytest.raises(ScenarioError, match=re.escape(words)):
+            definitions.load(path)
+    path.write_text(head + '[[cases]]\nname = "read-gemv"\nsmoke = false\n')
+    assert [c.smoke for c in definitions.load(path).cases] == [True, False]

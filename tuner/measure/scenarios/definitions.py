@@ -189,6 +189,8 @@ def load(path: Path) -> Scenario:
             raise ScenarioError(f"{cw}: every case needs a lower-case-with-dashes 'name'")
         cw = f"{cw} ({c['name']})"
         _known(c, CASE_KEYS, cw)
+        if not isinstance(c.get("smoke", True), bool):  # bool("false") is True: the GPU-only case ran in smoke runs
+            raise ScenarioError(f"{cw}: 'smoke' must be true or false, got {c['smoke']!r}")
         cases.append(Case(name=c["name"], args=_table(c, "args", cw), env=_env(c, cw),
                           options=_options(scenario_options, _table(c, "options", cw), cw, drv),
                           smoke=bool(c.get("smoke", True)), smoke_args=_table(c, "smoke_args", cw)))
@@ -213,7 +215,7 @@ def load(path: Path) -> Scenario:
     if better not in ("lower", "higher"):
         raise ScenarioError(f"{where}: 'better' must be lower or higher, got {better!r}")
     launches = d.get("launches", 3)
-    if not isinstance(launches, int) or launches < 1:
+    if not isinstance(launches, int) or isinstance(launches, bool) or launches < 1:  # true is an int (1)
         raise ScenarioError(f"{where}: 'launches' must be an integer >= 1")
     modelled = d.get("modelled", [])
     if not isinstance(modelled, list) or not all(isinstance(m, str) and m for m in modelled):
