@@ -853,3 +853,27 @@ def test_bench_ep_prints_a_graph_error_with_brackets_as_text(capsys: pytest.Capt
     bench_cli._print_table(_ep_report(0.001) | {"graph_error": "RuntimeError: [cudaErrorStreamCaptureUnsupported] [/x]"})
     out = capsys.readouterr().out
     assert "RuntimeError: [cudaErrorStreamCaptureUnsupported] [/x]" in out, out
+
+
+@pytest.mark.parametrize("command", ["moe", "knobs"])
+def test_the_stamped_command_of_bench_moe_and_knobs_runs_as_given(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's `command` (the row's command when imported with `bench run --from-report`) wrote --knobs and
+    --model unquoted: `--knobs "mk_bn=128, mk_stages=3"` (a space after the comma, which --knobs takes) was stamped
+    as `--knobs mk_bn=128, mk_stages=3`, which a shell splits into a --knobs of one knob and a stray argument. Each
+    value is quoted for the shell, so the command reads back as what ran."""
+    import shlex
+
+    from moetune.tuner.cli import bench
+    from moetune.tuner.measure import moe as M
+    from moetune.tuner.measure import moe_compare as MC
+
+    monkeypatch.setattr(bench, "_fingerprint", lambda: "fp")
+    monkeypatch.setattr(M, "bench_moe", lambda *a, **k: {"graph": False, "cases": [{"engine": "unfused", "S": 1}]})
+    monkeypatch.setattr(MC, "compare_knobs", lambda *a, **k: {"graph": False, "cases": [{"variant": "base", "S": 1}]})
+    knobs = "mk_bn=128, mk_stages=3"
+    args = {"moe": ["--engine", "unfused"], "knobs": ["--vs", "a=mk_combine_tokens=8"]}[command]
+    r = _run("bench", command, *args, "--model", TINY_MODEL, "--tokens", "1", "--iters", "1", "--knobs", knobs,
+             "--json", width=200)
+    assert r.exit_code == 0, r.output
+    words = shlex.split(json.loads(r.stdout)["meta"]["command"])
+    assert words[words.index("--knobs") + 1] == knobs and words[words.index("--model") + 1] == TINY_MODEL, words

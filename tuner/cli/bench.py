@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -484,8 +485,10 @@ def moe(
         finally:
             bar.close()
     # the command as parsed, defaults included, so the result file says exactly what ran
-    cmd = (f"moetune bench moe --engine {','.join(engines)} --model {model} --tokens {','.join(map(str, toks))}"
-           f"{' --cuda-graph' if cuda_graph else ''}{f' --knobs {knobs}' if knobs else ''} --iters {iters} "
+    # values quoted for a shell (`--knobs "mk_bn=128, mk_stages=3"` was stamped unquoted: two words)
+    cmd = (f"moetune bench moe --engine {','.join(engines)} --model {shlex.quote(model)} --tokens "
+           f"{','.join(map(str, toks))}{' --cuda-graph' if cuda_graph else ''}"
+           f"{f' --knobs {shlex.quote(knobs)}' if knobs else ''} --iters {iters} "
            f"--warmup {warmup} --rotate {rotate} --seed {seed}{f' --rest {rest:g}' if rest else ''}")
     rep["meta"] = _stamp(cmd)
     if cuda_graph and not rep["graph"]:  # bench_moe times graphs on CUDA only: say so, not a silent eager-only run
@@ -570,8 +573,9 @@ def knobs_side_by_side(
             _fail(str(e))
         except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S
             _fail(_torch_error(e))
-    cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {knobs}' if knobs else ''} --model {model} --tokens "
-           f"{','.join(map(str, toks))} --iters {iters} --warmup {warmup} --rotate {rotate} --chain {chain} --seed {seed}")
+    cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {shlex.quote(knobs)}' if knobs else ''} --model "
+           f"{shlex.quote(model)} --tokens {','.join(map(str, toks))} --iters {iters} --warmup {warmup} --rotate "
+           f"{rotate} --chain {chain} --seed {seed}")
     rep["meta"] = _stamp(cmd)
     if as_json:  # the failed cases, then why a variant has no difference to the base (the base failed, say): one exit
         typer.echo(json.dumps(rep))
