@@ -626,3 +626,26 @@ def test_a_case_smoke_or_launches_of_another_type_is_refused(tmp_path: Path) -> 
             definitions.load(path)
     path.write_text(head + '[[cases]]\nname = "read-gemv"\nsmoke = false\n')
     assert [c.smoke for c in definitions.load(path).cases] == [True, False]
+
+
+def test_an_env_a_driver_would_ignore_is_refused(tmp_path: Path) -> None:
+    """The moe and moe-knobs drivers time the layer in `bench run`'s own process: a scenario's or a case's `env`
+    (CUDA_DEVICE_MAX_CONNECTIONS = "1", ...) was never set anywhere, and its rows claimed a measurement under it. A
+    single-shot script driver runs its script once with the first case's environment: another case's own `env` was
+    dropped. Both are refused when the file is read, as a case argument such a driver would ignore is."""
+    moe = ('name = "m"\ndriver = "moe"\nquestion = "q"\nmetrics = ["layer_us[S=16]"]\n[args]\ntokens = [16]\n'
+           '[[cases]]\nname = "unfused"\nargs = { engine = "unfused" }\n')
+    for extra in ('[env]\nCUDA_DEVICE_MAX_CONNECTIONS = "1"\n',
+                  '[[cases]]\nname = "torch"\nargs = { engine = "torch" }\nenv = { CUDA_DEVICE_MAX_CONNECTIONS = "1" }\n'):
+        (tmp_path / "m.toml").write_text(moe + extra)
+        with pytest.raises(ScenarioError, match=r"m\.toml.*CUDA_DEVICE_MAX_CONNECTIONS.*driver moe"):
+            definitions.load(tmp_path / "m.toml")
+    rates = ('name = "r"\ndriver = "gpu-rates"\nquestion = "q"\nmetrics = ["read_tbps"]\n[[cases]]\nname = "read-sum"\n'
+             '[[cases]]\nname = "read-gemv"\nenv = { CUDA_VISIBLE_DEVICES = "1" }\n')
+    (tmp_path / "r.toml").write_text(rates)
+    with pytest.raises(ScenarioError, match=r"cases\[1\] \(read-gemv\).*CUDA_VISIBLE_DEVICES.*first case"):
+        definitions.load(tmp_path / "r.toml")
+    # a scenario-wide env of a script driver reaches its script: kept
+    (tmp_path / "r.toml").write_text(rates.replace('env = { CUDA_VISIBLE_DEVICES = "1" }\n', "")
+                                     + '[env]\nCUDA_VISIBLE_DEVICES = "1"\n')
+    assert definitions.load(tmp_path / "r.toml").env == {"CUDA_VISIBLE_DEVICES": "1"}

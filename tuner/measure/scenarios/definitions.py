@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.tuner.measure.scenarios.checkout import IN_CHECKOUT, NOT_A_CHECKOUT, SCENARIO_DIR
-from moetune.tuner.measure.scenarios.drivers.registry import DRIVERS, PER_CASE_ARGS, SINGLE_SHOT
+from moetune.tuner.measure.scenarios.drivers.registry import DRIVERS, IN_PROCESS, PER_CASE_ARGS, SINGLE_SHOT
 from moetune.tuner.measure.scenarios.errors import ScenarioError
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -197,6 +197,13 @@ def load(path: Path) -> Scenario:
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
         raise ScenarioError(f"{where}: case names repeat: {names}")
+    if drv in IN_PROCESS:
+        for wh, env in ((where, _table(d, "env", where)), *((f"{where}: cases[{i}] ({c.name})", c.env)
+                                                            for i, c in enumerate(cases))):
+            if env:
+                raise ScenarioError(f"{wh}: env sets {', '.join(sorted(env))}: driver {drv} measures in `bench "
+                                    "run`'s own process, where no variable set now applies (CUDA and torch read "
+                                    "theirs at start); set it in the environment `moetune bench run` starts in")
     own = PER_CASE_ARGS.get(drv, ())
     if drv in SINGLE_SHOT and own is not None:
         for i, c in enumerate(cases):
@@ -206,6 +213,12 @@ def load(path: Path) -> Scenario:
                     "process with one setting, so a case's own value would be ignored (the first case's applies to "
                     "all); put it in [args] (or [smoke] args)"
                     + (f"; a case sets only {', '.join(own)}" if own else "; its cases take no arguments"))
+        for i, c in enumerate(cases[1:], 1):  # the script runs once, with the first case's environment
+            if c.env != cases[0].env:
+                raise ScenarioError(
+                    f"{where}: cases[{i}] ({c.name}): its env {c.env} is not the first case's {cases[0].env}: driver "
+                    f"{drv} runs every case in one process with the first case's environment, so it would be "
+                    "ignored; put what every case needs in the scenario's [env]")
     if not cases[0].smoke:
         raise ScenarioError(f"{where}: the baseline (first case) must run in smoke mode too")
     metrics = d.get("metrics", [])

@@ -15,6 +15,9 @@ SINGLE_SHOT: set[str] = set()
 # arguments it reads per case, where it reads any (None: every one, it runs each case on its own); `load` refuses
 # any other, which the driver would silently ignore on every case but the first
 PER_CASE_ARGS: dict[str, tuple[str, ...] | None] = {"moe": ("engine",), "moe-knobs": ("knobs",), "fabric-model": None}
+# drivers that measure in `bench run`'s own process (no subprocess, no spawned world): an `env` has nowhere to go
+# (a variable set now would come after CUDA and torch read theirs), so `load` refuses one
+IN_PROCESS: frozenset[str] = frozenset({"moe", "moe-knobs"})
 
 
 def driver(name: str, *, single_shot: bool = False) -> Callable[[DriverFn], DriverFn]:
