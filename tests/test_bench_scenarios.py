@@ -649,3 +649,14 @@ def test_an_env_a_driver_would_ignore_is_refused(tmp_path: Path) -> None:
     (tmp_path / "r.toml").write_text(rates.replace('env = { CUDA_VISIBLE_DEVICES = "1" }\n', "")
                                      + '[env]\nCUDA_VISIBLE_DEVICES = "1"\n')
     assert definitions.load(tmp_path / "r.toml").env == {"CUDA_VISIBLE_DEVICES": "1"}
+
+
+@pytest.mark.parametrize("needs", ['gpus = 1.5', 'gpus = true', 'world = "2"', 'world = 2.9'])
+def test_needs_of_another_type_are_refused(needs: str, tmp_path: Path) -> None:
+    """[needs] gpus / world went through int(): `gpus = 1.5` needed 1 GPU, `world = 2.9` spawned 2 ranks, `gpus = true`
+    needed 1: a typo became another machine's requirement, without a word. They must be integers."""
+    path = tmp_path / "x.toml"
+    path.write_text('name = "x"\ndriver = "gpu-rates"\nquestion = "q"\nmetrics = ["read_tbps"]\n'
+                    f'[needs]\n{needs}\n[[cases]]\nname = "read-sum"\n')
+    with pytest.raises(ScenarioError, match=rf"needs.*{needs.split()[0]}"):
+        definitions.load(path)

@@ -96,6 +96,9 @@ def _known(d: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
 
 def _needs(d: dict[str, Any], where: str) -> Needs:
     _known(d, NEEDS_KEYS, where)
+    for k in ("gpus", "world"):  # int() made gpus = 1.5 one GPU and world = "2" two ranks, without a word
+        if k in d and (not isinstance(d[k], int) or isinstance(d[k], bool)):
+            raise ScenarioError(f"{where}: {k} must be an integer, got {d[k]!r}")
     try:
         n = Needs(gpus=int(d.get("gpus", 0)), world=int(d.get("world", 1)), backend=str(d.get("backend", "none")),
                   hardware=str(d.get("hardware", "any machine")))
