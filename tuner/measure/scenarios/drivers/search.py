@@ -60,7 +60,7 @@ def search_left_out(d: dict[str, Any]) -> str:
 
 _RESULTS_LINE = re.compile(r"results: (\S+search_efficiency\.json)")
 # the script's verdict on its pass check (each case's median best within 3% of the optimum, <= 10% of the grid)
-_VERDICT = re.compile(r"^\d+ of \d+ cases pass\b.*$", re.MULTILINE)
+_VERDICT = re.compile(r"^(\d+) of (\d+) cases pass\b.*$", re.MULTILINE)
 
 
 def _missed_its_check(status: int, stdout: str) -> bool:
@@ -72,8 +72,8 @@ def _missed_its_check(status: int, stdout: str) -> bool:
 
 @driver("search-efficiency", single_shot=True)
 def run_search(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
-    """bench/search_efficiency.py runs every search on the same budget in one process; the cases pick one. The
-    script's pass verdict goes in the rows' note (a missed check is a result: `_missed_its_check`)."""
+    """bench/search_efficiency.py runs every search on the same budget in one process; the cases pick one. Where a
+    case missed the script's pass check, its verdict goes in the rows' note (a result: `_missed_its_check`)."""
     out = ctx.tmp / "search"
     args = {**cases[0].args, "out": str(out)}
     cmd = script_command("search_efficiency.py", args, cases[0].env)
@@ -84,8 +84,9 @@ def run_search(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
         per, left_out = search_metrics(doc), search_left_out(doc)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
         return [CaseResult(c.name, {}, cmd, str(e)) for c in cases]
-    verdict = _VERDICT.search(stdout)
-    note = "; ".join(x for x in (left_out, verdict.group(0) if verdict else "") if x)
+    verdict = _VERDICT.search(stdout)  # said where a case missed the check (every case passing: nothing to say)
+    missed = verdict.group(0) if verdict and verdict.group(1) != verdict.group(2) else ""
+    note = "; ".join(x for x in (left_out, missed) if x)
     return [CaseResult(c.name, per.get(c.name, {}), cmd,
                        "" if per.get(c.name) else left_out or f"no {c.name} search in the output", note=note)
             for c in cases]
