@@ -246,3 +246,24 @@ def test_keys_allow_admin_lists_the_key_twice_and_admins_dir_alone_is_refused(tm
     r = CliRunner().invoke(app, ["client", str(tmp_path / "keys"), "--name", "erin", "--admins-dir", str(tmp_path / "a")])
     assert r.exit_code == 2 and "give --admin too" in r.output
     assert not (tmp_path / "keys" / "client-erin").exists() and not (tmp_path / "a").exists()
+
+
+def test_keys_admins_dir_default_is_beside_the_server_keys_whatever_the_config(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`keys client|allow --admin` reads no config: the key goes to SERVER_KEYS/admins unless --admins-dir names
+    another folder, also where daemon.curve_admins_dir is set. Its help said "(default: SERVER_KEYS/admins;
+    daemon.curve_admins_dir)", which reads as a default taken from that key."""
+    import typer
+
+    from moetune.tuner.cli.keys import app, generate_keys
+
+    monkeypatch.setenv("MOETUNE_DAEMON_CURVE_ADMINS_DIR", str(tmp_path / "elsewhere"))
+    generate_keys(tmp_path / "keys")
+    pub_file, _ = generate_keys(tmp_path / "dave", "dave")
+    r = CliRunner().invoke(app, ["allow", str(pub_file), str(tmp_path / "keys"), "--admin"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "keys" / "admins" / "dave.key").is_file() and not (tmp_path / "elsewhere").exists()
+    group = typer.main.get_command(app)
+    for sub in ("client", "allow"):
+        (param,) = [p for p in group.commands[sub].params if "--admins-dir" in p.opts]
+        assert "reads no config" in param.help and "; daemon.curve_admins_dir)" not in param.help, param.help

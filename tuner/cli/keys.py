@@ -261,7 +261,9 @@ def _allowed_json(paths: list[Path]) -> dict[str, str | None]:
 
 
 _ADMIN_HELP = "Also list the key as an admin (SERVER_KEYS/admins): it may queue and cancel re-tunes."
-_ADMINS_DIR_HELP = "The daemon's admin list (default: SERVER_KEYS/admins; daemon.curve_admins_dir)."
+_ADMINS_DIR_HELP = ("The daemon's admin list (default: SERVER_KEYS/admins, where the daemon looks by default). "
+                    "This command reads no config: for a daemon whose daemon.curve_admins_dir names another "
+                    "folder, give that folder.")
 
 
 @app.command("client")
