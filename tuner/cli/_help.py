@@ -1,4 +1,4 @@
-"""Corrections to Typer's Rich help (typer/rich_utils.py), applied once by `tuner/cli/__init__.py`:
+"""Corrections to Typer's Rich help (typer/rich_utils.py), applied once by `tuner/cli/_app.py`:
 
 * a flag takes no value, yet the Rich panel printed a type for it (`--json <bool>`, `--help <bool>`), which reads as
   if a value were required; Typer's plain help (`get_help_record`) already prints none. A flag gets no metavar.
