@@ -93,7 +93,8 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
     gpn = preset_gpus_per_node(preset)
     wl = TuneWorkload(model=model, tokens=tokens, nodes=nodes, gpus_per_node=gpn)
     # the space tune.py searches at this bucket (proxy/ibgda: chunk and group sizes bounded by the PUTs per peer)
-    space = SearchSpace(load_policy(family), experts=model.experts, ep_size=wl.ep_size, tokens=tokens, topk=model.topk)
+    space = SearchSpace(load_policy(family), experts=model.experts, ep_size=wl.ep_size, tokens=tokens, topk=model.topk,
+                        hidden=model.hidden)
 
     t0 = time.perf_counter()
     table: dict[Any, Measurement] = {}

@@ -59,6 +59,7 @@ from moetune.runtime.knobs import (
     KnobError,
     Knobs,
     chunk_tokens_fit,
+    num_scale_groups,
 )
 from moetune.tuner.search.policy import KnobSpec, Policy
 
@@ -216,12 +217,14 @@ class SearchSpace:
 
     def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None,
                  pinned: Collection[str] = (), tokens: int | None = None, topk: int | None = None,
-                 routing: str = "uniform"):
+                 routing: str = "uniform", hidden: int | None = None):
         """`pinned`: plain knobs held at the policy default (a backend that cannot tell their values apart,
         e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice.
         `tokens` (tokens per rank, with the model's `topk` and the `routing`): proxy/ibgda offer only the
         chunk_tokens values and group sizes that are distinct runs at that token count (module doc); None
-        keeps the fixed set (every chunk_tokens value of the policy, group sizes 0, 2, 4, 8)."""
+        keeps the fixed set (every chunk_tokens value of the policy, group sizes 0, 2, 4, 8). `hidden` (the model's):
+        fp8 scale granularities the runtime refuses on it are not offered (per_128 where 128 does not divide it:
+        `num_scale_groups`); None offers every one the policy's error budget allows."""
         self.policy = policy
         self.transport = policy.transport
         self.ep_size = max(1, ep_size)
@@ -254,8 +257,13 @@ class SearchSpace:
         queued = self.transport in QUEUED
         spec("qps_per_pe", policy.allowed("qps_per_pe") if queued else (1,))
         spec("qp_mapping", policy.allowed("qp_mapping") if queued else (d.qp_mapping,))
+        self.hidden = hidden
+        # a granularity the runtime refuses on this hidden left out (grid_rule): its trials could only fail
+        self._scales_cut = any(policy.compression_allowed(c, g) and not self._scales_fit(g)
+                               for c in policy.allowed("compression") if c != "none"
+                               for g in policy.allowed("scale_granularity"))
         comps = tuple(c for c in policy.allowed("compression")
-                      if c == "none" or any(policy.compression_allowed(c, g) for g in policy.allowed("scale_granularity")))
+                      if c == "none" or self.granularities(c))
         spec("compression", comps or ("none",))
         for name in _PLAIN:
             s = policy.knobs.get(name) if name not in pinned else None
@@ -296,6 +304,22 @@ class SearchSpace:
                        and any(len(self.spec[n].values()) > 1 for n in ("channels", "combine_lanes")))
         # megakernel: tile knobs only where the m-tile and core read them (module doc)
         self._mk_tiles = d.engine == "megakernel" and any(len(self.spec[n].values()) > 1 for n in _MK_TILE_KNOBS)
+
+    def _scales_fit(self, granularity: str) -> bool:
+        """Whether the runtime takes fp8 scales of `granularity` on this space's hidden (unknown: yes)."""
+        if self.hidden is None:
+            return True
+        try:
+            num_scale_groups(self.hidden, granularity)
+        except ValueError:
+            return False
+        return True
+
+    def granularities(self, compression: str) -> tuple[str, ...]:
+        """The scale granularities offered with `compression`: within the policy's error budget and taken by the
+        runtime on this hidden."""
+        return tuple(g for g in self.policy.allowed("scale_granularity")
+                     if self.policy.compression_allowed(compression, g) and self._scales_fit(g))
 
     def group_values(self, num_sms: int | None = None, chunk_tokens: int | None = None) -> tuple[int, ...]:
         """The group sizes offered (with decoupled signalling): per the transfers per PE, or for nvlink per
@@ -411,12 +435,15 @@ class SearchSpace:
         bucket's study (`study.neighbour_bucket`, same config) is still found; a study name carries its bucket,
         so one name always offers one grid. Where a policy chunk_tokens is left out for needing more than MAX_SLOTS
         PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
-        (before that rule) is not resumed without it."""
+        (before that rule) is not resumed without it; likewise where an fp8 scale granularity the policy allows is
+        left out for the model's hidden (`scales`)."""
         lanes = {"lanes": LANES_RULE} if self._lanes else {"mk_tiles": MK_TILE_RULE} if self._mk_tiles else {}
         if self._pinned_structure:
             lanes["pinned"] = ",".join(self._pinned_structure)
         if self._staged:
             lanes["staging"] = STAGING_RULE
+        if self._scales_cut:
+            lanes["scales"] = "divide_hidden"
         if self.rows_per_peer is None:
             return lanes
         return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {}), **lanes}
@@ -468,10 +495,8 @@ class SearchSpace:
         if k["compression"] == "none":
             k["scale_granularity"] = "per_token"
         else:
-            grans = tuple(g for g in self.policy.allowed("scale_granularity")
-                          if self.policy.compression_allowed(k["compression"], g))
             # Same choices for every compression value that can reach here (one compression today).
-            k["scale_granularity"] = ask("scale_granularity", grans)
+            k["scale_granularity"] = ask("scale_granularity", self.granularities(k["compression"]))
         if self._staged:
             # the slot a chunk_tokens value gives depends on a pipeline chunk's tokens: the depth first
             k["pipeline_depth"] = ask("pipeline_depth")
@@ -564,6 +589,10 @@ class SearchSpace:
                 f"{knobs.compression}/{knobs.scale_granularity} has an error bound of "
                 f"{p.compression_error(knobs.compression, knobs.scale_granularity):g}, over the policy's budget of "
                 f"{p.error_budget:g}", ("compression", "scale_granularity"))
+        if knobs.compression != "none" and not self._scales_fit(knobs.scale_granularity):
+            raise KnobError(f"scale_granularity {knobs.scale_granularity} on hidden {self.hidden}: 128 does not divide "
+                            "it (the runtime's EP buffer refuses it); offered: "
+                            f"{list(self.granularities(knobs.compression))}", ("scale_granularity",))
         if self.rows_per_peer is not None and self.tokens is not None and not chunk_fits(self.tokens, knobs.chunk_tokens):
             raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank: up to "
                             f"{-(-self.tokens // knobs.chunk_tokens)} PUTs per peer, more than the {MAX_SLOTS} signal "
@@ -683,7 +712,7 @@ class SearchSpace:
                         group_size=PER_PE, fence_mode=fence, qp_mapping="peer_hash", num_sms=sms, qps_per_pe=qps)
         points: list[tuple[str, dict[str, Any]]] = [("policy_default", base), ("prior:per_pe", analytic)]
         if "fp8_e4m3" in self.spec["compression"].values():
-            grans = [g for g in p.allowed("scale_granularity") if p.compression_allowed("fp8_e4m3", g)]
+            grans = self.granularities("fp8_e4m3")
             points.append(("prior:per_pe+fp8", dict(analytic, compression="fp8_e4m3", scale_granularity=grans[-1])))
         depths = self.spec["pipeline_depth"].values()
         if len(depths) > 1:

@@ -395,7 +395,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
                     # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
-                                        pinned=pinned, tokens=bucket, topk=model.topk, routing=routing)
+                                        pinned=pinned, tokens=bucket, topk=model.topk, routing=routing,
+                                        hidden=model.hidden)
                     if isinstance(be, ModelBackend):
                         # A workload the model cannot run at all (too many nodes for the preset, ...) is
                         # one clear error, not a study of failed trials.
