@@ -40,6 +40,10 @@ from moetune.runtime.knobs import KNOB_DOCS, Knobs, int_of_text
 SymmMode = Literal["torch", "ipc"]
 SYMM_MODES: tuple[str, ...] = ("torch", "ipc")
 MAX_PLAN_MODE = 2
+# proxy_batch: what the proxy engine takes (csrc/proxy_engine.cpp mt_proxy_set_batch, 1..4096). Checked here so that
+# a larger value is refused as the option, not at the buffer's construction; past 2**31 ctypes' c_int would pass
+# another number (2**32 + 1 arrives as 1)
+MAX_PROXY_BATCH = 4096
 # megakernel_timeout_s: the range MegakernelConfig.timeout_ms takes (runtime/megakernel/config.py, 1e-3 .. 3.6e6 ms),
 # checked here so that a bad value is reported as the option the user set, not as timeout_ms
 MK_TIMEOUT_MIN_S = 1e-6
@@ -159,7 +163,7 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
     OptionDoc("chunk_weights", "MOETUNE_EP_CHUNK_WEIGHTS", "comma-separated floats > 0",
               "Dense layout: relative sizes of the pipeline_depth chunks (one weight per chunk; empty = equal). "
               "Measured in runs 33-34 without a gain; kept for side-by-side runs."),
-    OptionDoc("proxy_batch", "MOETUNE_PROXY_BATCH", "int >= 1",
+    OptionDoc("proxy_batch", "MOETUNE_PROXY_BATCH", f"int 1..{MAX_PROXY_BATCH}",
               "proxy: consecutive unsignalled PUTs of one QP stream the proxy may issue as one batch."),
     OptionDoc("proxy_peer_access", "MOETUNE_PROXY_PEER_ACCESS", "bool",
               "proxy: enable CUDA peer access towards the other local GPUs so copies take direct P2P."),
@@ -385,8 +389,8 @@ def _validate(o: RuntimeOptions) -> None:
               f"a number of seconds from {MK_TIMEOUT_MIN_S:g} to {MK_TIMEOUT_MAX_S:g}")
     if any(not (w > 0 and math.isfinite(w)) for w in o.chunk_weights):
         _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
-    if o.proxy_batch < 1:
-        _fail("proxy_batch", o.proxy_batch, "an integer >= 1")
+    if not 1 <= o.proxy_batch <= MAX_PROXY_BATCH:
+        _fail("proxy_batch", o.proxy_batch, f"an integer from 1 to {MAX_PROXY_BATCH}")
     proxy_cpu_setting(o.proxy_cpu)
     if not 0 <= o.plan_mode <= MAX_PLAN_MODE:
         _fail("plan_mode", o.plan_mode, f"an integer from 0 to {MAX_PLAN_MODE}")

@@ -136,3 +136,18 @@ def test_a_bool_variable_is_read_by_config_parse_bool_and_named_when_bad() -> No
     assert getattr(RuntimeOptions.from_env({doc.env: "no"}), doc.name) is False
     with pytest.raises(RuntimeOptionError, match=f"{doc.name} \\({doc.env}='maybe'\\).*expected true or false"):
         RuntimeOptions.from_env({doc.env: "maybe"})
+
+
+def test_proxy_batch_is_refused_past_what_the_proxy_engine_takes() -> None:
+    """The proxy engine takes a batch of 1..4096 (csrc/proxy_engine.cpp mt_proxy_set_batch); past it the value passed
+    validation and failed later, at the EP buffer's construction, or (past 2**31) was cut by ctypes' c_int into
+    another number the engine took silently (2**32 + 1 became 1)."""
+    MAX_PROXY_BATCH = 4096
+    assert RuntimeOptions(proxy_batch=MAX_PROXY_BATCH).proxy_batch == MAX_PROXY_BATCH
+    for bad in (MAX_PROXY_BATCH + 1, (1 << 32) + 1):
+        with pytest.raises(RuntimeOptionError, match=r"proxy_batch.*4096"):
+            RuntimeOptions(proxy_batch=bad)
+        with pytest.raises(RuntimeOptionError, match="MOETUNE_PROXY_BATCH"):
+            RuntimeOptions.from_env({"MOETUNE_PROXY_BATCH": str(bad)})
+    # the settings doc says the same range
+    assert next(d for d in OPTION_DOCS if d.name == "proxy_batch").type == "int 1..4096"
