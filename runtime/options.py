@@ -156,7 +156,7 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
               "the peer lost instead of hanging (nvlink, proxy, host_staged); also the bound of the creations' "
               "waits for their set-up work (the proxy engine, the kernel contexts, the CUDA IPC buffers) and of "
               "the destroys'."),
-    OptionDoc("megakernel_timeout_s", "MOETUNE_MK_TIMEOUT_S", "float > 0",
+    OptionDoc("megakernel_timeout_s", "MOETUNE_MK_TIMEOUT_S", f"float in [{MK_TIMEOUT_MIN_S:g}, {MK_TIMEOUT_MAX_S:g}]",
               "Seconds the MoE megakernel's scheduler or a processor may wait without progress before the kernel "
               "ends with an error record (read by `MegakernelMoE.check()`) instead of hanging. Its own option: a "
               "layer's waits are on-GPU task readiness, microseconds apart, not a peer's transfers."),

@@ -151,3 +151,20 @@ def test_proxy_batch_is_refused_past_what_the_proxy_engine_takes() -> None:
             RuntimeOptions.from_env({"MOETUNE_PROXY_BATCH": str(bad)})
     # the settings doc says the same range
     assert next(d for d in OPTION_DOCS if d.name == "proxy_batch").type == "int 1..4096"
+
+
+def test_the_documented_timeout_ranges_are_the_checked_ones() -> None:
+    """docs/settings.md's type column is written by hand (OPTION_DOCS): megakernel_timeout_s said "float > 0" while
+    the option takes 1e-06..3600 only (MegakernelConfig.timeout_ms' range), so a documented value such as 7200 was
+    refused."""
+    from moetune.runtime.options import MK_TIMEOUT_MAX_S, MK_TIMEOUT_MIN_S, ONESIDED_TIMEOUT_MAX_S
+
+    docs = {d.name: d.type for d in OPTION_DOCS}
+    assert docs["megakernel_timeout_s"] == f"float in [{MK_TIMEOUT_MIN_S:g}, {MK_TIMEOUT_MAX_S:g}]"
+    assert docs["onesided_timeout_s"] == f"float in (0, {ONESIDED_TIMEOUT_MAX_S:g}]"
+    for name, low, high in (("megakernel_timeout_s", MK_TIMEOUT_MIN_S, MK_TIMEOUT_MAX_S),
+                            ("onesided_timeout_s", 1e-9, ONESIDED_TIMEOUT_MAX_S)):
+        RuntimeOptions(**{name: low})
+        RuntimeOptions(**{name: high})
+        with pytest.raises(RuntimeOptionError, match=name):
+            RuntimeOptions(**{name: high * 1.5})
