@@ -216,6 +216,10 @@ def effective_measured_on(provenance: str, measured_on: str, backend: str, finge
     return default_measured_on(prov, backend, fingerprint)
 
 
+_KEY_TEXTS = ("fingerprint", "software", "transport_family", "dtype")
+_KEY_INTS = ("ep_size", "nodes", "hidden", "intermediate", "experts", "topk", "token_bucket")
+
+
 class ProfileKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything a tuned result is valid for. A profile is never used outside its key."""
 
@@ -232,7 +236,16 @@ class ProfileKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     token_bucket: int
 
     def __post_init__(self) -> None:
-        for f in ("ep_size", "nodes", "hidden", "intermediate", "experts", "topk", "token_bucket"):
+        # the constructor does not type-check (msgspec does so only when decoding): 2048.0 or True would pass here,
+        # equal to 2048 and 1 in Python but another key to `profile_hash_of`, which hashes the fields' JSON
+        for f in _KEY_TEXTS:
+            if not isinstance(getattr(self, f), str):
+                raise TypeError(f"profile key: {f} must be a str, got {type(getattr(self, f)).__name__} "
+                                f"{str(getattr(self, f))[:64]!r}")
+        for f in _KEY_INTS:
+            if type(getattr(self, f)) is not int:
+                raise TypeError(f"profile key: {f} must be an int, got {type(getattr(self, f)).__name__} "
+                                f"{str(getattr(self, f))[:64]!r}")
             if getattr(self, f) <= 0:
                 raise ValueError(f"profile key: {f} must be > 0, got {getattr(self, f)}")
         if self.ep_size % self.nodes:
@@ -242,6 +255,12 @@ class ProfileKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
+
+
+# a key field added without its type here would go unchecked: fail at import instead
+if set(_KEY_TEXTS + _KEY_INTS) != set(ProfileKey.__struct_fields__):
+    raise AssertionError(f"ProfileKey's fields and their typed lists differ: "
+                         f"{sorted(set(_KEY_TEXTS + _KEY_INTS) ^ set(ProfileKey.__struct_fields__))}")
 
 
 class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
