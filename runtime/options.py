@@ -380,6 +380,13 @@ def _check_types(o: RuntimeOptions) -> None:
             _fail(name, v, "a tuple of numbers (one weight per pipeline chunk)")
 
 
+def _positive_finite(w: float) -> bool:
+    try:
+        return w > 0 and math.isfinite(w)
+    except OverflowError:  # an int past what a float holds (isfinite converts it): no weight either
+        return False
+
+
 def _validate(o: RuntimeOptions) -> None:
     _check_types(o)
     if not 0 < o.onesided_timeout_s <= ONESIDED_TIMEOUT_MAX_S:  # NaN fails too
@@ -387,7 +394,7 @@ def _validate(o: RuntimeOptions) -> None:
     if not MK_TIMEOUT_MIN_S <= o.megakernel_timeout_s <= MK_TIMEOUT_MAX_S:  # NaN fails too
         _fail("megakernel_timeout_s", o.megakernel_timeout_s,
               f"a number of seconds from {MK_TIMEOUT_MIN_S:g} to {MK_TIMEOUT_MAX_S:g}")
-    if any(not (w > 0 and math.isfinite(w)) for w in o.chunk_weights):
+    if any(not _positive_finite(w) for w in o.chunk_weights):
         _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
     if not 1 <= o.proxy_batch <= MAX_PROXY_BATCH:
         _fail("proxy_batch", o.proxy_batch, f"an integer from 1 to {MAX_PROXY_BATCH}")

@@ -168,3 +168,14 @@ def test_the_documented_timeout_ranges_are_the_checked_ones() -> None:
         RuntimeOptions(**{name: high})
         with pytest.raises(RuntimeOptionError, match=name):
             RuntimeOptions(**{name: high * 1.5})
+
+
+def test_a_chunk_weight_past_what_a_float_holds_is_refused_naming_the_option() -> None:
+    """RuntimeOptions(chunk_weights=(10**400,)) raised a bare OverflowError ("int too large to convert to float") out
+    of the range check, where every other bad value is a RuntimeOptionError naming the option."""
+    for weights in ((10**400,), (1, -(10**400))):
+        with pytest.raises(RuntimeOptionError, match="chunk_weights"):
+            RuntimeOptions(chunk_weights=weights)
+        with pytest.raises(RuntimeOptionError, match="chunk_weights"):
+            RuntimeOptions.from_dict({"chunk_weights": weights})
+    assert RuntimeOptions(chunk_weights=(1, 10**300)).chunk_weights == (1.0, 1e300)  # an int a float holds is taken
