@@ -35,7 +35,7 @@ from typing import Any, Literal
 import msgspec
 
 from moetune.runtime import config as _config
-from moetune.runtime.knobs import KNOB_DOCS, Knobs, int_of_text
+from moetune.runtime.knobs import KNOB_DOCS, KNOB_VALUES, Knobs, int_of_text
 
 SymmMode = Literal["torch", "ipc"]
 SYMM_MODES: tuple[str, ...] = ("torch", "ipc")
@@ -44,6 +44,10 @@ MAX_PLAN_MODE = 2
 # a larger value is refused as the option, not at the buffer's construction; past 2**31 ctypes' c_int would pass
 # another number (2**32 + 1 arrives as 1)
 MAX_PROXY_BATCH = 4096
+# chunk_weights: one weight per pipeline chunk, so at most the largest pipeline_depth. More were taken (ignored with
+# one chunk or outside the dense layout), recorded with a measured profile, and refused by every client in the reply
+# that served it (runtime/wire.py OptionsMap holds at most 64)
+MAX_CHUNK_WEIGHTS = KNOB_VALUES["pipeline_depth"].high
 # megakernel_timeout_s: the range MegakernelConfig.timeout_ms takes (runtime/megakernel/config.py, 1e-3 .. 3.6e6 ms),
 # checked here so that a bad value is reported as the option the user set, not as timeout_ms
 MK_TIMEOUT_MIN_S = 1e-6
@@ -160,7 +164,7 @@ OPTION_DOCS: tuple[OptionDoc, ...] = (
               "Seconds the MoE megakernel's scheduler or a processor may wait without progress before the kernel "
               "ends with an error record (read by `MegakernelMoE.check()`) instead of hanging. Its own option: a "
               "layer's waits are on-GPU task readiness, microseconds apart, not a peer's transfers."),
-    OptionDoc("chunk_weights", "MOETUNE_EP_CHUNK_WEIGHTS", "comma-separated floats > 0",
+    OptionDoc("chunk_weights", "MOETUNE_EP_CHUNK_WEIGHTS", f"comma-separated floats > 0, at most {MAX_CHUNK_WEIGHTS}",
               "Dense layout: relative sizes of the pipeline_depth chunks (one weight per chunk; empty = equal). "
               "Measured in runs 33-34 without a gain; kept for side-by-side runs."),
     OptionDoc("proxy_batch", "MOETUNE_PROXY_BATCH", f"int 1..{MAX_PROXY_BATCH}",
@@ -394,6 +398,9 @@ def _validate(o: RuntimeOptions) -> None:
     if not MK_TIMEOUT_MIN_S <= o.megakernel_timeout_s <= MK_TIMEOUT_MAX_S:  # NaN fails too
         _fail("megakernel_timeout_s", o.megakernel_timeout_s,
               f"a number of seconds from {MK_TIMEOUT_MIN_S:g} to {MK_TIMEOUT_MAX_S:g}")
+    if len(o.chunk_weights) > MAX_CHUNK_WEIGHTS:
+        _fail("chunk_weights", o.chunk_weights, f"at most {MAX_CHUNK_WEIGHTS} weights, one per pipeline chunk (got "
+                                                f"{len(o.chunk_weights)}; pipeline_depth is at most {MAX_CHUNK_WEIGHTS})")
     if any(not _positive_finite(w) for w in o.chunk_weights):
         _fail("chunk_weights", o.chunk_weights, "positive numbers (one per pipeline chunk)")
     if not 1 <= o.proxy_batch <= MAX_PROXY_BATCH:

@@ -592,3 +592,24 @@ def test_whether_a_profiles_transport_runs_is_asked_under_the_callers_options(mo
     # (nodes=1: host_staged serves one host's ranks, so with more it is replaced before availability is asked)
     assert autoload._group_default(hs, 1, "cpu", "test", mine).family == "collective"
     assert autoload._group_default(hs, 1, "cpu", "test", RuntimeOptions()).family == "host_staged"
+
+
+def test_chunk_weights_are_at_most_one_per_pipeline_chunk_so_a_recorded_set_fits_a_reply() -> None:
+    """chunk_weights took any number of weights (ignored with one chunk or the packed layout), so a measurement under
+    MOETUNE_EP_CHUNK_WEIGHTS of 65 weights was recorded and stored, and the daemon served it in a reply every client
+    refused (wire.OptionsMap holds at most 64): the profile was never served. One weight per pipeline chunk, at most
+    pipeline_depth's largest value, is what the option now takes, and such a record decodes."""
+    from moetune.runtime.knobs import KNOB_VALUES
+    from moetune.runtime.options import RuntimeOptionError
+    from moetune.runtime.profiles.replies import decode_result
+
+    most = KNOB_VALUES["pipeline_depth"].high
+    for n in (most + 1, 65):
+        with pytest.raises(RuntimeOptionError, match="chunk_weights"):
+            RuntimeOptions(chunk_weights=(1.0,) * n)
+        with pytest.raises(RuntimeOptionError, match="MOETUNE_EP_CHUNK_WEIGHTS"):
+            RuntimeOptions.from_env({"MOETUNE_EP_CHUNK_WEIGHTS": ",".join(["1"] * n)})
+        assert data_path_problem({"chunk_weights": [1.0] * n}) is not None  # nor stored, nor taken from a reply
+    opts = RuntimeOptions(chunk_weights=(1.0,) * most).data_path()
+    raw = msgspec.json.encode(wire.ProfileResult.from_record(measured(qkey(), opts), env={}))
+    assert decode_result("get_profile", msgspec.Raw(raw)).runtime_options == opts
