@@ -336,3 +336,26 @@ def test_a_child_env_child_reads_the_config_files_the_test_does(tmp_path):
     assert files(child_env(MOETUNE_HOME=str(tmp_path / "mh"))) == [str(f) for f in config_mod.config_files()]
     home = tmp_path / "home"
     assert files(child_env(HOME=str(home)))[1] == str(home / ".config" / "moetune" / "moetune.toml")
+
+
+def test_the_clients_fallback_reads_the_variables_as_the_config_does(tmp_path: Path) -> None:
+    """A [client] variable the config refuses makes the profile client ignore the config ("ignoring the config for
+    the profile client: ... expected an integer, got '1_000'") and read the variables itself; that read used int(),
+    which takes "1_000" as 1000 and Arabic-Indic digits as a number: the value just said to be refused was applied."""
+    from moetune.runtime.profiles import client as client_mod
+    from moetune.runtime.profiles.client import DEFAULT_TIMEOUT_MS, ProfileClient
+
+    for text in ("1_000", "\u0664\u0660"):
+        env = {"HOME": str(tmp_path), "MOETUNE_CLIENT_TIMEOUT_MS": text}
+        with pytest.raises(ConfigError):
+            load_config(env=env)
+        c = ProfileClient(endpoint=f"ipc://{tmp_path}/none.sock", env=env)
+        assert c.timeout_ms == DEFAULT_TIMEOUT_MS, text
+        c.close()
+    env = {"HOME": str(tmp_path), "MOETUNE_CLIENT_TIMEOUT_MS": " 250 ", "MOETUNE_TUNE_TRIALS": "x",
+           "MOETUNE_CLIENT_ALLOW_MODELLED": "maybe"}  # the fallback: a client variable the config refuses
+    c = ProfileClient(endpoint=f"ipc://{tmp_path}/none.sock", env=env)
+    assert (c.timeout_ms, c.allow_modelled) == (250, False)
+    c.close()
+    # one spelling of a true word for both readers
+    assert not hasattr(client_mod, "_TRUE") or client_mod._TRUE == config_mod.TRUE_WORDS

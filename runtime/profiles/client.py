@@ -77,11 +77,12 @@ from moetune.runtime import _once, wire
 from moetune.runtime.config import (
     ENV_MISMATCH_MODES,
     MAX_CLIENT_TIMEOUT_MS,
+    TRUE_WORDS,
     ClientConfig,
     ConfigError,
     load_client_config,
 )
-from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.paths import (
     INFO_NAME,
@@ -136,9 +137,8 @@ __all__ = [
 
 log = logging.getLogger("moetune.client")
 
-DEFAULT_TIMEOUT_MS = 200
+DEFAULT_TIMEOUT_MS = ClientConfig.timeout_ms  # [client] timeout_ms's default: one definition
 MAX_NOTICES_PER_POLL = 1000  # poll_changes reads at most this many change notices a call (zmq's default receive HWM)
-_TRUE = ("1", "true", "yes", "on")
 
 
 # client.env_mismatch (ENV_MISMATCH_MODES): what a tuned profile measured in another performance environment than
@@ -246,17 +246,20 @@ class ProfileClient:
             if cfg is not None:
                 timeout_ms = cfg.timeout_ms
             else:
+                # read as the config reads it (int_of_text): int() took "1_000" and other scripts' digits, so a value
+                # the config had just refused (the reason it is ignored here) was applied all the same
                 try:
-                    timeout_ms = int(env.get("MOETUNE_CLIENT_TIMEOUT_MS", DEFAULT_TIMEOUT_MS))
-                except ValueError:
-                    timeout_ms = DEFAULT_TIMEOUT_MS
+                    read = int_of_text(env.get("MOETUNE_CLIENT_TIMEOUT_MS", "").strip())
+                except ValueError:  # past int()'s digit limit
+                    read = None
+                timeout_ms = DEFAULT_TIMEOUT_MS if read is None else read
         self.timeout_ms = min(max(1, int(timeout_ms)), MAX_CLIENT_TIMEOUT_MS)  # the variable is not range-checked
         self.retries = max(0, int(retries))
         if allow_modelled is None:
             if cfg is not None:
                 allow_modelled = cfg.allow_modelled
             else:
-                allow_modelled = env.get("MOETUNE_CLIENT_ALLOW_MODELLED", "").strip().lower() in _TRUE
+                allow_modelled = env.get("MOETUNE_CLIENT_ALLOW_MODELLED", "").strip().lower() in TRUE_WORDS
         self.allow_modelled = bool(allow_modelled)  # use modelled profiles (labelled MODELLED) when no tuned one
         if env_mismatch is None:
             env_mismatch = cfg.env_mismatch if cfg is not None else env.get("MOETUNE_CLIENT_ENV_MISMATCH", "warn")
