@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime import paths
-from moetune.runtime.knobs import int_of_text
+from moetune.runtime.knobs import float_of_text, int_of_text
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_MISMATCH_MODES = ("warn", "refuse", "ignore")  # client.env_mismatch (runtime/profiles/client.py)
@@ -239,12 +239,10 @@ def _parse_env_value(section: str, key: str, raw: str, var: str) -> Any:
         return parse_bool(raw, f"{section}.{key} in {where}", empty=default_of(section, key))
     text = raw.strip()
     try:
-        if want is int:  # not int(): it takes "1_000" and non-ASCII digits, which the runtime's parsers refuse
-            value = int_of_text(text)
-            if value is None:
-                raise ValueError(text)
-        else:
-            value = want(text)
+        # not int() / float(): they take "1_000" and non-ASCII digits, which the runtime's parsers refuse
+        value = int_of_text(text) if want is int else float_of_text(text)
+        if value is None:
+            raise ValueError(text)
     except ValueError:
         raise ConfigError(f"{section}.{key} in {where}: expected {_TYPE_NAMES[want]}, got {raw!r}") from None
     return _finite(section, key, value, where) if want is float else value

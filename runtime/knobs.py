@@ -357,6 +357,18 @@ def int_of_text(text: str) -> int | None:
     return int(text) if _INT_TEXT.fullmatch(text) else None
 
 
+def float_of_text(text: str) -> float | None:
+    """`text` as a float when float() reads it and it is ASCII without digit separators, else None: float() alone
+    also takes "1_0" (10.0) and other scripts' digits, the misreadings int_of_text refuses (the float parsers of
+    typed text use this; nan and inf stay for the range checks that follow to refuse, naming the setting)."""
+    if not text.isascii() or "_" in text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def _parse_value(name: str, text: str) -> int | str:
     """One `--knobs` value, typed as knob `name` takes it (the range checks follow in _validate)."""
     if name in _INTS:

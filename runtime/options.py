@@ -35,7 +35,7 @@ from typing import Any, Literal
 import msgspec
 
 from moetune.runtime import config as _config
-from moetune.runtime.knobs import KNOB_DOCS, KNOB_VALUES, Knobs, int_of_text
+from moetune.runtime.knobs import KNOB_DOCS, KNOB_VALUES, Knobs, float_of_text, int_of_text
 
 SymmMode = Literal["torch", "ipc"]
 SYMM_MODES: tuple[str, ...] = ("torch", "ipc")
@@ -503,10 +503,10 @@ def _parse_env(doc: OptionDoc, raw: str) -> Any:
             raise RuntimeOptionError(f"{where}: expected an integer (digits only)")
         return value
     if kind == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise RuntimeOptionError(f"{where}: expected a number") from None
+        number = float_of_text(text)  # not float(): it takes "1_0" as 10.0
+        if number is None:
+            raise RuntimeOptionError(f"{where}: expected a number")
+        return number
     if doc.name == "chunk_weights":
         return _parse_floats(text, where)
     if doc.name == "symm":
@@ -519,10 +519,10 @@ def _parse_env(doc: OptionDoc, raw: str) -> Any:
 def _parse_floats(text: str, where: str) -> tuple[float, ...]:
     if not text.strip():
         return ()
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise RuntimeOptionError(f"{where}: expected comma-separated positive numbers, got {text!r}") from None
+    weights = tuple(float_of_text(v.strip()) for v in text.split(","))  # not float(): it takes "1_0" as 10.0
+    if None in weights:
+        raise RuntimeOptionError(f"{where}: expected comma-separated positive numbers, got {text!r}")
+    return tuple(w for w in weights if w is not None)
 
 
 # -- variables that were data-path switches and are knobs now (or were removed) ---------------------------

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from moetune.runtime.knobs import float_of_text
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,10 +34,9 @@ def parse_routing(spec: str) -> tuple[str, float]:
         if colon and not s.strip():
             raise ValueError(f"routing {spec!r}: give the Zipf exponent after the colon (e.g. zipf:1.2), or plain "
                              "zipf for 1.0")
-        try:
-            exponent = float(s) if colon else 1.0
-        except ValueError:
-            raise ValueError(f"routing {spec!r}: the Zipf exponent must be a number (e.g. zipf:1.2)") from None
+        exponent = float_of_text(s.strip()) if colon else 1.0  # not float(): it takes "0_5" as 5.0
+        if exponent is None:
+            raise ValueError(f"routing {spec!r}: the Zipf exponent must be a number (e.g. zipf:1.2)")
         if not 0.0 <= exponent <= 10.0:
             raise ValueError(f"routing {spec!r}: the Zipf exponent must be in [0, 10]")
         return "zipf", exponent

@@ -359,3 +359,13 @@ def test_the_clients_fallback_reads_the_variables_as_the_config_does(tmp_path: P
     c.close()
     # one spelling of a true word for both readers
     assert not hasattr(client_mod, "_TRUE") or client_mod._TRUE == config_mod.TRUE_WORDS
+
+
+def test_a_float_variable_is_ascii_without_digit_separators(env) -> None:
+    """As an integer variable (int_of_text): float() read MOETUNE_TUNE_TIMEOUT_S=6_00 as 600 and other scripts'
+    digits as numbers."""
+    for text in ("6_00", "\u0666\u0660\u0660"):
+        with pytest.raises(ConfigError, match=r"tune\.timeout_s in environment variable MOETUNE_TUNE_TIMEOUT_S: "
+                                              "expected a number"):
+            load_config(env={**env, "MOETUNE_TUNE_TIMEOUT_S": text})
+    assert load_config(env={**env, "MOETUNE_TUNE_TIMEOUT_S": " 6e2 "}).tune.timeout_s == 600.0

@@ -29,9 +29,10 @@ def test_fabric_model_accepts_what_the_runtime_accepts() -> None:
         Workload(qwen, 256, 4, 4, routing="zipf:11")
 
 
-@pytest.mark.parametrize("spec", ["zipfian", "zipf2", "zipf:", "zipf: "])
+@pytest.mark.parametrize("spec", ["zipfian", "zipf2", "zipf:", "zipf: ", "zipf:0_5", "zipf:\u0661"])
 def test_a_routing_name_is_matched_whole(spec: str) -> None:
-    """Any word starting 'zipf', and 'zipf:' with no exponent, were taken as zipf:1.0 (and echoed as typed)."""
+    """Any word starting 'zipf', and 'zipf:' with no exponent, were taken as zipf:1.0 (and echoed as typed); an
+    exponent float() misreads ("0_5" as 5.0, other scripts' digits) is refused as the runtime's other numbers are."""
     with pytest.raises(ValueError, match="routing"):
         parse_routing(spec)
 

@@ -179,3 +179,16 @@ def test_a_chunk_weight_past_what_a_float_holds_is_refused_naming_the_option() -
         with pytest.raises(RuntimeOptionError, match="chunk_weights"):
             RuntimeOptions.from_dict({"chunk_weights": weights})
     assert RuntimeOptions(chunk_weights=(1, 10**300)).chunk_weights == (1.0, 1e300)  # an int a float holds is taken
+
+
+def test_a_number_in_a_variable_is_ascii_without_digit_separators() -> None:
+    """int_of_text keeps "1_0" from being read as 10 by every integer parser; the float parsers used float(), which
+    also reads "1_0" as 10.0 and Arabic-Indic digits as a number: MOETUNE_ONESIDED_TIMEOUT_S=2_0 was 20 seconds."""
+    for var, bad, option in (("MOETUNE_ONESIDED_TIMEOUT_S", "2_0", "onesided_timeout_s"),
+                             ("MOETUNE_MK_TIMEOUT_S", "\u0661", "megakernel_timeout_s"),
+                             ("MOETUNE_EP_CHUNK_WEIGHTS", "1_0,2", "chunk_weights")):
+        with pytest.raises(RuntimeOptionError) as e:
+            RuntimeOptions.from_env({var: bad})
+        assert option in str(e.value) and var in str(e.value), str(e.value)
+    o = RuntimeOptions.from_env({"MOETUNE_ONESIDED_TIMEOUT_S": " 2.5e1 ", "MOETUNE_EP_CHUNK_WEIGHTS": "1, .5,2E0"})
+    assert (o.onesided_timeout_s, o.chunk_weights) == (25.0, (1.0, 0.5, 2.0))

@@ -32,6 +32,7 @@ from moetune.runtime.knobs import (
     MK_MAX_PROCESSOR_CTAS,
     MK_MAX_SPLIT_K,
     MK_MAX_STAGES,
+    float_of_text,
     int_of_text,
 )
 
@@ -253,7 +254,8 @@ class MegakernelConfig:
             typ = float if ftype in ("float", float) else str if ftype in ("str", str) else int
             val = val.strip()
             try:
-                out[key] = int_of_text(val) if typ is int else typ(val)  # not int(): it takes "1_0" as 10
+                # not int() / float(): they take "1_0" as 10
+                out[key] = int_of_text(val) if typ is int else float_of_text(val) if typ is float else val
                 if out[key] is None:
                     raise ValueError(val)
             except ValueError:
