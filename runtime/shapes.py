@@ -35,6 +35,9 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                                  f"{str(getattr(self, field))[:32]}")
         if self.topk > self.experts:
             raise ValueError(f"model shape {self.name!r}: topk {self.topk} > experts {self.experts}")
+        if not isinstance(self.dtype, str):  # a list was "unhashable type" out of the DTYPES lookup, naming nothing
+            raise TypeError(f"model shape {self.name!r}: dtype must be a str (one of {', '.join(DTYPES)}), got "
+                            f"{type(self.dtype).__name__} {str(self.dtype)[:32]!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model shape {self.name!r}: dtype {self.dtype!r} not one of {', '.join(DTYPES)}")
 

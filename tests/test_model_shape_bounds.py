@@ -64,3 +64,11 @@ def test_a_custom_dimension_is_ascii_digits(field: str) -> None:
         get_model(f"custom:{field},64,4,2")
     # blanks around a field and a sign were taken before and still are (a sign of - is refused as <= 0)
     assert get_model("custom: 128,+64,4 ,2").hidden == 128
+
+
+@pytest.mark.parametrize("dtype", [["bfloat16"], {"bfloat16": 2}, None, 2])
+def test_a_dtype_that_is_no_str_is_refused_naming_the_field(dtype: object) -> None:
+    """ModelShape(dtype=[...]) raised "unhashable type: 'list'" from the DTYPES lookup, naming neither the field nor
+    the shape; every other field's wrong type is named."""
+    with pytest.raises(TypeError, match="model shape 'x': dtype must be a str"):
+        ModelShape(name="x", hidden=8, intermediate=8, experts=8, topk=2, dtype=dtype)  # type: ignore[arg-type]
