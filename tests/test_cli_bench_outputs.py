@@ -425,6 +425,34 @@ def test_bench_moe_floors_say_whose_rates_they_are(monkeypatch: pytest.MonkeyPat
     assert r.exit_code == 0 and "NVIDIA H200's rates (this moetune has none for this device" in flat, r.output
 
 
+def test_bench_moe_plain_read_covers_the_experts_s_tokens_touch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain read beside the floors sums as many experts' weights as S tokens are expected to touch: at S=1 that is
+    top-k exactly. E (1 - (1 - K/E)^S) is a float (8.000000000000004 for 72 experts, top-8; 8.000000000000014 for
+    384, top-8), and its ceiling read one expert more than a token touches (9 of 8: 12 % more bytes in the floor)."""
+    import math
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.measure import moe as M
+
+    seen: list[int] = []
+    orig = M.time_plain_read
+
+    def spy(w1: Any, w2: Any, experts: int, **kw: Any) -> list[float]:
+        seen.append(experts)
+        return orig(w1, w2, experts, **kw)
+
+    monkeypatch.setattr(M, "time_plain_read", spy)
+    rep = M.bench_moe(get_model("custom:64,32,72,8,float32"), [1], ["unfused"], iters=1, warmup=0, rotate=1,
+                      device="cpu")
+    assert seen == [8] and "failed" not in rep["cases"][0]
+    for spec in ("custom:64,32,72,8", "custom:64,32,384,8", "custom:64,32,96,8", "qwen3-30b", "custom:64,32,60,4"):
+        m = get_model(spec)
+        assert M.plain_read_experts(m, 1) == m.topk, spec
+        for s in (2, 3, 16, 4096):  # never more than S tokens route to, nor than the model has
+            n = M.plain_read_experts(m, s)
+            assert n == min(m.experts, s * m.topk, math.ceil(M.experts_touched(m, s) - 1e-9)), (spec, s)
+
+
 def test_results_rows_are_never_glued_or_swallowed(tmp_path: Path) -> None:
     """A results CSV whose last row has no newline (a hand edit) gets the newline before appending, or that row's
     note would take the next row in and the summary lose it; a row of the wrong width (an unclosed quote swallows
