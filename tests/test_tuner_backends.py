@@ -147,6 +147,26 @@ def test_compare_interleaves(fake_bench: list[str]) -> None:
     assert a.ok and b.ok and len(a.samples) == 2 and b.median_us < a.median_us
 
 
+def test_compare_rotates_the_order_every_round() -> None:
+    """The side-by-side comparison that decides what is stored runs every setting first equally often: the order
+    rotates each round (A B C, B C A, C A B), as `bench knobs` rotates its interleaved calls. In the same order every
+    round the search's best (always listed first) ran first in each round, and in the first on a GPU rested from
+    the study's last trial while the incumbent and the default paid for its heat (`measure.moe.settle`: 696-698 µs a
+    call rested, 767-808 µs back to back at S=4096 on an H200), and ran after the default in every later round: a bias in one
+    direction, which the noise rule cannot see."""
+    order: list[int] = []
+    cands = [Knobs(), Knobs(num_sms=16), Knobs(num_sms=32)]
+    be = CallableBackend(lambda k, w: order.append(cands.index(k)) or 10.0 + cands.index(k))
+    got = be.compare(cands, WL, rounds=3)
+    assert [m.median_us for m in got] == [10.0, 11.0, 12.0]  # each setting keeps its own samples
+    firsts = [order[3 * r] for r in range(3)]
+    assert sorted(firsts) == [0, 1, 2], order  # each setting led one round
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    order.clear()
+    be.compare(cands[:2], WL, rounds=2)
+    assert order == [0, 1, 1, 0]
+
+
 def test_model_backend_with_predictor() -> None:
     def pred(k: Knobs, wl: TuneWorkload) -> float:
         if k.num_sms == 32:

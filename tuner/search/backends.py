@@ -158,15 +158,20 @@ class BenchmarkBackend(ABC):
         """Measure one knob set. Never raises for a bad setting or a failed run: returns ok=False."""
 
     def compare(self, candidates: Sequence[Knobs], workload: TuneWorkload, *, rounds: int = 3) -> list[Measurement]:
-        """Measure several settings side by side: interleaved rounds (A B A B ...), pooled per setting. A setting's
+        """Measure several settings side by side: interleaved rounds, the order rotated each round (A B C, B C A,
+        C A B, ...), pooled per setting. Rotated, so no setting always holds one place in the rounds (the first round's
+        first ran on a device rested since the study's last trial, the others after it; each later round's first
+        right after the round before). A setting's
         spread is at least the largest spread of its rounds: the pooled samples are each run's median, and a
         single run's (or two equal runs') would otherwise hide the noise within the runs (spread 0)."""
         pooled: list[list[float]] = [[] for _ in candidates]
         inner = [0.0] * len(candidates)
         errors: list[str | None] = [None] * len(candidates)
         details: list[dict[str, Any]] = [{} for _ in candidates]
-        for _ in range(rounds):
-            for i, k in enumerate(candidates):
+        n = len(candidates)
+        for r in range(rounds):
+            for i in ((r + j) % n for j in range(n)):
+                k = candidates[i]
                 if errors[i]:
                     continue
                 m = self.evaluate(k, workload)
