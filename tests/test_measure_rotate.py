@@ -65,3 +65,31 @@ def test_the_bench_worker_passes_rotate() -> None:
     for bad in (0, -1, "3", 2.5, True):
         with pytest.raises(ValueError, match="rotate"):
             case_config(dict(case, rotate=bad), 2, "gloo")
+
+
+def test_no_input_set_has_its_first_call_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up below the rotation is raised to it (`moe.warmup_for`, the rule of the MoE layer's timings), so every
+    set's first dispatch, round trip and layer call is untimed. The tuner asks for max(1, iters // 4) warm-up
+    iterations (`LocalBackend.case`): `profile --quick` (iters 10) warmed 2 of the 4 sets up and timed the first calls
+    of the other two among its 10 samples; `--warmup 0` timed even the first call of all, and a CUDA graph's first
+    replay (its upload)."""
+    seen: list[tuple[float, int]] = []
+    orig = EPBuffer.dispatch
+
+    def spy(self, x, idx, w, *a, **kw):
+        seen.append((float(x.float().sum()), int(idx.sum())))
+        return orig(self, x, idx, w, *a, **kw)
+
+    monkeypatch.setattr(EPBuffer, "dispatch", spy)
+    cfg = {"model": MODEL, "tokens": 16, "knobs": "transport=collective", "iters": 6, "seed": 1, "layer": False,
+           "backend": "gloo", "rotate": 3}
+    for asked in (0, 1, 2):
+        seen.clear()
+        rep = ep.bench_case(0, 1, dict(cfg, warmup=asked))
+        assert rep is not None and rep["warmup"] == 3 and rep["roundtrip_rel_err"] < 1e-5
+        assert f"--warmup {asked} is below --rotate 3" in rep["warmup_note"]
+        warm = {seen[2 * i] for i in range(rep["warmup"])}  # per iteration: dispatch alone, then the round trip's
+        assert len(warm) == 3  # every set called before the first timed iteration
+    seen.clear()
+    rep = ep.bench_case(0, 1, dict(cfg, warmup=4))  # at or above the rotation: as asked, no note
+    assert rep is not None and rep["warmup"] == 4 and "warmup_note" not in rep

@@ -151,7 +151,7 @@ def ep(
     knobs: str = typer.Option("", "--knobs", help="Knob overrides, name=value,... (e.g. compression=fp8_e4m3,pipeline_depth=2; none when left out or \"\")."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S (e.g. zipf:1.2)."),
     iters: int = typer.Option(20, "--iters", help=f"Timed iterations (1 to {COUNT_MAX})."),
-    warmup: int = typer.Option(5, "--warmup", help=f"Warm-up iterations (not timed; 0 to {COUNT_MAX})."),
+    warmup: int = typer.Option(5, "--warmup", help=f"Warm-up iterations (not timed; 0 to {COUNT_MAX}); at least one per rotated input set: a value below their number (4) is raised to it (the report's warmup_note says so)."),
     verify: bool = typer.Option(False, "--verify", help="Check the layer's output against the single-process dense reference."),
     layer: bool = typer.Option(True, "--layer/--no-layer", help="Also time the whole MoE layer (builds expert weights); --no-layer times dispatch and combine only."),
     as_json: bool = _json_opt(),
@@ -376,6 +376,9 @@ def _print_table(rep: dict) -> None:
     if rep.get("profile"):
         c.print(rep["profile"], markup=False, highlight=False)
     from moetune.tuner.measure.outputs import EP_CHECKS, rel_err_problem
+
+    if rep.get("warmup_note"):  # raised to the rotation (bench_case): the table's warm-up is not the one asked for
+        c.print(f"[yellow]note:[/yellow] {escape(rep['warmup_note'])}")
 
     # each output checked (outputs.ep_report_problem, the same list): its relative error beside its bound
     for err_key, bound_key, label, what in EP_CHECKS:

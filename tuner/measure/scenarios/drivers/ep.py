@@ -155,6 +155,8 @@ def run_ep(cases: Sequence[Resolved], ctx: Ctx) -> list[CaseResult]:
                 pair, whole = rep.get("graph_pair_error"), rep.get("graph_error")
                 failed = {"graph_pair_us": f"dispatch + combine from a CUDA graph: {pair}"} if pair and not whole else {}
                 error = whole or "; ".join(failed.values())
-                results.append(CaseResult(c.name, _from_report(rep), cmd, error, failed, note=apart))
+                # a warm-up below the rotation was raised (bench_case): said in the rows' note, as the moe driver does
+                note = "; ".join(x for x in (apart, rep.get("warmup_note", "")) if x)
+                results.append(CaseResult(c.name, _from_report(rep), cmd, error, failed, note=note))
         i = j
     return results
