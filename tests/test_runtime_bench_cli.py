@@ -155,3 +155,21 @@ def test_bench_ep_refuses_tokens_above_the_cap_before_any_rank(monkeypatch: pyte
     res = runner.invoke(app, ["bench", "moe", "--tokens", "16,99999999"])
     assert res.exit_code == 2, res.output
     assert "--tokens 99999999 is beyond" in " ".join(res.output.split())
+
+
+@pytest.mark.timeout(90)
+def test_bench_ep_json_is_stamped_as_a_result() -> None:
+    """`bench ep --json` is a result (bench/results keeps such reports): it carries what every result carries, the
+    code's git SHA, the date, the hardware and the command that ran (with the warm-up that ran), as `bench moe` and
+    `bench knobs` stamp theirs. It had a date and the device's name, but no SHA, hardware line or command."""
+    res = runner.invoke(app, ["bench", "ep", "--world", "1", "--model", "custom:64,32,8,2,float32", "--tokens", "8",
+                              "--iters", "2", "--warmup", "1", "--no-layer", "--knobs", "pipeline_depth=2", "--json",
+                              "--timeout", "30"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    meta = rep["meta"]
+    assert meta["git_sha"] and meta["hardware"] and meta["date"].endswith("Z") and "git_dirty" in meta
+    cmd = meta["command"]
+    assert cmd.startswith("moetune bench ep --world 1 --backend gloo --model custom:64,32,8,2,float32 --tokens 8 ")
+    assert "--knobs pipeline_depth=2" in cmd and "--no-layer" in cmd and "--iters 2" in cmd
+    assert f"--warmup {rep['warmup']}" in cmd and rep["warmup"] == 4  # the warm-up that ran (raised to the sets)

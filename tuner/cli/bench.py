@@ -301,6 +301,18 @@ def ep(
             _fail(f"benchmark failed on {len(e.errors)} rank(s); rank {first[0]}: {first[1].splitlines()[0]}")
     assert rep is not None
     rep = bench_ep.finish_report(rep, verify)
+    # a result carries its code, date, hardware and command (as bench moe's and bench knobs'); the command as
+    # parsed, defaults included, with the warm-up that ran (bench_case raises one below its input sets)
+    import shlex
+
+    flags = [("--transport", transport), ("--knobs", knobs or None)]
+    cmd = " ".join(["moetune bench ep", f"--world {world} --backend {backend} --model {shlex.quote(model)} --tokens "
+                    f"{tokens} --routing {shlex.quote(routing)} --iters {iters} --warmup {rep.get('warmup', warmup)} "
+                    f"--seed {seed} --impl {impl} --layout {layout} --timeout {timeout:g}",
+                    *(f"{o} {shlex.quote(v)}" for o, v in flags if v is not None),
+                    *(o for o, on in (("--no-layer", not layer), ("--verify", verify), ("--cuda-graph", cuda_graph),
+                                      ("--profile", profile), ("--no-p2p", no_p2p)) if on)])
+    rep["meta"] = _stamp(cmd)
     from moetune.tuner.measure.outputs import ep_report_problem
 
     # the round trip (and its CUDA-graph replays, and with --verify the layer) checked against its bound, as the

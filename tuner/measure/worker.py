@@ -8,7 +8,7 @@ stdin and writes one JSON line per case on stdout:
   case   : {"id": ..., "model": "custom:64,32,8,2", "tokens": 128, "knobs": {...} or "name=value,...",
             "routing": "uniform", "iters": 20, "warmup": 5, "verify": false, "layer": true, "seed": 0,
             "impl": "moetune", "transport": "", "layout": "auto"}
-  result : the object `moetune bench ep --json` prints, plus "id"
+  result : the object `moetune bench ep --json` prints (less its "meta" stamp), plus "id"
   error  : {"id": ..., "error": "..."}  (bad input, or an exception raised on every rank alike)
 
 EOF on stdin ends the worker cleanly (exit 0). The worker process does no measuring: it validates each case,
