@@ -22,16 +22,24 @@ def _this_nodes(event: dict[str, Any], here: str) -> bool:
     return not (isinstance(d, dict) and d.get("node") not in (None, here))
 
 
-def test_another_nodes_later_change_does_not_hide_this_nodes_own(tmp_path: Path) -> None:
+def _left_a_serving_1_2(tmp_path: Path) -> tuple[Any, Any]:
+    """A store where this node first saw fabric `a` (on GPUs "gpus-here") and then left it, serving profiles 1 and
+    2 until then; (the store, a)."""
     store = F.open_store(tmp_path / "m.db")
-    here = store.node
     a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
     a.identity_hash = "gpus-here"
     store.add_event(kind="fabric_seen", reason="first discovery",
-                    details={"fingerprint": a.fingerprint, "identity": "gpus-here", "facts": a.to_dict(), "node": here})
+                    details={"fingerprint": a.fingerprint, "identity": "gpus-here", "facts": a.to_dict(),
+                             "node": store.node})
     store.add_event(kind="fabric_changed", reason="gpu model",
                     details={"old_fingerprint": a.fingerprint, "fingerprint": b.fingerprint, "identity": None,
-                             "profiles": [1, 2], "node": here})
+                             "profiles": [1, 2], "node": store.node})
+    return store, a
+
+
+def test_another_nodes_later_change_does_not_hide_this_nodes_own(tmp_path: Path) -> None:
+    store, a = _left_a_serving_1_2(tmp_path)
+    here = store.node
     # an identical node on the same database leaves the same fingerprint afterwards
     store.add_event(kind="fabric_seen", reason="first discovery",
                     details={"fingerprint": a.fingerprint, "identity": "gpus-there", "node": "other-node"})
@@ -47,15 +55,8 @@ def test_another_nodes_later_change_does_not_hide_this_nodes_own(tmp_path: Path)
 def test_this_nodes_change_is_found_behind_many_other_nodes_events(tmp_path: Path) -> None:
     """However many fabric events other nodes recorded since (a database shared by many nodes), this node's change
     is found: a window of the newest fabric events of every node lost it, and a fabric back restored nothing."""
-    store = F.open_store(tmp_path / "m.db")
+    store, a = _left_a_serving_1_2(tmp_path)
     here = store.node
-    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    a.identity_hash = "gpus-here"
-    store.add_event(kind="fabric_seen", reason="first discovery",
-                    details={"fingerprint": a.fingerprint, "identity": "gpus-here", "facts": a.to_dict(), "node": here})
-    store.add_event(kind="fabric_changed", reason="gpu model",
-                    details={"old_fingerprint": a.fingerprint, "fingerprint": b.fingerprint, "identity": None,
-                             "profiles": [1, 2], "node": here})
     with store.atomic():  # one transaction: thousands of commits would make the test slow
         for n in range(2100):
             store.add_event(kind="fabric_seen", reason="first discovery",

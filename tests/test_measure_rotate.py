@@ -32,7 +32,8 @@ def test_input_sets_are_distinct_and_deterministic() -> None:
         _sets(3, 0)
 
 
-def test_the_timed_iterations_rotate_their_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+def _spy_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
+    """(sum of x, sum of the ids) of every EPBuffer.dispatch call from now on: which input set each call got."""
     seen: list[tuple[float, int]] = []
     orig = EPBuffer.dispatch
 
@@ -41,6 +42,11 @@ def test_the_timed_iterations_rotate_their_inputs(monkeypatch: pytest.MonkeyPatc
         return orig(self, x, idx, w, *a, **kw)
 
     monkeypatch.setattr(EPBuffer, "dispatch", spy)
+    return seen
+
+
+def test_the_timed_iterations_rotate_their_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _spy_dispatch(monkeypatch)
     cfg = {"model": MODEL, "tokens": 16, "knobs": "transport=collective", "iters": 6, "warmup": 2, "seed": 1,
            "layer": False, "backend": "gloo"}
     rep = ep.bench_case(0, 1, dict(cfg, rotate=3))
@@ -73,14 +79,7 @@ def test_no_input_set_has_its_first_call_timed(monkeypatch: pytest.MonkeyPatch) 
     iterations (`LocalBackend.case`): `profile --quick` (iters 10) warmed 2 of the 4 sets up and timed the first calls
     of the other two among its 10 samples; `--warmup 0` timed even the first call of all, and a CUDA graph's first
     replay (its upload)."""
-    seen: list[tuple[float, int]] = []
-    orig = EPBuffer.dispatch
-
-    def spy(self, x, idx, w, *a, **kw):
-        seen.append((float(x.float().sum()), int(idx.sum())))
-        return orig(self, x, idx, w, *a, **kw)
-
-    monkeypatch.setattr(EPBuffer, "dispatch", spy)
+    seen = _spy_dispatch(monkeypatch)
     cfg = {"model": MODEL, "tokens": 16, "knobs": "transport=collective", "iters": 6, "seed": 1, "layer": False,
            "backend": "gloo", "rotate": 3}
     for asked in (0, 1, 2):
