@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import random
 import sys
 import time
@@ -69,6 +70,9 @@ def _hostile_frames(rng: random.Random) -> list[tuple[bytes, str]]:
         (b'{"v":1,"id":11,"op":"get_profile","ep_size":2,"tokens":3000,"model":"qwen3-30b","fingerprint":"' + str(rng.random()).encode() + b'"}', wire.E_NOT_FOUND),
         (b"\x80\x81\x82msgpack?", wire.E_BAD_JSON),
         (b"\xac\xed\x00\x05pickle?", wire.E_BAD_JSON),
+        # a real Python pickle of a valid request: the frames above only start like serialised objects (0xACED0005 is
+        # Java's), so a decoder that fell back to pickle.loads still answered them bad_json; this one it would run
+        (pickle.dumps({"v": 1, "id": 12, "op": "hello"}, protocol=4), wire.E_BAD_JSON),
     ]
     return out
 
