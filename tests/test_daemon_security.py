@@ -171,9 +171,11 @@ def test_curve_round_trip(tmp_path: Path) -> None:
         with pytest.raises(DaemonUnavailable):
             plain.hello()
         plain.close()
-        # a client with the wrong server key gets nothing either
+        # a client with the wrong server key gets nothing either: the allowed client key pair, so that the server key
+        # is the only thing wrong (a throwaway client pair is refused by the allow-list whatever the server key)
         wrong_pub, _ = zmq.curve_keypair()
-        bad = ProfileClient(d.endpoint, timeout_ms=300, retries=0, curve_server_key=wrong_pub)
+        bad = ProfileClient(d.endpoint, timeout_ms=300, retries=0, curve_server_key=wrong_pub, curve_public_key=cpub,
+                            curve_secret_key=csec)
         with pytest.raises(DaemonUnavailable):
             bad.hello()
         bad.close()
