@@ -83,12 +83,14 @@ def test_a_curve_clients_socket_can_be_remade_at_once_many_times() -> None:
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o400, 0o640, 0o604, 0o620, 0o602, 0o644, 0o666])
-@pytest.mark.parametrize("owner", ["self", "other"])
+@pytest.mark.parametrize("owner", ["self", "self-not-root", "other"])
 @pytest.mark.parametrize("folder", [0o700, 0o755, 0o775, 0o757])
 def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode: int, owner: str, folder: int,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+                                                           caplog: pytest.LogCaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """One rule (`paths.secret_key_checks` + `paths.loose_key_path`) for a secret key and its folder: the client
-    warns about its own key exactly when the daemon would refuse that key as its own."""
+    warns about its own key exactly when the daemon would refuse that key as its own. `self-not-root`: the key of a
+    user who is not root (run as root, "self" is root, whose files pass whatever the rule says of this user's)."""
     from moetune.runtime.profiles.curve_keys import warn_loose_secret
     from moetune.tuner.daemon.auth import check_secret_key_file
     from moetune.tuner.daemon.errors import DaemonConfigError
@@ -103,6 +105,9 @@ def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode:
     keys.chmod(folder)
     if owner == "other":
         os.chown(key, 65534, 65534)
+    if owner == "self-not-root" and os.geteuid() == 0:  # (not root: "self" is such a user already)
+        os.chown(key, 65534, 65534)
+        monkeypatch.setattr(os, "geteuid", lambda: 65534)  # this process as the key's owner, uid 65534
     try:
         check_secret_key_file(key)
         refused = False
