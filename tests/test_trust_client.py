@@ -540,7 +540,7 @@ def test_reply_env_filtered_before_export(fake, tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory owned by another user")
-def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path) -> None:
+def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tmp = tmp_path / "tmp"  # like /tmp: world-writable, sticky
     tmp.mkdir()
     os.chmod(tmp, 0o1777)
@@ -557,6 +557,11 @@ def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path) -> None:
     os.chmod(run, 0o770)
     assert "group- or world-writable" in (paths.untrusted_dir_reason(run) or "")
     os.chmod(run, 0o700)
+    assert paths.untrusted_dir_reason(run) is None
+    # this user's own when this user is not root (as root, "ours" is root's, trusted whatever the rule says of
+    # this user's): uid 65534's directory, seen by a process of uid 65534
+    os.chown(run, 65534, 65534)
+    monkeypatch.setattr(os, "getuid", lambda: 65534)
     assert paths.untrusted_dir_reason(run) is None
 
 
