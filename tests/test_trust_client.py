@@ -566,7 +566,8 @@ def test_runtime_dir_of_another_user_is_refused(fake, tmp_path: Path, monkeypatc
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a symbolic link owned by another user (os.lchown)")
-def test_a_runtime_dir_that_is_another_users_link_is_refused(fake, tmp_path: Path) -> None:
+def test_a_runtime_dir_that_is_another_users_link_is_refused(fake, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """In a sticky world-writable folder (like /tmp), `moetune-<uid>` is a symbolic link owned by another user to a
     directory that passes every check (root's, 0700). os.stat followed the link and only the target was checked, so
     it was trusted: its owner can repoint it at any time. Refused now, the socket in it too; this user's own link to
@@ -588,6 +589,12 @@ def test_a_runtime_dir_that_is_another_users_link_is_refused(fake, tmp_path: Pat
     assert daemon_info.read_daemon_info(f"ipc://{link / 'daemon.sock'}", {}) is None
     # this user's own link: its target is what is checked, as before
     os.lchown(link, os.getuid(), os.getgid())
+    assert paths.untrusted_dir_reason(link) is None
+    assert paths.untrusted_socket_reason(link / "daemon.sock") is None
+    # ... also when this user is not root (as root, "this user's" link is root's, trusted whatever the rule says of
+    # this user's): uid 65534's link, seen by a process of uid 65534
+    os.lchown(link, 65534, 65534)
+    monkeypatch.setattr(os, "getuid", lambda: 65534)
     assert paths.untrusted_dir_reason(link) is None
     assert paths.untrusted_socket_reason(link / "daemon.sock") is None
 
