@@ -80,13 +80,22 @@ def test_a_socket_dir_under_a_parent_others_may_write_is_refused(tmp_path: Path)
 
 
 @pytest.mark.parametrize("mode", [0o775, 0o2775])
-def test_a_group_writable_parent_of_this_user_is_fine(tmp_path: Path, mode: int) -> None:
+def test_a_group_writable_parent_of_this_user_is_fine(tmp_path: Path, mode: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) and setgid shared project
     directories (2775): the group is this user alone, or people its owner chose."""
     proj = tmp_path / "proj"
     proj.mkdir()
     os.chmod(proj, mode)
     _daemon(tmp_path, endpoint=f"ipc://{proj}/moetune/run/daemon.sock").start(background=True).stop()
+    if os.getuid() == 0:
+        # as root the folder above is root's, allowed whatever the rule says of this user's: the same folder of a
+        # user who is not root (uid 65534, its group one of this process's), checked by a process of that uid
+        from moetune.tuner.daemon.runtime_dir import check_socket_ancestors
+
+        os.chown(proj, 65534, -1)
+        monkeypatch.setattr(os, "getuid", lambda: 65534)
+        check_socket_ancestors(proj / "moetune" / "run")
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
