@@ -212,6 +212,12 @@ def test_runtime_dir_of_another_user_is_refused_sticky_or_not(tmp_path: Path, mo
     with pytest.raises(DaemonConfigError, match=f"{run} is owned by uid"):
         prepare_runtime_dir(run)
     assert stat.S_IMODE(os.stat(run).st_mode) == mode  # refused, never chmod-ed
+    if os.getuid() == 0:
+        # its owner, a user who is not root, takes it as it is (as root, this user's directories are root's, taken
+        # whatever the rule says of this user's): the process as uid 65534
+        monkeypatch.setattr(os, "getuid", lambda: 65534)
+        assert prepare_runtime_dir(run) is False
+        assert stat.S_IMODE(os.stat(run).st_mode) == mode
 
 
 def test_daemon_json_never_written_through_a_planted_link(tmp_path: Path) -> None:
