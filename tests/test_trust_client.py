@@ -765,7 +765,8 @@ def test_pick_profile_prefers_measured_and_limits_the_bucket_distance() -> None:
     assert pick_profile([measured], 2048) is measured  # one rung away
 
 
-def test_socket_in_a_sticky_shared_dir_is_trusted_only_when_ours(tmp_path: Path) -> None:
+def test_socket_in_a_sticky_shared_dir_is_trusted_only_when_ours(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import socket as _socket
 
     shared = tmp_path / "tmp"
@@ -785,6 +786,11 @@ def test_socket_in_a_sticky_shared_dir_is_trusted_only_when_ours(tmp_path: Path)
             os.chown(shared, 0, 0)
             os.chown(sock, 65534, 65534)  # someone else's socket squatting the name
             assert paths.untrusted_socket_reason(sock) is not None
+            # ours when we are not root (as root, "ours" is root's, trusted whatever the rule says of this user's):
+            # the folder and the socket of uid 65534, checked by a process of uid 65534
+            os.chown(shared, 65534, 65534)
+            monkeypatch.setattr(os, "getuid", lambda: 65534)
+            assert paths.untrusted_socket_reason(sock) is None
     finally:
         s.close()
 
