@@ -316,21 +316,25 @@ def test_profiles_list_and_show_label_provenance(tmp_path):
 
 
 def test_query_shows_provenance_from_the_database(tmp_path):
+    # a preset's profile and allow_modelled: the one case where the read-only database serves with this node's
+    # identity unknown (a profile of fingerprint "fp" was passed over, the policy default shown, the label unchecked)
     db = tmp_path / "q.db"
     m = get_model("qwen3-30b")
-    k = ProfileKey(fingerprint="fp", software="sw", transport_family="collective", ep_size=2, nodes=1,
-                   hidden=m.hidden, intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype,
+    k = ProfileKey(fingerprint="preset:nvlink-h200x2", software="modelled", transport_family="collective", ep_size=2,
+                   nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype,
                    token_bucket=128)
     with Store(db) as s:
         s.put_profile(ProfileRecord(key=k, knobs=default_knobs("collective"), latency_us=5.0, spread_us=0.1,
                                     backend="model:nvlink-h200x2"))
+    cfg = tmp_path / "client.toml"
+    cfg.write_text("[client]\nallow_modelled = true\n")
     r = runner.invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db),
-                            "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", "--json"])
+                            "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", "--json",
+                            "--config", str(cfg)])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output.strip().splitlines()[-1])
-    assert "provenance" in out
-    if out["source"] == "database":
-        assert out["provenance"] == "preset"
+    assert out["source"] == "database", out
+    assert out["provenance"] == "preset"
 
 
 def test_query_env_format_labels_a_modelled_profile(tmp_path, monkeypatch):
