@@ -22,7 +22,7 @@ import os
 import re
 
 from moetune.runtime import _once
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import KNOB_VALUES, Knobs
 
 log = logging.getLogger("moetune.autoload")
 
@@ -32,9 +32,9 @@ def _int_in(lo: int, hi: int) -> re.Pattern[str]:
     return re.compile("|".join(str(i) for i in range(hi, lo - 1, -1)))
 
 
-# The knob range (runtime/knobs.py: qps_per_pe is 1..64): a value outside it is not one a valid knob set
-# could have produced, so it is refused even though it would parse.
-_QPS_PER_PE = _int_in(1, 64)
+# The knob's range (KNOB_VALUES): a value outside it is not one a valid knob set could have produced, so it is
+# refused even though it would parse.
+_QPS_PER_PE = _int_in(KNOB_VALUES["qps_per_pe"].low, KNOB_VALUES["qps_per_pe"].high)
 
 # Every variable launcher_env can set, with the values it can set (a test enumerates launcher_env's
 # outputs over every transport and family and checks both directions).

@@ -52,6 +52,7 @@ from typing import Any
 
 from moetune.runtime.knobs import (
     ALLOWED_FENCE_MODES,
+    KNOB_VALUES,
     MAX_SLOTS,
     ONE_SIDED,
     PER_PE,
@@ -773,8 +774,9 @@ def _lenient_knobs(raw: dict[str, Any]) -> Knobs:
         raw["group_size"] = PER_PE
     if raw.get("transport") not in QUEUED:
         raw["qps_per_pe"] = 1
-    raw["qps_per_pe"] = max(1, min(64, int(raw.get("qps_per_pe", 1))))
-    raw["num_sms"] = max(1, min(264, int(raw.get("num_sms", 24))))
+    for name, fallback in (("qps_per_pe", 1), ("num_sms", 24)):  # clamped into the knob's range (KNOB_VALUES)
+        v = KNOB_VALUES[name]
+        raw[name] = max(v.low, min(v.high, int(raw.get(name, fallback))))
     if raw.get("compression") == "none":
         raw["scale_granularity"] = "per_token"
     if raw.get("fence_mode") == "nic_ordered" and raw.get("qps_per_pe", 1) > 1:
