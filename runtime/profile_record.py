@@ -29,6 +29,9 @@ PROVENANCES: tuple[Provenance, ...] = get_args(Provenance)
 # one only when it names it; an EP buffer asking for "any transport" never does.
 MEGAKERNEL_FAMILY = "megakernel"
 ENGINE_FAMILIES: frozenset[str] = frozenset({MEGAKERNEL_FAMILY})
+# A libfabric provider's name in a family (`proxy:libfabric/cxi`): what NVSHMEM_LIBFABRIC_PROVIDER may be set to
+# (launcher_env's rule), so a family the store, a policy or a key takes is one the runtime can export.
+LIBFABRIC_PROVIDER = r"[a-z][a-z0-9_]{0,31}"
 
 TOKEN_BUCKETS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 

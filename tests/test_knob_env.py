@@ -75,3 +75,21 @@ def test_channels_on_a_subgroup_warn_once() -> None:
         assert "not the whole world" in res[rank]["warnings"][0]
     assert res[2]["warnings"] == []
     assert all(r["whole_channels"] == 2 for r in res)  # the whole world gets its extra communicator
+
+
+@pytest.mark.parametrize("provider", ["cxi", "efa", "verbs", "psm3", "a" * 32, "9x", "1", "a" * 33, "Efa", "cxi-1"])
+def test_a_libfabric_family_is_taken_exactly_where_its_provider_can_be_exported(provider: str) -> None:
+    """The store's import, a policy lookup and launcher_env decide on a libfabric provider's name by one rule: a family
+    the store took (proxy:libfabric/9x, or a 40-letter name) had a provider NVSHMEM_LIBFABRIC_PROVIDER's rule refuses,
+    so its profile could be stored and served but never applied (a warning at the launcher only)."""
+    from moetune.tuner.search.policy import _PROVIDER_FAMILY
+    from moetune.tuner.store.validate import is_known_family
+
+    family = f"proxy:libfabric/{provider}"
+    exportable = ENV_RULES["NVSHMEM_LIBFABRIC_PROVIDER"].fullmatch(provider) is not None
+    assert is_known_family(family) is exportable
+    assert (_PROVIDER_FAMILY.fullmatch(family) is not None) is exportable
+    if exportable:
+        env = launcher_env(default_knobs("proxy"), family)
+        assert env["NVSHMEM_LIBFABRIC_PROVIDER"] == provider
+    assert exportable is (provider[0].isalpha() and provider.islower() and len(provider) <= 32 and "-" not in provider)

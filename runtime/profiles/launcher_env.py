@@ -23,6 +23,7 @@ import re
 
 from moetune.runtime import _once
 from moetune.runtime.knobs import KNOB_VALUES, Knobs
+from moetune.runtime.profile_record import LIBFABRIC_PROVIDER
 
 log = logging.getLogger("moetune.autoload")
 
@@ -41,7 +42,7 @@ _QPS_PER_PE = _int_in(KNOB_VALUES["qps_per_pe"].low, KNOB_VALUES["qps_per_pe"].h
 ENV_RULES: dict[str, re.Pattern[str]] = {
     "NVSHMEM_IB_ENABLE_IBGDA": re.compile(r"[01]"),
     "NVSHMEM_REMOTE_TRANSPORT": re.compile(r"ibrc|ucx|libfabric|none"),
-    "NVSHMEM_LIBFABRIC_PROVIDER": re.compile(r"[a-z][a-z0-9_]{0,31}"),  # cxi, efa, verbs, ...
+    "NVSHMEM_LIBFABRIC_PROVIDER": re.compile(LIBFABRIC_PROVIDER),  # cxi, efa, verbs, ...
     "NVSHMEM_IBGDA_NUM_RC_PER_PE": _QPS_PER_PE,
 }
 

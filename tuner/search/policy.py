@@ -29,6 +29,7 @@ from moetune.runtime.knobs import (
     KnobError,
     Knobs,
 )
+from moetune.runtime.profile_record import LIBFABRIC_PROVIDER
 from moetune.runtime.profiles.policy_defaults import policy_file_candidates
 
 KNOB_NAMES: tuple[str, ...] = tuple(Knobs.__struct_fields__)
@@ -190,8 +191,8 @@ def _read_policy_file(path: Path) -> dict[str, Any]:
 
 
 # a libfabric provider's family (proxy:libfabric/cxi) and policy file stem (proxy_libfabric_cxi)
-_PROVIDER_FAMILY = re.compile(r"proxy:libfabric/[a-z0-9][a-z0-9_]*")
-_PROVIDER_STEM = re.compile(r"proxy_libfabric_[a-z0-9][a-z0-9_]*")
+_PROVIDER_FAMILY = re.compile(rf"proxy:libfabric/{LIBFABRIC_PROVIDER}")
+_PROVIDER_STEM = re.compile(rf"proxy_libfabric_{LIBFABRIC_PROVIDER}")
 
 
 def _known_families_text() -> str:

@@ -14,6 +14,7 @@ from moetune.runtime.knobs import TRANSPORTS
 from moetune.runtime.options import data_path_problem
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
+    LIBFABRIC_PROVIDER,
     PROFILE_STATUSES,
     PROVENANCES,
     TOKEN_BUCKETS,
@@ -62,7 +63,7 @@ class FieldError(ValueError):
 KNOWN_FAMILIES = frozenset(
     {"nvlink", "proxy:ibrc", "proxy:ucx", "proxy:libfabric", "ibgda", "host_staged", "collective", *ENGINE_FAMILIES}
 )
-_LIBFABRIC_FAMILY = re.compile(r"proxy:libfabric/[a-z0-9][a-z0-9_]*")
+_LIBFABRIC_FAMILY = re.compile(rf"proxy:libfabric/{LIBFABRIC_PROVIDER}")
 # C0 controls, DEL and C1 controls: ESC starts a terminal escape sequence; a CSI (0x9b) is one on its own.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
