@@ -137,10 +137,13 @@ def test_capture_discovery_is_a_median_of_single_calls(monkeypatch, capsys) -> N
     case's is one): one slow first call must not move them, as it would a mean (total / 20) stored as the median."""
     import importlib.util
     import json
+    import platform
     import subprocess
     import time
 
     from moetune.tuner.fabric import discovery
+
+    platform.platform()  # cached before subprocess.run is stubbed: its first call runs `uname -p` through it
 
     calls: dict[object, int] = {}
 
