@@ -50,6 +50,10 @@ MK_MAX_COMBINE_TOKENS = 4096
 MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
                              "mk_combine_tokens", "mk_core", "mk_split_k", "mk_bn", "mk_overlap")
 MK_BNS: tuple[int, ...] = (0, 128, 256)
+# Knobs added after profiles were first stored (commit ab0bc7bc) and, unlike MK_KNOBS, hashed even at their
+# defaults: canonical() keeps them (rows stored since carry those hashes), so a row stored before them carries a
+# hash of `legacy_canonical()`. Readers of stored hashes accept both (profile_record.stored_profile_hashes).
+HASHED_LATE_KNOBS: tuple[str, ...] = ("staging_slots", "wait_mode", "combine_lanes")
 # Upper bounds of the unbounded-looking integers: the C side takes them as 32-bit ints, and no workload has
 # a million transfers per fence or tokens per message
 MAX_GROUP_SIZE = MAX_CHUNK_TOKENS = 1 << 20
@@ -318,6 +322,16 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         for name in MK_KNOBS:
             if d[name] == _DEFAULTS[name]:
                 del d[name]
+        return d
+
+    def legacy_canonical(self) -> dict[str, Any] | None:
+        """`canonical()` as a moetune from before HASHED_LATE_KNOBS hashed it: without them, where all three sit at
+        their defaults (the only values they had then); None otherwise (no profile stored then holds such knobs)."""
+        d = self.canonical()
+        if any(d[name] != _DEFAULTS[name] for name in HASHED_LATE_KNOBS):
+            return None
+        for name in HASHED_LATE_KNOBS:
+            del d[name]
         return d
 
     def digest(self) -> str:

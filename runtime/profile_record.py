@@ -181,11 +181,25 @@ def comparable(records: list[ProfileRecord]) -> list[ProfileRecord]:
     return one_metric(one_routing(records))
 
 
+def _hash_of(key: ProfileKey, canonical_knobs: dict[str, Any]) -> str:
+    payload = {"key": key.to_dict(), "knobs": canonical_knobs}
+    return hashlib.sha256(msgspec.json.encode(payload, order="sorted")).hexdigest()[:16]
+
+
 def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
     """Hash of key + knobs (`ProfileRecord.profile_hash`): what all ranks compare, and what a daemon's reply must
     carry for its key and knobs."""
-    payload = {"key": key.to_dict(), "knobs": knobs.canonical()}  # stable across new knobs
-    return hashlib.sha256(msgspec.json.encode(payload, order="sorted")).hexdigest()[:16]
+    return _hash_of(key, knobs.canonical())  # stable across new knobs (Knobs.canonical)
+
+
+def stored_profile_hashes(key: ProfileKey, knobs: Knobs) -> tuple[str, ...]:
+    """Every profile_hash a stored row of key + knobs may carry, today's (`profile_hash_of`) first, then the one a
+    moetune from before `knobs.HASHED_LATE_KNOBS` wrote (`Knobs.legacy_canonical`), where such a row can exist. What
+    the store compares a stored hash with: stored hashes are never rewritten (migrations' downgrade events name rows
+    by them)."""
+    legacy = knobs.legacy_canonical()
+    today = profile_hash_of(key, knobs)
+    return (today,) if legacy is None else (today, _hash_of(key, legacy))
 
 
 # What a what-if preset's fingerprint (and a preset profile's measured_on) starts with: "preset:NAME[:digest]" names a

@@ -16,6 +16,7 @@ from moetune.runtime.profile_record import (
     ProfileRecord,
     effective_provenance,
     metric_of_backend,
+    stored_profile_hashes,
 )
 from moetune.runtime.profiles.perf_env import parse_recorded
 from moetune.runtime.profiles.tuned_options import parse_recorded_options
@@ -164,7 +165,8 @@ def decide(
     is slower than a uniform one whatever the knobs); `new` replaces only with `replace_routing`. Metric: numbers of
     two metrics (`profile_record.metric_of_backend`: a round trip, a whole layer) are not compared; `new` replaces only with
     `force_reason` (re-measured side by side in its metric), else the stored one is kept. The same knobs
-    from the same source (`profile_hash`, `backend` and `measured_on` equal): `new` is a re-measurement of what is stored, so
+    from the same source (`profile_hash`, in either form a stored row may carry: `stored_profile_hashes`; `backend` and
+    `measured_on` equal): `new` is a re-measurement of what is stored, so
     it replaces whatever the numbers (`newer`: it was measured after the stored one; an import of an older
     record does not), unless the numbers and the recorded performance environment are identical. Other knobs: `force_reason` (a side-by-side
     re-measurement of both settings) replaces; else `new` must beat the STORED number by more than the noise,
@@ -218,7 +220,9 @@ def decide(
             f"re-measurement in the {new_metric} metric replaces it",
             "metric",
         )
-    same_knobs = (old.profile_hash, old.backend, old.measured_on) == (new.profile_hash, new.backend, new.measured_on)
+    # the stored hash as written: a row from before the knobs knobs.HASHED_LATE_KNOBS holds the older form
+    same_knobs = (old.profile_hash in stored_profile_hashes(new.key, new.knobs)
+                  and (old.backend, old.measured_on) == (new.backend, new.measured_on))
     if same_knobs and newer:
         if ((old.latency_us, old.spread_us) == (new.latency_us, new.spread_us) and _same_perf_env(old, new)
                 and _same_options(old, new)):
