@@ -21,7 +21,7 @@ from sqlalchemy import String, bindparam, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, stored_profile_hashes
 from moetune.tuner.store._rows import (
     decide,
     is_newer,
@@ -445,8 +445,9 @@ def import_bytes(store: Store, data: bytes, *, source: str = "<data>", skip_inva
                     known.add(rec.key.fingerprint)
                     result.fingerprints += 1
                 rows = stored.of(rec.key)
-                h = rec.profile_hash  # a property that hashes the key and knobs: once a record, not once a row
-                same = _already_stored([r for r in rows if r.profile_hash == h], rec)
+                # hashed once a record, not once a row; a row stored before knobs.HASHED_LATE_KNOBS holds the older form
+                hashes = stored_profile_hashes(rec.key, rec.knobs)
+                same = _already_stored([r for r in rows if r.profile_hash in hashes], rec)
                 if same is not None:
                     filled, differs = _fill_in(s, same, rec)
                     if filled:
