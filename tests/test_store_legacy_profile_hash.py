@@ -136,3 +136,46 @@ def test_stored_hashes_are_left_as_written(db):
     with Store(db) as s:
         s.import_bytes(s.dump_profiles())
     assert stored_hashes(db) == before
+
+
+def test_query_reads_an_old_rows_measured_on_and_backend(db, tmp_path):
+    """`query` reads measured_on and backend from the database row of the served key and hash
+    (`Store.provenance_of`): an old row was not found by today's hash, so `query` printed no measured_on and could
+    not tell whether a preset was the shipped one."""
+    from typer.testing import CliRunner
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.cli import app
+
+    m = get_model("qwen3-30b")
+    k = ProfileKey(fingerprint="preset:nvlink-h200x2", software="modelled", transport_family="collective", ep_size=2,
+                   nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts, topk=m.topk, dtype=m.dtype,
+                   token_bucket=128)
+    make_old(db, ProfileRecord(key=k, knobs=default_knobs("collective"), latency_us=5.0, spread_us=0.1,
+                               backend="model:nvlink-h200x2"))
+    with Store(db, readonly=True) as s:
+        rec = s.get_current(k)
+        want = ("preset", "preset:nvlink-h200x2", "model:nvlink-h200x2")
+        assert s.provenance_of(k, rec.profile_hash) == want
+        assert s.provenance_of(k, "0123456789abcdef") is None  # another hash is still no row of it
+    cfg = tmp_path / "client.toml"
+    cfg.write_text("[client]\nallow_modelled = true\n")
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db),
+                                 "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", "--json",
+                                 "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert (out["source"], out["provenance"], out["measured_on"]) == ("database", "preset", "preset:nvlink-h200x2")
+    assert out["profile_hash"] == rec.profile_hash
+
+
+def test_provenance_of_a_row_with_unreadable_knobs_goes_by_its_stored_hash(db):
+    rec = measured(100.0)
+    pid = make_old(db, rec)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE profiles SET knobs = '{not json' WHERE id = ?", (pid,))
+    con.close()
+    with Store(db, readonly=True) as s:
+        assert s.provenance_of(key(), old_hash(rec.key, rec.knobs)) == ("measured", "fp", "local:nccl")
+        assert s.provenance_of(key(), rec.profile_hash) is None
+        assert s.provenance_of(key()) == ("measured", "fp", "local:nccl")

@@ -107,6 +107,19 @@ def records(rows: Any, unreadable: list[tuple[int, str]] | None = None) -> list[
     return out
 
 
+def holds_profile(key: ProfileKey, stored_hash: str, knobs_text: str | None, profile_hash: str) -> bool:
+    """Whether a stored row of `key` (its profile_hash column, its knobs JSON as text) is the profile `profile_hash`
+    names: the same hash as stored, or one of the forms its key + knobs may carry (`stored_profile_hashes`): a caller
+    holds today's hash, a row stored before knobs.HASHED_LATE_KNOBS the older one. Unreadable knobs: the column only."""
+    if stored_hash == profile_hash:
+        return True
+    try:
+        knobs = Knobs.from_dict(msgspec.json.decode(knobs_text or "null"))
+    except (KnobError, ValueError, TypeError, msgspec.DecodeError):
+        return False
+    return profile_hash in stored_profile_hashes(key, knobs)
+
+
 def key_filter(key: ProfileKey | Profile) -> list[Any]:
     """WHERE terms for the rows of `key` (a ProfileKey, or a stored row: its key columns as they are)."""
     return [getattr(Profile, c) == getattr(key, c) for c in PROFILE_KEY_COLUMNS]

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     Engine,
     Integer,
+    String,
     case,
     create_engine,
     delete,
@@ -32,6 +33,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    type_coerce,
     union_all,
     update,
 )
@@ -63,6 +65,7 @@ from moetune.tuner.store._rows import (
     PROVENANCE_RANK,
     current_of,
     decide,
+    holds_profile,
     key_filter,
     now,
     records,
@@ -836,11 +839,15 @@ class Store:
         given): for callers that hold a key from elsewhere (a daemon reply, the runtime's fallback). A hand-edited
         "measured" label on a modelling backend is answered as what it is (`ProfileRecord.as_effective`); the backend
         tells a preset file's row from another node's model taken as a preset (`query.preset_note`)."""
-        q = select(Profile.provenance, Profile.measured_on, Profile.backend).where(*key_filter(key))
-        if profile_hash is not None:
-            q = q.where(Profile.profile_hash == profile_hash)
+        q = (select(Profile.provenance, Profile.measured_on, Profile.backend, Profile.profile_hash,
+                    type_coerce(Profile.knobs, String).label("knobs"))  # as text: one corrupt row fails no query
+             .where(*key_filter(key)).order_by((Profile.status == "current").desc(), Profile.id.desc()))
         with self._read() as s:
-            row = s.execute(q.order_by((Profile.status == "current").desc(), Profile.id.desc()).limit(1)).first()
+            if profile_hash is None:
+                row = s.execute(q.limit(1)).first()
+            else:  # matched on the row's knobs too: a row stored before knobs.HASHED_LATE_KNOBS has the older hash
+                row = next((r for r in s.execute(q).all() if holds_profile(key, r.profile_hash, r.knobs,
+                                                                           profile_hash)), None)
         if row is None:
             return None
         return (effective_provenance(row.provenance, row.backend, key.fingerprint),
