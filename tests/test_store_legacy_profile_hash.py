@@ -179,3 +179,24 @@ def test_provenance_of_a_row_with_unreadable_knobs_goes_by_its_stored_hash(db):
         assert s.provenance_of(key(), old_hash(rec.key, rec.knobs)) == ("measured", "fp", "local:nccl")
         assert s.provenance_of(key(), rec.profile_hash) is None
         assert s.provenance_of(key()) == ("measured", "fp", "local:nccl")
+
+
+def test_daemon_reply_and_database_fallback_never_read_the_stored_hash(db):
+    """Not affected, kept so: a daemon's reply carries the hash of the record it read (`wire.ProfileResult.from_record`:
+    `ProfileRecord.profile_hash`, computed from key and knobs), which is what the client checks it against
+    (`replies.reply_problem`); the runtime's read-only fallback does not select the column at all."""
+    from moetune.runtime import wire
+    from moetune.runtime.profiles.db_lookup import query_db_profiles
+    from moetune.runtime.profiles.replies import reply_problem
+
+    rec = measured(100.0)
+    make_old(db, rec)
+    with Store(db, readonly=True) as s:
+        got = s.get_current(key())
+    reply = wire.ProfileResult.from_record(got, env={})
+    assert reply.profile_hash == rec.profile_hash != stored_hashes(db)[0]
+    assert reply_problem(reply, model=None, ep_size=2, tokens=128, nodes=1, transport_family="nvlink") is None
+    k = key()
+    (fallback,) = query_db_profiles(db, ep_size=2, nodes=1, hidden=k.hidden, intermediate=k.intermediate,
+                                    experts=k.experts, topk=k.topk, dtype=k.dtype)
+    assert fallback.knobs == rec.knobs and fallback.profile_hash == rec.profile_hash
