@@ -307,6 +307,12 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             data[name] = _parse_value(name, value)
         return cls.from_dict(data)
 
+    @classmethod
+    def from_stored(cls, data: Any) -> Knobs:
+        """`from_dict` for a setting read back from where an earlier moetune wrote it (a profile row, an export
+        file): see `stored_form`."""
+        return cls.from_dict(stored_form(data))
+
     def replace(self, **changes: Any) -> Knobs:
         data = self.to_dict()
         unknown = set(changes) - set(data)
@@ -459,6 +465,21 @@ def _validate_megakernel(k: Knobs) -> None:
 
 
 _DEFAULTS: dict[str, Any] = dict(zip(Knobs.__struct_fields__, Knobs.__struct_defaults__, strict=True))
+
+# Megakernel knobs whose default changed after settings holding it were stored (a stored setting holds every knob):
+# mk_combine_tokens 8 until 579f2ce (2026-12-04, now 0 = auto), mk_split_k 2 from 7100c28 to 8035abb (2026-12-02,
+# now 1). Another engine's setting never read them, and _validate_megakernel now refuses them there.
+FORMER_MK_DEFAULTS: dict[str, Any] = {"mk_combine_tokens": 8, "mk_split_k": 2}
+
+
+def stored_form(data: Any) -> Any:
+    """A stored knob mapping as this moetune reads it: where the setting is not the megakernel's, a megakernel knob
+    at a former default (FORMER_MK_DEFAULTS) is today's default. Such rows stayed unreadable otherwise (skipped by
+    every lookup, list and export); their hashes are unchanged (`canonical` left that knob out then as now)."""
+    if not isinstance(data, dict) or data.get("engine", _DEFAULTS["engine"]) == "megakernel":
+        return data
+    return {k: (_DEFAULTS[k] if k in FORMER_MK_DEFAULTS and v == FORMER_MK_DEFAULTS[k] and type(v) is int else v)
+            for k, v in data.items()}
 # each field's allowed strings (Literal fields) or int-ness, from the struct's own annotations
 _FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(Knobs)}
 _CHOICES: dict[str, tuple[str, ...]] = {n: typing.get_args(tp) for n, tp in _FIELD_TYPES.items()

@@ -176,7 +176,7 @@ def query_db_profiles(
                 fingerprint=r[0], software=r[1], transport_family=r[2], ep_size=r[3], nodes=r[4], hidden=r[5],
                 intermediate=r[6], experts=r[7], topk=r[8], dtype=r[9], token_bucket=r[10],
             )
-            knobs = Knobs.from_dict(json.loads(r[11]) if isinstance(r[11], str) else r[11])
+            knobs = Knobs.from_stored(json.loads(r[11]) if isinstance(r[11], str) else r[11])
             sv = json.loads(r[16]) if isinstance(r[16], str) and r[16] else {}
             x = dict(zip(names, r[_BASE_COLUMNS:], strict=True))
             prov = x.get("provenance", "measured")  # legacy store: the backend name decides below

@@ -68,7 +68,7 @@ def record_from_row(row: Any) -> ProfileRecord:
     """A ProfileRecord from a `select_records()` row; UnreadableRow (a ValueError) says what is wrong with it."""
     try:
         key = ProfileKey(**{c: getattr(row, c) for c in PROFILE_KEY_COLUMNS})
-        knobs = Knobs.from_dict(msgspec.json.decode(row.knobs or "null"))
+        knobs = Knobs.from_stored(msgspec.json.decode(row.knobs or "null"))
         versions = msgspec.json.decode(row.software_versions or "{}", type=dict[str, str])
         perf_env = parse_recorded(row.perf_env)
         options = parse_recorded_options(row.runtime_options, row.runtime_options_digest)
@@ -114,7 +114,7 @@ def holds_profile(key: ProfileKey, stored_hash: str, knobs_text: str | None, pro
     if stored_hash == profile_hash:
         return True
     try:
-        knobs = Knobs.from_dict(msgspec.json.decode(knobs_text or "null"))
+        knobs = Knobs.from_stored(msgspec.json.decode(knobs_text or "null"))
     except (KnobError, ValueError, TypeError, msgspec.DecodeError):
         return False
     return profile_hash in stored_profile_hashes(key, knobs)

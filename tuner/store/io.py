@@ -20,7 +20,7 @@ import msgspec
 from sqlalchemy import String, bindparam, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
-from moetune.runtime.knobs import KnobError
+from moetune.runtime.knobs import KnobError, stored_form
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord, stored_profile_hashes
 from moetune.tuner.store._rows import (
     decide,
@@ -317,6 +317,8 @@ def _parse(data: bytes, source: str, skip_invalid: bool,
 def _profile_record(raw: Any, i: int, seen_fp: set[str], now: _dt.datetime) -> ProfileRecord:
     """profiles[i] of a file, decoded and checked; ProfileImportError names its index, its key and what is wrong."""
     try:
+        if isinstance(raw, dict) and isinstance(raw.get("knobs"), dict):  # an earlier moetune's export (stored_form)
+            raw = {**raw, "knobs": stored_form(raw["knobs"])}
         rec = msgspec.convert(raw, ProfileRecord)
     except (msgspec.ValidationError, KnobError, ValueError, TypeError) as e:
         # msgspec's path starts at the record: say where it is in the file, as a whole-file decode did
