@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from moetune.tuner.daemon.runtime_dir import unlink_if
+from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.runtime_dir import check_socket_path, owner_record, record_owner, unlink_if
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user (chown) needs root")]
@@ -62,3 +63,29 @@ def test_unlink_if_leaves_another_users_file_with_our_ident(tmp_path: Path, monk
         os.lchown(p, OTHER, OTHER)
     unlink_if(p, ident, kind)
     assert not os.path.lexists(p)
+
+
+# -- check_socket_path: a dead socket at our path is removed at start only where it is ours --------------------------
+@pytest.mark.parametrize("way", ["theirs_while_root", "roots_while_65534"])
+def test_a_dead_socket_of_another_user_is_refused_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           way: str) -> None:
+    """Even with an owner record of this user's naming it (the record is all the daemon leaves behind at kill -9):
+    the socket itself must be this user's too, and the refusal says whose it is."""
+    p = tmp_path / "daemon.sock"
+    _dead_socket(p)
+    record_owner(p, os.lstat(p))  # our record, naming this very socket
+    if way == "theirs_while_root":
+        os.lchown(p, OTHER, OTHER)
+        owner = OTHER
+    else:
+        os.lchown(owner_record(p), OTHER, OTHER)  # the record is "this user's"; the socket stays root's
+        _as_uid(monkeypatch, OTHER)
+        owner = 0
+    ident = _ident(p)
+    with pytest.raises(DaemonConfigError, match=f"{p} is a dead socket of uid {owner}, not of this user"):
+        check_socket_path(p)
+    assert _ident(p) == ident and owner_record(p).exists()
+    # the control: the same socket, this user's, is a stale one of ours and goes with its record
+    os.lchown(p, *((0, 0) if way == "theirs_while_root" else (OTHER, OTHER)))
+    check_socket_path(p)
+    assert not os.path.lexists(p) and not owner_record(p).exists()
