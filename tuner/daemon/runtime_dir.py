@@ -197,6 +197,10 @@ def check_socket_path(p: Path) -> None:
         raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another --socket)")
     if _socket_alive(p):
         raise DaemonBusy(f"another daemon is listening on {p}")
+    if st.st_uid != os.getuid():
+        # said apart from a missing record: a record of ours may name it, and only its owner then tells it is not ours
+        raise DaemonConfigError(f"{p} is a dead socket of uid {st.st_uid}, not of this user (uid {os.getuid()}): "
+                                "refusing to remove it; its owner may remove it, or choose another --socket")
     if not _proven_ours(p):
         raise DaemonConfigError(f"{p} is a dead socket that no record shows this daemon created: "
                                 "remove it yourself if it is safe, or choose another --socket")
