@@ -6,15 +6,26 @@ patched), with the same file of this user taken as the control."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket as pysocket
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
 from moetune.tuner.daemon.errors import DaemonConfigError
-from moetune.tuner.daemon.runtime_dir import check_socket_path, owner_record, record_owner, unlink_if
+from moetune.tuner.daemon.runtime_dir import (
+    check_socket_path,
+    foreign_info_reason,
+    owner_record,
+    record_owner,
+    unlink_if,
+)
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user (chown) needs root")]
@@ -89,3 +100,43 @@ def test_a_dead_socket_of_another_user_is_refused_and_kept(tmp_path: Path, monke
     os.lchown(p, *((0, 0) if way == "theirs_while_root" else (OTHER, OTHER)))
     check_socket_path(p)
     assert not os.path.lexists(p) and not owner_record(p).exists()
+
+
+# -- foreign_info_reason: daemon.json is replaced only where it is this user's ----------------------------------------
+def _ours_written(tmp: Path) -> tuple[Path, str]:
+    """daemon.json as a daemon of ours leaves it (marked, named by our owner record), and the daemon's endpoint."""
+    d = F.in_process_daemon(tmp)
+    endpoint = d.endpoint
+    d.start(background=True).stop()
+    info = tmp / "run" / "daemon.json"
+    assert foreign_info_reason(info, endpoint) is None  # ours as it stands: the cases below differ in the owner only
+    return info, endpoint
+
+
+def test_our_daemon_json_given_to_another_user_is_not_ours(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """This user root, daemon.json of uid 65534 (mark and record as ours): a daemon starting beside it leaves it
+    as it is, and says why."""
+    info, endpoint = _ours_written(tmp_path)
+    os.lchown(info, OTHER, OTHER)
+    assert foreign_info_reason(info, endpoint) == f"it belongs to uid {OTHER}"
+    before, ident = info.read_bytes(), _ident(info)
+    with caplog.at_level(logging.WARNING, logger="moetune.daemon"):
+        d = F.in_process_daemon(tmp_path).start(background=True)
+        try:
+            assert info.read_bytes() == before and _ident(info) == ident
+        finally:
+            d.stop()
+    assert info.read_bytes() == before and _ident(info) == ident and os.lstat(info).st_uid == OTHER  # nor at exit
+    assert any(f"not writing {info}: it belongs to uid {OTHER}" in r.getMessage() for r in caplog.records)
+
+
+def test_roots_daemon_json_is_not_ours_when_this_user_is_not_root(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """This user uid 65534, daemon.json root's: the owner record is given to 65534, so that only the file's owner
+    tells it from ours."""
+    info, endpoint = _ours_written(tmp_path)
+    os.lchown(owner_record(info), OTHER, OTHER)
+    _as_uid(monkeypatch, OTHER)
+    assert foreign_info_reason(info, endpoint) == "it belongs to uid 0"
+    os.lchown(info, OTHER, OTHER)  # the control: the same file, this user's, is ours
+    assert foreign_info_reason(info, endpoint) is None
