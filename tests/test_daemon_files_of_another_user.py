@@ -6,6 +6,7 @@ patched), with the same file of this user taken as the control."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket as pysocket
@@ -25,6 +26,7 @@ from moetune.tuner.daemon.runtime_dir import (
     owner_record,
     record_owner,
     unlink_if,
+    write_info_record,
 )
 
 pytestmark = [pytest.mark.timeout(60),
@@ -140,3 +142,72 @@ def test_roots_daemon_json_is_not_ours_when_this_user_is_not_root(tmp_path: Path
     assert foreign_info_reason(info, endpoint) == "it belongs to uid 0"
     os.lchown(info, OTHER, OTHER)  # the control: the same file, this user's, is ours
     assert foreign_info_reason(info, endpoint) is None
+
+
+# -- _info_is_ours: daemon.json is this run's only while it is the very file this run wrote, this user's ---------------
+def _put_another_daemons_info(info: Path) -> bytes:
+    """Replace daemon.json (a new inode) as another daemon of this user's, serving elsewhere, would: marked, with
+    the owner record naming its file, so that foreign_info_reason calls it ours and only _info_is_ours tells."""
+    body = json.dumps({"written_by": "moetune-daemon", "endpoint": "ipc:///elsewhere/daemon.sock", "pid": 1,
+                       "running": True, "epoch": "the-other-daemon"}).encode()
+    tmp = info.with_name(".daemon.json.other")
+    tmp.write_bytes(body)
+    write_info_record(info, _ident(tmp), None)
+    os.replace(tmp, info)
+    return body
+
+
+def test_a_daemon_json_replaced_during_the_run_is_left_at_exit(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    d = F.in_process_daemon(tmp_path).start(background=True)
+    info = tmp_path / "run" / "daemon.json"
+    try:
+        theirs = _put_another_daemons_info(info)
+        record = owner_record(info).read_bytes()
+        assert foreign_info_reason(info, d.endpoint) is None  # marked and recorded: only the inode says it is not ours
+    finally:
+        with caplog.at_level(logging.WARNING, logger="moetune.daemon"):
+            d.stop()
+    assert info.read_bytes() == theirs and owner_record(info).read_bytes() == record  # not rewritten "running": false
+    assert any(f"not writing {info}: it was replaced since this daemon wrote it" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_never_served_daemon_leaves_a_daemon_json_replaced_since(tmp_path: Path) -> None:
+    """A start-up that fails removes the daemon.json it wrote, never another daemon's put there since."""
+    d = F.in_process_daemon(tmp_path)
+    d._bind()
+    d._write_info(running=True)
+    info = tmp_path / "run" / "daemon.json"
+    theirs = _put_another_daemons_info(info)
+    record = owner_record(info).read_bytes()
+    d._close()
+    assert info.read_bytes() == theirs and owner_record(info).read_bytes() == record
+
+
+def test_our_daemon_json_given_to_another_user_during_the_run_is_left_at_exit(tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The very file this run wrote (same inode), given to uid 65534 since: no longer ours to rewrite."""
+    d = F.in_process_daemon(tmp_path).start(background=True)
+    info = tmp_path / "run" / "daemon.json"
+    try:
+        before, ident = info.read_bytes(), _ident(info)
+        os.lchown(info, OTHER, OTHER)
+    finally:
+        with caplog.at_level(logging.WARNING, logger="moetune.daemon"):
+            d.stop()
+    assert info.read_bytes() == before and _ident(info) == ident and os.lstat(info).st_uid == OTHER
+    assert any(f"not writing {info}: it was replaced since this daemon wrote it" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_roots_daemon_json_is_not_this_runs_when_this_user_is_not_root(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    d = F.in_process_daemon(tmp_path)
+    d.start(background=True).stop()  # the daemon.json this run wrote last, root's
+    info = tmp_path / "run" / "daemon.json"
+    assert d._info_is_ours(info)
+    _as_uid(monkeypatch, OTHER)
+    assert not d._info_is_ours(info)
+    os.lchown(info, OTHER, OTHER)  # the control: the same file, this user's
+    assert d._info_is_ours(info)
