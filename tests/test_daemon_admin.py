@@ -157,6 +157,62 @@ def test_ipc_group_member_reads_but_retunes_only_with_group_may_retune() -> None
             shutil.rmtree(base)
 
 
+
+def _a_group_nobody_is_not_in() -> grp.struct_group:
+    """A group that uid 65534 (nobody) is not in: neither its passwd group nor one listing it. The nobody test above
+    cannot tell members from others (its peer runs with the configured group as its own: a member whatever the
+    check says); a peer outside the group can. As root any group will do (the daemon gives its files to it), else
+    one of this process's."""
+    import pwd
+
+    try:
+        nobody = pwd.getpwuid(65534)
+    except KeyError:
+        pytest.skip("no user 65534 on this machine")
+    mine = None if os.geteuid() == 0 else {os.getgid(), os.getegid(), *os.getgroups()}
+    for g in grp.getgrall():
+        if g.gr_gid not in (0, nobody.pw_gid) and nobody.pw_name not in g.gr_mem and (mine is None or g.gr_gid in mine):
+            return g
+    pytest.skip("no group that uid 65534 is not in, which this process may give its files to")
+
+
+def test_user_in_group_is_true_for_members_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pwd
+
+    from moetune.tuner.daemon.auth import user_in_group
+
+    g = _a_group_nobody_is_not_in()
+    nobody = pwd.getpwuid(65534)
+    assert not user_in_group(65534, nobody.pw_gid, g.gr_gid)
+    unknown = next(u for u in range(4242, 5242) if u not in {p.pw_uid for p in pwd.getpwall()})
+    assert not user_in_group(unknown, nobody.pw_gid, g.gr_gid)  # no passwd entry: no membership to look up
+    # members: running with the group, the group of its passwd entry, or listed in the group
+    assert user_in_group(65534, g.gr_gid, g.gr_gid)
+    assert user_in_group(65534, g.gr_gid, nobody.pw_gid)
+    listed, real = grp.struct_group((g.gr_name, "x", g.gr_gid, [nobody.pw_name])), grp.getgrgid
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: listed if gid == g.gr_gid else real(gid))
+    assert user_in_group(65534, nobody.pw_gid, g.gr_gid)
+
+
+def test_ipc_peer_outside_the_group_is_refused_a_retune_with_group_may_retune(tmp_path: Path) -> None:
+    import pwd
+
+    g = _a_group_nobody_is_not_in()
+    nobody = pwd.getpwuid(65534)
+    d = _seeded(tmp_path, group=g.gr_name, group_may_retune=True)
+    try:
+        outsider = _Peer(**{"Peer-Address": f"localhost:65534:{nobody.pw_gid}:999"})
+        reply, op, outcome = d._handle(RETUNE, None, outsider)  # type: ignore[arg-type]
+        assert (op, outcome, _code(reply)) == ("retune", wire.E_FORBIDDEN, wire.E_FORBIDDEN)
+        message = msgspec.json.decode(reply)["error"]["message"]
+        assert f"members of group {g.gr_name!r}" in message and "this peer runs as uid 65534" in message, message
+        assert d.jobs.info() == ([], None, [])
+        # the same user running with the group as its own is a member: allowed (no head: answered inline)
+        member = _Peer(**{"Peer-Address": f"localhost:65534:{g.gr_gid}:999"})
+        assert _code(d._handle(RETUNE, None, member)[0]) is None  # type: ignore[arg-type]
+    finally:
+        d.stop()
+
 def _curve_daemon(tmp: Path) -> tuple[Daemon, bytes, dict[str, tuple[bytes, bytes]]]:
     import zmq.auth
 
