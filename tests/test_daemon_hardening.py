@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import stat
 import sys
@@ -488,6 +489,33 @@ def test_deeply_nested_reply_is_bad_reply(plain, tmp_path: Path) -> None:
     out, warned, _ = resolve(plain, tmp_path, b'{"v":1,"id":ID,"ok":true,"epoch":"e","result":' + DEEP + b"}")
     assert out.source in ("policy", "default") and len(warned) == 1 and time.monotonic() - t0 < 2
 
+
+
+# -- 7b: no pickle on the wire in the client's direction either (the daemon's: test_daemon_hostile) --------------
+def test_a_pickled_reply_is_refused_by_the_decoder_error_of_any_non_json_frame(plain) -> None:
+    """A real pickle of a valid hello reply (right id, every field valid) is BadReply, the same error as any frame
+    that is not JSON, never unpickled; the same reply as JSON is taken (the control)."""
+    ep = f"tcp://127.0.0.1:{free_port()}"
+
+    def envelope(rid: int) -> dict:
+        return {"v": 1, "id": rid, "ok": True, "epoch": "e1", "result": hello_result(ep)}
+
+    with pytest.raises(BadReply) as pickled:
+        replies.decode_reply(pickle.dumps(envelope(1), protocol=4))
+    with pytest.raises(BadReply) as garbage:
+        replies.decode_reply(b"\x80\x81\x82not json")
+    assert str(pickled.value) == str(garbage.value) and str(pickled.value).startswith("reply does not validate: ")
+    encode = {"with": lambda rid: pickle.dumps(envelope(rid), protocol=4)}
+    plain(ep, lambda req: encode["with"](req["id"]))
+    c = ProfileClient(ep, timeout_ms=2000, retries=0, env={}, allow_insecure_tcp=True)
+    try:
+        with pytest.raises(BadReply) as over_the_wire:
+            c.hello()
+        assert str(over_the_wire.value) == str(garbage.value)
+        encode["with"] = lambda rid: json.dumps(envelope(rid)).encode()
+        assert c.hello().protocol == 1
+    finally:
+        c.close()
 
 # -- 8: a tracked profile takes only what `resolve` would, and follows a restarted daemon ------------------------
 class _TrackClient(ProfileClient):
