@@ -211,3 +211,38 @@ def test_roots_daemon_json_is_not_this_runs_when_this_user_is_not_root(tmp_path:
     assert not d._info_is_ours(info)
     os.lchown(info, OTHER, OTHER)  # the control: the same file, this user's
     assert d._info_is_ours(info)
+
+
+# -- record_owner / write_info_record: an owner record in our record's place is replaced only where it is ours --------
+@pytest.mark.parametrize("which", ["socket", "daemon.json"])
+@pytest.mark.parametrize("way", ["theirs_while_root", "roots_while_65534"])
+def test_an_owner_record_of_another_user_is_not_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         which: str, way: str) -> None:
+    """A record is what makes a file ours: one of another user's at our record's name would have the daemon later
+    remove what that user names. It is refused, saying so, and kept."""
+    p = tmp_path / ("daemon.sock" if which == "socket" else "daemon.json")
+    if which == "socket":
+        _dead_socket(p)
+    else:
+        p.write_text("{}")
+    st = os.lstat(p)
+
+    def write() -> None:
+        if which == "socket":
+            record_owner(p, st)
+        else:
+            write_info_record(p, (st.st_dev, st.st_ino), None)
+
+    rec = owner_record(p)
+    rec.write_text("theirs")
+    if way == "theirs_while_root":
+        os.lchown(rec, OTHER, OTHER)
+    else:
+        _as_uid(monkeypatch, OTHER)  # the record stays root's
+    with pytest.raises(DaemonConfigError, match=f"{rec} exists and is not ours: refusing to replace it"):
+        write()
+    assert rec.read_text() == "theirs"
+    # the control: the same record, this user's, is replaced by ours
+    os.lchown(rec, *((0, 0) if way == "theirs_while_root" else (OTHER, OTHER)))
+    write()
+    assert json.loads(rec.read_text())["ino"] == st.st_ino
