@@ -11,6 +11,11 @@ SHA is the commit whose code ran where that is established (the host-staged runs
 RUN_CODE), `unknown` with the reason in the note where it is not, else the commit that added the raw result file;
 an imported prediction's unit carries `MODELLED`).
 
+Two `moetune bench run`s may append to one table at once: every append (with its restore on failure) holds an
+exclusive flock on the table itself, every read a shared one (`_flocked`), so rows never interleave, a restore
+never cuts another process's rows, and no reader sees a batch half written. No lock file: nothing new lands beside
+the table (a stray file in bench/results/ would stamp the next run's rows dirty).
+
 Stdlib only: the CLI, the scenario runner and the tests share it.
 """
 
@@ -19,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as dt
+import errno
+import fcntl
 import io
 import math
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,27 +152,54 @@ def append_or_keep(path: Path, rows: Iterable[dict[str, Any]]) -> int:
 
 def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     """Append rows (dicts keyed by COLUMNS; unknown keys are an error) to the CSV, writing the header first
-    when the file is new. Returns how many rows were written."""
+    when the file is new. Returns how many rows were written. Holds the table's exclusive flock from before its
+    length is read until the append (or its restore) is done: see the module's docstring."""
     rows = list(rows)
     _check_columns(rows)
     check_table(path)  # before anything is created: a folder or a foreign file is refused, never appended to
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    text = _csv_text(rows, header=new)
-    size = path.stat().st_size if path.exists() else 0
-    if size and not _ends_with_newline(path):  # a last row without its newline (a hand edit): not glued onto it
-        text = "\n" + text
+    # a descriptor of its own for the lock: the write's file object is closed (its buffer flushed) before a restore,
+    # which must still happen under the lock
+    lock_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
-        with path.open("a", encoding="utf-8", newline="") as f:
-            f.write(text)
-    except BaseException:
-        # a write cut short (a full disk, Ctrl-C) leaves no partial row behind (the next append would glue onto it):
-        # on an OSError the caller keeps every row elsewhere
-        with contextlib.suppress(OSError):
-            if path.is_file() and path.stat().st_size > size:
-                os.truncate(path, size)
-        raise
+        with _flocked(lock_fd, fcntl.LOCK_EX):
+            # decided under the lock: another process may have created the table or appended since `check_table`
+            size = os.fstat(lock_fd).st_size
+            text = _csv_text(rows, header=size == 0)
+            if size and path.is_file() and not _ends_with_newline(path):  # a last row without its newline (a hand
+                text = "\n" + text  # edit): not glued onto it
+            try:
+                with path.open("a", encoding="utf-8", newline="") as f:
+                    f.write(text)
+            except BaseException:
+                # a write cut short (a full disk, Ctrl-C) leaves no partial row behind (the next append would glue
+                # onto it): on an OSError the caller keeps every row elsewhere. Under the lock, nothing past `size`
+                # is another process's
+                with contextlib.suppress(OSError):
+                    if path.is_file() and path.stat().st_size > size:
+                        os.truncate(path, size)
+                raise
+    finally:
+        os.close(lock_fd)
     return len(rows)
+
+
+@contextlib.contextmanager
+def _flocked(fd: int, how: int) -> Iterator[None]:
+    """Hold flock `how` (LOCK_EX to append, LOCK_SH to read) on `fd` for the block. Where the file system takes no
+    flock (EINVAL, ENOLCK, EOPNOTSUPP: some network mounts) the block runs unlocked, as before: rows are never refused
+    for want of a lock. The kernel drops the lock when the process dies, kill -9 included."""
+    try:
+        fcntl.flock(fd, how)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -193,7 +227,7 @@ def check_table(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8", newline="") as f, _flocked(f.fileno(), fcntl.LOCK_SH):
             header = next(csv.reader([f.readline()]), [])
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise _unreadable(path, e) from None
@@ -209,7 +243,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
     if not path.exists() or (path.is_file() and path.stat().st_size == 0):
         return []
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8", newline="") as f, _flocked(f.fileno(), fcntl.LOCK_SH):
             rd = csv.DictReader(f)
             if not rd.fieldnames:
                 raise ResultsError(f"{path}: no header row (its first line is blank), so not a results CSV; a "
