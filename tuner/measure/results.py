@@ -137,23 +137,27 @@ def keep_rows(path: Path, rows: list[dict[str, Any]]) -> Path | None:
     return None
 
 
-def append_or_keep(path: Path, rows: Iterable[dict[str, Any]]) -> int:
-    """`append_rows`, and where the rows cannot be appended (an OSError, or the file became something this module
+def append_or_keep(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: bool = False) -> int:
+    """`append_rows` (`fresh_launch` as there), and where the rows cannot be appended (an OSError, or the file became something this module
     does not append to), RowsNotSaved after keeping them (`keep_rows`): rows measured are never lost."""
     rows = list(rows)
     _check_columns(rows)
     try:
-        return append_rows(path, rows)
+        return append_rows(path, rows, fresh_launch=fresh_launch)
     except (OSError, ResultsError) as e:
         reason = (getattr(e, "strerror", None) or str(e)) if isinstance(e, OSError) else str(e)
         raise RowsNotSaved(path, reason, len(rows), _csv_text(rows, header=True), keep_rows(path, rows),
                            getattr(e, "errno", None)) from None
 
 
-def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: bool = False) -> int:
     """Append rows (dicts keyed by COLUMNS; unknown keys are an error) to the CSV, writing the header first
     when the file is new. Returns how many rows were written. Holds the table's exclusive flock from before its
-    length is read until the append (or its restore) is done: see the module's docstring."""
+    length is read until the append (or its restore) is done: see the module's docstring.
+
+    `fresh_launch`: the rows are a launch just run (`moetune bench run`), whose id the table must not hold yet: a
+    launch id the table holds already (another run started in the same second: the ids have one-second resolution)
+    is replaced, in the rows given too, by the next free number (`_free_launch_id`), decided under the lock."""
     rows = list(rows)
     _check_columns(rows)
     check_table(path)  # before anything is created: a folder or a foreign file is refused, never appended to
@@ -165,6 +169,14 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
         with _flocked(lock_fd, fcntl.LOCK_EX):
             # decided under the lock: another process may have created the table or appended since `check_table`
             size = os.fstat(lock_fd).st_size
+            if fresh_launch and size:
+                taken = _launch_ids(path)
+                for launch in {str(r.get("launch", "")) for r in rows} & taken:
+                    free = _free_launch_id(launch, taken)
+                    taken.add(free)
+                    for r in rows:
+                        if str(r.get("launch", "")) == launch:
+                            r["launch"] = free
             text = _csv_text(rows, header=size == 0)
             if size and path.is_file() and not _ends_with_newline(path):  # a last row without its newline (a hand
                 text = "\n" + text  # edit): not glued onto it
@@ -182,6 +194,23 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     finally:
         os.close(lock_fd)
     return len(rows)
+
+
+def _launch_ids(path: Path) -> set[str]:
+    """The launch ids the table at `path` holds. Read without a shared lock: its caller holds the exclusive one (a
+    second flock of this process, on another descriptor, would wait for it forever)."""
+    with path.open(encoding="utf-8", newline="") as f:
+        return {r.get("launch") or "" for r in csv.DictReader(f)}
+
+
+def _free_launch_id(launch: str, taken: set[str]) -> str:
+    """`launch` (`<start>-<n>`: `20261207T045017Z-1`) with the next number after n that `taken` does not hold (an id
+    of another form gets `-2`, `-3`, ... appended)."""
+    start, sep, n = launch.rpartition("-")
+    base, k = (start, int(n)) if sep and n.isdigit() else (launch, 1)
+    while f"{base}-{k + 1}" in taken:
+        k += 1
+    return f"{base}-{k + 1}"
 
 
 @contextlib.contextmanager

@@ -90,7 +90,8 @@ def run(s: Scenario, *, case: str | None = None, launches: int | None = None, sm
             if r["source"] == "measured" and R.is_modelled(r):
                 r["source"] = "modelled"
         try:
-            R.append_or_keep(results, new_rows)
+            # another run may have started in the same second: a launch id the table holds moves to a free one
+            R.append_or_keep(results, new_rows, fresh_launch=True)
         except R.RowsNotSaved as e:  # kept elsewhere; no further launch is run into a table that takes no rows
             if n_launch > 1:
                 left = n_launch - li - 1
