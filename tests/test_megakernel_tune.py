@@ -758,3 +758,61 @@ def test_imported_megakernel_rows_are_in_the_summary() -> None:
     assert got[("bd3e980", "megakernel", "graph_us[S=128]")] == pytest.approx(289.3, abs=0.1)  # the README's table
     assert got[("ad3607d", "megakernel", "graph_us[S=128]")] == pytest.approx(287.8, abs=0.1)  # run 177, the note
     assert got[("06e9eca", "megakernel", "graph_us[S=1]")] == pytest.approx(35.7, abs=0.1)  # run 188, the README
+
+
+@pytest.mark.parametrize("where", ["variable", "config"])
+def test_a_trial_runs_under_the_users_megakernel_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         where: str) -> None:
+    """A tuning trial's layer is built with the runtime options the backend resolves (its `env`, the config's
+    [runtime] table), as a served layer is: before, `MegakernelConfig.from_knobs(knobs)` took the defaults, so a trial
+    that hung waited the default 2 s, not the user's megakernel_timeout_s. The CUDA parts are fakes (the layer
+    records the config it is given)."""
+    import torch
+
+    from moetune.runtime import moe_layer
+    from moetune.runtime.megakernel import layer as L
+    from moetune.runtime.megakernel import weights as W
+    from moetune.tuner.measure import moe as M
+
+    configs: list[Any] = []
+
+    class Layer:
+        def __init__(self, model: Any, *, config: Any, **kw: Any) -> None:
+            configs.append(config)
+
+        def forward(self, x: Any) -> None:
+            pass
+
+        def check(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(L, "MegakernelMoE", Layer)
+    monkeypatch.setattr(W, "tile_", lambda t: t)
+    monkeypatch.setattr(moe_layer, "expert_weights", lambda model, e, **kw: (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(moe_layer, "gate_weight", lambda model, **kw: torch.zeros(1))
+    monkeypatch.setattr(M, "_weights", {})
+    monkeypatch.setattr(M, "layer_inputs", lambda model, tokens, rotate, dev, dtype, seed: ["x0"])
+    monkeypatch.setattr(M, "time_calls", lambda fns, *, warmup, iters, cuda: [100.0] * iters)
+    monkeypatch.setattr(M, "graphs_of", lambda fn, xs: [lambda: None])
+    monkeypatch.setattr(M, "megakernel_output_problem", lambda *a: None)
+    if where == "variable":
+        env = {"MOETUNE_MK_TIMEOUT_S": "7.5"}
+    else:
+        cfg = tmp_path / "moetune.toml"
+        cfg.write_text("[runtime]\nmegakernel_timeout_s = 7.5\n")
+        env = {"MOETUNE_CONFIG": str(cfg)}
+    be = LocalBackend(world=1, family="megakernel", repeats=1, iters=4, env=env, mk_decode=lambda wl: False)
+    m = be.evaluate(Knobs(engine="megakernel"), TuneWorkload(model=QWEN, tokens=128))
+    assert m.ok, m
+    assert [c.timeout_ms for c in configs] == [7500.0]
+
+
+def test_a_trial_under_options_that_do_not_resolve_fails_and_is_not_called_infeasible() -> None:
+    """Runtime options that do not resolve fail every trial with the option named: not a setting that does not fit
+    (infeasible), which the ValueError would have been taken for inside the measurement's try."""
+    be = LocalBackend(world=1, family="megakernel", repeats=1, env={"MOETUNE_MK_TIMEOUT_S": "-1"},
+                      mk_decode=lambda wl: False)
+    m = be.evaluate(Knobs(engine="megakernel"), TuneWorkload(model=QWEN, tokens=128))
+    assert not m.ok and not m.infeasible
+    assert "megakernel_timeout_s" in str(m.error) or "MOETUNE_MK_TIMEOUT_S" in str(m.error), m.error

@@ -9,6 +9,7 @@ median and spread. Its numbers are measured.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -437,11 +438,13 @@ class LocalBackend(BenchmarkBackend):
         details["seconds"] = secs
         return value, details, None
 
-    def _measure_megakernel(self, knobs: Knobs, workload: TuneWorkload) -> Mapping[str, Sequence[float]]:
+    def _measure_megakernel(self, knobs: Knobs, workload: TuneWorkload, *,
+                            options: RuntimeOptions | None = None) -> Mapping[str, Sequence[float]]:
         from moetune.tuner.measure.moe import measure_megakernel
 
+        # `options`: the runtime options the layer is built with (its megakernel_timeout_s), as a served layer is
         return measure_megakernel(knobs, workload.model, workload.tokens, iters=self.mk_iters,
-                                  warmup=max(3, self.mk_iters // 5))
+                                  warmup=max(3, self.mk_iters // 5), options=options)
 
     def evaluate_megakernel(self, knobs: Knobs, workload: TuneWorkload) -> Measurement:
         """The whole layer on this GPU: graph-replay samples (what a serving engine replays) are the value,
@@ -453,7 +456,17 @@ class LocalBackend(BenchmarkBackend):
         if workload.ep_size != 1:
             return Measurement.failed(f"the megakernel runs on one GPU; workload has ep_size {workload.ep_size}",
                                       infeasible=True)
-        measure = self.mk_measure or self._measure_megakernel
+        if self.mk_measure is not None:
+            measure = self.mk_measure
+        else:
+            # the options this backend's runs resolve (`env`, else this process's; the config's [runtime] table): the
+            # layer was built with the defaults, so a trial that hung waited 2 s whatever megakernel_timeout_s said.
+            # Resolved outside the try below: options that do not resolve are no setting that does not fit
+            try:
+                options = self.runtime_options()
+            except ValueError as e:
+                return Measurement.failed(str(e)[:600])
+            measure = functools.partial(self._measure_megakernel, options=options)
         graph: list[float] = []
         eager: list[float] = []
         for _ in range(self.repeats):
