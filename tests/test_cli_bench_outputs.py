@@ -91,11 +91,11 @@ def _read_only(monkeypatch: pytest.MonkeyPatch, fail_from: int = 1) -> list[int]
     calls: list[int] = []
     real = R.append_rows
 
-    def append(path, rows):
+    def append(path, rows, **kw):  # kw: fresh_launch, which the runner passes
         calls.append(1)
         if len(calls) >= fail_from:
             raise OSError(errno.EROFS, "Read-only file system")
-        return real(path, rows)
+        return real(path, rows, **kw)
 
     monkeypatch.setattr(R, "append_rows", append)
     return calls
