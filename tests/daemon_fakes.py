@@ -528,3 +528,23 @@ def fake_local_backend(monkeypatch: Any, name: str = "local:fake") -> list[dict]
 
     monkeypatch.setattr(search, "make_backend", make)
     return seen
+
+
+def fabric_daemon(tmp: Path, facts: Any) -> tuple[Any, list[ProfileRecord], list[Any], list[list[Any]], Any]:
+    """A daemon started in the background on a fresh store seeded with `facts`' profiles, discovering `now[0]` (set it
+    to other facts for a fabric change) and re-tuning with a job that records the keys it gets: (store, seeded, now,
+    ran, daemon). The caller stops the daemon."""
+    from moetune.tuner.daemon.server import Daemon
+
+    store = open_store(tmp / "moetune.db")
+    seeded = seed_profiles(store, facts)
+    now = [facts]
+    ran: list[list[Any]] = []
+
+    def job(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
+               retune_job=job).start(background=True)
+    return store, seeded, now, ran, d

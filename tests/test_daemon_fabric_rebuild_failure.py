@@ -39,17 +39,7 @@ def _index_read_busy_once(store: Any) -> list[int]:
 
 def test_a_fabric_change_whose_index_rebuild_failed_is_retried_by_the_next_round(tmp_path: Path) -> None:
     a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, a)
-    now = [a]
-    ran: list[list[Any]] = []
-
-    def job(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
-               retune_job=job).start(background=True)
+    store, seeded, now, ran, d = F.fabric_daemon(tmp_path, a)
     try:
         assert d.index.fingerprint == a.fingerprint
         published: list[str] = []

@@ -16,7 +16,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.tuner.daemon.server import Daemon
 from moetune.tuner.store.store import StoreBusy
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,17 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize("failing", ["add_event", "mark_stale"])
 def test_a_fabric_change_whose_write_failed_is_retried_by_the_next_round(tmp_path: Path, failing: str) -> None:
     a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
-    store = F.open_store(tmp_path / "moetune.db")
-    seeded = F.seed_profiles(store, a)
-    now = [a]
-    ran: list[list[Any]] = []
-
-    def job(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
-               retune_job=job).start(background=True)
+    store, seeded, now, ran, d = F.fabric_daemon(tmp_path, a)
     try:
         assert d.facts.fingerprint == a.fingerprint
         published: list[str] = []
