@@ -765,3 +765,15 @@ def test_the_tuners_search_stays_within_3_percent_on_the_small_proxy_grids(prese
     assert "error" not in case, case.get("error")
     assert case["pass"], (f"{preset} {model}: median best {case['tpe_median_gap']:.2%} from the grid optimum with "
                           f"{case['budget']} of {case['grid_size']} points")
+
+
+def test_a_launch_numbered_10_in_one_second_is_later_than_its_9() -> None:
+    """Two launches started in the same second get `<start>-9` and `<start>-10` (results._free_launch_id): the later
+    one (-10, a dirty tree: each launch its own batch) is the latest, though as text "-10" sorts before "-9"."""
+    s = SCENARIOS["moe-megakernel-vs-unfused"]
+    rows = [_row(s.name, c, f"20261207T045017Z-{n}", m, git_dirty="1")
+            for n, m in ((9, 50.0), (10, 70.0)) for c in ("unfused", "megakernel")]
+    t = _table_rows(summary.scenario_table(s, rows))
+    assert t["megakernel"][:2] == ["1", "70"], t
+    assert R.launch_order("20261207T045017Z-10") > R.launch_order("20261207T045017Z-9")
+    assert R.launch_order("run28a") == ("run28a", 0)

@@ -203,6 +203,13 @@ def _launch_ids(path: Path) -> set[str]:
         return {r.get("launch") or "" for r in csv.DictReader(f)}
 
 
+def launch_order(launch: str) -> tuple[str, int]:
+    """A sort key of a launch id (`<start>-<n>`) that orders its number as a number: `...Z-10` after `...Z-9`, which
+    as text sorts before it (an id of another form keys as itself with n 0)."""
+    start, sep, n = launch.rpartition("-")
+    return (start, int(n)) if sep and n.isdigit() else (launch, 0)
+
+
 def _free_launch_id(launch: str, taken: set[str]) -> str:
     """`launch` (`<start>-<n>`: `20261207T045017Z-1`) with the next number after n that `taken` does not hold (an id
     of another form gets `-2`, `-3`, ... appended)."""

@@ -84,7 +84,7 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
     if not use:
         return [*head, f"No rows yet: `moetune bench run {s.name}`.", ""]
     # the latest launch (ties on the date broken by the launch and its batch, never by the rows' order), then its batch
-    latest = max(use, key=lambda r: (_when(r), r["launch"], _batch_key(r)))
+    latest = max(use, key=lambda r: (_when(r), R.launch_order(r["launch"]), _batch_key(r)))
     batch = [r for r in use if _batch_key(r) == _batch_key(latest)]
     present = {r["metric"] for r in batch}
     metric = next((m for m in s.metrics if m in present), sorted(present)[0])
@@ -153,7 +153,7 @@ def scenario_table(s: Scenario, rows: list[dict[str, str]], max_cases: int = 8, 
         m = stat(c, "median")
         ratio = ratio_of(c)
         nl = len({r["launch"] for r in batch if r["case"] == c and not _failed(r)})
-        fails = sorted((r for r in batch if r["case"] == c and _failed(r)), key=lambda r: (_when(r), r["launch"]))
+        fails = sorted((r for r in batch if r["case"] == c and _failed(r)), key=lambda r: (_when(r), R.launch_order(r["launch"])))
         nf = len({r["launch"] for r in fails})
         cell = f"{nl} + {nf} FAILED" if nf else str(nl)
         if not nl:  # no number in this batch: the failure is the result, never an older batch's number
