@@ -242,8 +242,8 @@ class SchemaVersionManager:
                     "include_name": lambda name, type_, _p: type_ != "table" or name in own,
                 },
             )
-            diff = [line for d in compare_metadata(ctx, Base.metadata) for line in describe_schema_diff(d)] \
-                if rev is not None else []
+            diff = [*(line for d in compare_metadata(ctx, Base.metadata) for line in describe_schema_diff(d)),
+                    *check_constraint_diff(conn, Base.metadata)] if rev is not None else []
             conn.rollback()
         ok = rev == head and integrity == ["ok"] and not fk and not diff
         return {
@@ -256,6 +256,57 @@ class SchemaVersionManager:
             "schema_diff": diff,
             "ok": ok,
         }
+
+
+def _sql_text(sql: str) -> str:
+    """A CHECK's condition as compared: whitespace collapsed, outer parentheses dropped (SQLite keeps the text as
+    written, the models compile theirs)."""
+    t = " ".join(sql.split())
+    while t.startswith("(") and t.endswith(")") and _balanced(t[1:-1]):
+        t = t[1:-1].strip()
+    return t
+
+
+def _balanced(t: str) -> bool:
+    depth = 0
+    for ch in t:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def check_constraint_diff(conn: Any, metadata: Any) -> list[str]:
+    """Readable lines for the CHECK constraints of moetune's tables that differ between the database and the models
+    (by name, then by condition): Alembic's `compare_metadata` does not look at CHECKs, so a constraint a migration
+    dropped, renamed (0001's doubled `ck_profiles_ck_profiles_*` names, which 0011 fixed) or wrote with another
+    condition went unseen."""
+    import sqlalchemy as sa
+
+    from moetune.tuner.store.models import NAMING
+
+    insp = sa.inspect(conn)
+    present = set(insp.get_table_names())
+    out: list[str] = []
+    for table in metadata.sorted_tables:
+        if table.name not in present:
+            continue  # a missing table is said by compare_metadata
+        want: dict[str, str] = {}
+        for c in table.constraints:
+            if isinstance(c, sa.CheckConstraint) and c.name is not None:
+                name = c.name if isinstance(c.name, sa.sql.elements.conv) else \
+                    NAMING["ck"] % {"table_name": table.name, "constraint_name": c.name}
+                want[str(name)] = _sql_text(str(c.sqltext))
+        have = {str(c["name"]): _sql_text(str(c["sqltext"])) for c in insp.get_check_constraints(table.name)}
+        for name in sorted(want.keys() - have.keys()):
+            out.append(f"check constraint {table.name}.{name} ({want[name]}) {_MISSING}")
+        for name in sorted(have.keys() - want.keys()):
+            out.append(f"check constraint {table.name}.{name} ({have[name]}) {_IN_DB}")
+        for name in sorted(want.keys() & have.keys()):
+            if want[name] != have[name]:
+                out.append(f"check constraint {table.name}.{name} is ({have[name]}) in the database, "
+                           f"({want[name]}) in moetune's schema")
+    return out
 
 
 def _cols(obj: Any) -> str:

@@ -42,8 +42,8 @@ NAMING = {
 
 def _sql_in(values: tuple[str, ...]) -> str:
     """`'a', 'b'`: the values of a CHECK ... IN (...) written from the runtime's tuple (one definition; a change of
-    it still needs a migration, which tests/test_store_schema_head.py asks for: `db check`'s comparison does not look
-    at CHECK constraints)."""
+    it still needs a migration, which tests/test_store_schema_head.py asks for; `db check` names a database whose
+    CHECK differs, `_schema.check_constraint_diff`)."""
     return ", ".join(f"'{v}'" for v in values)
 
 
