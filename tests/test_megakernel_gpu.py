@@ -548,6 +548,50 @@ def test_overlap_other_expert_counts(spec):
     _check(layer, m, x, out, idx, w)
 
 
+@pytest.mark.parametrize("cfg", ["decode=0", "decode=0,bm=16", "decode=0,bm=16,split_k1=2,split_k2=2",
+                                 "decode=0,bm=64", "decode=0,bm=64,overlap=0", "decode=0,core=mma,bm=64",
+                                 "decode=0,bm=128,bn=256"])
+@pytest.mark.parametrize("spec", ["custom:1024,256,48,1", "custom:1024,256,96,2", "custom:384,128,40,2",
+                                  "custom:1024,256,160,1"])
+def test_task_graph_topk_1_2_and_other_expert_counts(spec, cfg):
+    """The task graph at top-k 1 and 2 (the COMBINE's general loop, not the top-k-8 fast path; one or two rows per
+    token in the readiness counts) and expert counts that are not powers of two, on every routing kernel: k_route
+    (H % 512 == 0, E <= 128, S = 13 and 300), k_logits + k_topk (S = 3, S = 1290 > 1024, H = 384 at every S, and
+    E = 160 > 128, where processors also wait for published GEMM1 words instead of computing them). Other GPU tests
+    run top-k 8 (the Qwen3 shape, the custom shapes) and top-k 2 only in the decode kernel. Each launch: the dense
+    reference, every row written, the kernel's task counts as modelled; the gate picks as torch's routing, top-1
+    weights exactly 1. Then given routing: Zipf, and every token to experts 0..K-1 (at S = 1290 = 10 x 128 + 10
+    their last rows are a tail of 10 in the wide tile's last m-tile)."""
+    need_megakernel_gpu()
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.megakernel.config import limits_problem
+    from moetune.runtime.moe_layer import route
+    from moetune.runtime.shapes import get_model
+
+    m, cap = get_model(spec), 1290
+    config = MegakernelConfig.parse(cfg)
+    why = limits_problem(m, cap, config)
+    if why is not None:  # bn=256 on hidden 384 (not a multiple of 256): refused on the host, as it should be
+        pytest.skip(why)
+    layer = MegakernelMoE(m, max_tokens=cap, seed=0, config=config)
+    for s in (3, 13, 300, cap):
+        assert layer.decode_grid(s) is None, (spec, cfg, s)  # the task graph, not the decode kernel
+        x = _x(s, m.hidden, seed=5100 + s)
+        out = layer.forward(x, out=_poisoned(s, m.hidden))
+        idx, w = (t.clone() for t in layer.routing(s))
+        _check(layer, m, x, out, idx, w)
+        assert int(idx.min()) >= 0 and int(idx.max()) < m.experts, (spec, cfg, s)
+        if m.topk == 1:
+            assert torch.equal(w, torch.ones_like(w)), (spec, cfg, s)
+        ridx, _ = route(x, layer.gate, m.topk)
+        same = (idx.sort(1).values == ridx.sort(1).values).all(1)
+        assert same.float().mean().item() >= 0.99, (spec, cfg, s)
+        for mode in ("zipf", "one"):
+            idx, w = _routing(s, m.experts, m.topk, mode, seed=5200 + s)
+            out = layer.forward_routed(x, idx, w, out=_poisoned(s, m.hidden))
+            _check(layer, m, x, out, idx, w)
+
+
 @pytest.mark.parametrize("cfg", ["", "bm=16", "bm=16,combine_tokens=8", "bm=64", "bm=128", "bm=64,overlap=0",
                                  "bm=128,overlap=0,combine_tokens=8", "core=mma,bm=64", "bm=16,split_k1=3,split_k2=2"])
 @pytest.mark.parametrize("spec", ["custom:384,256,64,8", "custom:1152,256,64,8"])
