@@ -551,17 +551,18 @@ def test_overlap_other_expert_counts(spec):
 @pytest.mark.parametrize("cfg", ["decode=0", "decode=0,bm=16", "decode=0,bm=16,split_k1=2,split_k2=2",
                                  "decode=0,bm=64", "decode=0,bm=64,overlap=0", "decode=0,core=mma,bm=64",
                                  "decode=0,bm=128,bn=256"])
-@pytest.mark.parametrize("spec", ["custom:1024,256,48,1", "custom:1024,256,96,2", "custom:384,128,40,2",
+@pytest.mark.parametrize("spec", ["custom:1024,256,48,1", "custom:1024,256,96,2", "custom:384,192,40,2",
                                   "custom:1024,256,160,1"])
 def test_task_graph_topk_1_2_and_other_expert_counts(spec, cfg):
     """The task graph at top-k 1 and 2 (the COMBINE's general loop, not the top-k-8 fast path; one or two rows per
     token in the readiness counts) and expert counts that are not powers of two, on every routing kernel: k_route
     (H % 512 == 0, E <= 128, S = 13 and 300), k_logits + k_topk (S = 3, S = 1290 > 1024, H = 384 at every S, and
-    E = 160 > 128, where processors also wait for published GEMM1 words instead of computing them). Other GPU tests
-    run top-k 8 (the Qwen3 shape, the custom shapes) and top-k 2 only in the decode kernel. Each launch: the dense
-    reference, every row written, the kernel's task counts as modelled; the gate picks as torch's routing, top-1
-    weights exactly 1. Then given routing: Zipf, and every token to experts 0..K-1 (at S = 1290 = 10 x 128 + 10
-    their last rows are a tail of 10 in the wide tile's last m-tile)."""
+    E = 160 > 128, where processors also wait for published GEMM1 words instead of computing them); H = 384 with
+    I = 192 also has odd n-block counts (3 and 3) and I % 128 == 64. Other GPU tests run top-k 8 (the Qwen3 shape,
+    the custom shapes) and top-k 2 only in the decode kernel. Each launch: the dense reference, every row written,
+    the kernel's task counts as modelled; the gate picks as torch's routing, top-1 weights exactly 1. Then given
+    routing: Zipf, and every token to experts 0..K-1 (at S = 1290 = 10 x 128 + 10 their last rows are a tail of 10
+    in the wide tile's last m-tile)."""
     need_megakernel_gpu()
     from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
     from moetune.runtime.megakernel.config import limits_problem
@@ -571,7 +572,7 @@ def test_task_graph_topk_1_2_and_other_expert_counts(spec, cfg):
     m, cap = get_model(spec), 1290
     config = MegakernelConfig.parse(cfg)
     why = limits_problem(m, cap, config)
-    if why is not None:  # bn=256 on hidden 384 (not a multiple of 256): refused on the host, as it should be
+    if why is not None:  # bn=256 or split_k2=2 on the 384 x 192 shape: refused on the host, as it should be
         pytest.skip(why)
     layer = MegakernelMoE(m, max_tokens=cap, seed=0, config=config)
     for s in (3, 13, 300, cap):
