@@ -180,6 +180,11 @@ def check_record(rec: ProfileRecord) -> None:
     # measured, a preset's prediction would be listed as measured and would compete with real measurements.
     if rec.provenance == "measured" and provenance_of_backend(rec.backend) != "measured":
         raise FieldError("provenance", f"measured, but backend {rec.backend[:64]!r} does not measure (local:*)")
+    # nor under a what-if preset's key: `preset:NAME` names a modelled fabric, no node, so nothing was measured on it
+    # (stored, the label outranked and replaced the preset's own prediction, and was listed as measured)
+    if rec.provenance == "measured" and is_preset_fingerprint(rec.key.fingerprint):
+        raise FieldError("provenance", f"measured, but the key's fingerprint {rec.key.fingerprint[:64]!r} is a preset's "
+                                       "modelled fabric, on which nothing is measured")
     # nor this node's model: node_model outranks preset, so a preset's (or another node's model's) prediction so
     # labelled would displace a faster preset profile and be served as this node's model
     why = node_model_label_problem(str(rec.provenance), rec.backend, rec.key.fingerprint)

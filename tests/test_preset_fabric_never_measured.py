@@ -1,0 +1,54 @@
+"""A what-if preset's fingerprint (`preset:NAME[:DIGEST]`) names a modelled fabric, never a node: nothing was measured
+on it. A record labelled `measured` under such a key (a `local:*` backend, measured_on the key's fingerprint) was
+stored and imported, listed as measured, and displaced the preset's own prediction by the rank rule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.store.io import ProfileImportError
+from moetune.tuner.store.store import Store
+from moetune.tuner.store.validate import FieldError
+
+PRESET_FP = "preset:ndr-ibrc-h100x8:0123456789abcdef"
+
+
+def key(bucket: int = 128) -> ProfileKey:
+    return ProfileKey(fingerprint=PRESET_FP, software="sw", transport_family="nvlink", ep_size=2, nodes=1, hidden=7168,
+                      intermediate=2048, experts=256, topk=8, dtype="bfloat16", token_bucket=bucket)
+
+
+def measured() -> ProfileRecord:
+    return ProfileRecord(key=key(), knobs=default_knobs("nvlink"), latency_us=50.0, spread_us=0.1,
+                         backend="local:nccl", provenance="measured")
+
+
+def test_a_measured_label_under_a_preset_key_is_refused_by_the_store(tmp_path: Path) -> None:
+    with Store(tmp_path / "p.db") as s:
+        s.put_profile(ProfileRecord(key=key(), knobs=default_knobs("nvlink"), latency_us=5.0, spread_us=0.1,
+                                    backend="model:ndr-ibrc-h100x8", provenance="preset", measured_on=PRESET_FP))
+        with pytest.raises(FieldError, match="preset"):
+            s.put_profile(measured())
+        # the preset's prediction stays the current profile of its key, labelled as what it is
+        assert [(r.status, r.effective_provenance) for _i, r in s.list_profiles()] == [("current", "preset")]
+
+
+def test_an_import_claiming_a_measurement_on_a_preset_fabric_is_refused(tmp_path: Path) -> None:
+    rec = {**msgspec.to_builtins(measured()), "created": "2026-11-01T00:00:00+00:00",
+           "updated": "2026-11-01T00:00:00+00:00"}
+    assert rec["measured_on"] == PRESET_FP  # the key's fingerprint: what import asks of a measurement
+    doc = {"format": "moetune-profiles", "version": 1, "moetune_version": "0", "profiles": [rec],
+           "fingerprints": [{"hash": PRESET_FP, "facts": {}, "first_seen": "2026-11-01T00:00:00+00:00",
+                             "last_seen": "2026-11-01T00:00:00+00:00"}]}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(doc))
+    with Store(tmp_path / "dst.db") as s:
+        with pytest.raises(ProfileImportError, match="preset"):
+            s.import_profiles(path)
+        assert s.list_profiles() == []
