@@ -65,7 +65,7 @@ def perf_env_lines(rec: Any) -> list[tuple[str, str]]:
     """(field, value) rows of `profiles show` for the performance environment a profile was measured in."""
     env = rec.tuned_perf_env
     if env is None:
-        why = ("not recorded: measured by an older moetune" if rec.provenance == "measured"
+        why = ("not recorded: measured by an older moetune" if rec.effective_provenance == "measured"
                else "not recorded: a prediction, measured in no process")
         return [("perf_env", f"unknown ({why})")]
     rows = [("perf_env", f"{len(env)} variable(s), digest {perf_env_digest(env)}" if env
@@ -77,7 +77,7 @@ def runtime_options_lines(rec: Any) -> list[tuple[str, str]]:
     """(field, value) rows of `profiles show` for the data-path runtime options a profile was measured under."""
     opts = rec.tuned_runtime_options
     if opts is None:
-        why = ("not recorded: measured by an older moetune" if rec.provenance == "measured"
+        why = ("not recorded: measured by an older moetune" if rec.effective_provenance == "measured"
                else "not recorded: a prediction, run under no options")
         return [("runtime_options", f"unknown ({why})")]
     rows = [("runtime_options", f"{len(opts)} option(s), digest {rec.runtime_options_digest}")]
