@@ -604,6 +604,18 @@ def test_a_tracked_modelled_profile_is_kept_with_allow_modelled_and_not_called_t
     assert t.current is not None and t.tuned
 
 
+def test_a_tracked_reply_claiming_a_measurement_of_a_modelling_backend_is_kept_as_what_it_is() -> None:
+    """A reply labelled "measured" whose backend does not measure (an older daemon sent its rows' stored label): the
+    judgement took it as modelled (not tuned), but `current` kept the claim, so a program reading
+    `current.provenance` read a preset's prediction as a measurement."""
+    claim = msgspec.convert(result(backend="model:nvlink-h200x2", provenance="measured"), wire.ProfileResult)
+    assert claim.provenance == "measured" and claim.measured_on == FP  # the claim as it came
+    t = tracked_profile.TrackedProfile(_TrackClient(claim, allow_modelled=True), QUERY)  # type: ignore[arg-type]
+    assert t.current is not None and not t.tuned and t.error is None
+    assert (t.current.provenance, t.current.measured_on) == ("preset", "preset:nvlink-h200x2"), t.current
+    assert t.current.profile_hash == claim.profile_hash and t.current.knobs == claim.knobs
+
+
 def test_a_tracked_profile_is_judged_under_the_tracking_jobs_options() -> None:
     """track() judges every fetch under the job's own options (an EP buffer built with explicit ones), not the
     config's and variables': otherwise a profile tuned under other data-path options stays `current` and tuned, and

@@ -65,7 +65,8 @@ class TrackedProfile:
             self.client.restarted = False
             if verdict is None:
                 raise ProfileRefused(f"daemon served profile {res.profile_hash}: {why}")
-            self.current, self.error, self.tuned = res, None, verdict == "tuned"
+            # labelled as judged: a reply's "measured" claim of a modelling backend is not handed on as a measurement
+            self.current, self.error, self.tuned = res.as_effective(), None, verdict == "tuned"
         except (DaemonError, BadReply, ProfileRefused) as e:
             # not found / stale / not an answer / not for this node: never keep serving a profile resolve would not
             self.current, self.error, self.tuned = None, e, False
