@@ -535,7 +535,7 @@ def moe(
             *(Col(h, "num", drop=4 if len(checks) > 1 and k == "rel_err_vs_reference" else 0) for k, h in checks))
     print_table(Console(), cols, rows, left_out_hint="--json shows them",
                 title=f"MoE layer {rep['model']} on {rep['device']} (µs, median of {iters}"
-                      f"{f', each block after {rest:g} s idle' if rest else ''}; floors: weights at "
+                      f"{f', each block after {rest:g} s idle' if rest else ''}; floors MODELLED (computed, not timed): weights at "
                       f"{fr['read_tbps']:g} TB/s, tensor cores at {fr['tensor_tflops']:g} TFLOP/s, {whose}; plain "
                       "read: two sums over the expected experts' weights, measured here)")
     _footer(rep, "engine")

@@ -405,8 +405,9 @@ def _bench_moe(model: ModelShape, tokens: Sequence[int], engines: Sequence[str],
     rates, own = rates_for(gpu)
     report = {"model": model.name, "device": str(dev), "graph": graph and cuda, "iters": iters, "warmup": warmup,
               "rotate": rotate, "rest_s": rest_s, "seed": seed, **({"warmup_note": raised} if raised else {}),
+              # the floors are arithmetic at these rates, never timed: labelled as every computed number is
               "floor_rates": {"gpu": rates.gpu, "this_gpu_model": own, "read_tbps": rates.read_tbps,
-                              "tensor_tflops": rates.tensor_tflops, "measured": rates.measured}}
+                              "tensor_tflops": rates.tensor_tflops, "measured": rates.measured, "label": "MODELLED"}}
     cases: list[dict[str, Any]] = [{"engine": e, "skipped": skipped[e]} for e in dict.fromkeys(engines) if e in skipped]
     if len(skipped) == len(set(engines)):  # nothing can run here: no weights built, no plain read timed
         return {**report, "cases": cases}
