@@ -477,8 +477,18 @@ class ProxyTransport(OneSidedTransport):
         self._running_engine().set_peer_data(list(self.data.peer_ptrs))
         csrc_build.check(self.lib, self.lib.mt_pxy_set_data(self._h, self.data_bytes), "mt_pxy_set_data")
 
+    def _refuse_capture(self, what: str) -> None:
+        """The call's epoch is a kernel argument from the host, so a CUDA graph would replay the epoch of its capture:
+        every replay after the first (and the first after any eager call) finds its signal slots already at that
+        epoch and its count words from an earlier run with the same tag, and reads rows before they land -- wrong
+        rows, no error. Refused before anything is launched or counted (graph_capturable is False)."""
+        if capturing(self.device):
+            raise OneSidedError(f"proxy: {what} cannot be captured in a CUDA graph (its epoch comes from the host per "
+                                "call, and a replay would reuse the captured one); use transport=nvlink for graphs")
+
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         self.check()
+        self._refuse_capture("exchange_counts")
         sc = self._counts_arg(send_counts)
         out = torch.empty(self.world, dtype=torch.int64, device=self.device)
         self._counts_epoch += 1
@@ -495,6 +505,7 @@ class ProxyTransport(OneSidedTransport):
         rank's own transfers timed out: then copies may still read `send`, so do not reuse or free it (the tensors
         this transport made for the call are held rather than freed)."""
         counts_in = send_counts
+        self._refuse_capture("exchange")
         send, rb, sc = self._prepare(send, send_counts)
         self._check_call_chunks(send.shape[0], counts_in)
         rcv = self._counts_arg(recv_counts) if recv_counts is not None else None
