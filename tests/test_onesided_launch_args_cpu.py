@@ -14,6 +14,7 @@ from moetune.runtime.knobs import default_knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports import proxy as proxy_mod
 from moetune.runtime.transports._onesided import OneSidedError
+from moetune.runtime.transports.nvlink import NvlinkTransport
 from moetune.runtime.transports.proxy import ProxyTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,3 +45,31 @@ def test_proxy_refuses_a_call_captured_in_a_cuda_graph(lib: RecLib, monkeypatch:
     finally:
         t.close()
 
+
+def test_nvlink_copies_a_one_row_tensor_whose_columns_are_not_adjacent(lib: RecLib) -> None:
+    """The strided exchange and the gather read each row as row_bytes contiguous bytes. A one-row tensor skipped the
+    column-stride check (it looked at rows > 1 only): [1, H] with column stride 2 (a column of a wider tensor) went
+    to the kernel as is, and its bytes (every other element, and those of the next columns) were sent in place of
+    the row. Such a tensor is sent through a contiguous copy, as one of more rows is."""
+    t = _on_cpu(NvlinkTransport(None, default_knobs("nvlink"), torch.device("cuda", 0), options=RuntimeOptions(),
+                                max_send_rows=64, row_bytes=256))
+    try:
+        base = torch.arange(16, dtype=torch.float32).reshape(1, 16)
+        rows = base[:, ::2]  # [1, 8], column stride 2
+        n_strided = len([n for n, _ in lib.calls if n == "mt_nvl_exchange_strided"])
+        t.exchange_strided(rows, torch.tensor([1]), torch.tensor([1]))
+        assert len([n for n, _ in lib.calls if n == "mt_nvl_exchange_strided"]) == n_strided  # not read in place
+        a = lib.args_of("mt_nvl_exchange")
+        sent = t._keep[0]
+        assert a[1] == sent.data_ptr() and sent.is_contiguous() and torch.equal(sent, rows)
+
+        x = torch.arange(16, dtype=torch.bfloat16).reshape(1, 16)[:, ::2]  # one token, column stride 2
+        idx, w = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2)
+        tok = torch.zeros(1, dtype=torch.int64)
+        t.dispatch_gather(x, tok, idx, w, torch.tensor([1]), row_bytes=64, id_off=16, weight_off=32)
+        a = lib.args_of("mt_nvl_exchange_gather")
+        sent_x = t._keep[0]
+        assert a[1] == sent_x.data_ptr() and sent_x.is_contiguous() and torch.equal(sent_x, x)
+        assert a[3] == 16 and a[4] == 16  # x_stride, payload_bytes: one row of 8 bf16
+    finally:
+        t.close()

@@ -132,7 +132,7 @@ class NvlinkTransport(OneSidedTransport):
     def exchange_strided(self, rows: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
         """exchange() of a 2-D tensor whose rows are strided (unit column stride), read in place: e.g.
         the payload columns of a receive buffer sent back by combine without a compacting copy."""
-        if rows.dim() != 2 or rows.shape[1] == 0 or (rows.shape[0] > 1 and (rows.stride(1) != 1 or rows.stride(0) < rows.shape[1])):
+        if rows.dim() != 2 or rows.shape[1] == 0 or not _rows_in_place(rows):
             return self.exchange(rows, send_counts, recv_counts)
         self.check()
         if rows.device != self.device:
@@ -167,7 +167,7 @@ class NvlinkTransport(OneSidedTransport):
             raise ValueError(f"{self.name}: dispatch_gather needs x [S, H] on {self.device}, idx/weights [S, k] and "
                              f"tok of S x world entries; got x {tuple(x.shape)} on {x.device}, idx "
                              f"{tuple(idx.shape)}, weights {tuple(weights.shape)}, tok {tuple(tok.shape)}")
-        if x.shape[0] > 1 and (x.stride(1) != 1 or x.stride(0) < x.shape[1]):
+        if not _rows_in_place(x):
             x = x.contiguous()
         k = idx.shape[1]
         payload = x.shape[1] * x.element_size()
@@ -217,6 +217,13 @@ class NvlinkTransport(OneSidedTransport):
             return run_now(native)  # _destroy_nvl_native, once
         # no finalizer: no context was made (or it was already destroyed)
         return _destroy_nvl_native(self.lib, h, loud=True) if h is not None else []
+
+
+def _rows_in_place(t: torch.Tensor) -> bool:
+    """Whether the kernels may read each row of the 2-D `t` as its bytes in place: adjacent columns, whatever the row
+    count (a one-row tensor's column stride counts too: only its row stride does not), and rows that do not
+    overlap."""
+    return t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
 def _destroy_nvl_native(lib: Any, h: ctypes.c_void_p, loud: bool = False) -> list[str]:
