@@ -31,6 +31,7 @@ def test_proxy_refuses_a_call_captured_in_a_cuda_graph(lib: RecLib, monkeypatch:
     t = _on_cpu(ProxyTransport(None, default_knobs("proxy"), torch.device("cuda", 0), options=RuntimeOptions(),
                                max_send_rows=8, row_bytes=32))
     try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA build (the stand-in answers for it)
         monkeypatch.setattr(proxy_mod, "capturing", lambda device: True)
         sc = torch.tensor([2])
         with pytest.raises(OneSidedError, match="CUDA graph"):

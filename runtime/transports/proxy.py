@@ -482,7 +482,8 @@ class ProxyTransport(OneSidedTransport):
         every replay after the first (and the first after any eager call) finds its signal slots already at that
         epoch and its count words from an earlier run with the same tag, and reads rows before they land -- wrong
         rows, no error. Refused before anything is launched or counted (graph_capturable is False)."""
-        if capturing(self.device):
+        # (a torch without CUDA captures nothing, and its torch.cuda.device would raise)
+        if torch.cuda.is_available() and capturing(self.device):
             raise OneSidedError(f"proxy: {what} cannot be captured in a CUDA graph (its epoch comes from the host per "
                                 "call, and a replay would reuse the captured one); use transport=nvlink for graphs")
 
