@@ -11,6 +11,8 @@ Knobs used: fence_mode (`proxy_drain`: the thread stops until every earlier tran
 `peer_hash` keeps a signal group's PUTs and SIGNAL on one and rotates the groups over them, `round_robin` gives each
 request the next), qps_per_pe (streams per peer), signalling (`coupled`: a signal per PUT; `decoupled`: one signal
 per group of `group_size` PUTs, 0 = per PE), chunk_tokens (rows per PUT; 0 = one PUT per peer).
+Not capturable in a CUDA graph: each call's epoch is a kernel argument from the host, which a replay would repeat, so
+exchange() and exchange_counts() raise OneSidedError inside a capture (use nvlink there).
 The runtime option `proxy_batch=N` (> 1; `MOETUNE_PROXY_BATCH`) lets the proxy issue consecutive unsignalled PUTs of one QP stream as
 one cudaMemcpyBatchAsync (off by default; bench/proxy_micro.py measures both). The runtime option `proxy_cpu`
 (`numa` by default, `none`, or a CPU list) says where the proxy thread pins itself: to the set of CPUs local to the
