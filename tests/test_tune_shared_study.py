@@ -209,3 +209,36 @@ def test_two_processes_enqueue_each_warm_start_point_once(tmp_path: Path, monkey
     new = next(k for k in (space.suggest(sampler.ask()) for _ in range(200))
                if space.feasible(k)[0] and tuple(sorted(space.params_of(k).items())) not in given)
     assert enqueue_warm_start(studies[1], space, [("bucket_transfer:128:0", new)]) == 1  # a resume adds what is new
+
+
+def _sampled(studies: list[optuna.Study], rounds: int) -> list[list[tuple[tuple[str, Any], ...]]]:
+    """Each study object's sampled params, the objects taking turns on one study (as its workers do)."""
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    got: list[list[tuple[tuple[str, Any], ...]]] = [[] for _ in studies]
+    for _ in range(rounds):
+        for i, s in enumerate(studies):
+            t = s.ask()
+            k = space.suggest(t)
+            s.tell(t, 100.0 + k.num_sms)
+            got[i].append(tuple(sorted(t.params.items())))
+    return got
+
+
+def test_workers_of_one_seed_sample_other_points(tmp_path: Path) -> None:
+    """Every node of a shared study runs `moetune tune` with the default --seed 0: each process's sampler drew the
+    same random stream, so the workers measured the same points (64 nodes: the startup trials one point 64 times,
+    the budget spent on copies). A trial's draws follow the seed and the trial's number: workers of one seed sample
+    other points, and a run alone with one seed still samples the same points every time."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    a, b = _sampled([open_study("moetune/t", url, seed=0, n_startup_trials=8),
+                     open_study("moetune/t", url, seed=0, n_startup_trials=8)], 6)
+    # the 8 startup trials are random, 4 each: they were the same 4 points (so was each later pair, from one history)
+    assert set(a[:4]).isdisjoint(b[:4]), (a, b)
+    assert all(x != y for x, y in zip(a, b, strict=True)), (a, b)
+    alone = [_sampled([open_study("moetune/t", f"sqlite:///{tmp_path / f'{n}.db'}", seed=0, n_startup_trials=8)], 12)
+             for n in ("one", "two")]
+    assert alone[0] == alone[1]  # reproducible: one seed, the same points

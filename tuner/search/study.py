@@ -1,6 +1,7 @@
 """The Optuna study of one tuning key: its name, sampler, seeding, warm start, resume, run and summary.
 
-- Sampler: TPE, multivariate with `group=True` (it decomposes the conditional space), seeded.
+- Sampler: TPE, multivariate with `group=True` (it decomposes the conditional space), seeded per trial (the seed
+  and the trial's number: the workers of a shared study, all of one --seed, draw apart).
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape. Each point
   is enqueued once per study, by whichever process claims it first (`_claim_warm_point`: SQLite and server alike).
@@ -136,13 +137,30 @@ class _Sampler(optuna.samplers.TPESampler):
     """TPE that records whose trial it is as soon as Optuna has created it: `before_trial` runs in
     `Trial.__init__` (from `ask`), before any parameter is sampled, and writes the trial's `worker` attr through
     the storage. A RUNNING trial without one is then a trial whose creator died between Optuna's create and this
-    hook (or this process's own within that instant: noted in `ASKED`)."""
+    hook (or this process's own within that instant: noted in `ASKED`).
+
+    With a seed, each trial draws from generators seeded by the seed and the trial's number (`_trial_seed`), not
+    from one stream per process: every worker of a shared study runs with the same --seed (0 by default), and
+    their samplers drew the same points, trial after trial (the random startup trials all of them). Trial numbers
+    are the study's, one per trial, so workers draw apart; a run alone with one seed samples the same points."""
+
+    def __init__(self, *, seed: int | None = None, **kwargs: Any):
+        super().__init__(seed=seed, **kwargs)
+        self._seed = seed
 
     def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         ASKED.add((storage_id(study._storage), trial._trial_id))
         if "worker" not in trial.user_attrs:
             study._storage.set_trial_user_attr(trial._trial_id, "worker", current_worker())
+        if self._seed is not None:  # before any parameter is sampled (relative ones are sampled on the first suggest)
+            self._rng.rng.seed(_trial_seed(self._seed, trial.number, "tpe"))
+            self._random_sampler._rng.rng.seed(_trial_seed(self._seed, trial.number, "random"))
         super().before_trial(study, trial)
+
+
+def _trial_seed(seed: int, number: int, stream: str) -> int:
+    """A 32-bit seed (numpy's range) for trial `number`'s draws of `stream` under the study's `seed`."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{number}:{stream}".encode()).digest()[:4], "little")
 
 
 def make_sampler(seed: int | None, n_startup_trials: int = 10) -> optuna.samplers.TPESampler:
