@@ -77,3 +77,16 @@ def test_the_default_studies_file_is_beside_the_configured_database(tmp_path: Pa
     cfg.write_text("[store]\ndb = 5\n")
     with pytest.raises(ConfigError, match=rf"store\.db in {cfg}: expected a string"):
         default_storage_url()
+
+
+@pytest.mark.parametrize("secret", ["password=s3cret", "sslpassword=s3cret"])
+def test_a_password_in_a_server_urls_query_is_not_printed(tmp_path: Path, secret: str) -> None:
+    """`postgresql://h/db?user=u&password=...` is a libpq URL as `u:password@h` is: the unreachable server's error
+    printed the URL with its password (only the `user:password@` form was redacted)."""
+    url = f"postgresql://127.0.0.1:1/db?user=bob&{secret}&connect_timeout=5"
+    r = _run(tmp_path, *TUNE, "--db", str(tmp_path / "m.db"), "--storage", url)
+    assert r.exit_code == 2, r.output
+    assert "cannot open the study storage" in r.stderr and "s3cret" not in r.output, r.output
+    assert f"{secret.split('=')[0]}=***" in r.stderr, r.stderr
+    r = _run(tmp_path, "tune", "show", "--storage", url)
+    assert r.exit_code == 2 and "s3cret" not in r.output, r.output

@@ -238,3 +238,26 @@ def test_a_trial_without_a_heartbeat_is_failed_once_stale_and_a_beating_one_is_n
     space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=4)
     res = run_study(study, space, CallableBackend(lambda k, w: 100.0 + k.num_sms), wl, trials=4)
     assert res.trials == res.complete == 4
+
+
+def test_a_password_in_the_query_string_is_kept_out_of_the_run_rows_and_messages(pg_url: str, tmp_path: Path) -> None:
+    """libpq takes the password as a query parameter too (`postgresql://u@h/db?password=...`): the URL was recorded
+    as it was in the profile database's tuning_runs (only `user:password@` was redacted), and `tune show` named it in
+    full on a database without Optuna's tables."""
+    from typer.testing import CliRunner
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.cli import app
+    from moetune.tuner.search.tune import tune_profiles_detailed
+    from moetune.tuner.store.store import Store
+
+    url = f"{pg_url}&password=s3cret"  # the server trusts any password: the URL is used as given
+    r = CliRunner().invoke(app, ["tune", "show", "--storage", url], env={"MOETUNE_HOME": str(tmp_path / "home")})
+    assert r.exit_code != 0 and "not an Optuna studies storage" in r.stderr, r.output
+    assert "s3cret" not in r.output, r.output
+    with Store(tmp_path / "m.db") as s:
+        tune_profiles_detailed(s, None, models=[get_model("qwen3-30b")], tokens=[128], backend="model",
+                               preset="nvlink-h200x2", trials=2, storage=url, families=["nvlink"])
+        [run] = s.list_runs()
+    assert run["status"] == "done" and "s3cret" not in run["storage"], run["storage"]
+    assert "password=***" in run["storage"], run["storage"]

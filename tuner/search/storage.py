@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import sqlite3
 import stat
 import threading
@@ -191,6 +192,23 @@ def normalize_url(url: str) -> str:
 
         if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
             return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+# libpq's parameters that carry a secret, which a server URL may give in its query as well as in `user:password@`
+_SECRET_QUERY = re.compile(r"([?&](?:ssl)?password=)[^&]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """A storage URL without its secrets, for messages and the run table: the password of `user:password@`, and of a
+    `password=` or `sslpassword=` query parameter (`postgresql://h/db?user=u&password=...`: it was printed and stored
+    as it was given)."""
+    url = _SECRET_QUERY.sub(r"\1***", url)  # first: a password holding an `@` is then gone with its parameter
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        cred, host = rest.rsplit("@", 1)
+        user = cred.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}"
     return url
 
 
@@ -449,7 +467,7 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
         tables = set(sqlalchemy.inspect(engine).get_table_names())
     finally:
         engine.dispose()
-    _need_tables(url.split("@")[-1], tables)
+    _need_tables(redact_url(url).split("@")[-1], tables)
     return optuna.storages.RDBStorage(url, skip_table_creation=True)
 
 

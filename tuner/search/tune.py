@@ -53,7 +53,7 @@ from moetune.tuner.search.model_backend import (
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.progress import NoProgress, Progress
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.storage import default_storage_url, make_storage, storage_id
+from moetune.tuner.search.storage import default_storage_url, make_storage, redact_url, storage_id
 from moetune.tuner.search.study import (
     BucketPrior,
     StudyResult,
@@ -586,13 +586,8 @@ def _best_value(study: optuna.Study) -> float | None:
 
 
 def _redact(url: str) -> str:
-    """Storage URL without a password (it is recorded in the run table)."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        cred, host = rest.rsplit("@", 1)
-        user = cred.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}"
-    return url
+    """Storage URL without a password (it is recorded in the run table): `storage.redact_url`."""
+    return redact_url(url)
 
 
 def _beats(a: Measurement, b: Measurement) -> bool:
