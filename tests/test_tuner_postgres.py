@@ -261,3 +261,52 @@ def test_a_password_in_the_query_string_is_kept_out_of_the_run_rows_and_messages
         [run] = s.list_runs()
     assert run["status"] == "done" and "s3cret" not in run["storage"], run["storage"]
     assert "password=***" in run["storage"], run["storage"]
+
+
+def test_a_worker_whose_trial_was_failed_as_stale_goes_on(pg_url: str) -> None:
+    """A live worker whose heartbeat came late (the process paused, the database out of reach past the grace period):
+    another worker fails its running trial as stale (interrupted: not counted). Its result could then not be told, and
+    its whole tune ended on "Cannot tell a FAIL trial." (the CLI: exit 2, every later study of the run lost). The
+    worker goes on with the study instead: the trial stays interrupted, the budget is met by trials of its own."""
+    import threading
+
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.storage import make_storage
+    from moetune.tuner.search.study import open_study, run_study
+    from moetune.tuner.search.trials import interrupted_ids
+
+    study = open_study("moetune/paused", make_storage(pg_url), seed=0)  # beats every 10 s
+    other = make_storage(pg_url)
+    other.grace_period = 1  # another worker's check: what 60 s without a heartbeat means, in a second
+    started, checked = threading.Event(), threading.Event()
+
+    def check() -> None:
+        started.wait(30)
+        time.sleep(1.5)  # past the grace period, before the paused worker's next beat
+        optuna.storages.fail_stale_trials(optuna.load_study(study_name="moetune/paused", storage=other))
+        checked.set()
+
+    checker = threading.Thread(target=check, daemon=True)
+    checker.start()
+    calls = [0]
+
+    def f(k: object, _w: object) -> float:
+        calls[0] += 1
+        if calls[0] == 1:  # the first trial's worker is paused while another worker checks
+            started.set()
+            assert checked.wait(30)
+        return 100.0 + k.num_sms  # type: ignore[attr-defined]
+
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=4)
+    res = run_study(study, space, CallableBackend(f), wl, trials=3, warm_start=False)  # was: ValueError
+    checker.join(timeout=10)
+    first = study.trials[0]
+    assert first.state == optuna.trial.TrialState.FAIL and first._trial_id in interrupted_ids(study)
+    assert (res.trials, res.complete) == (3, 3)  # the stale one is not counted: three of its own were run
+    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))

@@ -22,7 +22,9 @@
   (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted` (a FAIL with
   no `error` is one too: `is_interrupted`): it is not a finished trial, and a warm-start point it carried is enqueued again (the policy default is
   measured even when its first run was the one interrupted). No trial this process made RUNNING is left so by an
-  interrupt or an error, wherever it lands (inside Optuna's `ask()` or `tell()` too: `fail_in_flight`).
+  interrupt or an error, wherever it lands (inside Optuna's `ask()` or `tell()` too: `fail_in_flight`). A live
+  worker whose running trial another worker failed as stale (its heartbeat came late) drops that result and goes on
+  (`_taken_over`): it no longer ends its tune on "Cannot tell a FAIL trial.".
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
   is PRUNED with `infeasible` set; neither stops the study.
 - Across token buckets: `neighbour_bucket` finds the nearest smaller bucket's study of the same key in
@@ -43,6 +45,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -427,19 +430,50 @@ def run_study(study: optuna.Study, space: SearchSpace, backend: BenchmarkBackend
         registry = (storage_id(study._storage), study._study_id) in REGISTRIES
         if registry:
             register_worker(study)  # again when an earlier run_study on this study object left it
+        until = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             with warnings.catch_warnings(), trials_in_flight(study._storage) as in_flight:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                try:
-                    study.optimize(objective, n_trials=remaining, timeout=timeout_s,
-                                   callbacks=[_BudgetCallback(trials + base), *callbacks], gc_after_trial=False)
-                except BaseException as e:  # no trial of this process is left RUNNING (`fail_in_flight`)
-                    fail_in_flight(study, in_flight, cut_short_by(e))
-                    raise
+                for _ in range(trials + 1):  # a trial taken over costs a round; bounded all the same
+                    try:
+                        study.optimize(objective, n_trials=remaining,
+                                       timeout=None if until is None else until - time.monotonic(),
+                                       callbacks=[_BudgetCallback(trials + base), *callbacks], gc_after_trial=False)
+                        break
+                    except Exception as e:
+                        if not _taken_over(study, in_flight, e):
+                            fail_in_flight(study, in_flight, cut_short_by(e))
+                            raise
+                    except BaseException as e:  # no trial of this process is left RUNNING (`fail_in_flight`)
+                        fail_in_flight(study, in_flight, cut_short_by(e))
+                        raise
+                    remaining = trials + base - finished_trials(study)
+                    if remaining <= 0 or (until is not None and time.monotonic() >= until):
+                        break
         finally:  # done asking (or interrupted): this process leaves the study's worker registry
             if registry:
                 unregister_worker(study)
     return summarize_study(study, space, workload)
+
+
+def _taken_over(study: optuna.Study, in_flight: set[int], e: Exception) -> bool:
+    """Whether `e` ended `optimize` because another worker finished a trial this process was running: on a server
+    storage, one that failed it as stale (this process's heartbeat came late: paused, or the database out of reach
+    past the grace period). Optuna then raises on this process's result ("Cannot tell a FAIL trial."), which ended
+    the whole tune; the trial is the study's as interrupted (not counted), and this worker goes on. Such trials leave
+    `in_flight`; an error of anything else (a trial this process failed itself, a storage that fails) is not this."""
+    try:
+        gone = {i for i in in_flight if study._storage.get_trial(i).state.is_finished()}
+    except Exception:  # broad: the storage fails too; the error stands as it is
+        return False
+    if not gone:
+        return False
+    in_flight.difference_update(gone)
+    log.warning("trial(s) %s of study %s were failed by another worker while this one ran them (a heartbeat came "
+                "late), so their result was dropped; going on with the study (%s: %s)",
+                ", ".join(str(study._storage.get_trial(i).number) for i in sorted(gone)), study.study_name,
+                type(e).__name__, e)
+    return True
 
 
 def summarize_study(study: optuna.Study, space: SearchSpace, workload: TuneWorkload) -> StudyResult:
