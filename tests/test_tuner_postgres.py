@@ -310,3 +310,38 @@ def test_a_worker_whose_trial_was_failed_as_stale_goes_on(pg_url: str) -> None:
     assert first.state == optuna.trial.TrialState.FAIL and first._trial_id in interrupted_ids(study)
     assert (res.trials, res.complete) == (3, 3)  # the stale one is not counted: three of its own were run
     assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+
+
+def test_a_stale_trial_opened_meanwhile_has_its_warm_start_point_enqueued_once(pg_url: str) -> None:
+    """A worker fails a dead worker's trial as stale (FAIL, then its callback records it and enqueues its warm-start
+    point again); another worker opening the study in between found the FAIL trial untagged and enqueued the point
+    too (`record_untagged`), and the callback enqueued it a second time: the policy default ran twice."""
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search import storage as storage_mod
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import enqueue_warm_start, open_study
+
+    storage = storage_mod.make_storage(pg_url)
+    storage.grace_period = 1
+    study = open_study("moetune/stale-race", storage, seed=0)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    enqueue_warm_start(study, space)
+    dead = study.ask()  # the policy default, taken by a worker that then died
+    assert dead.user_attrs.get("warm_start") == "policy_default"
+    time.sleep(2.5)
+    # Optuna 4.9 renamed the callback (as make_storage's choice of keyword)
+    attr = "heartbeat_stale_trial_callback" if hasattr(storage, "heartbeat_stale_trial_callback") else "failed_trial_callback"
+    callback = getattr(storage, attr)
+
+    def opened_meanwhile(s: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
+        open_study("moetune/stale-race", storage_mod.make_storage(pg_url), seed=1)  # between the FAIL and this
+        callback(s, t)
+
+    setattr(storage, attr, opened_meanwhile)
+    optuna.storages.fail_stale_trials(study)
+    waiting = [w for w in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+               if w.user_attrs.get("warm_start") == "policy_default"]
+    assert len(waiting) == 1, len(waiting)

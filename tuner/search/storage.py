@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import re
@@ -485,6 +486,31 @@ def storage_id(storage: optuna.storages.BaseStorage) -> str:
 
 def _stale_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     """RDB heartbeat callback: a trial of a worker that stopped beating was failed; it was cut short. It is
-    already FAIL (its attrs are frozen), so the study records it."""
-    study._storage.set_study_system_attr(study._study_id, f"{INTERRUPTED}:{trial._trial_id}", "its worker stopped")
-    requeue_warm_start(study, trial._trial_id)
+    already FAIL (its attrs are frozen), so the study records it, by a claim (`claim_study_attr`): a worker opening
+    the study between the FAIL and this callback recorded it already (`study.record_untagged`) and enqueued its
+    warm-start point, which was then enqueued a second time here."""
+    if claim_study_attr(study, f"{INTERRUPTED}:{trial._trial_id}", "its worker stopped"):
+        requeue_warm_start(study, trial._trial_id)
+
+
+def claim_study_attr(study: optuna.Study, key: str, value: Any) -> bool:
+    """Set study system attr `key` unless it is set: one INSERT on an RDB storage (Optuna's table has a unique
+    (study_id, key); Optuna's own setter overwrites), so of two processes exactly one gets True. Another storage (in
+    memory) is one process's: set when missing."""
+    import sqlalchemy
+
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
+    if not isinstance(backend, optuna.storages.RDBStorage):
+        if key in study._storage.get_study_system_attrs(study._study_id):
+            return False
+        study._storage.set_study_system_attr(study._study_id, key, value)
+        return True
+    try:
+        with uninterrupted(), backend.engine.begin() as conn:  # a storage call as Optuna's are (`GuardedRDBStorage`)
+            conn.execute(sqlalchemy.text("INSERT INTO study_system_attributes (study_id, key, value_json) "
+                                         "VALUES (:s, :k, :v)"),
+                         {"s": study._study_id, "k": key, "v": json.dumps(value)})
+    except sqlalchemy.exc.IntegrityError:
+        return False  # another process (or an earlier run) set it
+    return True
+

@@ -64,7 +64,13 @@ from moetune.tuner.search.backends import (
 )
 from moetune.tuner.search.interrupt_guard import uninterrupted
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.storage import is_sqlite, make_storage, storage_id, trials_in_flight
+from moetune.tuner.search.storage import (
+    claim_study_attr,
+    is_sqlite,
+    make_storage,
+    storage_id,
+    trials_in_flight,
+)
 from moetune.tuner.search.trials import (
     FINISHED,
     INTERRUPTED,
@@ -221,14 +227,14 @@ def beat_unbeaten(study: optuna.Study) -> int | None:
 def record_untagged(study: optuna.Study) -> int:
     """Record in the study (`interrupted:<id>`, as a stale trial is) each FAIL trial cut short before its objective
     tagged it (no `interrupted` tag, no `error`: `is_interrupted`), and enqueue again the warm-start point it carried,
-    which its objective's handler did not. Each is claimed by one INSERT (`_claim_study_attr`): of two processes
+    which its objective's handler did not. Each is claimed by one INSERT (`claim_study_attr`): of two processes
     opening the study at once one enqueues it, once. Returns how many this call recorded."""
     recorded = interrupted_ids(study)
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
         if INTERRUPTED in t.user_attrs or "error" in t.user_attrs or t._trial_id in recorded:
             continue
-        if not _claim_study_attr(study, f"{INTERRUPTED}:{t._trial_id}", "failed before its objective tagged it"):
+        if not claim_study_attr(study, f"{INTERRUPTED}:{t._trial_id}", "failed before its objective tagged it"):
             continue
         n += 1
         requeue_warm_start(study, t._trial_id)
@@ -361,29 +367,7 @@ def _claim_warm_point(study: optuna.Study, params: dict[str, Any], name: str) ->
     (study_id, key), so of two processes exactly one inserts it. A process killed between its claim and its
     enqueue loses that point for the study (TPE still runs). Another storage (in memory) is one process's: True."""
     digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return _claim_study_attr(study, WARM_POINT_KEY + digest, {"name": name, "worker": current_worker()})
-
-
-def _claim_study_attr(study: optuna.Study, key: str, value: Any) -> bool:
-    """Set study system attr `key` unless it is set: one INSERT on an RDB storage (Optuna's table has a unique
-    (study_id, key); Optuna's own setter overwrites), so of two processes exactly one gets True. Another storage (in
-    memory) is one process's: set when missing."""
-    import sqlalchemy
-
-    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
-    if not isinstance(backend, optuna.storages.RDBStorage):
-        if key in study._storage.get_study_system_attrs(study._study_id):
-            return False
-        study._storage.set_study_system_attr(study._study_id, key, value)
-        return True
-    try:
-        with uninterrupted(), backend.engine.begin() as conn:  # a storage call as Optuna's are (`GuardedRDBStorage`)
-            conn.execute(sqlalchemy.text("INSERT INTO study_system_attributes (study_id, key, value_json) "
-                                         "VALUES (:s, :k, :v)"),
-                         {"s": study._study_id, "k": key, "v": json.dumps(value)})
-    except sqlalchemy.exc.IntegrityError:
-        return False  # another process (or an earlier run) set it
-    return True
+    return claim_study_attr(study, WARM_POINT_KEY + digest, {"name": name, "worker": current_worker()})
 
 
 def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[tuple[str, Knobs]] = ()) -> int:
