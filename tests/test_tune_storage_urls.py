@@ -90,3 +90,20 @@ def test_a_password_in_a_server_urls_query_is_not_printed(tmp_path: Path, secret
     assert f"{secret.split('=')[0]}=***" in r.stderr, r.stderr
     r = _run(tmp_path, "tune", "show", "--storage", url)
     assert r.exit_code == 2 and "s3cret" not in r.output, r.output
+
+
+def test_a_sqlite_path_with_an_at_sign_is_named_as_it_is(tmp_path: Path) -> None:
+    """A SQLite URL holds no password: its path was cut at an `@` as if it were `user:password@host`
+    (`sqlite:////d/u@h/s.db` said and recorded as `sqlite:////d/u:***@h/s.db`, a file that does not exist)."""
+    from moetune.tuner.store.store import Store
+
+    folder = tmp_path / "u@h"
+    folder.mkdir()
+    url = f"sqlite:///{folder / 'none' / 's.db'}"
+    r = _run(tmp_path, *TUNE, "--db", str(tmp_path / "m.db"), "--storage", url)
+    assert r.exit_code == 2, r.output
+    assert f"--storage {url}:" in " ".join(r.stderr.split()), r.stderr
+    url = f"sqlite:///{folder / 's.db'}"
+    assert _run(tmp_path, *TUNE, "--db", str(tmp_path / "m.db"), "--storage", url).exit_code == 0
+    with Store(tmp_path / "m.db", readonly=True) as s:
+        assert {r["storage"] for r in s.list_runs()} == {url}

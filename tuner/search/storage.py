@@ -203,7 +203,9 @@ _SECRET_QUERY = re.compile(r"([?&](?:ssl)?password=)[^&]*", re.IGNORECASE)
 def redact_url(url: str) -> str:
     """A storage URL without its secrets, for messages and the run table: the password of `user:password@`, and of a
     `password=` or `sslpassword=` query parameter (`postgresql://h/db?user=u&password=...`: it was printed and stored
-    as it was given)."""
+    as it was given). A SQLite URL holds none: it is kept whole (its path was cut at an `@` as if at a password)."""
+    if is_sqlite(url):
+        return url
     url = _SECRET_QUERY.sub(r"\1***", url)  # first: a password holding an `@` is then gone with its parameter
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
