@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -345,3 +346,54 @@ def test_a_stale_trial_opened_meanwhile_has_its_warm_start_point_enqueued_once(p
     waiting = [w for w in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
                if w.user_attrs.get("warm_start") == "policy_default"]
     assert len(waiting) == 1, len(waiting)
+
+
+def test_a_failed_heartbeat_does_not_stop_the_beats(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optuna's heartbeat thread ended at the first beat that failed (a database restart, a dropped connection: a
+    traceback on stderr) and never beat again, so a grace period later another worker failed the live worker's trial
+    as stale and its measurement was lost. A failed beat is skipped: the next one, an interval later, keeps it alive."""
+    import threading
+
+    import optuna
+    import sqlalchemy
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.storage import make_storage
+    from moetune.tuner.search.study import open_study, run_study
+
+    storage = make_storage(pg_url)
+    storage.heartbeat_interval = 1  # what 10 s means, in a second
+    study = open_study("moetune/beats", storage, seed=0)
+    from optuna.storages._rdb import models
+
+    read = models.TrialHeartbeatModel.where_trial_id.__func__  # each beat reads its row first (RDBStorage)
+    beats = [0]
+
+    def flaky(cls: type, trial_id: int, session: Any, for_update: bool = False) -> Any:
+        if not for_update:
+            beats[0] += 1
+            if beats[0] == 2:  # the heartbeat thread's first beat (the first: the trial's creation)
+                raise sqlalchemy.exc.OperationalError("SELECT trial_heartbeats", {}, Exception("server closed the "
+                                                                                              "connection"))
+        return read(cls, trial_id, session, for_update)
+
+    monkeypatch.setattr(models.TrialHeartbeatModel, "where_trial_id", classmethod(flaky))
+    other = make_storage(pg_url)
+    other.grace_period = 3  # another worker's check: what 60 s means, in three seconds
+    checked = threading.Event()
+
+    def f(k: object, _w: object) -> float:
+        time.sleep(4.5)  # a long trial: past the grace period, beating all along
+        optuna.storages.fail_stale_trials(optuna.load_study(study_name="moetune/beats", storage=other))
+        checked.set()
+        return 100.0 + k.num_sms  # type: ignore[attr-defined]
+
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=4)
+    res = run_study(study, space, CallableBackend(f), wl, trials=1, warm_start=False)
+    assert checked.is_set() and beats[0] >= 4, beats
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE]  # was: FAIL, stale
+    assert (res.trials, res.complete) == (1, 1)

@@ -79,6 +79,16 @@ class GuardedRDBStorage(optuna.storages.RDBStorage):
                     ids.discard(trial_id)
             return changed
 
+    def record_heartbeat(self, trial_id: int) -> None:
+        """A beat that fails (a database restart, a dropped connection) is skipped: Optuna's heartbeat thread ended at
+        the first error (a traceback on stderr) and never beat again, so a grace period later another worker failed
+        this live worker's trial as stale and its measurement was lost. The next beat, an interval later, tries again."""
+        with uninterrupted():
+            try:
+                super().record_heartbeat(trial_id)
+            except Exception as e:  # broad: a beat is best effort; the trial's own storage calls say what fails
+                log.debug("heartbeat of trial %s failed, the next one tries again: %s", trial_id, e)
+
     def _in_flight(self) -> list[_InFlight]:
         return [ids for ids in getattr(_in_flight, "sets", ()) if ids.storage is self]
 
