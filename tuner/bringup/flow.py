@@ -555,12 +555,15 @@ class Bringup:
                 continue  # nothing stored: a rerun tries it again
             self._check_fabric(f"The microbenchmark {bench_id}")
             got = []
-            for r in results:
-                extra = dict(r.extra or {}, direction=r.direction, bench=bench_id, bench_run=run_id)
-                self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
-                                           size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
-                                           extra=extra)
-                got.append(asdict(r))
+            # one transaction: a run killed while storing them left the first rows as the benchmark's latest run,
+            # which `moetune report` showed in place of an earlier whole one
+            with self.store.atomic():
+                for r in results:
+                    extra = dict(r.extra or {}, direction=r.direction, bench=bench_id, bench_run=run_id)
+                    self.store.add_measurement(fingerprint=self.facts.fingerprint, kind=r.kind, transport=r.transport,
+                                               size_bytes=r.size_bytes, value=r.value, spread=r.spread, unit=r.unit,
+                                               extra=extra)
+                    got.append(asdict(r))
             finished[bench_id] = got
             self.state.keep_partial("microbench", finished)
             rows += got

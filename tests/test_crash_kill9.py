@@ -1,0 +1,147 @@
+"""Crash safety proven with real kills: a subprocess SIGKILLed at a point a test hook reaches (a monkeypatched
+store method or sleep that signals the parent, then waits), and what it left on disk read back by the next run."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+pytestmark = pytest.mark.timeout(120)
+CAPTURES = Path(__file__).resolve().parent / "captures"
+
+
+def _run_until(script: str, args: list[str], mark: str, timeout: float = 60.0) -> subprocess.Popen:
+    """Start `script` (python -c) and return once it printed `mark` on stdout (it then waits to be killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.strip() == mark:
+            return proc
+    proc.kill()
+    _out, err = proc.communicate()
+    raise AssertionError(f"the child never reached {mark!r}: {err[-3000:]}")
+
+
+def _kill9(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+
+
+# -- the bring-up's microbenchmark rows ----------------------------------------------------------------------------
+class FakeBench:
+    """A microbenchmark that measures nothing: 8 rows (2 sizes x 2 directions x latency / bandwidth)."""
+
+    transport, runner = "collective", "gloo_p2p"
+
+    def run(self, sizes: Any, *, iters: int = 20) -> list[Any]:
+        from moetune.tuner.measure.micro import MicroResult
+
+        return [MicroResult(self.transport, kind, d, size, 10.0 + size / 1e3, 0.5, unit)
+                for size in (4096, 65536) for d in ("0->1", "1->0")
+                for kind, unit in (("latency", "us"), ("bandwidth", "GB/s"))]
+
+
+def _bringup(tmp: Path, state_dir: Path) -> Any:
+    from rich.console import Console
+
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    plan = Plan(models=["qwen3-30b"], tokens=[16], trials=2, repeats=1, iters=5, compare_rounds=1)
+    return Bringup(store=F.open_store(tmp / "b.db"), plan=plan, state_dir=state_dir,
+                   console=Console(file=io.StringIO(), width=200), capture=CAPTURES / "cpu-laptop",
+                   storage=f"sqlite:///{tmp / 'opt.db'}")
+
+
+def _on_this_node() -> None:
+    """As conftest's `on_captured_node`: live discovery answers the capture's facts (a bring-up of it measures)."""
+    from moetune.tuner.fabric import discovery
+
+    real, seen = discovery.discover, []
+
+    def discover(capture: Any = None, **kw: Any) -> Any:
+        facts = real(capture, **kw)
+        if capture is not None:
+            seen.append(facts)
+        return facts
+
+    discovery.discover = discover
+    discovery.live_facts = lambda timeout_s=1.5: seen[-1] if seen else real(None, timeout_s=timeout_s)
+
+
+MICROBENCH_KILLED = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import test_crash_kill9 as T
+from moetune.tuner.measure import micro
+T._on_this_node()
+micro.plan = lambda *a, **kw: [(T.FakeBench(), True, "")]
+b = T._bringup(Path(sys.argv[1]), Path(sys.argv[1]) / "state-second")
+b.stage_discover()
+real, n = b.store.add_measurement, [0]
+def add_measurement(**kw):
+    got = real(**kw)
+    n[0] += 1
+    if n[0] == 3:  # three of the benchmark's eight rows stored: killed here
+        print("STORING", flush=True)
+        time.sleep(120)
+    return got
+b.store.add_measurement = add_measurement
+b.stage_microbench()
+"""
+
+
+def test_a_bringup_killed_while_storing_a_benchmark_leaves_the_earlier_whole_run_in_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's rows were stored one transaction each: a bring-up killed after 3 of its 8 rows left those 3
+    as the benchmark's latest run, which `moetune report` shows in place of an earlier whole run (the other 5
+    points gone from the report). Its rows are one transaction now: a kill stores none of them."""
+    from moetune.tuner.bringup import flow, report
+    from moetune.tuner.measure import micro
+
+    _on_this_node_fixture(monkeypatch)
+    monkeypatch.setattr(micro, "plan", lambda *a, **kw: [(FakeBench(), True, "")])
+    first = _bringup(tmp_path, tmp_path / "state-first")  # an earlier bring-up, whole
+    first.stage_discover()
+    first.stage_microbench()
+    first.store.close()
+
+    proc = _run_until(MICROBENCH_KILLED, [str(tmp_path), str(Path(__file__).resolve().parent)], "STORING")
+    _kill9(proc)
+
+    seen: list[Any] = []
+    real = report.write_report
+    monkeypatch.setattr(report, "write_report", lambda data, d: (seen.append(data), real(data, d))[1])
+    store = F.open_store(tmp_path / "b.db")
+    flow.report_from_store(store, first.facts, tmp_path / "report")
+    points = sorted((r["kind"], r["direction"], r["size_bytes"]) for r in seen[0].measurements)
+    assert len(points) == 8, points  # the whole earlier run, not the killed run's first rows
+    assert len(store.list_measurements(fingerprint=first.facts.fingerprint)) == 8
+
+
+def _on_this_node_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetune.tuner.fabric import discovery
+
+    monkeypatch.setattr(discovery, "discover", discovery.discover)
+    monkeypatch.setattr(discovery, "live_facts", discovery.live_facts)
+    _on_this_node()  # undone by monkeypatch at the test's end
