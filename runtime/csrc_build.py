@@ -183,6 +183,20 @@ def _own_dir(d: Path) -> None:
     os.chmod(d, 0o755)  # this process just made it: mkdir's mode went through the umask
 
 
+def _fsync_path(path: Path, flags: int) -> None:
+    """fsync the file or folder at `path`. nvcc's output renamed unsynced could be an empty or partial file under the
+    cache's name after a power loss: found there by every later run (`lib.exists()`), never rebuilt, failing to load
+    until the cache was removed by hand. A folder a filesystem cannot fsync is left as it is (best effort)."""
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not flags & os.O_DIRECTORY:
+            raise
+    finally:
+        os.close(fd)
+
+
 def build_cached(out_dir: Path, lib_name: str, command: Callable[[Path], list[str]], header: str, *,
                  force: bool = False, verbose: bool = False, timeout_s: float | None = None) -> BuildInfo:
     """The cache both libraries share (this module's and the megakernel's): `out_dir` = <cache root>/<key>, the
@@ -218,7 +232,9 @@ def build_cached(out_dir: Path, lib_name: str, command: Callable[[Path], list[st
                 if res.returncode != 0 or not tmp.exists():
                     raise BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
                 os.chmod(tmp, 0o755)  # made by this build: not group-writable whatever the umask (the cache check)
+                _fsync_path(tmp, os.O_RDONLY)  # on disk before its name is: `lib.exists()` is never rebuilt
                 os.replace(tmp, lib)
+                _fsync_path(out_dir, os.O_RDONLY | os.O_DIRECTORY)  # the rename itself survives a power loss
             except BaseException:
                 tmp.unlink(missing_ok=True)  # a half-written output of this build, never loaded
                 raise

@@ -149,3 +149,31 @@ def test_the_megakernel_library_remembers_a_failed_build(monkeypatch: pytest.Mon
         with pytest.raises(csrc_build.BuildError, match="boom"):
             mk_lib.load()
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name an fd's file")
+@pytest.mark.parametrize("which", LOADERS)
+def test_the_library_is_on_disk_before_it_is_renamed_into_the_cache(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     which: str) -> None:
+    """nvcc's output was renamed into the cache unsynced: a power loss soon after could leave the cache's name on an
+    empty or partial file, which every later run found there (`lib.exists()`), never rebuilt, and failed to load
+    until the cache was removed by hand. The output is fsynced before the rename, the folder after it."""
+    calls: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def spy_replace(src: str | Path, dst: str | Path) -> None:
+        calls.append(("replace", f"{os.fspath(src)} -> {os.fspath(dst)}"))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    lib = LOADERS[which]()
+    at = [i for i, (what, arg) in enumerate(calls) if what == "replace" and arg.endswith(f" -> {lib}")]
+    assert len(at) == 1, calls
+    tmp = calls[at[0]][1].split(" -> ")[0]
+    assert ("fsync", os.path.realpath(tmp)) in calls[:at[0]], calls  # the bytes, before the name
+    assert ("fsync", os.path.realpath(lib.parent)) in calls[at[0]:], calls  # the name, after the rename
