@@ -465,8 +465,11 @@ def test_results_rows_are_never_glued_or_swallowed(tmp_path: Path) -> None:
     f.write_bytes(f.read_bytes().rstrip(b"\n"))
     R.append_rows(f, [row | {"launch": "L2", "median": "2.6"}])
     assert [(r["launch"], r["median"], r["note"]) for r in R.read_rows(f)] == [("L1", "2.5", ""), ("L2", "2.6", "")]
-    f.write_text(f.read_text() + 'gpu-rates,read-sum,1,0,L3,read_tbps,TB/s,"2.7\n')
-    with pytest.raises(R.ResultsError, match="line 4 does not have the 27 columns"):
+    # a whole row after it: at the very end, with nothing after it, such a row reads as the cut tail of an append a
+    # kill stopped (test_crash_kill9.py), left out and cut by the next append
+    f.write_text(f.read_text() + 'gpu-rates,read-sum,1,0,L3,read_tbps,TB/s,"2.7\n'
+                 + R._csv_text([row | {"launch": "L4"}], header=False))
+    with pytest.raises(R.ResultsError, match="line 5 does not have the 27 columns"):
         R.read_rows(f)
     with pytest.raises(R.ResultsError, match="does not have the 27 columns"):
         R.append_rows(f, [row])  # refused before anything is appended after it

@@ -145,3 +145,68 @@ def _on_this_node_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(discovery, "discover", discovery.discover)
     monkeypatch.setattr(discovery, "live_facts", discovery.live_facts)
     _on_this_node()  # undone by monkeypatch at the test's end
+
+
+# -- the benchmark results table (summary.csv) ---------------------------------------------------------------------
+def _result_row(launch: str, median: str, note: str = "") -> dict[str, str]:
+    from moetune.tuner.measure import results as R
+
+    return {c: "" for c in R.COLUMNS} | {"scenario": "gpu-rates", "case": "read-sum", "baseline": "1", "position": "0",
+                                         "launch": launch, "metric": "read_tbps", "unit": "TB/s", "median": median,
+                                         "source": "measured", "date": "2026-12-05T00:00:00Z", "git_sha": "a" * 40,
+                                         "note": note}
+
+
+APPEND_KILLED = """
+import pathlib, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+import test_crash_kill9 as T
+from moetune.tuner.measure import results as R
+f, cut = Path(sys.argv[1]), sys.argv[2]
+real_open = pathlib.Path.open
+
+class Torn:  # the kernel's short write of a process killed mid-write: part of the text is in the file
+    def __init__(self, fh):
+        self.fh = fh
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.fh.close()
+    def write(self, text):
+        at = len(text) // 2 if cut == "half" else text.index("line one") + len("line one") + 1
+        self.fh.write(text[:at])
+        self.fh.flush()
+        print("TORN", flush=True)
+        time.sleep(120)
+
+def torn_open(self, mode="r", *a, **k):
+    fh = real_open(self, mode, *a, **k)
+    return Torn(fh) if mode == "a" and self == f else fh
+
+pathlib.Path.open = torn_open
+R.append_rows(f, [T._result_row("L2", "2.6"), T._result_row("L3", "2.7", note="FAILED: line one\\nline two")])
+"""
+
+
+@pytest.mark.parametrize("cut", ["half", "in_quote"])
+def test_an_append_killed_mid_write_does_not_refuse_the_table_for_good(tmp_path: Path, cut: str) -> None:
+    """A `bench run` killed while its rows were being appended (a short write: the kernel stops copying at a SIGKILL)
+    left a row cut short at the table's end. Cut in a plain value, every later `bench run`, `bench summarize` and
+    append refused the table ("does not have the 27 columns of a results row") until it was edited by hand; cut
+    inside a quoted value (a FAILED note quoting a multi-line error) the cut row read as a whole one, and the next
+    append's rows were read into its open quote: lost without a word. The cut row is no row (its process never
+    finished the append): reads leave it out, and the next append, under the table's lock, cuts it off first."""
+    from moetune.tuner.measure import results as R
+
+    f = tmp_path / "summary.csv"
+    R.append_rows(f, [_result_row("L1", "2.5")])
+    proc = _run_until(APPEND_KILLED, [str(f), cut, str(Path(__file__).resolve().parent)], "TORN")
+    _kill9(proc)
+
+    R.check_table(f)  # what `bench run` checks before it measures
+    R.append_rows(f, [_result_row("L4", "2.8")])
+    rows = R.read_rows(f)
+    assert rows[0]["launch"] == "L1" and rows[-1]["launch"] == "L4"
+    assert rows[-1]["median"] == "2.8" and rows[-1]["note"] == ""  # the new row is a row of its own
+    assert [r["launch"] for r in rows] in (["L1", "L4"], ["L1", "L2", "L4"])  # whole rows only: no cut L3

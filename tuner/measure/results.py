@@ -14,7 +14,8 @@ an imported prediction's unit carries `MODELLED`).
 Two `moetune bench run`s may append to one table at once: every append (with its restore on failure) holds an
 exclusive flock on the table itself, every read a shared one (`_flocked`), so rows never interleave, a restore
 never cuts another process's rows, and no reader sees a batch half written. No lock file: nothing new lands beside
-the table (a stray file in bench/results/ would stamp the next run's rows dirty).
+the table (a stray file in bench/results/ would stamp the next run's rows dirty). A process killed mid-append can
+leave its last row cut short at the end (`whole_length`): reads leave it out, the next append cuts it off.
 
 Stdlib only: the CLI, the scenario runner and the tests share it.
 """
@@ -169,6 +170,12 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
         with _flocked(lock_fd, fcntl.LOCK_EX):
             # decided under the lock: another process may have created the table or appended since `check_table`
             size = os.fstat(lock_fd).st_size
+            if size:
+                with path.open("rb") as f:
+                    whole = whole_length(f.read())
+                if whole < size:  # the row a killed append cut short (no live writer holds the lock): cut off, else
+                    os.truncate(path, whole)  # it refused the table, or read this append's rows into its open quote
+                    size = whole
             if fresh_launch and size:
                 taken = _launch_ids(path)
                 for launch in {str(r.get("launch", "")) for r in rows} & taken:
@@ -244,6 +251,49 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+def whole_length(data: bytes) -> int:
+    """How many bytes of a results table's `data` are whole records: all of them, unless its last record was cut short
+    by a process killed mid-append (the kernel stops copying a write at a SIGKILL; a power loss cuts one too): a
+    record at the very end without its newline and without a results row's columns, or one whose quoted value is
+    still open at the end (a FAILED note quoting a multi-line error, cut after one of its lines). Read under the
+    table's lock no live append is half written: such a tail is a dead process's. Bounded, so that a hand edit is
+    never cut away: a last row without its newline that has the columns is whole (`append_rows` adds the newline),
+    and a record after whose first line a line reads as a whole row (an unclosed quote in the middle of the table)
+    is not a cut tail: `read_rows` refuses it, naming its line, as before."""
+    ends: list[int] = []  # the byte offset after each line handed to the CSV reader, which reads no line ahead
+
+    def lines() -> Iterator[str]:
+        begin = 0
+        while begin < len(data):
+            nl = data.find(b"\n", begin)
+            end = len(data) if nl < 0 else nl + 1
+            ends.append(end)
+            yield data[begin:end].decode("utf-8", "replace")  # a cut may split a character
+            begin = end
+
+    start = 0  # where the record being read begins
+    try:
+        for rec in csv.reader(lines(), strict=True):
+            if ends[-1] == len(data) and not data.endswith(b"\n") and len(rec) != len(COLUMNS):
+                return start if not _rows_after_first_line(data, start) else len(data)
+            start = ends[-1]
+    except csv.Error as e:
+        if ends and ends[-1] == len(data) and "end of data" in str(e):  # a quote still open at the end
+            return start if not _rows_after_first_line(data, start) else len(data)
+    return len(data)
+
+
+def _rows_after_first_line(data: bytes, start: int) -> bool:
+    """Whether a line after the first one of the record at `start` reads, on its own, as a whole results row."""
+    nl = data.find(b"\n", start)
+    if nl < 0:
+        return False
+    for line in data[nl + 1:].split(b"\n"):
+        if len(next(csv.reader([line.decode("utf-8", "replace")]), [])) == len(COLUMNS):
+            return True
+    return False
+
+
 def _unreadable(path: Path, e: Exception) -> ResultsError:
     """The ResultsError for a file that cannot be read as the results CSV (binary, a folder, no permission)."""
     if isinstance(e, UnicodeDecodeError):
@@ -263,8 +313,11 @@ def check_table(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
     try:
-        with path.open(encoding="utf-8", newline="") as f, _flocked(f.fileno(), fcntl.LOCK_SH):
-            header = next(csv.reader([f.readline()]), [])
+        with path.open("rb") as f, _flocked(f.fileno(), fcntl.LOCK_SH):
+            data = f.read()
+        if whole_length(data) == 0:  # nothing but a first append a kill cut short: a new table, as an empty file
+            return
+        header = next(csv.reader([data.split(b"\n", 1)[0].decode("utf-8")]), [])
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise _unreadable(path, e) from None
     if tuple(header) != COLUMNS:
@@ -279,7 +332,10 @@ def read_rows(path: Path) -> list[dict[str, str]]:
     if not path.exists() or (path.is_file() and path.stat().st_size == 0):
         return []
     try:
-        with path.open(encoding="utf-8", newline="") as f, _flocked(f.fileno(), fcntl.LOCK_SH):
+        with path.open("rb") as raw, _flocked(raw.fileno(), fcntl.LOCK_SH):
+            data = raw.read()
+        # a last row a killed append cut short is no row: left out (the next append cuts it off)
+        with io.StringIO(data[:whole_length(data)].decode("utf-8"), newline="") as f:
             rd = csv.DictReader(f)
             if not rd.fieldnames:
                 raise ResultsError(f"{path}: no header row (its first line is blank), so not a results CSV; a "
