@@ -210,3 +210,18 @@ def test_an_append_killed_mid_write_does_not_refuse_the_table_for_good(tmp_path:
     assert rows[0]["launch"] == "L1" and rows[-1]["launch"] == "L4"
     assert rows[-1]["median"] == "2.8" and rows[-1]["note"] == ""  # the new row is a row of its own
     assert [r["launch"] for r in rows] in (["L1", "L4"], ["L1", "L2", "L4"])  # whole rows only: no cut L3
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name an fd's file")
+def test_appended_rows_are_on_disk_when_the_append_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The append was never fsynced: a power loss after `bench run` said its rows were saved could lose them (a
+    power loss cannot be simulated by a kill: the fsync is checked)."""
+    from moetune.tuner.measure import results as R
+
+    f = tmp_path / "summary.csv"
+    synced: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    R.append_rows(f, [_result_row("L1", "2.5")])
+    assert str(f.resolve()) in synced
+    R.append_rows(Path(os.devnull), [_result_row("L2", "2.5")])  # a device: written, not synced

@@ -30,6 +30,7 @@ import fcntl
 import io
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -190,6 +191,9 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
             try:
                 with path.open("a", encoding="utf-8", newline="") as f:
                     f.write(text)
+                    if stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a device (/dev/null) takes no fsync
+                        f.flush()
+                        os.fsync(f.fileno())  # the rows `bench run` says are saved survive a power loss
             except BaseException:
                 # a write cut short (a full disk, Ctrl-C) leaves no partial row behind (the next append would glue
                 # onto it): on an OSError the caller keeps every row elsewhere. Under the lock, nothing past `size`
