@@ -225,3 +225,43 @@ def test_appended_rows_are_on_disk_when_the_append_returns(tmp_path: Path, monke
     R.append_rows(f, [_result_row("L1", "2.5")])
     assert str(f.resolve()) in synced
     R.append_rows(Path(os.devnull), [_result_row("L2", "2.5")])  # a device: written, not synced
+
+
+# -- BENCHMARKS.md in the source checkout --------------------------------------------------------------------------
+SUMMARIZE_KILLED = """
+import os, sys, time
+from pathlib import Path
+from moetune.tuner.store.atomic_files import write_atomic
+def killed_before_the_rename(src, dst):
+    print("RENAMING", flush=True)
+    time.sleep(120)
+os.replace = killed_before_the_rename
+write_atomic(Path(sys.argv[1]), "# Benchmarks\\n\\nnew summary\\n")
+"""
+
+
+def test_a_summarize_killed_mid_write_leaves_later_rows_stamped_clean(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench summarize` killed while writing BENCHMARKS.md (atomically: a temporary file beside it, then a rename)
+    left its temporary file, `.BENCHMARKS.md.<random>.tmp`, in the source checkout: untracked, it stamped the rows of
+    every later `bench run` git_dirty (each such launch a batch of its own, never pooled at its commit) until someone
+    found and removed it. Like BENCHMARKS.md itself, it is a result the bench commands write, not code."""
+    from moetune.tuner.measure.scenarios import stamp
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    git("add", "a.py", "BENCHMARKS.md")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    monkeypatch.setattr(stamp, "ROOT", tmp_path)
+    monkeypatch.delenv("MOETUNE_GIT_SHA", raising=False)
+    assert stamp.code_stamp()[1] is False
+
+    _kill9(_run_until(SUMMARIZE_KILLED, [str(tmp_path / "BENCHMARKS.md")], "RENAMING"))
+    assert [p.name for p in tmp_path.glob(".BENCHMARKS.md.*.tmp")]  # what the kill left
+    assert stamp.code_stamp() == (git("rev-parse", "HEAD").strip(), False)
+    (tmp_path / "b.py").write_text("y = 1\n")  # a change of code is still seen
+    assert stamp.code_stamp()[1] is True

@@ -15,10 +15,13 @@ from moetune.tuner.measure.scenarios.checkout import BENCHMARKS_MD, IN_CHECKOUT,
 
 # what the bench commands themselves write into the checkout: the results table, the rows kept beside it where it could
 # not be written (results.keep_rows) and BENCHMARKS.md. Results, not code: changed, they left the next `bench run`'s
-# rows stamped dirty (each such launch a batch of its own in the summary, never pooled at its commit)
+# rows stamped dirty (each such launch a batch of its own in the summary, never pooled at its commit). With them the
+# temporary file `bench summarize` writes BENCHMARKS.md through (store.atomic_files.write_temp's ".NAME.<random>.tmp"),
+# which a summarize killed before its rename leaves behind: it too stamped every later row dirty
 _RESULTS = (SUMMARY_CSV.relative_to(ROOT).as_posix(),
             (SUMMARY_CSV.parent / f"{SUMMARY_CSV.stem}.unsaved-*.csv").relative_to(ROOT).as_posix(),
-            BENCHMARKS_MD.relative_to(ROOT).as_posix())
+            BENCHMARKS_MD.relative_to(ROOT).as_posix(),
+            (BENCHMARKS_MD.parent / f".{BENCHMARKS_MD.name}.*.tmp").relative_to(ROOT).as_posix())
 
 
 def _git(*args: str) -> str:
