@@ -265,3 +265,61 @@ def test_a_summarize_killed_mid_write_leaves_later_rows_stamped_clean(tmp_path: 
     assert stamp.code_stamp() == (git("rev-parse", "HEAD").strip(), False)
     (tmp_path / "b.py").write_text("y = 1\n")  # a change of code is still seen
     assert stamp.code_stamp()[1] is True
+
+
+# -- the Optuna study: a dead process's warm-start trial ----------------------------------------------------------
+ASK_AND_DIE = """
+import os, sys
+from moetune.tuner.search.study import open_study
+t = open_study("moetune/t", sys.argv[1], seed=0).ask()
+print(t._trial_id, flush=True)
+os._exit(0)  # killed: no tell, no clean-up
+"""
+
+OPEN_KILLED = """
+import sys, time
+from moetune.tuner.search import workers
+def killed_here(study, trial_id):  # the trial is failed: killed before its point is enqueued again
+    print("FAILED", flush=True)
+    time.sleep(120)
+workers.requeue_warm_start = killed_here
+from moetune.tuner.search.study import open_study
+open_study("moetune/t", sys.argv[1], seed=0)
+"""
+
+
+def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(tmp_path: Path) -> None:
+    """Opening a study fails the running trials of dead processes, then enqueues again the warm-start point each
+    carried (the policy default first of all): two storage writes. Killed between them, the trial was failed (and
+    tagged interrupted) with its point enqueued nowhere, and no later open enqueued it (the trial is no longer
+    running): that point, the policy default among them, was never measured in the study. An open enqueues again
+    the point of an interrupted warm-start trial that no later trial holds."""
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import open_study, run_study
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=wl.ep_size)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    run_study(open_study("moetune/t", url, seed=0), space, CallableBackend(lambda k, w: 100.0 + k.num_sms), wl, trials=2)
+
+    out = subprocess.run([sys.executable, "-c", ASK_AND_DIE, url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tid = int(out.stdout.split()[-1])  # a warm-start trial left running by a process that died
+    _kill9(_run_until(OPEN_KILLED, [url], "FAILED"))  # the next open failed it, and was killed
+
+    study = open_study("moetune/t", url, seed=0)
+    dead = study._storage.get_trial(tid)
+    assert dead.state == optuna.trial.TrialState.FAIL and "warm_start" in dead.user_attrs
+    dead_knobs = space.knobs_from_params(dead.system_attrs["fixed_params"])
+    seen: list = []
+    n = len(space.priors()) + 2
+    run_study(study, space, CallableBackend(lambda k, w: seen.append(k) or 100.0 + k.num_sms), wl, trials=n)
+    assert dead_knobs in seen  # measured after all
+    again = open_study("moetune/t", url, seed=0)  # and enqueued once: a later open adds nothing
+    assert not again.get_trials(states=(optuna.trial.TrialState.WAITING,))

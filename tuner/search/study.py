@@ -21,10 +21,11 @@
   crash only runs what is missing and several workers on one study stop together. A trial cut short
   (Ctrl-C, a killed process, a worker whose heartbeat stopped) is FAIL and marked `interrupted` (a FAIL with
   no `error` is one too: `is_interrupted`): it is not a finished trial, and a warm-start point it carried is enqueued again (the policy default is
-  measured even when its first run was the one interrupted). No trial this process made RUNNING is left so by an
-  interrupt or an error, wherever it lands (inside Optuna's `ask()` or `tell()` too: `fail_in_flight`). A live
-  worker whose running trial another worker failed as stale (its heartbeat came late) drops that result and goes on
-  (`_taken_over`): it no longer ends its tune on "Cannot tell a FAIL trial.".
+  measured even when its first run was the one interrupted; a process killed between failing such a trial and
+  enqueuing its point left it enqueued nowhere: the next open does it, `requeue_lost_points`). No trial this process
+  made RUNNING is left so by an interrupt or an error, wherever it lands (inside Optuna's `ask()` or `tell()` too:
+  `fail_in_flight`). A live worker whose running trial another worker failed as stale (its heartbeat came late)
+  drops that result and goes on (`_taken_over`): it no longer ends its tune on "Cannot tell a FAIL trial.".
 - A failed or hung run is a FAIL trial with its error in user attrs; a setting the backend calls unsafe
   is PRUNED with `infeasible` set; neither stops the study.
 - Across token buckets: `neighbour_bucket` finds the nearest smaller bucket's study of the same key in
@@ -195,6 +196,7 @@ def open_study(name: str, storage: str | optuna.storages.BaseStorage, *, seed: i
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)  # before the budget is counted (Optuna's loop does it per trial)
     record_untagged(study)
+    requeue_lost_points(study)
     return study
 
 
@@ -238,6 +240,35 @@ def record_untagged(study: optuna.Study) -> int:
             continue
         n += 1
         requeue_warm_start(study, t._trial_id)
+    return n
+
+
+REQUEUED_KEY = "requeued:"  # study system attr `requeued:<trial id>`: its lost warm-start point was enqueued again
+
+
+def requeue_lost_points(study: optuna.Study) -> int:
+    """Enqueue again the warm-start point of each interrupted trial (`is_interrupted`) that no later trial of the
+    study holds. Failing a dead process's trial and enqueuing its point again are two storage writes
+    (`fail_interrupted`, the heartbeat's `_stale_trial`, the objective's Ctrl-C handler): a process killed between
+    them left the trial failed and its point (the policy default first of all) enqueued nowhere, and no later open
+    found a running trial to act on, so the point was never measured in the study. A point some later trial holds
+    (enqueued again, or sampled) is not lost. Of two processes opening the study at once one enqueues it
+    (`claim_study_attr`). Returns how many points this call enqueued."""
+    trials = study.get_trials(deepcopy=False)
+    ids = interrupted_ids(study)
+    n = 0
+    for t in trials:
+        fixed = t.system_attrs.get("fixed_params")
+        if "warm_start" not in t.user_attrs or not fixed or not is_interrupted(t, ids):
+            continue
+        if any(u._trial_id > t._trial_id and (u.system_attrs.get("fixed_params") == fixed or u.params == fixed)
+               for u in trials):
+            continue
+        if not claim_study_attr(study, f"{REQUEUED_KEY}{t._trial_id}", {"worker": current_worker()}):
+            continue
+        log.info("warm start %s enqueued again: its trial %d was cut short and nothing enqueued it",
+                 t.user_attrs["warm_start"], t.number)
+        n += requeue_warm_start(study, t._trial_id)
     return n
 
 
