@@ -323,3 +323,52 @@ def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(t
     assert dead_knobs in seen  # measured after all
     again = open_study("moetune/t", url, seed=0)  # and enqueued once: a later open adds nothing
     assert not again.get_trials(states=(optuna.trial.TrialState.WAITING,))
+
+
+CLAIM_KILLED = """
+import sys, time
+import optuna
+from moetune.runtime.shapes import MODELS
+from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+from moetune.tuner.search.policy import load_policy
+from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.study import open_study, run_study
+def killed_here(self, *a, **kw):  # the point is claimed in the study: killed before it is enqueued
+    print("CLAIMED", flush=True)
+    time.sleep(120)
+optuna.Study.enqueue_trial = killed_here
+wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=wl.ep_size)
+run_study(open_study("moetune/t", sys.argv[1], seed=0), space, CallableBackend(lambda k, w: 100.0), wl, trials=2)
+"""
+
+
+def test_a_process_killed_between_claiming_and_enqueuing_a_warm_start_point_loses_it_for_no_one(
+        tmp_path: Path) -> None:
+    """Each warm-start point (the policy default first) is claimed in the study, then enqueued: two storage writes,
+    so that two processes opening one study enqueue it once. A process killed between them left the point claimed
+    and enqueued nowhere: every later run found the claim taken and skipped it, and the policy default was never
+    measured in the study. A claim whose process is gone, with no trial holding its point, is enqueued by the next
+    run (once)."""
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import open_study, run_study
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=wl.ep_size)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _kill9(_run_until(CLAIM_KILLED, [url], "CLAIMED"))
+
+    seen: list = []
+    res = run_study(open_study("moetune/t", url, seed=0), space,
+                    CallableBackend(lambda k, w: seen.append(k) or 100.0 + k.num_sms), wl, trials=4)
+    assert seen and seen[0] == space.policy.defaults  # the policy default, first, after all
+    assert res.default_value is not None
+    study = open_study("moetune/t", url, seed=0)
+    run_study(study, space, CallableBackend(lambda k, w: seen.append(k) or 100.0 + k.num_sms), wl, trials=6)
+    assert seen.count(space.policy.defaults) == 1  # enqueued once

@@ -4,7 +4,8 @@
   and the trial's number: the workers of a shared study, all of one --seed, draw apart).
 - Warm start: `enqueue_trial` of the policy default and the analytic priors (per-PE groups; SM and QP
   counts from link bandwidth), then the best settings of the previous token bucket of the same shape. Each point
-  is enqueued once per study, by whichever process claims it first (`_claim_warm_point`: SQLite and server alike).
+  is enqueued once per study, by whichever process claims it first (`_claim_warm_point`: SQLite and server alike);
+  a claim whose process died before it enqueued the point is taken over by the next run (`_claimed_by_the_dead`).
 - Storage: Optuna's own RDB storage. SQLite by default (its own file next to the store, WAL; the store's own file
   is accepted too: the store shares a file with Optuna's tables, never another program's; a SQLite file moetune did
   not create keeps its journal mode, WAL or not: `make_storage`) — processes of one host may share a study (the daemon's re-tune and a `moetune tune`): every
@@ -42,6 +43,7 @@ and buckets and writes the profiles.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -92,6 +94,7 @@ from moetune.tuner.search.workers import (
     fail_interrupted,
     register_worker,
     unregister_worker,
+    worker_gone,
 )
 
 log = logging.getLogger("moetune.tuner.search.study")
@@ -388,6 +391,31 @@ class _BudgetCallback:
 # show` leaves such markers out); each point is now claimed on its own (`_claim_warm_point`).
 WARM_LOCK_SUFFIX = "/.warm-start-lock"
 WARM_POINT_KEY = "warm-start:"  # study system attr `warm-start:<digest of the params>`: that point was enqueued
+# `warm-start-again:<digest>`: a point whose claimer died before enqueuing it was enqueued by this attr's writer
+WARM_AGAIN_KEY = "warm-start-again:"
+
+
+def _warm_digest(params: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _claimed_by_the_dead(study: optuna.Study, params: dict[str, Any], name: str,
+                         trials: Callable[[], list[optuna.trial.FrozenTrial]]) -> bool:
+    """Whether this process enqueues warm-start point `params`, which another process claimed and died before it
+    enqueued (`_claim_warm_point`): the claim names a process of this host that is gone, and no trial of the study
+    holds the point. Without this the point was lost for the study for good (every later run found it claimed),
+    the policy default among them. Of two processes finding it so, one enqueues it (`claim_study_attr`)."""
+    digest = _warm_digest(params)
+    claim = study._storage.get_study_system_attrs(study._study_id).get(WARM_POINT_KEY + digest)
+    if not isinstance(claim, dict) or not worker_gone(claim.get("worker")):
+        return False
+    if any(t.system_attrs.get("fixed_params") == params or t.params == params for t in trials()):
+        return False
+    if not claim_study_attr(study, WARM_AGAIN_KEY + digest, {"name": name, "worker": current_worker()}):
+        return False
+    log.info("warm start %s enqueued: the process that claimed it (%s) died before it enqueued it", name,
+             claim.get("worker"))
+    return True
 
 
 def _claim_warm_point(study: optuna.Study, params: dict[str, Any], name: str) -> bool:
@@ -396,9 +424,9 @@ def _claim_warm_point(study: optuna.Study, params: dict[str, Any], name: str) ->
     `skip_if_exists` checks and inserts in two transactions, so two processes both found the point missing and both
     enqueued it (Optuna#2925). The claim is one INSERT of a study system attr: Optuna's table has a unique
     (study_id, key), so of two processes exactly one inserts it. A process killed between its claim and its
-    enqueue loses that point for the study (TPE still runs). Another storage (in memory) is one process's: True."""
-    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return claim_study_attr(study, WARM_POINT_KEY + digest, {"name": name, "worker": current_worker()})
+    enqueue left it claimed and enqueued nowhere: the next run enqueues it (`_claimed_by_the_dead`). Another storage
+    (in memory) is one process's: True."""
+    return claim_study_attr(study, WARM_POINT_KEY + _warm_digest(params), {"name": name, "worker": current_worker()})
 
 
 def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[tuple[str, Knobs]] = ()) -> int:
@@ -407,13 +435,15 @@ def enqueue_warm_start(study: optuna.Study, space: SearchSpace, extra: Sequence[
     study enqueued before the claims, or a point TPE sampled). A resumed study gets the points that are new (the
     best settings of a neighbouring bucket measured since). Returns how many points this call claimed."""
     n = 0
+    # the study's trials, read once and only where a claim's process is gone (every earlier run's, normally)
+    trials = functools.cache(lambda: study.get_trials(deepcopy=False))
     for name, knobs in [*space.priors(), *extra]:
         try:
             params = space.params_of(knobs)
         except KnobError as e:
             log.info("warm start %s skipped: %s", name, e)
             continue
-        if not _claim_warm_point(study, params, name):
+        if not _claim_warm_point(study, params, name) and not _claimed_by_the_dead(study, params, name, trials):
             continue
         study.enqueue_trial(params, user_attrs={"warm_start": name}, skip_if_exists=True)
         n += 1

@@ -103,6 +103,12 @@ def _worker_alive(worker: Any) -> bool:
     return not _proc.pid_gone(int(pid))
 
 
+def worker_gone(worker: Any) -> bool:
+    """Whether `worker` names a process of this host that no longer runs (another host's cannot be told: False)."""
+    parts = str(worker or "").split(":")
+    return len(parts) in (2, 3, 4) and parts[0] == socket.gethostname() and not _worker_alive(worker)
+
+
 # (storage, study id) -> (storage, study id) of every study this process registered in and has not left yet
 _REGISTERED: dict[tuple[str, int], tuple[optuna.storages.BaseStorage, int]] = {}
 REGISTRIES: set[tuple[str, int]] = set()  # every study this process has registered in (a study with a registry)
