@@ -372,3 +372,20 @@ def test_a_process_killed_between_claiming_and_enqueuing_a_warm_start_point_lose
     study = open_study("moetune/t", url, seed=0)
     run_study(study, space, CallableBackend(lambda k, w: seen.append(k) or 100.0 + k.num_sms), wl, trials=6)
     assert seen.count(space.policy.defaults) == 1  # enqueued once
+
+
+def test_the_cut_never_takes_a_file_that_is_no_results_table(tmp_path: Path) -> None:
+    """A one-line file of another kind (no newline at its end, not a row's columns) is no cut-short append: refused
+    as before, never emptied; the cut-short first append of a new table (part of its header) is one."""
+    from moetune.tuner.measure import results as R
+
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"remember the milk")
+    with pytest.raises(R.ResultsError):
+        R.append_rows(other, [_result_row("L1", "2.5")])
+    assert other.read_bytes() == b"remember the milk"
+    torn = tmp_path / "summary.csv"
+    torn.write_bytes(b"scenario,case,base")
+    assert R.read_rows(torn) == []
+    R.append_rows(torn, [_result_row("L1", "2.5")])
+    assert [r["launch"] for r in R.read_rows(torn)] == ["L1"]

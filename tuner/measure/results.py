@@ -275,15 +275,20 @@ def whole_length(data: bytes) -> int:
             yield data[begin:end].decode("utf-8", "replace")  # a cut may split a character
             begin = end
 
+    def cut_at(start: int) -> int:
+        if start == 0 and not _csv_text([], header=True).encode().startswith(data):
+            return len(data)  # the table's first record is its header: anything else is another file, never cut
+        return len(data) if _rows_after_first_line(data, start) else start
+
     start = 0  # where the record being read begins
     try:
         for rec in csv.reader(lines(), strict=True):
             if ends[-1] == len(data) and not data.endswith(b"\n") and len(rec) != len(COLUMNS):
-                return start if not _rows_after_first_line(data, start) else len(data)
+                return cut_at(start)
             start = ends[-1]
     except csv.Error as e:
         if ends and ends[-1] == len(data) and "end of data" in str(e):  # a quote still open at the end
-            return start if not _rows_after_first_line(data, start) else len(data)
+            return cut_at(start)
     return len(data)
 
 
@@ -339,7 +344,10 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         with path.open("rb") as raw, _flocked(raw.fileno(), fcntl.LOCK_SH):
             data = raw.read()
         # a last row a killed append cut short is no row: left out (the next append cuts it off)
-        with io.StringIO(data[:whole_length(data)].decode("utf-8"), newline="") as f:
+        whole = whole_length(data)
+        if not whole:  # nothing but a first append cut short (part of the header): a new table
+            return []
+        with io.StringIO(data[:whole].decode("utf-8"), newline="") as f:
             rd = csv.DictReader(f)
             if not rd.fieldnames:
                 raise ResultsError(f"{path}: no header row (its first line is blank), so not a results CSV; a "
