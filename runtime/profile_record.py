@@ -123,10 +123,14 @@ def node_model_label_problem(provenance: str, backend: str, fingerprint: str) ->
 def effective_provenance(provenance: str, backend: str, fingerprint: str | None = None) -> Provenance:
     """What a record's numbers are taken to be: its label, except that a claimed measurement by a backend that
     does not measure (`model:*`, unknown) is modelled, and a claimed node model by a preset's backend or another
-    node's model (with the key's `fingerprint`: `node_model_label_problem`) is a preset. The label alone never makes a
+    node's model (with the key's `fingerprint`: `node_model_label_problem`) is a preset, and so is a claimed
+    measurement under a what-if preset's key (`preset:NAME`: a modelled fabric, no node, so nothing was measured on
+    it; stored before the store refused it, it outranked the preset's own prediction). The label alone never makes a
     number measured nor this node's model; the ONE rule for records, replies and `ProfileRecord.is_tuned_for`."""
     if provenance == "measured" and provenance_of_backend(backend) != "measured":
         return unlabelled_provenance(backend, fingerprint)
+    if provenance == "measured" and fingerprint is not None and is_preset_fingerprint(fingerprint):
+        return "preset"
     if provenance == "node_model" and provenance_of_backend(backend, fingerprint) == "preset":
         return "preset"
     return provenance if provenance in PROVENANCES else unlabelled_provenance(backend, fingerprint)  # type: ignore[return-value]
@@ -226,10 +230,13 @@ def default_measured_on(provenance: str, backend: str, fingerprint: str) -> str:
 
 def effective_measured_on(provenance: str, measured_on: str, backend: str, fingerprint: str) -> str:
     """`measured_on` as the effective provenance has it: the stored one, except where a "measured" label on a
-    modelling backend is taken as modelled (a node model keeps its fingerprint; a preset gets its name)."""
+    modelling backend is taken as modelled (a node model keeps its fingerprint; a preset gets its name). Under a what-if
+    preset's key, a record whose backend names no preset (`local:*`) stands for the key's (`preset:NAME:DIGEST`)."""
     prov = effective_provenance(provenance, backend, fingerprint)
     if prov == provenance or prov == "node_model":
         return measured_on
+    if prov == "preset" and is_preset_fingerprint(fingerprint) and provenance_of_backend(backend) != "preset":
+        return fingerprint
     return default_measured_on(prov, backend, fingerprint)
 
 

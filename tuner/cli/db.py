@@ -491,6 +491,11 @@ def check(
                                  "not this node's model: moetune takes it as a PRESET (a hand edit, or an import by an "
                                  "older moetune?)"))
                 continue
+            if str(row.get("backend", "")).startswith("local:"):  # a measuring backend: its key is a preset's
+                out.print(escape(f"  profile {row['id']}: labelled measured, but its key's fingerprint is a what-if "
+                                 "preset's (a modelled fabric, on which nothing is measured): moetune takes it as a "
+                                 "PRESET (an import by an older moetune?)"))
+                continue
             out.print(escape(f"  profile {row['id']}: labelled measured, but its backend {row['backend']!r} does not "
                              "measure: moetune takes it as MODELLED (a hand edit?)"))
     if not info["ok"]:

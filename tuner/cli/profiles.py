@@ -14,7 +14,7 @@ import msgspec
 import typer
 from rich.markup import escape
 
-from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES
+from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES, provenance_of_backend
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli._args import path_arg, path_option, path_text, text_option, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
@@ -179,9 +179,11 @@ def show(
     rows.append(("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}"))
     rows.append(("backend", escape(rec.backend)))
     eff = rec.effective_provenance
-    why_not = "does not measure" if rec.provenance == "measured" else "is not this node's model"
+    why_not = ("its backend is not this node's model" if rec.provenance != "measured" else
+               "its backend does not measure" if provenance_of_backend(rec.backend) != "measured" else
+               "its key is a what-if preset's modelled fabric, on which nothing is measured")
     rows.append(("provenance", PROVENANCE_LABEL[str(eff)] + ("" if eff == rec.provenance else escape(
-        f" (stored as {rec.provenance}, but its backend {why_not}: `moetune db check`)"))))
+        f" (stored as {rec.provenance}, but {why_not}: `moetune db check`)"))))
     # measured_on as the effective provenance has it (a preset's name, not the key's fingerprint a mislabelled row
     # stores), as the runtime and an export take it; the stored one beside it where they differ
     on = rec.as_effective().measured_on

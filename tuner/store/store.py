@@ -53,6 +53,7 @@ from moetune.runtime.profile_record import (
     comparable,
     effective_measured_on,
     effective_provenance,
+    is_preset_fingerprint,
     nearest_bucket_within,
     node_model_label_problem,
     provenance_of_backend,
@@ -520,7 +521,8 @@ class Store:
 
     @retried
     def mislabelled_profiles(self) -> list[tuple[int, str, str]]:
-        """(id, backend, stored label) of each row labelled measured whose backend does not measure, or labelled node_model whose
+        """(id, backend, stored label) of each row labelled measured whose backend does not measure or whose key is a
+        what-if preset's (`preset:NAME`: stored before `check_record` refused it), or labelled node_model whose
         backend is a preset or another node's model (`node_model_label_problem`; no writer of this moetune stores either,
         `check_record` refuses them; a hand edit, another tool or an older moetune's import may): the runtime, the
         store's replacement rule, its lookups and `profiles list/show/export` take it as what its backend says;
@@ -529,7 +531,8 @@ class Store:
             rows = s.execute(select(Profile.id, Profile.provenance, Profile.backend, Profile.fingerprint)
                              .where(Profile.provenance.in_(("measured", "node_model"))).order_by(Profile.id)).all()
         return [(i, b, p) for i, p, b, fp in rows
-                if (p == "measured" and provenance_of_backend(b) != "measured") or node_model_label_problem(p, b, fp)]
+                if (p == "measured" and (provenance_of_backend(b) != "measured" or is_preset_fingerprint(fp)))
+                or node_model_label_problem(p, b, fp)]
 
     # -- fingerprints ------------------------------------------------------------------------------
     @staticmethod
