@@ -368,9 +368,11 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
         """Measured (by a measuring backend) on exactly this fabric and software: what the runtime's client requires
-        of a profile it applies as tuned (it also checks that `fingerprint`/`software` are this node's)."""
+        of a profile it applies as tuned (it also checks that `fingerprint`/`software` are this node's). A `measured_on`
+        naming another fingerprint than the key's says it was measured elsewhere: not tuned here."""
         return (
             self.effective_provenance == "measured"
+            and self.measured_on == self.key.fingerprint
             and self.key.fingerprint == fingerprint
             and self.key.software == software
         )

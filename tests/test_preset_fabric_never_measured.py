@@ -104,3 +104,17 @@ def test_a_measured_row_stored_under_a_preset_key_before_the_refusal_is_taken_as
     text = " ".join(r.output.split())
     assert r.exit_code == 0 and "PRESET" in text and "does not measure" not in text, r.output
     assert "stored as measured, but its key is a what-if preset's" in text, r.output
+
+
+def test_put_profile_refuses_a_measurement_whose_measured_on_names_another_fingerprint(tmp_path: Path) -> None:
+    """Import refused it (`check_import_record`); put_profile stored it, listed as measured under this key, and the
+    client applied it as tuned: numbers measured on another node served as this one's."""
+    k = msgspec.structs.replace(key(), fingerprint="fpA")
+    with Store(tmp_path / "p.db") as s:
+        with pytest.raises(FieldError, match="measured_on: a measured profile is measured on its key's fingerprint"):
+            s.put_profile(ProfileRecord(key=k, knobs=default_knobs("nvlink"), latency_us=50.0, spread_us=0.1,
+                                        backend="local:nccl", provenance="measured", measured_on="fpB"))
+        assert s.list_profiles() == []
+        ok, why = s.put_profile(ProfileRecord(key=k, knobs=default_knobs("nvlink"), latency_us=50.0, spread_us=0.1,
+                                              backend="local:nccl", provenance="measured"))
+        assert ok, why  # measured_on defaults to the key's fingerprint

@@ -1070,3 +1070,29 @@ def test_a_multi_host_fallback_never_picks_a_one_host_family(tmp_path: Path, tra
     one_host = client.Resolution(knobs=default_knobs("host_staged"), source="policy", profile_hash="x",
                                  status="default", family="host_staged")
     assert autoload._group_default(one_host, 2, None, "hosts disagree").family == "collective"
+
+
+def test_a_measurement_whose_measured_on_names_another_node_is_not_tuned(fake, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record labelled measured under this node's key whose `measured_on` names another fingerprint says it was
+    measured elsewhere (an import refuses it; a hand edit or another tool's write may hold it): its numbers are that
+    node's, so it is not applied as tuned, from the daemon nor from the database; one measured here still is."""
+    elsewhere = "a" * 16
+    claim = {**result(), "measured_on": elsewhere}
+    d = fake(lambda req: ok_reply(req["id"], claim))
+    res, warned = resolve(d.endpoint, tmp_path, allow_modelled=True)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert any(f"measured on fingerprint {elsewhere}" in w for w in warned), warned
+    # the database fallback: the row as a hand edit leaves it
+    db, mine = _this_node_with_a_measured_profile(tmp_path, monkeypatch)
+    nowhere = f"ipc://{tmp_path}/nowhere/daemon.sock"
+    res, _ = resolve(nowhere, tmp_path, db_path=db)
+    assert res.source == "database" and res.tuned and res.profile_hash == mine.profile_hash  # measured here: tuned
+    import sqlite3
+
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE profiles SET measured_on = ?", (elsewhere,))
+    res, warned = resolve(nowhere, tmp_path, db_path=db, allow_modelled=True)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert any(f"measured on fingerprint {elsewhere}" in " ".join(w.split()) for w in warned), warned
+    assert not msgspec.structs.replace(mine, measured_on=elsewhere).is_tuned_for(mine.key.fingerprint, mine.key.software)

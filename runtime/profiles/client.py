@@ -775,7 +775,7 @@ class ProfileClient:
         opts = None if r.runtime_options is msgspec.UNSET else dict(r.runtime_options)
         prov = provenance_of(r)
         verdict, why, cmps = self._judge(r.key, r.knobs, prov, ident, transport_ok, recorded, job_env, why_no_ident,
-                                         opts, job_opts)
+                                         opts, job_opts, measured_on=r.measured_on)
         return verdict, why, cmps, prov
 
     def _reported_identity(self, key: ProfileKey, why_not: str, deadline: float) -> tuple[node_identity.NodeIdentity | None, str]:
@@ -814,10 +814,11 @@ class ProfileClient:
         self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,
         transport_ok: Callable[[str], str | None] | None, recorded_env: Mapping[str, str] | None,
         job_env: Mapping[str, str], why_no_ident: str = "", recorded_opts: Mapping[str, Any] | None = None,
-        job_opts: Mapping[str, Any] | None = None,
+        job_opts: Mapping[str, Any] | None = None, *, measured_on: str | None = None,
     ) -> tuple[str | None, str, tuple[EnvComparison | None, OptionsComparison | None]]:
         """("tuned" | "modelled" | None, why, (env comparison, options comparison)): may this profile be applied here,
-        and as what?
+        and as what? `measured_on`: the fingerprint the record says it was measured on (None: not said); a measurement
+        naming another than its key's was measured elsewhere, and is never applied as tuned (`is_tuned_for`).
 
         A measured profile is tuned only for this node's identity (`ident`; None: unknown, `why_no_ident` says why):
         never when it is unknown. The one place a profile's recorded performance environment (`recorded_env`, None:
@@ -842,6 +843,10 @@ class ProfileClient:
                 assert ident is not None
                 return None, (f"measured on another node or software (fingerprint {key.fingerprint}, software "
                               f"{key.software}; this node: {ident.fingerprint}, {ident.software})"), none
+            if measured_on is not None and measured_on != key.fingerprint:
+                # the store and an import refuse such a record; a hand edit or another tool's write may hold one
+                return None, (f"labelled measured under fingerprint {key.fingerprint}, but measured on fingerprint "
+                              f"{measured_on[:64]} (another node's numbers): not applied"), none
             opts_cmp = compare_options(recorded_opts, job_opts, key.transport_family)
             if opts_cmp.status == "differs":
                 return None, (f"{opts_cmp.summary()}: not applied as tuned (its numbers are another data path's; "
@@ -916,7 +921,8 @@ class ProfileClient:
         passed: list[str] = []
         for r in recs:
             verdict, why, env_of[id(r)] = self._judge(r.key, r.knobs, r.provenance, ident, transport_ok,
-                                                      r.tuned_perf_env, job_env, "", r.tuned_runtime_options, job_opts)
+                                                      r.tuned_perf_env, job_env, "", r.tuned_runtime_options, job_opts,
+                                                      measured_on=r.measured_on)
             if verdict is None:
                 passed.append(f"{r.profile_hash}: {why}")
             else:

@@ -185,6 +185,10 @@ def check_record(rec: ProfileRecord) -> None:
     if rec.provenance == "measured" and is_preset_fingerprint(rec.key.fingerprint):
         raise FieldError("provenance", f"measured, but the key's fingerprint {rec.key.fingerprint[:64]!r} is a preset's "
                                        "modelled fabric, on which nothing is measured")
+    # nor measured on another fingerprint than its key's: the client would apply that node's numbers as tuned here
+    # (import refused it; put_profile stored it, and an export of it was one no import takes)
+    if rec.provenance == "measured" and rec.measured_on != rec.key.fingerprint:
+        raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
     # nor this node's model: node_model outranks preset, so a preset's (or another node's model's) prediction so
     # labelled would displace a faster preset profile and be served as this node's model
     why = node_model_label_problem(str(rec.provenance), rec.backend, rec.key.fingerprint)
@@ -286,8 +290,6 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
     for name in ("created", "updated"):
         if getattr(rec, name):
             check_import_time(name, getattr(rec, name), now)
-    if rec.provenance == "measured" and rec.measured_on != key.fingerprint:
-        raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
     if rec.provenance == "preset" and not is_preset_fingerprint(rec.measured_on):
         raise FieldError("measured_on", f"a preset profile names its preset (preset:NAME[:DIGEST]), got {rec.measured_on[:64]!r}")
 
