@@ -68,9 +68,11 @@ def provenance_of_backend(backend: str, fingerprint: str | None = None) -> Prove
     """What a backend's numbers are: `local:*` measured, `model:node:*` this node's calibrated model,
     any other `model:*` a preset. An unknown backend is modelled: never trusted as measured. With the key's
     `fingerprint`, `model:node:<fp>` of another fingerprint is a preset: another node's model (another machine's
-    model, as a shipped preset is) says nothing more of this node than a preset does."""
+    model, as a shipped preset is) says nothing more of this node than a preset does; and under a what-if preset's
+    key (`preset:NAME`: a modelled fabric, no node) any `model:node:*` is a preset: no node's model is of it."""
     if backend.startswith(NODE_MODEL_BACKEND):
-        if fingerprint is not None and backend.removeprefix(NODE_MODEL_BACKEND) != fingerprint:
+        if fingerprint is not None and (backend.removeprefix(NODE_MODEL_BACKEND) != fingerprint
+                                        or is_preset_fingerprint(fingerprint)):
             return "preset"
         return "node_model"
     if backend.startswith("model:"):
@@ -108,12 +110,16 @@ def unlabelled_provenance(backend: str, fingerprint: str | None = None) -> Prove
 
 def node_model_label_problem(provenance: str, backend: str, fingerprint: str) -> str:
     """Why a `node_model` label is false for a record of key `fingerprint` ('' when it may stand): its backend is a
-    shipped preset (`model:<preset>`) or another node's model (`model:node:<other fp>`). node_model outranks preset
+    shipped preset (`model:<preset>`) or another node's model (`model:node:<other fp>`; under a what-if preset's key,
+    `preset:NAME`, any `model:node:*`: that key names no node). node_model outranks preset
     (the store's rank rule, the lookups' tiers), so such a label would let a preset's prediction displace a better
     preset profile and be served as this node's model. A `local:*` or unknown backend may be labelled node_model: an
     unlabelled import of a measurement becomes node_model by design (nothing says where it was measured)."""
     if provenance != "node_model" or provenance_of_backend(backend, fingerprint) != "preset":
         return ""
+    if backend.startswith(NODE_MODEL_BACKEND) and is_preset_fingerprint(fingerprint):
+        return (f"node_model, but the key's fingerprint {fingerprint[:64]!r} is a what-if preset's modelled fabric, no "
+                f"node: backend {backend[:80]!r} is no node's calibrated model (a preset to it)")
     if backend.startswith(NODE_MODEL_BACKEND):
         return (f"node_model, but backend {backend[:80]!r} is the calibrated model of another node than the key's "
                 f"fingerprint {fingerprint[:64]!r} (a preset to it)")

@@ -151,3 +151,42 @@ def test_another_nodes_model_taken_as_a_preset_is_not_shown_as_a_preset_file(tmp
     assert Q.preset_note("preset", "preset:my-fabric:0123456789abcdef", "model:my-fabric")[1].startswith(
         "a preset file named my-fabric")
     assert Q.preset_note("node_model", f"preset:node:{OTHER_FP}", backend) == (None, "")
+
+
+PRESET_KEY = ProfileKey(fingerprint="preset:dgx-h100:0123456789abcdef", software="modelled", transport_family="nvlink",
+                        ep_size=2, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16",
+                        token_bucket=256)
+
+
+def test_no_node_model_under_a_what_if_presets_key(tmp_path: Path) -> None:
+    """`preset:NAME:DIGEST` names a modelled fabric, no node: `model:node:<that key>` is no node's calibrated model
+    (no writer labels one so: `node_model_refusal` asks a calibration on a node's fingerprint). Labelled node_model it
+    was stored, passed `db check`, and outranked the preset's own prediction of the key."""
+    backend = f"model:node:{PRESET_KEY.fingerprint}"
+    with Store(tmp_path / "m.db") as s:
+        with pytest.raises(FieldError, match="provenance: node_model, but the key's fingerprint"):
+            s.put_profile(ProfileRecord(key=PRESET_KEY, knobs=KNOBS.replace(num_sms=16), latency_us=90, spread_us=1,
+                                        backend=backend, provenance="node_model"))
+        assert s.list_profiles() == []
+    # a row stored before (a hand edit, another tool): taken as a preset, named by check, and the preset's own
+    # prediction, faster, replaces it
+    path = tmp_path / "old.db"
+    with Store(path) as s:
+        ok, why = s.put_profile(ProfileRecord(key=PRESET_KEY, knobs=KNOBS.replace(num_sms=16), latency_us=90,
+                                              spread_us=1, backend=backend, provenance="preset",
+                                              measured_on=PRESET_KEY.fingerprint))
+        assert ok, why
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE profiles SET provenance = 'node_model'")
+    with Store(path) as s:
+        ((i, rec),) = s.list_profiles()
+        assert rec.effective_provenance == "preset"
+        assert rec.as_effective().measured_on == PRESET_KEY.fingerprint
+        info = s.check()
+        assert not info["ok"] and info["mislabelled_profiles"] == [{"id": i, "backend": backend,
+                                                                    "provenance": "node_model"}]
+        ok, why = s.put_profile(ProfileRecord(key=PRESET_KEY, knobs=KNOBS.replace(num_sms=24), latency_us=50,
+                                              spread_us=1, backend="model:dgx-h100", provenance="preset",
+                                              measured_on=PRESET_KEY.fingerprint))
+        assert ok, why
+        assert _current(s) == [("preset", "model:dgx-h100", 50.0)]
