@@ -228,6 +228,21 @@ def test_exchange_counts_refuses_a_negative_count_and_clears_on_one_gpu() -> Non
         assert b["b_clear"] == "cleared" and b["b_next_exact"] is True, (name, b)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the proxy exchange kernel)")
+def test_the_proxy_transport_refuses_a_graph_capture_on_one_gpu() -> None:
+    """World 1 on the real kernels: the proxy's exchange and exchange_counts inside `torch.cuda.graph` raise the
+    capture refusal (their epoch comes from the host per call) before launching anything, and the eager exchanges
+    before and after are exact (the refusal left the transport usable)."""
+    from moetune.runtime.testing.selftest import proxy_capture_worker, spawn_world
+
+    [r0] = spawn_world(proxy_capture_worker, 1, {"timeout_s": 20.0}, timeout_s=130)
+    _record({"test": "proxy-capture-world-1", "result": r0})
+    assert isinstance(r0, dict) and "error" not in r0, r0
+    assert r0["before_exact"] is True and r0["after_exact"] is True, r0
+    for what in ("exchange", "exchange_counts"):
+        assert f"proxy: {what} cannot be captured in a CUDA graph" in r0[what], r0
+
+
 @needs_gpus
 def test_epbuffer_with_onesided_transports_equals_collective() -> None:
     """Dense reference through the runtime's EPBuffer, when the runtime branch is merged and wired."""

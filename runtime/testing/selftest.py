@@ -445,6 +445,51 @@ def refusal_rules_worker(rank: int, world: int, *, transports: tuple[str, ...] =
     return out
 
 
+def proxy_capture_worker(rank: int, world: int, *, timeout_s: float = 20.0) -> dict:
+    """The proxy transport inside a CUDA-graph capture (world 1 on the real kernels): exchange and exchange_counts
+    are refused before anything is launched (a replay would reuse the captured call's epoch and read rows before
+    they land), the capture ends without a launch in it, and the eager exchanges before and after are exact."""
+    from moetune.runtime.transports._onesided import OneSidedError
+
+    device = torch.device("cuda", rank)
+    options = RuntimeOptions.resolve({"onesided_timeout_s": timeout_s})
+    out: dict[str, Any] = {}
+    t = None
+    try:
+        t = transport_class("proxy")(None, default_knobs("proxy"), device, max_send_rows=4 * world, row_bytes=64,
+                                     options=options)
+        send = torch.arange(2 * world * 32, device=device).to(torch.bfloat16).view(2 * world, 32)
+        good = torch.full((world,), 2, dtype=torch.int64, device=device)
+
+        def exact() -> bool:
+            res = t.exchange(send, good, good)
+            torch.cuda.synchronize(device)
+            t.check()
+            got = res if isinstance(res, torch.Tensor) else res[0]
+            return bool(torch.equal(got[: 2 * world].reshape(-1).view(torch.uint8)[: send.numel() * 2],
+                                    send.reshape(-1).view(torch.uint8)))
+
+        out["before_exact"] = exact()
+        for what, call in (("exchange", lambda: t.exchange(send, good, good)),
+                           ("exchange_counts", lambda: t.exchange_counts(good))):
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(device)
+            try:
+                with torch.cuda.graph(g, stream=side):
+                    call()
+                out[what] = "captured"
+            except OneSidedError as e:
+                out[what] = str(e)[:300]
+            except Exception as e:  # the capture itself failed: a launch reached it
+                out[what] = f"other: {type(e).__name__}: {str(e)[:300]}"
+        out["after_exact"] = exact()
+    except Exception:
+        out["error"] = traceback.format_exc()[-2000:]
+    finally:
+        _close_quietly(t)
+    return out
+
+
 def _graph_replay_equal(buf: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, want: torch.Tensor,
                         device: torch.device) -> bool:
     """dispatch + combine captured in one CUDA graph; replayed 3 times, each after poisoning the receive
