@@ -155,3 +155,18 @@ def test_one_shape_spelt_two_ways_is_one_study(tmp_path: Path) -> None:
         get_model("custom:4096,1024,64,4,bfloat16")) == "custom:4096,1024,64,4"
     assert study_model_name(get_model("custom:4096,1024,64,4,float16")) == "custom:4096,1024,64,4,float16"
     assert study_model_name(get_model("deepseek-v3")) == "deepseek-v3"
+
+
+def test_a_programs_own_shapes_of_one_name_are_studies_of_their_shapes() -> None:
+    """A program's own ModelShape kept its name in the study name: two shapes named alike with other dimensions (other
+    profile keys) shared one study, one resuming the other's trials; one named like a known model but of other
+    dimensions took that model's name. The study is the shape's, whatever it is named."""
+    from moetune.runtime.shapes import ModelShape
+    from moetune.tuner.search.study import study_model_name
+
+    a = ModelShape(name="mine", hidden=1024, intermediate=512, experts=32, topk=4)
+    b = ModelShape(name="mine", hidden=2048, intermediate=512, experts=32, topk=4)
+    assert study_model_name(a) == "custom:1024,512,32,4" and study_model_name(b) == "custom:2048,512,32,4"
+    fake = ModelShape(name="qwen3-30b", hidden=1024, intermediate=512, experts=32, topk=4)
+    assert study_model_name(fake) == "custom:1024,512,32,4"
+    assert study_model_name(ModelShape(name="q", hidden=2048, intermediate=768, experts=128, topk=8)) == "qwen3-30b"

@@ -112,16 +112,15 @@ def study_name(key: ProfileKey, backend_label: str, model_name: str, config: str
 def study_model_name(model: ModelShape) -> str:
     """The model's name in a study name: one per shape, however the shape was spelt. A known model's shape is its name
     (`custom:2048,768,128,8` is qwen3-30b), another custom shape `custom:H,I,E,K` with `,DTYPE` unless bfloat16 (what
-    `custom:H,I,E,K` and `custom:H,I,E,K,bfloat16` both are: the daemon's re-tune spells the dtype out). A shape named
-    otherwise (a program's own ModelShape) keeps its name. Two spellings of one shape were two studies of one key: a
-    rerun started over, and the neighbouring bucket's study was not found."""
+    `custom:H,I,E,K` and `custom:H,I,E,K,bfloat16` both are: the daemon's re-tune spells the dtype out), whatever the
+    shape is named: a program's own ModelShape too (its name kept, two programs' shapes of one name and other
+    dimensions shared one study, each resuming the other's trials measured on another shape). Two spellings of one
+    shape were two studies of one key: a rerun started over, and the neighbouring bucket's study was not found."""
     shape = (model.hidden, model.intermediate, model.experts, model.topk, model.dtype)
     known = next((m.name for m in MODELS.values() if (m.hidden, m.intermediate, m.experts, m.topk, m.dtype) == shape),
                  None)
     if known is not None:
         return known
-    if not model.name.startswith("custom:"):
-        return model.name
     return f"custom:{model.hidden},{model.intermediate},{model.experts},{model.topk}" + (
         "" if model.dtype == "bfloat16" else f",{model.dtype}")
 
