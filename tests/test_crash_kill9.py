@@ -389,3 +389,43 @@ def test_the_cut_never_takes_a_file_that_is_no_results_table(tmp_path: Path) -> 
     assert R.read_rows(torn) == []
     R.append_rows(torn, [_result_row("L1", "2.5")])
     assert [r["launch"] for r in R.read_rows(torn)] == ["L1"]
+
+
+# -- the bring-up report: report.md and its plots ------------------------------------------------------------------
+def _latency_rows() -> list[dict]:
+    return [{"kind": "latency", "transport": "nvlink", "size_bytes": size, "value": 2.0 + size / 1e6, "spread": 0.1,
+             "unit": "us", "extra": {}} for size in (1024, 65536, 1 << 20)]
+
+
+REPORT_KILLED = """
+import sys, time
+from pathlib import Path
+from moetune.tuner.bringup import report as R
+real = R.write_atomic
+def write_atomic(path, data):
+    if Path(path).name == "report.md":  # killed before the new report.md is in place
+        print("REPORTING", flush=True)
+        time.sleep(120)
+    return real(path, data)
+R.write_atomic = write_atomic
+R.write_report(R.ReportData(node="b", fingerprint="b" * 16), Path(sys.argv[1]))
+"""
+
+
+def test_a_report_killed_before_its_report_md_leaves_no_link_to_a_removed_plot(tmp_path: Path) -> None:
+    """A report removes the earlier report's plots it does not draw (another node's curves). It removed them before
+    report.md was replaced: killed between, the earlier report.md, still in place, showed a plot that was gone. A
+    stale plot goes once the new report.md (which does not name it) is in place."""
+    import re
+
+    from moetune.tuner.bringup.report import ReportData, write_report
+
+    write_report(ReportData(node="a", fingerprint="a" * 16, measurements=_latency_rows()), tmp_path)
+    assert "](latency.png)" in (tmp_path / "report.md").read_text()
+    _kill9(_run_until(REPORT_KILLED, [str(tmp_path)], "REPORTING"))  # a report with no plots, killed
+
+    named = re.findall(r"\]\(([^)]+\.png)\)", (tmp_path / "report.md").read_text())
+    assert named and all((tmp_path / f).is_file() for f in named), named
+    write_report(ReportData(node="b", fingerprint="b" * 16), tmp_path)  # the next report removes it
+    assert not (tmp_path / "latency.png").exists()
+    assert "](latency.png)" not in (tmp_path / "report.md").read_text()

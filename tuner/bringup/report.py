@@ -295,12 +295,13 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
         raise NotOurReport(f"{', '.join(map(str, theirs))} {'was' if len(theirs) == 1 else 'were'} not written by "
                            "moetune (no plot mark, and no report of its own in that folder shows it), so the report's "
                            "plot of that name does not replace it")
+    stale: list[Path] = []
     for fname, title, _draw in plots:
         if fname in drawn:
             write_atomic(out_dir / fname, drawn[fname])
             md += [f"## {title}", "", f"![{title}]({fname})", ""]
         elif fname in earlier:  # the last report's plot, not this one's (another node's curves beside this report)
-            (out_dir / fname).unlink(missing_ok=True)
+            stale.append(out_dir / fname)
     md += _fence_table(data.measurements)
     if data.tuned:
         md += ["## Tuned settings", "",
@@ -318,6 +319,10 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
         md += ["## Notes", "", *[f"- {n}" for n in data.notes], ""]
     path = out_dir / "report.md"
     write_atomic(path, "\n".join(md))  # a crash mid-write leaves the previous report whole
+    # only once no report.md names them: removed before, a kill in between left the earlier report showing a
+    # plot that was gone
+    for p in stale:
+        p.unlink(missing_ok=True)
     return path
 
 
