@@ -429,3 +429,40 @@ def test_a_report_killed_before_its_report_md_leaves_no_link_to_a_removed_plot(t
     write_report(ReportData(node="b", fingerprint="b" * 16), tmp_path)  # the next report removes it
     assert not (tmp_path / "latency.png").exists()
     assert "](latency.png)" not in (tmp_path / "report.md").read_text()
+
+
+# -- `moetune fabric capture DIR` ------------------------------------------------------------------------------------
+CAPTURE_KILLED = """
+import pathlib, sys, time
+from pathlib import Path
+from moetune.tuner.fabric.capture import capture_node
+from moetune.tuner.fabric.sources import CaptureSource
+real = pathlib.Path.write_text
+def write_text(self, *a, **kw):
+    if self.name == "manifest.json":  # sys/, proc/ and commands/ written: killed before the manifest
+        print("CAPTURING", flush=True)
+        time.sleep(120)
+    return real(self, *a, **kw)
+pathlib.Path.write_text = write_text
+capture_node(Path(sys.argv[1]), source=CaptureSource(Path(sys.argv[2])))
+"""
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_capture_killed_mid_write_does_not_refuse_the_next_one(tmp_path: Path, existed: bool) -> None:
+    """`fabric capture DIR` killed mid-write left DIR half-written (no manifest: readers refuse it), and the next
+    capture into DIR refused it as "not an empty directory" until it was removed by hand. The capture is written in
+    a folder beside DIR and renamed to DIR whole: a kill leaves DIR as it was, absent or empty."""
+    from moetune.tuner.fabric.capture import capture_node
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.fabric.sources import CaptureSource
+
+    dest = tmp_path / "cap"
+    if existed:
+        dest.mkdir(mode=0o750)
+    _kill9(_run_until(CAPTURE_KILLED, [str(dest), str(CAPTURES / "dgx-h100")], "CAPTURING"))
+    assert (dest.is_dir() and not any(dest.iterdir())) if existed else not dest.exists()
+    out = capture_node(dest, source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert out == dest and discover(out).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+    if existed:  # the folder as the user made it: its mode kept
+        assert dest.stat().st_mode & 0o777 == 0o750

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -116,21 +118,53 @@ def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | N
     finally:
         if isinstance(live, LiveSource):
             live.close()
-    created = not dest.exists()
     try:
-        dest.mkdir(parents=True, exist_ok=True)
-        write_capture(rec, dest, facts)
-    except BaseException as e:
-        # Ctrl-C or a full disk mid-write: the half-written capture goes (a folder without its manifest, which
-        # readers refuse, and which a new `fabric capture DIR` refused as "not an empty directory"), so DIR is
-        # as it was, absent or empty
-        _remove_partial(rec, dest, created)
-        if isinstance(e, OSError):
-            failed = CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}")
-            failed.errno = e.errno
-            raise failed from None
-        raise
+        _write_whole(rec, dest, facts)
+    except OSError as e:
+        failed = CaptureWriteError(dest, f"cannot write the capture: {e.strerror or e}")
+        failed.errno = e.errno
+        raise failed from None
     return dest
+
+
+def _write_whole(rec: RecordingSource, dest: Path, facts: FabricFacts) -> None:
+    """Write the capture into a new folder beside `dest` and rename it to `dest` (absent, or an empty folder, which
+    rename(2) replaces) once whole: a kill mid-write leaves `dest` as it was, not a half-written capture that readers
+    refuse and the next `fabric capture DIR` refused as "not an empty directory". Where no folder can be made
+    beside an existing empty `dest` (a parent this user may not write), it is written in place as before."""
+    import secrets
+    import shutil
+
+    real = Path(os.path.realpath(dest))  # a link to an empty folder: the folder it names is replaced
+    existing = os.stat(real) if real.is_dir() else None
+    real.parent.mkdir(parents=True, exist_ok=True)
+    tmp = real.with_name(f".{real.name}.capture-{secrets.token_hex(4)}.partial")
+    try:
+        tmp.mkdir()  # mode as dest.mkdir gave it (the umask's); ours alone to remove
+    except PermissionError:
+        if existing is None:
+            raise
+        _write_in_place(rec, real, facts)
+        return
+    try:
+        write_capture(rec, tmp, facts)
+        if existing is not None:  # the user's folder as made: its mode (and group, where we may set it)
+            os.chmod(tmp, stat.S_IMODE(existing.st_mode))
+            with contextlib.suppress(OSError):
+                os.chown(tmp, -1, existing.st_gid)
+        os.rename(tmp, real)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_in_place(rec: RecordingSource, dest: Path, facts: FabricFacts) -> None:
+    try:
+        write_capture(rec, dest, facts)
+    except BaseException:
+        # Ctrl-C or a full disk mid-write: the half-written capture goes, so DIR is as it was, empty
+        _remove_partial(rec, dest, False)
+        raise
 
 
 def _remove_partial(rec: RecordingSource, dest: Path, created: bool) -> None:
