@@ -466,3 +466,37 @@ def test_a_capture_killed_mid_write_does_not_refuse_the_next_one(tmp_path: Path,
     assert out == dest and discover(out).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
     if existed:  # the folder as the user made it: its mode kept
         assert dest.stat().st_mode & 0o777 == 0o750
+
+
+# -- the daemon's IPC socket and its owner record --------------------------------------------------------------------
+DAEMON_KILLED = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import daemon_fakes as F
+from moetune.tuner.daemon import server
+def killed_here(p, st):  # the socket bound: killed before its owner record is written
+    print("BOUND", flush=True)
+    time.sleep(120)
+server.record_owner = killed_here
+F.in_process_daemon(Path(sys.argv[1])).start(background=True)
+"""
+
+
+def test_a_daemon_killed_before_its_socket_record_does_not_refuse_the_next_start(tmp_path: Path) -> None:
+    """A daemon killed between binding its socket and writing the socket's owner record left a dead socket no
+    record of ours named: every later start refused it ("remove it yourself"), under systemd's Restart= a restart
+    loop until someone removed it by hand. The socket is bound under a name of its own, its record written, and only
+    then linked to its path: a socket at the path always has its record."""
+    _kill9(_run_until(DAEMON_KILLED, [str(tmp_path), str(Path(__file__).resolve().parent)], "BOUND"))
+
+    d = F.in_process_daemon(tmp_path).start(background=True)
+    try:
+        from moetune.runtime.profiles.client import ProfileClient
+
+        c = ProfileClient(d.endpoint, timeout_ms=5000)
+        assert c.hello() is not None
+        c.close()
+    finally:
+        d.stop()
+    assert not (tmp_path / "run" / "daemon.sock").exists()

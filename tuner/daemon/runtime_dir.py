@@ -5,7 +5,8 @@ group) and marked as ours (RUNTIME_MARK); an existing directory is used as it is
 our socket in it (`prepare_runtime_dir`, `check_socket_ancestors`). An existing file at the socket path is refused
 unless it is a dead socket this daemon's owner record proves was ours (`check_socket_path`). Each socket the daemon
 binds, and daemon.json beside it, gets an owner record (".<name>.moetune-owner": the file's device and inode), which
-is what tells our files from anyone else's: daemon.json is replaced only when it carries our mark and our owner
+is what tells our files from anyone else's (a socket is bound under a name of its own and linked to its path only
+once its record is written: `binding_name`): daemon.json is replaced only when it carries our mark and our owner
 record names it (`foreign_info_reason`) and no other daemon at another endpoint, still running, wrote it
 (`other_live_daemon`); a user's file there is left alone.
 """
@@ -16,13 +17,14 @@ import contextlib
 import grp
 import json
 import os
+import secrets
 import socket as pysocket
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime.paths import ipc_path
+from moetune.runtime.paths import MAX_IPC_PATH_BYTES, ipc_path
 from moetune.tuner.daemon.errors import DaemonBusy, DaemonConfigError
 
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
@@ -209,18 +211,37 @@ def check_socket_path(p: Path) -> None:
 
 
 def record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
-    """Write the owner record of the socket `st` bound at `p`; returns the record's own (dev, inode) (the file
-    this daemon may remove at exit)."""
+    """Write the owner record of the socket `st` bound (under its binding name) for `p`; returns the record's own
+    (dev, inode) (the file this daemon may remove at exit). Written whole (synced, then renamed): a kill or a crash
+    never leaves an empty record, which proves nothing and had the next start refuse the socket."""
     rec = owner_record(p)
-    if rec.exists() or rec.is_symlink():
-        if not _owned_file(rec):
-            raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
-        rec.unlink()
-    fd = os.open(rec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
-        rst = os.fstat(f.fileno())
-    return rst.st_dev, rst.st_ino
+    if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
+        raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
+    fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
+            synced(f)
+            rst = os.fstat(f.fileno())
+        os.replace(tmp, rec)
+        return rst.st_dev, rst.st_ino
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def binding_name(p: Path) -> Path | None:
+    """A new name in `p`'s folder to bind the socket under before it is linked to `p` (once its owner record is
+    written: a daemon killed in between leaves `p` absent, never a socket no record names, which every later start
+    refused); None where that name would not fit a socket address (the socket is then bound at `p` as before).
+    Checked absent: libzmq removes whatever is at a path before binding it."""
+    while True:
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}")
+        if len(os.fsencode(tmp)) > MAX_IPC_PATH_BYTES:
+            return None
+        if not os.path.lexists(tmp):
+            return tmp
 
 
 def synced(f: Any) -> None:

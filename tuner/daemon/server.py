@@ -103,6 +103,7 @@ from moetune.tuner.daemon.recovery import (
 from moetune.tuner.daemon.retune import TUNE_BACKENDS, tuner_retune
 from moetune.tuner.daemon.runtime_dir import (
     INFO_MARK,
+    binding_name,
     check_socket_ancestors,
     check_socket_path,
     foreign_info_reason,
@@ -501,20 +502,31 @@ class Daemon(FabricWatch):
         p = self._prepare_ipc(endpoint)
         self._secure(s, endpoint)
         gid = group_id(self.group)
+        # an IPC socket is bound under a name of its own, recorded, then linked to its path (binding_name)
+        at = binding_name(p) if p is not None else None
         old = os.umask(0o117 if gid is not None else 0o177)  # no window where the socket is wider open
         try:
-            s.bind(endpoint)
+            s.bind(f"ipc://{at}" if at is not None else endpoint)
         finally:
             os.umask(old)
         if p is not None:
+            bound = at or p
             # the socket as bound, never a link put in its place: nothing but our own socket is claimed or chmod-ed
-            st = os.lstat(p)
+            st = os.lstat(bound)
             if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
-                raise DaemonConfigError(f"{p} is no longer the socket this daemon bound (replaced meanwhile?)")
+                raise DaemonConfigError(f"{bound} is no longer the socket this daemon bound (replaced meanwhile?)")
             # we created it: ours to chmod and, at exit, to remove, by the id seen here (also when the record
             # below cannot be written)
-            self._bound_paths[p] = ((st.st_dev, st.st_ino), None)
+            self._bound_paths[bound] = ((st.st_dev, st.st_ino), None)
             self._bound_paths[p] = ((st.st_dev, st.st_ino), record_owner(p, st))
+            if at is not None:
+                try:
+                    os.link(at, p)  # never over a file that appeared at p meanwhile (EEXIST)
+                except FileExistsError:
+                    raise DaemonConfigError(f"{p} appeared while this daemon was binding it: refusing to replace "
+                                            "it") from None
+                unlink_if(at, (st.st_dev, st.st_ino), stat.S_IFSOCK)
+                del self._bound_paths[at]
             if gid is not None:
                 os.chown(p, -1, gid, follow_symlinks=False)
             os.chmod(p, 0o660 if gid is not None else 0o600)
