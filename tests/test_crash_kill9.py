@@ -500,3 +500,42 @@ def test_a_daemon_killed_before_its_socket_record_does_not_refuse_the_next_start
     finally:
         d.stop()
     assert not (tmp_path / "run" / "daemon.sock").exists()
+
+
+# -- `moetune keys generate --force`: the daemon's key pair --------------------------------------------------------
+KEYS_KILLED = """
+import os, sys, time
+from pathlib import Path
+from moetune.tuner.cli.keys import generate_keys
+real, n = os.replace, [0]
+def replace(src, dst):
+    n[0] += 1
+    if n[0] == 2:  # the new NAME.key_secret in place: killed before NAME.key is
+        print("RENAMING", flush=True)
+        time.sleep(120)
+    return real(src, dst)
+os.replace = replace
+generate_keys(Path(sys.argv[1]), force=True)
+"""
+
+
+def test_a_key_pair_cut_short_by_a_kill_is_named_at_the_daemons_start(tmp_path: Path) -> None:
+    """`keys generate --force` renames the new NAME.key_secret, then NAME.key, into place: killed between, the daemon
+    took the new secret key while NAME.key, the file its clients are given, held the old public key, and every
+    client given it was refused by the CURVE handshake with no word of why. The daemon's start refuses a NAME.key
+    beside its secret key that holds another public key, naming the file and the fix."""
+    from moetune.tuner.cli.keys import generate_keys
+    from moetune.tuner.daemon.errors import DaemonConfigError
+    from moetune.tuner.daemon.server import Daemon
+
+    _public, secret = generate_keys(tmp_path / "keys")
+    (tmp_path / "keys" / "clients").mkdir(mode=0o700)  # the allow-list (empty: only warned)
+    _kill9(_run_until(KEYS_KILLED, [str(tmp_path / "keys")], "RENAMING"))
+
+    d = Daemon(store=F.open_store(tmp_path / "moetune.db"), endpoint="tcp://127.0.0.1:45123",
+               pub_endpoint="tcp://127.0.0.1:45124", curve_secret_key_file=str(secret))
+    with pytest.raises(DaemonConfigError, match=r"moetune\.key holds another public key than .*moetune\.key_secret.*"
+                                                 r"keys generate --force"):
+        d._check_transport_security()
+    generate_keys(tmp_path / "keys", force=True)  # the fix it names: a whole pair again
+    d._check_transport_security()

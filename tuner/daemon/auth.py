@@ -17,7 +17,7 @@ from pathlib import Path
 import zmq
 
 from moetune.runtime.paths import loose_key_path, secret_key_checks
-from moetune.runtime.profiles.curve_keys import bad_curve_key
+from moetune.runtime.profiles.curve_keys import bad_curve_key, read_curve_key_file
 from moetune.tuner.daemon.errors import DaemonConfigError
 
 
@@ -86,6 +86,27 @@ def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
     if not secret:
         raise DaemonConfigError(f"{secret_file} holds no secret key")
     return public, secret
+
+
+def check_public_beside(secret_file: str | Path, public: bytes) -> None:
+    """Refuse a NAME.key beside the daemon's NAME.key_secret that holds another public key than the secret file:
+    `moetune keys generate --force` renames the secret file, then the public one, into place, and a kill between left
+    the old public key in NAME.key, the file its clients are given (each then refused by the CURVE handshake, with no
+    word of why). No NAME.key there, or one that is no key file, is left alone (not a pair of `keys generate`'s)."""
+    sf = Path(secret_file)
+    if sf.suffix != ".key_secret":
+        return
+    pf = sf.with_suffix(".key")
+    try:
+        theirs, _ = read_curve_key_file(pf)
+    except ValueError:
+        return
+    if theirs != public:
+        raise DaemonConfigError(
+            f"{pf} holds another public key than {sf} (a `moetune keys generate --force` cut short between writing "
+            f"the two?): clients given {pf.name} would be refused; write a whole pair again with `moetune keys "
+            f"generate --force {sf.parent} --name {sf.name.removesuffix('.key_secret')}` and give the clients the "
+            f"new {pf.name}")
 
 
 def default_clients_dir(secret_file: str | Path) -> Path:

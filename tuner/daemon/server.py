@@ -77,6 +77,7 @@ from moetune.runtime.profile_record import ProfileRecord
 from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.auth import (
     CurveAllowList,
+    check_public_beside,
     check_secret_key_file,
     default_admins_dir,
     default_clients_dir,
@@ -445,7 +446,9 @@ class Daemon(FabricWatch):
             tcp = any(ep.startswith("tcp://") for ep in (self.endpoint, self.pub_endpoint))
             if tcp:  # the key is used only on TCP; an IPC daemon with a configured key is not refused for it
                 check_secret_key_file(self.curve_secret_key_file)
-            load_curve_keys(self.curve_secret_key_file)
+            public, _secret = load_curve_keys(self.curve_secret_key_file)
+            if tcp:
+                check_public_beside(self.curve_secret_key_file, public)
             if tcp:
                 assert self.curve_clients_dir is not None
                 allowed = load_client_keys(self.curve_clients_dir)
