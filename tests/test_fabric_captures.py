@@ -253,3 +253,32 @@ def test_tolerant_formats(tmp_path: pathlib.Path) -> None:
     f = discover(root)
     assert f.gpu_count == 4 and {p.level for p in f.pairs} == {"NV4"}
     assert [lk.active for lk in f.gpus[0].nvlinks].count(False) == 1
+
+
+def test_a_capture_into_an_empty_folder_with_no_room_beside_it_is_written_in_place(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no folder can be made beside an existing empty DIR (a parent this user may not write), the capture is
+    written in DIR itself, as before it was written beside DIR and renamed; interrupted, DIR is left empty."""
+    dest = tmp_path / "cap"
+    dest.mkdir()
+    real_mkdir, real_write = pathlib.Path.mkdir, pathlib.Path.write_text
+
+    def mkdir(self: pathlib.Path, *a, **kw):
+        if self.name.endswith(".partial"):
+            raise PermissionError(13, "Permission denied")
+        return real_mkdir(self, *a, **kw)
+
+    def write_text(self: pathlib.Path, *a, **kw):
+        if self.name == "manifest.json":
+            raise KeyboardInterrupt
+        return real_write(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    with pytest.raises(KeyboardInterrupt):
+        capture_node(dest, source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert dest.is_dir() and not any(dest.iterdir())
+    monkeypatch.setattr(pathlib.Path, "write_text", real_write)
+    out = capture_node(dest, source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert discover(out).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+    assert [p.name for p in tmp_path.iterdir()] == ["cap"]

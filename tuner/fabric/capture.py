@@ -130,13 +130,17 @@ def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | N
 def _write_whole(rec: RecordingSource, dest: Path, facts: FabricFacts) -> None:
     """Write the capture into a new folder beside `dest` and rename it to `dest` (absent, or an empty folder, which
     rename(2) replaces) once whole: a kill mid-write leaves `dest` as it was, not a half-written capture that readers
-    refuse and the next `fabric capture DIR` refused as "not an empty directory". Where no folder can be made
-    beside an existing empty `dest` (a parent this user may not write), it is written in place as before."""
+    refuse and the next `fabric capture DIR` refused as "not an empty directory". An existing empty `dest` of
+    another user's, or one beside which no folder can be made (a parent this user may not write), is written in
+    place as before."""
     import secrets
     import shutil
 
     real = Path(os.path.realpath(dest))  # a link to an empty folder: the folder it names is replaced
     existing = os.stat(real) if real.is_dir() else None
+    if existing is not None and existing.st_uid != os.getuid():
+        _write_in_place(rec, real, facts)  # another user's folder (we may write in it): kept, not replaced by ours
+        return
     real.parent.mkdir(parents=True, exist_ok=True)
     tmp = real.with_name(f".{real.name}.capture-{secrets.token_hex(4)}.partial")
     try:
@@ -163,13 +167,13 @@ def _write_in_place(rec: RecordingSource, dest: Path, facts: FabricFacts) -> Non
         write_capture(rec, dest, facts)
     except BaseException:
         # Ctrl-C or a full disk mid-write: the half-written capture goes, so DIR is as it was, empty
-        _remove_partial(rec, dest, False)
+        _remove_partial(rec, dest)
         raise
 
 
-def _remove_partial(rec: RecordingSource, dest: Path, created: bool) -> None:
+def _remove_partial(rec: RecordingSource, dest: Path) -> None:
     """Remove what `write_capture` may have written under `dest` (new, or empty before): only the top-level names a
-    capture has, never anything else found there; `dest` itself too when this capture created it."""
+    capture has, never anything else found there."""
     import shutil
 
     tops = {p.lstrip("/").split("/", 1)[0] for p in (*rec.files, *rec.dirs)} - {"", ".", ".."}
@@ -181,6 +185,3 @@ def _remove_partial(rec: RecordingSource, dest: Path, created: bool) -> None:
                 shutil.rmtree(p)
             elif p.is_symlink() or p.exists():
                 p.unlink()
-    if created:
-        with contextlib.suppress(OSError):
-            dest.rmdir()
