@@ -132,3 +132,50 @@ def test_missing_parents_of_the_socket_directory_are_created(tmp_path: Path) -> 
     sock = tmp_path / "new" / "sub" / "run" / "daemon.sock"
     _daemon(tmp_path, endpoint=f"ipc://{sock}").start(background=True).stop()
     assert (tmp_path / "new" / "sub" / "run").is_dir()
+
+
+def test_the_socket_is_linked_to_its_path_once_recorded(tmp_path: Path) -> None:
+    """Bound under a name of its own and linked to its path after its owner record: nothing else is left there."""
+    d = _daemon(tmp_path).start(background=True)
+    run = tmp_path / "run"
+    try:
+        st = os.lstat(run / "daemon.sock")
+        assert json.loads((run / ".daemon.sock.moetune-owner").read_text())["ino"] == st.st_ino
+        assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
+    finally:
+        d.stop()
+    assert not (run / "daemon.sock").exists()
+
+
+def test_a_file_system_without_hard_links_gets_the_socket_renamed(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def no_links(*_a: Any) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(server.os, "link", no_links)
+    d = _daemon(tmp_path).start(background=True)
+    run = tmp_path / "run"
+    try:
+        assert (run / "daemon.sock").is_socket()
+        assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
+    finally:
+        d.stop()
+    assert not (run / "daemon.sock").exists()
+
+
+def test_a_file_that_appears_at_the_socket_path_while_binding_is_kept(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.link
+
+    def someone_was_first(src: Any, dst: Any) -> None:
+        Path(dst).write_text("someone else's")
+        real(src, dst)
+
+    monkeypatch.setattr(server.os, "link", someone_was_first)
+    with pytest.raises(DaemonConfigError, match="appeared while this daemon was binding it"):
+        _daemon(tmp_path).start(background=True)
+    run = tmp_path / "run"
+    assert (run / "daemon.sock").read_text() == "someone else's"
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]

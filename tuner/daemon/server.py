@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gc
 import importlib
 import itertools
@@ -523,11 +524,17 @@ class Daemon(FabricWatch):
             self._bound_paths[bound] = ((st.st_dev, st.st_ino), None)
             self._bound_paths[p] = ((st.st_dev, st.st_ino), record_owner(p, st))
             if at is not None:
+                appeared = DaemonConfigError(f"{p} appeared while this daemon was binding it: refusing to replace it")
                 try:
                     os.link(at, p)  # never over a file that appeared at p meanwhile (EEXIST)
                 except FileExistsError:
-                    raise DaemonConfigError(f"{p} appeared while this daemon was binding it: refusing to replace "
-                                            "it") from None
+                    raise appeared from None
+                except OSError as e:
+                    if os.path.lexists(p):
+                        raise appeared from None
+                    if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    os.rename(at, p)  # a file system without hard links: p was absent just now, under our lock
                 unlink_if(at, (st.st_dev, st.st_ino), stat.S_IFSOCK)
                 del self._bound_paths[at]
             if gid is not None:
