@@ -38,3 +38,21 @@ def test_the_systemd_unit_takes_a_signalled_stop_for_success() -> None:
     ok = [x for x in lines if x.startswith("SuccessExitStatus=")]
     assert ok and {"130", "143"} <= set(ok[0].split("=", 1)[1].split())
     assert "Restart=on-failure" in lines
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_daemon_leaves_its_database_whole(tmp_path: Path, sig: int) -> None:
+    """The daemon closes its store when it stops: SQLite checkpoints the WAL into the file and removes -wal and -shm.
+    Left open, they stayed beside the database, and a copy of moetune.db alone (a backup, another node) lacked what
+    the WAL still held."""
+    F.make_capture(tmp_path / "capture")
+    d = F.DaemonProc(tmp_path)
+    try:
+        d.wait_ready()
+        assert (tmp_path / "moetune.db-wal").exists()  # written while it serves (fingerprint, discovery)
+        d.proc.send_signal(sig)
+        d.proc.wait(20)
+    finally:
+        d.kill(9)
+    left = sorted(p.name for p in tmp_path.glob("moetune.db-*"))
+    assert left == [], (left, d.read_log()[-2000:])

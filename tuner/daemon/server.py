@@ -1047,8 +1047,14 @@ def run_daemon(
             os.close(db_lock)
         raise
     daemon.install_signal_handlers()
-    daemon.start()
-    daemon.serve_forever()
+    try:
+        daemon.start()
+        daemon.serve_forever()
+    finally:
+        # the last connection closed checkpoints the WAL into the file and removes -wal and -shm: left open, they
+        # stayed beside the database, and a copy of the file alone lacked what the WAL held
+        if not store_hook:  # a hook's store is the hook's to close
+            store.close()
     # the CLI's documented statuses: 130 for Ctrl-C, 143 for SIGTERM (128 + the signal, as the shell reports a
     # killed process); the systemd unit lists both in SuccessExitStatus, so a stop is no failure there
     return 128 + daemon.stopped_by if daemon.stopped_by is not None else 0
