@@ -307,3 +307,6 @@ def test_a_refused_calibration_says_a_rerun_only_resumes(tmp_path: Path, monkeyp
     said = " ".join(r.output.split())
     assert "node fabric model NOT written (calibration refused): too few measured rows" in said, said
     assert ("`moetune profile --restart`" in said and '[tune] backend = "local"' in said) is not earlier, said
+    # "NOT written" alone, with an earlier node model still in place (and used by the daemon's model re-tune), read as
+    # if this node had none: the summary names it, as the report does
+    assert (f"the node model from an earlier bring-up ({tmp_path / 'node-x.toml'}) is left as it was" in said) is earlier, said

@@ -352,7 +352,10 @@ def profile(
                       f"max {100 * cal['max_abs_rel_err']:.1f}%)")
     elif cal.get("refused"):  # said by the stage when it ran; a resumed run's summary says it too
         # what to do next: the same command again only resumes this finished bring-up and writes no model again
-        then = ("" if cal.get("earlier_node_model") else
+        # an earlier bring-up's node model stays in place (the daemon's model re-tune uses it): "NOT written" alone
+        # read as if this node had none
+        then = (f"; the node model from an earlier bring-up ({cal['earlier_node_model']}) is left as it was"
+                if cal.get("earlier_node_model") else
                 "; a rerun resumes this bring-up and writes none: fix the measurements and run `moetune profile "
                 "--restart`, or let the daemon re-tune by measuring ([tune] backend = \"local\")")
         console.print(f"[yellow]node fabric model NOT written (calibration refused): "
