@@ -21,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
 from moetune.tuner.store.atomic_files import write_atomic
 
 HEADER = "# moetune bring-up report"  # report.md's first line: what marks it as this module's
@@ -175,7 +176,9 @@ def _plot_tuned(tuned: Sequence[dict], path: Path | IO[bytes]) -> bool:
                         ha="center", fontsize=8)
         ax.set_xticks(xs, [str(t["tokens"]) for t in rows])
         ax.set_xlabel("tokens per rank (bucket)")
-        ax.set_ylabel("µs (EP: dispatch → combine round trip; megakernel: layer)")
+        # what this panel's family times, in a label that fits the panel: "µs (EP: dispatch → combine round trip;
+        # megakernel: layer)" on every panel was taller than it and cut off in the PNG
+        ax.set_ylabel("µs, the whole MoE layer" if family == MEGAKERNEL_FAMILY else "µs, dispatch → combine round trip")
         title = f"{model} · {family}" if family else model
         ax.set_title(f"{title} · EP {ep}" if ep else title, fontsize=10)
         ax.legend(fontsize=8)
