@@ -41,3 +41,29 @@ def test_tuned_plot_labels_fit_the_figure(monkeypatch: pytest.MonkeyPatch, famil
             ext = text.get_window_extent()
             assert ext.x0 >= box.x0 and ext.y0 >= box.y0 and ext.x1 <= box.x1 and ext.y1 <= box.y1, (text.get_text(), ext, box)
         assert ax.get_ylabel() == label
+
+
+def test_importance_plot_titles_fit_the_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """importances.png titled each panel with its study's whole name on one line, wider than the 7-inch figure: the
+    PNG cut off its end (the fingerprint, software and restart part telling two studies apart)."""
+    saved: list[Any] = []
+    real_save = report._save
+
+    def keep(fig: Any, path: Any) -> None:
+        real_save(fig, path)
+        saved.append(fig)
+
+    monkeypatch.setattr(report, "_save", keep)
+    names = [f"collective/qwen3-30b/S{s}/ep2n1/local:gloo:comm/943cc5ad0d04-7796d6ea-89cd533b-r2684b9a0"
+             for s in (128, 1024)]
+    imp = {n: {"compression": 0.7, "pipeline_depth": 0.3, "scale_granularity": 0.0} for n in names}
+    assert report._plot_importances(imp, io.BytesIO())
+    (fig,) = saved
+    fig.draw_without_rendering()
+    box = fig.bbox
+    titles = []
+    for ax in fig.axes:
+        ext = ax.title.get_window_extent()
+        assert ext.x0 >= box.x0 and ext.x1 <= box.x1 and ext.y1 <= box.y1, (ax.get_title(), ext, box)
+        titles.append(ax.get_title().replace("\n", ""))
+    assert sorted(titles) == sorted(names)  # the whole name, only broken into lines

@@ -197,7 +197,10 @@ def _plot_importances(importances: dict[str, dict[str, float]], path: Path | IO[
     for ax, (study, imp) in zip(axes[:, 0], sorted(studies.items()), strict=True):
         items = sorted(imp.items(), key=lambda kv: kv[1])
         ax.barh([k for k, _ in items], [v for _, v in items], color="#d9822b")
-        ax.set_title(study, fontsize=9)
+        # two lines, the key's readable part over its fingerprint/software part: on one line the name was wider than
+        # the figure and its end, which tells two studies of one key apart, was cut off
+        head, _, tail = study.rpartition("/")
+        ax.set_title(f"{head}/\n{tail}" if head else tail, fontsize=9)
         ax.set_xlim(0, 1)
     axes[-1, 0].set_xlabel("importance (fANOVA)")
     fig.tight_layout()
