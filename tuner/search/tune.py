@@ -512,8 +512,15 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             # a backend that re-measures does so side by side here (minutes on GPUs), and may write the incumbent's
             # fresh number even where it returns written=False: a repeat that got this far is a run of its own
             acted = recheck and not inert and be.remeasures and result.best is not None
+            # a step of its own in the progress: after the study's last trial it ran for minutes (46 s of two gloo
+            # ranks on a CPU node) with no line, the study's bar finished and a piped log silent
+            check = (bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}: side by side with the policy "
+                             "default and the current profile", 1)
+                     if acted and result.best_knobs is not None else None)
             record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
                                                      inert=inert, recheck=recheck)
+            if check is not None:
+                bar.update(check, 1)
             acted = acted or written
         status = "done" if result.best_knobs is not None else "no_result"
         # fewer finished trials than asked happens only when the budget ran out (an interruption raises)
