@@ -223,6 +223,8 @@ def preset_note(provenance: str, measured_on: str, backend: str) -> tuple[bool |
 
 PROVENANCE_LABEL = {"measured": "[green]measured[/]", "node_model": "[yellow]MODELLED[/] (node model)",
                     "preset": "[red]PRESET[/] (MODELLED: another machine's model)", "unknown": "[red]UNKNOWN[/]"}
+# the table's label of `measured_on`, by provenance: where the numbers come from, said as what they are
+MEASURED_ON_LABEL = {"measured": "measured on", "node_model": "modelled by the node model of", "preset": "predicted by"}
 # `--format env`: every profile that is not a measurement (defaults are labelled by their source alone).
 ENV_LABEL = {"node_model": "MODELLED profile (node model)", "preset": "MODELLED profile (preset, another machine's model)",
              "unknown": "profile of UNKNOWN provenance"}
@@ -360,7 +362,9 @@ def register(app: typer.Typer) -> None:
         t.add_row("status", escape(res.status))
         t.add_row("provenance", PROVENANCE_LABEL.get(provenance, escape(provenance)))
         if measured_on:
-            t.add_row("measured on", escape(measured_on))
+            # "measured on" only where it was: a node model's row names the node whose calibrated model predicted
+            # it, a preset's the preset (it read "measured on preset:NAME:DIGEST" beside "MODELLED")
+            t.add_row(MEASURED_ON_LABEL.get(provenance, "measured on (as recorded)"), escape(measured_on))
         if origin:
             t.add_row("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]")
         if res.key:

@@ -1,0 +1,60 @@
+"""`moetune query`'s table names where a profile's numbers come from under a label that says what they are: a
+MODELLED profile's row read "measured on 943cc5ad0d0417d8" (the node whose calibrated model predicted it) or
+"measured on preset:NAME:DIGEST" (a preset predicts; nothing was measured), beside "provenance MODELLED". Only a
+measured profile's row says "measured on"; the JSON keeps its `measured_on` field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.shapes import get_model
+from moetune.tuner.cli import app
+from moetune.tuner.store.store import Store
+
+M = get_model("qwen3-30b")
+FP = "c" * 16
+
+
+def _key(fp: str) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software="modelled" if fp.startswith("preset:") else "d" * 16,
+                      transport_family="collective", ep_size=2, nodes=1, hidden=M.hidden, intermediate=M.intermediate,
+                      experts=M.experts, topk=M.topk, dtype=M.dtype, token_bucket=128)
+
+
+@pytest.mark.parametrize(("provenance", "fp", "backend", "label"), [
+    ("measured", FP, "local:gloo", "measured on"),
+    ("node_model", FP, f"model:node:{FP}", "modelled by the node model of"),
+    ("preset", "preset:nvlink-h200x2:0123456789abcdef", "model:nvlink-h200x2", "predicted by"),
+])
+def test_only_a_measured_profile_is_said_measured_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, provenance: str,
+                                                      fp: str, backend: str, label: str) -> None:
+    from moetune.runtime.profiles import client
+
+    db = tmp_path / "q.db"
+    k = _key(fp)
+    with Store(db) as s:
+        ok, why = s.put_profile(ProfileRecord(key=k, knobs=default_knobs("collective"), latency_us=5.0, spread_us=0.1,
+                                              backend=backend, provenance=provenance,
+                                              # as the tuner stores a node model's: the node it was calibrated on
+                                              measured_on=fp if provenance == "node_model" else ""))
+        assert ok, why
+        ((_id, row),) = s.list_profiles()
+    res = client.Resolution(knobs=row.knobs, source="database", profile_hash=row.profile_hash, status="current",
+                            key=k, family="collective", provenance=provenance, tuned=provenance == "measured")
+    monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
+    args = ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db", str(db), "--socket",
+            f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100"]
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    table = re.sub(r"[ │]+", " ", r.stdout)
+    assert f" {label} {row.measured_on} " in table, table
+    assert (" measured on " in table) is (provenance == "measured"), table
+    r = CliRunner().invoke(app, [*args, "--json"], env={"COLUMNS": "200"})
+    assert json.loads(r.stdout.strip().splitlines()[-1])["measured_on"] == row.measured_on
