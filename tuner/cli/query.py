@@ -150,6 +150,23 @@ def _drop_connect_refusal(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("moetune: not connecting to ")
 
 
+def _nothing_at(endpoint: str) -> bool:
+    """Whether nothing is at the IPC endpoint's path (no daemon started there); False for TCP and for a path that is
+    there or cannot be looked at (another user's folder: starting a daemon would not be the answer)."""
+    from moetune.runtime.paths import ipc_path
+
+    p = ipc_path(endpoint)
+    if p is None:
+        return False
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms: int, json_out: bool = False,
                 on_timeout: str = "", **fields: Any) -> Any:
     """The daemon's answer to `op`, else exit 1 saying why: on stderr, or with `json_out` as the one JSON object
@@ -166,6 +183,10 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
                else f"the daemon's reply is not one this moetune reads: {e}" if isinstance(e, BadReply) else str(e))
         if isinstance(e, DaemonTimeout) and on_timeout:
             why = f"{why}: {on_timeout}"
+        elif isinstance(e, DaemonUnavailable) and _nothing_at(client.endpoint):
+            # what is wrong was said, not what to do: a first `moetune status` before any `moetune serve`
+            why = (f"{why}; no daemon runs there: start one with `moetune serve` (one serving elsewhere: --socket, "
+                   "or [client] socket in the config)")
         if json_out:
             print_json({"ok": False, "error": why})
         else:
