@@ -165,6 +165,12 @@ EXAMPLES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
          "moetune tune --model qwen3-30b --tokens 128 --backend local --world 2 --trials 20"),
         ("the studies kept (--study NAME: one of them)", "moetune tune show"),
     ),
+    ("serve",): (
+        ("in the foreground, on this user's default socket and database (Ctrl-C or SIGTERM stops it: exit 130 / 143)",
+         "moetune serve"),
+        ("on a socket of its own, which clients then name (moetune status --socket ipc:///tmp/moetune-demo/daemon.sock)",
+         "moetune serve --socket ipc:///tmp/moetune-demo/daemon.sock"),
+    ),
     ("model", "predict"): (
         ("one knob set's predicted latency on a preset",
          "moetune model predict --preset nvlink-h200x2 --tokens 1024 --knobs compression=fp8_e4m3,pipeline_depth=2"),

@@ -9,6 +9,7 @@ import msgspec
 import typer
 
 from moetune.tuner.cli._args import path_option, text_option
+from moetune.tuner.cli._help import examples
 from moetune.tuner.cli.query import SOCKET_EMPTY
 
 
@@ -53,7 +54,7 @@ def _job_state(job: Any) -> str:
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
 
-    @app.command("serve")
+    @app.command("serve", epilog=examples(("serve",)))
     def serve(
         socket: str = typer.Option(None, "--socket", help="ROUTER endpoint (default: ipc:// in the runtime directory)."),
         pub_socket: str = typer.Option(None, "--pub-socket", help="PUB endpoint (default: next to --socket)."),
