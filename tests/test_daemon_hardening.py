@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import socket
 import stat
 import sys
@@ -518,12 +519,24 @@ def test_a_pickled_reply_is_refused_by_the_decoder_error_of_any_non_json_frame(p
         c.close()
 
 # -- 8: a tracked profile takes only what `resolve` would, and follows a restarted daemon ------------------------
+_TRACK_DIRS: list[Path] = []  # each _TrackClient's mkdtemp folder, removed after its test (one per client was left in /tmp)
+
+
+@pytest.fixture(autouse=True)
+def _remove_track_dirs() -> Iterator[None]:
+    yield
+    while _TRACK_DIRS:
+        shutil.rmtree(_TRACK_DIRS.pop(), ignore_errors=True)
+
+
 class _TrackClient(ProfileClient):
     """A ProfileClient whose get_profile and fabric answers, queued changes and subscription are faked; its judgement
     is the real one, with this node FP/SW (the daemon reports this node's facts, which the client checks)."""
 
     def __init__(self, answer: Any, job_env: dict[str, str] | None = None, **kw: Any) -> None:
-        run = Path(tempfile.mkdtemp(prefix="moetune-track-")) / "run"  # mkdtemp: 0700, as a runtime directory must be
+        root = Path(tempfile.mkdtemp(prefix="moetune-track-"))  # mkdtemp: 0700, as a runtime directory must be
+        _TRACK_DIRS.append(root)
+        run = root / "run"
         run.mkdir(mode=0o700)
         (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "host": socket.gethostname(),
                                                      "running": True, "epoch": "e1"}))
