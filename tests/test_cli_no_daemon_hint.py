@@ -31,3 +31,12 @@ def test_a_file_in_the_way_gets_no_start_hint(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["status", "--socket", f"ipc://{sock}", "--timeout-ms", "100"],
                            env={"MOETUNE_CONFIG": "", "COLUMNS": "400"})
     assert r.exit_code == 1 and HINT not in " ".join(r.output.split()), r.output
+
+
+def test_the_command_list_says_which_command_is_the_daemon() -> None:
+    """`moetune --help` named "the daemon" under status and retune only; the command that runs it read "serve  Serve
+    tuned profiles over ZeroMQ; ...", and `moetune daemon` is no command: its line now says it runs the daemon."""
+    r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.strip("│ ").startswith("serve "))
+    assert "the node daemon" in line, line

@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
         discover_hook: str = typer.Option(None, "--discover-hook", hidden=True),
         retune_hook: str = typer.Option(None, "--retune-hook", hidden=True),
     ) -> None:
-        """Serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
+        """Run the node daemon: serve tuned profiles over ZeroMQ; rediscover the fabric and re-tune when it changes."""
         import zmq
 
         from moetune.tuner.cli.db import fail
