@@ -1,7 +1,7 @@
 """`moetune tune --backend local` measures its winner again beside the policy default and the current profile after
 the search (`_write_profile`): on a CPU node that took 46 s of two gloo ranks after the study's last "2/2 done" line,
 with no line at all (a terminal's bar sat finished, a piped log said nothing). It is a step of its own in the
-progress now, started before the re-measurement and done after it."""
+progress now ("...: side-by-side check"), started before the re-measurement and done after it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_the_side_by_side_check_is_a_step_in_the_progress(tmp_path: Path, monkey
     assert COMPARED, "no side-by-side re-measurement ran"
     lines = r.stderr.splitlines()
     study = max(i for i, ln in enumerate(lines) if ln.startswith("collective qwen3-30b S=128: 2/2 done"))
-    check = "collective qwen3-30b S=128: side by side with the policy default and the current profile"
+    check = "collective qwen3-30b S=128: side-by-side check"
     started = [i for i, ln in enumerate(lines) if ln.startswith(f"{check}: started, 0/1 done")]
     done = [i for i, ln in enumerate(lines) if ln.startswith(f"{check}: 1/1 done")]
     assert started and done and study < started[0] < done[0], lines

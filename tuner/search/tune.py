@@ -514,8 +514,8 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             acted = recheck and not inert and be.remeasures and result.best is not None
             # a step of its own in the progress: after the study's last trial it ran for minutes (46 s of two gloo
             # ranks on a CPU node) with no line, the study's bar finished and a piped log silent
-            check = (bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}: side by side with the policy "
-                             "default and the current profile", 1)
+            # (short: a terminal's bars share one description width, and a long one cut the elapsed time off)
+            check = (bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}: side-by-side check", 1)
                      if acted and result.best_knobs is not None else None)
             record, written, reason = _write_profile(store, key, be, result, facts, default=space.policy.defaults,
                                                      inert=inert, recheck=recheck)
