@@ -14,7 +14,15 @@ import msgspec
 import typer
 from rich.markup import escape
 
-from moetune.runtime.profile_record import PROFILE_STATUSES, PROVENANCES, provenance_of_backend
+from moetune.runtime.profile_record import (
+    COMM_METRIC,
+    LAYER_METRIC,
+    MODELLED_METRIC,
+    PROFILE_STATUSES,
+    PROVENANCES,
+    metric_of_backend,
+    provenance_of_backend,
+)
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli._args import path_arg, path_option, path_text, text_option, write_error_code
 from moetune.tuner.cli._tables import Col, print_table
@@ -36,6 +44,10 @@ MAX_ID = (1 << 63) - 1  # SQLite INTEGER
 # --fingerprint "" is the start of every fingerprint: with one stored, list and export took it silently
 FINGERPRINT_EMPTY = "an empty fingerprint is the start of every one (leave the option out for all fingerprints)"
 # Rich labels: anything not measured is said loudly.
+# what a profile's latency times, by `metric_of_backend`
+METRIC_SAYS = {COMM_METRIC: "the dispatch → combine round trip",
+               LAYER_METRIC: "the whole MoE layer",
+               MODELLED_METRIC: "a prediction of the fabric model, not a measurement"}
 PROVENANCE_LABEL = {
     "measured": "[green]measured[/]",
     "node_model": "[yellow]MODELLED[/] (node)",
@@ -176,7 +188,9 @@ def show(
         rows.append((f"key.{name}", escape(str(value))))
     for name, value in rec.knobs.to_dict().items():
         rows.append((f"knobs.{name}", escape(str(value))))
-    rows.append(("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f}"))
+    # which figure the number is: a bring-up's round trip and a local tune's whole layer are never compared, and
+    # one key's rows of both read as one key getting 20x slower
+    rows.append(("latency_us", f"{rec.latency_us:.3f} ± {rec.spread_us:.3f} ({METRIC_SAYS[metric_of_backend(rec.backend)]})"))
     rows.append(("backend", escape(rec.backend)))
     eff = rec.effective_provenance
     why_not = ("its backend is not this node's model" if rec.provenance != "measured" else
