@@ -275,7 +275,7 @@ def _strict(root: Any, args: list[str]) -> str | None:
 
 
 def test_every_help_example_is_shown_and_parses_against_its_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Examples of query, profile, tune and model predict (tuner/cli/_help.EXAMPLES): each is in its --help,
+    """The Examples of query, profile, tune, serve and model predict (tuner/cli/_help.EXAMPLES): each is in its --help,
     and each command line parses against the real command with its values (no option gone, no value refused)."""
     from moetune.tuner.cli._help import EXAMPLES, example_lines
 
