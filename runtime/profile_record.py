@@ -7,7 +7,7 @@ Shared by the store (tuner side), the daemon's wire messages and the runtime cli
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import msgspec
 
@@ -246,6 +246,33 @@ def effective_measured_on(provenance: str, measured_on: str, backend: str, finge
     return default_measured_on(prov, backend, fingerprint)
 
 
+class _Labelled(Protocol):
+    """What the effective-label rule reads of a profile: a ProfileRecord, or a daemon's reply of one
+    (wire.ProfileResult, whose fields have the same meaning)."""
+
+    key: ProfileKey
+    backend: str
+    provenance: Provenance | msgspec.UnsetType
+    measured_on: str
+
+
+_L = TypeVar("_L", bound=_Labelled)
+
+
+def labelled_as_effective(rec: _L) -> _L:
+    """`rec` labelled as what its numbers are (`effective_provenance`; `rec` itself where that is its label), its
+    `measured_on` as that label has it (`effective_measured_on`). One rule for the stored record and the daemon's
+    reply of it, so the two never disagree on what a profile is."""
+    prov = effective_provenance(str(rec.provenance), rec.backend, rec.key.fingerprint)
+    if prov == rec.provenance:
+        return rec
+    on = effective_measured_on(str(rec.provenance), rec.measured_on, rec.backend, rec.key.fingerprint)
+    # a modelled profile records no performance environment nor runtime options (no process measured it): an
+    # import refuses them
+    return msgspec.structs.replace(rec, provenance=prov, measured_on=on, perf_env=msgspec.UNSET,
+                                   runtime_options=msgspec.UNSET)
+
+
 _KEY_TEXTS = ("fingerprint", "software", "transport_family", "dtype")
 _KEY_INTS = ("ep_size", "nodes", "hidden", "intermediate", "experts", "topk", "token_bucket")
 
@@ -363,14 +390,7 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def as_effective(self) -> ProfileRecord:
         """This record labelled with its effective provenance (itself where that is its label): a "measured" label
         on a backend that does not measure (a hand edit: no writer stores one) shown and exported as what it is."""
-        prov = self.effective_provenance
-        if prov == self.provenance:
-            return self
-        on = effective_measured_on(str(self.provenance), self.measured_on, self.backend, self.key.fingerprint)
-        # a modelled profile records no performance environment nor runtime options (no process measured it): an
-        # import refuses them
-        return msgspec.structs.replace(self, provenance=prov, measured_on=on, perf_env=msgspec.UNSET,
-                                       runtime_options=msgspec.UNSET)
+        return labelled_as_effective(self)
 
     def is_tuned_for(self, fingerprint: str, software: str) -> bool:
         """Measured (by a measuring backend) on exactly this fabric and software: what the runtime's client requires

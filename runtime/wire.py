@@ -35,8 +35,7 @@ from moetune.runtime.profile_record import (
     ProfileStatus,
     Provenance,
     default_measured_on,
-    effective_measured_on,
-    effective_provenance,
+    labelled_as_effective,
     unlabelled_provenance,
 )
 
@@ -236,13 +235,7 @@ class ProfileResult(msgspec.Struct, kw_only=True):
         """This reply labelled as what its numbers are (`effective_provenance`; itself where that is its label): an
         older daemon labels a reply by its row's stored label, and a "measured" claim of a modelling backend is a
         prediction, kept so where the reply is handed on (`TrackedProfile.current`), as the client judges it."""
-        prov = effective_provenance(str(self.provenance), self.backend, self.key.fingerprint)
-        if prov == self.provenance:
-            return self
-        on = effective_measured_on(str(self.provenance), self.measured_on, self.backend, self.key.fingerprint)
-        # a prediction was measured in no process and under no options (ProfileRecord.as_effective's rule)
-        return msgspec.structs.replace(self, provenance=prov, measured_on=on, perf_env=msgspec.UNSET,
-                                       runtime_options=msgspec.UNSET)
+        return labelled_as_effective(self)  # ProfileRecord.as_effective's rule: the same function
 
     @classmethod
     def from_record(cls, rec: ProfileRecord, *, env: dict[str, str], version: int = 0) -> ProfileResult:
