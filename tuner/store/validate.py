@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -154,6 +155,19 @@ def check_json_size(field: str, obj: Any, limit: int) -> None:
         raise FieldError(field, f"{size} bytes of JSON, at most {limit} ({limit // 1024} KiB) accepted")
 
 
+def _check_measured_only(rec: ProfileRecord, field: str, recorded: dict[str, Any] | None,
+                         problem: Callable[[dict[str, Any]], str | None], what: str) -> None:
+    """A field that says what a measuring process ran in or under (perf_env, runtime_options), when recorded: a
+    prediction ran in no process, so only a measurement has one; then `problem`'s check of its value."""
+    if recorded is None:
+        return
+    if rec.provenance != "measured":
+        raise FieldError(field, f"recorded for a {rec.provenance} profile; only a measurement has {what}")
+    why = problem(recorded)
+    if why is not None:
+        raise FieldError(field, why)
+
+
 def check_record(rec: ProfileRecord) -> None:
     """What every stored profile satisfies (the database's own constraints, said before it is asked)."""
     for field, column in TEXT_COLUMNS:
@@ -199,22 +213,8 @@ def check_record(rec: ProfileRecord) -> None:
     except ValueError as e:
         raise FieldError("routing", str(e)) from None
     check_length("routing", routing, column_length(Profile.__table__.c.routing))
-    env = rec.tuned_perf_env
-    if env is not None:
-        # a prediction ran in no process's environment: only a measurement records one
-        if rec.provenance != "measured":
-            raise FieldError("perf_env", f"recorded for a {rec.provenance} profile; only a measurement has one")
-        why = perf_env_problem(env)
-        if why is not None:
-            raise FieldError("perf_env", why)
-    opts = rec.tuned_runtime_options
-    if opts is not None:
-        # as perf_env: only a measurement ran under runtime options
-        if rec.provenance != "measured":
-            raise FieldError("runtime_options", f"recorded for a {rec.provenance} profile; only a measurement has them")
-        why = data_path_problem(opts)
-        if why is not None:
-            raise FieldError("runtime_options", why)
+    _check_measured_only(rec, "perf_env", rec.tuned_perf_env, perf_env_problem, "one")
+    _check_measured_only(rec, "runtime_options", rec.tuned_runtime_options, data_path_problem, "them")
     for where, obj in (("key", rec.key.to_dict()), ("knobs", rec.knobs.to_dict())):
         big = _big_ints(obj, where)
         if big:
