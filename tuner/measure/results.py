@@ -324,9 +324,11 @@ def check_table(path: Path) -> None:
     try:
         with path.open("rb") as f, _flocked(f.fileno(), fcntl.LOCK_SH):
             data = f.read()
-        if whole_length(data) == 0:  # nothing but a first append a kill cut short: a new table, as an empty file
+        whole = whole_length(data)
+        if whole == 0:  # nothing but a first append a kill cut short: a new table, as an empty file
             return
-        header = next(csv.reader([data.split(b"\n", 1)[0].decode("utf-8")]), [])
+        text = data[:whole].decode("utf-8")  # the whole records (a cut tail may split a character): a binary file fails
+        header = next(csv.reader([text.split("\n", 1)[0]]), [])
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise _unreadable(path, e) from None
     if tuple(header) != COLUMNS:
