@@ -520,6 +520,11 @@ def _stamp_problems(rows: list[dict[str, str]], root: Path) -> set[str] | None:
         return None
     if shallow.returncode or shallow.stdout.strip() != "false":
         return None
+    # an exported tree inside another repository (`git archive` unpacked in a checkout's subfolder, as the GPU runs
+    # do) is not that repository: git walks up to the outer one, which need not hold the stamped commits
+    top = git("rev-parse", "--show-toplevel")
+    if top.returncode or Path(top.stdout.strip()).resolve() != Path(root).resolve():
+        return None
     shas = sorted({r["git_sha"] for r in rows if r["git_sha"] not in ("", "unknown")})
     # each commit on its own: one `git show` of them all failed as a whole on a single missing commit, and the test
     # skipped as if the commits were not in this checkout -- a row naming a commit that never existed passed
