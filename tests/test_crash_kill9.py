@@ -317,10 +317,17 @@ def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(t
     dead = study._storage.get_trial(tid)
     assert dead.state == optuna.trial.TrialState.FAIL and "warm_start" in dead.user_attrs
     dead_knobs = space.knobs_from_params(dead.system_attrs["fixed_params"])
+    # enqueued again by the open, as the warm-start point it is: the sampler alone drew the same knobs by chance
+    # (a small space), so `dead_knobs in seen` held without the fix too
+    again_of = [t for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+                if t.system_attrs.get("fixed_params") == dead.system_attrs["fixed_params"]
+                and t.user_attrs.get("warm_start") == dead.user_attrs["warm_start"]]
+    assert len(again_of) == 1, study.get_trials()
     seen: list = []
     n = len(space.priors()) + 2
     run_study(study, space, CallableBackend(lambda k, w: seen.append(k) or 100.0 + k.num_sms), wl, trials=n)
     assert dead_knobs in seen  # measured after all
+    assert study._storage.get_trial(again_of[0]._trial_id).state == optuna.trial.TrialState.COMPLETE
     again = open_study("moetune/t", url, seed=0)  # and enqueued once: a later open adds nothing
     assert not again.get_trials(states=(optuna.trial.TrialState.WAITING,))
 
