@@ -134,11 +134,20 @@ def test_missing_parents_of_the_socket_directory_are_created(tmp_path: Path) -> 
     assert (tmp_path / "new" / "sub" / "run").is_dir()
 
 
-def test_the_socket_is_linked_to_its_path_once_recorded(tmp_path: Path) -> None:
+def test_the_socket_is_linked_to_its_path_once_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bound under a name of its own and linked to its path after its owner record: nothing else is left there."""
+    real, at_record = server.record_owner, []
+
+    def record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
+        at_record.append(os.path.lexists(p))  # the path is still free while the record is written
+        return real(p, st)
+
+    monkeypatch.setattr(server, "record_owner", record_owner)
     d = _daemon(tmp_path).start(background=True)
     run = tmp_path / "run"
     try:
+        # (without this the test passed with the socket bound at its path before its record, as before 7f572d9)
+        assert at_record and not any(at_record), at_record
         st = os.lstat(run / "daemon.sock")
         assert json.loads((run / ".daemon.sock.moetune-owner").read_text())["ino"] == st.st_ino
         assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
