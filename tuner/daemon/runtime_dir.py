@@ -214,13 +214,19 @@ def record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
     """Write the owner record of the socket `st` bound (under its binding name) for `p`; returns the record's own
     (dev, inode) (the file this daemon may remove at exit). Written whole (synced, then renamed): a kill or a crash
     never leaves an empty record, which proves nothing and had the next start refuse the socket."""
-    rec = owner_record(p)
+    return _write_record(p, {"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()})
+
+
+def _write_record(path: Path, payload: dict[str, object]) -> tuple[int, int]:
+    """Write `path`'s owner record (`payload` as JSON) whole: synced, then renamed over it (a crash must not leave
+    it empty); refused where a record is there that is not ours. Returns the record's own (dev, inode)."""
+    rec = owner_record(path)
     if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
         raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
-    fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=p.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()}, f)
+            json.dump(payload, f)
             synced(f)
             rst = os.fstat(f.fileno())
         os.replace(tmp, rec)
@@ -342,19 +348,6 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
 def write_info_record(path: Path, new: tuple[int, int], prev: tuple[int, int] | None) -> tuple[int, int]:
     """Record (atomically) that the file about to be renamed to `path` (daemon.json) is ours; `prev` is the one it
     replaces. Returns the record's own (dev, inode) (the file this daemon may remove at exit)."""
-    rec = owner_record(path)
-    if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
-        raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
-    fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"dev": new[0], "ino": new[1], "prev": list(prev) if prev else None, "pid": os.getpid()}, f)
-            synced(f)  # on disk before the rename makes it the record (a crash must not leave it empty)
-            rst = os.fstat(f.fileno())
-        os.replace(tmp, rec)
-        return rst.st_dev, rst.st_ino
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    return _write_record(path, {"dev": new[0], "ino": new[1], "prev": list(prev) if prev else None,
+                                "pid": os.getpid()})
 
