@@ -196,18 +196,27 @@ def test_a_folder_given_as_the_database_is_said_to_be_no_database_file(tmp_path:
     assert "unable to open" not in out and not any(folder.iterdir())
 
 
+def _edited_at_head(db: Path, *sql: str) -> str:
+    """`db check`'s words (it must fail) on `db` after running `sql` on it (writable_schema on)."""
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA writable_schema = ON")
+    for stmt in sql:
+        con.execute(stmt)
+    con.commit()
+    con.close()
+    r, text = run("db", "check", "--db", str(db))
+    assert r.exit_code == 1, r.output
+    return text
+
+
 def test_db_check_compares_check_constraints(tmp_path: Path) -> None:
     """Alembic's comparison skips CHECK constraints: a database at head whose profiles CHECKs carry 0001's doubled
     names (what 0011 renames) or another condition passed `db check`. Both must be named as schema differences."""
     db = tmp_path / "m.db"
     run("db", "upgrade", "--db", str(db))
     run("db", "downgrade", "0010", "--yes", "--db", str(db))
-    con = sqlite3.connect(db)
-    con.execute("UPDATE moetune_alembic_version SET version_num = ?", (head_revision(),))  # at head, 0010's CHECKs
-    con.commit()
-    con.close()
-    r, text = run("db", "check", "--db", str(db))
-    assert r.exit_code == 1, r.output
+    # at head, with 0010's CHECKs
+    text = _edited_at_head(db, f"UPDATE moetune_alembic_version SET version_num = '{head_revision()}'")
     assert ("schema differs: check constraint profiles.ck_profiles_status (status IN ('current', 'stale', "
             "'superseded')) missing in the database") in text
     assert ("schema differs: check constraint profiles.ck_profiles_ck_profiles_latency (latency_us >= 0 AND "
@@ -215,16 +224,10 @@ def test_db_check_compares_check_constraints(tmp_path: Path) -> None:
 
     db2 = tmp_path / "m2.db"
     run("db", "upgrade", "--db", str(db2))
-    con = sqlite3.connect(db2)
-    con.execute("PRAGMA writable_schema = ON")
-    con.execute("UPDATE sqlite_master SET sql = replace(sql, 'latency_us >= 0 AND spread_us >= 0', 'latency_us >= 0')"
-                " WHERE name = 'profiles'")
-    con.commit()
-    con.close()
-    r, text = run("db", "check", "--db", str(db2))
-    assert r.exit_code == 1, r.output
+    text = _edited_at_head(db2, "UPDATE sqlite_master SET sql = replace(sql, 'latency_us >= 0 AND spread_us >= 0', "
+                                "'latency_us >= 0') WHERE name = 'profiles'")
     assert ("schema differs: check constraint profiles.ck_profiles_latency is (latency_us >= 0) in the database, "
             "(latency_us >= 0 AND spread_us >= 0) in moetune's schema") in text
-    r, text = run("db", "upgrade", "--db", str(tmp_path / "m3.db"))
+    run("db", "upgrade", "--db", str(tmp_path / "m3.db"))
     r, text = run("db", "check", "--db", str(tmp_path / "m3.db"))
     assert r.exit_code == 0 and "schema differs" not in text, text
