@@ -107,3 +107,31 @@ def test_a_sqlite_path_with_an_at_sign_is_named_as_it_is(tmp_path: Path) -> None
     assert _run(tmp_path, *TUNE, "--db", str(tmp_path / "m.db"), "--storage", url).exit_code == 0
     with Store(tmp_path / "m.db", readonly=True) as s:
         assert {r["storage"] for r in s.list_runs()} == {url}
+
+
+@pytest.mark.parametrize("url", ["postgresql:/bob:s3cret@h/db", "postgresql//bob:s3cret@h", "postgresql:bob:s3cret@h/db",
+                                 "bob:s3cret@h/db"])
+def test_a_mistyped_server_url_is_not_echoed_with_its_password(tmp_path: Path, url: str) -> None:
+    """A server URL mistyped without `://` was said as it was given ('not a storage URL', and as a SQLite path built
+    from it): its password reached the terminal and the logs. It goes through the one redaction (`redact_url`)."""
+    from moetune.tuner.search.storage import redact_url
+
+    shown = "postgresql:***@h" if url.startswith("postgresql:bob") else "bob:***@h"  # `scheme:` may be a user
+    assert "s3cret" not in redact_url(url) and shown in redact_url(url)
+    for args in ([*TUNE, "--db", str(tmp_path / "m.db"), "--storage", url], ["tune", "show", "--storage", url]):
+        r = _run(tmp_path, *args)
+        assert r.exit_code == 2, r.output
+        assert "not a storage URL" in r.stderr and shown in r.stderr, r.stderr
+        assert "s3cret" not in r.output, r.output
+    assert not (tmp_path / "m.db").exists()
+
+
+def test_a_plain_path_with_an_at_sign_is_not_taken_for_a_password() -> None:
+    """Only a `user:password@` shape is redacted in text without `://`: a file path's `@` is kept as it is."""
+    from moetune.tuner.search.storage import redact_url
+
+    assert redact_url("/data/u@h/s.db") == "/data/u@h/s.db"
+    assert redact_url("postgresql://u:pw@h/db") == "postgresql://u:***@h/db"
+    assert redact_url("postgresql://u@h/db") == "postgresql://u:***@h/db"  # as before
+    # a password holding ':' or '/' is masked whole
+    assert redact_url("bob:pa:ss@h") == "bob:***@h" and redact_url("postgresql:/bob:pa/s:s@h") == "postgresql:/bob:***@h"

@@ -18,9 +18,9 @@ _fail = abort  # fail() escapes: a path or value in brackets is text, not Rich m
 
 
 def redacted(url: str) -> str:
-    from moetune.tuner.search.tune import _redact as redact
+    from moetune.tuner.search.storage import redact_url
 
-    return redact(url)  # a postgresql:// URL's password stays off the terminal
+    return redact_url(url)  # the one redaction: a server URL's password stays off the terminal
 
 
 # another process holds or is creating the studies file: the file is fine, a re-run works (never "move it aside")
@@ -123,6 +123,10 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
         return (f"{where} is busy: another moetune process is using or creating it ({type(e).__name__}: {why}); "
                 "the file is kept as it is: run the command again")
     if "://" not in url:  # SQLAlchemy's "Could not parse SQLAlchemy URL" says nothing of what to type
+        shown = redacted(url)
+        if shown != url:  # a server URL mistyped (postgresql:/u:pw@h): its password is neither echoed nor made a path
+            return (f"--storage {shown}: not a storage URL (a server URL is postgresql://USER:PASSWORD@HOST[:PORT]/DB, "
+                    "with `://`)")
         return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
     if kind == "full":  # reason: the folder, SQLite's words
         where = f"--storage {redacted(url)}" if given else f"the studies file {path or redacted(url)}"
@@ -143,7 +147,7 @@ def refuse_memory(storage: str, why: str) -> None:
     from moetune.tuner.search.storage import is_memory
 
     if is_memory(storage):
-        _fail(f"--storage {storage}: an in-memory database: {why}; give a file (sqlite:///PATH) or a server URL "
+        _fail(f"--storage {redacted(storage)}: an in-memory database: {why}; give a file (sqlite:///PATH) or a server URL "
               "(postgresql://...)")
 
 

@@ -208,12 +208,16 @@ def normalize_url(url: str) -> str:
 
 # libpq's parameters that carry a secret, which a server URL may give in its query as well as in `user:password@`
 _SECRET_QUERY = re.compile(r"([?&](?:ssl)?password=)[^&]*", re.IGNORECASE)
+# a scheme and the slashes after it, in a URL mistyped without `://` (`postgresql:/`, `postgresql//`)
+_SCHEME_SLASHES = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:?/+")
 
 
 def redact_url(url: str) -> str:
     """A storage URL without its secrets, for messages and the run table: the password of `user:password@`, and of a
     `password=` or `sslpassword=` query parameter (`postgresql://h/db?user=u&password=...`: it was printed and stored
-    as it was given). A SQLite URL holds none: it is kept whole (its path was cut at an `@` as if at a password)."""
+    as it was given). A SQLite URL holds none: it is kept whole (its path was cut at an `@` as if at a password).
+    Text mistyped without `://` (`postgresql:/u:pw@h/db`) that holds a `user:password@` shape loses its password too:
+    it was echoed whole in the 'not a storage URL' error."""
     if is_sqlite(url):
         return url
     url = _SECRET_QUERY.sub(r"\1***", url)  # first: a password holding an `@` is then gone with its parameter
@@ -222,6 +226,13 @@ def redact_url(url: str) -> str:
         cred, host = rest.rsplit("@", 1)
         user = cred.split(":", 1)[0]
         return f"{scheme}://{user}:***@{host}"
+    if "@" in url:  # mistyped without `://` (postgresql:/u:pw@h, postgresql//u:pw@h): its password is still one
+        cred, host = url.rsplit("@", 1)
+        lead = _SCHEME_SLASHES.match(cred)
+        start = lead.end() if lead else 0
+        if ":" in cred[start:]:  # a `user:password` shape; a file path's `@` (/data/u@h/s.db) is kept
+            user = cred[start:].split(":", 1)[0]  # a scheme without slashes is masked with it: never a password's part
+            return f"{cred[:start]}{user}:***@{host}"
     return url
 
 

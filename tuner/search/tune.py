@@ -457,10 +457,10 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         # runs no trial, and a second "done" row recorded the same work twice. The first row stands for it: this run
         # makes a row only where it ends otherwise (failed, interrupted), which the history must show (`finally`).
         repeat = (store is not None and finished_trials(study) - base >= trials
-                  and store.has_done_run(study_name=name, storage=_redact(url)))
+                  and store.has_done_run(study_name=name, storage=redact_url(url)))
         if store is not None and not repeat:
             row_asked = True  # a store that cannot make it now (busy) is not asked again at the end
-            run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
+            run_id = store.start_run(study_name=name, storage=redact_url(url), backend=be.label, started=started)
         task = bar.add(f"{key.transport_family} {wl.model.name} S={wl.tokens}", trials, finished_trials(study) - base)
 
         noted = [-1]  # the trials this run finished that its row holds
@@ -543,7 +543,7 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
             # repeat re-measured or wrote a profile (only a pure no-op rerun leaves the first row to stand for it): the
             # history shows it; a store that cannot be written now does not hide the error that ended the run
             try:
-                run_id = store.start_run(study_name=name, storage=_redact(url), backend=be.label, started=started)
+                run_id = store.start_run(study_name=name, storage=redact_url(url), backend=be.label, started=started)
             except StoreError as e:
                 log.debug("run of %s ended %s; not recorded: %s", name, status, e)
         if store is not None and run_id is not None:
@@ -590,11 +590,6 @@ def _ran_or_0(study: optuna.Study | None, had: set[int]) -> int:
 def _best_value(study: optuna.Study) -> float | None:
     done = completed(study)
     return min(t.value for t in done) if done else None  # type: ignore[type-var]
-
-
-def _redact(url: str) -> str:
-    """Storage URL without a password (it is recorded in the run table): `storage.redact_url`."""
-    return redact_url(url)
 
 
 def _beats(a: Measurement, b: Measurement) -> bool:
