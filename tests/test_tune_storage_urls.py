@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -135,3 +138,52 @@ def test_a_plain_path_with_an_at_sign_is_not_taken_for_a_password() -> None:
     assert redact_url("postgresql://u@h/db") == "postgresql://u:***@h/db"  # as before
     # a password holding ':' or '/' is masked whole
     assert redact_url("bob:pa:ss@h") == "bob:***@h" and redact_url("postgresql:/bob:pa/s:s@h") == "postgresql:/bob:***@h"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is None,
+                    reason="no PostgreSQL driver (psycopg or psycopg2) is installed")
+def test_a_server_that_never_answers_fails_within_the_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A firewalled database host (its packets dropped) hung the tune ~2 minutes before the clear error, and a host
+    that takes the connection but never answers (here: a listener that never accepts) forever: libpq has no connect
+    timeout of its own. make_storage and the read-only opening give PostgreSQL one (storage.CONNECT_TIMEOUT_S,
+    lowered here to keep the test short); a URL's connect_timeout (or $PGCONNECT_TIMEOUT) still wins."""
+    import socket
+    import threading
+    import time
+
+    from moetune.tuner.search import storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "CONNECT_TIMEOUT_S", 1, raising=False)
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nothing ever answers libpq's first message
+        url = f"postgresql://bob:pw@127.0.0.1:{silent.getsockname()[1]}/db"
+
+        def took(open_: Any, u: str) -> float | None:
+            """Seconds until open_(u) failed, or None while it still hangs after 20 s (it is left to the socket's
+            close)."""
+            out: list[float] = []
+
+            def go() -> None:
+                t0 = time.monotonic()
+                with contextlib.suppress(Exception):
+                    open_(u)
+                out.append(time.monotonic() - t0)
+
+            threading.Thread(target=go, daemon=True).start()
+            for _ in range(200):
+                if out:
+                    return out[0]
+                time.sleep(0.1)
+            return None
+
+        for open_ in (storage_mod.make_storage, storage_mod.open_readonly_storage):
+            t = took(open_, url)
+            assert t is not None and t < 10, (open_.__name__, t)  # was: no answer, ever
+        monkeypatch.setattr(storage_mod, "CONNECT_TIMEOUT_S", 60)
+        t = took(storage_mod.make_storage, url + "?connect_timeout=2")  # the URL's own
+        assert t is not None and 1.5 < t < 10, t
+        monkeypatch.setenv("PGCONNECT_TIMEOUT", "2")  # libpq's variable, as the URL's
+        t = took(storage_mod.make_storage, url)
+        assert t is not None and 1.5 < t < 10, t

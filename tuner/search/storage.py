@@ -236,6 +236,26 @@ def redact_url(url: str) -> str:
     return url
 
 
+# Seconds a PostgreSQL connection may take to open, unless the URL's `connect_timeout` or $PGCONNECT_TIMEOUT says
+# otherwise: libpq waits without bound by itself, so a firewalled host hung every worker ~2 minutes (the kernel's SYN
+# retries) before the clear error, and a host that takes the connection but never answers hung it for good
+CONNECT_TIMEOUT_S = 10
+_LIBPQ_DRIVERS = ("psycopg", "psycopg2", "psycopg2cffi")  # the drivers that take libpq's connect_timeout
+
+
+def connect_args(url: str) -> dict[str, Any]:
+    """The driver arguments moetune adds to a server storage URL: a bounded connect_timeout for PostgreSQL through
+    libpq (`CONNECT_TIMEOUT_S`) where neither the URL's query nor $PGCONNECT_TIMEOUT gives one (an argument would
+    override both); none for another database or driver."""
+    import sqlalchemy
+
+    u = sqlalchemy.engine.make_url(url)
+    if (u.get_backend_name() != "postgresql" or u.get_driver_name() not in _LIBPQ_DRIVERS
+            or "connect_timeout" in u.query or os.environ.get("PGCONNECT_TIMEOUT")):
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT_S}
+
+
 class StorageRefused(ValueError):
     """A SQLite studies storage moetune will not create or write: another program's file, or a missing folder.
     `exit_code`: what a command exits with on it (2: what was given is wrong)."""
@@ -441,8 +461,8 @@ def make_storage(url: str, *, own: bool = False) -> optuna.storages.RDBStorage:
           in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
     with warnings.catch_warnings():  # heartbeat_interval is "experimental": a note for Optuna users, not ours
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return GuardedRDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=10,
-                                          grace_period=60, **{cb: _stale_trial})
+        return GuardedRDBStorage(url, engine_kwargs={"pool_pre_ping": True, "connect_args": connect_args(url)},
+                                 heartbeat_interval=10, grace_period=60, **{cb: _stale_trial})
 
 
 class NotAStudiesFile(ValueError):
@@ -486,13 +506,14 @@ def open_readonly_storage(url: str) -> optuna.storages.RDBStorage:
         return st
     import sqlalchemy
 
-    engine = sqlalchemy.create_engine(url, **({"pool_pre_ping": True} if not is_sqlite(url) else {}))
+    args = {} if is_sqlite(url) else connect_args(url)
+    engine = sqlalchemy.create_engine(url, **({"pool_pre_ping": True} if not is_sqlite(url) else {}), connect_args=args)
     try:
         tables = set(sqlalchemy.inspect(engine).get_table_names())
     finally:
         engine.dispose()
     _need_tables(redact_url(url).split("@")[-1], tables)
-    return optuna.storages.RDBStorage(url, skip_table_creation=True)
+    return optuna.storages.RDBStorage(url, skip_table_creation=True, engine_kwargs={"connect_args": args})
 
 
 def _need_tables(where: str, tables: set[str]) -> None:
