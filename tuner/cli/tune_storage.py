@@ -169,7 +169,11 @@ def check_storage(url: str, given: bool, *, create: bool = True) -> None:
         with warnings.catch_warnings():  # Optuna's experimental-feature notes are for the real run, not this check
             warnings.simplefilter("ignore")
             if create:
-                make_storage(url, own=not given)  # the default studies file is moetune's own (WAL)
+                st = make_storage(url, own=not given)  # the default studies file is moetune's own (WAL)
+                # the check's connections, closed now: its engine lived on in a reference cycle, two server
+                # connections for the whole run (64 nodes of one study went past PostgreSQL's max_connections=100)
+                st.remove_session()
+                st.engine.dispose()
             else:  # the checks that create nothing, once, before the profile database is made
                 if not given:
                     refuse_default_storage(url)
