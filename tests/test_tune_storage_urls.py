@@ -187,3 +187,34 @@ def test_a_server_that_never_answers_fails_within_the_connect_timeout(monkeypatc
         monkeypatch.setenv("PGCONNECT_TIMEOUT", "2")  # libpq's variable, as the URL's
         t = took(storage_mod.make_storage, url)
         assert t is not None and 1.5 < t < 10, t
+
+
+def test_only_a_server_that_did_not_answer_is_said_to_have_stopped() -> None:
+    """`server_lost` names a lost server (no SQLSTATE: no answer; 08: a connection exception; 57P: its shutdown), not
+    an error the server answered with (a deadlock, a statement timeout), nor anything on a SQLite file."""
+    import optuna
+    from sqlalchemy.exc import OperationalError
+
+    from moetune.tuner.cli.tune_storage import server_lost
+
+    class Driver(Exception):
+        def __init__(self, msg: str, sqlstate: str | None) -> None:
+            super().__init__(msg)
+            self.sqlstate = sqlstate
+
+    def wrapped(sqlstate: str | None) -> BaseException:
+        try:
+            try:
+                raise OperationalError("SELECT 1", {}, Driver("the driver's words", sqlstate))
+            except OperationalError as e:
+                raise optuna.exceptions.StorageInternalError("invalid data in the commit") from e
+        except optuna.exceptions.StorageInternalError as e:
+            return e
+
+    url = "postgresql://bob:s3cret@h/db"
+    for code in (None, "08006", "57P01"):
+        said = server_lost(url, wrapped(code))
+        assert said is not None and "the storage server stopped answering" in said and "s3cret" not in said, said
+    for code in ("40P01", "57014"):
+        assert server_lost(url, wrapped(code)) is None
+    assert server_lost("sqlite:////d/s.db", wrapped(None)) is None

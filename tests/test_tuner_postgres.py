@@ -424,3 +424,64 @@ def test_the_storage_check_leaves_no_connection_open(pg_url: str) -> None:
         assert _connections(pg_url) == before  # was: 2 more
     finally:
         gc.enable()
+
+
+def _stop_server(url: str) -> None:
+    """Stop the loopback server at once (SIGQUIT to its postmaster: an immediate shutdown), as a crashed or
+    unplugged database server would be to its clients."""
+    import signal
+
+    import psycopg
+
+    with psycopg.connect(url) as con:
+        data = con.execute("SHOW data_directory").fetchone()[0]
+    pid = int(Path(data, "postmaster.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGQUIT)
+    for _ in range(100):  # gone: its pid file removed, its socket closed
+        if not Path(data, "postmaster.pid").exists():
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("when", ["in a trial", "between trials"])
+def test_a_server_lost_mid_run_is_said_so(pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          when: str) -> None:
+    """The database server stopped answering in the middle of a tune: the CLI said "the tune stopped on an Optuna
+    error (StorageInternalError: An exception is raised during the commit. This typically happens due to invalid data
+    in the commit, e.g. exceeding max length.)", which sends the user looking for bad data (between trials: Optuna's
+    ask failed), or ended on a traceback (in a trial: Optuna's own `_run_trial` then raised UnboundLocalError). It
+    says the storage server stopped answering, and that the same command resumes the study (exit 1: nothing given
+    was wrong)."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+    from moetune.tuner.search import study as study_mod
+    from moetune.tuner.search.model_backend import ModelBackend
+
+    if when == "in a trial":
+        evaluate = ModelBackend.evaluate
+        calls = [0]
+
+        def then_stop(self: Any, *a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 3:  # the feasibility check, one trial stored: the server goes in the second trial
+                _stop_server(pg_url)
+            return evaluate(self, *a, **k)
+
+        monkeypatch.setattr(ModelBackend, "evaluate", then_stop)
+    else:
+        budget = study_mod._BudgetCallback.__call__
+
+        def stop_after(self: Any, study: Any, trial: Any) -> None:
+            budget(self, study, trial)
+            _stop_server(pg_url)  # after the first trial's callbacks: the next ask finds no server
+
+        monkeypatch.setattr(study_mod._BudgetCallback, "__call__", stop_after)
+    r = CliRunner().invoke(app, ["tune", "-m", "qwen3-30b", "--preset", "nvlink-h200x2", "--trials", "6", "--tokens",
+                                 "128", "--db", str(tmp_path / "m.db"), "--storage", pg_url],
+                           env={"MOETUNE_HOME": str(tmp_path / "home"), "COLUMNS": "300"})
+    line = " ".join(r.stderr.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.exception, r.output)  # no traceback
+    assert "invalid data" not in line, line
+    assert "the storage server stopped answering" in line and "run the same command again" in line, line
+    assert "the study resumes" in line, line

@@ -55,6 +55,7 @@ from moetune.tuner.cli.tune_storage import (
     read_config,
     redacted,
     refuse_memory,
+    server_lost,
     storage_failed,
     storage_problem,
     storage_url,
@@ -391,6 +392,9 @@ def tune(
                 _fail(str(e), e.exit_code)
             if isinstance(e, StoreError):  # before `ValueError/OSError`: the profile database, not the tune, failed
                 _fail(store_failed(e, store, url, ran[0]), e.exit_code)
+            lost = server_lost(url, e)  # before the rest: Optuna's wrapping of it names "invalid data", or none
+            if lost is not None:
+                _fail(lost, 1)  # nothing given was wrong: the same command resumes
             if isinstance(e, ValueError | OSError):
                 _fail(str(e))
             if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning

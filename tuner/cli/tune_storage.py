@@ -141,6 +141,37 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
             f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside or pass --storage")
 
 
+def server_lost(url: str, e: BaseException) -> str | None:
+    """The error for a server storage (PostgreSQL, ...) that stopped answering while the tune ran, or None: a
+    SQLAlchemy OperationalError (the connection failed, or could not be made again) or an error that invalidated its
+    connection, anywhere in e's chain. Optuna passes it on as StorageInternalError "...invalid data in the commit..."
+    (or its `_run_trial` fails on it with an UnboundLocalError), which sent the user looking for bad data."""
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    from moetune.tuner.search.storage import is_sqlite
+    from moetune.tuner.search.workers import exception_chain
+
+    if is_sqlite(url):  # a file: storage_problem and the messages above say what failed
+        return None
+    lost = next((x for x in exception_chain(e) if (isinstance(x, DBAPIError) and x.connection_invalidated)
+                 or (isinstance(x, OperationalError) and _unreachable(x))), None)
+    if lost is None:
+        return None
+    why = (_why(lost).splitlines() or [""])[0]
+    return (f"--storage {redacted(url)}: the storage server stopped answering during the tune ({type(lost).__name__}: "
+            f"{why}); the trials it finished are kept there: run the same command again once the server answers, and "
+            "the study resumes")
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A driver error of no server's answer: no SQLSTATE (libpq could not reach the server), a connection exception
+    (class 08) or the server's shutdown or crash (57P). Not a deadlock or a statement timeout (40P01, 57014): the
+    server answered those."""
+    orig = getattr(e, "orig", None)
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)  # psycopg 3, psycopg2
+    return not code or code.startswith(("08", "57P"))
+
+
 def refuse_memory(storage: str, why: str) -> None:
     """Exit 2 on an in-memory SQLite --storage (`sqlite://`, `sqlite:///:memory:`): it exited 0 and the studies
     vanished."""
