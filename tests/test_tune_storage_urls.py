@@ -218,3 +218,35 @@ def test_only_a_server_that_did_not_answer_is_said_to_have_stopped() -> None:
     for code in ("40P01", "57014"):
         assert server_lost(url, wrapped(code)) is None
     assert server_lost("sqlite:////d/s.db", wrapped(None)) is None
+
+
+@pytest.mark.parametrize("sqlalchemy_default", ["psycopg2", "psycopg"])  # SQLAlchemy 2.0's, 2.1's
+@pytest.mark.parametrize("installed", [("psycopg",), ("psycopg2",), ("psycopg", "psycopg2")])
+def test_a_postgres_url_names_an_installed_driver(monkeypatch: pytest.MonkeyPatch, installed: tuple[str, ...],
+                                                  sqlalchemy_default: str) -> None:
+    """`postgres://` (many a provider's spelling) is not a SQLAlchemy dialect name since 1.4: it was rewritten only
+    where psycopg 3 stands alone, so beside psycopg2 it failed "Can't load plugin: sqlalchemy.dialects:postgres".
+    And `postgresql://` was rewritten for psycopg 3 only where psycopg2 is absent, as if SQLAlchemy's default driver
+    were always psycopg2: from 2.1 it is psycopg, so a psycopg2-only install failed "No module named 'psycopg'".
+    Either spelling now names a driver that is installed, SQLAlchemy's default where both are."""
+    import importlib.util as iu
+
+    import sqlalchemy
+    from sqlalchemy.dialects.postgresql import base, psycopg, psycopg2
+
+    from moetune.tuner.search.storage import normalize_url
+
+    monkeypatch.setattr(base, "dialect", {"psycopg": psycopg, "psycopg2": psycopg2}[sqlalchemy_default].dialect)
+    find_spec = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: (find_spec("json") if name in installed else None)
+                        if name in ("psycopg", "psycopg2") else find_spec(name, *a))
+    assert sqlalchemy.engine.make_url("postgresql://h/db").get_driver_name() == sqlalchemy_default
+    for given in ("postgres://bob:pw@h/db", "postgresql://bob:pw@h/db"):
+        url = sqlalchemy.engine.make_url(normalize_url(given))
+        url.get_dialect()  # was (postgres:// beside psycopg2): NoSuchModuleError
+        driver = url.get_driver_name()
+        assert url.get_backend_name() == "postgresql" and driver in installed, (given, url)  # was: psycopg, absent
+        assert len(installed) == 1 or driver == sqlalchemy_default, (given, url)
+        assert normalize_url(given).endswith("://bob:pw@h/db")
+    assert normalize_url("postgresql+psycopg2://bob@h/db") == "postgresql+psycopg2://bob@h/db"  # a driver named: kept
+    assert normalize_url("sqlite:////d/postgres://x.db") == "sqlite:////d/postgres://x.db"

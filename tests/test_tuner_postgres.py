@@ -485,3 +485,21 @@ def test_a_server_lost_mid_run_is_said_so(pg_url: str, tmp_path: Path, monkeypat
     assert "invalid data" not in line, line
     assert "the storage server stopped answering" in line and "run the same command again" in line, line
     assert "the study resumes" in line, line
+
+
+def test_the_postgres_spelling_opens_the_same_server(pg_url: str) -> None:
+    """`postgres://` (many a provider's spelling) opens the server as `postgresql://` does, on this install's driver,
+    for a run and for `tune show` (normalize_url)."""
+    from moetune.tuner.search.storage import make_storage, open_readonly_storage
+
+    url = pg_url.replace("postgresql://", "postgres://", 1)
+    st = make_storage(url)
+    try:
+        assert st.get_all_studies() == []
+    finally:
+        st.engine.dispose()
+    ro = open_readonly_storage(url)
+    try:
+        assert ro.get_all_studies() == []
+    finally:
+        ro.engine.dispose()

@@ -197,12 +197,23 @@ def refuse_query(url: str) -> None:
 
 
 def normalize_url(url: str) -> str:
-    """`postgresql://` means psycopg 3 when psycopg2 is not installed (SQLAlchemy defaults to psycopg2)."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
+    """A PostgreSQL URL naming no driver gets one that is installed. `postgres://` is `postgresql://` (SQLAlchemy
+    dropped that name in 1.4: it failed "Can't load plugin: sqlalchemy.dialects:postgres" wherever psycopg2 was
+    installed). SQLAlchemy's default driver for `postgresql://` is psycopg2 up to 2.0 and psycopg (3) from 2.1
+    (both are supported): where that default is not installed and the other is, the other is named, so a psycopg-only
+    install works under 2.0 and a psycopg2-only one under 2.1 (it failed "No module named 'psycopg'")."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    if url.startswith("postgresql://"):
         import importlib.util
 
-        if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
-            return "postgresql+psycopg://" + url.split("://", 1)[1]
+        import sqlalchemy
+
+        default = sqlalchemy.engine.make_url("postgresql://").get_driver_name()  # loads no driver
+        if importlib.util.find_spec(default) is None:
+            other = next((d for d in ("psycopg", "psycopg2") if d != default and importlib.util.find_spec(d)), None)
+            if other is not None:
+                return f"postgresql+{other}://" + url[len("postgresql://"):]
     return url
 
 
