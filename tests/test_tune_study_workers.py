@@ -320,3 +320,22 @@ def test_proc_stat_is_split_at_the_last_parenthesis(tmp_path: Path) -> None:
         assert _proc.same_process(child.pid, ticks) is True
     finally:
         child.communicate(input="", timeout=60)
+
+
+def test_opening_a_studies_file_again_keeps_this_processs_sqlite_locks(tmp_path: Path) -> None:
+    """Each make_storage of an existing studies file read its header through a file of its own (`not_writable`'s
+    WAL check), and closing it dropped every POSIX lock of this process on the file, SQLite's for the connections
+    this process still had open (an earlier storage, the daemon's). Another process then took itself for the last
+    connection: a child's committed trial went unseen here, and one closing normally deleted the -wal and -shm under
+    this process's open connections."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    first = open_study("moetune/t", url, seed=0)  # its connections stay open
+    open_study("moetune/t", url, seed=1)  # the file opened again (make_storage)
+    r = _python(ASK_AND_DIE, url)
+    assert r.returncode == 0, r.stderr
+    again = open_study("moetune/t", url, seed=2)
+    assert int(r.stdout) in {t._trial_id for t in again.trials}  # was: not there
+    r = _python(ASK_AND_DIE.replace("os._exit(0)", "sys.exit(0)"), url)  # a normal close of its connection
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "s.db-shm").exists() and (tmp_path / "s.db-wal").exists()  # was: deleted under `first`
+    assert int(r.stdout) in {t._trial_id for t in first.get_trials(deepcopy=False)}
