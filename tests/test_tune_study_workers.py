@@ -339,3 +339,34 @@ def test_opening_a_studies_file_again_keeps_this_processs_sqlite_locks(tmp_path:
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "s.db-shm").exists() and (tmp_path / "s.db-wal").exists()  # was: deleted under `first`
     assert int(r.stdout) in {t._trial_id for t in first.get_trials(deepcopy=False)}
+
+
+def test_a_sqlite_study_used_from_another_host_is_warned_of(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A SQLite studies file on a network file system, tuned from two hosts: neither can tell whether the other's
+    processes live, so each one's opening failed the other's running trials as interrupted, in silence (the other
+    host's measurement lost). The opening that fails a trial of another host's worker says so, and that a study
+    shared by hosts needs a server storage. The other host is forged: a live child whose host name is not ours."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = open_study("moetune/t", url, seed=0)
+    workers.unregister_worker(study)
+    other = subprocess.Popen([sys.executable, "-c", "import socket; socket.gethostname = lambda: 'other-host.invalid'"
+                              + ASK_AND_HOLD, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None
+        trial_id = int(other.stdout.readline())
+        assert study._storage.get_trial(trial_id).user_attrs["worker"].startswith("other-host.invalid:")
+        with caplog.at_level("WARNING", logger="moetune.tuner.search.workers"):
+            open_study("moetune/t", url, seed=1)
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "other-host.invalid" in said and "another host" in said, said  # was: nothing said
+        assert "--storage postgresql://" in said, said
+    finally:
+        other.communicate(input="", timeout=60)
+    caplog.clear()
+    r = _python(ASK_AND_DIE, url)  # a dead process of this host: failed as before, nothing to warn of
+    assert r.returncode == 0, r.stderr
+    with caplog.at_level("WARNING", logger="moetune.tuner.search.workers"):
+        again = open_study("moetune/t", url, seed=2)
+    assert again._storage.get_trial(int(r.stdout)).state == TrialState.FAIL
+    assert not caplog.records, [r.getMessage() for r in caplog.records]

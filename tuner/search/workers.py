@@ -226,11 +226,13 @@ def fail_interrupted(study: optuna.Study) -> int:
     alone: two processes may open one SQLite study (the daemon's re-tune and a `moetune tune`), and failing the
     other's running trial made it crash on its result ("Cannot tell a COMPLETE trial") and lose the measurement;
     that included a trial so fresh that its creator had not yet recorded its worker. Registrations of this host's
-    processes that are gone are deleted."""
+    processes that are gone are deleted. A trial of another host's worker cannot be told alive: it is failed (an
+    earlier container, with another host name, that was killed), with a warning (`_other_hosts_warning`)."""
     register_worker(study)
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     live = _live_registrations(study)
     n = 0
+    others: dict[str, list[int]] = {}  # another host -> the numbers of its workers' trials failed here
     for t in running:
         if _maybe_owned(study, t, live):
             continue
@@ -242,7 +244,25 @@ def fail_interrupted(study: optuna.Study) -> int:
             continue
         n += 1
         requeue_warm_start(study, t._trial_id)
+        host = str(t.user_attrs.get("worker") or "").split(":")[0]
+        if host and host != socket.gethostname():
+            others.setdefault(host, []).append(t.number)
+    if others:
+        log.warning(_other_hosts_warning(study.study_name, others))
     return n
+
+
+def _other_hosts_warning(study_name: str, others: dict[str, list[int]]) -> str:
+    """What is said when a SQLite study's opening failed running trials of other hosts' workers: on a network file
+    system shared by several hosts each host took the others' live workers for dead and failed their trials in
+    silence (their measurements lost), and SQLite's locking is not safe there either."""
+    of = "; ".join(f"{h}: trial(s) {', '.join(map(str, sorted(ns)))}" for h, ns in sorted(others.items()))
+    return (f"study {study_name}: running trials of workers on another host ({of}) were failed as interrupted: a SQLite "
+            "studies file cannot tell whether another host's process still runs. If moetune runs on several hosts "
+            "against this file (a network file system), each fails the others' running trials, and SQLite's locking "
+            "is not safe there: share a study between hosts through a server storage (--storage "
+            "postgresql://USER@HOST/DB). Where that host's process is gone (an earlier container killed), this is "
+            "all that was needed.")
 
 
 def cut_short_by(e: BaseException) -> str:
