@@ -242,3 +242,30 @@ def test_workers_of_one_seed_sample_other_points(tmp_path: Path) -> None:
     alone = [_sampled([open_study("moetune/t", f"sqlite:///{tmp_path / f'{n}.db'}", seed=0, n_startup_trials=8)], 12)
              for n in ("one", "two")]
     assert alone[0] == alone[1]  # reproducible: one seed, the same points
+
+
+def test_an_optuna_without_the_private_generator_still_tunes(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-trial reseed reaches Optuna's private `_rng.rng` (there in every release 4.0 to 5.1; pyproject allows
+    any >= 4.0). A release that renames it made every seeded `ask` raise AttributeError, the whole tune ended on it:
+    the sampler then draws from its one stream per process, as before the reseed, and says so once."""
+    import logging
+
+    from moetune.tuner.search import study as study_mod
+
+    monkeypatch.setattr(study_mod, "_RESEED_WARNED", [])  # said once per process: not yet in this one
+    study = open_study("moetune/t", f"sqlite:///{tmp_path / 's.db'}", seed=0, n_startup_trials=2)
+    sampler = study.sampler
+
+    class Renamed:  # Optuna's LazyRandomState with its generator under another name
+        def __init__(self, rng: Any) -> None:
+            self.generator = rng
+
+    sampler._rng = Renamed(sampler._rng.rng)  # type: ignore[attr-defined]
+    sampler._random_sampler._rng = Renamed(sampler._random_sampler._rng.rng)  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING, logger="moetune.tuner.search.study"):
+        for _ in range(2):
+            t = study.ask()  # was: AttributeError: 'Renamed' object has no attribute 'rng'
+            study.tell(t, 1.0)
+    said = [r.getMessage() for r in caplog.records if "per trial" in r.getMessage()]
+    assert len(said) == 1, said

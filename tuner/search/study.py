@@ -165,9 +165,27 @@ class _Sampler(optuna.samplers.TPESampler):
         if "worker" not in trial.user_attrs:
             study._storage.set_trial_user_attr(trial._trial_id, "worker", current_worker())
         if self._seed is not None:  # before any parameter is sampled (relative ones are sampled on the first suggest)
-            self._rng.rng.seed(_trial_seed(self._seed, trial.number, "tpe"))
-            self._random_sampler._rng.rng.seed(_trial_seed(self._seed, trial.number, "random"))
+            _reseed(self, _trial_seed(self._seed, trial.number, "tpe"))
+            _reseed(getattr(self, "_random_sampler", None), _trial_seed(self._seed, trial.number, "random"))
         super().before_trial(study, trial)
+
+
+_RESEED_WARNED: list[bool] = []  # the fallback below is said once per process
+
+
+def _reseed(sampler: Any, seed: int) -> None:
+    """Seed `sampler`'s generator (Optuna's private `_rng.rng`, a numpy RandomState: in every release from 4.0,
+    which pyproject allows, to 5.1). Where a release keeps it otherwise, the sampler draws from its one stream per
+    process, as before the per-trial seed, and this is said once: an AttributeError here ended every seeded tune."""
+    rng = getattr(getattr(sampler, "_rng", None), "rng", None)
+    if callable(getattr(rng, "seed", None)):
+        rng.seed(seed)
+        return
+    if not _RESEED_WARNED:
+        _RESEED_WARNED.append(True)
+        log.warning("this Optuna (%s) keeps its sampler's generator otherwise: no draws per trial, so workers of one "
+                    "shared study with one --seed may sample the same points (give each node its own --seed)",
+                    optuna.__version__)
 
 
 def _trial_seed(seed: int, number: int, stream: str) -> int:
