@@ -188,3 +188,39 @@ def test_a_file_that_appears_at_the_socket_path_while_binding_is_kept(tmp_path: 
     run = tmp_path / "run"
     assert (run / "daemon.sock").read_text() == "someone else's"
     assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
+
+
+def test_with_a_group_the_socket_is_the_groups_before_it_is_reachable(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a configured group the socket was bound 0660 of the process's own group (its primary group, or a setgid
+    folder's) and given to the configured group only after its owner record (synced) and its link to the path: a
+    member of that other group who connected meanwhile stayed connected. Bound 0600, it is given its group and mode
+    under its binding name, so the path never names it with another group's access."""
+    import grp
+    import stat
+
+    gid = os.getgid()
+    if os.geteuid() == 0:
+        gid = next((g.gr_gid for g in grp.getgrall() if g.gr_name == "nogroup"), 65534)
+    seen: dict[str, tuple[int, int]] = {}
+    real_record, real_link = server.record_owner, os.link
+
+    def record(p: Path, st: os.stat_result) -> tuple[int, int]:
+        seen["bound"] = (stat.S_IMODE(st.st_mode), st.st_gid)  # the socket as bind made it
+        return real_record(p, st)
+
+    def link(src: Any, dst: Any) -> None:
+        st = os.lstat(src)
+        seen["linked"] = (stat.S_IMODE(st.st_mode), st.st_gid)
+        real_link(src, dst)
+
+    monkeypatch.setattr(server, "record_owner", record)
+    monkeypatch.setattr(server.os, "link", link)
+    d = _daemon(tmp_path, group=grp.getgrgid(gid).gr_name).start(background=True)
+    try:
+        assert seen["bound"][0] & 0o077 == 0, seen  # was 0o660, of the process's group
+        assert seen["linked"] == (0o660, gid), seen
+        st = os.lstat(tmp_path / "run" / "daemon.sock")
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, gid)
+    finally:
+        d.stop()

@@ -508,7 +508,9 @@ class Daemon(FabricWatch):
         gid = group_id(self.group)
         # an IPC socket is bound under a name of its own, recorded, then linked to its path (binding_name)
         at = binding_name(p) if p is not None else None
-        old = os.umask(0o117 if gid is not None else 0o177)  # no window where the socket is wider open
+        # 0600 whatever the group: bound 0660 it was open to the process's own group (its primary group, or a setgid
+        # folder's) until the chown below, and a peer connected in that window stayed connected
+        old = os.umask(0o177)
         try:
             s.bind(f"ipc://{at}" if at is not None else endpoint)
         finally:
@@ -523,6 +525,10 @@ class Daemon(FabricWatch):
             # below cannot be written)
             self._bound_paths[bound] = ((st.st_dev, st.st_ino), None)
             self._bound_paths[p] = ((st.st_dev, st.st_ino), record_owner(p, st))
+            # its group and mode before its path names it (bound under its own name: `at`)
+            if gid is not None:
+                os.chown(bound, -1, gid, follow_symlinks=False)
+            os.chmod(bound, 0o660 if gid is not None else 0o600)
             if at is not None:
                 appeared = DaemonConfigError(f"{p} appeared while this daemon was binding it: refusing to replace it")
                 try:
@@ -537,9 +543,6 @@ class Daemon(FabricWatch):
                     os.rename(at, p)  # a file system without hard links: p was absent just now, under our lock
                 unlink_if(at, (st.st_dev, st.st_ino), stat.S_IFSOCK)
                 del self._bound_paths[at]
-            if gid is not None:
-                os.chown(p, -1, gid, follow_symlinks=False)
-            os.chmod(p, 0o660 if gid is not None else 0o600)
 
     def _bind(self) -> None:
         r = self._ctx.socket(zmq.ROUTER)
