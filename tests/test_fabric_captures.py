@@ -300,3 +300,18 @@ def test_an_empty_folder_of_another_users_is_written_in_place(tmp_path: pathlib.
     assert os.stat(dest).st_ino == before  # the same folder, written in place
     assert discover(out).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
     assert [p.name for p in tmp_path.iterdir()] == ["cap"]
+
+
+def test_a_link_to_nothing_is_not_followed(tmp_path: pathlib.Path) -> None:
+    """A DIR that is a link to nothing was refused (mkdir: "File exists"); since the capture is written beside DIR's
+    real path and renamed there, it was followed and the capture made wherever the link pointed (os.path.realpath
+    reads a link in a sticky /tmp that the kernel's protected_symlinks would not let an open follow). Refused, and
+    nothing is made where it points."""
+    from moetune.tuner.fabric.capture import CaptureWriteError
+
+    target = tmp_path / "elsewhere" / "cap"
+    link = tmp_path / "cap"
+    link.symlink_to(target)
+    with pytest.raises(CaptureWriteError, match="link to nothing"):
+        capture_node(link, source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert link.is_symlink() and not (tmp_path / "elsewhere").exists()

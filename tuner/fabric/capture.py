@@ -109,6 +109,10 @@ def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | N
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise CaptureWriteError(dest, "is a file, not a directory: give a new or empty directory for the capture")
+    if dest.is_symlink() and not dest.exists():
+        # refused as mkdir refused it: written beside its realpath, the capture went wherever the link pointed
+        # (realpath reads a link the kernel's protected_symlinks would not let an open follow in a sticky /tmp)
+        raise CaptureWriteError(dest, "is a link to nothing: give a new or empty directory for the capture")
     if dest.exists() and any(dest.iterdir()):
         raise CaptureWriteError(dest, "already exists and is not an empty directory")
     live = source if source is not None else LiveSource(timeout_s=timeout_s)
