@@ -332,6 +332,51 @@ def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(t
     assert not again.get_trials(states=(optuna.trial.TrialState.WAITING,))
 
 
+REQUEUE_KILLED = """
+import sys, time
+from moetune.tuner.search import study as S
+def killed_here(study, trial_id):  # the lost point is claimed (requeued:<id>): killed before it is enqueued
+    print("CLAIMED", flush=True)
+    time.sleep(120)
+S.requeue_warm_start = killed_here
+S.open_study("moetune/t", sys.argv[1], seed=0)
+"""
+
+
+def test_a_process_killed_while_enqueuing_a_lost_point_again_loses_it_for_no_one(tmp_path: Path) -> None:
+    """The next open enqueues a lost warm-start point again (`requeue_lost_points`): a claim (`requeued:<id>`), then
+    the enqueue, two storage writes again. Killed between them, the claim stayed taken by the dead process and every
+    later open skipped the point: lost for good, as before the fix that added the claim. A claim whose process is
+    gone, with no later trial holding the point, is taken over (once)."""
+    import optuna
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.study import open_study, run_study
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=wl.ep_size)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    run_study(open_study("moetune/t", url, seed=0), space, CallableBackend(lambda k, w: 100.0 + k.num_sms), wl, trials=2)
+    out = subprocess.run([sys.executable, "-c", ASK_AND_DIE, url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tid = int(out.stdout.split()[-1])
+    _kill9(_run_until(OPEN_KILLED, [url], "FAILED"))  # failed, its point enqueued nowhere
+    _kill9(_run_until(REQUEUE_KILLED, [url], "CLAIMED"))  # the next open claimed it, and was killed
+
+    study = open_study("moetune/t", url, seed=0)
+    fixed = study._storage.get_trial(tid).system_attrs["fixed_params"]
+    waiting = [t for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+               if t.system_attrs.get("fixed_params") == fixed]
+    assert len(waiting) == 1, [t.number for t in waiting]  # was: none, for good
+    again = open_study("moetune/t", url, seed=0)  # once: a later open adds nothing
+    assert len([t for t in again.get_trials(states=(optuna.trial.TrialState.WAITING,))
+                if t.system_attrs.get("fixed_params") == fixed]) == 1
+
+
 CLAIM_KILLED = """
 import sys, time
 import optuna

@@ -269,3 +269,35 @@ def test_an_optuna_without_the_private_generator_still_tunes(tmp_path: Path, cap
             study.tell(t, 1.0)
     said = [r.getMessage() for r in caplog.records if "per trial" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_a_warm_start_point_whose_taker_over_died_too_is_enqueued(tmp_path: Path) -> None:
+    """A point claimed by a process killed before it enqueued it is taken over by the next run (a second claim,
+    `warm-start-again:<digest>`): two storage writes again. A taker-over killed between them held that second claim
+    for good, and the point (the policy default first of all) was lost to the study as before. Its dead claim is
+    taken over in turn, once."""
+    import socket
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.policy import load_policy
+    from moetune.tuner.search.space import SearchSpace
+    from moetune.tuner.search.storage import claim_study_attr
+    from moetune.tuner.search.study import WARM_AGAIN_KEY, WARM_POINT_KEY, _warm_digest, enqueue_warm_start
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = f"{socket.gethostname()}:{done.stdout.strip()}"  # a process of this host that is gone
+    space = SearchSpace(load_policy("proxy:ibrc"), experts=MODELS["qwen3-30b"].experts, ep_size=4)
+    params = space.params_of(space.policy.defaults)
+    study = open_study("moetune/t", f"sqlite:///{tmp_path / 's.db'}", seed=0)
+    for key in (WARM_POINT_KEY, WARM_AGAIN_KEY):  # claimed, then taken over, each by a process killed before enqueuing
+        assert claim_study_attr(study, key + _warm_digest(params), {"name": "policy default", "worker": dead})
+
+    def held() -> int:
+        return sum(t.system_attrs.get("fixed_params") == params
+                   for t in study.get_trials(states=(TrialState.WAITING,)))
+
+    enqueue_warm_start(study, space)
+    assert held() == 1  # was: 0, for good
+    enqueue_warm_start(open_study("moetune/t", f"sqlite:///{tmp_path / 's.db'}", seed=0), space)
+    assert held() == 1  # once

@@ -11,7 +11,7 @@ import sqlite3
 import stat
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -568,4 +568,37 @@ def claim_study_attr(study: optuna.Study, key: str, value: Any) -> bool:
     except sqlalchemy.exc.IntegrityError:
         return False  # another process (or an earlier run) set it
     return True
+
+
+def take_over_study_attr(study: optuna.Study, key: str, value: Any, stale: Callable[[Any], bool]) -> bool:
+    """Set study system attr `key` to `value` where its value now is `stale` (a claim of `claim_study_attr` whose
+    process died before it did what it claimed: its claim was held for good, and what it claimed never done). One
+    UPDATE matching the value read (compare and swap), so of two processes taking it over exactly one gets True.
+    Another storage (in memory) is one process's."""
+    import sqlalchemy
+
+    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
+    if not isinstance(backend, optuna.storages.RDBStorage):
+        attrs = study._storage.get_study_system_attrs(study._study_id)
+        if key not in attrs or not stale(attrs[key]):
+            return False
+        study._storage.set_study_system_attr(study._study_id, key, value)
+        return True
+    where = {"s": study._study_id, "k": key}
+    with uninterrupted(), backend.engine.connect() as conn:  # read apart from the write: no lock upgrade to wait on
+        row = conn.execute(sqlalchemy.text("SELECT value_json FROM study_system_attributes WHERE study_id = :s "
+                                           "AND key = :k"), where).first()
+    if row is None:
+        return False
+    try:
+        held = json.loads(row[0])
+    except (TypeError, ValueError):
+        return False
+    if not stale(held):
+        return False
+    with uninterrupted(), backend.engine.begin() as conn:
+        res = conn.execute(sqlalchemy.text("UPDATE study_system_attributes SET value_json = :v WHERE study_id = :s "
+                                           "AND key = :k AND value_json = :old"),
+                           {**where, "v": json.dumps(value), "old": row[0]})
+    return res.rowcount == 1  # 0: another process took it over first
 

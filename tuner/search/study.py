@@ -72,6 +72,7 @@ from moetune.tuner.search.storage import (
     is_sqlite,
     make_storage,
     storage_id,
+    take_over_study_attr,
     trials_in_flight,
 )
 from moetune.tuner.search.trials import (
@@ -263,6 +264,11 @@ def record_untagged(study: optuna.Study) -> int:
     return n
 
 
+def _claimer_gone(claim: Any) -> bool:
+    """Whether a claim (`claim_study_attr`'s value) names a process of this host that is gone."""
+    return isinstance(claim, dict) and worker_gone(claim.get("worker"))
+
+
 REQUEUED_KEY = "requeued:"  # study system attr `requeued:<trial id>`: its lost warm-start point was enqueued again
 
 
@@ -273,7 +279,8 @@ def requeue_lost_points(study: optuna.Study) -> int:
     them left the trial failed and its point (the policy default first of all) enqueued nowhere, and no later open
     found a running trial to act on, so the point was never measured in the study. A point some later trial holds
     (enqueued again, or sampled) is not lost. Of two processes opening the study at once one enqueues it
-    (`claim_study_attr`). Returns how many points this call enqueued."""
+    (`claim_study_attr`); a claim whose process died before it enqueued the point is taken over by the next open
+    (`take_over_study_attr`). Returns how many points this call enqueued."""
     trials = study.get_trials(deepcopy=False)
     ids = interrupted_ids(study)
     n = 0
@@ -284,7 +291,9 @@ def requeue_lost_points(study: optuna.Study) -> int:
         if any(u._trial_id > t._trial_id and (u.system_attrs.get("fixed_params") == fixed or u.params == fixed)
                for u in trials):
             continue
-        if not claim_study_attr(study, f"{REQUEUED_KEY}{t._trial_id}", {"worker": current_worker()}):
+        key, mine = f"{REQUEUED_KEY}{t._trial_id}", {"worker": current_worker()}
+        # a claim whose process died before it enqueued the point is taken over: else it was lost for good again
+        if not claim_study_attr(study, key, mine) and not take_over_study_attr(study, key, mine, _claimer_gone):
             continue
         log.info("warm start %s enqueued again: its trial %d was cut short and nothing enqueued it",
                  t.user_attrs["warm_start"], t.number)
@@ -428,7 +437,9 @@ def _claimed_by_the_dead(study: optuna.Study, params: dict[str, Any], name: str,
         return False
     if any(t.system_attrs.get("fixed_params") == params or t.params == params for t in trials()):
         return False
-    if not claim_study_attr(study, WARM_AGAIN_KEY + digest, {"name": name, "worker": current_worker()}):
+    again = {"name": name, "worker": current_worker()}  # taken over too where its claimer died in turn
+    if not claim_study_attr(study, WARM_AGAIN_KEY + digest, again) and not take_over_study_attr(
+            study, WARM_AGAIN_KEY + digest, again, _claimer_gone):
         return False
     log.info("warm start %s enqueued: the process that claimed it (%s) died before it enqueued it", name,
              claim.get("worker"))
