@@ -315,3 +315,28 @@ def test_a_link_to_nothing_is_not_followed(tmp_path: pathlib.Path) -> None:
     with pytest.raises(CaptureWriteError, match="link to nothing"):
         capture_node(link, source=CaptureSource(CAPTURES / "dgx-h100"))
     assert link.is_symlink() and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_capture_into_an_empty_mount_point_is_written_in_place(tmp_path: pathlib.Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty file system mounted at DIR (a fresh USB drive, an NFS export for the captures) was written in place
+    before the capture was written beside DIR and renamed: rename(2) cannot replace a mount point (EBUSY; checked on
+    a tmpfs), so the capture failed where it had worked, for a user who may write beside DIR (root). Such a DIR is
+    written in place, and nothing is left beside it."""
+    import errno
+
+    from moetune.tuner.fabric import capture as C
+
+    dest = tmp_path / "cap"
+    dest.mkdir()
+    real_rename = C.os.rename
+
+    def rename(src: object, dst: object) -> None:
+        if pathlib.Path(dst) == dest:  # as the kernel answers for a mount point
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(C.os, "rename", rename)
+    out = capture_node(dest, source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert discover(out).fingerprint == discover(CAPTURES / "dgx-h100").fingerprint
+    assert [p.name for p in tmp_path.iterdir()] == ["cap"]

@@ -15,6 +15,7 @@ sizes let a truncated file be reported as such.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -135,8 +136,8 @@ def _write_whole(rec: RecordingSource, dest: Path, facts: FabricFacts) -> None:
     """Write the capture into a new folder beside `dest` and rename it to `dest` (absent, or an empty folder, which
     rename(2) replaces) once whole: a kill mid-write leaves `dest` as it was, not a half-written capture that readers
     refuse and the next `fabric capture DIR` refused as "not an empty directory". An existing empty `dest` of
-    another user's, or one beside which no folder can be made (a parent this user may not write), is written in
-    place as before."""
+    another user's, one beside which no folder can be made (a parent this user may not write), or a mount point
+    (which rename(2) does not replace) is written in place as before."""
     import secrets
     import shutil
 
@@ -160,7 +161,14 @@ def _write_whole(rec: RecordingSource, dest: Path, facts: FabricFacts) -> None:
             os.chmod(tmp, stat.S_IMODE(existing.st_mode))
             with contextlib.suppress(OSError):
                 os.chown(tmp, -1, existing.st_gid)
-        os.rename(tmp, real)
+        try:
+            os.rename(tmp, real)
+        except OSError as e:
+            # an empty file system mounted at `dest` (EBUSY; EXDEV on some): no rename replaces it, written in place
+            if existing is None or e.errno not in (errno.EBUSY, errno.EXDEV):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            _write_in_place(rec, real, facts)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
