@@ -430,7 +430,8 @@ def _claimed_by_the_dead(study: optuna.Study, params: dict[str, Any], name: str,
     """Whether this process enqueues warm-start point `params`, which another process claimed and died before it
     enqueued (`_claim_warm_point`): the claim names a process of this host that is gone, and no trial of the study
     holds the point. Without this the point was lost for the study for good (every later run found it claimed),
-    the policy default among them. Of two processes finding it so, one enqueues it (`claim_study_attr`)."""
+    the policy default among them. Of two processes finding it so, one enqueues it (`claim_study_attr`; that
+    second claim, where its process died in turn before enqueuing, is taken over: `take_over_study_attr`)."""
     digest = _warm_digest(params)
     claim = study._storage.get_study_system_attrs(study._study_id).get(WARM_POINT_KEY + digest)
     if not isinstance(claim, dict) or not worker_gone(claim.get("worker")):
