@@ -527,7 +527,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import daemon_fakes as F
 from moetune.tuner.daemon import server
-def killed_here(p, st):  # the socket bound: killed before its owner record is written
+def killed_here(p, st, *_binding):  # the socket bound: killed before its owner record is written
     print("BOUND", flush=True)
     time.sleep(120)
 server.record_owner = killed_here
@@ -591,3 +591,33 @@ def test_a_key_pair_cut_short_by_a_kill_is_named_at_the_daemons_start(tmp_path: 
         d._check_transport_security()
     generate_keys(tmp_path / "keys", force=True)  # the fix it names: a whole pair again
     d._check_transport_security()
+
+
+DAEMON_KILLED_BEFORE_LINK = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import daemon_fakes as F
+from moetune.tuner.daemon import server
+def killed_here(src, dst):  # the socket bound and recorded: killed before it is linked to its path
+    print("RECORDED", flush=True)
+    time.sleep(120)
+server.os.link = killed_here
+F.in_process_daemon(Path(sys.argv[1])).start(background=True)
+"""
+
+
+@pytest.mark.parametrize("script,mark", [(DAEMON_KILLED, "BOUND"), (DAEMON_KILLED_BEFORE_LINK, "RECORDED")])
+def test_a_daemon_killed_while_binding_leaves_no_socket_behind(tmp_path: Path, script: str, mark: str) -> None:
+    """The socket is bound under a name of its own (`.daemon.sock.<random>`) and linked to its path once recorded: a
+    daemon killed in between left that dead socket in the folder, one more at each such kill, and no later start
+    removed it. Its record names it (written before the bind): the next start removes it while it is still a dead
+    socket of this user's."""
+    _kill9(_run_until(script, [str(tmp_path), str(Path(__file__).resolve().parent)], mark))
+    run = tmp_path / "run"
+    assert [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
+
+    d = F.in_process_daemon(tmp_path).start(background=True)
+    d.stop()
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
+    assert not (run / "daemon.sock").exists()

@@ -205,9 +205,9 @@ def test_with_a_group_the_socket_is_the_groups_before_it_is_reachable(tmp_path: 
     seen: dict[str, tuple[int, int]] = {}
     real_record, real_link = server.record_owner, os.link
 
-    def record(p: Path, st: os.stat_result) -> tuple[int, int]:
+    def record(p: Path, st: os.stat_result, *binding: Any) -> tuple[int, int]:
         seen["bound"] = (stat.S_IMODE(st.st_mode), st.st_gid)  # the socket as bind made it
-        return real_record(p, st)
+        return real_record(p, st, *binding)
 
     def link(src: Any, dst: Any) -> None:
         st = os.lstat(src)
@@ -224,3 +224,18 @@ def test_with_a_group_the_socket_is_the_groups_before_it_is_reachable(tmp_path: 
         assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, gid)
     finally:
         d.stop()
+
+
+def test_a_bind_that_fails_leaves_no_record_of_its_binding_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner record naming the binding name is written before the bind (a kill after it leaves a socket the next
+    start removes): a bind that fails leaves no such record behind."""
+    import zmq
+
+    def refused(self: Any, addr: str) -> None:
+        raise zmq.ZMQError(zmq.EADDRINUSE, "Address already in use (test)")
+
+    monkeypatch.setattr(zmq.Socket, "bind", refused)
+    with pytest.raises(zmq.ZMQError):
+        _daemon(tmp_path).start(background=True)
+    assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".daemon.sock.")
+                and not p.name.endswith(".moetune-lock")]

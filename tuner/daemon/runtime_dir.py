@@ -5,8 +5,9 @@ group) and marked as ours (RUNTIME_MARK); an existing directory is used as it is
 our socket in it (`prepare_runtime_dir`, `check_socket_ancestors`). An existing file at the socket path is refused
 unless it is a dead socket this daemon's owner record proves was ours (`check_socket_path`). Each socket the daemon
 binds, and daemon.json beside it, gets an owner record (".<name>.moetune-owner": the file's device and inode), which
-is what tells our files from anyone else's (a socket is bound under a name of its own and linked to its path only
-once its record is written: `binding_name`): daemon.json is replaced only when it carries our mark and our owner
+is what tells our files from anyone else's (a socket is bound under a name of its own, which the record names
+before the bind, and linked to its path only once its record is written: `binding_name`; a socket a daemon killed
+meanwhile left there is removed by the next start, `remove_dead_binding`): daemon.json is replaced only when it carries our mark and our owner
 record names it (`foreign_info_reason`) and no other daemon at another endpoint, still running, wrote it
 (`other_live_daemon`); a user's file there is left alone.
 """
@@ -17,6 +18,7 @@ import contextlib
 import grp
 import json
 import os
+import re
 import secrets
 import socket as pysocket
 import stat
@@ -210,14 +212,24 @@ def check_socket_path(p: Path) -> None:
     owner_record(p).unlink(missing_ok=True)
 
 
-def record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
-    """Write the owner record of the socket `st` bound (under its binding name) for `p`; returns the record's own
-    (dev, inode) (the file this daemon may remove at exit). Written whole (synced, then renamed): a kill or a crash
-    never leaves an empty record, which proves nothing and had the next start refuse the socket."""
-    return _write_record(p, {"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid()})
+def record_owner(p: Path, st: os.stat_result, binding: Path | None = None) -> tuple[int, int]:
+    """Write the owner record of the socket `st` bound (under its binding name `binding`, kept in the record) for
+    `p`; returns the record's own (dev, inode) (the file this daemon may remove at exit). Written whole (synced, then
+    renamed): a kill or a crash never leaves an empty record, which proves nothing and had the next start refuse the
+    socket."""
+    return _write_record(p, {"dev": st.st_dev, "ino": st.st_ino, "pid": os.getpid(),
+                             **({"binding": binding.name} if binding is not None else {})})
 
 
-def _write_record(path: Path, payload: dict[str, object]) -> tuple[int, int]:
+def record_binding(p: Path, binding: Path) -> tuple[int, int]:
+    """Write, before the socket for `p` is bound at `binding` (`binding_name`), an owner record naming that name
+    alone: a daemon killed before its full record (`record_owner`) or its link left a dead socket there that nothing
+    named, one more at each such kill; the next start removes it (`remove_dead_binding`). Returns the record's own
+    (dev, inode)."""
+    return _write_record(p, {"binding": binding.name, "pid": os.getpid()})
+
+
+def _write_record(path: Path, payload: dict[str, Any]) -> tuple[int, int]:
     """Write `path`'s owner record (`payload` as JSON) whole: synced, then renamed over it (a crash must not leave
     it empty); refused where a record is there that is not ours. Returns the record's own (dev, inode)."""
     rec = owner_record(path)
@@ -235,6 +247,29 @@ def _write_record(path: Path, payload: dict[str, object]) -> tuple[int, int]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def remove_dead_binding(p: Path) -> None:
+    """Remove the socket a killed daemon left at the binding name its owner record for `p` names (`record_binding`),
+    only while it is a dead socket of this user's (the inode the record names, where it names one). Called under the
+    socket lock, so no daemon of ours is binding there."""
+    rec = owner_record(p)
+    if not _owned_file(rec):
+        return
+    try:
+        d = json.loads(rec.read_text())
+        name = str(d["binding"])
+        ident = (int(d["dev"]), int(d["ino"])) if "ino" in d else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if not re.fullmatch(rf"\.{re.escape(p.name)}\.[0-9a-f]{{8}}", name):  # a name binding_name gives, nothing else
+        return
+    at = p.with_name(name)
+    with contextlib.suppress(OSError):
+        st = os.lstat(at)
+        if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and ident in (None, (st.st_dev, st.st_ino))
+                and not _socket_alive(at)):
+            at.unlink()
 
 
 def binding_name(p: Path) -> Path | None:

@@ -113,7 +113,9 @@ from moetune.tuner.daemon.runtime_dir import (
     other_live_daemon,
     owner_record,
     prepare_runtime_dir,
+    record_binding,
     record_owner,
+    remove_dead_binding,
     synced,
     unlink_if,
     write_info_record,
@@ -257,7 +259,7 @@ class Daemon(FabricWatch):
         self._serve_thread: threading.Thread | None = None
         self._metrics_server: Any = None
         # socket path -> (dev, inode) of the socket bound there and of its owner record (None: not written)
-        self._bound_paths: dict[Path, tuple[tuple[int, int], tuple[int, int] | None]] = {}
+        self._bound_paths: dict[Path, tuple[tuple[int, int] | None, tuple[int, int] | None]] = {}
         self._lock_fd: int | None = db_lock_fd
         self._run_lock_fd: int | None = run_lock_fd
         self._socket_locks: dict[Path, int] = {}  # socket path -> the fd of its lock (lock_socket_path)
@@ -484,6 +486,7 @@ class Daemon(FabricWatch):
         prepare_runtime_dir(p.parent, self.group)
         if p not in self._socket_locks:
             self._socket_locks[p] = lock_socket_path(p)  # before the check: nobody else binds p until we exit
+        remove_dead_binding(p)  # a socket a daemon killed while binding left under its binding name
         check_socket_path(p)
         return p
 
@@ -508,14 +511,21 @@ class Daemon(FabricWatch):
         gid = group_id(self.group)
         # an IPC socket is bound under a name of its own, recorded, then linked to its path (binding_name)
         at = binding_name(p) if p is not None else None
+        intent = record_binding(p, at) if p is not None and at is not None else None  # names `at` before it exists
         # 0600 whatever the group: bound 0660 it was open to the process's own group (its primary group, or a setgid
         # folder's) until the chown below, and a peer connected in that window stayed connected
         old = os.umask(0o177)
         try:
             s.bind(f"ipc://{at}" if at is not None else endpoint)
+        except BaseException:
+            if p is not None:
+                unlink_if(owner_record(p), intent)  # nothing was bound: the record of the intent goes
+            raise
         finally:
             os.umask(old)
         if p is not None:
+            if intent is not None:  # removed at exit where the full record below does not replace it
+                self._bound_paths[p] = (None, intent)
             bound = at or p
             # the socket as bound, never a link put in its place: nothing but our own socket is claimed or chmod-ed
             st = os.lstat(bound)
@@ -524,7 +534,7 @@ class Daemon(FabricWatch):
             # we created it: ours to chmod and, at exit, to remove, by the id seen here (also when the record
             # below cannot be written)
             self._bound_paths[bound] = ((st.st_dev, st.st_ino), None)
-            self._bound_paths[p] = ((st.st_dev, st.st_ino), record_owner(p, st))
+            self._bound_paths[p] = ((st.st_dev, st.st_ino), record_owner(p, st, at))
             # its group and mode before its path names it (bound under its own name: `at`)
             if gid is not None:
                 os.chown(bound, -1, gid, follow_symlinks=False)
