@@ -138,9 +138,9 @@ def test_the_socket_is_linked_to_its_path_once_recorded(tmp_path: Path, monkeypa
     """Bound under a name of its own and linked to its path after its owner record: nothing else is left there."""
     real, at_record = server.record_owner, []
 
-    def record_owner(p: Path, st: os.stat_result) -> tuple[int, int]:
+    def record_owner(p: Path, st: os.stat_result, binding: Path | None = None) -> tuple[int, int]:
         at_record.append(os.path.lexists(p))  # the path is still free while the record is written
-        return real(p, st)
+        return real(p, st, binding)
 
     monkeypatch.setattr(server, "record_owner", record_owner)
     d = _daemon(tmp_path).start(background=True)
