@@ -261,3 +261,49 @@ def test_import_fills_placeholder_fingerprint_facts(src, tmp_path):
         res = dst.import_profiles(f)
         assert dst.get_fingerprint("fp-a").facts == src.get_fingerprint("fp-a").facts
         assert res.fingerprints == 2  # fp-b and fp-c are new; fp-a existed
+
+
+
+# Another process asks for the byte range SQLite locks (an exclusive fcntl lock, not waiting): "held" while any
+# connection of this process keeps its lock there. The database file: SHARED_FIRST (0x40000002, 510 bytes), which a
+# WAL-mode connection holds shared for its whole life (the last one to close gets it exclusive and deletes the -wal and
+# -shm). The -shm: its DMS byte (128), which every connection holds shared (the first to get it exclusive resets the
+# wal-index).
+_PROBE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, int(sys.argv[3]), int(sys.argv[2]))
+    print("took")
+except OSError:
+    print("held")
+"""
+_LOCKED = {"": (0x40000002, 510), "-shm": (128, 1)}
+
+
+def _probe(path: Path, suffix: str) -> str:
+    import subprocess
+    import sys
+
+    start, length = _LOCKED[suffix]
+    r = subprocess.run([sys.executable, "-c", _PROBE, f"{path}{suffix}", str(start), str(length)],
+                       capture_output=True, text=True, timeout=60, check=True)
+    return r.stdout.strip()
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm"])
+def test_importing_the_stores_own_file_keeps_its_sqlite_locks(tmp_path, suffix):
+    """`import_profiles` read its file with open()/close(): given the store's own database (or its -shm), the close
+    dropped every POSIX lock this process held on that file, those of the store's open connections included. Another
+    process then took locks it must not: the last connection's (which checkpoints and deletes the -wal and -shm when
+    it closes), or the -shm's first opener's (which resets the wal-index under the open connections). The database's
+    files are refused before any is opened (none holds an export)."""
+    db = tmp_path / "t.db"
+    with Store(db) as t:  # its pooled connection stays open, holding SQLite's locks
+        assert t.list_profiles() == []
+        assert _probe(db, "") == "held" and _probe(db, "-shm") == "held"
+        with pytest.raises(ProfileImportError, match=r"is \(a file of\) the database"):
+            t.import_profiles(Path(f"{db}{suffix}"))
+        assert _probe(db, "") == "held"  # was "took" for the database
+        assert _probe(db, "-shm") == "held"  # was "took" for the -shm
+        assert t.list_profiles() == []

@@ -130,17 +130,28 @@ def dump_profiles(store: Store, *, status: str | None = None, fingerprint: str |
     return msgspec.json.format(msgspec.json.encode(doc, order="deterministic"), indent=2) + b"\n"
 
 
+def _is_own_file(store: Store, path: Path) -> bool:
+    """Whether `path` is the store's database or its -wal/-shm/-journal (through links, `..` or a hard link). Told
+    from names and stat() alone: opening one of them and closing it again would drop every POSIX lock this process
+    holds on that file, SQLite's for the store's open connections included."""
+    if store.memory:
+        return False
+    db = store.path
+    target = path.resolve()
+    for own in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+        if target == own.resolve():
+            return True
+        with contextlib.suppress(OSError):  # a hard link to the database is the database too
+            if os.path.samefile(target, own):
+                return True
+    return False
+
+
 def _check_export_target(store: Store, target: Path) -> None:
     """Refuse a target whose replacement would lose data: the store's own database (or its -wal/-shm/
     -journal, which hold committed rows), any other SQLite database, anything not a regular file."""
-    if not store.memory:
-        db = store.path
-        for own in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
-            same = target == own.resolve()
-            with contextlib.suppress(OSError):  # a hard link to the database is the database too
-                same = same or os.path.samefile(target, own)
-            if same:
-                raise StoreError(f"refusing to export onto {target}: it is (a file of) the database {db}")
+    if _is_own_file(store, target):
+        raise StoreError(f"refusing to export onto {target}: it is (a file of) the database {store.path}")
     if target.exists():
         if not target.is_file():
             raise StoreError(f"refusing to export onto {target}: not a regular file")
@@ -620,6 +631,9 @@ def _empty(fields: dict[str, Any]) -> list[Any]:
 def import_profiles(store: Store, path: str | Path, *, skip_invalid: bool = False,
                     check_facts: FactsCheck | None = None) -> ImportResult:
     path = Path(path)
+    if _is_own_file(store, path):  # refused unopened: closing a file of it would drop the store's SQLite locks
+        raise ProfileImportError(f"refusing to import {path}: it is (a file of) the database {store.path}, not a "
+                                 "file written by `moetune profiles export`")
     try:
         data = read_import(path)
     except OSError as e:
