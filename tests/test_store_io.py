@@ -307,3 +307,34 @@ def test_importing_the_stores_own_file_keeps_its_sqlite_locks(tmp_path, suffix):
         assert _probe(db, "") == "held"  # was "took" for the database
         assert _probe(db, "-shm") == "held"  # was "took" for the -shm
         assert t.list_profiles() == []
+
+
+def test_exporting_onto_another_open_database_keeps_its_sqlite_locks(tmp_path):
+    """An export target's SQLite check (`is_sqlite_file`) read its header with open()/close(): onto a database this
+    process has open (another store, a studies storage), the close dropped the locks of those connections. SQLite
+    is asked instead (its close of a file keeps this process's locks on it)."""
+    from moetune.tuner.store import StoreError, is_sqlite_file
+
+    with Store(tmp_path / "a.db") as a, Store(tmp_path / "b.db") as b:
+        assert a.list_profiles() == []
+        with pytest.raises(StoreError, match="it is a SQLite database"):
+            b.export_profiles(a.path)
+        assert _probe(a.path, "") == "held"  # was "took"
+        assert _probe(a.path, "-shm") == "held"
+        assert is_sqlite_file(a.path) and _probe(a.path, "") == "held"
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"", False), (b"SQLite format 3\x00", True), (b"SQLite format 3\x00" + b"\xff" * 5000, True),
+    (b"SQLite format", False), (b"{}\n", False), (b"x" * 4096, False),
+])
+def test_is_sqlite_file_answers_as_the_header_does(tmp_path, content, expected):
+    """Asked of SQLite now, `is_sqlite_file` still answers for the first 16 bytes: a file SQLite refuses (a damaged
+    header after the magic) is still one, an empty file is not."""
+    from moetune.tuner.store import is_sqlite_file
+
+    f = tmp_path / "f"
+    f.write_bytes(content)
+    assert is_sqlite_file(f) is expected
+    assert not is_sqlite_file(tmp_path / "missing") and not is_sqlite_file(tmp_path)
+    assert not list(tmp_path.glob("f-*"))  # nothing created beside it

@@ -7,6 +7,8 @@ says what to run.
 from __future__ import annotations
 
 import functools
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -79,8 +81,34 @@ SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite data
 
 
 def is_sqlite_file(path: Path) -> bool:
-    """Whether `path` is a file that starts with SQLite's header (unreadable: False)."""
+    """Whether `path` is a file that starts with SQLite's header (unreadable, empty, not a regular file: False).
+
+    Asked of SQLite (an immutable=1 connection: no lock taken, nothing created beside the file), not read through a
+    file of our own: closing any descriptor of a file drops every POSIX lock this process holds on it, SQLite's for
+    this process's open connections to it included (another store's, a studies storage's), whereas SQLite keeps its
+    own descriptor open while those locks are held. Only a file SQLite does not read as a database (a damaged header)
+    has its first bytes read directly: no connection of this process can be holding a lock on it."""
+    import sqlite3
+    import urllib.parse
+
     try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:  # SQLite takes an empty file for an empty database
+        return False
+    uri = f"file:{urllib.parse.quote(os.fsencode(os.path.abspath(path)))}?mode=ro&immutable=1"
+    try:
+        con = sqlite3.connect(uri, uri=True)
+        try:
+            con.execute("PRAGMA schema_version").fetchone()
+        finally:
+            con.close()
+        return True
+    except sqlite3.Error as e:
+        if getattr(e, "sqlite_errorname", None) not in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+            return False  # cannot be opened or read (permissions, I/O): unreadable, as before
+    try:  # the header itself decides, as before (its magic followed by bytes SQLite refuses is still SQLite's)
         with open(path, "rb") as f:
             return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
     except OSError:
