@@ -373,3 +373,55 @@ def test_a_rollback_journal_file_is_read_under_locks(tmp_path: Path) -> None:
         assert not c.immutable
     finally:
         c.close()
+
+
+def test_choosing_the_opening_keeps_this_processs_locks_on_a_rollback_journal_file(tmp_path: Path) -> None:
+    """Whether a file is WAL (`_is_wal`) was read off its header through a file of our own: closing it dropped every
+    POSIX lock this process held on the file, SQLite's included. A rollback-journal file has no side file while its
+    connections only read, so a read-only opening during another read of this process (a read-only store's nested
+    read, a second reader thread) took that read's SHARED lock: another process could then write under it (here: take
+    the EXCLUSIVE lock). SQLite is asked now, and keeps a file's descriptor open while this process holds locks on it."""
+    db = tmp_path / "journal.db"
+    held = sqlite3.connect(db, isolation_level=None)
+    held.execute("CREATE TABLE t (x)")
+    held.execute("BEGIN")
+    assert held.execute("SELECT count(*) FROM t").fetchone() == (0,)  # a read transaction: SHARED on the file
+    writer = ("import sqlite3, sys\nc = sqlite3.connect(sys.argv[1], timeout=0, isolation_level=None)\n"
+              "try:\n    c.execute('BEGIN EXCLUSIVE')\n    print('took')\nexcept sqlite3.OperationalError:\n"
+              "    print('held')")
+
+    def other_process() -> str:
+        return subprocess.run([sys.executable, "-c", writer, str(db)], capture_output=True, text=True,
+                              timeout=60, check=True).stdout.strip()
+
+    try:
+        assert other_process() == "held"
+        c = sqlite_open.connect_readonly(db, timeout_s=1)
+        try:
+            assert not c.immutable and c.execute("SELECT count(*) FROM t").fetchone() == (0,)
+        finally:
+            c.close()
+        assert other_process() == "held"  # was "took"
+    finally:
+        held.execute("COMMIT")
+        held.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal.db"]
+
+
+def test_a_wal_file_is_still_told_from_a_rollback_journal_one(tmp_path: Path) -> None:
+    """`_is_wal` asks SQLite (a nolock=1 connection, which cannot open a WAL file's wal-index): True for a WAL file,
+    False for a rollback-journal file, an empty file, a file that is no database and a missing one; nothing is left
+    beside any of them."""
+    wal, journal = tmp_path / "wal.db", tmp_path / "journal.db"
+    for path, mode in ((wal, "WAL"), (journal, "DELETE")):
+        con = sqlite3.connect(path)
+        con.execute(f"PRAGMA journal_mode={mode}")
+        con.execute("CREATE TABLE t (x)")
+        con.commit()
+        con.close()
+    (tmp_path / "empty.db").write_bytes(b"")
+    (tmp_path / "text").write_bytes(b"not a database\n" * 100)
+    assert sqlite_open._is_wal(wal)
+    for other in (journal, tmp_path / "empty.db", tmp_path / "text", tmp_path / "missing"):
+        assert not sqlite_open._is_wal(other), other
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db", "journal.db", "text", "wal.db"]

@@ -109,15 +109,27 @@ def _side_files(path: Path) -> bool:
 
 
 def _is_wal(path: Path) -> bool:
-    """Whether `path` is a WAL-mode SQLite file (header bytes 18-19 are 2): only there does mode=ro leave files
-    behind. A rollback-journal file is read mode=ro, under SQLite's locks: a writer between two transactions has no
-    -journal, and an unlocked read beside its next one read torn pages ("malformed")."""
+    """Whether `path` is a WAL-mode SQLite file (its header says so): only there does mode=ro leave files behind. A
+    rollback-journal file is read mode=ro, under SQLite's locks: a writer between two transactions has no -journal,
+    and an unlocked read beside its next one read torn pages ("malformed").
+
+    Asked of SQLite, never read off the header through a file of our own: closing any descriptor of a file drops
+    every POSIX lock this process holds on it, SQLite's included (a rollback-journal file has no side file while its
+    connections only read, so a read of this process lost its SHARED lock to this check). A nolock=1 connection
+    takes no lock and cannot set up a WAL file's wal-index: its first read of a WAL file is SQLITE_CANTOPEN, before
+    any -wal or -shm is made; any other file reads (or is SQLite's other error). SQLite keeps its descriptor of the
+    file open while this process holds locks on it."""
     try:
-        with open(path, "rb") as f:
-            header = f.read(20)
-    except OSError:
+        con = sqlite3.connect(_uri(path) + "&nolock=1", uri=True, check_same_thread=False)
+    except sqlite3.Error:  # cannot be opened (gone, unreadable): as when the header could not be read
         return False
-    return len(header) == 20 and header[18] == 2 and header[19] == 2
+    try:
+        con.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as e:
+        return getattr(e, "sqlite_errorname", None) == "SQLITE_CANTOPEN" and path.is_file()
+    finally:
+        con.close()
+    return False
 
 
 def _immutable(uri: str, path: Path, identity: tuple[int, int, int]) -> ReadOnlyConnection:
