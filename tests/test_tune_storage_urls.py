@@ -250,3 +250,22 @@ def test_a_postgres_url_names_an_installed_driver(monkeypatch: pytest.MonkeyPatc
         assert normalize_url(given).endswith("://bob:pw@h/db")
     assert normalize_url("postgresql+psycopg2://bob@h/db") == "postgresql+psycopg2://bob@h/db"  # a driver named: kept
     assert normalize_url("sqlite:////d/postgres://x.db") == "sqlite:////d/postgres://x.db"
+
+
+@pytest.mark.parametrize("kw", ["password=s3cret", "sslpassword=s3cret", "password='s3 cret'", "password = 's3\\'cret'",
+                                "PASSWORD=s3cret"])
+def test_a_libpq_keyword_string_is_not_echoed_with_its_password(tmp_path: Path, kw: str) -> None:
+    """A libpq keyword string given as --storage (`host=h user=u password=... dbname=x`, not a URL) was echoed whole
+    in 'not a storage URL', and as the SQLite path built from it: its password reached the terminal."""
+    from moetune.tuner.search.storage import redact_url
+
+    url = f"host=db1 user=bob {kw} dbname=x"
+    shown = redact_url(url)
+    assert "s3" not in shown and "cret" not in shown and shown.startswith("host=db1 user=bob ")
+    assert shown.endswith("*** dbname=x"), shown  # only the value goes; the keywords around it stay
+    for args in ([*TUNE, "--db", str(tmp_path / "m.db"), "--storage", url], ["tune", "show", "--storage", url]):
+        r = _run(tmp_path, *args)
+        assert r.exit_code == 2, r.output
+        assert "not a storage URL" in r.stderr and "s3" not in r.output and "cret" not in r.output, r.output
+    assert redact_url("host=h user=u") == "host=h user=u"  # nothing secret: kept as it is
+    assert redact_url("host=h password='unterminated dbname=x") == "host=h password=***"  # masked to the end

@@ -219,6 +219,9 @@ def normalize_url(url: str) -> str:
 
 # libpq's parameters that carry a secret, which a server URL may give in its query as well as in `user:password@`
 _SECRET_QUERY = re.compile(r"([?&](?:ssl)?password=)[^&]*", re.IGNORECASE)
+# ... and of a libpq keyword string (`host=h user=u password=... dbname=x`, not a URL): a keyword at the start or after
+# white space, its value bare (to the next white space) or single-quoted with `\'` escapes (an unclosed quote: to the end)
+_SECRET_KEYWORD = re.compile(r"(?<!\S)((?:ssl)?password\s*=\s*)(?:'(?:\\.|[^'\\])*'?|\S*)", re.IGNORECASE)
 # a scheme and the slashes after it, in a URL mistyped without `://` (`postgresql:/`, `postgresql//`)
 _SCHEME_SLASHES = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:?/+")
 
@@ -228,10 +231,12 @@ def redact_url(url: str) -> str:
     `password=` or `sslpassword=` query parameter (`postgresql://h/db?user=u&password=...`: it was printed and stored
     as it was given). A SQLite URL holds none: it is kept whole (its path was cut at an `@` as if at a password).
     Text mistyped without `://` (`postgresql:/u:pw@h/db`) that holds a `user:password@` shape loses its password too:
-    it was echoed whole in the 'not a storage URL' error."""
+    it was echoed whole in the 'not a storage URL' error, as was a libpq keyword string's `password=`/`sslpassword=`
+    (`host=h user=u password='a b' dbname=x`)."""
     if is_sqlite(url):
         return url
     url = _SECRET_QUERY.sub(r"\1***", url)  # first: a password holding an `@` is then gone with its parameter
+    url = _SECRET_KEYWORD.sub(r"\1***", url)
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
         cred, host = rest.rsplit("@", 1)
