@@ -323,3 +323,23 @@ def test_keys_admins_dir_default_is_beside_the_server_keys_whatever_the_config(t
     for sub in ("client", "allow"):
         (param,) = [p for p in group.commands[sub].params if "--admins-dir" in p.opts]
         assert "reads no config" in param.help and "; daemon.curve_admins_dir)" not in param.help, param.help
+
+
+def test_the_key_pair_fix_is_a_command_that_pastes_for_a_folder_with_a_space(tmp_path: Path) -> None:
+    """check_public_beside's message names `moetune keys generate --force DIR --name NAME` to run: a DIR with a space
+    was written bare, so the pasted command took two arguments (shell-quoted now, as db_option quotes --db)."""
+    import shlex
+
+    from moetune.tuner.cli.keys import generate_keys
+    from moetune.tuner.daemon.auth import check_public_beside
+
+    keys = tmp_path / "daemon keys"
+    public, secret = generate_keys(keys, name="node-a")
+    other, _ = generate_keys(tmp_path / "other", name="node-a")
+    public.write_bytes(other.read_bytes())  # NAME.key of another pair: the cut-short --force's state
+    from moetune.runtime.profiles.curve_keys import read_curve_key_file
+
+    with pytest.raises(DaemonConfigError) as e:
+        check_public_beside(secret, read_curve_key_file(secret)[0])
+    cmd = str(e.value).split("again with `moetune ", 1)[1].split("`", 1)[0]
+    assert shlex.split(cmd) == ["keys", "generate", "--force", str(keys), "--name", "node-a"], cmd

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import grp
 import os
+import shlex
 from pathlib import Path
 
 import zmq
@@ -102,11 +103,12 @@ def check_public_beside(secret_file: str | Path, public: bytes) -> None:
     except ValueError:
         return
     if theirs != public:
+        # shell-quoted (as store._schema.db_option): a folder with a space must paste as one argument
+        fix = f"moetune keys generate --force {shlex.quote(str(sf.parent))} --name {shlex.quote(sf.stem)}"
         raise DaemonConfigError(
             f"{pf} holds another public key than {sf} (a `moetune keys generate --force` cut short between writing "
-            f"the two?): clients given {pf.name} would be refused; write a whole pair again with `moetune keys "
-            f"generate --force {sf.parent} --name {sf.name.removesuffix('.key_secret')}` and give the clients the "
-            f"new {pf.name}")
+            f"the two?): clients given {pf.name} would be refused; write a whole pair again with `{fix}` and give "
+            f"the clients the new {pf.name}")
 
 
 def default_clients_dir(secret_file: str | Path) -> Path:
