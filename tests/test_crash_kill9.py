@@ -621,3 +621,20 @@ def test_a_daemon_killed_while_binding_leaves_no_socket_behind(tmp_path: Path, s
     d.stop()
     assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
     assert not (run / "daemon.sock").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name an fd's file")
+def test_a_new_results_tables_folder_is_synced_after_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new table's rows were fsynced but not its folder: a power loss could lose the file's directory entry, rows
+    and all. The folder is synced after the file when this append created it, not on later appends."""
+    from moetune.tuner.measure import results as R
+
+    f = tmp_path / "new" / "summary.csv"
+    synced: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    R.append_rows(f, [_result_row("L1", "2.5")])
+    assert synced == [str(f.resolve()), str(f.parent.resolve())], synced  # the file first, then its name
+    synced.clear()
+    R.append_rows(f, [_result_row("L2", "2.5")])
+    assert synced == [str(f.resolve())], synced  # the table was there: its entry is already on disk

@@ -194,6 +194,8 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
                     if stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a device (/dev/null) takes no fsync
                         f.flush()
                         os.fsync(f.fileno())  # the rows `bench run` says are saved survive a power loss
+                        if size == 0:  # the header's append: the file may be new, its directory entry not yet
+                            _fsync_folder(path.parent)  # on disk (the file's own fsync does not write it)
             except BaseException:
                 # a write cut short (a full disk, Ctrl-C) leaves no partial row behind (the next append would glue
                 # onto it): on an OSError the caller keeps every row elsewhere. Under the lock, nothing past `size`
@@ -205,6 +207,17 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
     finally:
         os.close(lock_fd)
     return len(rows)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """fsync `folder`, so a file just created in it keeps its name after a power loss. Best effort, as the csrc
+    build cache's: a folder the file system cannot fsync (or open so) is left as it is; the rows are written."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _launch_ids(path: Path) -> set[str]:
