@@ -239,3 +239,27 @@ def test_a_bind_that_fails_leaves_no_record_of_its_binding_name(tmp_path: Path, 
         _daemon(tmp_path).start(background=True)
     assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".daemon.sock.")
                 and not p.name.endswith(".moetune-lock")]
+
+
+def test_a_socket_path_too_long_for_a_binding_name_is_warned_of(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A socket path that fits a socket address but not with its binding name's `.NAME.<8 hex>` around it is bound at
+    its path directly, where a kill between bind and record leaves a socket no record names: that was silent."""
+    import logging
+
+    from moetune.runtime.paths import MAX_IPC_PATH_BYTES
+
+    run = tmp_path / "run"
+    name = "d" * (MAX_IPC_PATH_BYTES - 3 - len(os.fsencode(run)))  # the path fits with 2 bytes to spare
+    if len(name) < 2:
+        pytest.skip("tmp_path is too long for the test's socket path")
+    d = _daemon(tmp_path, endpoint=f"ipc://{run}/{name}", pub_endpoint=f"ipc://{run}/p.sock")
+    with caplog.at_level(logging.WARNING, logger="moetune.daemon"):
+        d.start(background=True)
+    try:
+        assert (run / name).is_socket()
+        said = [r.getMessage() for r in caplog.records if str(run / name) in r.getMessage()]
+        assert said and "binding name" in said[0], caplog.text
+        assert not [r for r in caplog.records if "p.sock" in r.getMessage()]  # a short path: bound as usual
+    finally:
+        d.stop()

@@ -275,7 +275,8 @@ def remove_dead_binding(p: Path) -> None:
 def binding_name(p: Path) -> Path | None:
     """A new name in `p`'s folder to bind the socket under before it is linked to `p` (once its owner record is
     written: a daemon killed in between leaves `p` absent, never a socket no record names, which every later start
-    refused); None where that name would not fit a socket address (the socket is then bound at `p` as before).
+    refused); None where that name would not fit a socket address (the socket is then bound at `p` as before, with a
+    warning from the daemon: that protection is lost).
     Checked absent: libzmq removes whatever is at a path before binding it."""
     while True:
         tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}")

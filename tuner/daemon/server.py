@@ -70,6 +70,7 @@ import zmq
 from moetune.runtime import wire
 from moetune.runtime.paths import (
     INFO_NAME,
+    MAX_IPC_PATH_BYTES,
     ipc_path,
     is_loopback_host,
     tcp_host,
@@ -511,6 +512,11 @@ class Daemon(FabricWatch):
         gid = group_id(self.group)
         # an IPC socket is bound under a name of its own, recorded, then linked to its path (binding_name)
         at = binding_name(p) if p is not None else None
+        if p is not None and at is None:  # bound at p itself: the protection above is lost, so say so
+            log.warning("%s is too long for a binding name beside it (%d bytes of %d): the socket is bound at its path "
+                        "directly, and a daemon killed before it records its owner leaves a socket the next start "
+                        "refuses (remove it by hand then); a path %d bytes or shorter avoids this", p,
+                        len(os.fsencode(p)), MAX_IPC_PATH_BYTES, MAX_IPC_PATH_BYTES - 10)  # `.NAME.<8 hex>`
         intent = record_binding(p, at) if p is not None and at is not None else None  # names `at` before it exists
         # 0600 whatever the group: bound 0660 it was open to the process's own group (its primary group, or a setgid
         # folder's) until the chown below, and a peer connected in that window stayed connected
