@@ -19,6 +19,7 @@ Environment:
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import os
@@ -183,15 +184,21 @@ def _own_dir(d: Path) -> None:
     os.chmod(d, 0o755)  # this process just made it: mkdir's mode went through the umask
 
 
+# fsync's answers on a file system that does not support it: nothing to wait for there, not a failed write
+_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
 def _fsync_path(path: Path, flags: int) -> None:
     """fsync the file or folder at `path`. nvcc's output renamed unsynced could be an empty or partial file under the
     cache's name after a power loss: found there by every later run (`lib.exists()`), never rebuilt, failing to load
-    until the cache was removed by hand. A folder a filesystem cannot fsync is left as it is (best effort)."""
+    until the cache was removed by hand. A folder a filesystem cannot fsync is left as it is (best effort), and so
+    is a file where fsync is not supported (EINVAL, ENOTSUP: as the results table proceeds without flock): the build
+    failed there with a bare OSError. Another error of a file's fsync (EIO) fails the build."""
     fd = os.open(path, flags)
     try:
         os.fsync(fd)
-    except OSError:
-        if not flags & os.O_DIRECTORY:
+    except OSError as e:
+        if not flags & os.O_DIRECTORY and e.errno not in _FSYNC_UNSUPPORTED:
             raise
     finally:
         os.close(fd)

@@ -4,6 +4,7 @@ leaves no temporary output behind. A stand-in nvcc (a shell script) builds here,
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -177,3 +178,33 @@ def test_the_library_is_on_disk_before_it_is_renamed_into_the_cache(cache: Path,
     tmp = calls[at[0]][1].split(" -> ")[0]
     assert ("fsync", os.path.realpath(tmp)) in calls[:at[0]], calls  # the bytes, before the name
     assert ("fsync", os.path.realpath(lib.parent)) in calls[at[0]:], calls  # the name, after the rename
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.ENOTSUP])
+@pytest.mark.parametrize("which", LOADERS)
+def test_a_file_system_that_cannot_fsync_still_builds(cache: Path, monkeypatch: pytest.MonkeyPatch, which: str,
+                                                      err: int) -> None:
+    """fsync of the built library answered EINVAL/ENOTSUP (a file system that does not support it): the build failed
+    with a bare OSError ('[Errno 22] Invalid argument', said as a library that cannot load, or not caught at all by
+    the megakernel's loader). Not supported here is not a failure: the library is renamed into the cache."""
+    def no_fsync(fd: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    lib = LOADERS[which]()
+    assert lib.read_bytes() == b"not really a library"
+    assert not [p for p in lib.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("which", LOADERS)
+def test_an_fsync_that_fails_otherwise_fails_the_build(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       which: str) -> None:
+    """Another fsync error (EIO: the bytes may not be on disk) still fails the build, leaving no library in the
+    cache."""
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(OSError):
+        LOADERS[which]()
+    assert not list(cache.rglob("*.so")) and not list(cache.rglob("*.tmp"))
