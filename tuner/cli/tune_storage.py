@@ -127,7 +127,7 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
         if shown != url:  # a server URL mistyped (postgresql:/u:pw@h): its password is neither echoed nor made a path
             return (f"--storage {shown}: not a storage URL (a server URL is postgresql://USER:PASSWORD@HOST[:PORT]/DB, "
                     "with `://`)")
-        return f"--storage {url}: not a storage URL (a SQLite file is sqlite:///{Path(url).expanduser().resolve()})"
+        return f"--storage {shown}: not a storage URL (a SQLite file is sqlite:///{Path(shown).expanduser().resolve()})"
     if kind == "full":  # reason: the folder, SQLite's words
         where = f"--storage {redacted(url)}" if given else f"the studies file {path or redacted(url)}"
         check = " (or check the disk)" if "full or failed" in reason else ""
