@@ -6,6 +6,7 @@
 - `fake_retune(ctx)` (`--retune-hook`): writes one new profile per key on the new fabric, after sleeping
   MOETUNE_FAKE_JOB_SLEEP s (checking for cancellation): a job that can be held open for the kill -9 and
   cancel tests. The fabric-change and tuner tests use the real tuner.
+- `retune_past_stop(ctx)` (`--retune-hook`): a re-tune that ignores cancellation and outlives the daemon's stop.
 - `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
 - `record_fabric_seen` / `record_fabric_change` / `unqueued_fabric_change`: the events a daemon writes when it
   discovers a fabric and when it changes (H200 -> H100), and a store a daemon killed inside a change left.
@@ -261,6 +262,42 @@ def fake_retune(ctx: Any) -> list[ProfileRecord]:
         if ok:
             out.append(rec)
     return out
+
+
+
+def retune_past_stop(ctx: Any) -> list[ProfileRecord]:
+    """A re-tune that never checks for cancellation (a measurement in C that cannot be interrupted): it outlives the
+    daemon's wait for its job worker at stop. It holds until the daemon closes its store (or MOETUNE_FAKE_JOB_SLEEP s),
+    then writes one profile per key in one transaction, slowly. The daemon's Store.close is wrapped here (in the
+    daemon's process only: the hook runs there) to print a line when it is called while this job still runs."""
+    store = ctx.store
+    closed = threading.Event()
+    running = threading.Event()
+    real_close = type(store).close
+
+    def close(self: Any) -> None:
+        if running.is_set():
+            print("moetune test: the store was closed while a re-tune job still ran", flush=True)
+        closed.set()
+        real_close(self)
+
+    type(store).close = close  # type: ignore[method-assign]
+    running.set()
+    try:
+        closed.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
+        out = []
+        with store.atomic():  # all or nothing: a process that ends inside it leaves none of them
+            for k in ctx.keys:
+                nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint,
+                                   "software": ctx.facts.software_hash, "transport_family": "nvlink"})
+                rec = make_record(nk, latency_us=8.0, num_sms=32)
+                store.put_profile(rec)
+                out.append(rec)
+                time.sleep(0.2)
+        print("moetune test: the re-tune job committed its profiles", flush=True)
+        return out
+    finally:
+        running.clear()
 
 
 # -- running the daemon as a subprocess ---------------------------------------------------------------

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
+from moetune.runtime.profiles.client import ProfileClient
 from moetune.tuner.cli import EXIT_STATUS_HELP
 
 pytestmark = pytest.mark.timeout(90)
@@ -56,3 +58,41 @@ def test_a_stopped_daemon_leaves_its_database_whole(tmp_path: Path, sig: int) ->
         d.kill(9)
     left = sorted(p.name for p in tmp_path.glob("moetune.db-*"))
     assert left == [], (left, d.read_log()[-2000:])
+
+
+def test_a_stop_that_outlasts_a_job_leaves_its_store_open(tmp_path: Path) -> None:
+    """A re-tune that ignores cancellation outlives stop()'s wait for the job worker (5 s). The store was closed under
+    it all the same: the job then wrote through a fresh connection (SQLAlchemy reopens a disposed engine) that the
+    exiting process never closed, so the close checkpointed nothing and said nothing. A worker still running keeps the
+    store open now, and the log says so; the stop is still clean (143, no traceback) and the job's transaction is
+    all or nothing, left `started` for the next daemon to resume."""
+    facts = F.make_capture(tmp_path / "capture")
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts)
+    store.close()  # the daemon's close is the last one: nothing of this test holds the file
+    d = F.DaemonProc(tmp_path, extra=["--retune-hook", "daemon_fakes:retune_past_stop"],
+                     env={"MOETUNE_FAKE_JOB_SLEEP": "20"})
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=3000)
+        c.retune(all=True, reason="outlives the stop")
+        F.until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None)
+        c.close()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 143, d.read_log()[-3000:]
+    finally:
+        d.kill(9)
+    log = d.read_log()
+    assert "Traceback" not in log, log[-3000:]
+    assert "the store was closed while a re-tune job still ran" not in log, log[-3000:]
+    assert "leaving the store open" in log and "moetune-jobs" in log, log[-3000:]
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    try:
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        # the seeded profiles alone: none of the job's (its transaction never committed), none half
+        assert con.execute("SELECT status, count(*) FROM profiles GROUP BY status").fetchall() == [("current", 3)]
+        assert con.execute("SELECT status FROM tuning_runs").fetchall() == [("failed",)]
+        kinds = [k for (k,) in con.execute("SELECT kind FROM events WHERE kind LIKE 'job_%' ORDER BY id")]
+        assert kinds == ["job_queued", "job_started"]  # no job_finished: the next daemon resumes it
+    finally:
+        con.close()

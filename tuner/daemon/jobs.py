@@ -223,6 +223,10 @@ class JobManager:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        """The worker thread still runs (a re-tune that did not return within stop()'s wait)."""
+        return self._thread.is_alive()
+
     def _event(self, kind: EventKind, job: Job, reason: str) -> bool:
         """Record one of the job's events; False (logged) where the store refused it."""
         try:
