@@ -190,6 +190,43 @@ def test_a_file_that_appears_at_the_socket_path_while_binding_is_kept(tmp_path: 
     assert not [p.name for p in run.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
 
 
+
+@pytest.mark.parametrize("noreplace", [True, False], ids=["renameat2", "checked-rename"])
+def test_without_hard_links_a_file_made_after_the_check_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                noreplace: bool) -> None:
+    """No hard links: the socket was renamed onto its path after a check that the path was free, and a file made there
+    in between was replaced without a word. The rename refuses to go over one (renameat2 with RENAME_NOREPLACE); where
+    that is not to be had, the path is checked again just before the rename."""
+    import errno
+
+    from moetune.tuner.store import atomic_files
+
+    if noreplace and atomic_files._renameat2() is None:
+        pytest.skip("no renameat2 in this C library")
+    if not noreplace:
+        monkeypatch.setattr(atomic_files, "_renameat2", lambda: None)
+    sock = tmp_path / "run" / "daemon.sock"
+    linked: list[bool] = []
+    real_lexists = os.path.lexists
+
+    def no_links(*_a: Any) -> None:
+        linked.append(False)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    def someone_comes_after_the_check(path: Any) -> bool:
+        seen = real_lexists(path)
+        if linked and Path(path) == sock and not real_lexists(sock):  # after the daemon's first look, once
+            sock.write_text("someone else's")
+        return seen
+
+    monkeypatch.setattr(server.os, "link", no_links)
+    monkeypatch.setattr(os.path, "lexists", someone_comes_after_the_check)
+    with pytest.raises(DaemonConfigError, match="appeared while this daemon was binding it"):
+        _daemon(tmp_path).start(background=True)
+    assert sock.read_text() == "someone else's"
+    assert not [p.name for p in sock.parent.iterdir() if p.name.startswith(".daemon.sock.") and "moetune" not in p.name]
+
+
 def test_with_a_group_the_socket_is_the_groups_before_it_is_reachable(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With a configured group the socket was bound 0660 of the process's own group (its primary group, or a setgid
@@ -263,3 +300,33 @@ def test_a_socket_path_too_long_for_a_binding_name_is_warned_of(tmp_path: Path,
         assert not [r for r in caplog.records if "p.sock" in r.getMessage()]  # a short path: bound as usual
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("how", ["renameat2", "einval", "none"])
+def test_rename_no_replace_never_goes_over_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """renameat2(RENAME_NOREPLACE) where the C library has it; a file system that refuses the flag (EINVAL) or a C
+    library without the call: the checked rename. Either way a file at the target is kept and named."""
+    import ctypes
+    import errno
+
+    from moetune.tuner.store import atomic_files
+
+    if how == "renameat2" and atomic_files._renameat2() is None:
+        pytest.skip("no renameat2 in this C library")
+    if how == "einval":
+        def refused(*_a: Any) -> int:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        monkeypatch.setattr(atomic_files, "_renameat2", lambda: refused)
+    elif how == "none":
+        monkeypatch.setattr(atomic_files, "_renameat2", lambda: None)
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_text("ours")
+    dst.write_text("theirs")
+    with pytest.raises(FileExistsError):
+        atomic_files.rename_no_replace(src, dst)
+    assert (src.read_text(), dst.read_text()) == ("ours", "theirs")
+    dst.unlink()
+    atomic_files.rename_no_replace(src, dst)
+    assert dst.read_text() == "ours" and not src.exists()

@@ -123,7 +123,7 @@ from moetune.tuner.daemon.runtime_dir import (
 )
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
-from moetune.tuner.store.atomic_files import sync_folder
+from moetune.tuner.store.atomic_files import rename_no_replace, sync_folder
 from moetune.tuner.store.lock_files import release_run_lock
 
 log = logging.getLogger("moetune.daemon")
@@ -562,7 +562,12 @@ class Daemon(FabricWatch):
                         raise appeared from None
                     if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
                         raise
-                    os.rename(at, p)  # a file system without hard links: p was absent just now, under our lock
+                    # a file system without hard links: a rename that never goes over a file made at p since the
+                    # check above (the socket lock keeps other daemons away, not the user's own processes)
+                    try:
+                        rename_no_replace(at, p)
+                    except FileExistsError:
+                        raise appeared from None
                 unlink_if(at, (st.st_dev, st.st_ino), stat.S_IFSOCK)
                 del self._bound_paths[at]
 

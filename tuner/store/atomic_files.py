@@ -1,16 +1,20 @@
 """Files written whole or not at all: `write_atomic` (the one atomic file writer: the export, `bench summarize`, `model
 calibrate --out`, the bring-up's state file, report and node model, `moetune keys`' allow-list) and `write_temp`, its
-first half (`moetune keys generate` renames the two files of a key pair once both are written). Standard library only:
+first half (`moetune keys generate` renames the two files of a key pair once both are written); `rename_no_replace`
+(a rename that never goes over a file, for the daemon's socket where hard links fail). Standard library only:
 a command that writes a file (`moetune keys`) does not load the store (SQLAlchemy) for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,41 @@ def _put_new(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         return
     os.unlink(tmp)
+
+
+
+_AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
+_RENAME_NOREPLACE = 1  # <linux/fs.h>: fail with EEXIST where the target exists
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """glibc's renameat2 (2.28 and later, Linux), or None where this C library has none (musl before 1.2.2, macOS)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def rename_no_replace(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst` only if nothing is at `dst` (FileExistsError otherwise), for a file system where a hard
+    link (which fails with EEXIST the same way) is refused. renameat2 with RENAME_NOREPLACE decides it in the kernel;
+    without it (no such call in the C library, ENOSYS from an old kernel, EINVAL from a file system without the flag)
+    `dst` is checked just before a plain rename, and a file made between the two is replaced: the window narrowed,
+    not closed."""
+    fn = _renameat2()
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))  # EEXIST: a FileExistsError
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
 
 
 _MAX_LINKS = 40  # as the kernel's ELOOP
