@@ -7,6 +7,8 @@
   MOETUNE_FAKE_JOB_SLEEP s (checking for cancellation): a job that can be held open for the kill -9 and
   cancel tests. The fabric-change and tuner tests use the real tuner.
 - `retune_past_stop(ctx)` (`--retune-hook`): a re-tune that ignores cancellation and outlives the daemon's stop.
+- `retune_commits_past_stop(ctx)` (`--retune-hook`): one that holds its write transaction past the stop's wait, then
+  commits and ends `done` before the stop's own finish_run reaches the store.
 - `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
 - `record_fabric_seen` / `record_fabric_change` / `unqueued_fabric_change`: the events a daemon writes when it
   discovers a fabric and when it changes (H200 -> H100), and a store a daemon killed inside a change left.
@@ -298,6 +300,38 @@ def retune_past_stop(ctx: Any) -> list[ProfileRecord]:
         return out
     finally:
         running.clear()
+
+
+def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
+    """A re-tune that ignores cancellation and holds a write transaction past the daemon's wait for its job worker at
+    stop (5 s), then commits its profiles and returns: the job ends `done`. The stop's finish_run("failed") queues on
+    the store's lock meanwhile; SQLite's busy handler polls, so the worker's own writes (its finish_run, job_finished)
+    may come first. That order is made certain here: a finish_run from any other thread than the job worker's waits
+    (in the daemon's process only: the hook runs there) until the worker thread has ended."""
+    store = ctx.store
+    worker = threading.current_thread()
+    real_finish = type(store).finish_run
+
+    def finish_run(self: Any, run_id: int, **kw: Any) -> Any:
+        if threading.current_thread() is not worker:
+            print("moetune test: a finish_run of the stop waits for the job worker to end", flush=True)
+            worker.join(20)
+        return real_finish(self, run_id, **kw)
+
+    type(store).finish_run = finish_run  # type: ignore[method-assign]
+    out = []
+    with store.atomic():  # the write lock, held through the stop's wait
+        for k in ctx.keys:
+            nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint,
+                               "software": ctx.facts.software_hash, "transport_family": "nvlink"})
+            rec = make_record(nk, latency_us=8.0, num_sms=32)
+            store.put_profile(rec)
+            out.append(rec)
+        print("moetune test: the re-tune job holds its transaction", flush=True)
+        ctx.cancel.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))  # the stop began
+        time.sleep(6.0)  # past its 5 s wait for this worker
+    print("moetune test: the re-tune job committed its profiles", flush=True)
+    return out
 
 
 # -- running the daemon as a subprocess ---------------------------------------------------------------

@@ -96,3 +96,36 @@ def test_a_stop_that_outlasts_a_job_leaves_its_store_open(tmp_path: Path) -> Non
         assert kinds == ["job_queued", "job_started"]  # no job_finished: the next daemon resumes it
     finally:
         con.close()
+
+
+def test_a_job_that_commits_past_the_stop_stays_done(tmp_path: Path) -> None:
+    """A re-tune holds its write transaction past stop()'s 5 s wait, then commits and ends `done` (its run row `done`,
+    its job_finished written). The stop's finish_run("failed"), queued on the store's lock meanwhile, ran after those
+    and overwrote the row: `failed` beside a job_finished that says its profiles were written. The stop's finish_run
+    now changes a run only while it is still `running`."""
+    facts = F.make_capture(tmp_path / "capture")
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts)
+    store.close()
+    d = F.DaemonProc(tmp_path, extra=["--retune-hook", "daemon_fakes:retune_commits_past_stop"])
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=3000)
+        c.retune(all=True, reason="commits past the stop")
+        F.until(lambda: "the re-tune job holds its transaction" in d.read_log())
+        c.close()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(40) == 143, d.read_log()[-3000:]
+    finally:
+        d.kill(9)
+    log = d.read_log()
+    assert "Traceback" not in log, log[-3000:]
+    assert "the re-tune job committed its profiles" in log, log[-3000:]
+    assert "a finish_run of the stop waits for the job worker to end" in log, log[-3000:]  # the order the test makes
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    try:
+        kinds = [k for (k,) in con.execute("SELECT kind FROM events WHERE kind LIKE 'job_%' ORDER BY id")]
+        assert kinds == ["job_queued", "job_started", "job_finished"]
+        assert con.execute("SELECT status FROM tuning_runs").fetchall() == [("done",)]
+    finally:
+        con.close()

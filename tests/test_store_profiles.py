@@ -206,6 +206,15 @@ def test_measurements_runs_fingerprints_events(store):
     assert r.status == "complete" and r.trials == 40 and r.best_value == 12.5 and r.ended
     with pytest.raises(StoreError):
         store.finish_run(999, status="x", trials=0, best_value=None)
+    # if_running (a daemon's stop): a run that ended meanwhile keeps how it ended; a missing one still raises
+    assert store.finish_run(run, status="failed", trials=0, best_value=None, if_running=True) is False
+    (r,) = store.list_runs()
+    assert r.status == "complete" and r.trials == 40 and r.best_value == 12.5
+    with pytest.raises(StoreError):
+        store.finish_run(999, status="failed", trials=0, best_value=None, if_running=True)
+    run2 = store.start_run(study_name="s2", storage=store.url, backend="model")
+    assert store.finish_run(run2, status="failed", trials=0, best_value=None, if_running=True) is True
+    assert store.list_runs()[0].status == "failed"
     e1 = store.add_event(kind="fabric_changed", reason="NIC mlx5_1 gone", details={"nic": "mlx5_1"})
     e2 = store.add_event(kind="fabric_seen", reason="driver 570 -> 575")
     assert [e.id for e in store.list_events()] == [e2, e1]

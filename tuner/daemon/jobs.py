@@ -603,12 +603,18 @@ class JobManager:
         self._thread.join(timeout)
         with self._lock:
             job = self.running
-        if job is not None and self._thread.is_alive():
-            # the re-tune did not return in time (the process is exiting): its run is failed now; the job
-            # stays started in the store (no job_finished) so the next daemon resumes it
-            job.state, job.finished, job.message = "failed", now(), "daemon stopped during the job"
-            if job.run_id is not None:
-                try:
-                    self.store.finish_run(job.run_id, status="failed", trials=0, best_value=None)
-                except Exception as e:  # broad: best effort while the daemon exits
-                    log.error("cannot finish run %s: %s", job.run_id, e)
+            # under the lock with the worker's `done`: a job whose re-tune returned meanwhile keeps its state (marked
+            # failed after it, its own finish_run and job_finished would say failed and done)
+            overdue = job if job is not None and job.state == "running" and self._thread.is_alive() else None
+            if overdue is not None:
+                # the re-tune did not return in time (the process is exiting): its run is failed now; the job
+                # stays started in the store (no job_finished) so the next daemon resumes it
+                overdue.state, overdue.finished, overdue.message = "failed", now(), "daemon stopped during the job"
+        if overdue is not None and overdue.run_id is not None:
+            try:
+                # only a run still `running`: this write may wait behind the job's own transaction, after which the
+                # job can end `done` and record it first (overwritten, the row said failed beside its job_finished)
+                if not self.store.finish_run(overdue.run_id, status="failed", trials=0, best_value=None, if_running=True):
+                    log.info("run %s of job %d ended on its own during the stop: left as it ended", overdue.run_id, overdue.id)
+            except Exception as e:  # broad: best effort while the daemon exits
+                log.error("cannot finish run %s: %s", overdue.run_id, e)

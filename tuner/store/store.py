@@ -669,15 +669,20 @@ class Store:
             s.flush()
             return r.id
 
-    def finish_run(self, run_id: int, *, status: str, trials: int, best_value: float | None) -> None:
+    def finish_run(self, run_id: int, *, status: str, trials: int, best_value: float | None,
+                   if_running: bool = False) -> bool:
+        """End run `run_id` with `status`. `if_running`: only while the row is still `running` (one UPDATE, so a
+        run its own process ended meanwhile keeps how it ended); False where it had ended. A missing row raises."""
         with self._write() as s:
-            n = s.execute(
-                update(TuningRun)
-                .where(TuningRun.id == run_id)
-                .values(status=status, trials=trials, best_value=best_value, ended=now())
-            ).rowcount
-            if n != 1:
-                raise StoreError(f"no tuning run {run_id}")
+            q = update(TuningRun).where(TuningRun.id == run_id)
+            if if_running:
+                q = q.where(TuningRun.status == "running")
+            n = s.execute(q.values(status=status, trials=trials, best_value=best_value, ended=now())).rowcount
+            if n == 1:
+                return True
+            if if_running and s.get(TuningRun, run_id) is not None:
+                return False
+            raise StoreError(f"no tuning run {run_id}")
 
     def note_run(self, run_id: int, *, trials: int, best_value: float | None) -> None:
         """The trials a `running` run has finished so far (its own, not its study's) and its best value: kept as they
