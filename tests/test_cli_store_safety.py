@@ -173,6 +173,50 @@ def test_write_atomic_writes_through_a_symlink(tmp_path):
     assert f.read_text() == "new\n"
 
 
+def test_without_hard_links_write_atomic_keeps_a_file_made_after_its_check(tmp_path, monkeypatch):
+    """write_atomic(replace=False) puts its file in place with a hard link, which never goes over a file. Where hard
+    links fail (EPERM) it checked the path and then renamed over it: a file made there in between was replaced without
+    a word. It is renamed with renameat2(RENAME_NOREPLACE) now, which the kernel refuses where a file is there:
+    FileExistsError, that file kept, no temporary file left. The file is made at the last moment either way: just
+    after the old check, just before the renameat2 call. (Without renameat2 the path is checked just before a plain
+    rename: the window narrowed, not closed; rename_no_replace's own test covers that path.)"""
+    import errno
+
+    from moetune.tuner.store import atomic_files
+
+    real_renameat2 = atomic_files._renameat2()
+    if real_renameat2 is None:
+        pytest.skip("no renameat2 in this C library")
+    target = tmp_path / "out.json"
+    linked: list[bool] = []
+    real_lexists = os.path.lexists
+
+    def appear() -> None:
+        if linked and not real_lexists(target):  # once, after the link failed
+            target.write_text("someone else's")
+
+    def no_links(*_a):
+        linked.append(False)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    def someone_comes_after_the_check(path):
+        seen = real_lexists(path)
+        if os.fspath(path) == os.fspath(target):
+            appear()
+        return seen
+
+    def someone_comes_before_the_rename(*a):
+        appear()
+        return real_renameat2(*a)
+
+    monkeypatch.setattr(atomic_files.os, "link", no_links)
+    monkeypatch.setattr(os.path, "lexists", someone_comes_after_the_check)
+    monkeypatch.setattr(atomic_files, "_renameat2", lambda: someone_comes_before_the_rename)
+    with pytest.raises(FileExistsError):
+        atomic_files.write_atomic(target, "ours", replace=False)
+    assert linked and target.read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
 _OTHER_UID = 54321  # no user of this machine: a link "of another user"
 
 

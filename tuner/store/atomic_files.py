@@ -1,8 +1,8 @@
 """Files written whole or not at all: `write_atomic` (the one atomic file writer: the export, `bench summarize`, `model
 calibrate --out`, the bring-up's state file, report and node model, `moetune keys`' allow-list) and `write_temp`, its
 first half (`moetune keys generate` renames the two files of a key pair once both are written); `rename_no_replace`
-(a rename that never goes over a file, for the daemon's socket where hard links fail). Standard library only:
-a command that writes a file (`moetune keys`) does not load the store (SQLAlchemy) for it.
+(a rename that never goes over a file, where hard links fail: the daemon's socket, `write_atomic(replace=False)`).
+Standard library only: a command that writes a file (`moetune keys`) does not load the store (SQLAlchemy) for it.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from moetune.runtime.paths import foreign_link_reason
 
 def _put_new(tmp: Path, path: Path) -> None:
     """Make `tmp` the file `path` only if there is none: a hard link fails with EEXIST when one appeared since the
-    caller looked. A filesystem without hard links: checked, then renamed (the old window, narrowed)."""
+    caller looked. A filesystem without hard links: `rename_no_replace` (a check then os.replace went over a file made
+    between the two)."""
     try:
         os.link(tmp, path)
     except OSError as e:  # EEXIST (a file appeared) is not in the list below: raised
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
-        if os.path.lexists(path):
+        try:
+            rename_no_replace(tmp, path)  # FileExistsError where a file is there; `tmp` is the caller's to remove
+        except FileExistsError:
             raise FileExistsError(errno.EEXIST, "file exists", str(path)) from None
-        os.replace(tmp, path)
         return
     os.unlink(tmp)
 
