@@ -487,11 +487,19 @@ def test_a_server_lost_mid_run_is_said_so(pg_url: str, tmp_path: Path, monkeypat
     assert "the study resumes" in line, line
 
 
-def test_the_postgres_spelling_opens_the_same_server(pg_url: str) -> None:
+@pytest.mark.parametrize("psycopg2_seen", [False, True])
+def test_the_postgres_spelling_opens_the_same_server(pg_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                     psycopg2_seen: bool) -> None:
     """`postgres://` (many a provider's spelling) opens the server as `postgresql://` does, on this install's driver,
-    for a run and for `tune show` (normalize_url)."""
+    for a run and for `tune show` (normalize_url). With psycopg2 seen as installed beside psycopg (only the lookup is
+    faked: the real driver opens the server), `postgres://` was passed on as it was and failed "Can't load plugin:
+    sqlalchemy.dialects:postgres"; on a psycopg-only install the old rewrite hid that."""
     from moetune.tuner.search.storage import make_storage, open_readonly_storage
 
+    if psycopg2_seen:
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: find_spec("json") if name == "psycopg2" else find_spec(name, *a))
     url = pg_url.replace("postgresql://", "postgres://", 1)
     st = make_storage(url)
     try:
