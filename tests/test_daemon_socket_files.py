@@ -196,15 +196,16 @@ def test_without_hard_links_a_file_made_after_the_check_is_kept(tmp_path: Path, 
                                                                 noreplace: bool) -> None:
     """No hard links: the socket was renamed onto its path after a check that the path was free, and a file made there
     in between was replaced without a word. The rename refuses to go over one (renameat2 with RENAME_NOREPLACE); where
-    that is not to be had, the path is checked again just before the rename."""
+    that is not to be had, the path is checked again just before the rename. With renameat2 the file is made after
+    every check, just before the kernel's call: only RENAME_NOREPLACE can keep it (with the checked rename alone the
+    test passed too, the second check seeing a file made at the first)."""
     import errno
 
     from moetune.tuner.store import atomic_files
 
-    if noreplace and atomic_files._renameat2() is None:
+    real_renameat2 = atomic_files._renameat2()
+    if noreplace and real_renameat2 is None:
         pytest.skip("no renameat2 in this C library")
-    if not noreplace:
-        monkeypatch.setattr(atomic_files, "_renameat2", lambda: None)
     sock = tmp_path / "run" / "daemon.sock"
     linked: list[bool] = []
     real_lexists = os.path.lexists
@@ -219,8 +220,16 @@ def test_without_hard_links_a_file_made_after_the_check_is_kept(tmp_path: Path, 
             sock.write_text("someone else's")
         return seen
 
+    def someone_comes_before_the_rename(*a: Any) -> int:
+        sock.write_text("someone else's")
+        return real_renameat2(*a)  # type: ignore[misc]
+
     monkeypatch.setattr(server.os, "link", no_links)
-    monkeypatch.setattr(os.path, "lexists", someone_comes_after_the_check)
+    if noreplace:
+        monkeypatch.setattr(atomic_files, "_renameat2", lambda: someone_comes_before_the_rename)
+    else:
+        monkeypatch.setattr(atomic_files, "_renameat2", lambda: None)
+        monkeypatch.setattr(os.path, "lexists", someone_comes_after_the_check)
     with pytest.raises(DaemonConfigError, match="appeared while this daemon was binding it"):
         _daemon(tmp_path).start(background=True)
     assert sock.read_text() == "someone else's"
