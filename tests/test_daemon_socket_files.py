@@ -320,9 +320,12 @@ def test_rename_no_replace_never_goes_over_a_file(tmp_path: Path, monkeypatch: p
 
     from moetune.tuner.store import atomic_files
 
-    if how == "renameat2" and atomic_files._renameat2() is None:
-        pytest.skip("no renameat2 in this C library")
-    if how == "einval":
+    if how == "renameat2":
+        if atomic_files._renameat2() is None:
+            pytest.skip("no renameat2 in this C library")
+        # every check finds the path free (the file made after it): only the kernel's refusal keeps the file
+        monkeypatch.setattr(os.path, "lexists", lambda _p: False)
+    elif how == "einval":
         def refused(*_a: Any) -> int:
             ctypes.set_errno(errno.EINVAL)
             return -1
