@@ -267,6 +267,15 @@ def fake_retune(ctx: Any) -> list[ProfileRecord]:
 
 
 
+def _put_nvlink_profile(ctx: Any, k: ProfileKey) -> ProfileRecord:
+    """Store (and return) an nvlink profile of key `k` measured on this node (a re-tune job's write)."""
+    nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint, "software": ctx.facts.software_hash,
+                       "transport_family": "nvlink"})
+    rec = make_record(nk, latency_us=8.0, num_sms=32)
+    ctx.store.put_profile(rec)
+    return rec
+
+
 def retune_past_stop(ctx: Any) -> list[ProfileRecord]:
     """A re-tune that never checks for cancellation (a measurement in C that cannot be interrupted): it outlives the
     daemon's wait for its job worker at stop. It holds until the daemon closes its store (or MOETUNE_FAKE_JOB_SLEEP s),
@@ -290,11 +299,7 @@ def retune_past_stop(ctx: Any) -> list[ProfileRecord]:
         out = []
         with store.atomic():  # all or nothing: a process that ends inside it leaves none of them
             for k in ctx.keys:
-                nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint,
-                                   "software": ctx.facts.software_hash, "transport_family": "nvlink"})
-                rec = make_record(nk, latency_us=8.0, num_sms=32)
-                store.put_profile(rec)
-                out.append(rec)
+                out.append(_put_nvlink_profile(ctx, k))
                 time.sleep(0.2)
         print("moetune test: the re-tune job committed its profiles", flush=True)
         return out
@@ -322,11 +327,7 @@ def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
     out = []
     with store.atomic():  # the write lock, held through the stop's wait
         for k in ctx.keys:
-            nk = ProfileKey(**{**k.to_dict(), "fingerprint": ctx.facts.fingerprint,
-                               "software": ctx.facts.software_hash, "transport_family": "nvlink"})
-            rec = make_record(nk, latency_us=8.0, num_sms=32)
-            store.put_profile(rec)
-            out.append(rec)
+            out.append(_put_nvlink_profile(ctx, k))
         print("moetune test: the re-tune job holds its transaction", flush=True)
         ctx.cancel.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))  # the stop began
         time.sleep(6.0)  # past its 5 s wait for this worker

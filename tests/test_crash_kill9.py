@@ -288,12 +288,9 @@ open_study("moetune/t", sys.argv[1], seed=0)
 """
 
 
-def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(tmp_path: Path) -> None:
-    """Opening a study fails the running trials of dead processes, then enqueues again the warm-start point each
-    carried (the policy default first of all): two storage writes. Killed between them, the trial was failed (and
-    tagged interrupted) with its point enqueued nowhere, and no later open enqueued it (the trial is no longer
-    running): that point, the policy default among them, was never measured in the study. An open enqueues again
-    the point of an interrupted warm-start trial that no later trial holds."""
+def _study_with_a_trial_left_running(tmp_path: Path) -> tuple[Any, Any, str, int]:
+    """A SQLite study of two finished trials and a warm-start trial left RUNNING by a process that died: (space,
+    workload, storage URL, that trial's id)."""
     import optuna
 
     from moetune.runtime.shapes import MODELS
@@ -307,10 +304,23 @@ def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(t
     space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=wl.ep_size)
     url = f"sqlite:///{tmp_path / 's.db'}"
     run_study(open_study("moetune/t", url, seed=0), space, CallableBackend(lambda k, w: 100.0 + k.num_sms), wl, trials=2)
-
     out = subprocess.run([sys.executable, "-c", ASK_AND_DIE, url], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    tid = int(out.stdout.split()[-1])  # a warm-start trial left running by a process that died
+    return space, wl, url, int(out.stdout.split()[-1])
+
+
+def test_a_process_killed_while_failing_a_dead_trial_loses_no_warm_start_point(tmp_path: Path) -> None:
+    """Opening a study fails the running trials of dead processes, then enqueues again the warm-start point each
+    carried (the policy default first of all): two storage writes. Killed between them, the trial was failed (and
+    tagged interrupted) with its point enqueued nowhere, and no later open enqueued it (the trial is no longer
+    running): that point, the policy default among them, was never measured in the study. An open enqueues again
+    the point of an interrupted warm-start trial that no later trial holds."""
+    import optuna
+
+    from moetune.tuner.search.backends import CallableBackend
+    from moetune.tuner.search.study import open_study, run_study
+
+    space, wl, url, tid = _study_with_a_trial_left_running(tmp_path)
     _kill9(_run_until(OPEN_KILLED, [url], "FAILED"))  # the next open failed it, and was killed
 
     study = open_study("moetune/t", url, seed=0)
@@ -350,20 +360,9 @@ def test_a_process_killed_while_enqueuing_a_lost_point_again_loses_it_for_no_one
     gone, with no later trial holding the point, is taken over (once)."""
     import optuna
 
-    from moetune.runtime.shapes import MODELS
-    from moetune.tuner.search.backends import CallableBackend, TuneWorkload
-    from moetune.tuner.search.policy import load_policy
-    from moetune.tuner.search.space import SearchSpace
-    from moetune.tuner.search.study import open_study, run_study
+    from moetune.tuner.search.study import open_study
 
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
-    space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=wl.ep_size)
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    run_study(open_study("moetune/t", url, seed=0), space, CallableBackend(lambda k, w: 100.0 + k.num_sms), wl, trials=2)
-    out = subprocess.run([sys.executable, "-c", ASK_AND_DIE, url], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    tid = int(out.stdout.split()[-1])
+    _space, _wl, url, tid = _study_with_a_trial_left_running(tmp_path)
     _kill9(_run_until(OPEN_KILLED, [url], "FAILED"))  # failed, its point enqueued nowhere
     _kill9(_run_until(REQUEUE_KILLED, [url], "CLAIMED"))  # the next open claimed it, and was killed
 
