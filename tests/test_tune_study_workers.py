@@ -370,3 +370,27 @@ def test_a_sqlite_study_used_from_another_host_is_warned_of(tmp_path: Path, capl
         again = open_study("moetune/t", url, seed=2)
     assert again._storage.get_trial(int(r.stdout)).state == TrialState.FAIL
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_the_wal_check_of_a_studies_file_makes_nothing_beside_it_and_takes_any_name(tmp_path: Path) -> None:
+    """not_writable(side_files=True)'s WAL check (every make_storage of an existing studies file) opened the file
+    through a mode=ro connection: on a WAL file without its -wal/-shm that made both beside the user's file (a
+    read-only connection cannot remove them again) and then answered that no new side file was needed; and a name
+    that is not UTF-8 raised UnicodeEncodeError out of its URI (a traceback where open() had read the header)."""
+    import os
+    import sqlite3
+
+    from moetune.tuner.store._folders import _needs_new_side_files, not_writable
+
+    for name in ("s.db", os.fsdecode(b"\xff.db")):
+        p = tmp_path / name
+        con = sqlite3.connect(p)
+        con.execute("PRAGMA journal_mode=wal")
+        con.execute("CREATE TABLE t (x)")
+        con.commit()
+        con.close()  # the last connection: -wal and -shm removed
+        assert sorted(os.listdir(tmp_path)) == [name]
+        assert not_writable(p, side_files=True) == ""
+        assert _needs_new_side_files(p)  # a write makes its -wal and -shm
+        assert sorted(os.listdir(tmp_path)) == [name], "the check made files beside the studies file"
+        p.unlink()

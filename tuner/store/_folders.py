@@ -74,25 +74,18 @@ def _needs_new_side_files(path: Path) -> bool:
     """Whether a write to the existing SQLite file `path` makes a file beside it: always in rollback-journal mode (its
     -journal; an empty file too); in WAL mode unless its -wal and -shm are there and writable.
 
-    The journal mode is asked of SQLite (a read-only connection), never read off the header through a file of our
-    own: closing any descriptor of a file drops every POSIX lock this process holds on it, SQLite's included, so each
-    opening of a studies file (make_storage) took the locks of this process's open connections to it (the daemon's,
-    an earlier storage's). Another process closing its connection then took itself for the last one and deleted the
-    -wal/-shm under them: a commit of a third process went unseen here, and writes could be lost. SQLite keeps a file
-    it has open, and its locks, across its own connections."""
-    import sqlite3
-    import urllib.parse
+    Whether it is WAL is asked of SQLite (`sqlite_open._is_wal`: a nolock=1 connection, which makes no -wal/-shm and
+    takes no lock), never read off the header through a file of our own: closing any descriptor of a file drops every
+    POSIX lock this process holds on it, SQLite's included, so each opening of a studies file (make_storage) took the
+    locks of this process's open connections to it (the daemon's, an earlier storage's). Another process closing its
+    connection then took itself for the last one and deleted the -wal/-shm under them: a commit of a third process
+    went unseen here, and writes could be lost. SQLite keeps a file it has open, and its locks, across its own
+    connections. Not a mode=ro connection: on a WAL file without its -wal/-shm it made both beside the user's file
+    (and could not remove them), and its URI took only UTF-8 names."""
+    from moetune.runtime.profiles.sqlite_open import _is_wal
 
     if not os.access(path, os.R_OK):
         return False  # unreadable: SQLite says what is wrong (as when the header could not be read)
-    try:
-        con = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True, timeout=1)
-        try:
-            mode = str(con.execute("PRAGMA journal_mode").fetchone()[0]).lower()
-        finally:
-            con.close()
-    except sqlite3.Error:  # not a database, busy, or a WAL file without its -shm here: a write makes files beside it
-        return True
-    if mode != "wal":  # rollback journal, or an empty file (its first write has one too)
+    if not _is_wal(path):  # rollback journal, an empty file (its first write has one too), or not a database
         return True
     return not all(os.access(path.with_name(path.name + s), os.W_OK) for s in ("-wal", "-shm"))
