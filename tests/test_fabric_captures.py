@@ -317,6 +317,19 @@ def test_a_link_to_nothing_is_not_followed(tmp_path: pathlib.Path) -> None:
     assert link.is_symlink() and not (tmp_path / "elsewhere").exists()
 
 
+def test_a_dir_below_a_link_to_nothing_is_not_followed(tmp_path: pathlib.Path) -> None:
+    """7a24faa refused a DIR that is itself a link to nothing; a DIR below one (`link/cap`, `link` pointing nowhere)
+    was still written beside its realpath, so the folders the link names were made and the capture put there. Before
+    b24e68c, mkdir refused it ("File exists" on the link). Refused, and nothing is made where the link points."""
+    from moetune.tuner.fabric.capture import CaptureWriteError
+
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "elsewhere" / "data")
+    with pytest.raises(CaptureWriteError, match="link to nothing"):
+        capture_node(link / "cap", source=CaptureSource(CAPTURES / "dgx-h100"))
+    assert link.is_symlink() and not (tmp_path / "elsewhere").exists()
+
+
 def test_a_capture_into_an_empty_mount_point_is_written_in_place(tmp_path: pathlib.Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty file system mounted at DIR (a fresh USB drive, an NFS export for the captures) was written in place

@@ -114,6 +114,11 @@ def capture_node(dest: Path | str, *, timeout_s: float = 1.5, source: Source | N
         # refused as mkdir refused it: written beside its realpath, the capture went wherever the link pointed
         # (realpath reads a link the kernel's protected_symlinks would not let an open follow in a sticky /tmp)
         raise CaptureWriteError(dest, "is a link to nothing: give a new or empty directory for the capture")
+    # a folder above DIR that is a link to nothing too: realpath went through it, making the folders it names
+    dangling = next((p for p in dest.parents if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        raise CaptureWriteError(dest, f"is below {dangling}, a link to nothing: give a new or empty directory for "
+                                "the capture")
     if dest.exists() and any(dest.iterdir()):
         raise CaptureWriteError(dest, "already exists and is not an empty directory")
     live = source if source is not None else LiveSource(timeout_s=timeout_s)
