@@ -291,6 +291,19 @@ def _probe(path: Path, suffix: str) -> str:
     return r.stdout.strip()
 
 
+def test_importing_a_link_loop_is_a_profile_import_error(tmp_path):
+    """f1de61f's own-file check resolves the path before reading it: Path.resolve raises RuntimeError on a link loop
+    (Python before 3.13), which left import_profiles where read_import's OSError was ProfileImportError, "cannot
+    read ... Too many levels of symbolic links". The check passes such a path on to that read."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with Store(tmp_path / "t.db") as t:
+        with pytest.raises(ProfileImportError, match="cannot read"):
+            t.import_profiles(loop)
+        with pytest.raises(OSError, match="symbolic links"):  # export: the write's own error, as before
+            t.export_profiles(loop)
+
+
 @pytest.mark.parametrize("suffix", ["", "-wal", "-shm"])
 def test_importing_the_stores_own_file_keeps_its_sqlite_locks(tmp_path, suffix):
     """`import_profiles` read its file with open()/close(): given the store's own database (or its -shm), the close

@@ -137,7 +137,10 @@ def _is_own_file(store: Store, path: Path) -> bool:
     if store.memory:
         return False
     db = store.path
-    target = path.resolve()
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13) is no file: its read says so
+        return False
     for own in (db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
         if target == own.resolve():
             return True
