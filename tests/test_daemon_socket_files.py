@@ -311,10 +311,10 @@ def test_a_socket_path_too_long_for_a_binding_name_is_warned_of(tmp_path: Path,
         d.stop()
 
 
-@pytest.mark.parametrize("how", ["renameat2", "einval", "none"])
+@pytest.mark.parametrize("how", ["renameat2", "einval", "eperm", "none"])
 def test_rename_no_replace_never_goes_over_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """renameat2(RENAME_NOREPLACE) where the C library has it; a file system that refuses the flag (EINVAL) or a C
-    library without the call: the checked rename. Either way a file at the target is kept and named."""
+    """renameat2(RENAME_NOREPLACE) where the C library has it; a file system that refuses the flag (EINVAL), a seccomp
+    filter that refuses the call (EPERM) or a C library without it: the checked rename. Either way a file at the target is kept and named."""
     import ctypes
     import errno
 
@@ -325,9 +325,9 @@ def test_rename_no_replace_never_goes_over_a_file(tmp_path: Path, monkeypatch: p
             pytest.skip("no renameat2 in this C library")
         # every check finds the path free (the file made after it): only the kernel's refusal keeps the file
         monkeypatch.setattr(os.path, "lexists", lambda _p: False)
-    elif how == "einval":
+    elif how in ("einval", "eperm"):  # a file system without the flag; a seccomp filter that knows no renameat2
         def refused(*_a: Any) -> int:
-            ctypes.set_errno(errno.EINVAL)
+            ctypes.set_errno(errno.EINVAL if how == "einval" else errno.EPERM)
             return -1
 
         monkeypatch.setattr(atomic_files, "_renameat2", lambda: refused)

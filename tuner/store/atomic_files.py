@@ -58,15 +58,16 @@ def _renameat2() -> Callable[..., int] | None:
 def rename_no_replace(src: Path, dst: Path) -> None:
     """Rename `src` to `dst` only if nothing is at `dst` (FileExistsError otherwise), for a file system where a hard
     link (which fails with EEXIST the same way) is refused. renameat2 with RENAME_NOREPLACE decides it in the kernel;
-    without it (no such call in the C library, ENOSYS from an old kernel, EINVAL from a file system without the flag)
-    `dst` is checked just before a plain rename, and a file made between the two is replaced: the window narrowed,
-    not closed."""
+    without it (no such call in the C library, ENOSYS from an old kernel, EINVAL from a file system without the flag,
+    EPERM from a seccomp filter of an older container runtime that knows no renameat2: a real permission problem
+    fails the plain rename the same way) `dst` is checked just before a plain rename, and a file made between the two
+    is replaced: the window narrowed, not closed."""
     fn = _renameat2()
     if fn is not None:
         if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
-        if err not in (errno.ENOSYS, errno.EINVAL):
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.EPERM):
             raise OSError(err, os.strerror(err), str(src), None, str(dst))  # EEXIST: a FileExistsError
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
