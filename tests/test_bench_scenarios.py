@@ -660,3 +660,39 @@ def test_needs_of_another_type_are_refused(needs: str, tmp_path: Path) -> None:
                     f'[needs]\n{needs}\n[[cases]]\nname = "read-sum"\n')
     with pytest.raises(ScenarioError, match=rf"needs.*{needs.split()[0]}"):
         definitions.load(path)
+
+
+def test_two_imports_of_one_report_at_once_append_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `bench run --from-report` of the same report at the same moment: both pass the early look at the table
+    (a barrier holds each after it until the other has looked too), yet only one appends the launch; the duplicate
+    check that counts is made under the table's append lock."""
+    import threading
+
+    s, out = SCENARIOS["moe-megakernel-vs-unfused"], tmp_path / "s.csv"
+    looked = threading.Barrier(2, timeout=10)
+    read, first = R.read_rows, threading.local()
+
+    def read_then_wait(path: Path) -> list[dict[str, str]]:
+        rows = read(path)
+        if not getattr(first, "done", False):  # the import's early look (later reads: the append's own checks)
+            first.done = True
+            looked.wait()  # the window made certain: neither appends before both have looked at the table
+        return rows
+
+    monkeypatch.setattr(R, "read_rows", read_then_wait)
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            moe_report.import_moe_report(s, _moe_report([1, 16, 128, 1024, 4096]), origin="x.json", results=out)
+        except ScenarioError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    monkeypatch.setattr(R, "read_rows", read)
+    assert len(errors) == 1 and "already" in str(errors[0])
+    assert len(R.read_rows(out)) == 3 * 5 * 2  # one launch's rows, not two

@@ -32,7 +32,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,27 +139,32 @@ def keep_rows(path: Path, rows: list[dict[str, Any]]) -> Path | None:
     return None
 
 
-def append_or_keep(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: bool = False) -> int:
-    """`append_rows` (`fresh_launch` as there), and where the rows cannot be appended (an OSError, or the file became something this module
+def append_or_keep(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: bool = False,
+                   skip_if: Callable[[list[dict[str, str]]], bool] | None = None) -> int:
+    """`append_rows` (`fresh_launch` and `skip_if` as there), and where the rows cannot be appended (an OSError, or the file became something this module
     does not append to), RowsNotSaved after keeping them (`keep_rows`): rows measured are never lost."""
     rows = list(rows)
     _check_columns(rows)
     try:
-        return append_rows(path, rows, fresh_launch=fresh_launch)
+        return append_rows(path, rows, fresh_launch=fresh_launch, skip_if=skip_if)
     except (OSError, ResultsError) as e:
         reason = (getattr(e, "strerror", None) or str(e)) if isinstance(e, OSError) else str(e)
         raise RowsNotSaved(path, reason, len(rows), _csv_text(rows, header=True), keep_rows(path, rows),
                            getattr(e, "errno", None)) from None
 
 
-def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: bool = False) -> int:
+def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: bool = False,
+                skip_if: Callable[[list[dict[str, str]]], bool] | None = None) -> int:
     """Append rows (dicts keyed by COLUMNS; unknown keys are an error) to the CSV, writing the header first
     when the file is new. Returns how many rows were written. Holds the table's exclusive flock from before its
     length is read until the append (or its restore) is done: see the module's docstring.
 
     `fresh_launch`: the rows are a launch just run (`moetune bench run`), whose id the table must not hold yet: a
     launch id the table holds already (another run started in the same second: the ids have one-second resolution)
-    is replaced, in the rows given too, by the next free number (`_free_launch_id`), decided under the lock."""
+    is replaced, in the rows given too, by the next free number (`_free_launch_id`), decided under the lock.
+
+    `skip_if`: called under the lock with the table's rows; where it is true nothing is appended and 0 returned (a
+    check such as "this launch is in the table already" that two processes could both pass if made before the lock)."""
     rows = list(rows)
     _check_columns(rows)
     check_table(path)  # before anything is created: a folder or a foreign file is refused, never appended to
@@ -177,6 +182,9 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
                 if whole < size:  # the row a killed append cut short (no live writer holds the lock): cut off, else
                     os.truncate(path, whole)  # it refused the table, or read this append's rows into its open quote
                     size = whole
+            # read here without the shared lock: this process holds the exclusive one (`_launch_ids` says why)
+            if skip_if is not None and skip_if(_rows_of(path, path.read_bytes()) if size else []):
+                return 0
             if fresh_launch and size:
                 taken = _launch_ids(path)
                 for launch in {str(r.get("launch", "")) for r in rows} & taken:
@@ -358,6 +366,14 @@ def read_rows(path: Path) -> list[dict[str, str]]:
     try:
         with path.open("rb") as raw, _flocked(raw.fileno(), fcntl.LOCK_SH):
             data = raw.read()
+        return _rows_of(path, data)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise _unreadable(path, e) from None
+
+
+def _rows_of(path: Path, data: bytes) -> list[dict[str, str]]:
+    """The rows of a results table's bytes `data` (read from `path`, which errors name), as `read_rows` returns them."""
+    try:
         # a last row a killed append cut short is no row: left out (the next append cuts it off)
         whole = whole_length(data)
         if not whole:  # nothing but a first append cut short (part of the header): a new table

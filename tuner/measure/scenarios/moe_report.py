@@ -53,14 +53,21 @@ def import_moe_report(s: Scenario, rep: dict[str, Any], *, origin: str, results:
     if not any(st.median is not None for c in out for st in c.metrics.values()) and not any(c.error for c in out):
         raise ScenarioError(f"{origin}: the report holds no measured number (every median is null): nothing to import")
     launch_id = f"{str(meta['date']).replace('-', '').replace(':', '')}-imported"
-    if any(r["launch"] == launch_id and r["scenario"] == s.name for r in R.read_rows(results)):
-        raise ScenarioError(f"{origin}: launch {launch_id} of {s.name} is in {results} already")
+
+    def held(table: list[dict[str, str]]) -> bool:
+        return any(r["launch"] == launch_id and r["scenario"] == s.name for r in table)
+
+    held_msg = f"{origin}: launch {launch_id} of {s.name} is in {results} already"
+    if held(R.read_rows(results)):  # refused early, before the rows are built
+        raise ScenarioError(held_msg)
     stamp = {k: meta[k] for k in _REPORT_FACTS if k != "command"}
     rows = launch_rows(s, out, launch_id, {**stamp, "source": "imported", "world": s.needs.world,
                                             "backend": s.needs.backend})
     for r in rows:
         r["note"] = (f"{r['note']}; " if r.get("note") else "") + f"imported from {origin}"
-    R.append_or_keep(results, rows)
+    # asked again under the append's lock: two imports of one report at once both pass the early look
+    if not R.append_or_keep(results, rows, skip_if=held):
+        raise ScenarioError(held_msg)
     return rows
 
 
