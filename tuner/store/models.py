@@ -106,6 +106,8 @@ class TuningRun(Base):
     # the trials THIS run finished (a resumed or shared study's others are its other runs' and workers'); a daemon
     # job's row (`moetune-daemon-job-N`) counts the profiles the job wrote
     trials: Mapped[int] = mapped_column(Integer, default=0)
+    # unlike `trials`, the STUDY's best value (its trials of every run and worker, earlier ones included) when this
+    # run last noted it, not the best of this run's own trials; a daemon job's row: the best latency it stored
     best_value: Mapped[float | None] = mapped_column(Float)
     started: Mapped[str] = mapped_column(String(40))
     ended: Mapped[str | None] = mapped_column(String(40))

@@ -685,7 +685,8 @@ class Store:
             raise StoreError(f"no tuning run {run_id}")
 
     def note_run(self, run_id: int, *, trials: int, best_value: float | None) -> None:
-        """The trials a `running` run has finished so far (its own, not its study's) and its best value: kept as they
+        """The trials a `running` run has finished so far (its own, not its study's) and its study's best value (of
+        every run's and worker's trials, not only this run's: `TuningRun.best_value`): kept as they
         are reached, so a run that never gets to `finish_run` (kill -9, a full disk) keeps them when
         `close_orphaned_runs` closes it. A row that has ended is left as it is."""
         with self._write() as s:
