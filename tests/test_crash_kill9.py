@@ -637,3 +637,33 @@ def test_a_new_results_tables_folder_is_synced_after_the_file(tmp_path: Path, mo
     synced.clear()
     R.append_rows(f, [_result_row("L2", "2.5")])
     assert synced == [str(f.resolve())], synced  # the table was there: its entry is already on disk
+
+
+def test_a_lost_point_another_open_enqueued_after_this_ones_look_is_not_enqueued_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`requeue_lost_points` looks at the study's trials once, before its loop. Another open that claimed a lost
+    point, enqueued it and exited normally after that look left a claim whose process is gone: this open took it
+    over and enqueued the point a second time. After winning the claim (or the take-over) it reads the trials again."""
+    import optuna
+
+    from moetune.tuner.search import study as S
+
+    _space, _wl, url, tid = _study_with_a_trial_left_running(tmp_path)
+    _kill9(_run_until(OPEN_KILLED, [url], "FAILED"))  # failed, its point enqueued nowhere
+    claim = S.claim_study_attr
+
+    def other_open_first(study: Any, key: str, value: Any) -> bool:
+        if key.startswith(S.REQUEUED_KEY):  # the window made certain: after this open's look at the trials
+            out = subprocess.run([sys.executable, "-c", "import sys; from moetune.tuner.search.study import "
+                                  "open_study; open_study('moetune/t', sys.argv[1], seed=0)", url],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr[-2000:]  # it claimed, enqueued the point and exited
+        return claim(study, key, value)
+
+    monkeypatch.setattr(S, "claim_study_attr", other_open_first)
+    study = S.open_study("moetune/t", url, seed=0)
+    monkeypatch.setattr(S, "claim_study_attr", claim)
+    fixed = study._storage.get_trial(tid).system_attrs["fixed_params"]
+    waiting = [t for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+               if t.system_attrs.get("fixed_params") == fixed]
+    assert len(waiting) == 1, [t.number for t in waiting]  # was: 2, the other open's and this one's

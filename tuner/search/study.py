@@ -269,6 +269,12 @@ def _claimer_gone(claim: Any) -> bool:
     return isinstance(claim, dict) and worker_gone(claim.get("worker"))
 
 
+def _held_later(t: optuna.trial.FrozenTrial, fixed: dict[str, Any], trials: Sequence[optuna.trial.FrozenTrial]) -> bool:
+    """Whether a trial of `trials` after `t` holds its warm-start point `fixed` (enqueued again, or sampled)."""
+    return any(u._trial_id > t._trial_id and (u.system_attrs.get("fixed_params") == fixed or u.params == fixed)
+               for u in trials)
+
+
 REQUEUED_KEY = "requeued:"  # study system attr `requeued:<trial id>`: its lost warm-start point was enqueued again
 
 
@@ -288,12 +294,15 @@ def requeue_lost_points(study: optuna.Study) -> int:
         fixed = t.system_attrs.get("fixed_params")
         if "warm_start" not in t.user_attrs or not fixed or not is_interrupted(t, ids):
             continue
-        if any(u._trial_id > t._trial_id and (u.system_attrs.get("fixed_params") == fixed or u.params == fixed)
-               for u in trials):
+        if _held_later(t, fixed, trials):
             continue
         key, mine = f"{REQUEUED_KEY}{t._trial_id}", {"worker": current_worker()}
         # a claim whose process died before it enqueued the point is taken over: else it was lost for good again
         if not claim_study_attr(study, key, mine) and not take_over_study_attr(study, key, mine, _claimer_gone):
+            continue
+        # read again: a claimer that enqueued the point and exited normally after `trials` was read is "gone" too,
+        # and its point, taken over, was enqueued twice
+        if _held_later(t, fixed, study.get_trials(deepcopy=False)):
             continue
         log.info("warm start %s enqueued again: its trial %d was cut short and nothing enqueued it",
                  t.user_attrs["warm_start"], t.number)
