@@ -397,7 +397,9 @@ bad = sorted(k for k in sys.modules if k.split(".")[0] in ("optuna", "sqlalchemy
              "matplotlib") or k.startswith(("moetune.tuner", "moetune.migrations")))
 assert not bad, bad
 """
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MOETUNE_")}
+    # the suite's MOETUNE_SYSTEM_CONFIG is kept: without it the child's profile lookup reads /etc/moetune/moetune.toml
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith("MOETUNE_") or k == "MOETUNE_SYSTEM_CONFIG"}
     env.update(MOETUNE_HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "xdg"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]

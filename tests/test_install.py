@@ -42,7 +42,10 @@ def _source_files() -> list[str]:
 
 
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "MOETUNE_"))}
+    # the suite's MOETUNE_SYSTEM_CONFIG (tests/conftest.py) is kept: without it the CLI children read this machine's
+    # /etc/moetune/moetune.toml
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "MOETUNE_")) or k == "MOETUNE_SYSTEM_CONFIG"}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
 

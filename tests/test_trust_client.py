@@ -186,7 +186,9 @@ def test_the_client_finds_the_daemon_serve_started_in_another_environment(tmp_pa
     F.make_capture(tmp_path / "capture")
     x, h = tmp_path / "x", tmp_path / "h"
     x.mkdir(mode=0o700)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MOETUNE_", "XDG_"))}
+    # the suite's MOETUNE_SYSTEM_CONFIG is kept: without it `serve` read this machine's /etc/moetune/moetune.toml
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("MOETUNE_", "XDG_")) or k == "MOETUNE_SYSTEM_CONFIG"}
     serve_env = {**base, "HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(x),
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(F.TESTS_DIR), os.environ.get("PYTHONPATH", "")]))}
     served = load_config(env=serve_env).daemon.socket  # where run_daemon binds: `socket or cfg.daemon.socket`
