@@ -279,6 +279,60 @@ def test_never_ready_task_times_out(model, layer, cfg):
     _check(m, model, x, out, idx, w)
 
 
+@pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64", "overlap=1,bm=128,bn=256,tma=1"])
+def test_forwards_right_after_aborts_are_bit_identical(model, layer, cfg):
+    """A launch that aborts (a never-released task, timeout_ms=20) ends with its CTAs' weight-tile copies (TMA /
+    cp.async into shared memory) possibly still in flight: the PTX ISA does not say that a CTA's shared memory is held
+    until they land. If it were not, the next launch's CTAs on those SMs could read tiles the aborted launch's copies
+    overwrite. Twelve rounds of an aborted launch then a forward at once, on the same stream: every forward bit-identical
+    to the one before the first abort and within the reference bound."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelError, MegakernelMoE
+
+    m = MegakernelMoE(model, max_tokens=256, config=MegakernelConfig.parse(cfg + ("," if cfg else "") + "timeout_ms=20"),
+                      w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
+    x = _x(256, model.hidden, seed=610)
+    idx, w = _routing(256, model.experts, model.topk, "uniform", seed=610)
+    first = m.forward_routed(x, idx, w, out=_poisoned(256, model.hidden)).clone()
+    _check(m, model, x, first, idx, w)
+    for i in range(12):
+        m.stall_tile = i % 4
+        m.forward_routed(x, idx, w)
+        torch.cuda.synchronize()
+        with pytest.raises(MegakernelError, match="timed out"):
+            m.check()
+        m.clear_error()
+        m.stall_tile = -1
+        out = m.forward_routed(x, idx, w, out=_poisoned(256, model.hidden))  # no sync before it: the next launch
+        torch.cuda.synchronize()
+        m.check()
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"round {i}: the forward after an abort differs"
+
+
+def test_decode_forwards_right_after_aborts_are_bit_identical(model, layer):
+    """The decode kernel's waits give up once its abort flag is raised, and its W_down bulk copies may still be in
+    flight (mk_decode.cuh): twelve rounds of an aborted S=1 decode (an expert id out of range, the kernel's own record)
+    then a good decode at once, each bit-identical to the first."""
+    from moetune.runtime.megakernel import MegakernelError, MegakernelMoE
+
+    m = MegakernelMoE(model, max_tokens=1, w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
+    x = _x(1, model.hidden, seed=3310)
+    idx, w = _routing(1, model.experts, model.topk, "uniform", seed=7)
+    bad = idx.clone()
+    bad[0, 2] = model.experts
+    first = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden)).clone()
+    _check(m, model, x, first, idx, w)
+    for i in range(12):
+        m.forward_routed(x, bad, w, check_ids=False)
+        torch.cuda.synchronize()
+        with pytest.raises(MegakernelError, match="out of range"):
+            m.check()
+        m.clear_error()
+        out = m.forward_routed(x, idx, w, out=_poisoned(1, model.hidden))
+        torch.cuda.synchronize()
+        m.check()
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"round {i}: the decode after an abort differs"
+
+
 # ---- new paths (off by default until a GPU run verifies them): the wgmma core for bm 64/128 and decode split-K ----------------------------
 # Each runs every S against dense_reference with poisoned output, twice more for bit-identical bits, and its
 # task counts against the CPU model. NEXT_RUN.md: if these pass, the bench decides the defaults.
