@@ -32,7 +32,7 @@ from ctypes import POINTER, c_char_p, c_double, c_int, c_int64, c_uint64, c_void
 from pathlib import Path
 from typing import NamedTuple
 
-from moetune.runtime.paths import foreign_link_reason, loose_key_path
+from moetune.runtime.paths import foreign_link_reason, loose_key_path, sync_folder
 
 # csrc/mt_common.cu mt_abi_version: 21 = mt_pxy_exchange takes send_rows (send counts checked); 22 = the nvlink
 # exchanges take the rows their counts address (send_rows / src_rows / x_rows + tok_rows) and refuse counts outside
@@ -188,17 +188,16 @@ def _own_dir(d: Path) -> None:
 _FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
 
 
-def _fsync_path(path: Path, flags: int) -> None:
-    """fsync the file or folder at `path`. nvcc's output renamed unsynced could be an empty or partial file under the
-    cache's name after a power loss: found there by every later run (`lib.exists()`), never rebuilt, failing to load
-    until the cache was removed by hand. A folder a filesystem cannot fsync is left as it is (best effort), and so
-    is a file where fsync is not supported (EINVAL, ENOTSUP: as the results table proceeds without flock): the build
-    failed there with a bare OSError. Another error of a file's fsync (EIO) fails the build."""
-    fd = os.open(path, flags)
+def _fsync_file(path: Path) -> None:
+    """fsync the file at `path`. nvcc's output renamed unsynced could be an empty or partial file under the cache's
+    name after a power loss: found there by every later run (`lib.exists()`), never rebuilt, failing to load until
+    the cache was removed by hand. A file system that does not support fsync (EINVAL, ENOTSUP: as the results table
+    proceeds without flock) is no failed write; another error (EIO) fails the build."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     except OSError as e:
-        if not flags & os.O_DIRECTORY and e.errno not in _FSYNC_UNSUPPORTED:
+        if e.errno not in _FSYNC_UNSUPPORTED:
             raise
     finally:
         os.close(fd)
@@ -239,9 +238,9 @@ def build_cached(out_dir: Path, lib_name: str, command: Callable[[Path], list[st
                 if res.returncode != 0 or not tmp.exists():
                     raise BuildError(f"nvcc failed (exit {res.returncode}):\n{log}")
                 os.chmod(tmp, 0o755)  # made by this build: not group-writable whatever the umask (the cache check)
-                _fsync_path(tmp, os.O_RDONLY)  # on disk before its name is: `lib.exists()` is never rebuilt
+                _fsync_file(tmp)  # on disk before its name is: `lib.exists()` is never rebuilt
                 os.replace(tmp, lib)
-                _fsync_path(out_dir, os.O_RDONLY | os.O_DIRECTORY)  # the rename itself survives a power loss
+                sync_folder(out_dir)  # the rename itself survives a power loss
             except BaseException:
                 tmp.unlink(missing_ok=True)  # a half-written output of this build, never loaded
                 raise

@@ -5,6 +5,7 @@ Every function takes the environment as a mapping (default `os.environ`) so test
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Mapping
@@ -352,3 +353,14 @@ def client_db_path(info_db: str | None = None, env: Mapping[str, str] = os.envir
     if info_db:
         return Path(info_db)
     return default_db_path(env)
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync `folder`: a file created or renamed in it keeps its name after a power loss once the folder is synced.
+    Best effort: a folder the file system cannot open or fsync is left as it is (the callers' data is written)."""
+    with contextlib.suppress(OSError):
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

@@ -114,7 +114,8 @@ def generate_keys(directory: Path, name: str = "moetune", *, force: bool = False
     a full disk or an I/O error leaves no partial key file behind, and with `force` the old pair as it was."""
     import zmq
 
-    from moetune.tuner.store.atomic_files import sync_folder, write_temp
+    from moetune.runtime.paths import sync_folder
+    from moetune.tuner.store.atomic_files import write_temp
 
     check_name(name)  # before anything is created: the name must not reach outside `directory`
     _make_dir(directory, "key directory")

@@ -73,6 +73,7 @@ from moetune.runtime.paths import (
     MAX_IPC_PATH_BYTES,
     ipc_path,
     is_loopback_host,
+    sync_folder,
     tcp_host,
 )
 from moetune.runtime.profile_record import ProfileRecord
@@ -123,7 +124,7 @@ from moetune.tuner.daemon.runtime_dir import (
 )
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
-from moetune.tuner.store.atomic_files import rename_no_replace, sync_folder
+from moetune.tuner.store.atomic_files import rename_no_replace
 from moetune.tuner.store.lock_files import release_run_lock
 
 log = logging.getLogger("moetune.daemon")

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from moetune.runtime.paths import sync_folder
+
 COLUMNS: tuple[str, ...] = (
     "scenario", "case", "baseline", "position", "launch", "metric", "unit", "median", "p10", "p90", "n",
     "source", "date", "git_sha", "git_dirty", "moetune", "torch", "nccl", "cuda", "gpu", "gpu_count",
@@ -176,17 +178,20 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
         with _flocked(lock_fd, fcntl.LOCK_EX):
             # decided under the lock: another process may have created the table or appended since `check_table`
             size = os.fstat(lock_fd).st_size
+            # the table as this append finds it, read once: without the shared lock, which a second flock of this
+            # process (on another descriptor) would wait for forever while it holds the exclusive one
+            data = b""
             if size:
                 with path.open("rb") as f:
-                    whole = whole_length(f.read())
+                    data = f.read()
+                whole = whole_length(data)
                 if whole < size:  # the row a killed append cut short (no live writer holds the lock): cut off, else
                     os.truncate(path, whole)  # it refused the table, or read this append's rows into its open quote
-                    size = whole
-            # read here without the shared lock: this process holds the exclusive one (`_launch_ids` says why)
-            if skip_if is not None and skip_if(_rows_of(path, path.read_bytes()) if size else []):
+                    size, data = whole, data[:whole]
+            if skip_if is not None and skip_if(_rows_of(path, data) if size else []):
                 return 0
             if fresh_launch and size:
-                taken = _launch_ids(path)
+                taken = _launch_ids(data)
                 for launch in {str(r.get("launch", "")) for r in rows} & taken:
                     free = _free_launch_id(launch, taken)
                     taken.add(free)
@@ -194,8 +199,8 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
                         if str(r.get("launch", "")) == launch:
                             r["launch"] = free
             text = _csv_text(rows, header=size == 0)
-            if size and path.is_file() and not _ends_with_newline(path):  # a last row without its newline (a hand
-                text = "\n" + text  # edit): not glued onto it
+            if size and not data.endswith(b"\n"):  # a last row without its newline (a hand edit): not glued onto it
+                text = "\n" + text
             try:
                 with path.open("a", encoding="utf-8", newline="") as f:
                     f.write(text)
@@ -203,7 +208,7 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
                         f.flush()
                         os.fsync(f.fileno())  # the rows `bench run` says are saved survive a power loss
                         if size == 0:  # the header's append: the file may be new, its directory entry not yet
-                            _fsync_folder(path.parent)  # on disk (the file's own fsync does not write it)
+                            sync_folder(path.parent)  # on disk (the file's own fsync does not write it)
             except BaseException:
                 # a write cut short (a full disk, Ctrl-C) leaves no partial row behind (the next append would glue
                 # onto it): on an OSError the caller keeps every row elsewhere. Under the lock, nothing past `size`
@@ -217,36 +222,28 @@ def append_rows(path: Path, rows: Iterable[dict[str, Any]], *, fresh_launch: boo
     return len(rows)
 
 
-def _fsync_folder(folder: Path) -> None:
-    """fsync `folder`, so a file just created in it keeps its name after a power loss. Best effort, as the csrc
-    build cache's: a folder the file system cannot fsync (or open so) is left as it is; the rows are written."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _launch_ids(path: Path) -> set[str]:
-    """The launch ids the table at `path` holds. Read without a shared lock: its caller holds the exclusive one (a
-    second flock of this process, on another descriptor, would wait for it forever)."""
-    with path.open(encoding="utf-8", newline="") as f:
+def _launch_ids(data: bytes) -> set[str]:
+    """The launch ids a results table's bytes `data` hold."""
+    with io.StringIO(data.decode("utf-8"), newline="") as f:
         return {r.get("launch") or "" for r in csv.DictReader(f)}
+
+
+def _launch_number(launch: str) -> tuple[str, int] | None:
+    """(start, n) of a launch id `<start>-<n>` (`20261207T045017Z-1`); None for an id of another form."""
+    start, sep, n = launch.rpartition("-")
+    return (start, int(n)) if sep and n.isdigit() else None
 
 
 def launch_order(launch: str) -> tuple[str, int]:
     """A sort key of a launch id (`<start>-<n>`) that orders its number as a number: `...Z-10` after `...Z-9`, which
     as text sorts before it (an id of another form keys as itself with n 0)."""
-    start, sep, n = launch.rpartition("-")
-    return (start, int(n)) if sep and n.isdigit() else (launch, 0)
+    return _launch_number(launch) or (launch, 0)
 
 
 def _free_launch_id(launch: str, taken: set[str]) -> str:
     """`launch` (`<start>-<n>`: `20261207T045017Z-1`) with the next number after n that `taken` does not hold (an id
     of another form gets `-2`, `-3`, ... appended)."""
-    start, sep, n = launch.rpartition("-")
-    base, k = (start, int(n)) if sep and n.isdigit() else (launch, 1)
+    base, k = _launch_number(launch) or (launch, 1)
     while f"{base}-{k + 1}" in taken:
         k += 1
     return f"{base}-{k + 1}"
@@ -268,12 +265,6 @@ def _flocked(fd: int, how: int) -> Iterator[None]:
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
 
 
 def whole_length(data: bytes) -> int:

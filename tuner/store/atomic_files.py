@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime.paths import foreign_link_reason
+from moetune.runtime.paths import foreign_link_reason, sync_folder
 
 
 def _put_new(tmp: Path, path: Path) -> None:
@@ -119,16 +119,6 @@ def write_temp(path: Path, raw: bytes, *, mode: int | None = None) -> Path:
             os.unlink(tmp)
         raise
     return tmp
-
-
-def sync_folder(folder: Path) -> None:
-    """fsync `folder`: a rename in it survives a power loss once it is synced (not every filesystem allows it)."""
-    with contextlib.suppress(OSError):
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def write_atomic(path: Path, data: str | bytes, *, replace: bool = True, mode: int | None = None,
