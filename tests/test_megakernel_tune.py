@@ -387,11 +387,10 @@ def test_a_trial_whose_output_is_wrong_is_infeasible_and_never_wins(tmp_path: Pa
     assert res[0].record is None or res[0].record.knobs.mk_bm != 16
 
 
-def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """measure_megakernel times only the graph replays, and the output check comes after them: an eager block timed
-    right before the replays (rest 0) would, on a GPU at its power limit, clock the replays, the trial's value, down
-    by its heat (S=4096: 743 µs a replay after eager calls of 689 µs). The CUDA parts are fakes here (the layer
-    records its calls)."""
+def _fake_megakernel_measure(monkeypatch: pytest.MonkeyPatch, layer: type, inputs: Any, time_calls: Any,
+                             graphs_of: Any, output_problem: Any) -> Any:
+    """measure_megakernel's CUDA parts replaced by fakes (the layer class, weights, inputs, timing, graphs and the
+    output check): returns the measure module."""
     import torch
 
     from moetune.runtime import moe_layer
@@ -399,6 +398,24 @@ def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -
     from moetune.runtime.megakernel import weights as W
     from moetune.tuner.measure import moe as M
 
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(L, "MegakernelMoE", layer)
+    monkeypatch.setattr(W, "tile_", lambda t: t)
+    monkeypatch.setattr(moe_layer, "expert_weights", lambda model, e, **kw: (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(moe_layer, "gate_weight", lambda model, **kw: torch.zeros(1))
+    monkeypatch.setattr(M, "_weights", {})
+    monkeypatch.setattr(M, "layer_inputs", inputs)
+    monkeypatch.setattr(M, "time_calls", time_calls)
+    monkeypatch.setattr(M, "graphs_of", graphs_of)
+    monkeypatch.setattr(M, "megakernel_output_problem", output_problem)
+    return M
+
+
+def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_megakernel times only the graph replays, and the output check comes after them: an eager block timed
+    right before the replays (rest 0) would, on a GPU at its power limit, clock the replays, the trial's value, down
+    by its heat (S=4096: 743 µs a replay after eager calls of 689 µs). The CUDA parts are fakes here (the layer
+    records its calls)."""
     events: list[str] = []
 
     class Layer:
@@ -420,16 +437,9 @@ def test_a_trial_times_only_the_graph_replays(monkeypatch: pytest.MonkeyPatch) -
     def graphs_of(fn: Any, xs: Any) -> list[Any]:
         return [lambda x=x: events.append(f"replay {x}") for x in xs]
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(L, "MegakernelMoE", Layer)
-    monkeypatch.setattr(W, "tile_", lambda t: t)
-    monkeypatch.setattr(moe_layer, "expert_weights", lambda model, e, **kw: (torch.zeros(1), torch.zeros(1)))
-    monkeypatch.setattr(moe_layer, "gate_weight", lambda model, **kw: torch.zeros(1))
-    monkeypatch.setattr(M, "_weights", {})
-    monkeypatch.setattr(M, "layer_inputs", lambda model, tokens, rotate, dev, dtype, seed: [f"x{i}" for i in range(rotate)])
-    monkeypatch.setattr(M, "time_calls", time_calls)
-    monkeypatch.setattr(M, "graphs_of", graphs_of)
-    monkeypatch.setattr(M, "megakernel_output_problem", lambda *a: events.append("output check"))
+    M = _fake_megakernel_measure(monkeypatch, Layer,
+                                 lambda model, tokens, rotate, dev, dtype, seed: [f"x{i}" for i in range(rotate)],
+                                 time_calls, graphs_of, lambda *a: events.append("output check"))
     got = M.measure_megakernel(Knobs(engine="megakernel"), QWEN, 128, iters=4, warmup=2, rotate=2)
     assert got == {"graph_us": [100.0] * 4}
     assert events.count("timed block") == 1 and not any(e.startswith("forward") for e in events)
@@ -767,13 +777,6 @@ def test_a_trial_runs_under_the_users_megakernel_timeout(tmp_path: Path, monkeyp
     [runtime] table), as a served layer is: before, `MegakernelConfig.from_knobs(knobs)` took the defaults, so a trial
     that hung waited the default 2 s, not the user's megakernel_timeout_s. The CUDA parts are fakes (the layer
     records the config it is given)."""
-    import torch
-
-    from moetune.runtime import moe_layer
-    from moetune.runtime.megakernel import layer as L
-    from moetune.runtime.megakernel import weights as W
-    from moetune.tuner.measure import moe as M
-
     configs: list[Any] = []
 
     class Layer:
@@ -786,16 +789,9 @@ def test_a_trial_runs_under_the_users_megakernel_timeout(tmp_path: Path, monkeyp
         def check(self) -> None:
             pass
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(L, "MegakernelMoE", Layer)
-    monkeypatch.setattr(W, "tile_", lambda t: t)
-    monkeypatch.setattr(moe_layer, "expert_weights", lambda model, e, **kw: (torch.zeros(1), torch.zeros(1)))
-    monkeypatch.setattr(moe_layer, "gate_weight", lambda model, **kw: torch.zeros(1))
-    monkeypatch.setattr(M, "_weights", {})
-    monkeypatch.setattr(M, "layer_inputs", lambda model, tokens, rotate, dev, dtype, seed: ["x0"])
-    monkeypatch.setattr(M, "time_calls", lambda fns, *, warmup, iters, cuda: [100.0] * iters)
-    monkeypatch.setattr(M, "graphs_of", lambda fn, xs: [lambda: None])
-    monkeypatch.setattr(M, "megakernel_output_problem", lambda *a: None)
+    _fake_megakernel_measure(monkeypatch, Layer, lambda model, tokens, rotate, dev, dtype, seed: ["x0"],
+                             lambda fns, *, warmup, iters, cuda: [100.0] * iters, lambda fn, xs: [lambda: None],
+                             lambda *a: None)
     if where == "variable":
         env = {"MOETUNE_MK_TIMEOUT_S": "7.5"}
     else:
