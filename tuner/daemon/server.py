@@ -1084,15 +1084,14 @@ def run_daemon(
     finally:
         # the last connection closed checkpoints the WAL into the file and removes -wal and -shm: left open, they
         # stayed beside the database, and a copy of the file alone lacked what the WAL held
-        if store_hook:
-            pass  # a hook's store is the hook's to close
-        elif busy := daemon.store_users():
-            # closed under them, a worker's next write opened a fresh connection that the exiting process never closed
-            # (the close checkpointed nothing); left open, their transactions end with the process, all or nothing
-            log.warning("leaving the store open: %s still running past the stop's wait; %s-wal and -shm stay beside "
-                        "it until the next open", ", ".join(busy), store.path)
-        else:
-            store.close()
+        if not store_hook:  # a hook's store is the hook's to close
+            if busy := daemon.store_users():
+                # closed under them, a worker's next write opened a fresh connection that the exiting process never
+                # closed (the close checkpointed nothing); left open, their transactions end with the process
+                log.warning("leaving the store open: %s still running past the stop's wait; %s-wal and -shm stay "
+                            "beside it until the next open", ", ".join(busy), store.path)
+            else:
+                store.close()
     # the CLI's documented statuses: 130 for Ctrl-C, 143 for SIGTERM (128 + the signal, as the shell reports a
     # killed process); the systemd unit lists both in SuccessExitStatus, so a stop is no failure there
     return 128 + daemon.stopped_by if daemon.stopped_by is not None else 0

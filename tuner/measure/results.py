@@ -346,7 +346,7 @@ def check_table(path: Path) -> None:
     if tuple(header) != COLUMNS:
         raise ResultsError(f"{path}: its header is not this version's columns ({', '.join(COLUMNS)}); "
                            "rows are not appended to a table of another layout")
-    read_rows(path)  # every row whole: rows appended after a broken one (an unclosed quote) would be read into it
+    _rows_of(path, data)  # every row whole: rows appended after a broken one (an unclosed quote) would be read into it
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:

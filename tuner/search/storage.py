@@ -553,14 +553,20 @@ def _stale_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         requeue_warm_start(study, trial._trial_id)
 
 
+def rdb_backend(study: optuna.Study) -> optuna.storages.RDBStorage | None:
+    """The study's RDB storage (Optuna wraps one in a cache), None for another storage (in memory: one process's)."""
+    backend = getattr(study._storage, "_backend", study._storage)
+    return backend if isinstance(backend, optuna.storages.RDBStorage) else None
+
+
 def claim_study_attr(study: optuna.Study, key: str, value: Any) -> bool:
     """Set study system attr `key` unless it is set: one INSERT on an RDB storage (Optuna's table has a unique
     (study_id, key); Optuna's own setter overwrites), so of two processes exactly one gets True. Another storage (in
     memory) is one process's: set when missing."""
     import sqlalchemy
 
-    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
-    if not isinstance(backend, optuna.storages.RDBStorage):
+    backend = rdb_backend(study)
+    if backend is None:
         if key in study._storage.get_study_system_attrs(study._study_id):
             return False
         study._storage.set_study_system_attr(study._study_id, key, value)
@@ -582,8 +588,8 @@ def take_over_study_attr(study: optuna.Study, key: str, value: Any, stale: Calla
     Another storage (in memory) is one process's."""
     import sqlalchemy
 
-    backend = getattr(study._storage, "_backend", study._storage)  # Optuna wraps an RDB storage in a cache
-    if not isinstance(backend, optuna.storages.RDBStorage):
+    backend = rdb_backend(study)
+    if backend is None:
         attrs = study._storage.get_study_system_attrs(study._study_id)
         if key not in attrs or not stale(attrs[key]):
             return False

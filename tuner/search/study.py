@@ -71,6 +71,7 @@ from moetune.tuner.search.storage import (
     claim_study_attr,
     is_sqlite,
     make_storage,
+    rdb_backend,
     storage_id,
     take_over_study_attr,
     trials_in_flight,
@@ -233,8 +234,8 @@ def beat_unbeaten(study: optuna.Study) -> int | None:
     import sqlalchemy
     from optuna.storages._rdb import models
 
-    backend = getattr(study._storage, "_backend", study._storage)
-    if not isinstance(backend, optuna.storages.RDBStorage) or backend.heartbeat_interval is None:
+    backend = rdb_backend(study)
+    if backend is None or backend.heartbeat_interval is None:
         return None
     trials, beats = models.TrialModel.__table__, models.TrialHeartbeatModel.__table__
     unbeaten = sqlalchemy.select(trials.c.trial_id, sqlalchemy.func.now()).where(
