@@ -86,7 +86,8 @@ class ReadOnlyConnection(sqlite3.Connection):
             )
 
 
-def _uri(path: Path) -> str:
+def readonly_uri(path: Path) -> str:
+    """The SQLite URI that opens `path` read-only (mode=ro; append `&PARAM=...` for more)."""
     # the name's bytes, percent-encoded: a name that is not UTF-8 (argv's bytes as Python decodes them) made quote()
     # raise UnicodeEncodeError; SQLite decodes %XX to the very bytes the file system has
     return f"file:{urllib.parse.quote(os.fsencode(path.absolute()))}?mode=ro"
@@ -120,7 +121,7 @@ def _is_wal(path: Path) -> bool:
     any -wal or -shm is made; any other file reads (or is SQLite's other error). SQLite keeps its descriptor of the
     file open while this process holds locks on it."""
     try:
-        con = sqlite3.connect(_uri(path) + "&nolock=1", uri=True, check_same_thread=False)
+        con = sqlite3.connect(readonly_uri(path) + "&nolock=1", uri=True, check_same_thread=False)
     except sqlite3.Error:  # cannot be opened (gone, unreadable): as when the header could not be read
         return False
     try:
@@ -148,7 +149,7 @@ def connect_readonly(path: str | Path, *, timeout_s: float) -> ReadOnlyConnectio
     meanwhile makes the read DatabaseChanged, and the retry finds its -wal and reads mode=ro.
     sqlite3.OperationalError naming the -wal/-journal when the fallback is refused."""
     path = Path(path).absolute()
-    uri = _uri(path)
+    uri = readonly_uri(path)
     if path.is_file() and not _side_files(path) and _is_wal(path):
         identity = file_identity(path)  # before the connection reads a byte
         if identity is not None and not _side_files(path):

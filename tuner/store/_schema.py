@@ -89,7 +89,8 @@ def is_sqlite_file(path: Path) -> bool:
     own descriptor open while those locks are held. Only a file SQLite does not read as a database (a damaged header)
     has its first bytes read directly: no connection of this process can be holding a lock on it."""
     import sqlite3
-    import urllib.parse
+
+    from moetune.runtime.profiles.sqlite_open import readonly_uri
 
     try:
         st = os.stat(path)
@@ -97,7 +98,7 @@ def is_sqlite_file(path: Path) -> bool:
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:  # SQLite takes an empty file for an empty database
         return False
-    uri = f"file:{urllib.parse.quote(os.fsencode(os.path.abspath(path)))}?mode=ro&immutable=1"
+    uri = readonly_uri(Path(path)) + "&immutable=1"
     try:
         con = sqlite3.connect(uri, uri=True)
         try:
