@@ -7,12 +7,14 @@ from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.storage import NotAStudiesFile, open_readonly_storage
 from moetune.tuner.search.study import open_study, run_study
 from moetune.tuner.search.trials import finished_trials
 
@@ -100,6 +102,7 @@ from moetune.runtime.shapes import MODELS
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
+from moetune.tuner.search.storage import NotAStudiesFile, open_readonly_storage
 from moetune.tuner.search.study import open_study, run_study
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
@@ -128,10 +131,12 @@ def test_opening_a_study_leaves_a_live_processes_trial_alone(tmp_path: Path) -> 
         running: list = []
         while not running and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
+            # read-only: Optuna's load_study would create the schema itself, racing the worker's creation of it
+            # ("UNIQUE constraint failed: alembic_version.version_num" in this process, not in the product)
             try:
-                study = optuna.load_study(study_name="moetune/t", storage=url)
-            except KeyError:
-                continue
+                study = optuna.load_study(study_name="moetune/t", storage=open_readonly_storage(url))
+            except (KeyError, NotAStudiesFile, sqlalchemy.exc.OperationalError):
+                continue  # no file, no tables or no study yet
             running = [t for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,)) if "worker" in t.user_attrs]
         assert running, proc.communicate()[1][-2000:]
         open_study("moetune/t", url, seed=0)  # another process opens the study meanwhile
