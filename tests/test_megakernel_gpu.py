@@ -308,6 +308,36 @@ def test_forwards_right_after_aborts_are_bit_identical(model, layer, cfg):
         assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"round {i}: the forward after an abort differs"
 
 
+@pytest.mark.parametrize("cfg", ["", "overlap=1,bm=64"])
+def test_launch_epoch_wraps_without_stale_flags(model, layer, cfg):
+    """The launch epoch (ctl word 3) that queue flags and release marks are compared with for equality: bumped from
+    INT_MAX it goes on as an unsigned count (an int overflow is undefined behaviour), and where it wraps to 0 (made 1)
+    the flags are cleared. Here every flag and mark holds 1, as if written 2^32 launches ago, and every queue slot a
+    task word of 0 ("no more work"): taken as published, the launch ends early or hangs to its timeout. Each forward
+    is bit-identical to the one before."""
+    from moetune.runtime.megakernel import MegakernelConfig, MegakernelMoE
+    from moetune.runtime.megakernel.layer import CTL_EPOCH
+
+    m = MegakernelMoE(model, max_tokens=256, config=MegakernelConfig.parse(cfg + ("," if cfg else "") + "timeout_ms=200"),
+                      w_gate_up=layer.w_gate_up, w_down=layer.w_down, gate=layer.gate)
+    x = _x(256, model.hidden, seed=620)
+    idx, w = _routing(256, model.experts, model.topk, "uniform", seed=620)
+    first = m.forward_routed(x, idx, w, out=_poisoned(256, model.hidden)).clone()
+    _check(m, model, x, first, idx, w)
+    assert m.decode_grid(256) is None  # the task graph: the kernel with the queue flags
+    for start, then in ((2**31 - 1, -2**31), (-1, 1)):
+        m.ctl[CTL_EPOCH] = start
+        if then == 1:  # the wrap: every flag and mark stale at the epoch the launch takes
+            m.q_flag.fill_(1)
+            m.rel.fill_(1)
+            m.q_task.fill_(0)
+        out = m.forward_routed(x, idx, w, out=_poisoned(256, model.hidden))
+        torch.cuda.synchronize()
+        m.check()
+        assert int(m.ctl[CTL_EPOCH]) == then
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"from epoch {start}: the output differs"
+
+
 def test_decode_forwards_right_after_aborts_are_bit_identical(model, layer):
     """The decode kernel's waits give up once its abort flag is raised, and its W_down bulk copies may still be in
     flight (mk_decode.cuh): twelve rounds of an aborted S=1 decode (an expert id out of range, the kernel's own record)

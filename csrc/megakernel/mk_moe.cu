@@ -1935,13 +1935,21 @@ __device__ void reset_ctl(const MkParams& p) {
     const int64_t n = p.sk_max_tiles * (2 * p.I / BN + p.H / BN);
     for (int64_t i = tid; i < n; i += blockDim.x) p.sk_cnt[i] = 0;
   }
+  // The epoch counts in unsigned arithmetic (an int bumped past INT_MAX is undefined behaviour) and wraps after 2^32
+  // launches. Queue flags and release marks are compared for equality with it, so at the wrap (never 0: a fresh
+  // flag) the ones this launch uses are cleared: a slot last written 2^32 launches ago cannot look published.
+  const uint32_t ep = (uint32_t)p.ctl[MK_CTL_EPOCH] + 1u;
+  if (ep == 0u) {
+    for (int64_t i = tid; i < p.q_cap; i += blockDim.x) p.q_flag[i] = 0;
+    for (int64_t i = tid; i < p.max_tiles + p.max_ctiles; i += blockDim.x) p.rel[i] = 0;
+  }
+  __syncthreads();  // every thread read the epoch before thread 0 writes it
   if (tid == 0) {
     p.ctl[MK_CTL_HEAD] = 0;
     p.ctl[MK_CTL_TOTAL] = 0;
     p.ctl[MK_CTL_ABORT] = 0;
     p.ctl[MK_CTL_PUBLISHED] = 0;
-    const int ep = p.ctl[MK_CTL_EPOCH] + 1;
-    p.ctl[MK_CTL_EPOCH] = ep == 0 ? 1 : ep;
+    p.ctl[MK_CTL_EPOCH] = ep == 0u ? 1 : (int32_t)ep;
   }
 }
 

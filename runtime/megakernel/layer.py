@@ -48,7 +48,7 @@ ERR_NAMES = {1: "scheduler timed out waiting for a task's inputs", 2: "processor
                 "logit, or only -inf ones, so its softmax is NaN (detail = its lowest expert whose logit is not "
                 "finite); it still picked topk distinct experts (0..topk-1, NaN weights) and its output row is NaN; "
                 "the other rows were computed (-inf logits among finite ones are no error)"}
-CTL_TOTAL, CTL_ABORT, CTL_TILES, CTL_PUBLISHED = 1, 2, 5, 4
+CTL_TOTAL, CTL_ABORT, CTL_EPOCH, CTL_TILES, CTL_PUBLISHED = 1, 2, 3, 5, 4
 
 
 class MegakernelError(RuntimeError):
