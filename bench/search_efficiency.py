@@ -2,7 +2,7 @@
 """Search efficiency of the tuner on the `model` backend against an exhaustive grid.
 
 For every preset × model shape × token count: enumerate the search space (the same decision tree
-the tuner samples: 48-120 points for the proxy presets, 1,440 for host_staged), evaluate every point with the fabric model to get the grid
+the tuner samples: 32-120 points for the proxy presets, 136-948 for host_staged), evaluate every point with the fabric model to get the grid
 optimum, then run the tuner's search (TPE multivariate + warm start, exactly `run_study`) with a
 budget of 10% of the grid for each of N seeds. Pass: the median best over the seeds is within 3% of
 the grid optimum. A random-search baseline with the same budget is reported beside it.
