@@ -221,6 +221,92 @@ def test_publish_all_stalled_tile_reports_input_timeout():
     assert r.steps < 10_000
 
 
+# Launch shapes check_params takes that the simulations above leave out: bm 64 / 128 on 128 columns, top-k = E (16)
+# and E = 1, combine tiles of 1 token, of a count that does not divide S and of more tokens than S, S = 0, split-K and
+# tail rows next to a stalled m-tile. (experts, topk, S, bm, bn, tail, combine_tokens, split_k: 1 or (k1, k2) within
+# check_params' multiples of 64, hidden, intermediate)
+_EDGE_SHAPES = [
+    (16, 4, 90, 64, 128, 0, 8, 1, H, INTER),
+    (16, 4, 300, 128, 128, 0, 16, 1, H, INTER),
+    (16, 16, 21, 16, 128, 0, 4, 1, H, INTER),
+    (1, 1, 40, 16, 128, 0, 3, 1, H, INTER),
+    (8, 2, 33, 64, 128, 0, 1, 1, 384, 192),
+    (8, 2, 33, 16, 128, 0, 512, (2, 2), H, INTER),
+    (4, 2, 0, 16, 128, 0, 8, 1, H, INTER),
+    (16, 4, 3, 16, 128, 0, 2, (4, 2), H, INTER),
+    (4, 2, 140, 128, 256, 16, 8, 1, 512, 256),  # (tail shapes: every token to experts 0..K-1) 12 rows ride along
+    (4, 3, 135, 128, 256, 5, 16, 1, 512, 256),  # 7 rows past 128, more than the tail: an m-tile of their own
+]
+
+
+@pytest.mark.parametrize("stall", [-1, 0])
+@pytest.mark.parametrize("publish_all", [False, True])
+@pytest.mark.parametrize("shape", _EDGE_SHAPES)
+def test_simulation_edge_shapes(shape, publish_all, stall):
+    """Every shape above, both queue disciplines (publish_all: the mma-core tiles only, so not the wide tile), 1, 3
+    and 300 processors: without a stall every task runs once, each after its inputs (asserted at each start), and the
+    launch ends without an error; with m-tile 0 stalled the launch ends by its timeout, with the error the kernel
+    reports for that discipline, and no GEMM2 of the stalled m-tile runs."""
+    e, k, s, bm, bn, tail, ct, sk, hid, inter = shape
+    if publish_all and bn == 256:
+        pytest.skip("publish_all is the mma core's; the wide tile is wgmma")
+    idx = _routing(s, e, k, mode="one" if tail or k == e else "uniform", seed=s + e)
+    sk1, sk2 = sk if isinstance(sk, tuple) else (sk, sk)
+    assert hid % (64 * sk1) == 0 and inter % (64 * sk2) == 0  # what check_params takes
+    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=bm, combine_tokens=ct, split_k1=sk1, split_k2=sk2,
+                 split_max_tiles=64, bn=bn, tail=tail)
+    assert (p.ks1, p.ks2) == (sk1, sk2)  # the launch splits as asked (bm = 16, m-tiles within the buffer)
+    assert not tail or p.n_tiles == (k if s % bm <= tail else 2 * k)
+    if stall >= p.n_tiles:
+        pytest.skip("no m-tile to stall")
+    for procs in (1, 3, 300):
+        r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs, stall_tile=stall,
+                         timeout_steps=30, publish_all=publish_all)
+        if stall < 0:
+            assert r.error == 0, (procs, r.error, r.error_where)
+            assert len(r.executed) == len(set(r.executed)) == p.total and r.published == p.total
+        else:
+            want = (sch.ERR_INPUT_TIMEOUT,) if publish_all else (sch.ERR_SCHED_TIMEOUT, sch.ERR_PROC_TIMEOUT)
+            assert r.error in want and r.steps < 10_000, (procs, r.error)
+            assert not any(t.kind == sch.GEMM2 and t.tile == stall for t in r.executed)
+
+
+def test_kernel_source_mirrors_scheduler_rules():
+    """The rules `simulate` runs are the kernel's, line for line: no CPU test compiles scheduler() or wait_slot (the
+    host simulator in csrc/sim/ is the proxy engine's), so a kernel edit the model does not follow would leave every
+    simulation test passing on rules the GPU no longer runs. Pinned here: the task kinds and error codes, the release
+    thresholds (v == N1 outside the stalled tile; a combine tile at ntok x K x N2), the progress rule of the
+    scheduler's timeout (any released entry or any change of the unreleased counters' sum), the processors' exit
+    (TOTAL = total + 1, slot >= total) and their timeout from the claim, publish_all's mma-only queue."""
+    from moetune.runtime.megakernel import _lib
+
+    hdr = _header()
+    for name, value in (("MK_TASK_GEMM1", sch.GEMM1), ("MK_TASK_GEMM2", sch.GEMM2), ("MK_TASK_COMBINE", sch.COMBINE),
+                        ("MK_ERR_SCHED_TIMEOUT", sch.ERR_SCHED_TIMEOUT), ("MK_ERR_PROC_TIMEOUT", sch.ERR_PROC_TIMEOUT),
+                        ("MK_ERR_INPUT_TIMEOUT", sch.ERR_INPUT_TIMEOUT)):
+        assert re.search(rf"\b{name} = (\d+)", hdr).group(1) == str(value), name
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    sched = src[src.index("__device__ void scheduler("):src.index("// ---- the persistent kernel")]
+    for line in ("st_release(&p.ctl[MK_CTL_TOTAL], (int)total + 1);",
+                 "const bool all_now = p.publish_all && !T::WG;",
+                 "rd[u] = un[u] && v[u] == N1 && tile != (int)p.stall_tile;",
+                 "const int ntok = min((int)p.S, (ct + 1) * CT) - ct * CT;",
+                 "rd[u] = un[u] && v[u] == ntok * K * N2;",
+                 "if (got || sum != seen) {",
+                 "report(p, MK_ERR_SCHED_TIMEOUT, released, need, (int64_t)waited);"):
+        assert line in sched, line
+    # the sum of a sweep is the unreleased entries' counters only (released ones load as 0)
+    lb = src[src.index("void load_batch("):]
+    lb = lb[:lb.index("\n}\n")]
+    assert "un[u] = i < n && rel[i] != epoch;" in lb and "v[u] = un[u] ? ld_relaxed(" in lb
+    ws = src[src.index("uint64_t wait_slot("):]
+    ws = ws[:ws.index("\n}\n")]
+    # the timer starts at the claim (not at the last progress), the published word is taken before the total is read
+    assert ws.index("const uint64_t since = gtime();") < ws.index("for (unsigned n = 0;; ++n)")
+    assert ws.index("ld_acquire(&p.q_flag[i]) == epoch") < ws.index("if (tot > 0 && i >= tot - 1) break;")
+    assert "report(p, MK_ERR_PROC_TIMEOUT, i, tot - 1, (int64_t)waited);" in ws
+
+
 def test_simulation_checks_dependencies():
     """The model's own assertion fires if a GEMM2 were released early (so the order test can fail)."""
     idx = _routing(20, 16, 4, mode="uniform", seed=1)
