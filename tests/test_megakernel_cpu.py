@@ -877,6 +877,52 @@ def test_simulation_wide_tile(s, mode, procs):
         assert len(g1) == 2 and len(g2) == 2 and max(g1) < min(g2)
 
 
+@pytest.mark.parametrize("ring_fits", [False, True])
+@pytest.mark.parametrize("procs", [1, 2, 5, 40])
+@pytest.mark.parametrize(("s", "bm", "bn", "tail", "mode"), [(200, 128, 256, 0, "uniform"), (300, 128, 256, 16, "one"),
+                                                              (90, 64, 128, 0, "zipf"), (1, 64, 128, 0, "uniform")])
+def test_simulation_overlap_claims_ahead(s, bm, bn, tail, mode, procs, ring_fits):
+    """The overlap kernel's queue discipline (k_experts_ov, the wgmma tiles' default and the only one with tail rows):
+    a CTA's producer claims the next slot as soon as it has issued the current GEMM's stages (at once after a COMBINE
+    word, whose slot its consumers free when they read it), while the consumers still run the task, so a CTA holds up
+    to three slots (a COMBINE running, the next word ready, one more claimed). `ring_fits`: the GEMMs' k-stages fit
+    the stage ring, so the producer is done issuing before the consumers start. No deadlock, every task once, each
+    after its inputs (asserted at each start); k_experts' discipline holds one slot at a time."""
+    e, k, ct = 16, 4, 8
+    hid, inter = (512, 256) if bn == 256 else (H, INTER)
+    idx = _routing(s, e, k, mode=mode, seed=17 * s + procs)
+    p = sch.plan(idx, experts=e, hidden=hid, intermediate=inter, bm=bm, combine_tokens=ct, bn=bn, tail=tail)
+    r = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs, overlap=True,
+                     ring_fits=ring_fits)
+    assert r.error == 0 and r.published == p.total
+    assert len(r.executed) == len(set(r.executed)) == p.total
+    assert r.held_max <= 3 and (r.held_max >= 2 or p.total <= procs)
+    plain = sch.simulate(p, processors=procs, bm=bm, topk=k, combine_tokens=ct, seed=procs)
+    assert plain.error == 0 and plain.held_max == 1
+
+
+def test_simulation_overlap_claims_ahead_reaches_three_slots_and_times_out():
+    """A CTA does hold three slots (a COMBINE running, the next word, one more claimed) in some launch; a stalled
+    m-tile ends the launch by the timeout (the producer's claim or the scheduler), never its GEMM2; publish_all is the
+    mma core's, which has no overlap kernel."""
+    e, k, ct = 16, 4, 8
+    held = 0
+    for seed in range(6):
+        idx = _routing(120, e, k, mode="uniform", seed=seed)
+        p = sch.plan(idx, experts=e, hidden=512, intermediate=256, bm=128, combine_tokens=ct, bn=256)
+        for procs in (1, 2, 3):
+            r = sch.simulate(p, processors=procs, bm=128, topk=k, combine_tokens=ct, seed=seed, overlap=True,
+                             ring_fits=True)
+            assert r.error == 0 and len(r.executed) == p.total
+            held = max(held, r.held_max)
+    assert held == 3
+    r = sch.simulate(p, processors=5, bm=128, topk=k, combine_tokens=ct, stall_tile=1, timeout_steps=20, overlap=True)
+    assert r.error in (sch.ERR_SCHED_TIMEOUT, sch.ERR_PROC_TIMEOUT) and r.steps < 10_000
+    assert not any(t.kind == sch.GEMM2 and t.tile == 1 for t in r.executed)
+    with pytest.raises(ValueError, match="publish_all"):
+        sch.simulate(p, processors=5, bm=128, topk=k, combine_tokens=ct, overlap=True, publish_all=True)
+
+
 def test_tail_rows_rule():
     """An expert's last r = count % 128 rows (1 <= r <= tail) ride in its last full m-tile: 129 and 144 rows are one
     m-tile, 145 two; one m-tile's worth or less never changes; the m-tiles cover the rows once, in order."""

@@ -20,6 +20,11 @@ in its last full m-tile (`expert_tiles`, `tile_end`: mk_index.h's functions of t
 order of `all_tasks` (GEMM1s, then GEMM2s tile-major, then COMBINEs) and a processor that claims a GEMM2 or a
 COMBINE waits for its inputs itself (the kernel streams the GEMM2's first weight stages meanwhile). No
 deadlock: a task waits only for tasks in earlier slots, which resident CTAs claimed before it.
+
+`overlap` (MkParams.overlap, the wgmma tiles' default and the only kernel with tail rows): k_experts_ov's producer
+warpgroup claims a CTA's next slot while its consumers still run the current task, so a CTA holds up to three slots
+(a COMBINE running, the next word ready, one more claimed); `simulate(overlap=True)` runs that discipline across the
+grid (the one-CTA barrier protocol is tests/test_megakernel_cpu.py's `_overlap_pipeline`).
 """
 
 from __future__ import annotations
@@ -205,11 +210,30 @@ class SimResult:
     error_where: int = -1
     published: int = 0
     steps: int = 0
+    held_max: int = 0  # most queue slots one processor held at once (claimed, not yet finished)
+
+
+@dataclass
+class _OvCta:
+    """One CTA of the overlap kernel (k_experts_ov) in `simulate`: its producer's claims in claim order that the
+    consumers have not taken yet ([slot, claim step, task or None until published, end]), the producer's state
+    ("free": may claim once the slot of claim j - 2 is free; "wait": in wait_slot for its last claim; "issue": issuing a
+    GEMM's stages, which ends once the consumers took that GEMM, or at once where the stages fit the ring; "done"),
+    the consumers' running task (task, finish step, claim index) and the claim indices whose task slot is free again
+    (tempty: a COMBINE's when its word is read, a GEMM's after its signal)."""
+    claims: list[list] = field(default_factory=list)
+    prod: str = "free"
+    issuing: int = -1
+    n_claims: int = 0
+    taken: int = 0
+    run: tuple | None = None
+    freed: set[int] = field(default_factory=set)
+    ended: bool = False
 
 
 def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: int, stall_tile: int = -1,
              timeout_steps: int = 50, seed: int = 0, max_steps: int = 1_000_000,
-             publish_all: bool = False) -> SimResult:
+             publish_all: bool = False, overlap: bool = False, ring_fits: bool = False) -> SimResult:
     """Run the scheduler and `processors` processor CTAs in lock-step rounds; tasks take 1..3 rounds.
 
     Each round: the subscriber sweeps the counters once and publishes what is ready; each idle processor
@@ -217,7 +241,14 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     times (seeded) and bump their counters. Asserts the dependency rules on every task start.
     `publish_all`: every task is in the queue from the start; a processor holding a GEMM2 / COMBINE whose
     inputs are not done waits (counted against `timeout_steps`: ERR_INPUT_TIMEOUT), then runs it.
+    `overlap`: the overlap kernel's discipline (k_experts_ov, wgmma tiles: not with publish_all), see `_OvCta`: a CTA's
+    producer claims the next slot once it has issued the current GEMM's stages (`ring_fits`: they fit the stage ring,
+    so at once; else once its consumers took the GEMM) or at once after a COMBINE word, and never while its consumers
+    have not freed the task slot of claim j - 2; the consumers run the claimed tasks in claim order. Otherwise a
+    processor holds one slot at a time (k_experts).
     """
+    if overlap and publish_all:
+        raise ValueError("overlap: the overlap kernel runs the wgmma tiles, which ignore publish_all (the mma core's)")
     rng = random.Random(seed)
     res = SimResult()
     queue: list[Task] = p.all_tasks() if publish_all else p.gemm1_tasks()
@@ -236,6 +267,66 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
     need = p.n_tiles + p.n_ctiles
     sched_done = need == 0 or publish_all
     step = 0
+
+    def finish(t: Task) -> None:
+        """Task t is done: its signal (split-K: only the part that finishes last, after the fixed-order sum)."""
+        res.executed.append(t)
+        if t.parts > 1:
+            key = (t.kind, t.tile, t.nblock)
+            parts_done[key] = parts_done.get(key, 0) + 1
+            assert parts_done[key] <= t.parts, f"slot {key} finished {parts_done[key]} parts"
+            if parts_done[key] < t.parts:
+                return
+        if t.kind == GEMM1:  # a wide task (nblk = 2) finishes n-blocks nblock and nblock + 1
+            g1done[t.tile] += p.nblk
+        elif t.kind == GEMM2:
+            for q in range(p.nblk):
+                done_g2.add((t.tile, t.nblock + q))
+            for r in _tile_rows(p, t, bm):
+                comb[(r // topk) // combine_tokens] += p.nblk
+
+    ctas = [_OvCta() for _ in range(processors if overlap else 0)]
+
+    def _overlap_round(c: _OvCta) -> bool:
+        """One round of an overlap CTA: its consumers finish / take a task, its producer claims / waits / issues.
+        Returns whether the CTA still has work (busy)."""
+        nonlocal head
+        if c.run is not None and step >= c.run[1]:  # the consumers' task ends: its signal, a GEMM's slot freed
+            finish(c.run[0])
+            if c.run[0].kind != COMBINE:
+                c.freed.add(c.run[2])
+            c.run = None
+        if c.run is None and not c.ended and c.claims and (c.claims[0][2] is not None or c.claims[0][3]):
+            _, _, t, end = c.claims.pop(0)  # tfull: the word the producer wrote (0: end of work)
+            j = c.taken
+            c.taken += 1
+            if end:
+                c.ended = True
+            else:
+                _check_ready(p, t, g1done, done_g2, topk, bm, combine_tokens)
+                c.run = (t, step + rng.randint(1, 3), j)
+                if t.kind == COMBINE:  # the word is all a COMBINE needs from its slot
+                    c.freed.add(j)
+        if c.prod == "issue" and (ring_fits or c.taken > c.issuing):
+            c.prod = "free"
+        if c.prod == "free" and (c.n_claims < 2 or c.n_claims - 2 in c.freed):
+            c.claims.append([head, step, None, False])
+            head += 1
+            c.n_claims += 1
+            c.prod = "wait"
+        elif c.prod == "wait":
+            cl = c.claims[-1]  # unresolved, so not taken by the consumers
+            if cl[0] < len(queue):
+                cl[2] = queue[cl[0]]
+                c.prod = "free" if cl[2].kind == COMBINE else "issue"
+                c.issuing = c.n_claims - 1
+            elif cl[0] >= p.total or res.error:
+                cl[3], c.prod = True, "done"
+            elif step - cl[1] > timeout_steps:
+                res.error, res.error_where = res.error or ERR_PROC_TIMEOUT, cl[0]
+                cl[3], c.prod = True, "done"
+        return not (c.ended and c.prod == "done")
+
     while step < max_steps:
         step += 1
         # subscriber sweep
@@ -262,11 +353,19 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
             sched_done = released == need
         # processors
         busy = False
+        if overlap:
+            for cta in ctas:
+                busy |= _overlap_round(cta)
+            res.held_max = max([res.held_max] + [len(c.claims) + (c.run is not None) for c in ctas])
+            if not busy and (sched_done or res.error):
+                break
+            continue
         for i in range(processors):
             st = state[i]
             if st is None:
                 st = state[i] = ("wait", head, step)
                 head += 1
+                res.held_max = 1
             if st[0] == "wait":
                 slot = st[1]
                 if slot < len(queue) and publish_all:
@@ -301,22 +400,7 @@ def simulate(p: Plan, *, processors: int, bm: int, topk: int, combine_tokens: in
             elif st[0] == "run":
                 busy = True
                 if step >= st[2]:
-                    t = st[1]
-                    res.executed.append(t)
-                    state[i] = None
-                    if t.parts > 1:  # only the part that finishes last signals (after the fixed-order sum)
-                        key = (t.kind, t.tile, t.nblock)
-                        parts_done[key] = parts_done.get(key, 0) + 1
-                        assert parts_done[key] <= t.parts, f"slot {key} finished {parts_done[key]} parts"
-                        if parts_done[key] < t.parts:
-                            continue
-                    if t.kind == GEMM1:  # a wide task (nblk = 2) finishes n-blocks nblock and nblock + 1
-                        g1done[t.tile] += p.nblk
-                    elif t.kind == GEMM2:
-                        for q in range(p.nblk):
-                            done_g2.add((t.tile, t.nblock + q))
-                        for r in _tile_rows(p, t, bm):
-                            comb[(r // topk) // combine_tokens] += p.nblk
+                    finish(st[1])
                     state[i] = None
         if not busy and (sched_done or res.error):
             break
