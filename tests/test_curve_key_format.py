@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
 from moetune.runtime.profiles.client import ProfileClient
-from moetune.runtime.profiles.curve_keys import read_curve_key_file
+from moetune.runtime.profiles.curve_keys import is_curve_key, read_curve_key_file
 from moetune.runtime.profiles.errors import DaemonUnavailable
 from moetune.runtime.testing.launch import free_port
 from moetune.tuner.cli.keys import allow_everywhere, generate_keys
@@ -38,10 +38,15 @@ def _setup(tmp: Path) -> tuple[Path, Path, Path]:
     return secret, keys, allowed[0]
 
 
-def _spoil(path: Path, field: str) -> None:
-    """Replace the `field` key ("public-key" or "secret-key") of a key file by a string that is no CURVE key."""
+def _spoil(path: Path, field: str, key: str = "not-a-curve-key") -> None:
+    """Replace the `field` key ("public-key" or "secret-key") of a key file by `key`, a string that is no CURVE key."""
     text = path.read_text()
-    path.write_text(re.sub(rf'{field} = "[^"]*"', f'{field} = "not-a-curve-key"', text))
+    path.write_text(re.sub(rf'{field} = "[^"]*"', f'{field} = "{key}"', text))
+
+
+# 40 characters of Z85's alphabet whose 5-character groups are each past 32 bits (85**5 > 2**32): zmq's z85.decode
+# raised struct.error on it, which no reader caught
+PAST_32_BITS = "#" * 40
 
 
 def test_client_names_a_server_key_file_whose_key_is_not_a_curve_key(tmp_path: Path) -> None:
@@ -104,3 +109,23 @@ def test_serve_names_a_broken_secret_key_file_without_a_traceback(tmp_path: Path
     assert r.returncode == 2, r.stderr
     assert str(secret) in r.stderr and "not a CURVE key" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_z85_characters_past_32_bits_are_no_curve_key(tmp_path: Path) -> None:
+    """Such a key is refused by name like any other that is no key: it raised struct.error out of the client's
+    constructor (the job, instead of its fallback chain) and out of the daemon's start (a traceback)."""
+    assert not is_curve_key(PAST_32_BITS.encode())
+    secret, keys, allowed = _setup(tmp_path)
+    public = keys / "moetune.key"
+    _spoil(public, "public-key", PAST_32_BITS)
+    with pytest.raises(ValueError, match="not a CURVE key"):
+        read_curve_key_file(public)
+    c = ProfileClient(f"tcp://127.0.0.1:{free_port()}", timeout_ms=50,
+                      env={"MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE": str(public), "HOME": str(tmp_path)})
+    with pytest.raises(DaemonUnavailable, match=rf"{re.escape(str(public))}.*not a CURVE key"):
+        c.hello()
+    c.close()
+    _spoil(allowed, "public-key", PAST_32_BITS)
+    d = _daemon(tmp_path, secret)
+    with pytest.raises(DaemonConfigError, match=rf"{re.escape(str(allowed))}.*not a CURVE key"):
+        d.start()

@@ -17,11 +17,14 @@ log = logging.getLogger("moetune.client")  # the client's logger: the CLI filter
 def is_curve_key(key: bytes | None) -> bool:
     """Whether `key` is a CURVE key as zmq writes it in a key file: 40 Z85 characters (32 bytes). zmq checks a key only
     when it is set on a socket, and then says a bare "Invalid argument" that names no file."""
+    import struct
+
     from zmq.utils import z85
 
     try:
         return key is not None and len(key) == 40 and len(z85.decode(key)) == 32
-    except (ValueError, KeyError, TypeError):  # z85 raises KeyError for a character outside its alphabet
+    # z85 raises KeyError for a character outside its alphabet, struct.error for a 5-character group past 32 bits
+    except (ValueError, KeyError, TypeError, struct.error):
         return False
 
 
