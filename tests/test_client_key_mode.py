@@ -120,3 +120,30 @@ def test_the_client_warns_exactly_where_the_daemon_refuses(tmp_path: Path, mode:
     assert bool(said) == refused == (owner == "other" or bool(mode & 0o066) or bool(folder & 0o022)), said
     if said and not (owner == "other" or mode & 0o066):
         assert f"the folder {keys} (mode {folder:o}" in said[0] and "replace the key" in said[0]
+
+
+@pytest.mark.parametrize(("mode", "folder", "warned"), [
+    (0o644, 0o755, False), (0o600, 0o700, False), (0o664, 0o755, True), (0o646, 0o755, True),
+    (0o644, 0o775, True), (0o644, 0o757, True), (0o644, 0o1777, False)])
+def test_a_server_key_others_can_change_is_warned_once(tmp_path: Path, mode: int, folder: int, warned: bool,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon's public key file is what the client takes the daemon's key from: whoever may change it, or replace
+    it in its folder (writable by group or others, not sticky), can pose as the daemon over TCP. Said once per file,
+    like a loose secret key of the client's own; readable by all is fine (a public key), and so is its owner (the
+    file is often the daemon operator's, shared with the clients)."""
+    keys = tmp_path / "server-keys"
+    keys.mkdir()
+    server_pub, _ = zmq.auth.create_certificates(str(keys), "server")
+    os.chmod(server_pub, mode)
+    keys.chmod(folder)
+    env = {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+           "MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE": str(server_pub)}
+    _once.reset()
+    with caplog.at_level(logging.WARNING, logger="moetune"):
+        for _ in range(2):  # the same file again: said once per process
+            ProfileClient("tcp://127.0.0.1:9", timeout_ms=100, env=env).close()
+    said = [r.getMessage() for r in caplog.records if "pose as the daemon" in r.getMessage()]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        where = str(server_pub) if mode & 0o022 else f"the folder {keys}"
+        assert where in said[0] and f"mode {(mode if mode & 0o022 else folder) & 0o7777:o}" in said[0], said[0]

@@ -102,7 +102,7 @@ from moetune.runtime.profile_record import (
     is_preset_fingerprint,
 )
 from moetune.runtime.profiles import node_identity
-from moetune.runtime.profiles.curve_keys import read_curve_key_file, warn_loose_secret
+from moetune.runtime.profiles.curve_keys import read_curve_key_file, warn_loose_secret, warn_loose_server_key
 from moetune.runtime.profiles.daemon_info import daemon_info_down, read_daemon_info, stale_daemon_reason
 from moetune.runtime.profiles.db_lookup import (
     node_identity_from_db,
@@ -287,6 +287,7 @@ class ProfileClient:
             if curve_server_key is None and key_file:
                 try:
                     curve_server_key, _ = read_curve_key_file(key_file)
+                    warn_loose_server_key(key_file)
                 except ValueError as e:
                     self._refusal = f"the daemon's CURVE public key file {key_file} {e}"
             if self._refusal is None and own_file and (curve_public_key is None or curve_secret_key is None):

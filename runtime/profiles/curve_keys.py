@@ -1,5 +1,6 @@
 """This client's CURVE key files: reading one (the daemon's public key, the client's own pair) and warning when
-the client's secret key is open to other users (the daemon's rule for its own key)."""
+the client's secret key is open to other users (the daemon's rule for its own key), or the daemon's public key file
+could be changed by them (whoever changes it can pose as the daemon)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from moetune.runtime import _once
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 
-__all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "warn_loose_secret"]
+__all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "warn_loose_secret", "warn_loose_server_key"]
 
 log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
 
@@ -85,4 +86,30 @@ def warn_loose_secret(path: str) -> None:
                     f"key file {path} lets other users replace the key with their own (make it writable by this user "
                     "only)")
         _once.say_once("client.secret_key_mode", path, f"moetune: {said}", logger=log)
+        return
+
+
+def warn_loose_server_key(path: str) -> None:
+    """Warn (once per file) when the daemon's CURVE public key file this client trusts could be changed by other users:
+    writable by group or others, or in a folder (the one a link points into included) they may write without the
+    sticky bit. Whoever changes it chooses the key this client takes for the daemon's, and can pose as the daemon over
+    TCP (its replies are then applied as the daemon's). Readable by all is fine (a public key), and so is another
+    owner (the daemon operator's file, shared with the clients). A warning, as for the client's own secret key."""
+    p = Path(path)
+    for where in (p, *dict.fromkeys((p.parent, p.resolve().parent))):
+        try:
+            loose = loose_key_path(where, forbid=0o022, sticky_ok=where != p)
+        except OSError:  # gone or unreadable meanwhile: a warning only, the key was read
+            continue
+        if loose is None or not loose.loose_bits:  # its owner alone is not judged here (see above)
+            continue
+        if where == p:
+            said = (f"the daemon's CURVE public key file {path} (mode {loose.mode:o}, owner uid {loose.uid}) can be "
+                    "changed by other users: whoever changes it can pose as the daemon (make it writable by its "
+                    "owner only)")
+        else:
+            said = (f"the folder {where} (mode {loose.mode:o}, owner uid {loose.uid}) of the daemon's CURVE public key "
+                    f"file {path} lets other users replace the key with their own: whoever does can pose as the daemon "
+                    "(make the folder writable by its owner only)")
+        _once.say_once("client.server_key_mode", path, f"moetune: {said}", logger=log)
         return
