@@ -90,6 +90,29 @@ def test_an_allow_list_linked_into_a_folder_others_may_write_is_refused(tmp_path
     assert _mode(shared) == 0o775
 
 
+@pytest.mark.parametrize("admin", [False, True], ids=["allow-list", "admin-list"])
+def test_a_listed_key_linked_into_a_folder_others_may_write_is_refused(tmp_path: Path, admin: bool) -> None:
+    """clients/NAME.key (or admins/NAME.key) as a link into a folder others may write without the sticky bit: they
+    could replace the key file there with one holding their own key; the folder the link points into is checked as
+    for the list's own folder (a link into a folder of this user's only is fine)."""
+    secret, keys = _setup(tmp_path)
+    listed = keys / ("admins" if admin else "clients") / "alice.key"
+    safe, shared = tmp_path / "safe", tmp_path / "shared"
+    for folder in (safe, shared):
+        folder.mkdir()
+    listed.rename(safe / "alice.key")
+    listed.symlink_to(safe / "alice.key")
+    _daemon(tmp_path, secret).start(background=True).stop()  # a folder of this user's only: served
+    (safe / "alice.key").rename(shared / "alice.key")
+    listed.unlink()
+    listed.symlink_to(shared / "alice.key")
+    os.chmod(shared, 0o777)
+    d = _daemon(tmp_path, secret)
+    with pytest.raises(DaemonConfigError, match=rf"{shared} .*mode 777.* writable"):
+        d.start()
+    assert _mode(shared) == 0o777
+
+
 def test_group_readable_public_keys_and_lists_are_fine(tmp_path: Path) -> None:
     """Public keys are public: only writing them matters. A fresh `keys generate` setup serves as it is."""
     secret, keys = _setup(tmp_path)

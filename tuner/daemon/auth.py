@@ -186,6 +186,10 @@ def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     keys = []
     for f in sorted(directory.glob("*.key")):
         check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
+        # a key file linked into another folder: whoever may write there could replace the file the link names
+        if (target := f.resolve().parent) != directory.resolve():
+            check_key_path(target, f"directory a key file of the CURVE client {role} ({f.name}) links into",
+                           forbid=0o022, risk=risk, sticky_ok=True)
         public, _ = _certificate(f, f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
                                  "directory): remove it, or put a client's public key file there", f"the client key {f}",
                                  missing_ok=False)
