@@ -129,8 +129,9 @@ def tcp_host(endpoint: str) -> str:
 def tcp_port(endpoint: str) -> int | None:
     """The port of a `tcp://HOST:PORT` endpoint, or None where there is no host or no port in 1..65535."""
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    # ASCII digits only: isdigit alone takes "²", which int() refuses
-    value = int(port) if port.isascii() and port.isdigit() else None
+    # ASCII digits only: isdigit alone takes "²", which int() refuses; at most 5 past leading zeros: int() raises
+    # ValueError past 4300 digits (a hello reply's PUB port, a configured socket), and no port has more than 5
+    value = int(port) if port.isascii() and port.isdigit() and len(port.lstrip("0")) <= 5 else None
     return value if host and value is not None and 1 <= value <= 65535 else None
 
 

@@ -342,7 +342,8 @@ def test_query_reads_the_database_the_runtime_reads(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize(("endpoint", "said"), [
     ("tcp://node1", "no ':PORT'"), ("tcp://node1:notaport", "port in 1..65535"), ("tcp://node1:99999", "1..65535"),
     ("tcp://:5555", "no host"), ("tcp://*:5555", "where a daemon binds"), ("ipc://relative/daemon.sock", "absolute"),
-])
+    ("tcp://node1:" + "9" * 5000, "1..65535"),  # past int()'s 4300 digits: its ValueError escaped the constructor
+], ids=lambda v: v[:40] if isinstance(v, str) else v)
 def test_a_tcp_endpoint_without_a_host_and_port_is_refused_at_construction(tmp_path: Path, endpoint: str,
                                                                            said: str) -> None:
     """tcp://node1 and tcp://node1:notaport made resolve() raise zmq's bare ZMQError("Invalid argument") from connect
@@ -360,6 +361,21 @@ def test_a_tcp_endpoint_without_a_host_and_port_is_refused_at_construction(tmp_p
         warnings.simplefilter("always")
         res = c.resolve(model=MODELS["qwen3-30b"], ep_size=2, tokens=16)
     assert res.source == "policy" and said in str(caught[0].message)
+    c.close()
+
+
+def test_a_hello_naming_a_pub_port_of_thousands_of_digits_is_refused(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hello reply whose PUB endpoint has a port past int()'s 4300 digits: subscribe() (and so TrackedProfile)
+    raised int()'s ValueError; such a port is no port, DaemonUnavailable as any other reply naming none."""
+    import types
+
+    from moetune.runtime.profiles.errors import DaemonUnavailable
+
+    c = ProfileClient("tcp://127.0.0.1:9", allow_insecure_tcp=True, env={"HOME": str(tmp_path)})
+    monkeypatch.setattr(c, "hello", lambda **kw: types.SimpleNamespace(pub_endpoint="tcp://127.0.0.1:" + "9" * 5000))
+    with pytest.raises(DaemonUnavailable, match=r"no port in 1\.\.65535"):
+        c.subscribe()
     c.close()
 
 
