@@ -109,6 +109,32 @@ def test_a_group_writable_parent_of_another_user_is_refused(tmp_path: Path) -> N
         _daemon(tmp_path, endpoint=f"ipc://{other}/run/daemon.sock").start(background=True)
 
 
+@pytest.mark.parametrize("mode", [0o755, 0o700, 0o1777])
+def test_a_parent_of_another_user_is_refused_whatever_its_mode(tmp_path: Path, mode: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder's owner may rename what is in it whatever its mode says (they may chmod it; a sticky folder's owner
+    may rename any entry): run/ renamed away and a link put in its place after the check, and the daemon wrote its
+    records and daemon.json where the link points (as root: anywhere). Its mode was all that was looked at."""
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chmod(other, mode)
+    if os.getuid() == 0:
+        os.chown(other, 65534, -1)
+        owner = 65534
+    else:  # this user's folder, checked by a process of another uid
+        owner = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    with pytest.raises(DaemonConfigError, match=rf"{other}, a parent of the socket directory .*owner uid {owner}\) is "
+                                                "owned by another user"):
+        from moetune.tuner.daemon.runtime_dir import check_socket_ancestors
+
+        check_socket_ancestors(other / "run")
+    if os.getuid() == 0:
+        with pytest.raises(DaemonConfigError, match=f"{other}, a parent .*owned by another user"):
+            _daemon(tmp_path, endpoint=f"ipc://{other}/run/daemon.sock").start(background=True)
+        assert not (other / "run").exists()  # refused before anything was made there
+
+
 def test_a_group_writable_parent_of_a_group_this_user_is_not_in_is_refused(tmp_path: Path) -> None:
     """Owned by this user, but writable by a group it is not in: that group's members are strangers to it."""
     mine = {os.getgid(), os.getegid(), *os.getgroups()}

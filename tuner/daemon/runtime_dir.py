@@ -111,9 +111,10 @@ def check_socket_ancestors(d: Path) -> None:
     the daemon would bind, write its records and remove files there. Both the path as given and the one its links
     lead to are checked; ancestors that do not exist yet are left to `prepare_runtime_dir`, which creates them.
 
-    Refused: writable by others (world) without the sticky bit, or writable by a group while owned by some user
-    other than this one or root, or by a group this user is not in. Allowed: a group-writable ancestor of this
-    user's or root's whose group this user belongs to. The trade-off: its group's members could replace `d`, but
+    Refused: owned by another user than this one or root, whatever its mode (its owner may chmod it, and may rename
+    any entry of a sticky folder of theirs), writable by others (world) without the sticky bit, or writable by a
+    group while owned by some user other than this one or root, or by a group this user is not in. Allowed: a
+    group-writable ancestor of this user's or root's whose group this user belongs to. The trade-off: its group's members could replace `d`, but
     they are people this user shares the group with, by the choice of the directory's owner (us, or the admin);
     with Debian/Ubuntu user-private groups (umask 002: `mkdir ~/moetune` is 0775) the group is this user alone,
     and shared setgid project directories (2775) are the usual way a team shares a node. Refusing them refused
@@ -130,14 +131,24 @@ def check_socket_ancestors(d: Path) -> None:
             continue  # created by prepare_runtime_dir, as ours
         except OSError as e:
             raise DaemonConfigError(f"cannot check {a}, a parent of the socket directory {d}: {e.strerror or e}") from None
-        if st.st_mode & stat.S_ISVTX:
-            continue  # as /tmp: only the owner of `d` may rename it
-        if st.st_mode & stat.S_IWOTH:
+        # its owner may rename what is in it whatever its mode says (they may chmod it, and a sticky folder's owner
+        # may rename any entry of it)
+        foreign = st.st_uid not in (me, 0)
+        sticky = st.st_mode & stat.S_ISVTX
+        if sticky and not foreign:
+            continue  # as /tmp: only the owner of `d` (and this folder's: this user or root) may rename it
+        if st.st_mode & stat.S_IWOTH and not sticky:
             who = "every user"
-        elif st.st_mode & stat.S_IWGRP and st.st_uid not in (me, 0):
+        elif st.st_mode & stat.S_IWGRP and not sticky and foreign:
             who = f"its group, and it is owned by uid {st.st_uid} (not this user, uid {me}, nor root)"
-        elif st.st_mode & stat.S_IWGRP and st.st_gid not in my_groups:
+        elif st.st_mode & stat.S_IWGRP and not sticky and st.st_gid not in my_groups:
             who = f"its group (gid {st.st_gid}), which this user (uid {me}) is not in"
+        elif foreign:
+            raise DaemonConfigError(
+                f"{a}, a parent of the socket directory {d}, (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
+                f"{st.st_uid}) is owned by another user than this one (uid {me}) or root: its owner may rename what is "
+                f"in it whatever its mode says, and could replace {d} and the socket in it; put daemon.socket under "
+                "a directory of this user's or root's")
         else:
             continue
         raise DaemonConfigError(
