@@ -57,6 +57,19 @@ def test_a_users_daemon_json_is_left_alone(tmp_path: Path, caplog: pytest.LogCap
     assert any(f"not writing {mine}: moetune did not write it" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("name", ["daemon.json", ".daemon.sock.moetune-owner", ".daemon.json.moetune-owner"])
+def test_a_deeply_nested_json_file_in_the_runtime_dir_is_not_ours(tmp_path: Path, name: str) -> None:
+    """A daemon.json (or an owner record) of this user's nested too deeply for json.loads: its RecursionError, caught
+    nowhere, ended the daemon's start; such a file is one moetune did not write (left alone, served without)."""
+    run = _run(tmp_path)
+    nested = "[" * 200_000 + "]" * 200_000
+    (run / name).write_text(nested)
+    d = _daemon(tmp_path).start(background=True)
+    d.stop()
+    if name == "daemon.json":
+        assert (run / name).read_text() == nested
+
+
 def test_our_daemon_json_is_replaced_and_kept_at_a_clean_exit(tmp_path: Path) -> None:
     run = _run(tmp_path)
     for _ in range(2):  # the second daemon replaces the first one's file

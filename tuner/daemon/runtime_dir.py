@@ -189,7 +189,7 @@ def _read_owner_record(p: Path) -> tuple[int, int] | None:
     try:
         d = json.loads(rec.read_text())
         return int(d["dev"]), int(d["ino"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
         return None
 
 
@@ -271,7 +271,7 @@ def remove_dead_binding(p: Path) -> None:
         d = json.loads(rec.read_text())
         name = str(d["binding"])
         ident = (int(d["dev"]), int(d["ino"])) if "ino" in d else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return
     if not re.fullmatch(rf"\.{re.escape(p.name)}\.[0-9a-f]{{8}}", name):  # a name binding_name gives, nothing else
         return
@@ -327,7 +327,7 @@ def _info_record_ids(path: Path) -> set[tuple[int, int]]:
         if d.get("prev"):
             ids.add((int(d["prev"][0]), int(d["prev"][1])))
         return ids
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
         return set()
 
 
@@ -351,7 +351,7 @@ def foreign_info_reason(path: Path, endpoint: str) -> str | None:
             return None  # the very file a daemon of ours wrote, its bytes lost in a crash (written before they synced)
         try:
             data = json.loads(os.read(fd, 1 << 20))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply, not a file we wrote
             data = None
     finally:
         os.close(fd)
@@ -377,7 +377,7 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
         return None
     try:
         data = json.loads(os.read(fd, 1 << 20)) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         data = None
     finally:
         os.close(fd)
