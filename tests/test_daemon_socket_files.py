@@ -135,6 +135,30 @@ def test_a_parent_of_another_user_is_refused_whatever_its_mode(tmp_path: Path, m
         assert not (other / "run").exists()  # refused before anything was made there
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+def test_a_missing_parent_made_by_another_user_meanwhile_is_refused(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parents checked before they exist: one another user makes between the check and the daemon's mkdir (which
+    takes an existing folder as it is) is theirs, and so is the socket folder made in it; checked again once made."""
+    from moetune.tuner.daemon import runtime_dir
+
+    real = runtime_dir.prepare_runtime_dir
+    theirs = tmp_path / "theirs"
+
+    def raced(d: Path, group: str = "") -> bool:
+        if d.parent == theirs and not theirs.exists():  # another user is quicker than the daemon's mkdir
+            theirs.mkdir()
+            os.chown(theirs, 65534, -1)
+        return real(d, group)
+
+    monkeypatch.setattr(server, "prepare_runtime_dir", raced)
+    with pytest.raises(DaemonConfigError, match=f"{theirs}, a parent .*owned by another user"):
+        # its PUB elsewhere (the one beside it would be refused by its own check, after the socket was bound there)
+        _daemon(tmp_path, endpoint=f"ipc://{theirs}/run/daemon.sock",
+                pub_endpoint=f"ipc://{tmp_path}/pub/events.sock").start(background=True)
+    assert not [f for f in os.listdir(theirs / "run") if f != ".moetune-runtime-dir"]  # nothing bound or written
+
+
 def test_a_group_writable_parent_of_a_group_this_user_is_not_in_is_refused(tmp_path: Path) -> None:
     """Owned by this user, but writable by a group it is not in: that group's members are strangers to it."""
     mine = {os.getgid(), os.getegid(), *os.getgroups()}

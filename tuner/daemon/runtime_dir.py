@@ -109,7 +109,8 @@ def check_socket_ancestors(d: Path) -> None:
     """Refuse a socket directory `d` with an ancestor that others could use to replace it: one they may write
     without the sticky bit could have `d` renamed away and a link (or a directory of theirs) put in its place, and
     the daemon would bind, write its records and remove files there. Both the path as given and the one its links
-    lead to are checked; ancestors that do not exist yet are left to `prepare_runtime_dir`, which creates them.
+    lead to are checked; ancestors that do not exist yet are left to `prepare_runtime_dir`, which creates them (the
+    daemon checks again once they exist: another user may make one first).
 
     Refused: owned by another user than this one or root, whatever its mode (its owner may chmod it, and may rename
     any entry of a sticky folder of theirs), writable by others (world) without the sticky bit, or writable by a

@@ -492,6 +492,9 @@ class Daemon(FabricWatch):
             return None
         check_socket_ancestors(p.parent)
         prepare_runtime_dir(p.parent, self.group)
+        # again, now that none is missing: one another user made between the check and prepare's mkdir (which takes an
+        # existing folder as it is) is theirs, and so is the socket folder made in it
+        check_socket_ancestors(p.parent)
         if p not in self._socket_locks:
             self._socket_locks[p] = lock_socket_path(p)  # before the check: nobody else binds p until we exit
         remove_dead_binding(p)  # a socket a daemon killed while binding left under its binding name
