@@ -7,14 +7,12 @@ from pathlib import Path
 
 import optuna
 import pytest
-import sqlalchemy
 
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.storage import NotAStudiesFile, open_readonly_storage
 from moetune.tuner.search.study import open_study, run_study
 from moetune.tuner.search.trials import finished_trials
 
@@ -96,19 +94,28 @@ def test_killed_process_trial_is_run_again_on_resume(tmp_path: Path) -> None:
     assert dead_knobs in seen  # after the warm-start points still waiting
 
 
-SLOW_WORKER = """
+HELD_WORKER = """
 import sys, time, optuna
+from pathlib import Path
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import load_policy
 from moetune.tuner.search.space import SearchSpace
-from moetune.tuner.search.storage import NotAStudiesFile, open_readonly_storage
 from moetune.tuner.search.study import open_study, run_study
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 wl = TuneWorkload(model=MODELS["qwen3-30b"], tokens=128, nodes=1, gpus_per_node=4)
 space = SearchSpace(load_policy("proxy:ibrc"), experts=wl.model.experts, ep_size=4)
-res = run_study(open_study("moetune/t", sys.argv[1], seed=0), space,
-                CallableBackend(lambda k, w: time.sleep(1.5) or 100.0), wl, trials=3)
+held, go = Path(sys.argv[2]), Path(sys.argv[3])
+
+def measure(k, w):
+    if not held.exists():  # the first trial, RUNNING with its worker attr: held until the test has opened the study
+        held.write_text("")
+        deadline = time.monotonic() + 60
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return 100.0
+
+res = run_study(open_study("moetune/t", sys.argv[1], seed=0), space, CallableBackend(measure), wl, trials=3)
 print("DONE", res.complete, res.failed)
 """
 
@@ -116,30 +123,32 @@ print("DONE", res.complete, res.failed)
 def test_opening_a_study_leaves_a_live_processes_trial_alone(tmp_path: Path) -> None:
     """A second process opening the same SQLite study (the daemon's re-tune and a `moetune tune`, both on the
     default studies file) failed the first one's running trial: the first then crashed on its result
-    ("Cannot tell a FAIL trial") and lost the measurement. Only a dead process's trial is failed."""
+    ("Cannot tell a FAIL trial") and lost the measurement. Only a dead process's trial is failed.
+
+    The worker holds its first trial until the test has opened the study (files `held`, then `go`): the open always
+    meets a live process's running trial. The test reads the studies file only then, when the worker has made it
+    (it polled it before: its own opening raced the worker's creation of the schema, and an open that came between
+    two trials passed whatever the product did)."""
     import subprocess
     import sys
     import time
 
     url = f"sqlite:///{tmp_path / 's.db'}"
-    script = tmp_path / "worker.py"
-    script.write_text(SLOW_WORKER)
-    proc = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    script, held, go = tmp_path / "worker.py", tmp_path / "held", tmp_path / "go"
+    script.write_text(HELD_WORKER)
+    proc = subprocess.Popen([sys.executable, str(script), url, str(held), str(go)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        running: list = []
-        while not running and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-            # read-only: Optuna's load_study would create the schema itself, racing the worker's creation of it
-            # ("UNIQUE constraint failed: alembic_version.version_num" in this process, not in the product)
-            try:
-                study = optuna.load_study(study_name="moetune/t", storage=open_readonly_storage(url))
-            except (KeyError, NotAStudiesFile, sqlalchemy.exc.OperationalError):
-                continue  # no file, no tables or no study yet
-            running = [t for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,)) if "worker" in t.user_attrs]
-        assert running, proc.communicate()[1][-2000:]
-        open_study("moetune/t", url, seed=0)  # another process opens the study meanwhile
+        while not held.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        if not held.exists():
+            proc.kill()
+            pytest.fail(f"the worker never started its first trial: {proc.communicate()[1][-2000:]}")
+        study = open_study("moetune/t", url, seed=0)  # another process opens the study meanwhile
+        running = [t for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,)) if "worker" in t.user_attrs]
+        assert len(running) == 1, study.get_trials()  # the worker's held trial, left running (was: failed)
+        go.touch()
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
