@@ -312,14 +312,18 @@ def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
     stop (5 s), then commits its profiles and returns: the job ends `done`. The stop's finish_run("failed") queues on
     the store's lock meanwhile; SQLite's busy handler polls, so the worker's own writes (its finish_run, job_finished)
     may come first. That order is made certain here: a finish_run from any other thread than the job worker's waits
-    (in the daemon's process only: the hook runs there) until the worker thread has ended."""
+    (in the daemon's process only: the hook runs there) until the worker thread has ended. The transaction is held
+    until that finish_run is called, which the stop does only once its wait has run out (a fixed sleep of 6 s against
+    the 5 s wait left a 1 s margin)."""
     store = ctx.store
     worker = threading.current_thread()
     real_finish = type(store).finish_run
+    stop_finishes = threading.Event()  # the stop's finish_run was called: its wait for the worker is over
 
     def finish_run(self: Any, run_id: int, **kw: Any) -> Any:
         if threading.current_thread() is not worker:
             print("moetune test: a finish_run of the stop waits for the job worker to end", flush=True)
+            stop_finishes.set()
             worker.join(20)
         return real_finish(self, run_id, **kw)
 
@@ -329,8 +333,8 @@ def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
         for k in ctx.keys:
             out.append(_put_nvlink_profile(ctx, k))
         print("moetune test: the re-tune job holds its transaction", flush=True)
-        ctx.cancel.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))  # the stop began
-        time.sleep(6.0)  # past its 5 s wait for this worker
+        # past the stop's wait for this worker: held until the stop, its wait over, calls finish_run
+        stop_finishes.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
     print("moetune test: the re-tune job committed its profiles", flush=True)
     return out
 
