@@ -182,11 +182,12 @@ def test_a_server_that_never_answers_fails_within_the_connect_timeout(monkeypatc
             t = took(open_, url)
             assert t is not None and t < 10, (open_.__name__, t)  # was: no answer, ever
         monkeypatch.setattr(storage_mod, "CONNECT_TIMEOUT_S", 60)
+        # libpq before 17 counts connect_timeout in whole seconds of time(): 2 may give up after anything over 1 s
         t = took(storage_mod.make_storage, url + "?connect_timeout=2")  # the URL's own
-        assert t is not None and 1.5 < t < 10, t
+        assert t is not None and 0.9 < t < 10, t
         monkeypatch.setenv("PGCONNECT_TIMEOUT", "2")  # libpq's variable, as the URL's
         t = took(storage_mod.make_storage, url)
-        assert t is not None and 1.5 < t < 10, t
+        assert t is not None and 0.9 < t < 10, t
 
 
 def test_only_a_server_that_did_not_answer_is_said_to_have_stopped() -> None:
