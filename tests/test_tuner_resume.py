@@ -125,10 +125,11 @@ def test_opening_a_study_leaves_a_live_processes_trial_alone(tmp_path: Path) -> 
     default studies file) failed the first one's running trial: the first then crashed on its result
     ("Cannot tell a FAIL trial") and lost the measurement. Only a dead process's trial is failed.
 
-    The worker holds its first trial until the test has opened the study (files `held`, then `go`): the open always
-    meets a live process's running trial. The test reads the studies file only then, when the worker has made it
-    (it polled it before: its own opening raced the worker's creation of the schema, and an open that came between
-    two trials passed whatever the product did)."""
+    The worker holds its first trial until the test has opened the study (files `held`, then `go`), so the open
+    always meets a live process's running trial, and the test asserts that trial is still RUNNING after it. The worker's
+    exit status and "DONE 3 0" alone prove nothing: a worker whose trial another process failed now drops that result
+    and goes on (study._taken_over), so both held with every running trial failed on open. The test reads the studies
+    file only once the worker has made it (a poll of it raced the worker's creation of the schema)."""
     import subprocess
     import sys
     import time
