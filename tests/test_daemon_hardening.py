@@ -691,6 +691,33 @@ def test_a_change_whose_fetch_failed_is_fetched_by_the_next_refresh() -> None:
     assert t.refresh() is False  # nothing pending any more: no fetch
 
 
+@pytest.mark.parametrize("notices", [
+    # the node's fabric changed (a NIC port down, a package upgraded): the profile's fingerprint is left
+    [{"kind": "fabric_changed", "fingerprint": "0" * 16, "old_fingerprint": FP}],
+    # the same fingerprint on other GPUs: the change names the profiles it made stale
+    [{"kind": "fabric_changed", "fingerprint": FP, "old_fingerprint": FP}, {"kind": "profile_stale", "profiles": ["H"]}],
+    [{"kind": "profile_stale", "profiles": ["H"]}],
+])
+def test_a_tracked_profile_announced_stale_is_dropped_even_when_its_fetch_fails(notices: list[dict]) -> None:
+    """A notice that the node's fabric changed, or that the held profile was made stale, says the profile no longer
+    holds here: when the daemon stops answering before the fetch, `current` must not stay the old fabric's profile
+    (served as tuned), as it may after a notice of a new profile (the one held still holds until the fetch)."""
+    good = msgspec.convert(result(), wire.ProfileResult)
+    c = _TrackClient(msgspec.structs.replace(good, version=1))
+    t = tracked_profile.TrackedProfile(c, QUERY)  # type: ignore[arg-type]
+    assert t.current is not None and t.tuned
+    c.changes = [wire.Change(version=2 + i, epoch="e1", ts=0.0, **{
+        k: ([good.profile_hash] if v == ["H"] else v) for k, v in n.items()}) for i, n in enumerate(notices)]
+    c.answer = DaemonUnavailable("no answer (test)")
+    with pytest.raises(DaemonUnavailable):
+        t.refresh()
+    assert t.current is None and not t.tuned, t.current
+    assert isinstance(t.error, ProfileRefused) and "no longer holds" in str(t.error), t.error
+    c.answer = msgspec.structs.replace(good, version=3)  # the daemon answers again: the pending change is fetched
+    t.refresh()
+    assert t.current is not None and t.tuned and t.error is None
+
+
 def test_tracking_without_a_daemon_raises_daemon_unavailable(tmp_path: Path) -> None:
     """As documented on ProfileClient.track: tracking needs the daemon's change notices (resolve falls back)."""
     from moetune.runtime.profiles.errors import DaemonUnavailable

@@ -83,16 +83,37 @@ class TrackedProfile:
         return {"model": model, "ep_size": q["ep_size"],
                 "tokens": q["tokens"], "nodes": q.get("nodes", 1), "transport_family": q.get("transport_family")}
 
+    def _drop_announced(self, changes: list[wire.Change]) -> None:
+        """Drop `current` where a notice says it no longer holds: the node's fabric changed, or the daemon made it
+        stale. Before the fetch, so that a fetch that raises (the daemon stopped answering) leaves no profile of a
+        fabric the daemon has left current and tuned; a notice of a new profile leaves it (it holds until then)."""
+        cur = self.current
+        if cur is None:
+            return
+        for ch in changes:
+            if ch.kind == "fabric_changed":
+                why = f"this node's fabric changed ({str(ch.old_fingerprint)[:64]} -> {str(ch.fingerprint)[:64]})"
+            elif ch.kind == "profile_stale" and cur.profile_hash in ch.profiles:
+                why = f"profile {cur.profile_hash} was made stale"
+            else:
+                continue
+            self.current, self.tuned = None, False
+            self.error = ProfileRefused(f"the daemon announced that {why}: the profile held no longer holds here "
+                                        "(not fetched again yet)")
+            return
+
     def refresh(self, timeout_ms: int = 0) -> bool:
         """Apply pending changes; True when the profile (hash or presence) changed. When the fetch raises
         (DaemonUnavailable: the daemon stopped answering after its notice) the change stays pending: the next
-        refresh fetches again even with no new notice."""
+        refresh fetches again even with no new notice; a profile a pending notice said no longer holds (a fabric change,
+        made stale) is dropped meanwhile (`_drop_announced`)."""
         with self._lock:
             changes = self.client.poll_changes(timeout_ms)
             if not changes and not self.client.restarted and not self._due:
                 return False
             before = self.current.profile_hash if self.current else None
             self._due = True
+            self._drop_announced(changes)
             self._fetch()
             self._due = False
             # only the fetched daemon's own changes count: a restarted daemon's versions start again (an old
