@@ -73,3 +73,35 @@ def test_a_fabric_change_whose_write_failed_is_retried_by_the_next_round(tmp_pat
         assert published.count("fabric_changed") == 1
     finally:
         d.stop()
+
+
+def test_the_left_fabrics_profiles_are_not_served_while_its_change_is_written(tmp_path: Path) -> None:
+    """From the moment the daemon takes the new facts (its `fabric` op reports them) until its index is rebuilt (the
+    change's writes, up to the store's busy timeout), get_profile answered from the index of the fabric it had left:
+    a client that had checked that fingerprint's facts before (its identity memo) applied the old fabric's profile
+    as tuned. Refused meanwhile, as a fabric not discovered yet is."""
+    from moetune.runtime import wire
+    from moetune.tuner.daemon import handlers
+
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store, _seeded, now, _ran, d = F.fabric_daemon(tmp_path, a)
+    try:
+        req = wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=2, tokens=64, model="qwen3-30b")
+        assert handlers.get_profile(d, req)[0]  # served (and its reply cached) before the change
+        seen: list[Any] = []
+        real = store.add_event
+
+        def while_written(**kw: Any) -> Any:
+            if kw.get("kind") == "fabric_changed":
+                seen.append((d.facts.fingerprint, handlers.get_profile(d, req)))  # the serving loop, meanwhile
+            return real(**kw)
+
+        store.add_event = while_written  # type: ignore[method-assign]
+        now[0] = b
+        d.rediscover()
+        assert seen and seen[0][0] == b.fingerprint
+        ok, err = seen[0][1]
+        assert not ok and err[0] == wire.E_NOT_FOUND, err
+        assert d.index.fingerprint == b.fingerprint  # rebuilt: the new fabric's index answers from here on
+    finally:
+        d.stop()

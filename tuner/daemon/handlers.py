@@ -37,6 +37,11 @@ _gp_key = attrgetter(*_GP_KEY_FIELDS)
 
 def get_profile(d: Daemon, req: wire.GetProfile) -> Result:
     idx = d.index
+    if not idx.built_for(d.facts):
+        # the fabric changed and the index is not rebuilt yet: its profiles (and cached replies) are the old fabric's,
+        # which `fabric` no longer reports; answered as before discovery, never served
+        return False, (wire.E_NOT_FOUND, "the fabric changed; the daemon is re-reading its profiles for the new one "
+                                         "(no profile is current until then)")
     key = _gp_key(req)  # every field but v/id
     hit = idx.cache.get(key)
     if hit is None:

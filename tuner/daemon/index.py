@@ -91,6 +91,7 @@ class ProfileIndex:
 
     def __init__(self, records: list[ProfileRecord], *, version: int, facts: Any, stale: list[ProfileRecord]):
         self.version = version
+        self.facts = facts  # the daemon's facts it was built for (`built_for`)
         self.fingerprint: str | None = facts.fingerprint if facts is not None else None
         self.software: str | None = facts.software_hash if facts is not None else None
         self.groups: dict[ShapeKey, list[ProfileRecord]] = {}
@@ -108,6 +109,12 @@ class ProfileIndex:
         for status, recs in (("current", self.records), ("stale", stale)):
             self._counts[(status, None)] = len(recs)
             self._counts.update((status, r.key.fingerprint) for r in recs)
+
+    def built_for(self, facts: Any) -> bool:
+        """Whether this index was built for the daemon's `facts`: a daemon that took new facts (a fabric change) holds
+        them before its index is rebuilt (the change's store writes come first, up to the busy timeout), and this
+        index's profiles are then the fabric's it has left."""
+        return facts is self.facts
 
     def list_key(self, status: str, fingerprint: str | None, limit: int) -> tuple[str, str | None, int]:
         """The list cache's key: the page a request gets, not its spelling. Every limit past LIST_PAGE_MAX gets the
