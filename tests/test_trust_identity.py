@@ -300,6 +300,34 @@ def test_a_node_without_gpus_checks_the_recorded_nics(tmp_path: Path, monkeypatc
     assert why is None and "NICs" in checked, why
 
 
+@pytest.mark.parametrize("gpus", [[], [{"uuid": "GPU-bbbb", "model": "H100"}]], ids=["no GPU", "GPUs"])
+def test_a_recorded_nic_of_another_card_or_firmware_here_is_not_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                          gpus: list) -> None:
+    """A NIC of the recorded name whose firmware, board or HCA type is not the recorded one is another fingerprint
+    (the fingerprint hashes them): a firmware upgrade, or another card in its place, while the daemon was down left
+    the database fallback applying the profiles measured with the old one as tuned (with GPUs, no NIC was looked at;
+    without, only its name). A recorded NIC absent here, or an attribute unread here, is not compared (a container
+    sees only the NICs given to it)."""
+    nic = {"name": "mlx5_0", "kind": "mlx5", "hca_type": "MT4129", "fw_ver": "28.39.1002", "board_id": "MT_0000000838"}
+    recorded = {"gpus": gpus, "nics": [nic], "software": {"driver": "none", "torch": "2.4.1"}}
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    sysfs = tmp_path / "proc-sys" / "class" / "infiniband" / "mlx5_0"
+    for attr in ("hca_type", "fw_ver", "board_id"):
+        (sysfs / attr).write_text(nic[attr] + "\n")
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "NIC firmware" in checked, why
+    (sysfs / "fw_ver").write_text("28.41.1000\n")  # upgraded since
+    why, _ = node_identity.mismatch(recorded)
+    assert why == "NIC mlx5_0: firmware 28.41.1000 here, 28.39.1002 recorded", why
+    (sysfs / "fw_ver").write_text(nic["fw_ver"] + "\n")
+    (sysfs / "board_id").write_text("MT_0000000970\n")  # another card under the same name
+    why, _ = node_identity.mismatch(recorded)
+    assert why == "NIC mlx5_0: board MT_0000000970 here, MT_0000000838 recorded", why
+    for attr in ("hca_type", "fw_ver", "board_id"):  # unread here: not compared
+        (sysfs / attr).unlink()
+    assert node_identity.mismatch(recorded)[0] is None
+
+
 # -- 2, with nothing faked: this node's own daemon over tcp:// ----------------------------------------------------
 def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tuned(tmp_path: Path) -> None:
     """The live node's discovery, a daemon on loopback tcp:// with CURVE and an allow-list, a client with no

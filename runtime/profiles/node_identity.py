@@ -22,7 +22,8 @@ unreadable: never this node, and never an exception out of the lookup.
 
 What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery did not read) and driver version in
 /proc/driver/nvidia, on a node without GPUs the
-recorded NICs in /sys/class (infiniband, cxi), and the versions of the Python
+recorded NICs in /sys/class (infiniband, cxi), on any node the HCA type, board and firmware of each recorded RDMA NIC
+that is here, and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
 change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
@@ -224,6 +225,34 @@ def _missing_nics(facts: dict[str, Any]) -> list[str]:
     return out
 
 
+# A recorded NIC's attributes the fingerprint hashes that /sys reads in a few microseconds: (fact, what to call it)
+_NIC_ATTRIBUTES = (("hca_type", "HCA type"), ("board_id", "board"), ("fw_ver", "firmware"))
+
+
+def _changed_nics(facts: dict[str, Any]) -> tuple[str | None, bool]:
+    """(why a recorded RDMA NIC that is on this node is another card or firmware, or None; whether any attribute was
+    compared). Only NICs and attributes read here: one absent (a container sees the NICs given to it) or unread says
+    nothing; one read and different is another fingerprint (a firmware upgrade, another card under its name)."""
+    compared = False
+    for entry in [*(facts.get("nics") or []), *(facts.get("excluded_nics") or [])]:
+        nic = entry.get("nic", entry) if isinstance(entry, dict) else None
+        name = nic.get("name") if isinstance(nic, dict) else None
+        if not isinstance(name, str) or not name or "/" in name or nic.get("kind") == "cxi":
+            continue
+        for attr, what in _NIC_ATTRIBUTES:
+            want = str(nic.get(attr) or "").strip()
+            if not want:  # discovery read none: nothing to compare
+                continue
+            try:
+                have = (SYS_ROOT / "class" / "infiniband" / name / attr).read_text(errors="replace").strip()
+            except OSError:
+                continue
+            compared = True
+            if have != want:
+                return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared
+    return None, compared
+
+
 def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | None, tuple[str, ...]]:
     """(why the recorded `facts` are not this node, or None; what was checked)."""
     checked: list[str] = []
@@ -254,6 +283,11 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
             return f"NIC(s) {', '.join(missing[:4])} recorded, not on this node", tuple(checked)
         if facts.get("nics") or facts.get("excluded_nics"):
             checked.append("NICs")
+    why_nic, compared = _changed_nics(facts)  # GPUs or not: a NIC present here is read whole
+    if why_nic is not None:
+        return why_nic, tuple(checked)
+    if compared:
+        checked.append("NIC firmware")
     sw = facts.get("software", {}) or {}
     if not isinstance(sw, dict):
         return "the recorded software facts are not a mapping", tuple(checked)
