@@ -257,6 +257,31 @@ def test_a_node_that_cannot_measure_the_megakernel_refuses_its_key(
     assert [r.status for _, r in store.list_profiles()] == ["stale"]
 
 
+@pytest.mark.parametrize("package", ["torch", "moetune"])
+def test_a_daemon_whose_imported_software_is_not_the_installed_one_does_not_measure_the_megakernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mk_lib: Path, package: str) -> None:
+    """The megakernel is timed in the daemon's own process, with the torch and moetune it imported when it started.
+    After an upgrade the node's facts name the installed versions (the watch rediscovers them, a fabric change), and
+    the re-tune stored numbers of the old software, measured, under the new software's key: served as tuned to jobs
+    running the new one. Refused instead (restart the daemon), the key left stale."""
+    pytest.importorskip("torch")  # imported by this process, as the daemon's first megakernel re-tune imports it
+    import moetune.tuner as tuner
+
+    assert tuner.__version__  # read, as the daemon reads it at start (handlers import it)
+    real = RT._installed_version
+    monkeypatch.setattr(RT, "_installed_version", lambda dist: "99.0.0" if dist == package else real(dist))
+    measure = Measure()
+    _inject(monkeypatch, measure)
+    facts = _facts("h200x1")
+    store = F.open_store(tmp_path / "m.db")
+    stale = _stale_mk(store, facts)
+    job, written = _run_job(store, facts, [stale])
+    assert written == [] and measure.workloads == []
+    assert job.state == "failed" and job.impossible, job.message
+    assert f"{package} 99.0.0 is installed now" in job.message and "restart the daemon" in job.message, job.message
+    assert [r.status for _, r in store.list_profiles()] == ["stale"]
+
+
 def test_a_megakernel_re_tune_waits_while_the_gpus_are_busy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             mk_lib: Path) -> None:
     measure = Measure()

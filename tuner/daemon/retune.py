@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -163,6 +164,37 @@ def local_refusal(ep_size: int, nodes: int, gpus: int) -> str:
     return ""
 
 
+def _installed_version(dist: str) -> str | None:
+    """The version of the Python distribution `dist` installed now (None: not installed), read afresh as discovery
+    reads it (the runtime's reading is once per process)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+    except Exception:  # a broken dist-info reads as not installed, as discovery reads it
+        return None
+
+
+def process_software_problem() -> str:
+    """Why this process runs other software than is installed now ('' when it does not): the torch it imported and
+    the moetune it started with (`moetune.tuner.__version__`, read at start by the daemon's handlers). The megakernel
+    is timed in this process; after an upgrade the node's facts, and so the key its profile is stored under, name
+    the installed versions, and a measurement here would be the old software's numbers stored as the new one's."""
+    torch = sys.modules.get("torch")
+    have = getattr(torch, "__version__", None) if torch is not None else None
+    if have is not None and str(have) != (now := _installed_version("torch") or "none"):
+        return (f"this daemon's process runs torch {have}, torch {now} is installed now (the megakernel is timed in "
+                "this process): restart the daemon to measure with the installed software")
+    tuner = sys.modules.get("moetune.tuner")
+    started = tuner.__dict__.get("__version__") if tuner is not None else None
+    if started is not None and started != (now := _installed_version("moetune") or "0+unknown"):
+        return (f"this daemon's process runs moetune {started}, moetune {now} is installed now (the megakernel is "
+                "timed in this process): restart the daemon to measure with the installed software")
+    return ""
+
+
 def megakernel_refusal(facts: Any, backend: str) -> str:
     """Why the re-tune cannot re-tune a `megakernel` key on this node ('' when it can).
 
@@ -170,7 +202,8 @@ def megakernel_refusal(facts: Any, backend: str) -> str:
     an EP exchange: only a measurement of it on this node makes its profile (the bring-up's megakernel backend,
     `megakernel_backend`). The fabric model predicts exchanges, so the model backend has nothing to say of it; a
     measurement needs an sm_90 (Hopper) GPU and the megakernel's library (a prebuilt one in MOETUNE_MK_LIB, or nvcc
-    to build it) and torch to time it. Checked before anything runs: a node without them refuses, it never tunes
+    to build it) and torch to time it, in a process that runs the installed software (`process_software_problem`).
+    Checked before anything runs: a node without them refuses, it never tunes
     another family in the megakernel's place."""
     if backend != "local":
         return ("the fabric model ([tune] backend = \"model\") predicts EP exchanges, not the MoE megakernel's "
@@ -195,7 +228,7 @@ def megakernel_refusal(facts: Any, backend: str) -> str:
 
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed (the megakernel is timed through torch on the GPU)"
-    return ""
+    return process_software_problem()
 
 
 def megakernel_backend(tune: TuneSettings) -> BenchmarkBackend:
