@@ -328,6 +328,39 @@ def test_a_recorded_nic_of_another_card_or_firmware_here_is_not_this_node(tmp_pa
     assert node_identity.mismatch(recorded)[0] is None
 
 
+@pytest.mark.parametrize("gpus", [[], [{"uuid": "GPU-bbbb", "model": "H100"}]], ids=["no GPU", "GPUs"])
+def test_a_recorded_nic_port_down_or_at_another_rate_here_is_not_this_node(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           gpus: list) -> None:
+    """An ACTIVE port (with its rate) or a port down is in the fingerprint (a port down is a fabric change to the
+    daemon): a port that went down, or came up at another rate, while the daemon was down left the database fallback
+    applying the profiles measured over the old link as tuned. A port whose state is unread here is not compared."""
+    nic = {"name": "mlx5_0", "kind": "mlx5",
+           "ports": [{"port": 1, "state": "ACTIVE", "rate_gbps": 400.0, "link_layer": "InfiniBand"}]}
+    recorded = {"gpus": gpus, "nics": [nic], "software": {"driver": "none", "torch": "2.4.1"}}
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    port = tmp_path / "proc-sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "NIC ports" in checked, why
+    (port / "state").write_text("1: DOWN\n")
+    why, _ = node_identity.mismatch(recorded)
+    assert why == "NIC mlx5_0 port 1: down here, ACTIVE recorded", why
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+    why, _ = node_identity.mismatch(recorded)
+    assert why == "NIC mlx5_0 port 1: ACTIVE at 200 Gb/s here, 400 Gb/s recorded", why
+    (port / "state").unlink()  # unread here: not compared
+    assert node_identity.mismatch(recorded)[0] is None
+    # the runtime reads the port files as discovery does (it may not import it)
+    from moetune.tuner.fabric import parsers
+
+    assert node_identity._PORT_STATE.pattern == parsers.STATE_RE.pattern
+    assert node_identity._PORT_RATE.pattern == parsers._RATE_RE.pattern
+
+
 # -- 2, with nothing faked: this node's own daemon over tcp:// ----------------------------------------------------
 def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tuned(tmp_path: Path) -> None:
     """The live node's discovery, a daemon on loopback tcp:// with CURVE and an allow-list, a client with no

@@ -23,7 +23,7 @@ unreadable: never this node, and never an exception out of the lookup.
 What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery did not read) and driver version in
 /proc/driver/nvidia, on a node without GPUs the
 recorded NICs in /sys/class (infiniband, cxi), on any node the HCA type, board and firmware of each recorded RDMA NIC
-that is here, and the versions of the Python
+that is here and the state (ACTIVE and its rate, or down) of its ports, and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
 change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
@@ -229,28 +229,71 @@ def _missing_nics(facts: dict[str, Any]) -> list[str]:
 _NIC_ATTRIBUTES = (("hca_type", "HCA type"), ("board_id", "board"), ("fw_ver", "firmware"))
 
 
-def _changed_nics(facts: dict[str, Any]) -> tuple[str | None, bool]:
-    """(why a recorded RDMA NIC that is on this node is another card or firmware, or None; whether any attribute was
-    compared). Only NICs and attributes read here: one absent (a container sees the NICs given to it) or unread says
-    nothing; one read and different is another fingerprint (a firmware upgrade, another card under its name)."""
-    compared = False
+def _changed_nics(facts: dict[str, Any]) -> tuple[str | None, bool, bool]:
+    """(why a recorded RDMA NIC that is on this node is another card or firmware, or one of its ports another link,
+    or None; whether any attribute was compared; whether any port was). Only NICs, attributes and ports read here:
+    one absent (a container sees the NICs given to it) or unread says nothing; one read and different is another
+    fingerprint (a firmware upgrade, another card under its name, a port down or at another rate)."""
+    compared = ports = False
     for entry in [*(facts.get("nics") or []), *(facts.get("excluded_nics") or [])]:
         nic = entry.get("nic", entry) if isinstance(entry, dict) else None
         name = nic.get("name") if isinstance(nic, dict) else None
         if not isinstance(name, str) or not name or "/" in name or nic.get("kind") == "cxi":
             continue
+        folder = SYS_ROOT / "class" / "infiniband" / name
         for attr, what in _NIC_ATTRIBUTES:
             want = str(nic.get(attr) or "").strip()
             if not want:  # discovery read none: nothing to compare
                 continue
             try:
-                have = (SYS_ROOT / "class" / "infiniband" / name / attr).read_text(errors="replace").strip()
+                have = (folder / attr).read_text(errors="replace").strip()
             except OSError:
                 continue
             compared = True
             if have != want:
-                return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared
-    return None, compared
+                return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared, ports
+        for p in nic.get("ports") or []:
+            why = _changed_port(name, folder, p)
+            if why is None:
+                continue
+            ports = True
+            if why:
+                return why, compared, ports
+    return None, compared, ports
+
+
+_PORT_STATE = re.compile(r"^\s*(\d+)\s*:\s*([A-Za-z_]+)\s*$")  # as discovery reads it ("4: ACTIVE")
+_PORT_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec\b")  # "400 Gb/sec (4X NDR)"
+
+
+def _changed_port(name: str, folder: Path, port: Any) -> str | None:
+    """Why a recorded port of NIC `name` is another link here ('' when it is the same; None when not compared: unread
+    here). As the fingerprint has a port: ACTIVE with its rate, or down (whichever other state)."""
+    if not isinstance(port, dict) or type(port.get("port")) is not int:
+        return None
+    base = folder / "ports" / str(port["port"])
+    try:
+        state = _PORT_STATE.match((base / "state").read_text(errors="replace"))
+    except OSError:
+        return None
+    if state is None:
+        return None
+    active, was = state.group(2).upper() == "ACTIVE", str(port.get("state", "")).upper() == "ACTIVE"
+    where = f"NIC {name} port {port['port']}"
+    if active != was:
+        return f"{where}: {'ACTIVE' if active else 'down'} here, {'ACTIVE' if was else 'down'} recorded"
+    if not active:
+        return ""
+    try:
+        rate = _PORT_RATE.match((base / "rate").read_text(errors="replace"))
+    except OSError:  # the kernel refuses the read without a valid width/speed: discovery reads 0
+        rate = None
+    have = float(rate.group(1)) if rate else 0.0
+    try:
+        want = float(port.get("rate_gbps") or 0.0)
+    except (TypeError, ValueError):
+        return None
+    return "" if have == want else f"{where}: ACTIVE at {have:g} Gb/s here, {want:g} Gb/s recorded"
 
 
 def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | None, tuple[str, ...]]:
@@ -283,11 +326,10 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
             return f"NIC(s) {', '.join(missing[:4])} recorded, not on this node", tuple(checked)
         if facts.get("nics") or facts.get("excluded_nics"):
             checked.append("NICs")
-    why_nic, compared = _changed_nics(facts)  # GPUs or not: a NIC present here is read whole
+    why_nic, compared, ports = _changed_nics(facts)  # GPUs or not: a NIC present here is read whole
     if why_nic is not None:
         return why_nic, tuple(checked)
-    if compared:
-        checked.append("NIC firmware")
+    checked += ["NIC firmware"] * compared + ["NIC ports"] * ports
     sw = facts.get("software", {}) or {}
     if not isinstance(sw, dict):
         return "the recorded software facts are not a mapping", tuple(checked)
