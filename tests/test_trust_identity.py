@@ -178,6 +178,34 @@ def test_a_remote_daemons_profile_is_tuned_only_when_its_facts_are_this_nodes(tm
     c.close()
 
 
+def test_a_daemons_facts_that_did_not_match_are_checked_again_later(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the check reads can come back (a NIC port down, then up again): a mismatch is remembered for
+    FABRIC_RETRY_S, as a daemon that did not answer, not for the process's life (its profiles refused for good)."""
+    nic = {"name": "mlx5_0", "kind": "mlx5", "ports": [{"port": 1, "state": "ACTIVE", "rate_gbps": 400.0}]}
+    here = {**HERE, "nics": [nic]}
+    F.pretend_node(monkeypatch, here, tmp_path / "proc")
+    port = tmp_path / "proc-sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    monkeypatch.setattr(client, "FABRIC_RETRY_S", 0.0)
+    mine = measured(key(FP_HERE, node_identity.software_hash(here)))
+    c, asked = _faked(tmp_path, reply(mine), _fabric(FP_HERE, here))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+        assert not res.tuned and any("port 1: down here" in str(w.message) for w in caught), res
+        (port / "state").write_text("4: ACTIVE\n")  # the port is back
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            res = c.resolve(model=QWEN, ep_size=2, tokens=100)
+        assert res.source == "daemon" and res.tuned and len(asked) == 2, (res, asked)
+    finally:
+        c.close()
+
+
 # -- 3: the reply's profile_hash ----------------------------------------------------------------------------------
 def test_a_reply_whose_hash_is_not_its_key_and_knobs_is_a_bad_reply(tmp_path: Path) -> None:
     sw_here = F.this_node_software()  # this machine's and this process's software: what the daemon reports below

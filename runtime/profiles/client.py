@@ -149,8 +149,8 @@ MAX_NOTICES_PER_POLL = 1000  # poll_changes reads at most this many change notic
 
 # This node's identity as each daemon reported it (`ProfileClient._reported_identity`), for the process: autoload
 # makes a client per resolution, and a `fabric` reply is ~24 KB. (endpoint, epoch, key fingerprint, key software) ->
-# (until: None for good, else a monotonic time; identity or None; why not). A daemon that did not answer is asked
-# again after FABRIC_RETRY_S only.
+# (until: None for good, else a monotonic time; identity or None; why not). A daemon that did not answer, or whose
+# facts were not this node's, is asked again after FABRIC_RETRY_S only.
 _REPORTED: dict[tuple[str, str | None, str, str], tuple[float | None, Any, str]] = {}
 _REPORTED_LOCK = threading.Lock()
 FABRIC_RETRY_S = 5.0
@@ -783,7 +783,8 @@ class ProfileClient:
         """This node's identity as the daemon's `fabric` reply reports it, when its facts are this node's
         (`node_identity.from_reported_facts`); else (None, why not). One request within what is left of the budget,
         remembered for the process (`_REPORTED`: autoload makes a client per resolution) per daemon endpoint and start
-        and profile key fingerprint/software; a daemon that did not answer is not asked again for FABRIC_RETRY_S."""
+        and profile key fingerprint/software; a daemon that did not answer, or whose facts were not this node's, is not
+        asked again for FABRIC_RETRY_S."""
         memo = (self.endpoint, self.epoch, key.fingerprint, key.software)
         now_s = time.monotonic()
         with _REPORTED_LOCK:
@@ -809,7 +810,9 @@ class ProfileClient:
         except (DaemonUnavailable, DaemonError, BadReply) as e:  # remembered briefly: each resolve would wait again
             return keep(time.monotonic() + FABRIC_RETRY_S, None, said(f"the daemon's fabric facts: {e}"))
         ident, why = node_identity.from_reported_facts(fab.fingerprint, fab.software, fab.facts, self.endpoint)
-        return keep(None, ident, "" if ident is not None else said(why))
+        if ident is None:  # briefly too: what the check read here may come back (a NIC port down, then up)
+            return keep(time.monotonic() + FABRIC_RETRY_S, None, said(why))
+        return keep(None, ident, "")
 
     def _judge(
         self, key: ProfileKey, knobs: Knobs, provenance: str, ident: node_identity.NodeIdentity | None,
