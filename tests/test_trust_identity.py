@@ -389,6 +389,27 @@ def test_a_recorded_nic_port_down_or_at_another_rate_here_is_not_this_node(tmp_p
     assert node_identity._PORT_RATE.pattern == parsers._RATE_RE.pattern
 
 
+@pytest.mark.parametrize("recorded_loaded", [True, False])
+def test_nvidia_peermem_loaded_or_not_since_is_not_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             recorded_loaded: bool) -> None:
+    """Whether nvidia_peermem is loaded (GPUDirect RDMA for the NIC transports) is in the fingerprint: the module
+    loaded or unloaded since, with the daemon down, left the database fallback applying the profiles measured the
+    other way as tuned. /proc/modules unread here: not compared."""
+    recorded = {**HERE, "gpudirect": {"nvidia_peermem": recorded_loaded, "dmabuf": False}}
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    assert node_identity.mismatch(recorded)[0] is None  # unread: not compared
+    modules = tmp_path / "proc" / "modules"
+    same = "nvidia_peermem 16384 0 - Live 0x0000000000000000\n" if recorded_loaded else ""
+    modules.write_text(same + "nvidia 56717312 1 nvidia_peermem, Live 0x0000000000000000 (POE)\n")
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "nvidia_peermem" in checked, why
+    other = "" if recorded_loaded else "nv_peer_mem 16384 0 - Live 0x0000000000000000\n"
+    modules.write_text(other + "nvidia 56717312 1 - Live 0x0000000000000000 (POE)\n")
+    why, _ = node_identity.mismatch(recorded)
+    now, was = ("not loaded", "loaded") if recorded_loaded else ("loaded", "not loaded")
+    assert why == f"nvidia_peermem {now} here, {was} recorded", why
+
+
 # -- 2, with nothing faked: this node's own daemon over tcp:// ----------------------------------------------------
 def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tuned(tmp_path: Path) -> None:
     """The live node's discovery, a daemon on loopback tcp:// with CURVE and an allow-list, a client with no

@@ -23,7 +23,8 @@ unreadable: never this node, and never an exception out of the lookup.
 What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery did not read) and driver version in
 /proc/driver/nvidia, on a node without GPUs the
 recorded NICs in /sys/class (infiniband, cxi), on any node the HCA type, board and firmware of each recorded RDMA NIC
-that is here and the state (ACTIVE and its rate, or down) of its ports, and the versions of the Python
+that is here and the state (ACTIVE and its rate, or down) of its ports, whether nvidia_peermem is loaded
+(/proc/modules), and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
 change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
@@ -296,6 +297,28 @@ def _changed_port(name: str, folder: Path, port: Any) -> str | None:
     return "" if have == want else f"{where}: ACTIVE at {have:g} Gb/s here, {want:g} Gb/s recorded"
 
 
+_PEERMEM = frozenset({"nvidia_peermem", "nv_peer_mem"})  # either makes GPUDirect RDMA (discovery's rule)
+
+
+def _peermem_problem(facts: dict[str, Any], proc: Path | None) -> tuple[str | None, bool]:
+    """(why nvidia_peermem is loaded here and was not when the facts were recorded, or the other way, or None;
+    whether it was compared). In the fingerprint (GPUDirect RDMA of the NIC transports); /proc/modules unread here,
+    or facts that do not record it, compare nothing."""
+    gd = facts.get("gpudirect")
+    want = gd.get("nvidia_peermem") if isinstance(gd, dict) else None
+    if not isinstance(want, bool):
+        return None, False
+    try:
+        text = ((proc or PROC_ROOT) / "modules").read_text(errors="replace")
+    except OSError:
+        return None, False
+    loaded = any(line.split()[0] in _PEERMEM for line in text.splitlines() if line.split())
+    if loaded == want:
+        return None, True
+    said = {True: "loaded", False: "not loaded"}
+    return f"nvidia_peermem {said[loaded]} here, {said[want]} recorded", True
+
+
 def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | None, tuple[str, ...]]:
     """(why the recorded `facts` are not this node, or None; what was checked)."""
     checked: list[str] = []
@@ -341,6 +364,10 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
         if have != want:
             return f"driver {have} here, {want} recorded", tuple(checked)
         checked.append("driver")
+    why_peermem, compared = _peermem_problem(facts, proc)
+    if why_peermem is not None:
+        return why_peermem, tuple(checked)
+    checked += ["nvidia_peermem"] * compared
     for name in PACKAGE_FACTS:
         if name not in sw:
             continue  # not recorded (older facts): nothing to compare
