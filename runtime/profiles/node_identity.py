@@ -352,7 +352,10 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
     why_nic, compared, ports = _changed_nics(facts)  # GPUs or not: a NIC present here is read whole
     if why_nic is not None:
         return why_nic, tuple(checked)
-    checked += ["NIC firmware"] * compared + ["NIC ports"] * ports
+    if compared:
+        checked.append("NIC firmware")
+    if ports:
+        checked.append("NIC ports")
     sw = facts.get("software", {}) or {}
     if not isinstance(sw, dict):
         return "the recorded software facts are not a mapping", tuple(checked)
@@ -367,7 +370,8 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
     why_peermem, compared = _peermem_problem(facts, proc)
     if why_peermem is not None:
         return why_peermem, tuple(checked)
-    checked += ["nvidia_peermem"] * compared
+    if compared:
+        checked.append("nvidia_peermem")
     for name in PACKAGE_FACTS:
         if name not in sw:
             continue  # not recorded (older facts): nothing to compare
