@@ -53,10 +53,13 @@ def check_device(device: Any, who: str = "") -> None:
 
 def indexed_device(device: Any) -> torch.device:
     """`device` as a torch.device, "cuda" without an index being the current CUDA device (as EPBuffer, MoELayer and
-    MegakernelMoE take it), so that tensors made on `cuda:0` compare equal to it."""
+    MegakernelMoE take it), so that tensors made on `cuda:0` compare equal to it; "cpu:N" is "cpu" (the device every
+    CPU tensor reports, whatever index it was made with: kept as "cpu:1", no input would ever be on it)."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "cpu" and dev.index is not None:
+        dev = torch.device("cpu")
     return dev
 
 

@@ -127,3 +127,19 @@ def test_lazy_packages_name_a_missing_attribute() -> None:
         with pytest.raises(AttributeError, match=rf"module '{pkg.__name__}' has no attribute 'Nope'"):
             pkg.Nope  # noqa: B018
     assert mk.MegakernelMoE.__name__ == "MegakernelMoE" and issubclass(mk.MegakernelError, RuntimeError)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1", torch.device("cpu", 0)])
+def test_an_indexed_cpu_device_is_the_cpu(device: Any) -> None:
+    """CPU tensors report device "cpu" whatever index they were made with ("cpu:1" included): a buffer or layer built
+    with an indexed CPU device takes it as "cpu", instead of refusing every input as "on the wrong device"."""
+    from moetune.runtime.moe_layer import MoELayer
+
+    buf = EPBuffer(None, Knobs(), model=M, max_tokens=8, device=device)
+    assert buf.device == torch.device("cpu")
+    x = torch.randn(3, M.hidden, device=device)
+    idx = torch.tensor([[0, 1]] * 3, device=device)
+    buf.dispatch(x, idx, torch.full((3, 2), 0.5, device=device))
+    layer = MoELayer(M, None, Knobs(), max_tokens=8, device=device, engine="unfused")
+    assert layer.device == torch.device("cpu") and layer(x).shape == x.shape
+    assert MoELayer(M, max_tokens=8, buffer=buf, device=device, engine="unfused").buffer is buf  # agrees
