@@ -545,7 +545,8 @@ def dense_reference(
     """The same layer on one process, no communication: out[t] = sum_j w[t,j] * expert_{idx[t,j]}(x[t]).
 
     Weights are rebuilt from `seed` on x's device in `weight_dtype` (default: the model dtype), math in fp32.
-    Routing comes from the gate when topk_idx/topk_weights are not given (both or neither: ValueError otherwise).
+    Routing comes from the gate when topk_idx/topk_weights are not given (both or neither: ValueError otherwise); given
+    routing is checked as the layer checks it (integer ids and floating weights, [S, topk], on x's device).
     Returns fp32 [S, H].
     """
     if (topk_idx is None) != (topk_weights is None):
@@ -554,6 +555,15 @@ def dense_reference(
         given, missing = ("topk_idx", "topk_weights") if topk_weights is None else ("topk_weights", "topk_idx")
         raise ValueError(f"dense_reference: {given} was given without {missing}: pass both (the routing to check) "
                          "or neither (the gate's routing from `seed`)")
+    # as the layer checks its inputs: other shapes computed a 'reference' of other routing without a word, or failed
+    # deep inside (a matmul's shapes, an IndexError in the loop below)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != model.hidden:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"dense_reference: x must be a [S, {model.hidden}] tensor, got {got}")
+    if topk_idx is not None:
+        why = routed_inputs_problem(x.shape[0], model.topk, x.device, topk_idx, topk_weights)
+        if why is not None:
+            raise ValueError(f"dense_reference: {why}")
     wdt = weight_dtype if weight_dtype is not None else TORCH_DTYPES[model.dtype]
     if topk_idx is None:
         gate = gate_weight(model, seed=seed, device=x.device, dtype=wdt)

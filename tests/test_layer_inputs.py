@@ -1255,3 +1255,18 @@ def test_close_keeps_the_scratch_from_reuse_under_a_launch_on_another_stream(
     scratch = {id(t): name for name, t in (("h", mk.h), ("y", mk.y), ("err", mk.err), ("q_task", mk.q_task))}
     layer.close()
     assert {scratch[i] for i, s in recorded if i in scratch and s == "b"} == set(scratch.values()), recorded
+
+
+@pytest.mark.parametrize(("x", "idx", "w", "match"), [
+    (_x(3), _picks(3)[:, :1], torch.full((3, TINY.topk), 0.5), r"topk_idx must have shape \[S, topk\] = \[3, 2\]"),
+    (_x(3), _picks(3), torch.full((2, TINY.topk), 0.5), r"topk_weights must have shape \[S, topk\] = \[3, 2\]"),
+    (_x(3), _picks(3).float(), torch.full((3, TINY.topk), 0.5), "topk_idx must be an integer tensor"),
+    (_x(3, h=100), None, None, r"x must be a \[S, 128\] tensor, got \(3, 100\)"),
+    (_x(3)[0], None, None, r"x must be a \[S, 128\] tensor, got \(128,\)"),
+])
+def test_dense_reference_names_inputs_of_the_wrong_shape(x: torch.Tensor, idx: Any, w: Any, match: str) -> None:
+    """dense_reference checks x and given routing as the layer does: routing of another width than the model's topk
+    was taken without a word (ids [S, 1] with weights [S, 2]: a 'reference' of one expert per token), weights of fewer
+    rows failed on an IndexError in its loop and an x of another width on a matmul's shapes."""
+    with pytest.raises(ValueError, match=rf"dense_reference: {match}"):
+        dense_reference(x, TINY, topk_idx=idx, topk_weights=w)
