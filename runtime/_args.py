@@ -2,7 +2,8 @@
 
 A wrong type or value raises TypeError / ValueError naming the argument before anything is built from it, instead
 of an AttributeError deep inside (`'str' object has no attribute 'dtype'`) or a value taken silently (max_tokens=2.5
-truncated to 2, dense="no" read as True). Written once here so the entry points say the same thing.
+truncated to 2, dense="no" read as True). Written once here so the entry points say the same thing. One check of
+their calls too: `grad_problem`, inputs that want a gradient from a forward-only op (the layers, EPBuffer.dispatch).
 """
 
 from __future__ import annotations
@@ -73,3 +74,18 @@ def check_group(group: Any, who: str = "") -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{who}group must be a torch.distributed ProcessGroup or None (the default group), got "
                         f"{type(group).__name__}")
+
+
+def grad_problem(who: str, **tensors: Any) -> str | None:
+    """Why a call of `who` (a forward-only op: no backward) must not take these tensors now, or None: grad mode is on
+    and one of them requires grad, so autograd would expect the output to carry a gradient back to it, and the output
+    comes back detached instead (the gradient silently stops there). Grad mode off (torch.no_grad, inference_mode, an
+    autograd.Function's forward, whose backward is the caller's) takes them."""
+    if not torch.is_grad_enabled():
+        return None
+    wanted = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:
+        return None
+    return (f"{' and '.join(wanted)} require{'s' if len(wanted) == 1 else ''} grad, but {who} is forward-only (no "
+            "backward: its output would silently carry no gradient back); call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass detached tensors")

@@ -7,7 +7,8 @@ Experts are SwiGLU FFNs, the form of Qwen3-MoE, gpt-oss and DeepSeek-V3 experts:
 
 The local experts run as two grouped GEMMs (`torch._grouped_mm` over the rows sorted by local expert)
 where torch has it and it works for this device and dtype (probed once, checked against a plain matmul),
-otherwise as a loop over experts. The layer is forward-only (inference): parameters do not require grad.
+otherwise as a loop over experts. The layer is forward-only (inference): parameters do not require grad, and an
+input that requires grad in grad mode is refused (its output would silently carry no gradient back).
 
 The layer checks its arguments and inputs, holds the weights and the EP buffer, and hands every call to ONE
 engine (`runtime/engines/`), chosen at construction (the knob `engine`, or `engine=` here): `unfused` runs the
@@ -402,23 +403,34 @@ class MoELayer(nn.Module):
         if why is not None:
             raise ValueError(why)
 
-    @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The layer with given routing (benchmarks inject uniform/Zipf routing here): topk_idx integer [S, topk]
         expert ids in [0, experts), distinct within a token where the megakernel runs, topk_weights floating [S,
         topk], on the layer's device. Ids that break that raise ValueError (a host sync; see `_check_local` for when
-        it is skipped)."""
+        it is skipped), and so does an x or topk_weights that requires grad in grad mode (the layer has no
+        backward)."""
         self._refuse_closed()
+        grad = _args.grad_problem("MoELayer", x=x, topk_weights=topk_weights)
         if self.buffer.world == 1:  # one rank (every megakernel layer): checked here; the EP buffer checks at world > 1
             self._check_local(x, topk_idx, topk_weights)
-        return self._engine.forward_routed(self, x, topk_idx, topk_weights)
+            if grad is not None:
+                raise ValueError(f"MoELayer: {grad}")
+        # grad mode off for the call; at world > 1 it stays on where the inputs want a gradient, so that the EP
+        # buffer's input check refuses them on every rank (raising here would leave the others waiting in dispatch)
+        with torch.set_grad_enabled(grad is not None):
+            return self._engine.forward_routed(self, x, topk_idx, topk_weights)
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x [S, H] (the layer's dtype, on its device, S <= max_tokens): ValueError otherwise,
+        and for an x that requires grad in grad mode (the layer has no backward)."""
         self._refuse_closed()
+        grad = _args.grad_problem("MoELayer", x=x)
         if self.buffer.world == 1:  # one rank (every megakernel layer): no exchange, checked once here
             self._check_x(x)
-        return self._engine.forward(self, x)
+            if grad is not None:
+                raise ValueError(f"MoELayer: {grad}")
+        with torch.set_grad_enabled(grad is not None):  # as in forward_routed: the EP buffer refuses it at world > 1
+            return self._engine.forward(self, x)
 
 
 _TILED = ("w_gate_up", "w_down")

@@ -150,7 +150,8 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
     return out
 
 
-BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape")
+BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape",
+              "x_grad")
 
 
 def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: bool | None = None,
@@ -179,6 +180,8 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: b
                 idx = idx[:, :1]
             elif kind == "weights_shape":
                 w = w[:5]
+            elif kind == "x_grad":  # in grad mode (these ranks' default): dispatch has no backward
+                x = x.clone().requires_grad_()
             elif kind == "too_many":
                 x = torch.randn(40, 64)
                 idx, w = generate_routing(40, model.experts, model.topk, seed=1)
@@ -195,6 +198,26 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: b
         x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
         recv_x, _meta, handle = buf.dispatch(x, idx, w)
         buf.combine(recv_x.contiguous(), handle)
+    return msgs
+
+
+def case_layer_grad(rank: int, world: int, dense: bool) -> dict[str, str]:
+    """Rank 1 calls the layer with an x that requires grad (grad mode on): every rank must raise ValueError (no hang),
+    and the layer still works after."""
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=dense)
+    layer = MoELayer(model, max_tokens=16, buffer=buf, engine="unfused")
+    x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+    msgs: dict[str, str] = {}
+    for kind in ("forward", "forward_routed"):
+        xs = x.clone().requires_grad_() if rank == 1 else x
+        t0 = time.monotonic()
+        try:
+            layer(xs) if kind == "forward" else layer.forward_routed(xs, idx, w)
+            msgs[kind] = "NO ERROR"
+        except ValueError as e:
+            msgs[kind] = f"{time.monotonic() - t0:.2f}s {e}"
+        layer(x)  # the group still works
     return msgs
 
 

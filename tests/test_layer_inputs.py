@@ -1270,3 +1270,40 @@ def test_dense_reference_names_inputs_of_the_wrong_shape(x: torch.Tensor, idx: A
     rows failed on an IndexError in its loop and an x of another width on a matmul's shapes."""
     with pytest.raises(ValueError, match=rf"dense_reference: {match}"):
         dense_reference(x, TINY, topk_idx=idx, topk_weights=w)
+
+
+# -- autograd: the layers are forward-only ------------------------------------------------------------------------
+def test_inputs_that_want_a_gradient_are_refused(fake_mk) -> None:
+    """The layer has no backward. Called in grad mode with an x or topk_weights that requires grad, its output came
+    back detached (requires_grad False): a training step's backward then raised far from here ("does not require
+    grad") or, with other paths into the loss, ran on without this layer's share of the gradient. Named at the call
+    now; under no_grad / inference_mode (an autograd.Function's forward included) or with detached inputs it runs."""
+    idx, w = _picks(3), torch.full((3, TINY.topk), 0.5)
+    for layer in (_unfused(), _mk_layer()):
+        x = _x(3).requires_grad_()
+        with pytest.raises(ValueError, match=r"MoELayer: x requires grad, but MoELayer is forward-only"):
+            layer(x)
+        with pytest.raises(ValueError, match=r"MoELayer: x and topk_weights require grad"):
+            layer.forward_routed(x, idx, w.clone().requires_grad_())
+        with pytest.raises(ValueError, match=r"MoELayer: topk_weights requires grad"):
+            layer.forward_routed(x.detach(), idx, w.clone().requires_grad_())
+        with torch.no_grad():
+            assert layer(x).shape == x.shape
+        with torch.inference_mode():
+            assert layer.forward_routed(x, idx, w).shape == x.shape
+        assert layer(x.detach()).shape == x.shape
+
+
+def test_megakernel_moe_refuses_inputs_that_want_a_gradient(fake_launch: FakeLaunchLib) -> None:
+    """MegakernelMoE alike, before anything is copied into its scratch or launched."""
+    mk = _cpu_mk()
+    x = _x(3).requires_grad_()
+    idx, w = _picks(3), torch.full((3, TINY.topk), 0.5)
+    with pytest.raises(ValueError, match=r"megakernel: x requires grad, but MegakernelMoE is forward-only"):
+        mk.forward(x)
+    with pytest.raises(ValueError, match=r"megakernel: topk_weights requires grad"):
+        mk.forward_routed(x.detach(), idx, w.requires_grad_())
+    assert fake_launch.launches == []
+    with torch.no_grad():
+        mk.forward(x)
+    assert [launch["name"] for launch in fake_launch.launches] == ["mk_route", "mk_experts"]

@@ -143,3 +143,31 @@ def test_an_indexed_cpu_device_is_the_cpu(device: Any) -> None:
     layer = MoELayer(M, None, Knobs(), max_tokens=8, device=device, engine="unfused")
     assert layer.device == torch.device("cpu") and layer(x).shape == x.shape
     assert MoELayer(M, max_tokens=8, buffer=buf, device=device, engine="unfused").buffer is buf  # agrees
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_epbuffer_dispatch_refuses_inputs_that_want_a_gradient(dense: bool) -> None:
+    """dispatch moves rows by copies and collectives autograd does not see: in grad mode an x or topk_weights that
+    requires grad came back as rows that did not (the gradient silently stopped here). Named now; grad mode off (an
+    autograd.Function around dispatch, whose backward is the caller's) takes them."""
+    buf = EPBuffer(None, Knobs(), model=M, max_tokens=8, device="cpu", dense=dense)
+    x = torch.randn(3, M.hidden, requires_grad=True)
+    idx, w = torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
+    with pytest.raises(ValueError, match=r"EPBuffer.dispatch on rank 0: x requires grad, but EPBuffer.dispatch is "
+                                         r"forward-only .*torch.no_grad\(\)"):
+        buf.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match=r"EPBuffer.dispatch on rank 0: topk_weights requires grad"):
+        buf.dispatch(x.detach(), idx, w.clone().requires_grad_())
+
+    class Dispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return buf.dispatch(t, idx, w)[0].clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g[:3]
+
+    assert Dispatch.apply(x).requires_grad
+    with torch.no_grad():
+        buf.dispatch(x, idx, w)

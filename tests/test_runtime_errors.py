@@ -23,6 +23,7 @@ EXPECT = {
     "weights_shape": "topk_weights must have shape",
     "too_many": "max_tokens",
     "combine_shape": "expert_out must have shape",
+    "x_grad": "x requires grad",
 }
 
 
@@ -46,6 +47,21 @@ def test_bad_input_on_one_rank_is_an_error_on_every_rank(dense: bool, transport:
                 assert EXPECT[kind] in msg, (kind, msg)
             else:
                 assert "rank 1" in msg or "rank(s) [1]" in msg, (kind, msg)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("dense", [False, True], ids=["packed", "dense"])
+def test_a_layer_input_that_wants_a_gradient_on_one_rank_is_an_error_on_every_rank(dense: bool) -> None:
+    """MoELayer refuses an x that requires grad (it has no backward); at world > 1 through the EP buffer's input
+    check, so the other ranks raise too instead of waiting in dispatch."""
+    res = launch(runtime_cases.case_layer_grad, 2, args=(dense,), timeout_s=10, join_timeout_s=80)
+    for rank, msgs in enumerate(res):
+        for kind, msg in msgs.items():
+            assert msg != "NO ERROR", (rank, kind)
+            assert float(msg.split("s ", 1)[0]) < 5.0, (rank, kind, msg)
+            # forward: the gate's weights are computed from x, so they want its gradient too
+            assert ("x requires grad" in msg or "x and topk_weights require grad" in msg) if rank == 1 else \
+                "rank 1" in msg, (rank, kind, msg)
 
 
 @pytest.mark.timeout(60)

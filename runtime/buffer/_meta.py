@@ -26,8 +26,10 @@ _ERRORS: dict[int, str] = {
     8: "topk_weights has the wrong dtype (needs a floating-point tensor)",
     9: "topk_idx/topk_weights on the wrong device",
     10: "topk_idx holds expert ids out of range",
+    11: "x or topk_weights requires grad in grad mode (dispatch is forward-only)",
 }
 _RANGE_ERROR = 10
+_GRAD_ERROR = 11
 # runtime/routing.py's routed-input faults as the codes above (its ROUTED_FAULTS; a test checks they match)
 _ROUTED_CODES: dict[str, int] = {"idx_shape": 5, "idx_dtype": 6, "weights_shape": 7, "weights_dtype": 8,
                                  "idx_device": 9, "weights_device": 9}

@@ -92,6 +92,7 @@ from moetune.runtime.buffer._dense import _dense_bounds, _DenseLayout
 from moetune.runtime.buffer._meta import (
     _DTYPE_CODE,
     _ERRORS,
+    _GRAD_ERROR,
     _RANGE_ERROR,
     _ROUTED_CODES,
     TORCH_DTYPES,
@@ -630,6 +631,11 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         fault = routed_inputs_fault(s, k, self.device, topk_idx, topk_weights)
         if fault is not None:
             return _ROUTED_CODES[fault[0]], fault[1]
+        # rows move by copies and collectives autograd does not see: the gradient would silently stop here (a
+        # MoELayer at world > 1 keeps grad mode on for such a call, so that every rank hears of it here)
+        why = _args.grad_problem("EPBuffer.dispatch", x=x, topk_weights=topk_weights)
+        if why is not None:
+            return _GRAD_ERROR, why
         return 0, ""
 
     # -- transport adapters -------------------------------------------------------------------------
@@ -758,7 +764,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         adds nothing of it, whatever it holds);
         device-resident layout: M = world × max_tokens, the rows routed here first (sum(meta.rows_per_rank)
         of them), the rest stale and without a local slot in RecvMeta.
-        Raises ValueError on every rank when any rank's input is wrong (before any payload moves).
+        Raises ValueError on every rank when any rank's input is wrong (before any payload moves), an x or
+        topk_weights that requires grad in grad mode included: dispatch has no backward (an autograd.Function around
+        dispatch and combine, whose forward runs without grad mode, is the way to train through it).
 
         Without compression recv_x is a view into the receive buffer (no copy; its rows are strided by the
         wire row size): use it as is for index_select/matmul, or call .contiguous() for a dense tensor.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._args import check_device, check_flag, check_int, indexed_device
+from .._args import check_device, check_flag, check_int, grad_problem, indexed_device
 from ..csrc_build import CsrcError
 from ..routing import expert_ids_problem, routed_inputs_problem
 from . import _lib
@@ -394,20 +394,21 @@ class MegakernelMoE:
             self._params[(cfg, bm, stages)] = p
         return p
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [S, H] bf16 on the layer's device -> [S, H] bf16 (into `out` when given: bf16 [S, H] on the layer's
         device, contiguous, 16-byte aligned, not sharing x's storage). x that is not contiguous or not 16-byte aligned is
-        copied first. No host sync (graph-capturable)."""
+        copied first; an x that requires grad in grad mode raises ValueError (no backward). No host sync
+        (graph-capturable)."""
         s = self._check_x(x)
+        _refuse_grad(x=x)
         self._check_out(out, s, x)
-        if s:
-            self._order_streams()
-        return self._run(x, s, out, given=False)
+        with torch.no_grad():
+            if s:
+                self._order_streams()
+            return self._run(x, s, out, given=False)
 
     __call__ = forward
 
-    @torch.no_grad()
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        out: torch.Tensor | None = None, *, check_ids: bool = True) -> torch.Tensor:
         """The layer with given routing ([S, K] expert ids and weights; tests and benchmarks inject routing here).
@@ -417,24 +418,27 @@ class MegakernelMoE:
         id that gets through unchecked is caught by the kernel, which drops the row, records it (`check()` raises
         it) and aborts the launch, so none of that forward's output rows is valid: code 4 out of range, code 7 a
         repeat that gave an expert more than max_tokens rows (nothing is written past the lists). `check_ids=False`:
-        the caller has checked them (MoELayer)."""
+        the caller has checked them (MoELayer). An x or topk_weights that requires grad in grad mode raises ValueError
+        (no backward)."""
         s = self._check_x(x)
         why = routed_inputs_problem(s, self.model.topk, self.device, topk_idx, topk_weights)
         if why is None and check_ids:
             why = expert_ids_problem(topk_idx, self.model.experts, distinct=True)
         if why is not None:
             raise ValueError(f"megakernel: {why}")
+        _refuse_grad(x=x, topk_weights=topk_weights)
         self._check_out(out, s, x)
-        if s:
-            self._order_streams()  # before the picks are copied into the scratch
-        if topk_idx.dtype != torch.int32:
-            # narrowing would wrap an unchecked 2**32 + 3 into expert 3: keep it invalid. Clamped as int64, not in its
-            # own dtype: uint8 takes the bound -1 as 255 (every id became `experts`, out of range), int8 cannot hold
-            # 128 experts, and torch has no clamp for uint16 / uint32
-            topk_idx = topk_idx.to(torch.int64).clamp(-1, self.model.experts)
-        self.topk_idx[:s].copy_(topk_idx)
-        self.topk_w[:s].copy_(topk_weights)
-        return self._run(x, s, out, given=True)
+        with torch.no_grad():
+            if s:
+                self._order_streams()  # before the picks are copied into the scratch
+            if topk_idx.dtype != torch.int32:
+                # narrowing would wrap an unchecked 2**32 + 3 into expert 3: keep it invalid. Clamped as int64, not in
+                # its own dtype: uint8 takes the bound -1 as 255 (every id became `experts`, out of range), int8
+                # cannot hold 128 experts, and torch has no clamp for uint16 / uint32
+                topk_idx = topk_idx.to(torch.int64).clamp(-1, self.model.experts)
+            self.topk_idx[:s].copy_(topk_idx)
+            self.topk_w[:s].copy_(topk_weights)
+            return self._run(x, s, out, given=True)
 
     def _order_streams(self) -> None:
         """Order this call after everything queued so far on the stream of the previous call, where that was another
@@ -672,6 +676,14 @@ class MegakernelMoE:
         self._order_streams()
         c = self.ctl.tolist()
         return {"total": c[CTL_TOTAL] - 1, "tiles": c[CTL_TILES], "published": c[CTL_PUBLISHED]}
+
+
+def _refuse_grad(**tensors: torch.Tensor) -> None:
+    """ValueError where grad mode is on and an input requires grad: the kernels have no backward, so the output would
+    come back detached (the gradient silently stopping here)."""
+    why = grad_problem("MegakernelMoE", **tensors)
+    if why is not None:
+        raise ValueError(f"megakernel: {why}")
 
 
 def _check_aligned(name: str, t: torch.Tensor, why: str) -> None:
