@@ -39,7 +39,7 @@ from moetune.runtime.engines.choice import choose_engine, refuse_unrunnable_mega
 from moetune.runtime.engines.unfused import UnfusedEngine
 from moetune.runtime.knobs import ENGINES, MK_KNOBS, Knobs
 from moetune.runtime.options import RuntimeOptions
-from moetune.runtime.routing import expert_ids_problem, routed_inputs_problem
+from moetune.runtime.routing import expert_ids_problem, routed_inputs_problem, strided_problem
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.weights import _generator, check_seed, expert_weights, gate_weight
 
@@ -385,6 +385,9 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be a [S, {h}] tensor, got {got}")
+        why = strided_problem("x", x)
+        if why is not None:
+            raise ValueError(why)
         if x.device != self.device or x.dtype != self.dtype:
             raise ValueError(f"x must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
         if x.shape[0] > self.max_tokens:  # every engine: the megakernel's scratch and the buffer are sized for it
@@ -572,6 +575,9 @@ def dense_reference(
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != model.hidden:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"dense_reference: x must be a [S, {model.hidden}] tensor, got {got}")
+    why = strided_problem("x", x)
+    if why is not None:
+        raise ValueError(f"dense_reference: {why}")
     if topk_idx is not None:
         why = routed_inputs_problem(x.shape[0], model.topk, x.device, topk_idx, topk_weights)
         if why is not None:

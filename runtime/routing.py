@@ -102,6 +102,18 @@ def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(topk_idx.reshape(-1).long().cpu(), minlength=num_experts)
 
 
+def strided_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why tensor `t` (argument `name`) is not in the dense (strided) layout every consumer of the layer's inputs
+    needs, or None: a sparse one failed deep inside (index_select, aminmax, copy_ "not implemented" for its
+    backend). The layer, the EP buffer, the megakernel and dense_reference check x with it, routed_inputs_fault the
+    routing."""
+    import torch
+
+    if t.layout != torch.strided:
+        return f"{name} must be a dense (strided) tensor, got layout {t.layout}"
+    return None
+
+
 def routed_inputs_fault(s: int, topk: int, device: Any, topk_idx: Any, topk_weights: Any) -> tuple[str, str] | None:
     """Which check given routing for `s` tokens fails on a layer of `topk` on `device`, and why, or None. The first
     item is one of `ROUTED_FAULTS` (the EP buffer sends it to its peers as a code). No host sync: the ids' range is
@@ -113,6 +125,9 @@ def routed_inputs_fault(s: int, topk: int, device: Any, topk_idx: Any, topk_weig
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (s, topk):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             return f"{short}_shape", f"{name} must have shape [S, topk] = [{s}, {topk}], got {got}"
+        why = strided_problem(name, t)
+        if why is not None:  # a sparse tensor of the right shape: its peers hear "the wrong shape or layout"
+            return f"{short}_shape", why
         if t.device != device:
             return f"{short}_device", f"{name} must be on {device}, got {t.device}"
     if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:

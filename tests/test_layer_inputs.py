@@ -1307,3 +1307,31 @@ def test_megakernel_moe_refuses_inputs_that_want_a_gradient(fake_launch: FakeLau
     with torch.no_grad():
         mk.forward(x)
     assert [launch["name"] for launch in fake_launch.launches] == ["mk_route", "mk_experts"]
+
+
+# -- layouts: dense (strided) tensors only --------------------------------------------------------------------------
+def _sparse_cases() -> list[tuple[str, Any]]:
+    return [("coo", lambda t: t.to_sparse()), ("csr", lambda t: t.float().to_sparse_csr().to(t.dtype))]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize(("layout", "make"), _sparse_cases())
+def test_a_sparse_input_is_named_not_failed_on_deep_inside(fake_mk, fake_launch: FakeLaunchLib, layout: str,
+                                                            make: Any) -> None:
+    """x, topk_idx or topk_weights in a sparse layout failed deep inside (index_select, aminmax, reshape or copy_
+    "not implemented" for the sparse backend, in the layer, the EP buffer and the megakernel alike): named now."""
+    idx, w = _picks(3), torch.full((3, TINY.topk), 0.5)
+    x = _x(3)
+    buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=8, device="cpu", dtype=BF)
+    calls = []
+    for layer in (_unfused(), _mk_layer()):
+        calls += [(layer, (make(x),), "x"), (layer.forward_routed, (x, make(idx), w), "topk_idx"),
+                  (layer.forward_routed, (x, idx, make(w)), "topk_weights")]
+    mk = _cpu_mk()
+    calls += [(mk.forward, (make(x),), "x"), (mk.forward_routed, (x, idx, make(w)), "topk_weights"),
+              (buf.dispatch, (make(x), idx, w), "x"), (buf.dispatch, (x, make(idx), w), "topk_idx"),
+              (dense_reference, (make(x), TINY), "x")]
+    for f, args, name in calls:
+        with pytest.raises(ValueError, match=rf"{name} must be a dense \(strided\) tensor, got layout torch.sparse"):
+            f(*args)
+    assert fake_launch.launches == []

@@ -16,13 +16,13 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's 
 
 # Error codes carried in the counts exchange (column 0).
 _ERRORS: dict[int, str] = {
-    1: "x has the wrong shape",
+    1: "x has the wrong shape or layout",
     2: "x has the wrong dtype",
     3: "x is on the wrong device",
     4: "more tokens than max_tokens",
-    5: "topk_idx has the wrong shape",
+    5: "topk_idx has the wrong shape or layout",
     6: "topk_idx has the wrong dtype (needs an integer tensor)",
-    7: "topk_weights has the wrong shape",
+    7: "topk_weights has the wrong shape or layout",
     8: "topk_weights has the wrong dtype (needs a floating-point tensor)",
     9: "topk_idx/topk_weights on the wrong device",
     10: "topk_idx holds expert ids out of range",

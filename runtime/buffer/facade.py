@@ -115,7 +115,7 @@ from moetune.runtime.buffer.layout_choice import (
 from moetune.runtime.fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
-from moetune.runtime.routing import expert_ids_problem, routed_inputs_fault
+from moetune.runtime.routing import expert_ids_problem, routed_inputs_fault, strided_problem
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.transports.base import EPTransport
 from moetune.runtime.transports.registry import get_transport, registered_transports
@@ -620,6 +620,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             return 1, f"x must have shape [S, {h}] (hidden={h}), got {shape}"
+        why = strided_problem("x", x)
+        if why is not None:
+            return 1, why
         if x.dtype != self.dtype:
             return 2, f"x must have dtype {self.dtype}, got {x.dtype}"
         if x.device != self.device:

@@ -21,7 +21,7 @@ import torch
 
 from .._args import check_device, check_flag, check_int, grad_problem, indexed_device
 from ..csrc_build import CsrcError
-from ..routing import expert_ids_problem, routed_inputs_problem
+from ..routing import expert_ids_problem, routed_inputs_problem, strided_problem
 from . import _lib
 from .config import (
     ALIGN,
@@ -475,6 +475,9 @@ class MegakernelMoE:
                 or x.device != self.device):
             got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"megakernel: x must be bf16 [S, {h}] on {self.device}, got {got}")
+        why = strided_problem("x", x)
+        if why is not None:
+            raise ValueError(f"megakernel: {why}")
         s = x.shape[0]
         if s > self.max_tokens:
             raise ValueError(f"megakernel: x has {s} tokens, more than max_tokens={self.max_tokens}")
