@@ -200,3 +200,16 @@ def test_kernel_source_mirrors_the_model():
     append = src[src.index("void append_row("):src.index("void note_nonfinite(")]  # append_pick goes through it
     assert "e < 0 || e >= p.E" in append and "pos >= p.S_cap" in append and "append_row(p, row, e);" in append
     assert "append_pick(p, t * K + tid" in small and "p.lists[" not in small
+
+
+@pytest.mark.parametrize("k", [5, 9, -1])
+@pytest.mark.parametrize("fn", ["select", "select_warp", "select_rank", "route_row"])
+def test_a_k_past_the_experts_is_named(fn: str, k: int) -> None:
+    """The kernels take topk in 1..min(16, E) (check_params); the models took a k past E without a word: select
+    handed back fewer than k picks, select_warp and route_row picks out of range (the sentinel), select_rank failed
+    on a bare assertion. A ValueError naming k and E now, as moe_layer.route says it."""
+    probs = [0.25] * 4
+    with pytest.raises(ValueError, match=rf"topk: k must be in 0..4 \(the experts\), got {k}"):
+        getattr(topk, fn)(probs, k)
+    picks = getattr(topk, fn)(probs, 4)
+    assert (picks[0] if fn == "route_row" else picks) == [0, 1, 2, 3]

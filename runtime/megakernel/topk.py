@@ -61,8 +61,16 @@ def pick_key(p: float) -> int:
     return NAN_KEY if math.isnan(p) else ord_key(p)
 
 
+def _check_k(k: int, experts: int) -> None:
+    """ValueError unless 0 <= k <= experts (as moe_layer.route; the kernels take 1..min(16, E)): past E the models
+    gave fewer picks (select), out-of-range ones (select_warp's sentinel) or a bare AssertionError (select_rank)."""
+    if not 0 <= k <= experts:
+        raise ValueError(f"topk: k must be in 0..{experts} (the experts), got {k}")
+
+
 def select(probs: Sequence[float], k: int) -> list[int]:
     """The K picks in pick order: key descending, the lower expert first on a tie."""
+    _check_k(k, len(probs))
     return sorted(range(len(probs)), key=lambda e: (-pick_key(probs[e]), e))[:k]
 
 
@@ -76,6 +84,7 @@ def select_warp(probs: Sequence[float], k: int, key: Callable[[float], Any] = pi
     order finite probabilities must keep; NaN probabilities never compare greater, so its picks are then experts past
     E (a padding lane's, E not a multiple of 32) or the sentinel 1 << 30: out of range either way."""
     e_n = len(probs)
+    _check_k(k, e_n)
     ni = max(1, (e_n + 31) // 32)
     keys = [[key(probs[lane + 32 * i]) if lane + 32 * i < e_n else pad for i in range(ni)] for lane in range(32)]
     taken = [[False] * ni for _ in range(32)]
@@ -102,6 +111,7 @@ def select_warp(probs: Sequence[float], k: int, key: Callable[[float], Any] = pi
 def select_rank(probs: Sequence[float], k: int) -> list[int]:
     """k_topk_small: expert e's rank = the experts of a higher key, or of its key and a lower index; ranks < K are
     the picks in pick order (a total order: every rank once)."""
+    _check_k(k, len(probs))
     keys = [pick_key(p) for p in probs]
     slots: list[int | None] = [None] * k
     for e, ke in enumerate(keys):
@@ -128,6 +138,7 @@ def route_row(logits: Sequence[float], k: int) -> tuple[list[int], list[float], 
     sum is NaN (a NaN or +inf logit, or all -inf) its lowest expert whose logit is not finite, else -1."""
     lg = [f32(x) for x in logits]
     e_n = len(lg)
+    _check_k(k, e_n)
     nf = next((e for e, x in enumerate(lg) if not math.isfinite(x)), -1)
     m = -math.inf
     for x in lg:
