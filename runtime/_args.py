@@ -64,6 +64,20 @@ def indexed_device(device: Any) -> torch.device:
     return dev
 
 
+def cuda_device_problem(device: torch.device) -> str | None:
+    """Why this process cannot use CUDA device `device` (indexed, as `indexed_device` gives it), or None (None too
+    for a device that is not CUDA): no CUDA, or an index past the devices it sees, which torch takes as given until
+    the first allocation fails with "CUDA error: invalid device ordinal"."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return f"device {device}: CUDA is not available to torch"
+    n = torch.cuda.device_count()
+    if device.index is not None and device.index >= n:
+        return f"device {device}: this process sees {n} CUDA device(s)"
+    return None
+
+
 def check_dtype(dtype: Any, who: str = "") -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{who}dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "

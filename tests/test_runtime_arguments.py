@@ -171,3 +171,23 @@ def test_epbuffer_dispatch_refuses_inputs_that_want_a_gradient(dense: bool) -> N
     assert Dispatch.apply(x).requires_grad
     with torch.no_grad():
         buf.dispatch(x, idx, w)
+
+
+@pytest.mark.parametrize(("device", "gpus", "match"), [
+    ("cuda:7", 1, r"device cuda:7: this process sees 1 CUDA device"),
+    (torch.device("cuda", 2), 2, r"device cuda:2: this process sees 2 CUDA device"),
+    ("cuda:0", 0, r"device cuda:0: CUDA is not available to torch"),
+])
+def test_a_cuda_device_this_process_cannot_use_is_named(monkeypatch: pytest.MonkeyPatch, device: Any, gpus: int,
+                                                        match: str) -> None:
+    """A CUDA index past the devices this process sees (cuda:8 on an 8-GPU node) passed every check and failed at the
+    first allocation with "CUDA error: invalid device ordinal"; without CUDA the message blamed the knob `transport`.
+    Named as the device argument now, before anything is built (tests/test_runtime_gpu.py asks a real GPU too)."""
+    from moetune.runtime.moe_layer import MoELayer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(ValueError, match=rf"EPBuffer: {match}"):
+        EPBuffer(None, Knobs(), model=M, max_tokens=8, device=device)
+    with pytest.raises(ValueError, match=rf"EPBuffer: {match}"):
+        MoELayer(M, None, Knobs(), max_tokens=8, device=device, engine="unfused")

@@ -43,3 +43,21 @@ def test_host_staged_copy_engines_match_the_collective() -> None:
     for key in ("timeout", "timeout_kernel"):
         assert "timeout waiting for a" in res[0][key], (key, res[0][key], res[0]["flags"], res[1]["flags"])
         assert "(peer 1)" in res[0][key]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_a_cuda_index_past_the_devices_is_named_before_anything_is_allocated() -> None:
+    """EPBuffer / MoELayer on cuda:N where this process sees N GPUs: a ValueError naming the device, not "CUDA error:
+    invalid device ordinal" from the first allocation (the CPU tests stand a device count in for this)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moetune.runtime import EPBuffer, Knobs, MoELayer, get_model
+
+    n = torch.cuda.device_count()
+    model = get_model("custom:128,64,8,2,bfloat16")
+    with pytest.raises(ValueError, match=rf"EPBuffer: device cuda:{n}: this process sees {n} CUDA device"):
+        EPBuffer(None, Knobs(), model=model, max_tokens=8, device=f"cuda:{n}")
+    with pytest.raises(ValueError, match=rf"device cuda:{n}: this process sees {n} CUDA device"):
+        MoELayer(model, None, Knobs(), max_tokens=8, device=f"cuda:{n}", engine="unfused")
+    assert EPBuffer(None, Knobs(), model=model, max_tokens=8, device="cuda:0").device == torch.device("cuda", 0)

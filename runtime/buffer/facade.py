@@ -471,6 +471,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                     raise ValueError(f"{who}device={device!r}: {e}") from None
                 if dev.type not in ("cpu", "cuda"):  # meta, xla, ...: no transport moves rows there
                     raise ValueError(f"{who}device must be a cpu or cuda device, got {dev}")
+                why = _args.cuda_device_problem(dev)  # the device named, not the transport or an invalid ordinal
+                if why is not None:
+                    raise ValueError(f"{who}{why}")
                 self.device = dev
             step = "dtype"
             self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
