@@ -60,4 +60,6 @@ def test_a_cuda_index_past_the_devices_is_named_before_anything_is_allocated() -
         EPBuffer(None, Knobs(), model=model, max_tokens=8, device=f"cuda:{n}")
     with pytest.raises(ValueError, match=rf"device cuda:{n}: this process sees {n} CUDA device"):
         MoELayer(model, None, Knobs(), max_tokens=8, device=f"cuda:{n}", engine="unfused")
-    assert EPBuffer(None, Knobs(), model=model, max_tokens=8, device="cuda:0").device == torch.device("cuda", 0)
+    buf = EPBuffer(None, Knobs(), model=model, max_tokens=8, device="cuda:0")
+    assert buf.device == torch.device("cuda", 0)
+    buf.close()
