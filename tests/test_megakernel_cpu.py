@@ -62,6 +62,14 @@ def test_config_errors_name_the_field(text, field):
         MegakernelConfig.parse(text)
 
 
+def test_config_text_giving_a_field_twice_is_refused():
+    """`parse` took the last of two values for one field without a word ("bm=16,stages=4,bm=64" ran bm=64 under a
+    label that says 16), where Knobs.parse refuses a knob given twice: refused the same way now."""
+    with pytest.raises(ConfigError, match=r"megakernel config: bm given twice in 'bm=16,stages=4, bm=64'"):
+        MegakernelConfig.parse("bm=16,stages=4, bm=64")
+    assert MegakernelConfig.parse("bm=16,stages=4,").bm == 16  # an empty item is still nothing
+
+
 def test_config_vocabulary_is_the_knobs():
     """MegakernelConfig takes exactly the values the knobs take (runtime/knobs.py), at both ends of every range: a
     knob value the config refused would fail a tuned profile at layer construction, and a config value no knob

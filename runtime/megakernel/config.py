@@ -240,7 +240,7 @@ class MegakernelConfig:
 
     @classmethod
     def parse(cls, text: str) -> MegakernelConfig:
-        """`"bm=16,stages=3,timeout_ms=500"` (empty string: defaults)."""
+        """`"bm=16,stages=3,timeout_ms=500"` (empty string: defaults; a field given twice: ConfigError)."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         out: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -250,6 +250,8 @@ class MegakernelConfig:
                 raise ConfigError(f"megakernel config: expected name=value, got {part!r}")
             if key not in names:
                 raise ConfigError(f"megakernel config: unknown field {key!r}; known: {', '.join(names)}")
+            if key in out:  # not the last value silently (a benchmark labelled bm=16 running bm=64), as Knobs.parse
+                raise ConfigError(f"megakernel config: {key} given twice in {text!r}")
             ftype = names[key].type
             typ = float if ftype in ("float", float) else str if ftype in ("str", str) else int
             val = val.strip()
