@@ -1206,6 +1206,19 @@ def test_megakernel_names_a_model_that_is_no_shape(cpu_lib, model: Any) -> None:
                                   w_down=_cpu_mk().w_down, gate=_cpu_mk().gate).max_tokens == 8
 
 
+@pytest.mark.parametrize(("field", "value", "exc"), [("hidden", 0, ValueError), ("hidden", -128, ValueError),
+                                                     ("intermediate", 0, ValueError), ("hidden", 128.0, TypeError),
+                                                     ("topk", 2.0, TypeError), ("experts", True, TypeError)])
+def test_megakernel_names_a_shape_field_that_is_no_positive_int(cpu_lib, field: str, value: Any, exc: type) -> None:
+    """A model taken by its fields whose hidden or intermediate is 0 or negative passed the library's limits (0 and
+    -128 are multiples of 128) and failed deep in the weight generator (ZeroDivisionError, a negative dimension); a
+    float field in torch.zeros or randn. Named now, as ModelShape names its own."""
+    fields = {f: getattr(TINY, f) for f in ("hidden", "intermediate", "experts", "topk")}
+    shape = types.SimpleNamespace(**{**fields, field: value})
+    with pytest.raises(exc, match=rf"megakernel: model.{field} must be (an int )?>= 1, got"):
+        mk_layer.MegakernelMoE(shape, max_tokens=8, device="cpu")
+
+
 def test_close_lets_the_megakernels_scratch_go(fake_launch: FakeLaunchLib, monkeypatch: pytest.MonkeyPatch) -> None:
     """MoELayer.close() lets its MegakernelMoE go (nothing in the layer refers to it after): its scratch (gate logits,
     routing lists, h, y, queue, error words: a few hundred MB per layer at max_tokens=4096) must not live as long as

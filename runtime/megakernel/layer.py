@@ -104,6 +104,10 @@ class MegakernelMoE:
             hint = f"; for a model name use moetune.runtime.get_model({model!r})" if isinstance(model, str) else ""
             raise TypeError(f"megakernel: model must be a ModelShape (anything with hidden, intermediate, experts and "
                             f"topk), got {type(model).__name__}{hint}")
+        for f in ("hidden", "intermediate", "experts", "topk"):
+            # as ModelShape checks its own: 0 or -128 pass the library's "multiple of 128" and fail deep in the
+            # weight generator, a float in torch.zeros
+            check_int(f"model.{f}", getattr(model, f), 1, "megakernel: ")
         if config is not None and not isinstance(config, MegakernelConfig):
             raise TypeError(f"megakernel: config must be a MegakernelConfig or None, got {type(config).__name__}")
         given = {"w_gate_up": w_gate_up, "w_down": w_down, "gate": gate}
