@@ -121,6 +121,10 @@ class MoELayer(nn.Module):
     call after `.float()`, `.half()`, `.to()` or an assigned checkpoint of another dtype raises ValueError naming the
     parameter.
 
+    `use_grouped_mm` (the unfused engine's local experts): None, the grouped GEMM where it runs for the layer's device
+    and dtype (probed once), else the loop over experts; True, the grouped GEMM (ValueError here where it does not
+    run); False, the loop.
+
     `max_tokens` (an int >= 1) is the most tokens S one call takes, whatever the engine. `buffer`: an EPBuffer to
     use instead of building one; it must agree with `model`, `max_tokens` and whichever of `group`, `knobs`, `dtype`,
     `device` and `options` are given. `options`: `RuntimeOptions` or a mapping of option names (see EPBuffer).
@@ -217,10 +221,13 @@ class MoELayer(nn.Module):
         # the unfused path's constant: searchsorted's expert edges 1..E (int64, as the expert ids)
         self.register_buffer("_expert_ends", torch.arange(1, len(self.local_experts) + 1, device=self.device),
                              persistent=False)
-        if use_grouped_mm is None:
-            use_grouped_mm = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden,
-                                               model.intermediate)
-        self.use_grouped_mm = use_grouped_mm
+        usable = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden,
+                                   model.intermediate) if use_grouped_mm is not False else False
+        if use_grouped_mm and not usable:  # now, not as a failure deep inside the first forward's grouped GEMM
+            raise ValueError(f"MoELayer: use_grouped_mm=True, but torch._grouped_mm does not run (or does not match a "
+                             f"plain matmul) for {self.dtype} on {self.device} in this torch build; pass None (use it "
+                             "where it runs) or False")
+        self.use_grouped_mm = usable
 
     # -- engine ------------------------------------------------------------------------------------------
     def _setup_engine(self, engine: str | None, knobs: Knobs | None, max_tokens: int) -> None:

@@ -1348,3 +1348,18 @@ def test_a_sparse_input_is_named_not_failed_on_deep_inside(fake_mk, fake_launch:
         with pytest.raises(ValueError, match=rf"{name} must be a dense \(strided\) tensor, got layout torch.sparse"):
             f(*args)
     assert fake_launch.launches == []
+
+
+# -- use_grouped_mm=True where the grouped GEMM does not run --------------------------------------------------------
+def test_grouped_mm_forced_where_it_does_not_run_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """use_grouped_mm=True was taken as given: where torch._grouped_mm does not run for the layer's device and dtype
+    (no such op in this torch, fp32 on a GPU whose kernel takes bf16 only), the first forward failed deep inside
+    local_forward / experts. The probe None runs is asked now, and a no is a ValueError naming the argument at
+    construction (tests/test_runtime_gpu.py asks a real GPU in fp32)."""
+    from moetune.runtime import moe_layer
+
+    monkeypatch.setattr(moe_layer, "_grouped_mm_probe", lambda *a: False)
+    with pytest.raises(ValueError, match=r"MoELayer: use_grouped_mm=True, but torch._grouped_mm does not run .*"
+                                         r"torch.bfloat16 on cpu"):
+        _unfused(use_grouped_mm=True)
+    assert not _unfused().use_grouped_mm and not _unfused(use_grouped_mm=False).use_grouped_mm

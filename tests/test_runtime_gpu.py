@@ -63,3 +63,29 @@ def test_a_cuda_index_past_the_devices_is_named_before_anything_is_allocated() -
     buf = EPBuffer(None, Knobs(), model=model, max_tokens=8, device="cuda:0")
     assert buf.device == torch.device("cuda", 0)
     buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_grouped_mm_forced_on_a_gpu_runs_or_is_refused_at_construction() -> None:
+    """MoELayer(use_grouped_mm=True) in each activation dtype on a GPU: where torch._grouped_mm runs there it matches
+    the per-expert loop; where it does not (fp32 or fp16 with a grouped kernel that takes bf16 only), construction
+    raises ValueError naming use_grouped_mm instead of the first forward failing inside the grouped GEMM."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moetune.runtime import Knobs, MoELayer, get_model
+    from moetune.runtime.moe_layer import grouped_mm_usable, max_rel_err
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        model = get_model("custom:128,64,8,2,float32")
+        args = dict(max_tokens=64, device="cuda:0", dtype=dtype, engine="unfused", seed=3)
+        x = torch.randn(40, 128, device="cuda:0").to(dtype)
+        loop = MoELayer(model, None, Knobs(), use_grouped_mm=False, **args)
+        if grouped_mm_usable("cuda", 0, dtype, 128, 64):
+            grouped = MoELayer(model, None, Knobs(), use_grouped_mm=True, **args)
+            assert max_rel_err(grouped(x), loop(x)) < 3e-2, dtype
+            grouped.close()
+        else:
+            with pytest.raises(ValueError, match=r"use_grouped_mm=True, but torch\._grouped_mm does not run"):
+                MoELayer(model, None, Knobs(), use_grouped_mm=True, **args)
+        loop.close()
