@@ -264,10 +264,12 @@ def test_a_daemon_whose_imported_software_is_not_the_installed_one_does_not_meas
     After an upgrade the node's facts name the installed versions (the watch rediscovers them, a fabric change), and
     the re-tune stored numbers of the old software, measured, under the new software's key: served as tuned to jobs
     running the new one. Refused instead (restart the daemon), the key left stale."""
-    pytest.importorskip("torch")  # imported by this process, as the daemon's first megakernel re-tune imports it
-    import moetune.tuner as tuner
-
-    assert tuner.__version__  # read, as the daemon reads it at start (handlers import it)
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(RT, "_IMPORTED", dict(RT._IMPORTED))  # moetune's, as read when the daemon started
+    # the check before the daemon's first megakernel re-tune, which imports torch then
+    monkeypatch.delitem(sys.modules, "torch")
+    assert RT.process_software_problem() == ""
+    monkeypatch.setitem(sys.modules, "torch", torch)
     real = RT._installed_version
     monkeypatch.setattr(RT, "_installed_version", lambda dist: "99.0.0" if dist == package else real(dist))
     measure = Measure()
@@ -280,6 +282,21 @@ def test_a_daemon_whose_imported_software_is_not_the_installed_one_does_not_meas
     assert job.state == "failed" and job.impossible, job.message
     assert f"{package} 99.0.0 is installed now" in job.message and "restart the daemon" in job.message, job.message
     assert [r.status for _, r in store.list_profiles()] == ["stale"]
+
+
+def test_a_torch_whose_version_string_is_not_its_metadatas_is_the_installed_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch build's own __version__ can differ from its installed metadata for the same install (2.11.0+cu130
+    against 2.11.0 on the GPU machine of run 233): compared, every megakernel re-tune there was refused as if the
+    daemon ran old software. What the process imported is what was installed when it imported it, as discovery
+    reads it."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(RT, "_IMPORTED", dict(RT._IMPORTED))
+    monkeypatch.delitem(sys.modules, "torch")
+    assert RT.process_software_problem() == ""
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(torch, "__version__", f"{RT._installed_version('torch')}+cu999")
+    assert RT.process_software_problem() == ""
 
 
 def test_a_megakernel_re_tune_waits_while_the_gpus_are_busy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -178,21 +178,30 @@ def _installed_version(dist: str) -> str | None:
 
 
 def process_software_problem() -> str:
-    """Why this process runs other software than is installed now ('' when it does not): the torch it imported and
-    the moetune it started with (`moetune.tuner.__version__`, read at start by the daemon's handlers). The megakernel
-    is timed in this process; after an upgrade the node's facts, and so the key its profile is stored under, name
-    the installed versions, and a measurement here would be the old software's numbers stored as the new one's."""
-    torch = sys.modules.get("torch")
-    have = getattr(torch, "__version__", None) if torch is not None else None
-    if have is not None and str(have) != (now := _installed_version("torch") or "none"):
-        return (f"this daemon's process runs torch {have}, torch {now} is installed now (the megakernel is timed in "
-                "this process): restart the daemon to measure with the installed software")
-    tuner = sys.modules.get("moetune.tuner")
-    started = tuner.__dict__.get("__version__") if tuner is not None else None
-    if started is not None and started != (now := _installed_version("moetune") or "0+unknown"):
-        return (f"this daemon's process runs moetune {started}, moetune {now} is installed now (the megakernel is "
-                "timed in this process): restart the daemon to measure with the installed software")
+    """Why this process runs other software than is installed now ('' when it does not): the torch and moetune it
+    imported (`_IMPORTED`), read as discovery reads the installed ones. The megakernel is timed in this process;
+    after an upgrade the node's facts, and so the key its profile is stored under, name the installed versions, and
+    a measurement here would be the old software's numbers stored as the new one's."""
+    if "torch" not in sys.modules:  # the measurement imports the torch installed now
+        _IMPORTED["torch"] = _installed_version("torch")
+    for dist in ("torch", "moetune"):
+        now = _installed_version(dist)
+        was = _IMPORTED.setdefault(dist, now)  # imported since, unseen: taken as what is installed now
+        if was != now:
+            return (f"this daemon's process runs {dist} {was or 'none'}, {dist} {now or 'none'} is installed now "
+                    "(the megakernel is timed in this process): restart the daemon to measure with the installed "
+                    "software")
     return ""
+
+
+# The installed versions (importlib.metadata, as discovery reads them for the key) of what this process imported:
+# moetune at start (this module is moetune's), torch when it was imported (at start, or after the last check before
+# the first megakernel re-tune imports it). Compared with what is installed now, never with torch.__version__: a
+# build's own version string can differ from its metadata for the same install (2.11.0+cu130 against 2.11.0 on the
+# GPU machine of run 233).
+_IMPORTED: dict[str, str | None] = {"moetune": _installed_version("moetune")}
+if "torch" in sys.modules:
+    _IMPORTED["torch"] = _installed_version("torch")
 
 
 def megakernel_refusal(facts: Any, backend: str) -> str:
