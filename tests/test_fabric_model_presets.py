@@ -98,3 +98,21 @@ def test_unknown_keys_and_sections_are_refused(tmp_path: Path, edit, named: str)
     assert f.read_text() != text
     with pytest.raises(PresetError, match=named):
         load_preset(str(f))
+
+
+def test_queued_transport_without_nic_is_refused_even_when_the_proxy_serves_the_node(tmp_path: Path) -> None:
+    """The queue model (proxy, ibgda) reads the [nic] section for every request, a proxy serving this node's peers
+    included (nvlink-h200x2's copy-engine streams are its QPs): without it such a preset loaded, and
+    `model predict -k transport=proxy` failed with AttributeError: 'Params' object has no attribute 'rtt'."""
+    text = load_preset("nvlink-h200x2").to_toml()
+    assert "serves_intra_node = true" in text
+    kept, skip = [], False
+    for line in text.splitlines():
+        if line.startswith("["):
+            skip = line == "[nic]"
+        if not skip and not line.startswith('"nic.'):
+            kept.append(line)
+    f = tmp_path / "no-nic.toml"
+    f.write_text("\n".join(kept) + "\n")
+    with pytest.raises(PresetError, match=r"proxy/ibgda transports need a \[nic\] section"):
+        load_preset(str(f))

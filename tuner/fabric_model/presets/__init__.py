@@ -365,8 +365,11 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
         if fq not in FENCE_QUIET:
             raise PresetError(f"{where}: proxy.fence_quiet must be one of {FENCE_QUIET}, got {fq!r}")
         params["proxy"].setdefault("serves_intra_node", False)
-    if "nic" not in params and any(t in ("proxy", "ibgda") for t in transports) and not params.get("proxy", {}).get("serves_intra_node"):
-        raise PresetError(f"{where}: proxy/ibgda transports need a [nic] section")
+    # the queue model reads [nic] for every request, also where the proxy serves this node's peers (nvlink-h200x2's
+    # copy-engine streams are its QPs): exempting that case let `predict` fail with an AttributeError instead
+    if "nic" not in params and any(t in ("proxy", "ibgda") for t in transports):
+        raise PresetError(f"{where}: proxy/ibgda transports need a [nic] section (the queue model reads its QPs, "
+                          "overheads and round trip, also where the proxy serves this node's peers)")
     if "pcie" in params:
         params["pcie"].setdefault("duplex", True)
     for section, table in params.items():
