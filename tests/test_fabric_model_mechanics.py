@@ -278,3 +278,15 @@ def test_periodic_jump_matches_full_replay_on_random_cases(monkeypatch) -> None:
         assert (a.fences, a.nic_stalls, a.proxy_stalls, a.transfers) == (
             b.fences, b.nic_stalls, b.proxy_stalls, b.transfers)
         checked += 1
+
+
+def test_transfer_microbenchmark_refuses_zero_gpus_per_node_and_destinations() -> None:
+    """An explicit 0 is a value to refuse, not "not given": gpus_per_node=0 was silently replaced by the preset's
+    GPUs per node (a number for 4 GPUs a node), and destinations=0 was blamed on nodes ("nodes >= 2")."""
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        predict_transfers(SLINGSHOT, 2, 96, 4096, FIXED, gpus_per_node=0)
+    with pytest.raises(ValueError, match="destinations must be >= 1, got 0"):
+        predict_transfers(SLINGSHOT, 2, 96, 4096, FIXED, destinations=0)
+    # not given: the preset's GPUs per node (4)
+    assert predict_transfers(SLINGSHOT, 2, 96, 4096, FIXED).time_us == \
+        predict_transfers(SLINGSHOT, 2, 96, 4096, FIXED, gpus_per_node=4).time_us

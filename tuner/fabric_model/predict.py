@@ -154,11 +154,14 @@ def predict_transfers(
         raise KnobError("the transfer microbenchmark models queued transports (proxy, ibgda)", ("transport",))
     check_transport(preset, knobs)
     check_queued(preset, p, knobs)
-    gpn = gpus_per_node or preset.gpus_per_node
+    # None is "not given"; an explicit 0 is refused below (it fell to the preset's GPUs per node)
+    gpn = preset.gpus_per_node if gpus_per_node is None else gpus_per_node
     if preset.max_nodes and nodes > preset.max_nodes:
         raise ValueError(f"preset {preset.name!r} has no network between nodes; use nodes=1")
     if nodes < 1 or transfers < 1 or size_bytes < 1 or gpn < 1:
         raise ValueError("nodes, transfers, size_bytes and gpus_per_node must be >= 1")
+    if destinations is not None and destinations < 1:  # not "nodes >= 2": nodes is not what was wrong
+        raise ValueError(f"destinations must be >= 1, got {destinations}")
     if not p.has_nic:
         raise ValueError(f"preset {preset.name!r} has no NIC to model transfers on")
     ndest = destinations if destinations is not None else (nodes - 1) * gpn
