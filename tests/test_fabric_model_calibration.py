@@ -221,3 +221,14 @@ def test_a_forced_write_carries_the_warning() -> None:
     cal = calibrated_preset(rep, ["one.jsonl"], "2026-11-30")
     assert cal.calibration["warning"].startswith("UNTRUSTED FIT") and "too few measured rows" in cal.calibration["warning"]
     assert all("untrusted fit" in cal.sources[k] for k in rep.fitted)
+
+
+def test_a_one_rank_all_to_all_row_is_skipped_not_fitted() -> None:
+    """An all-to-all of one rank (`world` 1) exchanges nothing: the model has no call to describe (it predicted
+    gpu.launch_us whatever was measured), so the row is skipped with its reason, as every EP-1 request is refused
+    elsewhere; it was fitted as a point (its S widening the [calibration] tokens range a prediction is checked
+    against)."""
+    row = {"probe": "nccl_a2a", "fabric": "nvlink", "model": "qwen3-30b", "S": 65536, "world": 1, "ms": 0.004}
+    points, skipped = rows_to_points([row])
+    assert points == []
+    assert len(skipped) == 1 and "one rank" in skipped[0][1]

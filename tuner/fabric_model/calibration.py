@@ -324,6 +324,9 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
                           compression="fp8_e4m3" if probe.endswith("fp8payload") else "none")
         except (KeyError, ValueError) as e:
             return (label, f"cannot describe: {e}")
+        if w.pes < 2:  # predict gives gpu.launch_us for it whatever was measured: no call to fit
+            return (label, "world 1: an all-to-all of one rank exchanges nothing, so the model has no call to "
+                           "describe (it models exchanges between 2 or more ranks)")
         name = f"{probe} {fabric} {row['model']} S={row['S']}"
         return Point(name, float(row["ms"]) * 1e3,
                      lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
