@@ -89,3 +89,17 @@ def test_a_model_tune_notes_tokens_outside_the_range() -> None:
     assert said == ("preset nvlink-h200x2 was calibrated on measurements of 128 to 16384 tokens per GPU ([calibration] "
                     "tokens); at 32768 tokens per GPU this tune extrapolates outside the measured range")
     assert tune_scale_note("model", "nvlink-h200x2", [result(4096)]) is None
+
+
+def test_each_model_tune_json_row_notes_only_its_own_tokens(tmp_path: Path) -> None:
+    """A --json row's "extrapolation" is about what that row's profile was predicted at: the row tuned at 4096 tokens
+    (inside 128 .. 16384) carried the note of the row at 64 ("at 64 tokens per GPU this tune extrapolates"), so a
+    reader picking the extrapolated profiles by that field took an in-range one. The note after the table still
+    covers the whole tune."""
+    r = runner.invoke(app, ["tune", "--model", "qwen3-30b", "--tokens", "64,4096", "--backend", "model", "--preset",
+                            "nvlink-h200x2", "--trials", "2", "--db", str(tmp_path / "m.db"),
+                            "--storage", f"sqlite:///{tmp_path / 'st.db'}", "--json"])
+    assert r.exit_code == 0, r.output
+    said = {row["tokens"]: row["extrapolation"] for row in json.loads(r.stdout)}
+    assert said[4096] is None, said
+    assert "at 64 tokens per GPU this tune extrapolates outside the measured range" in said[64]

@@ -416,7 +416,8 @@ def tune(
         finally:
             bar.close()
     scale = tune_scale_note(backend, preset, results)
-    rows = _result_rows(results, trials, forced, scale)
+    # each JSON row says what its own profile extrapolates (its tokens, its EP size), not the whole tune's note
+    rows = _result_rows(results, trials, forced, [tune_scale_note(backend, preset, [r]) for r in results])
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
     if forced:  # again after the progress bar and the results, where it is read: the reminder, not the reasons twice
@@ -433,11 +434,12 @@ def tune(
     nothing_stored(results)
 
 
-def _result_rows(results: list, trials: int, forced: str, scale: str | None) -> list[dict[str, Any]]:
+def _result_rows(results: list, trials: int, forced: str, scales: list[str | None]) -> list[dict[str, Any]]:
     """One row a study (the --json rows; the table is drawn from them): its trials, best, default and what was
-    stored, with what the numbers are (provenance, a forced fit's warning, the extrapolation note)."""
+    stored, with what the numbers are (provenance, a forced fit's warning, the extrapolation note of that study's own
+    EP size and tokens: `scales`, one per result)."""
     rows = []
-    for r in results:
+    for r, scale in zip(results, scales, strict=True):
         rec = r.record
         rows.append({
             "study": r.study.study_name, "family": r.study.family, "model": r.study.workload.model.name,
@@ -454,7 +456,8 @@ def _result_rows(results: list, trials: int, forced: str, scale: str | None) -> 
             # its share of --timeout (the time left over the studies left, when it started) and the time it took
             "budget_s": r.budget_s, "used_s": r.used_s,
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
-            "extrapolation": scale,  # the EP size tuned at lies beyond the preset's measured scale (model predict's)
+            # this study's EP size or tokens lie beyond what the preset's calibration measured (model predict's note)
+            "extrapolation": scale,
         })
     return rows
 
