@@ -59,3 +59,15 @@ def test_dense_combine_sums_inside_the_collective() -> None:
     assert hs.phases["combine.reduce"] == pytest.approx(4.0 + 4096 * (2 * OUT_ROW + OUT_ROW) / 4800e3, rel=1e-12)
     packed = predict(H200, Workload(QWEN, 4096, 1, 2, dense=False), Knobs(transport="collective"), phase="combine")
     assert "combine.reduce" in packed.phases
+
+
+@pytest.mark.parametrize(("field", "value"), [("dense", "packed"), ("dense", "false"), ("dense", 1),
+                                               ("p2p", "false"), ("p2p", 0), ("p2p", None)])
+def test_a_layout_or_p2p_that_is_no_bool_is_refused(field: str, value: object) -> None:
+    """`Workload(dense="packed")` (the CLI's word for the packed layout) is a true string: it ran the DENSE layout,
+    the opposite of what was asked, with no error; `p2p="false"` kept peer-to-peer on. Refused, naming the field."""
+    with pytest.raises(ValueError, match=field):
+        Workload(QWEN, 4096, 1, 2, **{field: value})
+    # the values the field takes
+    Workload(QWEN, 4096, 1, 2, dense=None)
+    Workload(QWEN, 4096, 1, 2, dense=False, p2p=False)

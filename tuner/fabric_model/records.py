@@ -36,6 +36,12 @@ class Workload(msgspec.Struct, frozen=True):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
+        # the constructor checks no types: dense="packed" (a true string) ran the dense layout, the opposite
+        if not isinstance(self.p2p, bool):
+            raise ValueError(f"p2p must be True or False, got {self.p2p!r}")
+        if self.dense is not None and not isinstance(self.dense, bool):
+            raise ValueError(f"dense must be None (the runtime's rule), False (packed) or True (dense), got "
+                             f"{self.dense!r}")
         problem = tokens_per_gpu_problem(self.tokens_per_gpu)  # the rule `query --tokens` shares
         if problem:
             raise ValueError(f"tokens_per_gpu {problem}")
