@@ -232,3 +232,20 @@ def test_a_one_rank_all_to_all_row_is_skipped_not_fitted() -> None:
     points, skipped = rows_to_points([row])
     assert points == []
     assert len(skipped) == 1 and "one rank" in skipped[0][1]
+
+
+def test_a_proxy_probe_row_is_modelled_with_the_streams_it_measured() -> None:
+    """A proxy_ce row says how many copy-engine streams (the probe's QPs, shared by every emulated peer) it ran on:
+    `qps`. It was ignored, so a row measured on 1 stream was modelled on the preset's nic.shared_qps (4) and the fit
+    bent the proxy's costs to make up the difference."""
+    preset = load_preset("nvlink-h200x2")
+    assert preset.get("nic.shared_qps") == 4
+    row = {"probe": "proxy_ce", "size": 65536, "mode": "decoupled_ordered", "transfers": 96, "us": 500.0}
+    (four,), _ = rows_to_points([{**row, "qps": 4}])
+    (one,), _ = rows_to_points([{**row, "qps": 1}])
+    (unsaid,), _ = rows_to_points([row])  # a row that names none: the preset's
+    assert four.evaluate(preset) == unsaid.evaluate(preset)
+    assert one.evaluate(preset) == pytest.approx(unsaid.evaluate(preset.with_params({"nic.shared_qps": 1})))
+    assert one.evaluate(preset) != four.evaluate(preset)
+    with pytest.raises(ValueError, match="qps"):
+        rows_to_points([{**row, "qps": 0}])

@@ -78,7 +78,8 @@ def calibrate_cmd(
     data: list[Path] = path_option(..., "--data", "-d", metavar=None, help="Measurement JSON lines (repeat for several files): one "
                                     "JSON object a line, naming what it measured: \"probe\" nccl_a2a, "
                                     "nccl_a2a_fp8payload or collective_a2a with fabric, model, S, ms (optional world); "
-                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes); \"kind\" "
+                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes, and qps: the streams it ran on, modelled as "
+                                    "the preset's nic.shared_qps); \"kind\" "
                                     "transfers with knobs, nodes, transfers, size, us (optional put_only). "
                                     "docs/fabric-model.md (Calibration) describes them."),
     out: Path | None = path_option(None, "--out", "-o", help="Write the calibrated preset TOML here."),

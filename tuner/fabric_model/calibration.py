@@ -178,7 +178,7 @@ ROW_OPTIONAL: dict[str, dict[str, str]] = {
     "nccl_a2a": {"world": _POS_INT},
     "nccl_a2a_fp8payload": {"world": _POS_INT},
     "collective_a2a": {"world": _POS_INT},
-    "proxy_ce": {"pes": _POS_INT},
+    "proxy_ce": {"pes": _POS_INT, "qps": _POS_INT},
     "transfers": {"put_only": _BOOL},
 }
 
@@ -337,16 +337,19 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
         mode = row.get("mode")
         size, transfers = int(row["size"]), int(row["transfers"])
         dests = int(row.get("pes", 12))
+        # the copy-engine streams the probe ran on (its QPs, shared by every emulated peer: the preset's
+        # nic.shared_qps); a row that names none is modelled on the preset's
+        qps = int(row["qps"]) if "qps" in row else None
         name = f"proxy_ce {mode} {size} B x{transfers}"
         if mode == "put_only":
             knobs = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered")
-            def fn(pr, k=knobs, s=size, t=transfers, d=dests):
-                return (predict_transfers(pr, 1, t, s, k, destinations=d).put_only_us)
+            def fn(pr, k=knobs, s=size, t=transfers, d=dests, q=qps):
+                return (predict_transfers(_on_streams(pr, q), 1, t, s, k, destinations=d).put_only_us)
         elif mode in _PROBE_MODES:
             sig, fm = _PROBE_MODES[mode]
             knobs = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
-            def fn(pr, k=knobs, s=size, t=transfers, d=dests):
-                return (predict_transfers(pr, 1, t, s, k, destinations=d).time_us)
+            def fn(pr, k=knobs, s=size, t=transfers, d=dests, q=qps):
+                return (predict_transfers(_on_streams(pr, q), 1, t, s, k, destinations=d).time_us)
         else:
             return (label, f"unknown proxy_ce mode {mode!r} (known: put_only, {', '.join(_PROBE_MODES)})")
         return Point(name, float(row["us"]), fn, group="proxy_probe")
@@ -370,6 +373,15 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
                        f"{', '.join(k for k in ROW_FIELDS if k != 'transfers')}; or \"kind\": transfers)")
     else:
         return (label, f"unknown probe {probe!r} (known: {', '.join(ROW_FIELDS)})")
+
+
+def _on_streams(preset: Preset, qps: int | None) -> Preset:
+    """`preset` with the proxy probe's `qps` streams as its nic.shared_qps (unchanged where the row names none or
+    they agree; a preset without [nic] is refused by `predict_transfers` as before)."""
+    nic = preset.params.get("nic", {})
+    if qps is None or "shared_qps" not in nic or nic["shared_qps"] == qps:
+        return preset
+    return preset.with_params({"nic.shared_qps": qps})
 
 
 def _objective(points: list[Point], preset: Preset) -> float:
