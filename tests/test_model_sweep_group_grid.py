@@ -161,3 +161,29 @@ def test_a_decoupled_group_size_given_leaves_the_coupled_series_modelled(over: s
     if over == "tokens":  # the decoupled series keep the group size given
         plain = _sweep("-p", "ndr-ibrc-h100x8", "--over", over, "-k", "signalling=decoupled", "--json")
         assert json.loads(plain.stdout)["series"]["coupled/proxy_drain"] == series["coupled/proxy_drain"]
+
+
+def test_the_plot_draws_a_group_size_of_zero(tmp_path, monkeypatch) -> None:
+    """`--values 0,1,2,4` (0: one group per peer, a valid group size) on the log2 x axis: the point at 0 has no place
+    there, so matplotlib dropped it without a word and the plot showed fewer modelled points than the table. Every
+    point the sweep modelled lands inside the axes."""
+    import moetune.tuner.store.atomic_files as atomic_files
+
+    drawn = []
+
+    def keep(fig, path, **kw):  # the figure as written (plot closes it afterwards)
+        for ax in fig.axes:
+            box = ax.get_window_extent()
+            for line in ax.get_lines():
+                xy = ax.transData.transform(list(zip(line.get_xdata(), line.get_ydata(), strict=True)))
+                drawn.append((float(line.get_xdata()[0]), xy))
+                for px, py in xy:
+                    assert box.x0 - 1 <= px <= box.x1 + 1 and box.y0 - 1 <= py <= box.y1 + 1, (line.get_label(), px, py)
+        path.write_bytes(b"")
+
+    monkeypatch.setattr(atomic_files, "write_figure", keep)
+    out = tmp_path / "g.png"
+    r = _sweep("-p", "ndr-ibrc-h100x8", "--over", "group_size", "--values", "0,1,2,4", "-k", "chunk_tokens=16",
+               "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert drawn and all(x0 == 0 for x0, _ in drawn)  # every series starts at its group size 0

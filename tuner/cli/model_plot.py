@@ -54,6 +54,9 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # group_size 0 (one group per peer) has no place on a log axis: matplotlib put it far outside the axes, so the
+    # plot showed fewer points than were modelled; a symmetric log axis is linear below 1 and draws it
+    zero = any(r["x"] <= 0 for rows in series.values() for r in rows if "error" not in r)
     for label, rows in series.items():
         ok = [r for r in rows if "error" not in r]
         if not ok:
@@ -64,7 +67,10 @@ def _draw(series: dict[str, list[dict]], over: str, out: Path, title: str) -> No
     for ax, yl in ((a1, "latency µs (dispatch+combine)"), (a2, "fences per PE")):
         ax.set_xlabel(over)
         ax.set_ylabel(yl)
-        ax.set_xscale("log", base=2)
+        if zero:
+            ax.set_xscale("symlog", base=2, linthresh=1)
+        else:
+            ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
     a1.set_yscale("log")
     a1.legend(fontsize=8)
