@@ -71,3 +71,11 @@ def test_a_layout_or_p2p_that_is_no_bool_is_refused(field: str, value: object) -
     # the values the field takes
     Workload(QWEN, 4096, 1, 2, dense=None)
     Workload(QWEN, 4096, 1, 2, dense=False, p2p=False)
+
+
+@pytest.mark.parametrize("routing", [1.2, None, ["zipf", 1.2]])
+def test_a_routing_that_is_no_text_is_refused(routing: object) -> None:
+    """`Workload(routing=1.2)` failed with AttributeError: 'float' object has no attribute 'strip' (from the routing
+    parser); a ValueError names the field and the forms it takes."""
+    with pytest.raises(ValueError, match=r"routing must be a string \(uniform or zipf:S"):
+        Workload(QWEN, 4096, 1, 2, routing=routing)  # type: ignore[arg-type]

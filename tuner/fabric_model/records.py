@@ -61,6 +61,8 @@ class Workload(msgspec.Struct, frozen=True):
             self.model.check_ep(self.nodes * self.gpus_per_node)  # the runtime's one rule (runtime/shapes.py)
         except ValueError as e:
             raise ValueError(f"{e} ({self.nodes} nodes x {self.gpus_per_node} GPUs)") from None
+        if not isinstance(self.routing, str):  # the parser failed on it with an AttributeError ('strip')
+            raise ValueError(f"routing must be a string (uniform or zipf:S, e.g. zipf:1.2), got {self.routing!r}")
         parse_routing(self.routing)
 
     @property
