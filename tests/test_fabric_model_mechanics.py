@@ -290,3 +290,14 @@ def test_transfer_microbenchmark_refuses_zero_gpus_per_node_and_destinations() -
     # not given: the preset's GPUs per node (4)
     assert predict_transfers(SLINGSHOT, 2, 96, 4096, FIXED).time_us == \
         predict_transfers(SLINGSHOT, 2, 96, 4096, FIXED, gpus_per_node=4).time_us
+
+
+@pytest.mark.parametrize("kw", [{"transfers": 96.5}, {"transfers": True}, {"nodes": 2.5}, {"size_bytes": "4096"},
+                                {"gpus_per_node": 4.0}, {"destinations": 3.5}])
+def test_transfer_microbenchmark_refuses_counts_that_are_no_integers(kw: dict) -> None:
+    """transfers=96.5 was spread over the destinations as 96.5 transfers (a number for no run), transfers=True as 1;
+    nodes=2.5 or size_bytes="4096" failed with a TypeError from inside the model. A ValueError names the argument."""
+    args = {"nodes": 2, "transfers": 96, "size_bytes": 4096, **kw}
+    extra = {k: v for k, v in kw.items() if k in ("gpus_per_node", "destinations")}
+    with pytest.raises(ValueError, match=f"{next(iter(kw))} must be an integer"):
+        predict_transfers(SLINGSHOT, args["nodes"], args["transfers"], args["size_bytes"], FIXED, **extra)

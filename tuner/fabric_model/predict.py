@@ -154,6 +154,11 @@ def predict_transfers(
         raise KnobError("the transfer microbenchmark models queued transports (proxy, ibgda)", ("transport",))
     check_transport(preset, knobs)
     check_queued(preset, p, knobs)
+    # counts, not amounts: 96.5 transfers were spread as such, True read as 1, a float node count failed in range()
+    for name, v in (("nodes", nodes), ("transfers", transfers), ("size_bytes", size_bytes),
+                    ("gpus_per_node", gpus_per_node), ("destinations", destinations)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
     # None is "not given"; an explicit 0 is refused below (it fell to the preset's GPUs per node)
     gpn = preset.gpus_per_node if gpus_per_node is None else gpus_per_node
     if preset.max_nodes and nodes > preset.max_nodes:
