@@ -80,3 +80,20 @@ def test_one_staged_piece_costs_the_same_with_or_without_duplex_links() -> None:
     out = 3 * 4096 * 4192  # EP 4 dense: S slots of the 4192-byte wire row to each of 3 peers
     serial = out / 24e3 + out / 25e3 + 2 * 6.0 * 3 * 16  # 16 pieces of 256 rows per peer, one after the other
     assert staged[0] < staged[1] <= serial
+
+
+def test_a_float32_models_expert_time_says_it_is_costed_at_the_bf16_rate() -> None:
+    """The expert FFN is costed at the preset's gpu.tflops_bf16 whatever the model's dtype: for a float32 model (a
+    GPU's fp32 rate is a fraction of its bf16 tensor rate) expert_us and layer_us are far too small, and nothing said
+    so. The prediction's notes say it; a 16-bit model's carry no such note."""
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.fabric_model.predict import predict
+    from moetune.tuner.fabric_model.records import Workload
+
+    k = Knobs(transport="nvlink")
+    f32 = predict("nvlink-h200x2", Workload(get_model("custom:2048,768,128,8,float32"), 4096, 1, 2), k)
+    assert any("gpu.tflops_bf16" in n and "float32" in n for n in f32.notes), f32.notes
+    for dtype in ("bfloat16", "float16"):
+        r = predict("nvlink-h200x2", Workload(get_model(f"custom:2048,768,128,8,{dtype}"), 4096, 1, 2), k)
+        assert not any("gpu.tflops_bf16" in n for n in r.notes), r.notes

@@ -89,6 +89,7 @@ import math
 from typing import Literal
 
 from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs, chunk_tokens_fit, num_scale_groups
+from moetune.runtime.shapes import DTYPES
 from moetune.tuner.fabric_model.group_grids import expert_tiles_per_peer
 from moetune.tuner.fabric_model.params import Params, as_preset, check_queued, check_transport, params
 from moetune.tuner.fabric_model.phases.collective import phase_collective
@@ -309,6 +310,9 @@ def predict(
                                             else "asked for)"))
     else:
         notes.append("each token once per destination rank that holds one of its experts (the runtime's layout)")
+    if DTYPES[w.model.dtype] > 2:  # `_expert_us` knows one compute rate: a GPU's fp32 rate is a fraction of it
+        notes.append(f"expert FFN of a {w.model.dtype} model costed at the preset's bf16 rate (gpu.tflops_bf16; a "
+                     "preset states no other): its expert and layer times are too small")
     return Prediction(
         latency_us=d_us + c_us,
         dispatch_us=d_us,
