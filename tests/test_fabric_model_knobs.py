@@ -112,3 +112,28 @@ def test_a_model_tune_of_nvlink_stores_the_default_signalling(tmp_path) -> None:
     assert space.spec["signalling"].values() == ("coupled",) and "pinned" in space.grid_rule()
     # a measuring backend still searches them (the kernel's fences are real on the GPU)
     assert SearchSpace(pol, experts=128, ep_size=2).spec["signalling"].values() == ("coupled", "decoupled")
+
+
+def test_model_predict_and_sweep_say_which_given_knobs_the_model_does_not_read(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`model predict -k transport=nvlink,pipeline_depth=4` printed the same MODELLED number as without it, with no
+    word that the model reads no pipeline_depth for nvlink: the knob the user set looked modelled. A note names the
+    given knobs the model does not read (KNOBS_READ); knobs it reads, or knobs not given, get none."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    def notes(*args: str) -> list[str]:
+        r = CliRunner().invoke(app, ["model", *args, "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["notes"]
+
+    said = [n for n in notes("predict", "-p", "nvlink-h200x2", "-k", "transport=nvlink,pipeline_depth=4,num_sms=48")
+            if "not read" in n]
+    assert len(said) == 1 and "pipeline_depth" in said[0] and "num_sms" not in said[0], said
+    assert not [n for n in notes("predict", "-p", "nvlink-h200x2", "-k", "transport=nvlink,num_sms=48") if "not read" in n]
+    assert not [n for n in notes("predict", "-p", "nvlink-h200x2") if "not read" in n]
+    said = [n for n in notes("sweep", "-p", "nvlink-h200x2", "--over", "tokens", "--values", "256",
+                             "-k", "transport=collective,chunk_tokens=64") if "not read" in n]
+    assert len(said) == 1 and "chunk_tokens" in said[0], said

@@ -175,9 +175,12 @@ def predict_cmd(
     except ValueError as e:
         _fail(str(e))
     scale = scale_note(pr, w.pes, "this prediction", tokens=[w.tokens_per_gpu])
+    unread = _unread_note(knobs, k.transport)
     if as_json:
         out = {"label": LABEL, **res.to_dict(), **_preset_facts(pr), "extrapolation": scale,
                "workload": {**_workload(w), "layout": layout, "phase": phase}, "knobs": k.to_dict()}
+        if unread:
+            out["notes"] = [*out["notes"], unread]
         if phase != "both":  # the other phase was not modelled: no number stands for it
             out[f"{'combine' if phase == 'dispatch' else 'dispatch'}_us"] = None
         typer.echo(json.dumps(out))
@@ -208,6 +211,8 @@ def predict_cmd(
     for note in res.notes:  # what was modelled (the wire layout); the MODELLED note is the closing line
         if not note.startswith(LABEL):
             console.print(f"modelled: {esc(note)}")
+    if unread:
+        console.print(f"note: {esc(unread)}", soft_wrap=True)
     if scale:
         console.print(f"[yellow]note[/yellow]: {esc(scale)}", soft_wrap=True)
     console.print(f"[yellow]{LABEL}[/yellow]: predicted by the fabric model from preset parameters, not measured.")
@@ -232,6 +237,18 @@ def _given_values(knobs: str) -> dict[str, str]:
     """name -> value as a --knobs string sets them (not parsed: Knobs.parse refuses a name given twice)."""
     return {name.strip(): value.strip() for name, _, value in
             (part.partition("=") for part in knobs.split(",") if "=" in part)}
+
+
+def _unread_note(knobs: str, transport: str) -> str | None:
+    """A note naming the knobs --knobs set that the model does not read for `transport` (`KNOBS_READ`): any value of
+    them predicts the same, so a number printed beside them must not look as if it modelled them; None if none."""
+    from moetune.tuner.fabric_model.predict import KNOBS_READ
+
+    unread = sorted(_given_knobs(knobs) - KNOBS_READ[transport])
+    if not unread:
+        return None
+    return (f"{', '.join(unread)} (set with --knobs) not read by the model for transport {transport}: any value "
+            "predicts the same")
 
 
 def _given_knobs(knobs: str) -> set[str]:
@@ -375,6 +392,8 @@ def sweep_cmd(
         _fail(why)
     if over == "group_size":
         k0, grid, unit, notes = _group_sweep(pr, w0, k0, knobs, values is not None)
+    if unread := _unread_note(knobs, k0.transport):
+        notes.append(unread)
     if values is not None:  # --values "" is an empty list to refuse, not "not given"
         try:
             xs = int_list(values, "--values")
