@@ -116,3 +116,23 @@ def test_queued_transport_without_nic_is_refused_even_when_the_proxy_serves_the_
     f.write_text("\n".join(kept) + "\n")
     with pytest.raises(PresetError, match=r"proxy/ibgda transports need a \[nic\] section"):
         load_preset(str(f))
+
+
+@pytest.mark.parametrize("key", ["gemm_efficiency", "nic_efficiency"])
+def test_an_efficiency_above_one_is_refused(tmp_path: Path, key: str) -> None:
+    """An efficiency is a fraction of a rate: `gemm_efficiency = 45` (a percentage) made the expert GEMMs 100x faster
+    than the GPU's peak, `nic_efficiency = 8` the collective's NIC 8x its line rate, without a word."""
+    text = load_preset("nvlink-h200x2").to_toml()
+    bad = text.replace(f"{key} = 0.45", f"{key} = 45").replace(f"{key} = 0.8", f"{key} = 8")
+    assert bad != text
+    f = tmp_path / "pct.toml"
+    f.write_text(bad)
+    with pytest.raises(PresetError, match=rf"{key} must be a fraction.*at most 1"):
+        load_preset(str(f))
+
+
+def test_a_fit_keeps_an_efficiency_at_most_one() -> None:
+    """The fit's ceiling for an efficiency is 1, so a calibrated preset stays one the loader takes."""
+    from moetune.tuner.fabric_model.calibration import PHYSICAL_MAX
+
+    assert PHYSICAL_MAX["gpu.gemm_efficiency"] == PHYSICAL_MAX["collective.nic_efficiency"] == 1.0

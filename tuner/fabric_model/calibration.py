@@ -51,8 +51,10 @@ COLLECTIVE_PARAMS = ("collective.alpha_us", "collective.sync_us", "collective.in
 PROXY_PARAMS = ("proxy.put_us", "proxy.signal_us", "proxy.fence_us", "nic.msg_overhead_us",
                 "nic.signal_overhead_us", "nic.rtt_us", "nic.gbps+nic.qp_gbps")
 
-# Physical ceilings a fit may not cross (PCIe 5.0 x16 is 63 GB/s raw per direction).
-PHYSICAL_MAX = {"pcie.d2h_gbps": 63.0, "pcie.h2d_gbps": 63.0}
+# Physical ceilings a fit may not cross (PCIe 5.0 x16 is 63 GB/s raw per direction; an efficiency is a fraction of
+# its peak, as the preset loader requires).
+PHYSICAL_MAX = {"pcie.d2h_gbps": 63.0, "pcie.h2d_gbps": 63.0, "gpu.gemm_efficiency": 1.0,
+                "collective.nic_efficiency": 1.0}
 # Parameters bounded by the NIC port's line rate (GB/s) when the caller knows it (discovery's facts)
 NIC_RATE_PARAMS = ("nic.gbps", "nic.qp_gbps")
 
@@ -571,7 +573,8 @@ def _check(preset: Preset, points: list[Point], clusters: list[tuple[set[str], l
             if not (math.isfinite(v) and v > 0):
                 problems.append(f"{k} fitted to {v:.4g}: a latency or bandwidth must be positive")
             elif k in PHYSICAL_MAX and v > PHYSICAL_MAX[k] * (1 + 1e-9):
-                problems.append(f"{k} fitted to {v:.4g} GB/s, above the physical ceiling {PHYSICAL_MAX[k]:g} GB/s")
+                unit = "" if k.endswith("_efficiency") else " GB/s"
+                problems.append(f"{k} fitted to {v:.4g}{unit}, above the physical ceiling {PHYSICAL_MAX[k]:g}{unit}")
             elif k in NIC_RATE_PARAMS and nic_line_rate_gbs is not None and v > nic_line_rate_gbs * (1 + 1e-9):
                 problems.append(f"{k} fitted to {v:.4g} GB/s, above the NIC port's line rate {nic_line_rate_gbs:g} GB/s "
                                 f"({8 * nic_line_rate_gbs:g} Gb/s): the rows or the model are wrong")

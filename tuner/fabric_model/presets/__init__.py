@@ -42,6 +42,8 @@ POSITIVE: frozenset[str] = frozenset({
     "collective.intra_gbps", "collective.nic_efficiency", "collective.host_chunk_kb",
     "nic.gbps", "nic.qp_gbps",
 })
+# Fractions of a rate (the model multiplies a peak by them): 45 for 45 % made the GEMMs 100x the GPU's peak.
+FRACTIONS: frozenset[str] = frozenset({"gpu.gemm_efficiency", "collective.nic_efficiency"})
 # Parameters the model uses as counts: a fraction makes no sense.
 INTEGER: frozenset[str] = frozenset({"gpu.sms", "nic.shared_qps"})
 # The top-level keys a preset may hold besides its parameter sections.
@@ -390,6 +392,9 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
             if dotted in POSITIVE and value <= 0:
                 # the model divides by it: 0 has no physical meaning and would divide by zero
                 raise PresetError(f"{where}: {dotted} must be > 0, got {value!r}")
+            if dotted in FRACTIONS and value > 1:
+                raise PresetError(f"{where}: {dotted} must be a fraction of the peak rate, at most 1 (0.45 for 45 %), "
+                                  f"got {value!r}")
             if dotted not in sources:
                 raise PresetError(f"{where}: parameter {dotted} has no entry in [sources]")
     max_nodes = data.get("max_nodes", 0)
