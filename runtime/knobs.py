@@ -60,6 +60,9 @@ MAX_GROUP_SIZE = MAX_CHUNK_TOKENS = 1 << 20
 # the signal slots a source has at each peer (csrc/mt_common.h MT_MAX_SLOTS): the most PUTs a one-sided exchange
 # makes to one peer, so the most chunks chunk_tokens may cut a peer's rows into
 MAX_SLOTS = 1024
+# the ranks a one-sided transport (nvlink, proxy) serves, on one node (csrc/mt_common.h MT_MAX_WORLD: its control
+# block's rows): here, torch-free, so the fabric model refuses what the runtime refuses (transports/_onesided.py)
+MAX_WORLD = 8
 
 
 def chunk_tokens_fit(chunk_tokens: int, rows: int) -> bool:

@@ -247,11 +247,13 @@ def test_predict_and_sweep_note_a_scale_beyond_the_calibration(tmp_path: Path) -
     wide = {"COLUMNS": "300"}
     note = ("preset nvlink-h200x2 was calibrated on measurements of at most 2 ranks ([calibration] world = 2); at 64 GPUs this prediction "
             "extrapolates 32x beyond the measured scale")
-    r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-g", "64"], env=wide)
+    # collective: the nvlink transport serves at most 8 ranks (the runtime's one-sided limit), so it is refused at 64
+    wide64 = ["model", "predict", "-p", "nvlink-h200x2", "-g", "64", "-k", "transport=collective"]
+    r = runner.invoke(app, wide64, env=wide)
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
     assert lines[-2] == f"note: {note}" and lines[-1].startswith("MODELLED: predicted by the fabric model"), lines[-3:]
-    r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-g", "64", "--json"])
+    r = runner.invoke(app, [*wide64, "--json"])
     assert json.loads(r.stdout)["extrapolation"] == note
     for args in (["-p", "nvlink-h200x2"], ["-p", "ndr-ibgda-h100x8", "-n", "8"]):  # 2 GPUs; 64, no scale recorded
         r = runner.invoke(app, ["model", "predict", *args], env=wide)

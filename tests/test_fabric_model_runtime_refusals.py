@@ -68,3 +68,17 @@ def test_chunk_tokens_over_the_signal_slots_is_refused(preset: str, transport: s
     if preset != "nvlink-h200x2":
         assert predict(preset, Workload("qwen3-30b", 4096, nodes, gpn, tile=8), k.replace(chunk_tokens=1),
                        layout="expert_tiles").latency_us > 0
+
+
+def test_nvlink_beyond_the_one_sided_world_limit_is_refused() -> None:
+    """The runtime's nvlink transport serves at most MT_MAX_WORLD (8) ranks (runtime/transports/_onesided.py
+    `check_world`, from EPBuffer's checks; csrc/mt_common.h sizes its control block so): the model predicted
+    `-g 16 -k transport=nvlink` anyway, and `tune --backend model --ep-size 16` stored nvlink profiles no run can take."""
+    from moetune.runtime.knobs import MAX_WORLD
+
+    assert MAX_WORLD == 8
+    k = Knobs(transport="nvlink")
+    with pytest.raises(KnobError, match="at most 8 ranks") as e:
+        predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 16), k)
+    assert e.value.knobs == ("transport",)
+    assert predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 8), k).latency_us > 0

@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import MAX_SLOTS as MAX_SLOTS  # the one-sided signal slot layout (MT_MAX_SLOTS)
+from moetune.runtime.knobs import MAX_WORLD as MAX_WORLD  # its ranks, one node (MT_MAX_WORLD)
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
-MAX_WORLD = 8
 _ALIGN = 4096
 
 ERR_NAMES = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs
+from moetune.runtime.knobs import MAX_SLOTS, MAX_WORLD, KnobError, Knobs
 from moetune.tuner.fabric_model.params import Params
 from moetune.tuner.fabric_model.phases.phase import Phase, reduce_us
 from moetune.tuner.fabric_model.records import Workload
@@ -47,6 +47,9 @@ def phase_nvlink(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, hits) 
                         ("transport",))
     if not p.has_nvl:
         raise KnobError(f"preset {p.name!r} has no NVLink", ("transport",))
+    if w.pes > MAX_WORLD:  # as the runtime's check_world refuses it (runtime/transports/_onesided.py)
+        raise KnobError(f"transport 'nvlink' serves at most {MAX_WORLD} ranks on one node (csrc MT_MAX_WORLD), this "
+                        f"EP group has {w.pes}: use collective for a larger group", ("transport",))
     if not w.p2p and w.gpus_per_node > 1:
         # GPU stores into a peer's memory need peer-to-peer; with it disabled nothing can be stored
         raise KnobError("transport 'nvlink' needs GPU peer-to-peer, which this workload disables (p2p=False); "
