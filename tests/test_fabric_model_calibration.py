@@ -249,3 +249,16 @@ def test_a_proxy_probe_row_is_modelled_with_the_streams_it_measured() -> None:
     assert one.evaluate(preset) != four.evaluate(preset)
     with pytest.raises(ValueError, match="qps"):
         rows_to_points([{**row, "qps": 0}])
+
+
+def test_a_collective_row_without_world_says_the_two_ranks_it_is_modelled_at() -> None:
+    """`world` is optional in an NCCL/collective row; one that names none is modelled as an all-to-all of 2 ranks (and
+    records no [calibration] world). Nothing said so: a row of an 8-GPU node without the field was fitted as 2 ranks
+    with no word in the fit's table. Its label says it; a row that names its world is labelled as before."""
+    row = {"probe": "nccl_a2a", "fabric": "nvlink", "model": "qwen3-30b", "S": 4096, "ms": 0.2}
+    (p,), _ = rows_to_points([row])
+    assert p.label == "nccl_a2a nvlink qwen3-30b S=4096 (world 2 assumed: the row names none)"
+    assert p.world is None
+    (q,), _ = rows_to_points([{**row, "world": 2}])
+    assert q.label == "nccl_a2a nvlink qwen3-30b S=4096" and q.world == 2
+    assert p.evaluate(load_preset("nvlink-h200x2")) == q.evaluate(load_preset("nvlink-h200x2"))

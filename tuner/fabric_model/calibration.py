@@ -330,6 +330,8 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
             return (label, "world 1: an all-to-all of one rank exchanges nothing, so the model has no call to "
                            "describe (it models exchanges between 2 or more ranks)")
         name = f"{probe} {fabric} {row['model']} S={row['S']}"
+        if "world" not in row:  # modelled at 2 ranks: the fit's table says so (no [calibration] world is recorded)
+            name += " (world 2 assumed: the row names none)"
         return Point(name, float(row["ms"]) * 1e3,
                      lambda pr, w=w, k=knobs: predict(pr, w, k, phase="dispatch",
                                                      layout="nccl_k_copies").dispatch_us,
