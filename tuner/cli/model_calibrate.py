@@ -77,9 +77,9 @@ def calibrate_cmd(
     preset: str = path_text_option(..., "--preset", "-p", help="Preset to start from."),
     data: list[Path] = path_option(..., "--data", "-d", metavar=None, help="Measurement JSON lines (repeat for several files): one "
                                     "JSON object a line, naming what it measured: \"probe\" nccl_a2a, "
-                                    "nccl_a2a_fp8payload or collective_a2a with fabric, model, S, ms (optional world: 2 where "
+                                    "nccl_a2a_fp8payload or collective_a2a with fabric, model, S, ms (optional world, 2 where "
                                     "left out); "
-                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes, and qps: the streams it ran on, modelled as "
+                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes, and qps, the streams it ran on, modelled as "
                                     "the preset's nic.shared_qps); \"kind\" "
                                     "transfers with knobs, nodes, transfers, size, us (optional put_only). "
                                     "docs/fabric-model.md (Calibration) describes them."),
