@@ -123,7 +123,7 @@ class MoELayer(nn.Module):
 
     `use_grouped_mm` (the unfused engine's local experts): None, the grouped GEMM where it runs for the layer's device
     and dtype (probed once), else the loop over experts; True, the grouped GEMM (ValueError here where it does not
-    run); False, the loop.
+    run; a probe that ran out of memory leaves it True); False, the loop.
 
     `max_tokens` (an int >= 1) is the most tokens S one call takes, whatever the engine. `buffer`: an EPBuffer to
     use instead of building one; it must agree with `model`, `max_tokens` and whichever of `group`, `knobs`, `dtype`,
@@ -221,8 +221,14 @@ class MoELayer(nn.Module):
         # the unfused path's constant: searchsorted's expert edges 1..E (int64, as the expert ids)
         self.register_buffer("_expert_ends", torch.arange(1, len(self.local_experts) + 1, device=self.device),
                              persistent=False)
-        usable = grouped_mm_usable(self.device.type, self.device.index, self.dtype, model.hidden,
-                                   model.intermediate) if use_grouped_mm is not False else False
+        probe = (self.device.type, self.device.index, self.dtype, model.hidden, model.intermediate)
+        if use_grouped_mm:
+            try:
+                usable = _grouped_mm_probe(*probe)
+            except torch.cuda.OutOfMemoryError:  # says nothing of the op: the caller's True stands (as before the probe)
+                usable = True
+        else:
+            usable = grouped_mm_usable(*probe) if use_grouped_mm is None else False
         if use_grouped_mm and not usable:  # now, not as a failure deep inside the first forward's grouped GEMM
             raise ValueError(f"MoELayer: use_grouped_mm=True, but torch._grouped_mm does not run (or does not match a "
                              f"plain matmul) for {self.dtype} on {self.device} in this torch build; pass None (use it "

@@ -1363,3 +1363,18 @@ def test_grouped_mm_forced_where_it_does_not_run_is_refused_at_construction(monk
                                          r"torch.bfloat16 on cpu"):
         _unfused(use_grouped_mm=True)
     assert not _unfused().use_grouped_mm and not _unfused(use_grouped_mm=False).use_grouped_mm
+
+
+def test_grouped_mm_forced_is_kept_when_the_probe_runs_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An out-of-memory probe says nothing of the op (grouped_mm_usable answers False for that call only): with
+    use_grouped_mm=True it was read as "does not run in this torch build" and the layer refused, where before the
+    probe was asked the caller's True was taken (a GPU near full when the first layer is built: the probe's operands
+    are 3 x 2I x H, about 1 GB at its peak for H 7168, I 2048). The caller's word stands where the probe cannot tell."""
+    from moetune.runtime import moe_layer
+
+    def oom(*a: Any) -> bool:
+        raise torch.cuda.OutOfMemoryError("stand-in: out of memory")
+
+    monkeypatch.setattr(moe_layer, "_grouped_mm_probe", oom)
+    assert _unfused(use_grouped_mm=True).use_grouped_mm is True
+    assert _unfused().use_grouped_mm is False  # None: the loop, as before (and the next layer probes again)
