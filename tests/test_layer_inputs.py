@@ -1369,7 +1369,7 @@ def test_grouped_mm_forced_is_kept_when_the_probe_runs_out_of_memory(monkeypatch
     """An out-of-memory probe says nothing of the op (grouped_mm_usable answers False for that call only): with
     use_grouped_mm=True it was read as "does not run in this torch build" and the layer refused, where before the
     probe was asked the caller's True was taken (a GPU near full when the first layer is built: the probe's operands
-    are 3 x 2I x H, about 1 GB at its peak for H 7168, I 2048). The caller's word stands where the probe cannot tell."""
+    are 3 x 2I x H: about 0.7 GB at its peak in fp32 for H 7168, I 2048). The caller's word stands where the probe cannot tell."""
     from moetune.runtime import moe_layer
 
     def oom(*a: Any) -> bool:
