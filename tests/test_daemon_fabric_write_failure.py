@@ -105,3 +105,44 @@ def test_the_left_fabrics_profiles_are_not_served_while_its_change_is_written(tm
         assert d.index.fingerprint == b.fingerprint  # rebuilt: the new fabric's index answers from here on
     finally:
         d.stop()
+
+
+def test_a_failed_change_whose_index_another_thread_rebuilt_serves_again_when_the_fabric_is_back(tmp_path: Path) -> None:
+    """A job that ends while a fabric change is written rebuilds the index (`_job_done`, the jobs thread) for the new
+    facts the daemon holds by then; the write then fails and the old facts are put back, so the index is built for
+    facts the daemon no longer holds and get_profile answers "not found". When the next round discovers the old fabric
+    again (the port that went down is back), `rediscover` saw no change and rebuilt nothing: this node's profiles were
+    refused until another job ended or a restart."""
+    import threading
+
+    from moetune.runtime import wire
+    from moetune.tuner.daemon import handlers
+
+    a, b = F.FakeFacts({"gpu_model": "H200"}), F.FakeFacts({"gpu_model": "H100"})
+    store, _seeded, now, _ran, d = F.fabric_daemon(tmp_path, a)
+    try:
+        req = wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=2, tokens=64, model="qwen3-30b")
+        assert handlers.get_profile(d, req)[0]
+        real = store.add_event
+        failed: list[str] = []
+
+        def job_ends_then_busy(**kw: Any) -> Any:
+            if not failed and kw.get("kind") == "fabric_changed":
+                failed.append("add_event")
+                t = threading.Thread(target=d._rebuild)  # a job's end (`_job_done`) on the jobs thread, meanwhile
+                t.start()
+                t.join(10)
+                raise StoreBusy("the database was locked by another process for 30 s (simulated)")
+            return real(**kw)
+
+        store.add_event = job_ends_then_busy  # type: ignore[method-assign]
+        now[0] = b
+        with pytest.raises(StoreBusy):
+            d.rediscover()
+        assert failed and d.facts.fingerprint == a.fingerprint  # not adopted: the previous facts are kept
+        now[0] = F.FakeFacts({"gpu_model": "H200"})  # the old fabric again (a fresh discovery of it)
+        d.rediscover()
+        ok, err = handlers.get_profile(d, req)
+        assert ok, err  # served again: the index is re-read for the facts the daemon holds
+    finally:
+        d.stop()

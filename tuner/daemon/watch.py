@@ -74,6 +74,7 @@ class FabricWatch:
 
     store: Any
     facts: Any
+    index: Any  # the ProfileIndex get_profile answers from (`built_for` the facts held)
     # where the discovered facts come from (`Store.upsert_fingerprint`): 'local' (this node), 'capture' (a daemon
     # serving a capture: another node's facts, never compared with this node's bring-up)
     fabric_origin: str
@@ -350,6 +351,11 @@ class FabricWatch:
         if facts is None:
             return
         old = self.facts
+        if not self.index.built_for(old):
+            # facts put back after a change's failed write, while a job's end rebuilt the index for the new ones:
+            # get_profile refused until a rebuild, and a round that finds the old fabric again (or an incomplete one)
+            # has no change to make one
+            self._rebuild()
         if old is not None and same_hardware(old.fingerprint, identity(old), facts):
             return
         if old is None:
