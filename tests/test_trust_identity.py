@@ -410,6 +410,46 @@ def test_nvidia_peermem_loaded_or_not_since_is_not_this_node(tmp_path: Path, mon
     assert why == f"nvidia_peermem {now} here, {was} recorded", why
 
 
+def _write_nic(sys_root: Path, nic: dict[str, Any]) -> None:
+    """`nic`'s sysfs folder as the kernel shows it: its attributes and its ports' state and rate."""
+    folder = sys_root / "class" / "infiniband" / nic["name"]
+    for attr in ("hca_type", "fw_ver", "board_id"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / attr).write_text(nic[attr] + "\n")
+    for p in nic["ports"]:
+        (folder / "ports" / str(p["port"])).mkdir(parents=True, exist_ok=True)
+        code = {"ACTIVE": 4, "DOWN": 1}[p["state"]]
+        (folder / "ports" / str(p["port"]) / "state").write_text(f"{code}: {p['state']}\n")
+        (folder / "ports" / str(p["port"]) / "rate").write_text(f"{p['rate_gbps']:g} Gb/sec (4X NDR)\n")
+
+
+def test_the_recorded_nics_under_other_names_are_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel names RDMA devices (mlx5_N) in the order they come up, which a reboot may change (VFs hot-added in
+    another order, a device reloaded); names are no part of the fingerprint, so the same NICs under other names are
+    the same node. Compared by name alone, an InfiniBand HCA and an Ethernet NIC that traded names read as another
+    card with other firmware and ports, and the database fallback refused this node's profiles. A NIC changed under
+    whichever name is still another node."""
+    from moetune.tuner.fabric.fingerprint import fingerprint
+
+    ib = {"name": "mlx5_0", "kind": "mlx5", "hca_type": "MT4129", "fw_ver": "28.39.1002", "board_id": "MT_0000000838",
+          "ports": [{"port": 1, "state": "ACTIVE", "rate_gbps": 400.0, "link_layer": "InfiniBand"}]}
+    eth = {"name": "mlx5_1", "kind": "mlx5", "hca_type": "MT4125", "fw_ver": "22.36.1010", "board_id": "MT_0000000359",
+           "ports": [{"port": 1, "state": "ACTIVE", "rate_gbps": 100.0, "link_layer": "Ethernet"},
+                     {"port": 2, "state": "DOWN", "rate_gbps": 0.0, "link_layer": "Ethernet"}]}
+    recorded = {**HERE, "nics": [ib, eth]}
+    renamed = {**HERE, "nics": [{**ib, "name": "mlx5_1"}, {**eth, "name": "mlx5_0"}]}
+    assert fingerprint(renamed) == fingerprint(recorded)  # the same node, as the daemon sees it
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    sys_root = tmp_path / "proc-sys"
+    for nic in renamed["nics"]:
+        _write_nic(sys_root, nic)
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "NIC firmware" in checked and "NIC ports" in checked, why
+    _write_nic(sys_root, {**ib, "name": "mlx5_1", "fw_ver": "28.41.1000"})  # and the IB HCA's firmware upgraded
+    why, _ = node_identity.mismatch(recorded)
+    assert why is not None and why.startswith("NIC mlx5_0: "), why  # said by name: no pairing explains them
+
+
 # -- 2, with nothing faked: this node's own daemon over tcp:// ----------------------------------------------------
 def test_this_nodes_own_daemon_over_curve_tcp_serves_its_measured_profile_as_tuned(tmp_path: Path) -> None:
     """The live node's discovery, a daemon on loopback tcp:// with CURVE and an allow-list, a client with no

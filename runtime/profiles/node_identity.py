@@ -23,7 +23,8 @@ unreadable: never this node, and never an exception out of the lookup.
 What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery did not read) and driver version in
 /proc/driver/nvidia, on a node without GPUs the
 recorded NICs in /sys/class (infiniband, cxi), on any node the HCA type, board and firmware of each recorded RDMA NIC
-that is here and the state (ACTIVE and its rate, or down) of its ports, whether nvidia_peermem is loaded
+that is here and the state (ACTIVE and its rate, or down) of its ports (by name, or the same devices renumbered: the
+fingerprint has no names), whether nvidia_peermem is loaded
 (/proc/modules), and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
@@ -36,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,53 +231,114 @@ def _missing_nics(facts: dict[str, Any]) -> list[str]:
 _NIC_ATTRIBUTES = (("hca_type", "HCA type"), ("board_id", "board"), ("fw_ver", "firmware"))
 
 
-def _changed_nics(facts: dict[str, Any]) -> tuple[str | None, bool, bool]:
-    """(why a recorded RDMA NIC that is on this node is another card or firmware, or one of its ports another link,
-    or None; whether any attribute was compared; whether any port was). Only NICs, attributes and ports read here:
-    one absent (a container sees the NICs given to it) or unread says nothing; one read and different is another
-    fingerprint (a firmware upgrade, another card under its name, a port down or at another rate)."""
-    compared = ports = False
+def _recorded_rdma_nics(facts: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, facts) of each RDMA device discovery recorded (used and excluded NICs; Slingshot's are not RDMA devices)."""
+    out: list[tuple[str, dict[str, Any]]] = []
     for entry in [*(facts.get("nics") or []), *(facts.get("excluded_nics") or [])]:
         nic = entry.get("nic", entry) if isinstance(entry, dict) else None
         name = nic.get("name") if isinstance(nic, dict) else None
         if not isinstance(name, str) or not name or "/" in name or nic.get("kind") == "cxi":
             continue
-        folder = SYS_ROOT / "class" / "infiniband" / name
-        for attr, what in _NIC_ATTRIBUTES:
-            want = str(nic.get(attr) or "").strip()
-            if not want:  # discovery read none: nothing to compare
-                continue
-            try:
-                have = (folder / attr).read_text(errors="replace").strip()
-            except OSError:
-                continue
-            compared = True
-            if have != want:
-                return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared, ports
-        for p in nic.get("ports") or []:
-            why = _changed_port(name, folder, p)
-            if why is None:
-                continue
-            ports = True
-            if why:
-                return why, compared, ports
+        out.append((name, nic))
+    return out
+
+
+_Read = Callable[[Path], "str | None"]
+
+
+def _nic_problem(name: str, nic: dict[str, Any], folder: Path, read: _Read) -> tuple[str | None, bool, bool]:
+    """(why the recorded NIC `name` is not the device whose sysfs folder is `folder`, or None; whether any attribute
+    was compared; whether any port was). Attributes and ports unread here are not compared."""
+    compared = ports = False
+    for attr, what in _NIC_ATTRIBUTES:
+        want = str(nic.get(attr) or "").strip()
+        if not want:  # discovery read none: nothing to compare
+            continue
+        text = read(folder / attr)
+        if text is None:
+            continue
+        have = text.strip()
+        compared = True
+        if have != want:
+            return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared, ports
+    for p in nic.get("ports") or []:
+        why = _changed_port(name, folder, p, read)
+        if why is None:
+            continue
+        ports = True
+        if why:
+            return why, compared, ports
     return None, compared, ports
+
+
+def _changed_nics(facts: dict[str, Any]) -> tuple[str | None, bool, bool]:
+    """(why a recorded RDMA NIC that is on this node is another card or firmware, or one of its ports another link,
+    or None; whether any attribute was compared; whether any port was). Only NICs, attributes and ports read here:
+    one absent (a container sees the NICs given to it) or unread says nothing; one read and different is another
+    fingerprint (a firmware upgrade, another card under its name, a port down or at another rate), unless the
+    recorded NICs are here under each other's names (`_renamed`: names are no part of the fingerprint)."""
+    nics = _recorded_rdma_nics(facts)
+    root = SYS_ROOT / "class" / "infiniband"
+    seen: dict[Path, str | None] = {}
+
+    def read(path: Path) -> str | None:  # each file once per check, however many pairings `_renamed` tries
+        if path not in seen:
+            try:
+                seen[path] = path.read_text(errors="replace")
+            except OSError:
+                seen[path] = None
+        return seen[path]
+
+    compared = ports = False
+    first: str | None = None
+    for name, nic in nics:
+        why, c, p = _nic_problem(name, nic, root / name, read)
+        compared, ports = compared or c, ports or p
+        first = first or why
+    if first is not None and (paired := _renamed(nics, root, read)) is not None:
+        return None, *paired
+    return first, compared, ports
+
+
+def _renamed(nics: list[tuple[str, dict[str, Any]]], root: Path, read: _Read) -> tuple[bool, bool] | None:
+    """When the recorded NICs whose names are here are the devices under those names in another order (each paired
+    with a device of its own among them that it is, `_nic_problem`): whether an attribute and a port were compared
+    so; else None. The kernel numbers RDMA devices (mlx5_N) in the
+    order they come up, which a reboot may change (VFs hot-added in another order, a device reloaded), and the
+    fingerprint has no names: the same devices renumbered are the same node. Only these names: a device new here is
+    a change of its own, not one to pair a recorded NIC with."""
+    present = [(n, nic) for n, nic in nics if (root / n).is_dir()]
+    names = [n for n, _ in present]
+    fits = [[h for h in names if _nic_problem(n, nic, root / h, read)[0] is None] for n, nic in present]
+    held: dict[str, int] = {}  # a device here -> the recorded NIC paired with it
+
+    def pair(i: int, tried: set[str]) -> bool:  # an augmenting path: NICs of one type fit several devices
+        for h in fits[i]:
+            if h not in tried:
+                tried.add(h)
+                if h not in held or pair(held[h], tried):
+                    held[h] = i
+                    return True
+        return False
+
+    if not all(pair(i, set()) for i in range(len(present))):
+        return None
+    flags = [_nic_problem(*present[i], root / h, read)[1:] for h, i in held.items()]
+    return any(c for c, _ in flags), any(p for _, p in flags)
 
 
 _PORT_STATE = re.compile(r"^\s*(\d+)\s*:\s*([A-Za-z_]+)\s*$")  # as discovery reads it ("4: ACTIVE")
 _PORT_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec\b")  # "400 Gb/sec (4X NDR)"
 
 
-def _changed_port(name: str, folder: Path, port: Any) -> str | None:
+def _changed_port(name: str, folder: Path, port: Any, read: _Read) -> str | None:
     """Why a recorded port of NIC `name` is another link here ('' when it is the same; None when not compared: unread
     here). As the fingerprint has a port: ACTIVE with its rate, or down (whichever other state)."""
     if not isinstance(port, dict) or type(port.get("port")) is not int:
         return None
     base = folder / "ports" / str(port["port"])
-    try:
-        state = _PORT_STATE.match((base / "state").read_text(errors="replace"))
-    except OSError:
-        return None
+    text = read(base / "state")
+    state = _PORT_STATE.match(text) if text is not None else None
     if state is None:
         return None
     active, was = state.group(2).upper() == "ACTIVE", str(port.get("state", "")).upper() == "ACTIVE"
@@ -285,10 +347,8 @@ def _changed_port(name: str, folder: Path, port: Any) -> str | None:
         return f"{where}: {'ACTIVE' if active else 'down'} here, {'ACTIVE' if was else 'down'} recorded"
     if not active:
         return ""
-    try:
-        rate = _PORT_RATE.match((base / "rate").read_text(errors="replace"))
-    except OSError:  # the kernel refuses the read without a valid width/speed: discovery reads 0
-        rate = None
+    text = read(base / "rate")  # None: the kernel refuses the read without a valid width/speed; discovery reads 0
+    rate = _PORT_RATE.match(text) if text is not None else None
     have = float(rate.group(1)) if rate else 0.0
     try:
         want = float(port.get("rate_gbps") or 0.0)
