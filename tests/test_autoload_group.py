@@ -172,6 +172,28 @@ def test_megakernel_bucket_that_does_not_fit_keeps_the_construction_tiles(monkey
     assert layer.megakernel.launched[-1].bm == 64 and layer.engine_buckets[1] == prefill
 
 
+@pytest.mark.parametrize("asked", [None, "megakernel"])
+def test_a_construction_profile_past_the_kernels_limits_runs_the_defaults(monkeypatch: pytest.MonkeyPatch,
+                                                                            asked: str | None) -> None:
+    """A stored construction-bucket profile the kernel refuses for this shape (split-K 4 needs hidden % 256 == 0; a
+    profile from before a kernel upgrade) is not applied, as another bucket's is not: that bucket runs the defaults,
+    with one warning. It refused the whole engine (MegakernelUnavailable 'cannot run here' with engine='megakernel',
+    the unfused engine without) though the megakernel runs here."""
+    from moetune.runtime.megakernel.config import limits_problem
+
+    use_fake_megakernel(monkeypatch, refuse=lambda cfg: limits_problem(BF16, None, cfg))  # as the library checks
+    bad = Knobs(engine="megakernel", mk_split_k=4)
+    _spy(monkeypatch, lambda kw: bad if kw["transport_family"] == "megakernel" else Knobs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=torch.bfloat16, engine=asked)
+    got = [str(w.message) for w in caught if "token bucket 4096 is not applied" in str(w.message)]
+    assert layer.engine == "megakernel" and len(got) == 1 and "mk_split_k" in got[0], [str(w.message) for w in caught]
+    assert layer.engine_buckets == {4096: Knobs(engine="megakernel")}
+    layer(torch.randn(4096, BF16.hidden).to(torch.bfloat16))
+    assert layer.megakernel.launched[-1].split_k1 == 1
+
+
 def test_megakernel_decode_bucket_split_k_applies_on_a_prefill_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode bucket's split-K (mk_split_k) applies on a layer whose construction profile has none: the layer
     grows its partial buffers for it (MegakernelMoE._reserve_split; run 185 had it refused and warned)."""

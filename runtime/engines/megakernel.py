@@ -9,7 +9,8 @@ Per token bucket profiles: where the knobs come from stored profiles (not from t
 for any bucket's tiles (`_scratch_knobs`), the construction bucket's profile is installed at build, and every
 other bucket's on the first eager call of an S that falls in it (`resolve`: one lookup per bucket, none while a
 CUDA graph is captured). A bucket's profile that does not fit falls back to the construction bucket's, else to
-the config the scratch was sized by, with one warning.
+the config the scratch was sized by, with one warning; a construction bucket's profile the kernel refuses for the
+layer's shape gives way to the megakernel's defaults, with one warning (the engine is not refused for it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from moetune.runtime.options import RuntimeOptions
 
 _PARAMS = ("w_gate_up", "w_down", "gate")  # the layer's parameters the megakernel reads in place
+_DEFAULT_KNOBS = Knobs(engine="megakernel")  # what a bucket whose stored profile cannot run at all runs
 
 
 class MegakernelEngine(MoEEngine):
@@ -73,6 +75,15 @@ class MegakernelEngine(MoEEngine):
         try:
             config = MegakernelConfig.from_knobs(knobs, options)
             why = _mk.limits_problem(layer.model, max_tokens, config)
+            if why is not None and profiled and knobs != _DEFAULT_KNOBS:
+                # a stored profile the kernel refuses for this shape (one from before a kernel upgrade) is not
+                # applied, as another bucket's is not (`install`): its bucket runs the defaults, the engine stays
+                warnings.warn(f"moetune: the megakernel profile for token bucket {_bucket_of(layer.expected_tokens)} "
+                              f"is not applied ({why}); launches of that bucket run the megakernel's defaults",
+                              RuntimeWarning, stacklevel=4)
+                knobs = _DEFAULT_KNOBS
+                config = MegakernelConfig.from_knobs(knobs, options)
+                why = _mk.limits_problem(layer.model, max_tokens, config)
             if why is None and profiled:
                 # scratch sized for any bucket's tiles (_scratch_knobs); the construction bucket's own config is
                 # installed for its bucket below, the others on their first call
