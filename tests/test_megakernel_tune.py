@@ -107,6 +107,28 @@ def test_tune_stores_a_better_setting_as_measured(tmp_path: Path) -> None:
                                families=["megakernel"])
 
 
+def test_a_model_of_other_activations_than_bf16_is_not_tuned_as_the_megakernel(tmp_path: Path) -> None:
+    """The megakernel runs bfloat16 activations only (the runtime refuses it for any other dtype), and a trial times
+    bf16 weights whatever the model says: a float16 model's trials measured bf16 and stored them as a MEASURED profile
+    of a float16 key, which no layer can run. Each trial now fails as infeasible, naming why; nothing is stored."""
+    import msgspec
+
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    fp16 = msgspec.structs.replace(QWEN, name="qwen-fp16", dtype="float16")
+    m = LocalBackend(world=1, family="megakernel", mk_measure=flat).evaluate(Knobs(engine="megakernel"),
+                                                                              TuneWorkload(model=fp16, tokens=128))
+    assert not m.ok and m.infeasible and "bfloat16" in m.error
+    store = F.open_store(tmp_path / "m.db")
+    facts = _facts("h200x1")
+    store.upsert_fingerprint(facts.fingerprint, facts.to_dict(), origin="local")
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=flat)
+    res = tune_profiles_detailed(store, facts, models=[fp16], tokens=[128], backend=be, trials=3, progress=False,
+                                 storage=f"sqlite:///{tmp_path / 'opt.db'}", ep_size=1, nodes=1, families=["megakernel"])
+    assert [(r.written, r.record) for r in res] == [(False, None)]
+    assert store.list_profiles() == []
+
+
 def test_tune_measures_only_the_default_where_the_decode_kernel_runs(tmp_path: Path) -> None:
     """S=1 of Qwen3-30B runs the decode kernel (the library says so on an H200; injected here), on which no tile
     knob acts: searching there would store noise between equal runs as a tuned choice (and bucket 1's knobs act

@@ -456,6 +456,11 @@ class LocalBackend(BenchmarkBackend):
         if workload.ep_size != 1:
             return Measurement.failed(f"the megakernel runs on one GPU; workload has ep_size {workload.ep_size}",
                                       infeasible=True)
+        if workload.model.dtype != "bfloat16":
+            # a trial times bf16 weights whatever the model says, and the runtime runs the megakernel for bf16 layers
+            # only: a number for another dtype's key would be a bf16 measurement no layer of that dtype can apply
+            return Measurement.failed(f"the megakernel runs bfloat16 activations; model {workload.model.name} is "
+                                      f"{workload.model.dtype}", infeasible=True)
         if self.mk_measure is not None:
             measure = self.mk_measure
         else:
