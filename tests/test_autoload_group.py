@@ -194,6 +194,30 @@ def test_a_construction_profile_past_the_kernels_limits_runs_the_defaults(monkey
     assert layer.megakernel.launched[-1].split_k1 == 1
 
 
+def test_a_megakernel_lookup_that_fails_falls_back_to_the_megakernels_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup of the megakernel's profile that raises (a bug, an environment not foreseen) ends in that family's
+    policy default, as a lookup that finds no profile does: the auto layer still runs the megakernel. It ended in
+    the built-in collective default (engine unfused), so the layer silently ran the unfused engine."""
+    from moetune.runtime.profiles import client as C
+
+    use_fake_megakernel(monkeypatch)
+
+    def boom(self: Any, **kw: Any) -> Resolution:
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr(C.ProfileClient, "resolve", boom)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = MoELayer(BF16, None, None, max_tokens=64, device="cpu", dtype=torch.bfloat16)
+    said = [str(w.message) for w in caught if "unforeseen" in str(w.message)]
+    assert layer.engine == "megakernel", said
+    assert any("default for megakernel" in m for m in said), said
+    res = autoload.autoload_profile(model=BF16, ep_size=1, nodes=1, max_tokens=64, transport_family="megakernel")
+    assert (res.knobs.engine, res.source, res.family) == ("megakernel", "policy", "megakernel")
+    res = autoload.autoload_profile(model=BF16, ep_size=1, nodes=1, max_tokens=64)  # an EP lookup: as before
+    assert (res.knobs, res.source, res.family) == (Knobs(), "default", "collective")
+
+
 def test_megakernel_decode_bucket_split_k_applies_on_a_prefill_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode bucket's split-K (mk_split_k) applies on a layer whose construction profile has none: the layer
     grows its partial buffers for it (MegakernelMoE._reserve_split; run 185 had it refused and warned)."""

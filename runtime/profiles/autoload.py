@@ -65,7 +65,7 @@ from typing import Any
 from moetune.runtime.config import client_autoload, config_files
 from moetune.runtime.knobs import Knobs, default_knobs
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
-from moetune.runtime.profile_record import MEGAKERNEL_FAMILY
+from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
     ProfileClient,
     Resolution,
@@ -301,11 +301,16 @@ def _resolve(
             if own:
                 c.close()
     except Exception as e:  # a bug or an environment we did not foresee must not stop the model from loading
-        knobs = default_knobs("collective")
-        msg = f"profile lookup failed ({type(e).__name__}: {e}); using the built-in default for collective"
+        # an engine family's lookup ends in its own policy default, as one that finds no profile does (the built-in
+        # collective default names the unfused engine: a megakernel layer silently ran unfused); the engine checks
+        # whether it runs. A transport lookup takes the one default every device runs.
+        family = transport_family if transport_family in ENGINE_FAMILIES else "collective"
+        knobs, source = policy_or_default(family) if family != "collective" else (default_knobs(family), "default")
+        what = "policy" if source == "policy" else "built-in"
+        msg = f"profile lookup failed ({type(e).__name__}: {e}); using the {what} default for {family}"
         warn_fallback(f"moetune: NO tuned profile ({msg})")
-        return Resolution(knobs=knobs, source="default", profile_hash=f"default:{knobs.digest()}", status="default",
-                          family="collective", message=msg)
+        return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
+                          family=family, message=msg)
 
 
 def autoload_knobs(
