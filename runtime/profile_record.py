@@ -7,11 +7,12 @@ Shared by the store (tuner side), the daemon's wire messages and the runtime cli
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import msgspec
 
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import FORMER_MK_DEFAULTS, Knobs
 from moetune.runtime.options import data_path_digest
 from moetune.runtime.shapes import check_experts_divide
 
@@ -204,12 +205,18 @@ def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
 
 def stored_profile_hashes(key: ProfileKey, knobs: Knobs) -> tuple[str, ...]:
     """Every profile_hash a stored row of key + knobs may carry, today's (`profile_hash_of`) first, then the one a
-    moetune from before `knobs.HASHED_LATE_KNOBS` wrote (`Knobs.legacy_canonical`), where such a row can exist. What
+    moetune from before `knobs.HASHED_LATE_KNOBS` wrote (`Knobs.legacy_canonical`), where such a row can exist, and for a
+    megakernel setting holding a former default (`knobs.FORMER_MK_DEFAULTS`) the forms without it. What
     the store compares a stored hash with: stored hashes are never rewritten (migrations' downgrade events name rows
     by them)."""
     legacy = knobs.legacy_canonical()
-    today = profile_hash_of(key, knobs)
-    return (today,) if legacy is None else (today, _hash_of(key, legacy))
+    forms = [knobs.canonical()] + ([] if legacy is None else [legacy])
+    # a megakernel setting stored while a knob's default was what it holds (FORMER_MK_DEFAULTS) was hashed without
+    # that knob (canonical() leaves megakernel knobs out at the defaults of its time); today's hash covers it
+    former = [n for n, v in FORMER_MK_DEFAULTS.items() if knobs.engine == "megakernel" and getattr(knobs, n) == v]
+    drops = [set(c) for r in range(1, len(former) + 1) for c in itertools.combinations(former, r)]
+    forms += [{n: v for n, v in f.items() if n not in drop} for drop in drops for f in list(forms)]
+    return tuple(dict.fromkeys(_hash_of(key, f) for f in forms))
 
 
 # What a what-if preset's fingerprint (and a preset profile's measured_on) starts with: "preset:NAME[:digest]" names a

@@ -86,3 +86,38 @@ def test_a_megakernel_setting_keeps_what_it_holds(tmp_path: Path) -> None:
     mk = {**default_knobs("collective").to_dict(), "engine": "megakernel", **OLD}
     assert stored_form(mk) == mk
     assert Knobs.from_stored(mk).mk_combine_tokens == 8
+
+
+def test_a_megakernel_rows_re_measurement_is_the_same_knobs(tmp_path: Path) -> None:
+    """A megakernel profile stored while 8 was mk_combine_tokens' default (until 579f2ce) holds 8, which its hash left
+    out then (a megakernel knob at its default) and today's hash covers: the store took a re-measurement of those very
+    knobs for other knobs (`_rows.decide` compares the stored hash with `stored_profile_hashes`), so a slower re-tune of
+    the same setting was 'kept' and the stale fast number stood. Every form such a row may carry is accepted now."""
+    from moetune.runtime.profile_record import stored_profile_hashes
+
+    key = msgspec.structs.replace(_key(), transport_family="megakernel", ep_size=1)
+    knobs = Knobs(engine="megakernel", mk_bm=16, mk_combine_tokens=8)
+
+    def measured(lat: float) -> ProfileRecord:
+        return ProfileRecord(key=key, knobs=knobs, latency_us=lat, spread_us=1.0, backend="local:megakernel",
+                             provenance="measured", measured_on="fp")
+
+    db = tmp_path / "m.db"
+    with Store(db) as s:
+        assert s.put_profile(measured(100.0))[0]
+    then = {**Knobs().to_dict(), "mk_combine_tokens": 8}  # the defaults of that time (mk_split_k 1 since 8035abb)
+    canon = {n: v for n, v in knobs.to_dict().items() if not (n in MK_KNOBS and v == then[n])}
+    old = hashlib.sha256(msgspec.json.encode({"key": key.to_dict(), "knobs": canon}, order="sorted")).hexdigest()[:16]
+    assert old != profile_hash_of(key, knobs)  # the doubt itself
+    assert old in stored_profile_hashes(key, knobs)
+    con = sqlite3.connect(db)
+    with con:
+        con.execute("UPDATE profiles SET profile_hash = ?", (old,))
+    con.close()
+    with Store(db) as s:
+        ok, why = s.put_profile(measured(150.0))
+        assert ok and "same knobs re-measured" in why, why
+        assert s.get_current(key).latency_us == 150.0
+    # today's and the pre-HASHED_LATE_KNOBS form, each with and without the former default; none for another value
+    assert len(stored_profile_hashes(key, knobs)) == 4
+    assert len(stored_profile_hashes(key, knobs.replace(mk_combine_tokens=2))) == 2
