@@ -218,6 +218,28 @@ def test_a_megakernel_lookup_that_fails_falls_back_to_the_megakernels_default(mo
     assert (res.knobs, res.source, res.family) == (Knobs(), "default", "collective")
 
 
+def test_the_construction_buckets_profile_is_the_buckets_whatever_expected_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiles stored at 128, 1024 and 4096 tokens (`moetune profile`'s default sizes). A layer whose expected_tokens
+    is 1500 (token bucket 2048) installs bucket 2048's profile, the one every other layer resolves for that bucket
+    (4096's: 2048 is as far from 1024 as from 4096, and ties go to the larger). It looked the profile up for 1500
+    exactly, got 1024's and ran it for S of bucket 2048, so S=2048 ran another setting than on a layer built for 4096."""
+    from moetune.runtime.profile_record import nearest_bucket
+
+    use_fake_megakernel(monkeypatch)
+    stored = {128: Knobs(engine="megakernel", mk_bm=16), 1024: Knobs(engine="megakernel", mk_bm=64),
+              4096: Knobs(engine="megakernel", mk_bm=128)}
+    _spy(monkeypatch, lambda kw: stored[nearest_bucket(kw["max_tokens"], list(stored))]
+         if kw["transport_family"] == "megakernel" else Knobs())
+    x = torch.randn(2048, BF16.hidden).to(torch.bfloat16)
+    ran = []
+    for expected in (1500, 4096):
+        layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=torch.bfloat16,
+                         expected_tokens=expected)
+        layer(x)
+        ran.append((layer.engine_buckets[2048], layer.megakernel.launched[-1].bm))
+    assert ran[0] == ran[1] == (stored[4096], 128), ran
+
+
 def test_megakernel_decode_bucket_split_k_applies_on_a_prefill_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode bucket's split-K (mk_split_k) applies on a layer whose construction profile has none: the layer
     grows its partial buffers for it (MegakernelMoE._reserve_split; run 185 had it refused and warned)."""

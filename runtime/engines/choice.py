@@ -70,10 +70,14 @@ def choose_engine(layer: MoELayer, engine: str | None, knobs: Knobs | None, max_
             wanted = knobs.replace(engine="megakernel")
     elif engine == "megakernel" or (world1 and problem() is None):
         if world1:
+            from moetune.runtime.profile_record import nearest_bucket
             from moetune.runtime.profiles.autoload import autoload_profile
 
-            # under the buffer's options, as the buffer's own lookup: the layer's options end to end
-            resolution = autoload_profile(model=layer.model, ep_size=1, nodes=1, max_tokens=layer.expected_tokens,
+            # under the buffer's options, as the buffer's own lookup: the layer's options end to end. For the token
+            # bucket of expected_tokens, as every other bucket is looked up (MegakernelEngine.resolve): the profile is
+            # installed for that bucket, and the count itself may be nearer another stored bucket than the bucket is
+            resolution = autoload_profile(model=layer.model, ep_size=1, nodes=1,
+                                          max_tokens=nearest_bucket(layer.expected_tokens),
                                           device=layer.device, transport_family=_mk.ENGINE_FAMILY, dtype=layer.dtype,
                                           options=layer.buffer.options)
             profiled = True
