@@ -78,12 +78,13 @@ class MegakernelEngine(MoEEngine):
             if why is not None and profiled and knobs != _DEFAULT_KNOBS:
                 # a stored profile the kernel refuses for this shape (one from before a kernel upgrade) is not
                 # applied, as another bucket's is not (`install`): its bucket runs the defaults, the engine stays
-                warnings.warn(f"moetune: the megakernel profile for token bucket {_bucket_of(layer.expected_tokens)} "
-                              f"is not applied ({why}); launches of that bucket run the megakernel's defaults",
-                              RuntimeWarning, stacklevel=4)
-                knobs = _DEFAULT_KNOBS
-                config = MegakernelConfig.from_knobs(knobs, options)
-                why = _mk.limits_problem(layer.model, max_tokens, config)
+                # (where the defaults are refused too, the layer's shape or max_tokens is: the profile's reason stands)
+                default = MegakernelConfig.from_knobs(_DEFAULT_KNOBS, options)
+                if _mk.limits_problem(layer.model, max_tokens, default) is None:
+                    warnings.warn(f"moetune: the megakernel profile for token bucket "
+                                  f"{_bucket_of(layer.expected_tokens)} is not applied ({why}); launches of that "
+                                  "bucket run the megakernel's defaults", RuntimeWarning, stacklevel=4)
+                    knobs, config, why = _DEFAULT_KNOBS, default, None
             if why is None and profiled:
                 # scratch sized for any bucket's tiles (_scratch_knobs); the construction bucket's own config is
                 # installed for its bucket below, the others on their first call
