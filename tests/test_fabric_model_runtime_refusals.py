@@ -82,3 +82,16 @@ def test_nvlink_beyond_the_one_sided_world_limit_is_refused() -> None:
         predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 16), k)
     assert e.value.knobs == ("transport",)
     assert predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 8), k).latency_us > 0
+
+
+def test_the_node_proxy_beyond_the_one_sided_world_limit_is_refused() -> None:
+    """nvlink-h200x2's proxy serves the node's own peers (proxy.serves_intra_node): it models the runtime's proxy
+    transport, which refuses more than MAX_WORLD ranks as nvlink does (`_onesided.check_world`). 668bd35b refused
+    nvlink at `-g 16` and left `-k transport=proxy` on the same node predicting a run no runtime takes. A NIC
+    preset's proxy (serves_intra_node false: the Perseus IBRC model across nodes) is not this transport."""
+    k = Knobs(transport="proxy", fence_mode="proxy_drain")
+    with pytest.raises(KnobError, match="at most 8 ranks") as e:
+        predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 16), k)
+    assert e.value.knobs == ("transport",)
+    assert predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 8), k).latency_us > 0
+    assert predict("ndr-ibrc-h100x8", Workload("qwen3-30b", 256, 4, 8), k).latency_us > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import MAX_WORLD, KnobError, Knobs
 from moetune.tuner.fabric_model.params import Params
 from moetune.tuner.fabric_model.phases.nvlink import nvlink_time
 from moetune.tuner.fabric_model.phases.phase import Phase, reduce_us
@@ -133,6 +133,12 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
     ph = Phase()
     S, P, G = w.tokens_per_gpu, w.pes, w.gpus_per_node
     kind = knobs.transport
+    if kind == "proxy" and p.proxy_intra and P > MAX_WORLD:
+        # a proxy serving the node's own peers is the runtime's proxy transport, whose check_world refuses this
+        # as it refuses nvlink (phases/nvlink.py); a NIC preset's proxy across nodes is the Perseus model, not it
+        raise KnobError(f"transport 'proxy' serves at most {MAX_WORLD} ranks on one node (csrc MT_MAX_WORLD) where "
+                        f"it serves the node's own peers (proxy.serves_intra_node), this EP group has {P}: use "
+                        "collective for a larger group", ("transport",))
     tiles = layout == "expert_tiles"
     host_waits = kind == "proxy" and not tiles  # the runtime's proxy transport: host-completed calls
     tb = token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
