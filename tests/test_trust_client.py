@@ -855,6 +855,39 @@ def test_autoload_cache_never_hands_one_devices_resolution_to_another(monkeypatc
         autoload.clear_cache()
 
 
+def test_autoload_passes_over_a_one_sided_profile_beyond_its_world_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvlink and proxy serve at most MAX_WORLD (8) ranks (transports/_onesided.py check_world). A model tune before
+    668bd35b stored nvlink profiles at EP 16 (the model predicted them); served with allow_modelled, autoload handed
+    EPBuffer(knobs=None) an nvlink profile its loaded-knob check then refused with a KnobError, instead of passing it
+    over as it passes over a transport this runtime cannot run (the policy default, with a warning)."""
+    nv = ProfileRecord(key=key(bucket=128), knobs=default_knobs("nvlink"), latency_us=20.0, spread_us=0.1,
+                       backend="model:nvlink-h200x2")
+    why: dict[int, str | None] = {}
+
+    class Client:  # the stored profile, passed through the runtime's own check, as the database path does
+        def resolve(self, *, transport_ok: Callable[[str], str | None], **kw: Any) -> client.Resolution:
+            why[kw["ep_size"]] = problem = transport_ok("nvlink")
+            if problem is None:
+                return client.Resolution(knobs=nv.knobs, source="database", profile_hash=nv.profile_hash,
+                                         status="current", key=nv.key, family="nvlink", provenance="preset")
+            knobs = default_knobs("collective")
+            return client.Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}",
+                                     status="default", family="collective")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(autoload, "ProfileClient", Client)
+    autoload.clear_cache()
+    try:
+        got = {ep: autoload.autoload_profile(model=QWEN, ep_size=ep, nodes=1, max_tokens=128).knobs.transport
+               for ep in (8, 16)}
+        assert got == {8: "nvlink", 16: "collective"}, why
+        assert why[8] is None and "at most 8 ranks" in str(why[16])
+    finally:
+        autoload.clear_cache()
+
+
 def test_own_node_model_beats_a_newer_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With allow_modelled, this node's calibrated model is the prediction to use; a preset (another machine's
     model) only where the node has none. pick_profile alone took the most recently updated fingerprint, so a

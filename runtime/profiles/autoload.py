@@ -13,7 +13,8 @@ Every fallback warns once, naming the sources and why. The whole chain is bounde
 `nodes` is the number of hosts the process group spans: the ranks all-gather a hash of their host name
 (construction is collective already). Counting hosts is exact for any group, where LOCAL_WORLD_SIZE
 describes only the launcher's whole world. A profile whose transport this runtime's registry does not
-have (a served `ibgda` profile) is passed over.
+have (a served `ibgda` profile) is passed over, and so is one whose transport cannot serve the EP group's
+size (nvlink or proxy beyond MAX_WORLD ranks: `transport_world_problem`).
 
 The profile's environment-level settings (NVSHMEM_*, NCCL_*; only those `launcher_env` produces) are
 exported to `os.environ` right away, before any communicator exists. The performance environment a tuned profile
@@ -63,7 +64,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from moetune.runtime.config import client_autoload, config_files
-from moetune.runtime.knobs import Knobs, default_knobs
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
@@ -222,6 +223,26 @@ def runtime_transport_problem(name: str, device: Any = None, options: RuntimeOpt
     return why
 
 
+def transport_world_problem(name: str, world: int) -> str | None:
+    """Why transport `name` cannot serve an EP group of `world` ranks (its `check_world`: nvlink and proxy take at most
+    MAX_WORLD), None when it can or `name` is no transport of this runtime (runtime_transport_problem says that). A
+    stored profile the runtime would refuse so (a model tune before 668bd35b stored nvlink at EP 16) is passed over
+    here, not handed to EPBuffer, whose loaded-knob check raised on it."""
+    if name == MEGAKERNEL_FAMILY:  # not a transport (world 1): no registry import (torch) to say so
+        return None
+    from moetune.runtime.transports.registry import get_transport
+
+    try:
+        cls = get_transport(name)
+    except (KeyError, ImportError, TypeError):
+        return None
+    try:
+        cls.check_world(world)
+    except KnobError as e:
+        return str(e)
+    return None
+
+
 def autoload_profile(
     *,
     model: ModelShape,
@@ -295,7 +316,8 @@ def _resolve(
         try:
             return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
                              transport_family=transport_family,
-                             transport_ok=lambda name: runtime_transport_problem(name, device, options),
+                             transport_ok=lambda name: (runtime_transport_problem(name, device, options)
+                                                        or transport_world_problem(name, ep_size)),
                              options=options)
         finally:
             if own:
