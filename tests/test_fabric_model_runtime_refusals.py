@@ -95,3 +95,18 @@ def test_the_node_proxy_beyond_the_one_sided_world_limit_is_refused() -> None:
     assert e.value.knobs == ("transport",)
     assert predict("nvlink-h200x2", Workload("qwen3-30b", 256, 1, 8), k).latency_us > 0
     assert predict("ndr-ibrc-h100x8", Workload("qwen3-30b", 256, 4, 8), k).latency_us > 0
+
+
+def test_a_model_tune_of_nvlink_beyond_the_world_limit_says_why_it_stored_nothing(tmp_path) -> None:
+    """Since 668bd35b every nvlink trial at EP 16 is infeasible (the model refuses what the runtime refuses), so
+    `tune --backend model -p nvlink-h200x2 --ep-size 16` stores nothing and exits 1; it said only 'no successful
+    trial': the reason, recorded on each pruned trial, was named nowhere (first_error read failed trials only)."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    r = CliRunner().invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p", "nvlink-h200x2",
+                                 "--ep-size", "16", "-n", "2", "--db", str(tmp_path / "p.db"),
+                                 "--storage", f"sqlite:///{tmp_path / 's.db'}"], env={"COLUMNS": "300"})
+    assert r.exit_code == 1, r.output
+    assert "no successful trial (first failure: infeasible:" in r.output and "at most 8 ranks" in r.output, r.output

@@ -329,7 +329,8 @@ class StudyResult:
     default_value: float | None = None
     top: list[Knobs] = field(default_factory=list)
     # the error of the first failed trial (`first_error`), read as the study is summed up: why a study without a
-    # successful trial gave nothing, for the caller to say without loading the study again ("" where none failed)
+    # successful trial gave nothing, for the caller to say without loading the study again (where none failed, the
+    # first infeasible trial's reason; "" where neither is recorded)
     first_error: str = ""
 
 

@@ -67,10 +67,15 @@ def failed_before(study: optuna.Study) -> int:
 
 def first_error(trials: Sequence[optuna.trial.FrozenTrial], cut: set[int]) -> str:
     """The error of the first failed trial (what a user needs to fix), or "" where none is recorded. A trial cut short
-    (its process died, Ctrl-C: its id in `cut`) says nothing of the setting: a real failure's error comes first."""
+    (its process died, Ctrl-C: its id in `cut`) says nothing of the setting: a real failure's error comes first.
+    Where no trial failed, the first infeasible (pruned) trial's reason: a study whose every setting the backend
+    refused (nvlink beyond 8 ranks) said only 'no successful trial'."""
     failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("error")]
     first = next((t for t in failed if not is_interrupted(t, cut)), failed[0] if failed else None)
-    return str(first.user_attrs["error"]) if first is not None else ""
+    if first is not None:
+        return str(first.user_attrs["error"])
+    refused = next((t for t in trials if t.state == TrialState.PRUNED and t.user_attrs.get("infeasible")), None)
+    return f"infeasible: {refused.user_attrs['infeasible']}" if refused is not None else ""
 
 
 def completed(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
