@@ -214,3 +214,32 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
         moe_layer.expert_weights = real
     MoELayer(model, knobs=Knobs(), max_tokens=16)
     return out
+
+
+
+def case_out_of_step(rank: int, world: int, layouts: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+    """_out_of_step for each (transport, dense), in one launch."""
+    return [_out_of_step(rank, transport, dense) for transport, dense in layouts]
+
+
+def _out_of_step(rank: int, transport: str, dense: bool) -> dict[str, Any]:
+    """Rank 1 dispatches twice (an exception between its dispatch and combine, caught, and the next step's dispatch)
+    while the other ranks combine their first dispatch; then, in step again, a valid dispatch and combine on every
+    rank."""
+    model = get_model(MODEL)
+    knobs = default_knobs(transport) if transport != "collective" else Knobs()
+    if transport == "nvlink":
+        register_transport("nvlink", "runtime_cases:GlooResident")
+    buf = EPBuffer(knobs=knobs, model=model, max_tokens=16, dense=dense)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, model.hidden, generator=g)
+    idx = torch.randint(0, model.experts, (8, model.topk), generator=g)
+    w = torch.rand(8, model.topk, generator=g)
+    recv_x, meta, handle = buf.dispatch(x, idx, w)
+    if rank == 1:
+        got = _outcome(lambda: buf.dispatch(x, idx, w))
+    else:
+        got = _outcome(lambda: buf.combine(weighted_rows(recv_x, meta), handle))
+    recv_x, meta, handle = buf.dispatch(x, idx, w)
+    y = buf.combine(weighted_rows(recv_x, meta), handle)
+    return {"step": got, "after": tuple(y.shape)}

@@ -222,3 +222,25 @@ def test_a_layer_failing_to_build_its_weights_on_one_rank_is_an_error_on_every_r
     agreement until the timeout."""
     _raised(layer_arguments, "weights_fail", ("ValueError", "the layer was refused on rank(s) [1]"),
             ("RuntimeError", "out of memory (simulated)"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2])
+def test_a_rank_out_of_step_is_an_error_on_every_rank(world: int) -> None:
+    """A rank that raised between its dispatch and its combine, caught it and dispatched again, while the others
+    combine: both sides ran their input checks' collectives (of other kinds), every rank waited the group's timeout
+    and got gloo's 'Timed out waiting', or without a check gloo aborted. The combine's check now runs the dispatch
+    check's collective, marked, so every rank raises at once, naming the ranks out of step; the group still works."""
+    layouts = [LAYOUTS["packed"], LAYOUTS["dense"]]
+    res = launch(cases.case_out_of_step, world, args=(layouts,), timeout_s=10, join_timeout_s=100,
+                 env={"MOETUNE_AUTOLOAD": "0"})
+    for i, layout in enumerate(("packed", "dense")):
+        one = res[1][i]["step"]
+        assert one[0] == "ValueError" and "out of step" in one[1] and "called combine" in one[1], (layout, one)
+        _at_once(one)
+        for r in (0, *range(2, world)):
+            got = res[r][i]["step"]
+            assert got[0] == "ValueError" and "out of step with rank(s) [1]" in got[1], (layout, r, got)
+            assert "called dispatch" in got[1], (layout, r, got)
+            _at_once(got)
+        assert all(res[r][i]["after"] == (8, 64) for r in range(world)), (layout, res)

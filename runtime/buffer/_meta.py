@@ -30,6 +30,10 @@ _ERRORS: dict[int, str] = {
 }
 _RANGE_ERROR = 10
 _GRAD_ERROR = 11
+# What a combine's input check sends in the slot where a dispatch's check sends its error code (negated, as those
+# are): a rank that dispatches while another combines (out of step) pairs the two checks' collective and reads it
+_COMBINE_OK = 100
+_COMBINE_BAD = 101  # this rank's expert_out is refused
 # runtime/routing.py's routed-input faults as the codes above (its ROUTED_FAULTS; a test checks they match)
 _ROUTED_CODES: dict[str, int] = {"idx_shape": 5, "idx_dtype": 6, "weights_shape": 7, "weights_dtype": 8,
                                  "idx_device": 9, "weights_device": 9}

@@ -90,6 +90,8 @@ from moetune.runtime import _args, csrc_build
 from moetune.runtime._capture import capturing
 from moetune.runtime.buffer._dense import _dense_bounds, _DenseLayout
 from moetune.runtime.buffer._meta import (
+    _COMBINE_BAD,
+    _COMBINE_OK,
     _DTYPE_CODE,
     _ERRORS,
     _GRAD_ERROR,
@@ -652,6 +654,11 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         """Raise the same ValueError story on every rank when any rank reported an input error."""
         if not any(peer_codes.values()):
             return
+        stepped = [r for r, c in peer_codes.items() if c in (_COMBINE_OK, _COMBINE_BAD)]
+        if stepped:  # their combine's check met this dispatch's (see _combine_step_codes)
+            raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: out of step with rank(s) {stepped}: they called "
+                             "combine where this rank called dispatch; every rank must combine each dispatch before "
+                             "its next dispatch (did this rank raise between the two, catch the error and go on?)")
         my_code = peer_codes[self.rank]
         if my_code == _RANGE_ERROR and idx is not None:
             msg = expert_ids_problem(idx, self.model.experts) or _ERRORS[_RANGE_ERROR]
@@ -818,9 +825,39 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         dist.all_gather(got, flag, group=self.group)
         return [r for r, t in enumerate(torch.cat(got).tolist()) if t]
 
+    def _combine_step_codes(self, problem: bool) -> list[int]:
+        """Combine's input check on the collective layouts: every rank's code, through the collective the dispatch's
+        input check runs (packed: the counts exchange's shape; dense: its status all-gather), with _COMBINE_OK or
+        _COMBINE_BAD where a dispatch sends its error code. A rank that raised between its dispatch and its combine
+        and dispatched again (its error caught) pairs its dispatch's check with the others' combine check: both sides
+        raise at once, naming the ranks out of step, instead of waiting in collectives of other kinds until the
+        group's timeout (gloo: 'Timed out waiting'; without matching sizes it aborts the process)."""
+        code = -(_COMBINE_BAD if problem else _COMBINE_OK)
+        if self.dense:
+            got = torch.empty(self.world, dtype=torch.int64, device=self.device)
+            work = self.transport.gather_async(got, torch.full((1,), code, dtype=torch.int64, device=self.device))
+            if work is not None:
+                work.wait()
+            return [-v for v in got.tolist()]
+        blocks = torch.zeros(self.world, self.num_chunks, 2 + self.experts_per_rank, dtype=torch.int64,
+                             device=self.device)
+        blocks[:, :, 0] = code
+        recv = self._exchange_blocks(blocks)
+        return [-v for v in recv[:, 0, 0].tolist()]
+
     def _check_combine(self, expert_out: Any, handle: Handle, rows: int) -> None:
         problem = self._combine_problem(expert_out, handle, rows)
-        bad = self._ranks_with_problem(bool(problem))
+        if self.check_inputs and self.world > 1 and dist.is_initialized() and not self.resident:
+            codes = self._combine_step_codes(bool(problem))
+            stepped = [r for r, c in enumerate(codes) if c not in (_COMBINE_OK, _COMBINE_BAD)]
+            if stepped:
+                raise ValueError(f"EPBuffer.combine on rank {self.rank}: out of step with rank(s) {stepped}: they "
+                                 "called dispatch where this rank called combine; every rank must combine each "
+                                 "dispatch before its next dispatch (did a rank raise between the two, catch the "
+                                 "error and go on?)")
+            bad = [r for r, c in enumerate(codes) if c == _COMBINE_BAD]
+        else:
+            bad = self._ranks_with_problem(bool(problem))
         if problem:
             raise ValueError(f"EPBuffer.combine on rank {self.rank}: {problem}")
         if bad:
