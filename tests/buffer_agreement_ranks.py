@@ -213,6 +213,14 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
     finally:
         moe_layer.expert_weights = real
     MoELayer(model, knobs=Knobs(), max_tokens=16)
+    # the layer's weights changed on rank 1 (.double(), say) after it was built: its forward refuses them
+    layer = MoELayer(model, knobs=Knobs(), max_tokens=16)
+    x = torch.randn(8, model.hidden, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        layer.double()
+    out["weights_changed"] = _outcome(lambda: layer(x))
+    layer.float()
+    out["weights_changed_after"] = tuple(layer(x).shape)  # the group still works
     return out
 
 

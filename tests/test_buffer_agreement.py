@@ -244,3 +244,14 @@ def test_a_rank_out_of_step_is_an_error_on_every_rank(world: int) -> None:
             assert "called dispatch" in got[1], (layout, r, got)
             _at_once(got)
         assert all(res[r][i]["after"] == (8, 64) for r in range(world)), (layout, res)
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_whose_weights_changed_on_one_rank_is_an_error_on_every_rank(
+        layer_arguments: list[dict[str, Any]]) -> None:
+    """Rank 1's layer was made .double() after it was built: its forward refused the weights before the dispatch, on
+    that rank alone, and rank 0 waited in the dispatch until the group's timeout. Rank 1 now takes part in the
+    dispatch's input check with its refusal; afterwards the layer (made .float() again) runs on every rank."""
+    _raised(layer_arguments, "weights_changed", ("ValueError", "reported by rank 1: the layer's weights are not"),
+            ("ValueError", "MoELayer: the layer runs torch.float32 w_gate_up"))
+    assert [r["weights_changed_after"] for r in layer_arguments] == [(8, 64), (8, 64)]

@@ -95,6 +95,7 @@ from moetune.runtime.buffer._meta import (
     _DTYPE_CODE,
     _ERRORS,
     _GRAD_ERROR,
+    _LAYER_STATE_ERROR,
     _RANGE_ERROR,
     _ROUTED_CODES,
     TORCH_DTYPES,
@@ -236,6 +237,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     _closed = False  # close() was called
     transport: EPTransport | None = None  # made by __init__; None only in a constructor that failed before it
     _caller: int | None = None  # the thread inside a call now (`_one_thread`), None between calls
+    _refusal = 0  # the error code this rank's next input check reports whatever the inputs (`refuse_dispatch`)
     _depth = 0  # that thread's nested calls (dispatch calls plan, pack, ...)
 
     def __init__(
@@ -621,6 +623,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     # -- input checks (host-side, no device sync) -----------------------------------------------------
     def _local_check(self, x: Any, topk_idx: Any, topk_weights: Any) -> tuple[int, str]:
+        if self._refusal:
+            return self._refusal, _ERRORS[self._refusal]
         h, k = self.hidden, self.topk
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -645,6 +649,22 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         if why is not None:
             return _GRAD_ERROR, why
         return 0, ""
+
+    def refuse_dispatch(self, error: Exception) -> NoReturn:
+        """For a layer on this buffer whose own check of its state failed on this rank just before its dispatch
+        (MoELayer: its weights no longer what it was built with): run the dispatch's input check with that refusal, so
+        the other ranks, already in their dispatch, raise a ValueError naming this rank instead of waiting there until
+        the group's timeout; then raise `error`. Where the check has no collective (dense and device-resident layouts
+        without check_inputs) only this rank raises, as for a wrong input."""
+        self._refusal = _LAYER_STATE_ERROR
+        try:
+            empty = torch.empty(0, self.topk, device=self.device)
+            self.dispatch(torch.empty(0, self.hidden, dtype=self.dtype, device=self.device), empty.long(), empty)
+        except ValueError:
+            pass  # the check's own story; this rank raises `error`
+        finally:
+            self._refusal = 0
+        raise error
 
     # -- transport adapters -------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ class UnfusedEngine(MoEEngine):
         return None  # torch ops: every device, dtype and group
 
     def forward(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-        self.rebind(layer)
+        self._rebind_all(layer)
         if layer.buffer.world == 1:  # one rank: no exchange (the layer checked x)
             return layer.local_forward(x, *layer.route(x))
         if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != layer.model.hidden
@@ -47,7 +47,7 @@ class UnfusedEngine(MoEEngine):
 
     def forward_routed(self, layer: MoELayer, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
-        self.rebind(layer)
+        self._rebind_all(layer)
         buf = layer.buffer
         if buf.world == 1:  # the layer checked the inputs
             return layer.local_forward(x, topk_idx.long(), topk_weights)
@@ -56,6 +56,16 @@ class UnfusedEngine(MoEEngine):
             return pipelined_moe(buf, x, topk_idx, topk_weights, layer.experts, agree=False)
         recv_x, meta, handle = buf.dispatch(x, topk_idx, topk_weights)
         return buf.combine(layer.experts(recv_x, meta), handle)
+
+    def _rebind_all(self, layer: MoELayer) -> None:
+        """`rebind` before a call; at world > 1 a refusal reaches every rank (through the dispatch's input check), not
+        this rank alone while the others wait in their dispatch."""
+        try:
+            self.rebind(layer)
+        except ValueError as e:
+            if layer.buffer.world == 1:
+                raise
+            layer.buffer.refuse_dispatch(e)
 
     def rebind(self, layer: MoELayer) -> None:
         """Nothing to hand over (the parameters are read at every call), but they must still be what the layer was
