@@ -221,6 +221,13 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
     out["weights_changed"] = _outcome(lambda: layer(x))
     layer.float()
     out["weights_changed_after"] = tuple(layer(x).shape)  # the group still works
+    # rank 1's experts fail between the dispatch and the combine (out of memory: routing sent it the most rows)
+    if rank == 1:
+        layer.experts = lambda *a: oom()
+    out["experts_fail"] = _outcome(lambda: layer(x))
+    if rank == 1:
+        del layer.experts
+    out["experts_fail_after"] = tuple(layer(x).shape)
     return out
 
 

@@ -255,3 +255,13 @@ def test_a_layer_whose_weights_changed_on_one_rank_is_an_error_on_every_rank(
     _raised(layer_arguments, "weights_changed", ("ValueError", "reported by rank 1: the layer's weights are not"),
             ("ValueError", "MoELayer: the layer runs torch.float32 w_gate_up"))
     assert [r["weights_changed_after"] for r in layer_arguments] == [(8, 64), (8, 64)]
+
+
+@pytest.mark.timeout(120)
+def test_a_layers_experts_failing_on_one_rank_is_an_error_on_every_rank(layer_arguments: list[dict[str, Any]]) -> None:
+    """Rank 1's experts raise between its dispatch and its combine (out of memory where the routing sent it the most
+    rows): rank 0 waited in its combine until the group's timeout. With check_inputs rank 1 now takes part in the
+    combine's input check with a refusal, so rank 0 raises at once; afterwards the layer runs on every rank."""
+    _raised(layer_arguments, "experts_fail", ("ValueError", "EPBuffer.combine on rank 0: invalid expert_out on rank(s) [1]"),
+            ("RuntimeError", "out of memory (simulated)"))
+    assert [r["experts_fail_after"] for r in layer_arguments] == [(8, 64), (8, 64)]

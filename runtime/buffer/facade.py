@@ -666,6 +666,18 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self._refusal = 0
         raise error
 
+    def refuse_combine(self, error: Exception, handle: Handle) -> NoReturn:
+        """For a caller whose expert code failed on this rank between `handle`'s dispatch and its combine (MoELayer's
+        experts out of memory): with check_inputs, run the combine's input check with no expert output, so the other
+        ranks, already in their combine, raise a ValueError naming this rank instead of waiting there until the
+        group's timeout; then raise `error`. Without check_inputs the combine has no check: only this rank raises."""
+        if self.check_inputs:
+            try:
+                self.combine(None, handle)  # type: ignore[arg-type]  # refused by the check on every rank
+            except ValueError:
+                pass  # the check's own story; this rank raises `error`
+        raise error
+
     # -- transport adapters -------------------------------------------------------------------------
 
 

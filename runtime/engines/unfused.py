@@ -55,7 +55,11 @@ class UnfusedEngine(MoEEngine):
             # its own experts return one row per received row: no per-chunk agreement (a host sync per chunk)
             return pipelined_moe(buf, x, topk_idx, topk_weights, layer.experts, agree=False)
         recv_x, meta, handle = buf.dispatch(x, topk_idx, topk_weights)
-        return buf.combine(layer.experts(recv_x, meta), handle)
+        try:
+            rows = layer.experts(recv_x, meta)
+        except Exception as e:  # out of memory on the rank the routing sent the most rows, say
+            buf.refuse_combine(e, handle)
+        return buf.combine(rows, handle)
 
     def _rebind_all(self, layer: MoELayer) -> None:
         """`rebind` before a call; at world > 1 a refusal reaches every rank (through the dispatch's input check), not
