@@ -233,8 +233,24 @@ def case_layer_arguments(rank: int, world: int) -> dict[str, Any]:
 
 
 def case_out_of_step(rank: int, world: int, layouts: list[tuple[str, bool]]) -> list[dict[str, Any]]:
-    """_out_of_step for each (transport, dense), in one launch."""
-    return [_out_of_step(rank, transport, dense) for transport, dense in layouts]
+    """_out_of_step for each (transport, dense), then _other_buffers, in one launch."""
+    return [*(_out_of_step(rank, transport, dense) for transport, dense in layouts), _other_buffers(rank)]
+
+
+def _other_buffers(rank: int) -> dict[str, Any]:
+    """Dense layout: rank 1 dispatches on a buffer of max_tokens 16 (decode), the others on one of 32 (prefill), each
+    built on every rank; then every rank on the same buffer."""
+    model = get_model(MODEL)
+    prefill = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=True)
+    decode = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=True)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, model.hidden, generator=g)
+    idx = torch.randint(0, model.experts, (8, model.topk), generator=g)
+    w = torch.rand(8, model.topk, generator=g)
+    got = _outcome(lambda: (decode if rank == 1 else prefill).dispatch(x, idx, w))
+    recv_x, meta, handle = decode.dispatch(x, idx, w)
+    y = decode.combine(weighted_rows(recv_x, meta), handle)
+    return {"step": got, "after": tuple(y.shape)}
 
 
 def _out_of_step(rank: int, transport: str, dense: bool) -> dict[str, Any]:

@@ -244,6 +244,14 @@ def test_a_rank_out_of_step_is_an_error_on_every_rank(world: int) -> None:
             assert "called dispatch" in got[1], (layout, r, got)
             _at_once(got)
         assert all(res[r][i]["after"] == (8, 64) for r in range(world)), (layout, res)
+    # ranks calling different buffers (dense: prefill on some, decode on the others): gloo aborted the process whose
+    # all-gather of the rows got more bytes than its buffer holds; now every rank raises naming them
+    for r in range(world):
+        got = res[r][2]["step"]
+        assert got[0] == "ValueError" and "called another EPBuffer" in got[1], (r, got)
+        assert f"(max_tokens {[32, 16, *[32] * (world - 2)]}, by rank)" in got[1], (r, got)
+        _at_once(got)
+        assert res[r][2]["after"] == (8, 64), res[r]
 
 
 @pytest.mark.timeout(120)

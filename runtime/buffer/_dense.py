@@ -45,6 +45,26 @@ def _dense_bounds(cap: int, n: int, weights: tuple[float, ...] = ()) -> list[int
 class _DenseLayout:
     """EPBuffer's dense-layout steps (a mixin: the state lives on the EPBuffer)."""
 
+    def _dense_status(self: EPBuffer, status: torch.Tensor) -> list[int]:
+        """Every rank's `status` (one int64: the dispatch's or the combine's input check), all-gathered beside its
+        buffer's max_tokens. The rows' all-gather that follows sends max_tokens rows per rank: ranks calling buffers of
+        other sizes (a prefill buffer on some, a decode one on the others) would pair it with one of another size
+        (gloo aborts the process, NCCL reads past the rows), so every rank raises here instead, naming them."""
+        mine = torch.cat([status, torch.full((1,), self.max_tokens, dtype=torch.int64, device=self.device)])
+        got = torch.empty(2 * self.world, dtype=torch.int64, device=self.device)
+        work = self.transport.gather_async(got, mine)
+        if work is not None:
+            work.wait()
+        vals = got.tolist()
+        caps = vals[1::2]
+        other = [r for r, c in enumerate(caps) if c != self.max_tokens]
+        if other:
+            raise ValueError(f"EPBuffer on rank {self.rank}: rank(s) {other} called another EPBuffer (max_tokens "
+                             f"{caps}, by rank) than this rank's (max_tokens {self.max_tokens}); every rank must call "
+                             "the same buffer at the same step (a prefill buffer on some ranks, a decode one on the "
+                             "others?)")
+        return vals[0::2]
+
     def _plan_dense(self: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Handle:
         """Dense layout: write the tokens into the reused send rows; no counts, no host sync (one tiny
         status all-gather and one sync when check_inputs is on)."""
@@ -56,11 +76,8 @@ class _DenseLayout:
             else:
                 ids = comparable_ids(topk_idx)  # torch cannot compare uint16/32/64: read those as int64
                 st = ((ids < 0) | (ids >= e)).sum().reshape(1).to(torch.int64)
-            got = torch.empty(w, dtype=torch.int64, device=self.device)
-            work = self.transport.gather_async(got, st)
-            if work is not None:
-                work.wait()
-            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
+            vals = self._dense_status(st)
+            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(vals)}
             self._raise_errors(codes, msg, topk_idx if code == 0 else None)
         elif code:
             # unchecked mode: only this rank knows (the others wait in the collective until its timeout)

@@ -866,11 +866,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         group's timeout (gloo: 'Timed out waiting'; without matching sizes it aborts the process)."""
         code = -(_COMBINE_BAD if problem else _COMBINE_OK)
         if self.dense:
-            got = torch.empty(self.world, dtype=torch.int64, device=self.device)
-            work = self.transport.gather_async(got, torch.full((1,), code, dtype=torch.int64, device=self.device))
-            if work is not None:
-                work.wait()
-            return [-v for v in got.tolist()]
+            return [-v for v in self._dense_status(torch.full((1,), code, dtype=torch.int64, device=self.device))]
         blocks = torch.zeros(self.world, self.num_chunks, 2 + self.experts_per_rank, dtype=torch.int64,
                              device=self.device)
         blocks[:, :, 0] = code
