@@ -421,7 +421,12 @@ def test_the_storage_check_leaves_no_connection_open(pg_url: str) -> None:
     try:
         check_storage(pg_url, True)
         check_storage(pg_url, True, create=False)
-        assert _connections(pg_url) == before  # was: 2 more
+        # a closed connection's backend leaves pg_stat_activity when it has exited, a moment after the close (CI at
+        # 836c947 counted one still exiting): a pooled connection kept open stays there (was: 2 more)
+        deadline = time.monotonic() + 5
+        while (n := _connections(pg_url)) != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert n == before
     finally:
         gc.enable()
 
