@@ -203,18 +203,21 @@ def profile_hash_of(key: ProfileKey, knobs: Knobs) -> str:
     return _hash_of(key, knobs.canonical())  # stable across new knobs (Knobs.canonical)
 
 
-def stored_profile_hashes(key: ProfileKey, knobs: Knobs) -> tuple[str, ...]:
+def stored_profile_hashes(key: ProfileKey, knobs: Knobs, *, former: bool = True) -> tuple[str, ...]:
     """Every profile_hash a stored row of key + knobs may carry, today's (`profile_hash_of`) first, then the one a
     moetune from before `knobs.HASHED_LATE_KNOBS` wrote (`Knobs.legacy_canonical`), where such a row can exist, and for a
     megakernel setting holding a former default (`knobs.FORMER_MK_DEFAULTS`) the forms without it. What
     the store compares a stored hash with: stored hashes are never rewritten (migrations' downgrade events name rows
-    by them)."""
+    by them). A form without a former default is also today's hash of the setting at today's default (another
+    setting): a caller matches it with the row's stored knobs (`_rows.row_holds_knobs`); `former=False` leaves those
+    forms out (a hash a caller holds is a stored one or today's, never such a form of another row's knobs)."""
     legacy = knobs.legacy_canonical()
     forms = [knobs.canonical()] + ([] if legacy is None else [legacy])
     # a megakernel setting stored while a knob's default was what it holds (FORMER_MK_DEFAULTS) was hashed without
     # that knob (canonical() leaves megakernel knobs out at the defaults of its time); today's hash covers it
-    former = [n for n, v in FORMER_MK_DEFAULTS.items() if knobs.engine == "megakernel" and getattr(knobs, n) == v]
-    drops = [set(c) for r in range(1, len(former) + 1) for c in itertools.combinations(former, r)]
+    former_at = [n for n, v in FORMER_MK_DEFAULTS.items()
+                 if former and knobs.engine == "megakernel" and getattr(knobs, n) == v]
+    drops = [set(c) for r in range(1, len(former_at) + 1) for c in itertools.combinations(former_at, r)]
     forms += [{n: v for n, v in f.items() if n not in drop} for drop in drops for f in list(forms)]
     return tuple(dict.fromkeys(_hash_of(key, f) for f in forms))
 

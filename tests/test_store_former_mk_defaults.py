@@ -121,3 +121,41 @@ def test_a_megakernel_rows_re_measurement_is_the_same_knobs(tmp_path: Path) -> N
     # today's and the pre-HASHED_LATE_KNOBS form, each with and without the former default; none for another value
     assert len(stored_profile_hashes(key, knobs)) == 4
     assert len(stored_profile_hashes(key, knobs.replace(mk_combine_tokens=2))) == 2
+
+
+@pytest.mark.parametrize("former", sorted(OLD))
+def test_a_former_default_form_is_not_another_rows_todays_hash(tmp_path: Path, former: str) -> None:
+    """The form of a megakernel setting without its former default (mk_combine_tokens 8, mk_split_k 2) is today's hash
+    of the setting at today's default of that knob: another setting. A stored row of today's default and a new best
+    that holds the former value (a re-tune choosing mk_combine_tokens 8) are other knobs, compared by their numbers:
+    a slower new best keeps the stored row out of being replaced as 'the same knobs re-measured'."""
+    key = msgspec.structs.replace(_key(), transport_family="megakernel", ep_size=1)
+    today = Knobs(engine="megakernel", mk_bm=16)
+    other = today.replace(**{former: OLD[former]})
+
+    def measured(knobs: Knobs, lat: float) -> ProfileRecord:
+        return ProfileRecord(key=key, knobs=knobs, latency_us=lat, spread_us=1.0, backend="local:megakernel",
+                             provenance="measured", measured_on="fp")
+
+    with Store(tmp_path / "m.db") as s:
+        assert s.put_profile(measured(today, 100.0))[0]
+        ok, why = s.put_profile(measured(other, 150.0))
+        assert not ok and "same knobs" not in why, why
+        assert s.get_current(key).knobs == today
+
+
+def test_a_hash_names_its_own_row_not_one_holding_a_former_default(tmp_path: Path) -> None:
+    """`provenance_of(key, hash)` (what `moetune query` labels a served profile with) finds the row of that hash: a row
+    holding mk_combine_tokens 8 stored today carries today's hash with 8, and the form without it is another setting's
+    (mk_combine_tokens 0) today's hash, which named the row of 8 where it came first."""
+    key = msgspec.structs.replace(_key(), transport_family="megakernel", ep_size=1)
+    today = Knobs(engine="megakernel", mk_bm=16)
+    other = today.replace(mk_combine_tokens=8)
+    with Store(tmp_path / "m.db") as s:
+        # the setting of today's default, modelled (superseded), then the one of 8, measured (current)
+        assert s.put_profile(ProfileRecord(key=key, knobs=today, latency_us=100.0, spread_us=1.0,
+                                           backend="model:node:fp", provenance="node_model", measured_on="fp"))[0]
+        assert s.put_profile(ProfileRecord(key=key, knobs=other, latency_us=150.0, spread_us=1.0,
+                                           backend="local:megakernel", provenance="measured", measured_on="fp"))[0]
+        assert s.provenance_of(key, profile_hash_of(key, other))[0] == "measured"
+        assert s.provenance_of(key, profile_hash_of(key, today))[0] == "node_model"

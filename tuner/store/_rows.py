@@ -110,14 +110,30 @@ def records(rows: Any, unreadable: list[tuple[int, str]] | None = None) -> list[
 def holds_profile(key: ProfileKey, stored_hash: str, knobs_text: str | None, profile_hash: str) -> bool:
     """Whether a stored row of `key` (its profile_hash column, its knobs JSON as text) is the profile `profile_hash`
     names: the same hash as stored, or one of the forms its key + knobs may carry (`stored_profile_hashes`): a caller
-    holds today's hash, a row stored before knobs.HASHED_LATE_KNOBS the older one. Unreadable knobs: the column only."""
+    holds today's hash, a row stored before knobs.HASHED_LATE_KNOBS the older one. Unreadable knobs: the column only.
+    Not the forms without a former megakernel default: such a form of these knobs is today's hash of another setting
+    (at today's default), and a row stored with it says so in its column."""
     if stored_hash == profile_hash:
         return True
     try:
         knobs = Knobs.from_stored(msgspec.json.decode(knobs_text or "null"))
     except (KnobError, ValueError, TypeError, msgspec.DecodeError):
         return False
-    return profile_hash in stored_profile_hashes(key, knobs)
+    return profile_hash in stored_profile_hashes(key, knobs, former=False)
+
+
+def row_holds_knobs(key: ProfileKey, stored_hash: str, knobs_text: str | None, knobs: Knobs) -> bool:
+    """Whether a stored row of `key` (its profile_hash column, its knobs JSON as text) is a row of `knobs`: its hash
+    one of the forms they may carry (`stored_profile_hashes`) and, where readable, its knobs those. The form without a
+    former megakernel default (mk_combine_tokens 8) is also today's hash of the setting at today's default (0): only
+    the row's knobs tell which of the two it holds. Unreadable knobs: the hash alone."""
+    if stored_hash not in stored_profile_hashes(key, knobs):
+        return False
+    try:
+        held = Knobs.from_stored(msgspec.json.decode(knobs_text or "null"))
+    except (KnobError, ValueError, TypeError, msgspec.DecodeError):
+        return True
+    return held == knobs
 
 
 def key_filter(key: ProfileKey | Profile) -> list[Any]:
@@ -137,6 +153,7 @@ def current_of(key: ProfileKey) -> Select[Any]:
         Profile.profile_hash,
         Profile.routing,
         Profile.updated,
+        type_coerce(Profile.knobs, String).label("knobs"),  # which setting a hash of two forms is (row_holds_knobs)
         type_coerce(Profile.perf_env, String).label("perf_env"),
         type_coerce(Profile.runtime_options, String).label("runtime_options"),
         Profile.runtime_options_digest,
@@ -234,7 +251,7 @@ def decide(
             "metric",
         )
     # the stored hash as written: a row from before the knobs knobs.HASHED_LATE_KNOBS holds the older form
-    same_knobs = (old.profile_hash in stored_profile_hashes(new.key, new.knobs)
+    same_knobs = (row_holds_knobs(new.key, old.profile_hash, old.knobs, new.knobs)
                   and (old.backend, old.measured_on) == (new.backend, new.measured_on))
     if same_knobs and newer:
         if ((old.latency_us, old.spread_us) == (new.latency_us, new.spread_us) and _same_perf_env(old, new)

@@ -528,7 +528,8 @@ _IN_BATCH = 500  # values in one IN (...): SQLite builds limited to 999 bound pa
 # `_already_stored` matches on, JSON ones as the text stored
 _STORED_COLUMNS = (Profile.id, Profile.status, Profile.profile_hash, Profile.created, Profile.latency_us,
                    Profile.spread_us, Profile.backend, Profile.provenance, Profile.measured_on, Profile.routing,
-                   Profile.updated, type_coerce(Profile.perf_env, String).label("perf_env"),
+                   Profile.updated, type_coerce(Profile.knobs, String).label("knobs"),
+                   type_coerce(Profile.perf_env, String).label("perf_env"),
                    type_coerce(Profile.runtime_options, String).label("runtime_options"),
                    Profile.runtime_options_digest,
                    type_coerce(Profile.software_versions, String).label("software_versions"))
