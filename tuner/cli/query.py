@@ -271,6 +271,15 @@ def env_notes(res: Resolution) -> list[str]:
     return notes
 
 
+def lookup_tokens(tokens: int, family: str | None) -> int:
+    """The token count the runtime looks `family`'s profile up for, serving `tokens`: the megakernel layer installs
+    one profile per token bucket, looked up for the bucket (MegakernelEngine.resolve, choose_engine), and `tokens`
+    may be nearer another stored bucket than its bucket is; an EP buffer looks up its max_tokens itself."""
+    from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, nearest_bucket
+
+    return nearest_bucket(tokens) if family == MEGAKERNEL_FAMILY else tokens
+
+
 def print_json(obj: Any) -> None:
     typer.echo(msgspec.json.encode(obj).decode())
 
@@ -332,7 +341,8 @@ def register(app: typer.Typer) -> None:
             if said is not None:
                 client_log.addFilter(said)
             try:
-                res = client.resolve(model=shape, ep_size=ep, tokens=tokens, nodes=nodes, transport_family=family)
+                res = client.resolve(model=shape, ep_size=ep, tokens=lookup_tokens(tokens, family), nodes=nodes,
+                                     transport_family=family)
             finally:
                 if said is not None:
                     client_log.removeFilter(said)
