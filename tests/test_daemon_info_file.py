@@ -64,10 +64,17 @@ def test_a_deeply_nested_json_file_in_the_runtime_dir_is_not_ours(tmp_path: Path
     run = _run(tmp_path)
     nested = "[" * 200_000 + "]" * 200_000
     (run / name).write_text(nested)
+    # daemon.json's record is read only to tell whether a daemon.json marked as ours is ours: without such a file
+    # beside it, the record was never parsed and this case passed with the RecursionError uncaught
+    marked = json.dumps({"written_by": INFO_MARK}) + "\n"
+    if name == ".daemon.json.moetune-owner":
+        (run / "daemon.json").write_text(marked)
     d = _daemon(tmp_path).start(background=True)
     d.stop()
     if name == "daemon.json":
         assert (run / name).read_text() == nested
+    elif name == ".daemon.json.moetune-owner":  # no readable record names it: not ours, left alone
+        assert (run / "daemon.json").read_text() == marked
 
 
 def test_our_daemon_json_is_replaced_and_kept_at_a_clean_exit(tmp_path: Path) -> None:
