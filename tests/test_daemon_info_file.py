@@ -77,6 +77,20 @@ def test_a_deeply_nested_json_file_in_the_runtime_dir_is_not_ours(tmp_path: Path
         assert (run / "daemon.json").read_text() == marked
 
 
+def test_a_deeply_nested_owner_record_of_a_dead_socket_proves_nothing(tmp_path: Path) -> None:
+    """The socket's record is parsed to tell whether a dead socket left at the socket name is ours (to remove it):
+    the case above has no socket there, so that read was never made. Nested too deeply, it proves nothing: the
+    socket is refused as one no record shows ours, not a RecursionError out of the start."""
+    import socket
+
+    run = _run(tmp_path)
+    with socket.socket(socket.AF_UNIX) as s:  # a dead socket: bound, then closed, its file left behind
+        s.bind(str(run / "daemon.sock"))
+    (run / ".daemon.sock.moetune-owner").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(DaemonConfigError, match="dead socket that no record shows this daemon created"):
+        _daemon(tmp_path).start(background=True)
+
+
 def test_our_daemon_json_is_replaced_and_kept_at_a_clean_exit(tmp_path: Path) -> None:
     run = _run(tmp_path)
     for _ in range(2):  # the second daemon replaces the first one's file
