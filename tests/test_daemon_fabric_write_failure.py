@@ -132,6 +132,9 @@ def test_a_failed_change_whose_index_another_thread_rebuilt_serves_again_when_th
                 t = threading.Thread(target=d._rebuild)  # a job's end (`_job_done`) on the jobs thread, meanwhile
                 t.start()
                 t.join(10)
+                # the case needs the rebuild done during the write: one still running would leave it unmet (a pass
+                # whatever the product did) and race the rest of the test
+                assert not t.is_alive(), "the job's rebuild did not end within 10 s"
                 raise StoreBusy("the database was locked by another process for 30 s (simulated)")
             return real(**kw)
 
