@@ -91,6 +91,42 @@ class GlooResident(EPTransport):
 
 
 
+class CountWordResident(GlooResident):
+    """GlooResident whose exchange_counts carries each count as the one-sided kernels' count word does
+    (csrc/mt_common.h `count_word` / `counts_received`): a count outside 0..2^39-1 (a negative one included) is
+    refused, sent marked and received as 0 rows, and both sides record the refusal, which their next exchange raises
+    (`OneSidedError`, as `check()` does). A GPU-less model of nvlink's and proxy's counts exchange."""
+
+    MASK = (1 << 39) - 1
+
+    def __init__(self, group, knobs, device, **kw):
+        super().__init__(group, knobs, device, **kw)
+        self.refusal = ""
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        from moetune.runtime.transports._onesided import OneSidedError
+
+        if self.refusal:
+            raise OneSidedError(self.refusal)
+        sc = send_counts.to(torch.int64)
+        refused = (sc < 0) | (sc > self.MASK)
+        words = torch.stack([torch.where(refused, torch.zeros_like(sc), sc), refused.to(torch.int64)], dim=1)
+        got = torch.empty_like(words)
+        torch.distributed.all_to_all_single(got, words.contiguous(), group=self.group)
+        if bool(refused.any()):
+            self.refusal = f"rank {self.rank}: exchange_counts: a count outside 0..{self.MASK}: {sc.tolist()}"
+        elif bool(got[:, 1].any()):
+            self.refusal = f"rank {self.rank}: a peer refused its send counts: {got[:, 1].tolist()}"
+        return got[:, 0].contiguous()
+
+    def exchange(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        from moetune.runtime.transports._onesided import OneSidedError
+
+        if self.refusal:
+            raise OneSidedError(self.refusal)
+        return super().exchange(send, send_counts, recv_counts)
+
+
 class UnavailableResident(GlooResident):
     """GlooResident that says it cannot run (the rank of a test where one rank lacks what the transport needs); its
     constructor would fail before the collectives it shares with the other ranks."""
@@ -159,7 +195,10 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: b
     """Rank `bad_rank` passes a bad input; every rank must raise ValueError (no hang). After each error the
     group must still work (a good dispatch/combine follows)."""
     model = get_model("custom:64,32,8,2,float32")
-    if transport == "nvlink":
+    if transport == "nvlink_words":  # the resident layout over the kernels' count words (CountWordResident)
+        register_transport("nvlink", "runtime_cases:CountWordResident")
+        transport = "nvlink"
+    elif transport == "nvlink":
         use_resident_stand_in()
     buf = EPBuffer(knobs=default_knobs(transport), model=model, max_tokens=32, dense=dense)
     msgs: dict[str, str] = {}
@@ -437,3 +476,29 @@ def case_unchecked_bad_ids(rank: int, world: int, dense: bool) -> tuple[str, flo
         return "ok", float((y - x * w.sum(1, keepdim=True)).abs().max())
     finally:
         buf.close()
+
+
+def case_gpu_resident_bad_input(rank: int, world: int) -> dict[str, list]:
+    """On the real one-sided kernels (nvlink, proxy): rank `world - 1` dispatches an x of the wrong shape with
+    check_inputs; what each rank raised, then the shape a good dispatch and combine gave (the group still works)."""
+    model = get_model("custom:64,32,8,2,float32")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    out: dict[str, list] = {}
+    for name in ("nvlink", "proxy"):
+        buf = EPBuffer(knobs=default_knobs(name), model=model, max_tokens=32, device=device, dense=False)
+        try:
+            x, idx, w = (t.to(device) for t in make_inputs(rank, model, 8, "uniform", 0))
+            bad = torch.randn(8, 65, device=device) if rank == world - 1 else x
+            try:
+                buf.dispatch(bad, idx, w)
+                got = ["NO ERROR", ""]
+            except Exception as e:
+                got = [type(e).__name__, str(e)[:400]]
+            recv_x, _meta, handle = buf.dispatch(x, idx, w)
+            y = buf.combine(recv_x.contiguous(), handle)
+            torch.cuda.synchronize(device)
+            out[name] = [*got, list(y.shape)]
+        finally:
+            buf.close()
+    return out

@@ -311,3 +311,26 @@ if __name__ == "__main__":  # standalone runner for boxes without pytest
                 failed += 1
                 print(f"FAIL {n}{p}\n{traceback.format_exc()[-3000:]}")
     sys.exit(1 if failed else 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the one-sided counts kernels)")
+def test_epbuffer_resident_input_check_over_the_real_counts_exchange() -> None:
+    """The device-resident layout's input check sends its status through exchange_counts, whose kernels refuse a
+    count outside 0..2^39-1. It sent the negated error code: refused, read back as 0 (no error) on every rank, so the
+    rank with the wrong x went on to pack it (a RuntimeError) and its peers raised OneSidedError. Now the code itself
+    travels: a ValueError on every rank, and the next call runs. World 1 here, 2 where two GPUs are."""
+    sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the worker by name
+    import runtime_cases
+
+    from moetune.runtime.testing.selftest import spawn_world
+
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    res = spawn_world(runtime_cases.case_gpu_resident_bad_input, world, timeout_s=200)
+    _record({"test": "epbuffer-resident-bad-input", "world": world, "result": res})
+    for rank, r in enumerate(res):
+        assert isinstance(r, dict) and "error" not in r, (rank, r)
+        for name in ("nvlink", "proxy"):
+            kind, msg, shape = r[name]
+            assert kind == "ValueError", (rank, name, r[name])
+            assert ("x must have shape" in msg) if rank == world - 1 else (f"rank {world - 1}" in msg), (rank, name, msg)
+            assert shape == [8, 64], (rank, name, r[name])

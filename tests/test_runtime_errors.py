@@ -28,10 +28,15 @@ EXPECT = {
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("dense", "transport"), [(False, "collective"), (True, "collective"), (False, "nvlink")],
-                         ids=["packed", "dense", "resident"])
+@pytest.mark.parametrize(("dense", "transport"), [(False, "collective"), (True, "collective"), (False, "nvlink"),
+                                                   (False, "nvlink_words")],
+                         ids=["packed", "dense", "resident", "resident-count-words"])
 def test_bad_input_on_one_rank_is_an_error_on_every_rank(dense: bool, transport: str) -> None:
-    """resident: the one-sided transports' device-resident layout, through a gloo stand-in (GlooResident)."""
+    """resident: the one-sided transports' device-resident layout, through a gloo stand-in (GlooResident);
+    resident-count-words: the same over a stand-in whose counts exchange is the kernels' (CountWordResident: a
+    count outside 0..2^39-1 is refused, received as 0, and the next exchange raises OneSidedError). The status
+    the input check sends there was the negated error code: refused, so the other ranks read 0 (no error) and
+    raised OneSidedError in the exchange after, the bad rank too, and none a ValueError."""
     kinds = list(runtime_cases.BAD_INPUTS)
     t0 = time.monotonic()
     # A short process-group timeout: should anything hang, the collective raises instead of blocking.

@@ -45,13 +45,16 @@ class _ResidentLayout:
         w, e = self.world, self.model.experts
         code, msg = self._local_check(x, topk_idx, topk_weights)
         if self.check_inputs:
+            # the status travels as a count (the error code itself, 0 when none): the one-sided counts exchange
+            # refuses a count outside 0..2^39-1 (csrc/mt_common.h count_word), and a refused one arrives as 0 rows
             if code:
-                st = torch.full((w,), -code, dtype=torch.int64, device=self.device)
+                st = torch.full((w,), code, dtype=torch.int64, device=self.device)
             else:
                 ids = comparable_ids(topk_idx)  # torch cannot compare uint16/32/64: read those as int64
-                st = ((ids < 0) | (ids >= e)).sum().reshape(1).to(torch.int64).expand(w).contiguous()
+                bad = ((ids < 0) | (ids >= e)).any().reshape(1).to(torch.int64)
+                st = (bad * _RANGE_ERROR).expand(w).contiguous()
             got = self.transport.exchange_counts(st)
-            codes = {r: (-v if v < 0 else (_RANGE_ERROR if v > 0 else 0)) for r, v in enumerate(got.tolist())}
+            codes = dict(enumerate(got.tolist()))
             self._raise_errors(codes, msg, topk_idx if code == 0 else None)
         elif code:
             raise ValueError(f"EPBuffer.dispatch on rank {self.rank}: {msg}")
