@@ -274,3 +274,37 @@ def _out_of_step(rank: int, transport: str, dense: bool) -> dict[str, Any]:
     recv_x, meta, handle = buf.dispatch(x, idx, w)
     y = buf.combine(weighted_rows(recv_x, meta), handle)
     return {"step": got, "after": tuple(y.shape)}
+
+
+class OwnLaneCollective:
+    """Made in `_own_lane_transport` (the transport classes import torch.distributed state lazily)."""
+
+
+def _own_lane_transport() -> None:
+    """Route `collective` to a stand-in whose dense collectives run on a communicator of each buffer's own (a gloo
+    group made per transport), as host_staged's copy-engine path does on a GPU (its staging rings are per buffer):
+    two buffers' collectives never meet there, only those on the EP group do."""
+    import torch.distributed as dist
+
+    from moetune.runtime.transports import collective
+
+    class _OwnLane(collective.CollectiveTransport):
+        def __init__(self, group: Any, knobs: Any, device: Any, **kw: Any) -> None:
+            super().__init__(group, knobs, device, **kw)
+            self.lane = dist.new_group(backend="gloo", timeout=collective._group_timeout(group, self.device))
+
+        def gather_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0) -> Any:
+            return collective._ALL_GATHER(out, inp, group=self.lane, async_op=True)
+
+        def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, *, channel: int = 0) -> Any:
+            return collective._REDUCE_SCATTER(out, inp, group=self.lane, async_op=True)
+
+    global OwnLaneCollective
+    OwnLaneCollective = _OwnLane  # type: ignore[misc]
+    register_transport("collective", "buffer_agreement_ranks:OwnLaneCollective")
+
+
+def case_other_buffers_own_lanes(rank: int, world: int) -> dict[str, Any]:
+    """_other_buffers over a transport whose dense collectives run on each buffer's own communicator."""
+    _own_lane_transport()
+    return _other_buffers(rank)

@@ -502,3 +502,31 @@ def case_gpu_resident_bad_input(rank: int, world: int) -> dict[str, list]:
         finally:
             buf.close()
     return out
+
+
+def case_gpu_host_staged_other_buffers(rank: int, world: int) -> dict:
+    """On CUDA, host_staged through the copy engines, dense layout with check_inputs: rank 1 dispatches on a buffer of
+    max_tokens 16 (decode), the others on one of 32 (prefill), both built on every rank; what each raised and how
+    long it took, whether the copy-engine path ran, then the shape a dispatch and combine on one buffer gave."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = get_model("custom:64,32,8,2,bfloat16")
+    knobs = default_knobs("host_staged")
+    prefill = EPBuffer(knobs=knobs, model=model, max_tokens=32, device=dev, dense=True)
+    decode = EPBuffer(knobs=knobs, model=model, max_tokens=16, device=dev, dense=True)
+    try:
+        x, idx, w = (t.to(dev) for t in make_inputs(rank, model, 8, "uniform", 0))
+        x = x.to(torch.bfloat16)
+        t0 = time.monotonic()
+        try:
+            (decode if rank == 1 else prefill).dispatch(x, idx, w)
+            got = ["NO ERROR", ""]
+        except Exception as e:
+            got = [type(e).__name__, str(e)[:400]]
+        got.append(time.monotonic() - t0)
+        recv_x, _meta, handle = decode.dispatch(x, idx, w)
+        y = decode.combine(recv_x.contiguous(), handle)
+        torch.cuda.synchronize(dev)
+        return {"native": bool(decode.transport.native), "step": got, "after": list(y.shape)}
+    finally:
+        prefill.close()
+        decode.close()

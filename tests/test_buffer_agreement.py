@@ -273,3 +273,20 @@ def test_a_layers_experts_failing_on_one_rank_is_an_error_on_every_rank(layer_ar
     _raised(layer_arguments, "experts_fail", ("ValueError", "EPBuffer.combine on rank 0: invalid expert_out on rank(s) [1]"),
             ("RuntimeError", "out of memory (simulated)"))
     assert [r["experts_fail_after"] for r in layer_arguments] == [(8, 64), (8, 64)]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_calling_other_buffers_meet_where_the_rows_move_on_each_buffers_own_communicator() -> None:
+    """The dense status (with max_tokens) must pair across two buffers: host_staged's copy-engine gather, which it
+    went through, moves between one buffer's staging rings only, so a rank on the decode buffer and one on the
+    prefill buffer waited for each other until the timeout (on a GPU the wait's watchdog, then the uninitialised
+    status read as codes). Modelled on CPU by a transport whose dense collectives run on a gloo group of each
+    buffer's own: the status now goes over the EP group, and every rank raises at once, naming them."""
+    res = launch(cases.case_other_buffers_own_lanes, 2, timeout_s=10, join_timeout_s=100,
+                 env={"MOETUNE_AUTOLOAD": "0"})
+    for r in range(2):
+        got = res[r]["step"]
+        assert got[0] == "ValueError" and "called another EPBuffer" in got[1], (r, got)
+        assert "(max_tokens [32, 16], by rank)" in got[1], (r, got)
+        _at_once(got)
+        assert res[r]["after"] == (8, 64), res[r]

@@ -89,3 +89,23 @@ def test_grouped_mm_forced_on_a_gpu_runs_or_is_refused_at_construction() -> None
             with pytest.raises(ValueError, match=r"use_grouped_mm=True, but torch\._grouped_mm does not run"):
                 MoELayer(model, None, Knobs(), use_grouped_mm=True, **args)
         loop.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_host_staged_dense_ranks_on_other_buffers_raise_at_once() -> None:
+    """The dense layout's status (with each rank's max_tokens) went through the transport's gather: on host_staged's
+    copy-engine path that moves between one buffer's staging rings only, so a rank dispatching on the decode buffer
+    and one on the prefill buffer each waited for a peer that never posted (the watchdog's timeout, then the
+    uninitialised status read as codes, the rings out of step). Over the EP group they meet: a ValueError naming
+    them on every rank at once, and the decode buffer still runs."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    res = launch(runtime_cases.case_gpu_host_staged_other_buffers, 2, backend="nccl", timeout_s=60,
+                 join_timeout_s=280, env={"MOETUNE_ONESIDED_TIMEOUT_S": "10", "NCCL_P2P_DISABLE": "1"})
+    for rank, rep in enumerate(res):
+        assert rep["native"], rep  # the copy-engine path (the NCCL fallback's gather is on the EP group anyway)
+        kind, msg, seconds = rep["step"]
+        assert kind == "ValueError" and "(max_tokens [32, 16], by rank)" in msg, (rank, rep)
+        assert seconds < 5, (rank, rep)
+        assert rep["after"] == [8, 64], (rank, rep)

@@ -10,11 +10,13 @@ import itertools
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from moetune.runtime.buffer._meta import _RANGE_ERROR, Handle, _Chunk
 from moetune.runtime.buffer.layout_choice import equal_chunk_bounds
 from moetune.runtime.knobs import KnobError
 from moetune.runtime.routing import comparable_ids
+from moetune.runtime.transports.collective import _ALL_GATHER
 
 if TYPE_CHECKING:
     from moetune.runtime.buffer.facade import EPBuffer
@@ -47,14 +49,18 @@ class _DenseLayout:
 
     def _dense_status(self: EPBuffer, status: torch.Tensor) -> list[int]:
         """Every rank's `status` (one int64: the dispatch's or the combine's input check), all-gathered beside its
-        buffer's max_tokens. The rows' all-gather that follows sends max_tokens rows per rank: ranks calling buffers of
+        buffer's max_tokens on the EP group. The rows' all-gather that follows sends max_tokens rows per rank: ranks calling buffers of
         other sizes (a prefill buffer on some, a decode one on the others) would pair it with one of another size
         (gloo aborts the process, NCCL reads past the rows), so every rank raises here instead, naming them."""
         mine = torch.cat([status, torch.full((1,), self.max_tokens, dtype=torch.int64, device=self.device)])
         got = torch.empty(2 * self.world, dtype=torch.int64, device=self.device)
-        work = self.transport.gather_async(got, mine)
-        if work is not None:
-            work.wait()
+        if self.world > 1 and dist.is_initialized():
+            # on the EP group, not through the transport: host_staged's copy-engine gather moves between one
+            # buffer's staging rings only, so ranks on two buffers would never meet there (each waits until its
+            # timeout); the group is every buffer's, as the packed layout's counts exchange is
+            _ALL_GATHER(got, mine, group=self.group)
+        else:
+            got.copy_(mine)
         vals = got.tolist()
         caps = vals[1::2]
         other = [r for r, c in enumerate(caps) if c != self.max_tokens]
