@@ -257,11 +257,19 @@ def profile(
     from moetune.tuner.cli._run_lock import close_orphaned_runs, hold_run_lock, refuse_serving_daemon
 
     if flow.measures:
+        from moetune.tuner.cli.tune_storage import check_storage
+        from moetune.tuner.search.storage import default_storage_url
+
         refuse_serving_daemon(db_file)
         # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
         hold_run_lock(db_file, ctx)
+        # the studies file the tune stage opens, checked as `tune` checks it: opened only at that stage, a file there
+        # that is not a database, or a newer Optuna's, failed after the microbenchmarks and calibration
+        studies = default_storage_url(db_file)
+        check_storage(studies, False, create=False, storage_option=False)  # refused: no profile database created
         _cfg, store = _open(db, config)
         close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
+        check_storage(studies, False, storage_option=False)
     else:
         from moetune.tuner.store.store import Store
 

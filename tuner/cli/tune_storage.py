@@ -30,11 +30,13 @@ BUSY_MARKERS = ("database is locked", "database table is locked", "already exist
 Problem = tuple[Literal["busy", "denied", "full", ""], str]  # storage_problem's answer
 
 
-def storage_failed(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> NoReturn:
+def storage_failed(url: str, given: bool, e: BaseException, problem: Problem | None = None, *,
+                   storage_option: bool = True) -> NoReturn:
     """Exit with `_storage_error`'s message: 1 where nothing is wrong in what was given (the storage is busy: a re-run
-    works; this user may not write the file or its folder; the disk under it is full), 2 otherwise."""
+    works; this user may not write the file or its folder; the disk under it is full), 2 otherwise.
+    `storage_option`: the command has a --storage option (`profile` has none: its messages do not offer one)."""
     problem = problem or storage_problem(url, e)
-    _fail(_storage_error(url, given, e, problem), 1 if problem[0] else 2)
+    _fail(_storage_error(url, given, e, problem, storage_option=storage_option), 1 if problem[0] else 2)
 
 
 def read_failed(url: str, given: bool, e: BaseException) -> NoReturn:
@@ -107,9 +109,15 @@ def disk_full(url: str, e: BaseException) -> tuple[str, str] | None:
     return None
 
 
-def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | None = None) -> str:
+def _default_studies(storage_option: bool) -> str:
+    """How a message names the default studies file: by the option that replaces it, where the command has one."""
+    return "the default --storage, beside the profile database" if storage_option else "beside the profile database"
+
+
+def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | None = None, *,
+                   storage_option: bool = True) -> str:
     """The error for a study storage that cannot be opened, naming --storage (or the default studies file).
-    `problem`: `storage_problem(url, e)` where the caller has it already."""
+    `problem`: `storage_problem(url, e)` where the caller has it already. `storage_option`: as `storage_failed`."""
     from moetune.tuner.search.storage import sqlite_path
 
     kind, reason = problem or storage_problem(url, e)  # reason: the denial's, the full disk's
@@ -134,11 +142,13 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
         return (f"{where}: {reason}; free space there{check}, then run the same command again: the study resumes "
                 "(the trials the file holds are kept)")
     if kind == "denied":
-        return f"--storage {redacted(url)}: {reason}" if given else f"the studies file (the default --storage): {reason}"
+        return (f"--storage {redacted(url)}: {reason}" if given else
+                f"the studies file ({_default_studies(storage_option)}): {reason}")
     if given:
         return f"--storage {redacted(url)}: cannot open the study storage ({type(e).__name__}: {why})"
-    return (f"the studies file {path or redacted(url)} (the default --storage, beside the profile database) cannot be "
-            f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside or pass --storage")
+    return (f"the studies file {path or redacted(url)} ({_default_studies(storage_option)}) cannot be "
+            f"opened ({type(e).__name__}: {why}); it is left as it is: move it aside"
+            + (" or pass --storage" if storage_option else ""))
 
 
 def server_lost(url: str, e: BaseException) -> str | None:
@@ -182,11 +192,12 @@ def refuse_memory(storage: str, why: str) -> None:
               "(postgresql://...)")
 
 
-def check_storage(url: str, given: bool, *, create: bool = True) -> None:
+def check_storage(url: str, given: bool, *, create: bool = True, storage_option: bool = True) -> None:
     """Open the study storage once before anything runs: a bad URL, a folder or a file that is not a database is
     one clear error, not a traceback from Optuna or SQLAlchemy. `create` False: only what can be checked without
     creating anything (`refuse_storage`: a URL that does not parse, another program's file, a missing folder),
-    before the profile database is created (a refused storage leaves no new --db file behind)."""
+    before the profile database is created (a refused storage leaves no new --db file behind). `storage_option`: the
+    command has a --storage option (`profile`, which opens the default studies file, has none)."""
     import warnings
 
     from moetune.tuner.search.storage import (
@@ -211,9 +222,9 @@ def check_storage(url: str, given: bool, *, create: bool = True) -> None:
                 refuse_storage(url)
     except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
         _fail(f"--storage {redacted(url)}: {e}" if given
-              else f"the studies file (the default --storage, beside the profile database): {e}", e.exit_code)
+              else f"the studies file ({_default_studies(storage_option)}): {e}", e.exit_code)
     except Exception as e:  # SQLAlchemy / sqlite3 / a missing driver / Optuna's schema check: all mean "cannot open"
-        storage_failed(url, given, e)
+        storage_failed(url, given, e, storage_option=storage_option)
 
 
 def read_config(config: Path | None, *, measuring: bool = False):

@@ -1,0 +1,80 @@
+"""`moetune profile` checks its studies file before any stage runs, as `moetune tune` does.
+
+The bring-up opened the studies file (`NAME-studies.db` beside the database) only when the tune stage began: a file
+there that is not a database, a folder, or a file of a newer Optuna's schema failed after discovery, the
+microbenchmarks and the calibration (minutes on a GPU node), with a traceback or Optuna's own message followed by
+"finished stages are kept; run the same command again to continue", which only failed the same way again. The message offers no --storage: that is `tune`'s option, not `profile`'s.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+CAPTURES = Path(__file__).parent / "captures"
+
+
+@pytest.fixture
+def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.fabric import discovery
+
+    ran: list[Any] = []
+
+    def run(self: Any) -> dict:
+        ran.append(self)
+        return {"calibrate": {}, "compare": [], "report": "r.md"}
+
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    # the capture stands for this node (a capture of another node measures nothing and opens no studies file)
+    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
+    return ran
+
+
+def _profile(db: Path, tmp_path: Path):
+    from moetune.tuner.cli import app
+
+    return CliRunner().invoke(app, ["profile", "--capture", str(CAPTURES / "h200x1"), "--db", str(db)],
+                              env={"COLUMNS": "400", "MOETUNE_HOME": str(tmp_path)})
+
+
+def _newer_optuna_file(path: Path) -> None:
+    """A studies file whose Optuna schema revision this Optuna does not know (written by a newer one)."""
+    import optuna
+
+    optuna.storages.RDBStorage(f"sqlite:///{path}").engine.dispose()
+    con = sqlite3.connect(path)
+    con.execute("UPDATE alembic_version SET version_num = 'v99.0.0.a'")
+    con.commit()
+    con.close()
+
+
+@pytest.mark.parametrize("kind", ["not a database", "folder", "newer optuna"])
+def test_a_bad_studies_file_is_refused_before_any_stage(tmp_path: Path, fake_run: list[Any], kind: str) -> None:
+    db = tmp_path / "m.db"
+    studies = tmp_path / "m-studies.db"
+    if kind == "not a database":
+        studies.write_text("not sqlite\n")
+    elif kind == "folder":
+        studies.mkdir()
+    else:
+        _newer_optuna_file(studies)
+    r = _profile(db, tmp_path)
+    said = " ".join(r.output.split())
+    assert r.exit_code in (1, 2), said
+    assert "studies file" in said and str(studies) in said, said
+    assert "--storage" not in said, said  # `tune`'s option: `profile` has none
+    assert "Traceback" not in said and (r.exception is None or isinstance(r.exception, SystemExit)), said
+    assert fake_run == []  # refused up front: no stage ran
+    if kind == "not a database":  # found without opening it for Optuna: before the profile database is made
+        assert not db.exists()
+
+
+def test_a_good_studies_file_runs(tmp_path: Path, fake_run: list[Any]) -> None:
+    r = _profile(tmp_path / "m.db", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert len(fake_run) == 1
