@@ -78,3 +78,63 @@ def test_a_good_studies_file_runs(tmp_path: Path, fake_run: list[Any]) -> None:
     r = _profile(tmp_path / "m.db", tmp_path)
     assert r.exit_code == 0, r.output
     assert len(fake_run) == 1
+
+
+def _disk_full() -> sqlite3.OperationalError:
+    return sqlite3.OperationalError("database or disk is full")
+
+
+def _storage_internal() -> None:
+    """Optuna's wrapping of a commit that failed on a full disk."""
+    import optuna
+
+    try:
+        raise _disk_full()
+    except sqlite3.OperationalError as e:
+        raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from e
+
+
+def _should_not_reach() -> None:
+    """What Optuna's `_run_trial` raises when the trial's end could not be stored: the full disk only in its context."""
+    try:
+        _storage_internal()
+    except Exception:
+        raise AssertionError("Should not reach.")  # as Optuna raises it: the failure only in its context
+
+
+@pytest.mark.parametrize("fail", [_storage_internal, _should_not_reach])
+def test_a_full_disk_under_the_studies_file_while_tuning_says_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                         fake_run: list[Any], fail: Any) -> None:
+    """The studies file's disk filled up during the tune stage: a traceback (StorageInternalError, or Optuna's
+    AssertionError "Should not reach."), exit 1. Now exit 1 naming the folder, free space and run it again, as `tune`
+    says it; the finished stages are kept."""
+    from moetune.tuner.bringup import flow
+
+    def run(self: Any) -> dict:
+        fail()
+        return {}
+
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    r = _profile(tmp_path / "m.db", tmp_path)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1, said
+    assert "Traceback" not in said and (r.exception is None or isinstance(r.exception, SystemExit)), said
+    assert f"the studies file {tmp_path / 'm-studies.db'}: the disk holding {tmp_path} is full" in said, said
+    assert "free space there" in said and "--storage" not in said, said
+
+
+def test_another_optuna_error_while_tuning_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       fake_run: list[Any]) -> None:
+    import optuna
+
+    from moetune.tuner.bringup import flow
+
+    def run(self: Any) -> dict:
+        raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+
+    monkeypatch.setattr(flow.Bringup, "run", run)
+    r = _profile(tmp_path / "m.db", tmp_path)
+    said = " ".join(r.output.split())
+    assert r.exit_code in (1, 2), said
+    assert "Traceback" not in said and (r.exception is None or isinstance(r.exception, SystemExit)), said
+    assert "StorageInternalError" in said and "finished stages and trials are kept" in said, said

@@ -255,17 +255,17 @@ def profile(
     if no_cuda:  # every measurement would start NCCL ranks that fail in init: refused up front
         _fail(no_cuda)
     from moetune.tuner.cli._run_lock import close_orphaned_runs, hold_run_lock, refuse_serving_daemon
+    from moetune.tuner.search.storage import default_storage_url
 
+    studies = default_storage_url(db_file)  # the studies file the tune stage opens
     if flow.measures:
         from moetune.tuner.cli.tune_storage import check_storage
-        from moetune.tuner.search.storage import default_storage_url
 
         refuse_serving_daemon(db_file)
         # one measuring run per database at a time (a second `profile` or a `tune`): the second refuses at once
         hold_run_lock(db_file, ctx)
-        # the studies file the tune stage opens, checked as `tune` checks it: opened only at that stage, a file there
-        # that is not a database, or a newer Optuna's, failed after the microbenchmarks and calibration
-        studies = default_storage_url(db_file)
+        # checked as `tune` checks it: opened only at the tune stage, a file there that is not a database, or a newer
+        # Optuna's, failed after the microbenchmarks and calibration
         check_storage(studies, False, create=False, storage_option=False)  # refused: no profile database created
         _cfg, store = _open(db, config)
         close_orphaned_runs(store)  # rows of runs killed before they ended: `interrupted`, not `running` forever
@@ -316,6 +316,18 @@ def profile(
                   write_error_code(e))
         except (ValueError, KnobError, RuntimeError) as e:
             _fail(f"{e} (finished stages are kept; {again} to continue)")
+        except Exception as e:  # the studies file failed under the tune stage (Optuna's and SQLite's errors)
+            from moetune.tuner.cli._interrupt import interrupt_behind
+            from moetune.tuner.cli.tune_storage import tuning_storage_failed
+
+            if interrupt_behind(e) is not None:  # raised while an interrupt unwound: the interrupt, said as one
+                raise
+            # a full disk, a file this user may not write: exit 1 naming the file, as `tune` says it
+            tuning_storage_failed(studies, False, e, storage_option=False)
+            if isinstance(e, optuna.exceptions.OptunaError):
+                _fail(f"the tuning stopped on an Optuna error ({type(e).__name__}: {e}) (finished stages and trials "
+                      f"are kept; {again} to continue)")
+            raise
     rows = done.get("compare") or []
     failed = flow.failures()
     if as_json:  # a failed run's time is NaN: null here (JSON has no NaN; `NaN` broke jq and every strict reader)

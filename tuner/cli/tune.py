@@ -50,15 +50,13 @@ from moetune.tuner.cli.tune_notes import (
 from moetune.tuner.cli.tune_storage import (
     STORAGE_EMPTY,
     check_storage,
-    disk_full,
     open_store,
     read_config,
     redacted,
     refuse_memory,
     server_lost,
-    storage_failed,
-    storage_problem,
     storage_url,
+    tuning_storage_failed,
 )
 
 app = typer.Typer(help="Optuna searches over the EP knobs (`moetune tune --model M ...`; `moetune tune show`).",
@@ -381,10 +379,7 @@ def tune(
                 policy_override=policy, routing=routing, local_options=local_opts, node_model=node_model,
                 on_trial=count, plan=plan)  # check_tune's plan: built (and its warnings said) once
         except Exception as e:
-            from sqlite3 import Error as SqliteError
-
             import optuna
-            from sqlalchemy.exc import SQLAlchemyError
 
             if interrupt_behind(e) is not None:  # raised while an interrupt unwound: no failure, the interrupt
                 raise
@@ -397,18 +392,8 @@ def tune(
                 _fail(lost, 1)  # nothing given was wrong: the same command resumes
             if isinstance(e, ValueError | OSError):
                 _fail(str(e))
-            if isinstance(e, SQLAlchemyError | SqliteError):  # the study storage failed while tuning
-                storage_failed(url, storage is not None, e)
-            cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
-            if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError):
-                problem = storage_problem(url, cause)
-                if problem[0]:
-                    storage_failed(url, storage is not None, cause, problem)
-            # a full disk under the studies file, however Optuna passed it on: a StorageInternalError, or the
-            # AssertionError ("Should not reach.") its `_run_trial` raises when the trial's end could not be stored
-            full = disk_full(url, e)
-            if full is not None:
-                storage_failed(url, storage is not None, e, storage_problem(url, e))
+            # the study storage failed while tuning (a full disk under it too, however Optuna passed it on)
+            tuning_storage_failed(url, storage is not None, e)
             if isinstance(e, optuna.exceptions.OptunaError):  # e.g. a trial another process finished meanwhile
                 _fail(f"the tune stopped on an Optuna error ({type(e).__name__}: {e}); the finished trials are kept "
                       f"in {redacted(url)}: run the same command again to resume")

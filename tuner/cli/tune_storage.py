@@ -39,6 +39,28 @@ def storage_failed(url: str, given: bool, e: BaseException, problem: Problem | N
     _fail(_storage_error(url, given, e, problem, storage_option=storage_option), 1 if problem[0] else 2)
 
 
+def tuning_storage_failed(url: str, given: bool, e: BaseException, *, storage_option: bool = True) -> None:
+    """Exit as `storage_failed` where `e`, raised while tuning, is the study storage's failure: SQLAlchemy's or
+    SQLite's error, Optuna's wrapping of one this user cannot fix by a re-run alone (busy, not writable, full), or a
+    full disk under the studies file however Optuna passed it on (a StorageInternalError, or the AssertionError
+    "Should not reach." its `_run_trial` raises when the trial's end could not be stored). Returns for anything
+    else. `storage_option`: as `storage_failed` (`tune` and `profile` share this)."""
+    from sqlite3 import Error as SqliteError
+
+    import optuna
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if isinstance(e, SQLAlchemyError | SqliteError):
+        storage_failed(url, given, e, storage_option=storage_option)
+    cause = e.__cause__ or e.__context__  # Optuna's StorageInternalError wraps SQLite's "readonly", "locked"
+    if isinstance(e, optuna.exceptions.OptunaError) and isinstance(cause, SQLAlchemyError | SqliteError):
+        problem = storage_problem(url, cause)
+        if problem[0]:
+            storage_failed(url, given, cause, problem, storage_option=storage_option)
+    if disk_full(url, e) is not None:
+        storage_failed(url, given, e, storage_problem(url, e), storage_option=storage_option)
+
+
 def read_failed(url: str, given: bool, e: BaseException) -> NoReturn:
     """`tune show`'s read failed. Optuna wraps SQLAlchemy's errors (StorageInternalError "...invalid data in the
     commit..."): the chain says what happened. A writer changed the file under the read (DatabaseChanged, after the
