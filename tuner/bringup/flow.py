@@ -215,9 +215,11 @@ class BringupState:
                     self.data["study_tag"] = old["study_tag"]
                 if old.get("done") and old.get("fingerprint") == fingerprint:  # said, never silently dropped
                     was = old.get("plan") if isinstance(old.get("plan"), dict) else {}
-                    changed = sorted(k for k, v in asdict(plan).items() if was.get(k) != v)
+                    now = asdict(plan)
+                    # the keys of both: a key only the earlier plan has (another moetune version's) was named nowhere
+                    changed = sorted(k for k in {*now, *was} if was.get(k) != now.get(k))
                     self.dropped = (f"the plan differs from the one its finished stages ran ({', '.join(changed)}; "
-                                    "a moetune upgrade can change a plan's defaults): starting over")
+                                    "another moetune version can change a plan's keys and defaults): starting over")
 
     def done(self, stage: str) -> bool:
         """Whether `stage` finished with no failed part (one with failed parts runs again on a rerun)."""
