@@ -34,3 +34,19 @@ def test_a_key_only_this_plan_has_is_named(tmp_path: Path) -> None:
 def test_a_changed_value_is_named_as_before(tmp_path: Path) -> None:
     said = _state(tmp_path / "moetune-bringup-ab12.json", {"trials": 99})
     assert "(trials;" in said, said
+
+
+def test_a_folder_at_the_state_files_name_is_refused_up_front(tmp_path: Path) -> None:
+    """A folder where the state file goes was 'read' as an unreadable state ("starting over"), and the first save,
+    after the discover stage, failed "Is a directory ... (finished stages are kept; run the same command again to
+    continue)": every rerun failed the same way. Now a ValueError naming it before any stage (the CLI: exit 2)."""
+    import pytest
+
+    from moetune.tuner.bringup.flow import BringupState, Plan
+
+    path = tmp_path / "moetune-bringup-ab12.json"
+    path.mkdir()
+    with pytest.raises(ValueError, match="not a file"):
+        BringupState(path, "ab12", Plan.quick(), db="moetune.db")
+    # a capture of another node neither reads nor saves a state: nothing to refuse
+    assert BringupState(path, "ab12", Plan.quick(), persist=False, db="moetune.db").data["done"] == {}

@@ -190,6 +190,10 @@ class BringupState:
         # persist=False (a capture of another node, nothing measured): neither resumed nor saved, so its skipped
         # stages are never taken as done by a later bring-up on the node itself
         self.persist = persist
+        if persist and path.exists() and not path.is_file():
+            # read as an unreadable state it was "started over", and its first save failed after a stage ran
+            raise ValueError(f"{path}: the bring-up state file's name is taken by something that is not a file (a "
+                             "folder?): move it aside")
         if persist and path.exists():
             try:
                 old = json.loads(path.read_text())
