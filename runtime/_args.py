@@ -90,16 +90,20 @@ def check_group(group: Any, who: str = "") -> None:
                         f"{type(group).__name__}")
 
 
-def grad_problem(who: str, **tensors: Any) -> str | None:
+def grad_problem(who: str, *, noun: str = "", fix: str = "pass detached tensors", **tensors: Any) -> str | None:
     """Why a call of `who` (a forward-only op: no backward) must not take these tensors now, or None: grad mode is on
     and one of them requires grad, so autograd would expect the output to carry a gradient back to it, and the output
     comes back detached instead (the gradient silently stops there). Grad mode off (torch.no_grad, inference_mode, an
-    autograd.Function's forward, whose backward is the caller's) takes them."""
+    autograd.Function's forward, whose backward is the caller's) takes them. `noun` ("parameter") goes before the
+    names, `fix` is the way out named after no_grad and inference_mode."""
     if not torch.is_grad_enabled():
         return None
     wanted = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
     if not wanted:
         return None
-    return (f"{' and '.join(wanted)} require{'s' if len(wanted) == 1 else ''} grad, but {who} is forward-only (no "
-            "backward: its output would silently carry no gradient back); call it under torch.no_grad() or "
-            "torch.inference_mode(), or pass detached tensors")
+    one = len(wanted) == 1
+    names = wanted[0] if one else f"{', '.join(wanted[:-1])} and {wanted[-1]}"
+    if noun:
+        names = f"{noun}{'' if one else 's'} {names}"
+    return (f"{names} require{'s' if one else ''} grad, but {who} is forward-only (no backward: its output would "
+            f"silently carry no gradient back); call it under torch.no_grad() or torch.inference_mode(), or {fix}")

@@ -8,7 +8,8 @@ Experts are SwiGLU FFNs, the form of Qwen3-MoE, gpt-oss and DeepSeek-V3 experts:
 The local experts run as two grouped GEMMs (`torch._grouped_mm` over the rows sorted by local expert)
 where torch has it and it works for this device and dtype (probed once, checked against a plain matmul),
 otherwise as a loop over experts. The layer is forward-only (inference): parameters do not require grad, and an
-input that requires grad in grad mode is refused (its output would silently carry no gradient back).
+input or a parameter (`layer.requires_grad_()`) that requires grad in grad mode is refused (its output would silently
+carry no gradient back).
 
 The layer checks its arguments and inputs, holds the weights and the EP buffer, and hands every call to ONE
 engine (`runtime/engines/`), chosen at construction (the knob `engine`, or `engine=` here): `unfused` runs the
@@ -419,6 +420,20 @@ class MoELayer(nn.Module):
         if why is not None:
             raise ValueError(why)
 
+    def _refuse_parameter_grad(self) -> None:
+        """ValueError where grad mode is on and a parameter requires grad (`layer.requires_grad_()`, a training loop):
+        the layer runs with grad mode off, so its output would come back detached and the parameters' gradient
+        silently None. At world > 1 every rank hears it through the dispatch's input check (`refuse_dispatch`), not
+        this rank alone while the others wait in their dispatch. Host-side flags only: no sync."""
+        why = _args.grad_problem("MoELayer", noun="parameter", fix="layer.requires_grad_(False)",
+                                 **dict(self.named_parameters(recurse=False)))
+        if why is None:
+            return
+        error = ValueError(f"MoELayer: {why}")
+        if self.buffer.world == 1:
+            raise error
+        self.buffer.refuse_dispatch(error, grad=True)
+
     def forward_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The layer with given routing (benchmarks inject uniform/Zipf routing here): topk_idx integer [S, topk]
         expert ids in [0, experts), distinct within a token where the megakernel runs, topk_weights floating [S,
@@ -431,6 +446,7 @@ class MoELayer(nn.Module):
             self._check_local(x, topk_idx, topk_weights)
             if grad is not None:
                 raise ValueError(f"MoELayer: {grad}")
+        self._refuse_parameter_grad()
         # grad mode off for the call; at world > 1 it stays on where the inputs want a gradient, so that the EP
         # buffer's input check refuses them on every rank (raising here would leave the others waiting in dispatch)
         with torch.set_grad_enabled(grad is not None):
@@ -445,6 +461,7 @@ class MoELayer(nn.Module):
             self._check_x(x)
             if grad is not None:
                 raise ValueError(f"MoELayer: {grad}")
+        self._refuse_parameter_grad()
         with torch.set_grad_enabled(grad is not None):  # as in forward_routed: the EP buffer refuses it at world > 1
             return self._engine.forward(self, x)
 

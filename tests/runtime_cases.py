@@ -530,3 +530,25 @@ def case_gpu_host_staged_other_buffers(rank: int, world: int) -> dict:
     finally:
         prefill.close()
         decode.close()
+
+
+def case_layer_param_grad(rank: int, world: int, dense: bool) -> dict[str, str]:
+    """Rank 1's layer has parameters that require grad (`layer.requires_grad_()`, as a training loop does), grad mode
+    on: every rank must raise ValueError (no hang, no silently detached output), and the layer works again once they
+    no longer do."""
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=dense)
+    layer = MoELayer(model, max_tokens=16, buffer=buf, engine="unfused")
+    x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+    msgs: dict[str, str] = {}
+    for kind in ("forward", "forward_routed"):
+        layer.requires_grad_(rank == 1)
+        t0 = time.monotonic()
+        try:
+            layer(x) if kind == "forward" else layer.forward_routed(x, idx, w)
+            msgs[kind] = "NO ERROR"
+        except ValueError as e:
+            msgs[kind] = f"{time.monotonic() - t0:.2f}s {e}"
+        layer.requires_grad_(False)
+        layer(x)  # the group still works
+    return msgs

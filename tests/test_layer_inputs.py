@@ -1378,3 +1378,25 @@ def test_grouped_mm_forced_is_kept_when_the_probe_runs_out_of_memory(monkeypatch
     monkeypatch.setattr(moe_layer, "_grouped_mm_probe", oom)
     assert _unfused(use_grouped_mm=True).use_grouped_mm is True
     assert _unfused().use_grouped_mm is False  # None: the loop, as before (and the next layer probes again)
+
+
+def test_parameters_that_want_a_gradient_are_refused(fake_mk) -> None:
+    """`layer.requires_grad_()` (or a training loop setting requires_grad on w_gate_up, w_down, gate) in grad mode:
+    the output came back detached, the parameters' gradient silently None. Named at the call now; grad mode off or
+    the parameters back to requires_grad=False runs."""
+    idx, w = _picks(3), torch.full((3, TINY.topk), 0.5)
+    for layer in (_unfused(), _mk_layer()):
+        x = _x(3)
+        layer.requires_grad_()
+        with pytest.raises(ValueError, match=r"MoELayer: parameters w_gate_up, w_down and gate require grad, but "
+                                             r"MoELayer is forward-only .*requires_grad_\(False\)"):
+            layer(x)
+        layer.gate.requires_grad_(False)
+        with pytest.raises(ValueError, match=r"MoELayer: parameters w_gate_up and w_down require grad"):
+            layer.forward_routed(x, idx, w)
+        with torch.no_grad():
+            assert layer(x).shape == x.shape
+        with torch.inference_mode():
+            assert layer.forward_routed(x, idx, w).shape == x.shape
+        layer.requires_grad_(False)
+        assert layer(x).shape == x.shape

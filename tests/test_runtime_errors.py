@@ -69,6 +69,21 @@ def test_a_layer_input_that_wants_a_gradient_on_one_rank_is_an_error_on_every_ra
                 "rank 1" in msg, (rank, kind, msg)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("dense", [False, True], ids=["packed", "dense"])
+def test_layer_parameters_that_want_a_gradient_on_one_rank_are_an_error_on_every_rank(dense: bool) -> None:
+    """A layer whose parameters require grad (`layer.requires_grad_()`) in grad mode came back detached (no backward):
+    refused; at world > 1 through the dispatch's input check (EPBuffer.refuse_dispatch), so the other ranks raise at
+    once instead of waiting in their dispatch."""
+    res = launch(runtime_cases.case_layer_param_grad, 2, args=(dense,), timeout_s=10, join_timeout_s=80)
+    for rank, msgs in enumerate(res):
+        for kind, msg in msgs.items():
+            assert msg != "NO ERROR", (rank, kind)
+            assert float(msg.split("s ", 1)[0]) < 5.0, (rank, kind, msg)
+            assert ("parameters w_gate_up, w_down and gate require grad" in msg) if rank == 1 else \
+                ("rank 1" in msg and "parameters require grad" in msg), (rank, kind, msg)
+
+
 @pytest.mark.timeout(60)
 def test_ranks_with_different_knobs_refuse_to_build() -> None:
     res = launch(runtime_cases.case_knob_mismatch, 2, timeout_s=10, join_timeout_s=50)

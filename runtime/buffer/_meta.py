@@ -28,10 +28,12 @@ _ERRORS: dict[int, str] = {
     10: "topk_idx holds expert ids out of range",
     11: "x or topk_weights requires grad in grad mode (dispatch is forward-only)",
     12: "the layer's weights are not what it was built with (that rank's error says which)",
+    13: "the layer's parameters require grad in grad mode (the layer is forward-only)",
 }
 _RANGE_ERROR = 10
 _GRAD_ERROR = 11
 _LAYER_STATE_ERROR = 12  # a layer refused its own state before the dispatch (EPBuffer.refuse_dispatch)
+_LAYER_GRAD_ERROR = 13  # a layer refused its parameters that require grad (EPBuffer.refuse_dispatch(grad=True))
 # What a combine's input check sends in the slot where a dispatch's check sends its error code (negated, as those
 # are): a rank that dispatches while another combines (out of step) pairs the two checks' collective and reads it
 _COMBINE_OK = 100

@@ -95,6 +95,7 @@ from moetune.runtime.buffer._meta import (
     _DTYPE_CODE,
     _ERRORS,
     _GRAD_ERROR,
+    _LAYER_GRAD_ERROR,
     _LAYER_STATE_ERROR,
     _RANGE_ERROR,
     _ROUTED_CODES,
@@ -650,13 +651,14 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return _GRAD_ERROR, why
         return 0, ""
 
-    def refuse_dispatch(self, error: Exception) -> NoReturn:
+    def refuse_dispatch(self, error: Exception, *, grad: bool = False) -> NoReturn:
         """For a layer on this buffer whose own check of its state failed on this rank just before its dispatch
-        (MoELayer: its weights no longer what it was built with): run the dispatch's input check with that refusal, so
-        the other ranks, already in their dispatch, raise a ValueError naming this rank instead of waiting there until
-        the group's timeout; then raise `error`. Where the check has no collective (dense and device-resident layouts
-        without check_inputs) only this rank raises, as for a wrong input."""
-        self._refusal = _LAYER_STATE_ERROR
+        (MoELayer: its weights no longer what it was built with; with `grad`, its parameters require grad in grad
+        mode): run the dispatch's input check with that refusal, so the other ranks, already in their dispatch, raise
+        a ValueError naming this rank instead of waiting there until the group's timeout; then raise `error`. Where
+        the check has no collective (dense and device-resident layouts without check_inputs) only this rank raises,
+        as for a wrong input."""
+        self._refusal = _LAYER_GRAD_ERROR if grad else _LAYER_STATE_ERROR
         try:
             empty = torch.empty(0, self.topk, device=self.device)
             self.dispatch(torch.empty(0, self.hidden, dtype=self.dtype, device=self.device), empty.long(), empty)
