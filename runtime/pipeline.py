@@ -82,9 +82,9 @@ def _pipelined(buffer: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_w
 
 def _expert_rows(buffer: EPBuffer, expert_fn: ExpertFn, recv_x: torch.Tensor, meta: RecvMeta, handle: Handle,
                  rows: int, pending: list[Any], agree: bool) -> torch.Tensor:
-    """expert_fn's output for one chunk, checked as combine checks expert_out (shape, dtype, device). With `agree`
-    the ranks agree on whether any rank's expert_fn failed before this chunk's combine, so they all raise instead
-    of the others waiting in it; `pending` (work every rank posted) finishes first, leaving the group usable."""
+    """expert_fn's output for one chunk, checked as combine checks expert_out (shape, dtype, device, requires grad
+    in grad mode). With `agree` the ranks agree on whether any rank's expert_fn failed before this chunk's combine,
+    so they all raise instead of the others waiting in it; `pending` (work every rank posted) finishes first, leaving the group usable."""
     failure: Exception | None = None
     out: Any = None
     try:

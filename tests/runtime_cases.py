@@ -187,7 +187,7 @@ def case_equivalence(rank: int, world: int, configs: list[dict]) -> list[dict]:
 
 
 BAD_INPUTS = ("x_shape", "x_dtype", "idx_range", "idx_negative", "idx_shape", "weights_shape", "too_many", "combine_shape",
-              "x_grad")
+              "x_grad", "combine_grad")
 
 
 def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: bool | None = None,
@@ -229,6 +229,9 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: b
             recv_x, _meta, handle = buf.dispatch(x, idx, w)
             if kind == "combine_shape":
                 eo = recv_x if rank != bad_rank else recv_x[:, :10]
+                buf.combine(eo.contiguous(), handle)
+            elif kind == "combine_grad":  # in grad mode: the rows go back by copies and collectives autograd misses
+                eo = recv_x.clone().requires_grad_() if rank == bad_rank else recv_x
                 buf.combine(eo.contiguous(), handle)
             msgs[kind] = "NO ERROR"
         except ValueError as e:

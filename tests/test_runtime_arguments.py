@@ -191,3 +191,32 @@ def test_a_cuda_device_this_process_cannot_use_is_named(monkeypatch: pytest.Monk
         EPBuffer(None, Knobs(), model=M, max_tokens=8, device=device)
     with pytest.raises(ValueError, match=rf"EPBuffer: {match}"):
         MoELayer(M, None, Knobs(), max_tokens=8, device=device, engine="unfused")
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_epbuffer_combine_refuses_an_expert_out_that_wants_a_gradient(dense: bool) -> None:
+    """combine at world 1 was plain torch ops (differentiable), at world > 1 copies and collectives autograd does not
+    see (the gradient silently stopped there): one rule at every world now, as dispatch's. Grad mode off (an
+    autograd.Function around combine, whose backward is the caller's) takes it."""
+    buf = EPBuffer(None, Knobs(), model=M, max_tokens=8, device="cpu", dense=dense)
+    x = torch.randn(3, M.hidden)
+    idx, w = torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
+    recv_x, _meta, handle = buf.dispatch(x, idx, w)
+    eo = recv_x.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"EPBuffer.combine on rank 0: expert_out requires grad, but EPBuffer.combine "
+                                         r"is forward-only .*torch.no_grad\(\)"):
+        buf.combine(eo, handle)
+
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return buf.combine(t, handle).clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(eo)
+
+    assert Combine.apply(eo).requires_grad
+    with torch.no_grad():
+        assert buf.combine(eo, handle).shape == x.shape
+    assert buf.combine(eo.detach(), handle).shape == x.shape

@@ -24,6 +24,7 @@ EXPECT = {
     "too_many": "max_tokens",
     "combine_shape": "expert_out must have shape",
     "x_grad": "x requires grad",
+    "combine_grad": "expert_out requires grad",
 }
 
 

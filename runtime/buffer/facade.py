@@ -846,7 +846,10 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             return f"{what} must have dtype {handle.dtype}, got {expert_out.dtype}"
         if expert_out.device != handle.device:
             return f"{what} must be on {handle.device}, got {expert_out.device}"
-        return ""
+        # world > 1 sends the rows back by copies and collectives autograd does not see, so the gradient would
+        # silently stop here; world 1 (plain torch ops) is refused too, so that a caller's code means one thing
+        # at every world size
+        return _args.grad_problem("EPBuffer.combine", **{what: expert_out}) or ""
 
     def _ranks_with_problem(self, problem: bool, agree: bool | None = None) -> list[int]:
         """The ranks that found a problem: with `agree` (default check_inputs) one tiny all-gather (and its host
@@ -935,7 +938,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     @_one_thread
     def combine(self, expert_out: torch.Tensor, handle: Handle) -> torch.Tensor:
         """expert_out [M, H]: one row per received row (that row's local experts' outputs, weighted by
-        RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks."""
+        RecvMeta.weights and summed). Returns out [S, H]: for every token, the sum over its ranks. Forward-only at
+        every world size: an expert_out that requires grad in grad mode is refused (wrap combine in an
+        autograd.Function, or call it under torch.no_grad())."""
         self._check_combine(expert_out, handle, handle.num_recv if isinstance(handle, Handle) else 0)
         if handle.resident:
             return self._combine_resident(expert_out, handle)
