@@ -138,3 +138,20 @@ def test_another_optuna_error_while_tuning_is_one_line(tmp_path: Path, monkeypat
     assert r.exit_code in (1, 2), said
     assert "Traceback" not in said and (r.exception is None or isinstance(r.exception, SystemExit)), said
     assert "StorageInternalError" in said and "finished stages and trials are kept" in said, said
+
+
+def test_a_profile_database_at_the_studies_file_name_says_what_profile_can_do(tmp_path: Path,
+                                                                              fake_run: list[Any]) -> None:
+    """A profile database named m-studies.db beside m.db: refused (exit 2), but its message told `profile` users to
+    "pass --storage", an option `profile` does not have. It names what they can do: another --db, or move it."""
+    from moetune.tuner.store.store import Store
+
+    studies = tmp_path / "m-studies.db"
+    Store(studies).close()
+    r = _profile(tmp_path / "m.db", tmp_path)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, said
+    assert "is a moetune profile database, not a studies file" in said, said
+    assert "--storage" not in said and "--db" in said, said
+    assert fake_run == []
+

@@ -240,7 +240,7 @@ def check_storage(url: str, given: bool, *, create: bool = True, storage_option:
                 st.engine.dispose()
             else:  # the checks that create nothing, once, before the profile database is made
                 if not given:
-                    refuse_default_storage(url)
+                    refuse_default_storage(url, storage_option=storage_option)
                 refuse_storage(url)
     except StorageRefused as e:  # another program's file, a folder that does not exist: the reason is the message
         _fail(f"--storage {redacted(url)}: {e}" if given

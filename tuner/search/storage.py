@@ -324,10 +324,11 @@ def _check_sqlite_studies_path(path: Path) -> set[str]:
     return set()
 
 
-def refuse_default_storage(url: str) -> None:
+def refuse_default_storage(url: str, *, storage_option: bool = True) -> None:
     """StorageRefused where the default studies file beside a profile database is itself a moetune profile database
     (a database named `x-studies.db` beside `x.db`): the default is never inside a profile database (an explicit
-    --storage may share one on purpose)."""
+    --storage may share one on purpose). `storage_option`: the command has --storage (`profile` has not: its
+    message offers another --db, whose studies file has another name, or moving the file aside)."""
     from moetune.tuner.store._schema import VERSION_TABLE
 
     path = sqlite_path(url) if is_sqlite(url) else None
@@ -338,8 +339,10 @@ def refuse_default_storage(url: str) -> None:
     except sqlite3.Error:
         return  # not readable as SQLite: make_storage says what is wrong
     if VERSION_TABLE in tables:
+        way = ("pass --storage (a new file, or this one to share it on purpose)" if storage_option else
+               "move it aside, or pass another --db (whose studies file has another name)")
         raise StorageRefused(f"{path} is a moetune profile database, not a studies file: the default studies file is "
-                             "never inside one; pass --storage (a new file, or this one to share it on purpose)")
+                             f"never inside one; {way}")
 
 
 def _need_writable(path: Path) -> None:
