@@ -155,3 +155,20 @@ def test_a_profile_database_at_the_studies_file_name_says_what_profile_can_do(tm
     assert "--storage" not in said and "--db" in said, said
     assert fake_run == []
 
+
+def test_a_full_disk_found_by_the_up_front_check_does_not_promise_a_resumed_study(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_run: list[Any]) -> None:
+    """The up-front check of the studies file found the disk full: the message said "the study resumes", though
+    no study exists yet (the wording is shared with the failures while tuning)."""
+    from moetune.tuner.search import storage
+
+    def full(*_a: Any, **_k: Any) -> None:
+        raise _disk_full()
+
+    monkeypatch.setattr(storage, "make_storage", full)
+    r = _profile(tmp_path / "m.db", tmp_path)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1, said
+    assert f"the disk holding {tmp_path} is full" in said and "free space there" in said, said
+    assert "the study resumes" not in said, said
+    assert fake_run == []

@@ -225,7 +225,7 @@ def test_a_full_disk_under_the_studies_file_exits_1_and_the_study_resumes(tmp_pa
             assert code == 1, (left, out)
             said.append(out)
             assert f"--storage {storage}: the disk holding {small} is full" in out, out
-            assert "free space there" in out and "run the same command again: the study resumes" in out, out
+            assert "free space there" in out and "run the same command again (the file is kept: a study it holds resumes" in out, out
         assert any("disk I/O error" in o for o in said) and any("database or disk is full" in o for o in said), said
         (small / "fill").unlink()  # room again: the last run's finished trials resume
         code, out = _tune_child([*_SMALL_TUNE, "--db", str(db), "--storage", storage], tmp_path)

@@ -161,8 +161,9 @@ def _storage_error(url: str, given: bool, e: BaseException, problem: Problem | N
     if kind == "full":  # reason: the folder, SQLite's words
         where = f"--storage {redacted(url)}" if given else f"the studies file {path or redacted(url)}"
         check = " (or check the disk)" if "full or failed" in reason else ""
-        return (f"{where}: {reason}; free space there{check}, then run the same command again: the study resumes "
-                "(the trials the file holds are kept)")
+        # the up-front check (no study yet) and a failure while tuning share it: "the study resumes" was untrue there
+        return (f"{where}: {reason}; free space there{check}, then run the same command again (the file is kept: a "
+                "study it holds resumes with its trials)")
     if kind == "denied":
         return (f"--storage {redacted(url)}: {reason}" if given else
                 f"the studies file ({_default_studies(storage_option)}): {reason}")
