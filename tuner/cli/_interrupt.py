@@ -1,12 +1,15 @@
 """How a long command of the CLI ends on Ctrl-C or SIGTERM: one line saying so and what it left, exit 130 / 143.
 
 `ends_cleanly_on_interrupt` is what every measuring command (`tune`, `profile`, `bench ...`, `model calibrate`)
-wraps its work in; `signals_interrupt`, `interrupt_behind`, `interrupted_exit` and `interrupted_by` are its parts."""
+wraps its work in; `signals_interrupt`, `interrupt_behind`, `interrupted_exit` and `interrupted_by` are its parts; `say_sigterm_early`
+covers a command's seconds before it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -65,6 +68,31 @@ def signals_interrupt(*, sigterm: bool = True) -> Iterator[None]:
         if sigterm:
             signal.signal(signal.SIGTERM, old_term)
 
+
+
+def say_sigterm_early(what: str) -> Callable[[], None]:
+    """Until the returned function is called: SIGTERM writes "terminated (SIGTERM): WHAT" on stderr and ends the
+    process at once with 143, for a command's first seconds, before its `ends_cleanly_on_interrupt` (`profile`'s
+    imports and discovery). Python's default ended it there with -15 and no word. Ending at once (os._exit, as
+    `_entry` does for an early Ctrl-C) is what the default did, less the silence: an import may be half done, and
+    nothing needs undoing yet. Needs no import (Optuna's, for `Terminated`, is among what it covers). Set only
+    where SIGTERM has Python's default, in the main thread: one a parent set to be ignored stays ignored."""
+    def on_term(_signum: int, _frame: object) -> None:
+        with contextlib.suppress(Exception):
+            if sys.stdout is not None:
+                sys.stdout.flush()
+            os.write(2, f"terminated (SIGTERM): {what}\n".encode())
+        os._exit(143)
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+    signal.signal(signal.SIGTERM, on_term)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is on_term:  # once only; a handler set since is left as it is
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    return restore
 
 @contextlib.contextmanager
 def interrupts_ignored() -> Iterator[None]:

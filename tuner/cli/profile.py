@@ -174,6 +174,12 @@ def profile(
 
     Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """
+    from moetune.tuner.cli._interrupt import say_sigterm_early
+
+    # SIGTERM before the stages' own handling below (Optuna's import, the node's discovery: seconds) ended the
+    # command with -15 and no word; a refusal on the way ends the command, and the handler with it
+    before_stages = say_sigterm_early("before any stage ran; nothing was measured or stored")
+    ctx.call_on_close(before_stages)
     import logging
 
     import optuna
@@ -294,6 +300,7 @@ def profile(
     # inside it, so `RuntimeError` below never takes its typer.Exit (a RuntimeError) for a failed stage
     # the same command again, --restart and all, starts over again: after one, the way on is without it
     again = "run it again without --restart" if restart else "run the same command again"
+    before_stages()  # from here the stages' handling says what is kept; after them, SIGTERM is as it was
     with ends_cleanly_on_interrupt(lambda: f"{again} to continue where it stopped", console):
         try:
             try:
