@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import tomllib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -378,6 +379,38 @@ def _undivided(experts: dict[str, int], n: int) -> list[str]:
     return [f"{m} ({e} experts)" for m, e in experts.items() if e % n]
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 when the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def microbench_sizes_problem(sizes: Sequence[int], facts: Any, host_bytes: int) -> str:
+    """Why the plan's microbench_sizes cannot be measured on this node ('' when they can), naming the size and the
+    bound. Each rank of a point-to-point microbenchmark holds two buffers of the largest size (its warm-up buffer and
+    the message): the gloo pair runs on every node, both ranks in host memory (4 x the size: at most a quarter of
+    `host_bytes`); the NCCL pair on >= 2 GPUs, one GPU each (2 x the size: at most half the smallest GPU's memory).
+    A size past that was allocated all the same (1 TiB: a GPU out of memory, or a host driven into swap and the OOM
+    killer: torch's zeroed pages are only touched later)."""
+    if not sizes:
+        return ""
+    big = max(sizes)
+    mib = [g.memory_mib for g in facts.gpus if g.memory_mib > 0]  # 0: not read (no bound from it)
+    bounds: list[tuple[int, str]] = []
+    if facts.gpu_count >= 2 and mib:
+        bounds.append((min(mib) * 2**20 // 2, f"half the memory of this node's smallest GPU ({_bytes(min(mib) * 2**20)}"
+                                             "): each NCCL rank holds a warm-up buffer and the message on its GPU"))
+    if host_bytes > 0:
+        bounds.append((host_bytes // 4, f"a quarter of this host's memory ({_bytes(host_bytes)}): the two gloo ranks "
+                                        "each hold a warm-up buffer and the message in it"))
+    for bound, why in bounds:
+        if big > bound:
+            return (f"plan: microbench_sizes: {_bytes(big)} ({big} bytes) is more than this node can hold: at most "
+                    f"{_bytes(bound)}, {why}")
+    return ""
+
 def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
     """(the EP sizes the bring-up tunes on a node of `gpus` GPUs, what the report says of them); ValueError for a
     size the node cannot measure. One-GPU nodes tune no EP size (the megakernel instead)."""
@@ -469,6 +502,8 @@ class Bringup:
         if not self.measures:  # "EP size tuned: 8 (every GPU of this node)" was said of a capture nothing measured
             self.ep_note = captured_ep_note(self.ep_sizes, _node_line(self.facts))
         self.tune_ep = bool(self.ep_sizes)
+        if self.measures and (why := microbench_sizes_problem(plan.microbench_sizes, self.facts, host_memory_bytes())):
+            raise ValueError(why)  # before any stage: the microbenchmark tried the allocation
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
         self.failed: list[str] = []  # the failed parts of the stage at hand (`run`), each with why
