@@ -189,6 +189,9 @@ def test_known_families_import(tmp_path, export, family, transport):
     r0 = export["profiles"][0]
     r0["key"]["transport_family"] = family
     r0["knobs"] = default_knobs(transport).to_dict()
+    if family == "megakernel":  # the one-GPU engine's key and knobs (any other contradicts the family: refused)
+        r0["key"]["ep_size"] = 1
+        r0["knobs"]["engine"] = "megakernel"
     r0["provenance"], r0["measured_on"] = "node_model", ""  # the profile hash changed: not the measured one
     with Store(tmp_path / "dst.db") as s:
         assert s.import_bytes(data(export)).inserted == 3

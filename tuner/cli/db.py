@@ -454,7 +454,7 @@ def check(
     except (StoreDamaged, StoreNotDatabase) as e:  # SQLite could not even read what the check starts from: that is the check's answer
         info = {"path": str(path), "revision": None, "head": None, "at_head": False, "integrity": [str(e)],
                 "foreign_key_errors": 0, "schema_diff": [], "unreadable_profiles": None,
-                "mislabelled_profiles": None, "ok": False}
+                "mislabelled_profiles": None, "contradicting_profiles": None, "ok": False}
         if json_out:
             print_json(info)
         else:
@@ -498,5 +498,9 @@ def check(
                 continue
             out.print(escape(f"  profile {row['id']}: labelled measured, but its backend {row['backend']!r} does not "
                              "measure: moetune takes it as MODELLED (a hand edit?)"))
+        for row in info.get("contradicting_profiles") or []:  # an auto layer runs the engine it names, under this key
+            out.print(escape(f"  profile {row['id']}: its knobs or key contradict its family ({row['error']}): today's "
+                             f"store refuses such a row (an import by an older moetune?); `moetune profiles delete "
+                             f"{row['id']}{db_flag(Path(info['path']))}` removes it"))
     if not info["ok"]:
         raise typer.Exit(1)

@@ -123,7 +123,7 @@ from moetune.tuner.store.models import (
     check_event_kinds,
 )
 from moetune.tuner.store.sqlite_errors import damaged_message, sqlite_failure
-from moetune.tuner.store.validate import check_record
+from moetune.tuner.store.validate import check_record, key_knobs_problem
 
 _V = TypeVar("_V")
 log = logging.getLogger("moetune.store")
@@ -495,7 +495,9 @@ class Store:
         wrong = self.mislabelled_profiles() if info["ok"] else None
         info["mislabelled_profiles"] = None if wrong is None else [{"id": i, "backend": b, "provenance": p}
                                                                    for i, b, p in wrong]
-        info["ok"] = info["ok"] and not bad and not wrong
+        odd = self.contradicting_profiles() if info["ok"] else None
+        info["contradicting_profiles"] = None if odd is None else [{"id": i, "error": why} for i, why in odd]
+        info["ok"] = info["ok"] and not bad and not wrong and not odd
         return info
 
     def quick_check(self) -> list[str]:
@@ -518,6 +520,16 @@ class Store:
             self._latch_damaged(damaged_message(self.path, "; ".join(found[:3])))
             self.refuse_if_damaged()
         self._checked_sound = True
+
+    @retried
+    def contradicting_profiles(self) -> list[tuple[int, str]]:
+        """(id, `field: why`) of each readable row whose knobs or key contradict its family (`key_knobs_problem`: a
+        megakernel key naming engine=unfused, at ep_size >= 2 or of a dtype other than bf16; a transport key naming
+        engine=megakernel). `check_record` refuses them; an older moetune's import stored them, and an auto layer
+        runs the engine such a row names. Named by `check`."""
+        with self._read() as s:
+            got = records(s.execute(select_records().order_by(Profile.id)), [])
+        return [(i, f"{p[0]}: {p[1]}") for i, rec in got if (p := key_knobs_problem(rec)) is not None]
 
     @retried
     def mislabelled_profiles(self) -> list[tuple[int, str, str]]:

@@ -16,6 +16,7 @@ from moetune.runtime.options import data_path_problem
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     LIBFABRIC_PROVIDER,
+    MEGAKERNEL_FAMILY,
     PROFILE_STATUSES,
     PROVENANCES,
     TOKEN_BUCKETS,
@@ -168,6 +169,26 @@ def _check_measured_only(rec: ProfileRecord, field: str, recorded: dict[str, Any
         raise FieldError(field, why)
 
 
+def key_knobs_problem(rec: ProfileRecord) -> tuple[str, str] | None:
+    """(field, why) where the knobs or the key contradict the family: a megakernel profile is one GPU's (ep_size 1,
+    nodes 1), bf16 (the only dtype it times and runs) and names engine=megakernel; a transport family's never names
+    it (its mk_* knobs then mean nothing). An auto layer runs the engine the row names, so such a row ran the other
+    engine, or a number timed for bf16, under this key."""
+    key, engine = rec.key, rec.knobs.engine
+    if key.transport_family == MEGAKERNEL_FAMILY:
+        if (key.ep_size, key.nodes) != (1, 1):
+            return "key.ep_size", (f"a megakernel profile runs on one GPU (ep_size 1, nodes 1), got ep_size "
+                                   f"{key.ep_size}, nodes {key.nodes}")
+        if key.dtype != "bfloat16":
+            return "key.dtype", f"the megakernel runs bfloat16 only, got {key.dtype[:64]!r}"
+        if engine != "megakernel":
+            return "knobs.engine", f"engine {engine!r} under a megakernel key (it names engine 'megakernel')"
+    elif engine == "megakernel":
+        return "knobs.engine", (f"engine 'megakernel' under a {key.transport_family[:64]!r} key: only family "
+                                f"{MEGAKERNEL_FAMILY!r} names it")
+    return None
+
+
 def check_record(rec: ProfileRecord) -> None:
     """What every stored profile satisfies (the database's own constraints, said before it is asked)."""
     for field, column in TEXT_COLUMNS:
@@ -208,6 +229,9 @@ def check_record(rec: ProfileRecord) -> None:
     why = node_model_label_problem(str(rec.provenance), rec.backend, rec.key.fingerprint)
     if why:
         raise FieldError("provenance", why)
+    contradiction = key_knobs_problem(rec)
+    if contradiction is not None:
+        raise FieldError(*contradiction)
     try:
         routing = canonical_routing(rec.tuned_routing)
     except ValueError as e:
