@@ -21,7 +21,12 @@ from sqlalchemy import String, bindparam, select, type_coerce, update
 from sqlalchemy.exc import IntegrityError
 
 from moetune.runtime.knobs import KnobError, stored_form
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord, stored_profile_hashes
+from moetune.runtime.profile_record import (
+    ProfileKey,
+    ProfileRecord,
+    is_preset_fingerprint,
+    stored_profile_hashes,
+)
 from moetune.tuner.store._rows import (
     decide,
     is_newer,
@@ -292,6 +297,10 @@ def _parse(data: bytes, source: str, skip_invalid: bool,
             check_fingerprint_text(f"fingerprints[{i}]", fp.hash, fp.facts)
         except FieldError as e:
             raise ProfileImportError(f"{source}: {e}") from None
+        # a preset's key names a modelled fabric, no node: facts under it would be some node's, read as the preset's
+        if fp.facts and is_preset_fingerprint(fp.hash):
+            raise ProfileImportError(f"{source}: fingerprints[{i}] (fingerprint {fp.hash[:64]}): a what-if preset's "
+                                     "fingerprint names a modelled fabric and has no facts; this one has some")
         # empty facts are a placeholder (a preset's key, a fingerprint recorded before its facts); any other facts are
         # read later as this fingerprint's (`fabric diff`, the daemon): facts that do not decode, or describe another
         # fabric, would be stored as this one's
