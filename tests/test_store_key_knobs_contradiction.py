@@ -10,9 +10,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.cli import app
 from moetune.tuner.store.store import Store
 from moetune.tuner.store.validate import FieldError
 
@@ -61,3 +63,6 @@ def test_db_check_names_a_stored_contradicting_row(tmp_path: Path) -> None:
     assert not info["ok"]
     assert [r["id"] for r in info["contradicting_profiles"]] == [pid]
     assert "knobs.engine" in info["contradicting_profiles"][0]["error"]
+    r = CliRunner().invoke(app, ["db", "check", "--db", str(db)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1, r.output
+    assert f"profile {pid}: its knobs or key contradict its family (knobs.engine:" in r.output
