@@ -9,37 +9,22 @@ microbenchmarks and the calibration (minutes on a GPU node), with a traceback or
 from __future__ import annotations
 
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
-CAPTURES = Path(__file__).parent / "captures"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bringup_fakes import fake_bringup_run, profile_cli
 
 
 @pytest.fixture
 def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    from moetune.tuner.bringup import flow
-    from moetune.tuner.fabric import discovery
-
-    ran: list[Any] = []
-
-    def run(self: Any) -> dict:
-        ran.append(self)
-        return {"calibrate": {}, "compare": [], "report": "r.md"}
-
-    monkeypatch.setattr(flow.Bringup, "run", run)
-    # the capture stands for this node (a capture of another node measures nothing and opens no studies file)
-    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
-    return ran
+    return fake_bringup_run(monkeypatch)
 
 
-def _profile(db: Path, tmp_path: Path):
-    from moetune.tuner.cli import app
-
-    return CliRunner().invoke(app, ["profile", "--capture", str(CAPTURES / "h200x1"), "--db", str(db)],
-                              env={"COLUMNS": "400", "MOETUNE_HOME": str(tmp_path)})
+_profile = profile_cli
 
 
 def _newer_optuna_file(path: Path) -> None:

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-CAPTURES = Path(__file__).parent / "captures"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bringup_fakes import CAPTURES, fake_bringup_run, profile_cli
 
 HOLD = """
 import sys, time
@@ -41,28 +42,10 @@ def _holder(db: Path) -> subprocess.Popen:
 
 @pytest.fixture
 def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    from moetune.tuner.bringup import flow
-
-    ran: list[Any] = []
-
-    def run(self: Any) -> dict:
-        ran.append(self)
-        return {"calibrate": {}, "compare": [], "report": "r.md"}
-
-    monkeypatch.setattr(flow.Bringup, "run", run)
-    # the capture stands for this node: a bring-up of another node's capture measures nothing, so it neither takes
-    # the run lock nor opens the database
-    from moetune.tuner.fabric import discovery
-
-    monkeypatch.setattr(discovery, "capture_not_this_node", lambda facts, capture: "")
-    return ran
+    return fake_bringup_run(monkeypatch)
 
 
-def _profile(db: Path, tmp_path: Path):
-    from moetune.tuner.cli import app
-
-    return CliRunner().invoke(app, ["profile", "--capture", str(CAPTURES / "h200x1"), "--db", str(db)],
-                              env={"COLUMNS": "400", "MOETUNE_HOME": str(tmp_path)})
+_profile = profile_cli
 
 
 def test_a_second_profile_refuses_while_one_runs_and_runs_once_it_is_killed(tmp_path: Path,
