@@ -425,6 +425,8 @@ class MoELayer(nn.Module):
         the layer runs with grad mode off, so its output would come back detached and the parameters' gradient
         silently None. At world > 1 every rank hears it through the dispatch's input check (`refuse_dispatch`), not
         this rank alone while the others wait in their dispatch. Host-side flags only: no sync."""
+        if not torch.is_grad_enabled():  # every call passes here: no parameter walk under no_grad / inference_mode
+            return
         why = _args.grad_problem("MoELayer", noun="parameter", fix="layer.requires_grad_(False)",
                                  **dict(self.named_parameters(recurse=False)))
         if why is None:

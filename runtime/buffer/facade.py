@@ -680,9 +680,6 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 pass  # the check's own story; this rank raises `error`
         raise error
 
-    # -- transport adapters -------------------------------------------------------------------------
-
-
     # -- dispatch -------------------------------------------------------------------------------------
     def _raise_errors(self, peer_codes: dict[int, int], msg: str, idx: torch.Tensor | None) -> None:
         """Raise the same ValueError story on every rank when any rank reported an input error."""
