@@ -49,8 +49,8 @@ class _DenseLayout:
 
     def _dense_status(self: EPBuffer, status: torch.Tensor) -> list[int]:
         """Every rank's `status` (one int64: the dispatch's or the combine's input check), all-gathered beside its
-        buffer's max_tokens on the EP group. The rows' all-gather that follows sends max_tokens rows per rank: ranks calling buffers of
-        other sizes (a prefill buffer on some, a decode one on the others) would pair it with one of another size
+        buffer's max_tokens on the EP group. The rows' all-gather that follows sends max_tokens rows per rank: ranks
+        calling buffers of other sizes (a prefill buffer on some, a decode one on the others) would pair it with one of another size
         (gloo aborts the process, NCCL reads past the rows), so every rank raises here instead, naming them."""
         mine = torch.cat([status, torch.full((1,), self.max_tokens, dtype=torch.int64, device=self.device)])
         got = torch.empty(2 * self.world, dtype=torch.int64, device=self.device)

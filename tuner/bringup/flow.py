@@ -411,6 +411,7 @@ def microbench_sizes_problem(sizes: Sequence[int], facts: Any, host_bytes: int) 
                     f"{_bytes(bound)}, {why}")
     return ""
 
+
 def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
     """(the EP sizes the bring-up tunes on a node of `gpus` GPUs, what the report says of them); ValueError for a
     size the node cannot measure. One-GPU nodes tune no EP size (the megakernel instead)."""

@@ -1,8 +1,8 @@
 """How a long command of the CLI ends on Ctrl-C or SIGTERM: one line saying so and what it left, exit 130 / 143.
 
 `ends_cleanly_on_interrupt` is what every measuring command (`tune`, `profile`, `bench ...`, `model calibrate`)
-wraps its work in; `signals_interrupt`, `interrupt_behind`, `interrupted_exit` and `interrupted_by` are its parts; `say_sigterm_early`
-covers a command's seconds before it."""
+wraps its work in; `signals_interrupt`, `interrupt_behind`, `interrupted_exit` and `interrupted_by` are its
+parts; `say_sigterm_early` covers a command's seconds before it."""
 
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ def signals_interrupt(*, sigterm: bool = True) -> Iterator[None]:
             signal.signal(signal.SIGTERM, old_term)
 
 
-
 def say_sigterm_early(what: str) -> Callable[[], None]:
     """Until the returned function is called: SIGTERM writes "terminated (SIGTERM): WHAT" on stderr and ends the
     process at once with 143, for a command's first seconds, before its `ends_cleanly_on_interrupt` (`profile`'s
@@ -93,6 +92,7 @@ def say_sigterm_early(what: str) -> Callable[[], None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     return restore
+
 
 @contextlib.contextmanager
 def interrupts_ignored() -> Iterator[None]:
