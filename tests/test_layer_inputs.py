@@ -713,7 +713,7 @@ class FakeLaunchLib:
     def _launch(self, name: str, ref: Any) -> int:
         p = ref._obj
         n = p.S * TINY.hidden * 2
-        self.launches.append({"name": name, "x": p.x, "out": p.out, "x_bytes": ctypes.string_at(p.x, n),
+        self.launches.append({"name": name, "x": p.x, "out": p.out, "wg": p.wg, "x_bytes": ctypes.string_at(p.x, n),
                               "combine_tokens": p.combine_tokens, "l2_evict_w": p.l2_evict_w, "decode": p.decode,
                               "guards": list(self.guards)})
         return int(name == self.fail)
@@ -798,8 +798,8 @@ def test_misaligned_out_is_refused(fake_launch: FakeLaunchLib) -> None:
 
 
 def test_misaligned_weights_read_in_place_are_refused(cpu_lib) -> None:
-    """k-tiled weights (tiled=True, rebind) and rebind's gate are read in place: a misaligned one is refused; the gate
-    given at construction is the layer's to copy, and is copied."""
+    """k-tiled weights (tiled=True, rebind) and the gate (construction and rebind) are read in place: a misaligned one
+    is refused."""
     full = _cpu_mk()
     w1, w2, g = full.w1t, full.w2t, full.gate
 
@@ -814,12 +814,32 @@ def test_misaligned_weights_read_in_place_are_refused(cpu_lib) -> None:
             full.rebind(*args)
     with pytest.raises(ValueError, match="gate must start at a 16-byte aligned address"):
         full.rebind(w1, w2, shifted(g))
-    mk = mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=w1, w_down=w2, gate=shifted(g), tiled=True)
-    assert mk.gate.data_ptr() % 16 == 0 and torch.equal(mk.gate, g)
+    with pytest.raises(ValueError, match="gate must start at a 16-byte aligned address"):
+        mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=w1, w_down=w2, gate=shifted(g), tiled=True)
     # row-major weights are copied into the k-tiled layout anyway: an odd offset is fine there
     mk = mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=shifted(full.w_gate_up),
                                 w_down=shifted(full.w_down), gate=g)
     assert torch.equal(mk.w1t, w1) and mk.w1t.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_gate_given_at_construction_is_read_in_place_or_refused(fake_launch: FakeLaunchLib, tiled: bool) -> None:
+    """The gate is read in place whatever `tiled`: a contiguous, aligned gate given at construction is the tensor the
+    launches read, so an in-place change of it (a training step, load_state_dict into it) is seen, as after rebind.
+    Before, a gate that was not contiguous (or not 16-byte aligned) was copied once here, so such a change was
+    silently not seen while a contiguous gate's was; it is refused now, as rebind refuses it, naming the fix."""
+    full = _cpu_mk()
+    w1, w2 = (full.w1t, full.w2t) if tiled else (full.w_gate_up, full.w_down)
+    gate = full.gate.clone()
+    mk = mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=w1, w_down=w2, gate=gate, tiled=tiled)
+    mk.forward(_x(3))
+    assert mk.gate is gate and fake_launch.launches[-1]["wg"] == gate.data_ptr()
+    strided = gate.t().contiguous().t()  # the same values, column-major
+    misaligned = torch.empty(gate.numel() + 8, dtype=BF)[1:1 + gate.numel()].view(gate.shape).copy_(gate)
+    for bad, match in ((strided, r"gate must be contiguous \(it is read in place"),
+                       (misaligned, "gate must start at a 16-byte aligned address")):
+        with pytest.raises(ValueError, match=match):
+            mk_layer.MegakernelMoE(TINY, max_tokens=8, device="cpu", w_gate_up=w1, w_down=w2, gate=bad, tiled=tiled)
 
 
 def test_launches_run_under_the_layers_device_guard(fake_launch: FakeLaunchLib) -> None:

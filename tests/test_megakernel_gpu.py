@@ -1236,3 +1236,27 @@ def test_tied_probabilities_route_as_torch_routes_them(model, layer):
         assert torch.allclose(w, rw, atol=1e-6)
         ref = dense_reference(x, model, seed=0, topk_idx=ridx, topk_weights=rw)
         assert max_rel_err(out, ref) <= 1e-2
+
+
+def test_an_in_place_change_of_the_gate_is_seen_and_a_strided_gate_is_refused(model, layer):
+    """The gate given at construction is read in place (row-major or k-tiled expert weights alike): a forward after
+    an in-place change of it (a training step, load_state_dict into it) routes by the new gate, as a layer built with
+    that gate does. A non-contiguous gate was copied once at construction, so such a change was not seen; it is
+    refused now, naming the fix."""
+    from moetune.runtime.megakernel import MegakernelMoE
+
+    s = 7
+    x = _x(s, model.hidden, seed=4400)
+    for tiled in (False, True):
+        w1, w2 = (layer.w1t, layer.w2t) if tiled else (layer.w_gate_up, layer.w_down)
+        gate = layer.gate.clone()
+        m = MegakernelMoE(model, max_tokens=s, w_gate_up=w1, w_down=w2, gate=gate, tiled=tiled)
+        before = m(x).clone()
+        gate.copy_(gate.flip(0))  # every token's experts change
+        after = m(x)
+        fresh = MegakernelMoE(model, max_tokens=s, w_gate_up=w1, w_down=w2, gate=gate.clone(), tiled=tiled)(x)
+        torch.cuda.synchronize()
+        m.check()
+        assert not torch.equal(after, before) and torch.equal(after, fresh), tiled
+        with pytest.raises(ValueError, match=r"gate must be contiguous \(it is read in place"):
+            MegakernelMoE(model, max_tokens=s, w_gate_up=w1, w_down=w2, gate=gate.t().contiguous().t(), tiled=tiled)

@@ -81,6 +81,9 @@ class MegakernelMoE:
             The layer holds the expert weights k-tiled (`weights.py`): row-major ones are copied into that layout
             (the caller's tensors stay as they are); with `tiled=True` they are already k-tiled and used as they
             are (shared, not copied: what `MoELayer` does with its own parameters; `rebind` points it at new ones).
+            The gate is always read in place (shared, never copied), so an in-place change of it (a training step,
+            load_state_dict into it) is seen by the next launch: it must be contiguous and 16-byte aligned
+            (ValueError otherwise; pass `gate.contiguous()` for a copy of the layer's own).
 
     Settings the library would refuse (experts, topk, split-K, tiles for max_tokens, pipeline depth against shared
     memory, CTAs per SM) raise ValueError / ConfigError here, not at the first forward.
@@ -152,7 +155,7 @@ class MegakernelMoE:
         # the expert weights as the kernels read them: k-tiled, shapes unchanged
         self.w1t = w_gate_up if tiled else to_tiled(w_gate_up)
         self.w2t = w_down if tiled else to_tiled(w_down)
-        self.gate = _launchable(gate)  # a copy where it is not contiguous or not 16-byte aligned
+        self.gate = gate  # read in place (_check_weights): never a copy, so changes to it are seen
         cfg = self.config
         self.lib = _lib.load()
 
@@ -244,6 +247,12 @@ class MegakernelMoE:
                 raise ValueError("megakernel: k-tiled weights (tiled=True) must be contiguous")
             _check_aligned("w_gate_up", w_gate_up, "k-tiled weights are read in place")
             _check_aligned("w_down", w_down, "k-tiled weights are read in place")
+        # the gate is read in place in every mode: a copy made here would not see the caller's later in-place
+        # changes, which a contiguous gate's launches do see
+        if not gate.is_contiguous():
+            raise ValueError("megakernel: gate must be contiguous (it is read in place, so that later in-place "
+                             "changes to it are seen); pass gate.contiguous() for a copy of the layer's own")
+        _check_aligned("gate", gate, "it is read in place")
 
     def rebind(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor) -> None:
         """Read the weights from these tensors from now on: k-tiled expert weights and the gate, all contiguous bf16
@@ -252,9 +261,6 @@ class MegakernelMoE:
         before still reads the old tensors' addresses, which this layer no longer keeps alive: capture it again, and
         never replay it (once their owner drops them it would read freed memory)."""
         self._check_weights(w_gate_up, w_down, gate, tiled=True)
-        if not gate.is_contiguous():
-            raise ValueError("megakernel: gate must be contiguous (it is read in place)")
-        _check_aligned("gate", gate, "it is read in place")
         self.w1t, self.w2t, self.gate = w_gate_up, w_down, gate
         for p in self._params.values():
             p.wg, p.w1, p.w2 = gate.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr()
