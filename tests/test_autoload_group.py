@@ -194,6 +194,34 @@ def test_a_construction_profile_past_the_kernels_limits_runs_the_defaults(monkey
     assert layer.megakernel.launched[-1].split_k1 == 1
 
 
+@pytest.mark.parametrize("asked", [None, "megakernel"])
+def test_a_construction_profile_out_of_range_runs_the_defaults(monkeypatch: pytest.MonkeyPatch,
+                                                              asked: str | None) -> None:
+    """A stored construction-bucket profile whose setting the megakernel's config refuses as out of range
+    (ConfigError; here split-K 2 where this kernel's config takes 1 only, a profile from before its range narrowed)
+    is a served profile that does not fit: passed over with a reason, as one past the kernel's limits is and as
+    another bucket's out-of-range profile is (`install`), so that bucket runs the defaults, with one warning. It
+    refused the whole engine (MegakernelUnavailable with engine='megakernel', the unfused engine without). The same
+    setting passed by the caller is the caller's error and still refuses the engine, naming it."""
+    use_fake_megakernel(monkeypatch)
+    monkeypatch.setitem(MegakernelConfig._RANGES, "split_k1", (1, 1))
+    bad = Knobs(engine="megakernel", mk_split_k=2)
+    _spy(monkeypatch, lambda kw: bad if kw["transport_family"] == "megakernel" else Knobs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=torch.bfloat16, engine=asked)
+    got = [str(w.message) for w in caught if "token bucket 4096 is not applied" in str(w.message)]
+    assert layer.engine == "megakernel", [str(w.message) for w in caught]
+    assert len(got) == 1 and "ConfigError: megakernel config: split_k1 must be in [1, 1], got 2" in got[0], got
+    assert layer.engine_buckets == {4096: Knobs(engine="megakernel")}
+    layer(torch.randn(4096, BF16.hidden).to(torch.bfloat16))
+    assert layer.megakernel.launched[-1].split_k1 == 1
+    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+
+    with pytest.raises(MegakernelUnavailable, match=r"split_k1 must be in \[1, 1\], got 2"):
+        MoELayer(BF16, None, bad, max_tokens=4096, device="cpu", dtype=torch.bfloat16, engine="megakernel")
+
+
 def test_a_megakernel_lookup_that_fails_falls_back_to_the_megakernels_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lookup of the megakernel's profile that raises (a bug, an environment not foreseen) ends in that family's
     policy default, as a lookup that finds no profile does: the auto layer still runs the megakernel. It ended in

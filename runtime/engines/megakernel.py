@@ -9,8 +9,9 @@ Per token bucket profiles: where the knobs come from stored profiles (not from t
 for any bucket's tiles (`_scratch_knobs`), the construction bucket's profile is installed at build, and every
 other bucket's on the first eager call of an S that falls in it (`resolve`: one lookup per bucket, none while a
 CUDA graph is captured). A bucket's profile that does not fit falls back to the construction bucket's, else to
-the config the scratch was sized by, with one warning; a construction bucket's profile the kernel refuses for the
-layer's shape gives way to the megakernel's defaults, with one warning (the engine is not refused for it).
+the config the scratch was sized by, with one warning; a construction bucket's profile out of range (ConfigError)
+or refused by the kernel for the layer's shape gives way to the megakernel's defaults, with one warning (the engine
+is not refused for it). Knobs the caller passed are not passed over: out of range, they refuse the engine, named.
 """
 
 from __future__ import annotations
@@ -72,13 +73,18 @@ class MegakernelEngine(MoEEngine):
         options = layer.buffer.options
         config: Any = None
         base: MegakernelConfig | None = None
+        why: str | None
         try:
             config = MegakernelConfig.from_knobs(knobs, options)
             why = _mk.limits_problem(layer.model, max_tokens, config)
+        except ValueError as e:  # ConfigError: a setting out of range
+            why = f"{type(e).__name__}: {e}"
+        try:
             if why is not None and profiled and knobs != _DEFAULT_KNOBS:
-                # a stored profile the kernel refuses for this shape (one from before a kernel upgrade) is not
-                # applied, as another bucket's is not (`install`): its bucket runs the defaults, the engine stays
-                # (where the defaults are refused too, the layer's shape or max_tokens is: the profile's reason stands)
+                # a stored profile out of range or refused by the kernel for this shape (one from before a kernel
+                # upgrade) is not applied, as another bucket's is not (`install`): its bucket runs the defaults, the
+                # engine stays (where the defaults are refused too, the layer's shape, max_tokens or options are:
+                # the profile's reason stands). Knobs the caller passed are the caller's error: refused, named.
                 default = MegakernelConfig.from_knobs(_DEFAULT_KNOBS, options)
                 if _mk.limits_problem(layer.model, max_tokens, default) is None:
                     warnings.warn(f"moetune: the megakernel profile for token bucket "
@@ -91,8 +97,8 @@ class MegakernelEngine(MoEEngine):
                 base = config
                 config = MegakernelConfig.from_knobs(_scratch_knobs(knobs), options)
                 why = _mk.limits_problem(layer.model, max_tokens, config)
-        except ValueError as e:  # ConfigError: a setting out of range
-            why = f"{type(e).__name__}: {e}"
+        except ValueError as e:  # ConfigError of the defaults (the profile's reason stands) or of the scratch's config
+            why = why or f"{type(e).__name__}: {e}"
         if why is not None:
             return None, why
         from moetune.runtime.megakernel.weights import tile_, untile_
