@@ -555,3 +555,27 @@ def case_layer_param_grad(rank: int, world: int, dense: bool) -> dict[str, str]:
         layer.requires_grad_(False)
         layer(x)  # the group still works
     return msgs
+
+
+def case_unchecked_bad_expert_out(rank: int, world: int, dense: bool, transport: str) -> dict[str, str]:
+    """check_inputs=False: every rank passes an expert_out of the wrong shape, so each raises on its own (none enters
+    the combine's transfer, none waits); {"bad": its message, "after": "ok" once a good round trip ran after it}."""
+    model = get_model("custom:64,32,8,2,float32")
+    if transport == "nvlink":
+        use_resident_stand_in()
+    buf = EPBuffer(knobs=default_knobs(transport), model=model, max_tokens=32, dense=dense, check_inputs=False)
+    out: dict[str, str] = {}
+    try:
+        x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+        recv_x, _meta, handle = buf.dispatch(x, idx, w)
+        try:
+            buf.combine(recv_x[:, :10].contiguous(), handle)
+            out["bad"] = "NO ERROR"
+        except ValueError as e:
+            out["bad"] = str(e)
+        recv_x, _meta, handle = buf.dispatch(x, idx, w)
+        buf.combine(recv_x.contiguous(), handle)
+        out["after"] = "ok"
+    finally:
+        buf.close()
+    return out

@@ -56,6 +56,24 @@ def test_bad_input_on_one_rank_is_an_error_on_every_rank(dense: bool, transport:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize(("dense", "transport"), [(False, "collective"), (True, "collective"), (False, "nvlink")],
+                         ids=["packed", "dense", "resident"])
+def test_an_unchecked_bad_expert_out_says_the_other_ranks_wait_for_the_timeout(dense: bool, transport: str) -> None:
+    """With check_inputs=False no layout exchanges a status on the combine's path (the packed layout's counts
+    exchange is the dispatch's, done before the experts run), so an expert_out refused on one rank raises there
+    only, and the other ranks wait in their combine for the group's or the transport's timeout. That stays (making
+    it an error everywhere at once is what check_inputs=True's tiny all-gather is for), but the refusal says so:
+    it read like the every-rank error check_inputs gives. Here every rank passes a bad one (no rank waits)."""
+    res = launch(runtime_cases.case_unchecked_bad_expert_out, 2, args=(dense, transport), timeout_s=10,
+                 join_timeout_s=80)
+    for rank, got in enumerate(res):
+        msg = got["bad"]
+        assert msg.startswith(f"EPBuffer.combine on rank {rank}: expert_out must have shape"), (rank, msg)
+        assert "check_inputs=False" in msg and "other ranks are not told" in msg and "timeout" in msg, (rank, msg)
+        assert got["after"] == "ok", (rank, got)
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("dense", [False, True], ids=["packed", "dense"])
 def test_a_layer_input_that_wants_a_gradient_on_one_rank_is_an_error_on_every_rank(dense: bool) -> None:
     """MoELayer refuses an x that requires grad (it has no backward); at world > 1 through the EP buffer's input

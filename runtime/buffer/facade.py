@@ -889,6 +889,12 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         else:
             bad = self._ranks_with_problem(bool(problem))
         if problem:
+            if not self.check_inputs and self.world > 1 and dist.is_initialized():
+                # no layout exchanges a status on the combine's path without check_inputs (the packed counts
+                # exchange is the dispatch's): the others cannot be told, so say what they will do
+                problem += ("; with check_inputs=False the other ranks are not told: they wait in their combine "
+                            "until the group's or the transport's timeout (MOETUNE_ONESIDED_TIMEOUT_S for the "
+                            "one-sided transports); check_inputs=True makes this an error on every rank at once")
             raise ValueError(f"EPBuffer.combine on rank {self.rank}: {problem}")
         if bad:
             raise ValueError(f"EPBuffer.combine on rank {self.rank}: invalid expert_out on rank(s) {bad}")
