@@ -256,6 +256,37 @@ def effective_measured_on(provenance: str, measured_on: str, backend: str, finge
     return default_measured_on(prov, backend, fingerprint)
 
 
+def key_knobs_problem(key: ProfileKey, knobs: Knobs) -> tuple[str, str] | None:
+    """(field, why) where the knobs or the key contradict the family: a megakernel profile is one GPU's (ep_size 1,
+    nodes 1), bf16 (the only dtype it times and runs) and names engine=megakernel; a transport family's never names
+    it (its mk_* knobs then mean nothing). An auto layer runs the engine the row names, so such a row ran the other
+    engine, or a number timed for bf16, under this key. The one predicate: the store refuses such a record
+    (`check_record`), `db check` names a stored one, and neither the daemon's index nor the client serves one."""
+    family, engine = key.transport_family, knobs.engine
+    if family == MEGAKERNEL_FAMILY:
+        if (key.ep_size, key.nodes) != (1, 1):
+            return "key.ep_size", (f"a megakernel profile runs on one GPU (ep_size 1, nodes 1), got ep_size "
+                                   f"{key.ep_size}, nodes {key.nodes}")
+        if key.dtype != "bfloat16":
+            return "key.dtype", f"the megakernel runs bfloat16 only, got {key.dtype[:64]!r}"
+        if engine != "megakernel":
+            return "knobs.engine", f"engine {engine!r} under a megakernel key (it names engine 'megakernel')"
+    elif engine == "megakernel":
+        return "knobs.engine", (f"engine 'megakernel' under a {family[:64]!r} key: only family "
+                                f"{MEGAKERNEL_FAMILY!r} names it")
+    return None
+
+
+def contradiction_reason(key: ProfileKey, knobs: Knobs) -> str | None:
+    """Why a lookup passes over a profile whose knobs or key contradict its family (None: they do not), in the words
+    `db check` names such a row with."""
+    p = key_knobs_problem(key, knobs)
+    if p is None:
+        return None
+    return (f"its knobs or key contradict its family ({p[0]}: {p[1]}): not served (`moetune db check` names it, "
+            "`moetune profiles delete ID` removes it)")
+
+
 class _Labelled(Protocol):
     """What the effective-label rule reads of a profile: a ProfileRecord, or a daemon's reply of one
     (wire.ProfileResult, whose fields have the same meaning)."""

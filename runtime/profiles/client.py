@@ -99,6 +99,7 @@ from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     ProfileKey,
     ProfileRecord,
+    contradiction_reason,
     is_preset_fingerprint,
 )
 from moetune.runtime.profiles import node_identity
@@ -833,6 +834,9 @@ class ProfileClient:
         env_mismatch says: its numbers are another data path's); unrecorded, it is judged as an unrecorded
         environment is."""
         none: tuple[None, None] = (None, None)
+        why = contradiction_reason(key, knobs)  # what `db check` names: never served, whatever else it says
+        if why is not None:
+            return None, why, none
         why = _transport_problem(key.transport_family, knobs, transport_ok)
         if why is not None:
             return None, why, none

@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 
 from moetune.runtime import wire
-from moetune.runtime.profile_record import PROVENANCES, ProfileRecord
+from moetune.runtime._once import say_once
+from moetune.runtime.profile_record import PROVENANCES, ProfileRecord, contradiction_reason
 from moetune.runtime.profiles.autoload import launcher_env
 from moetune.runtime.profiles.db_lookup import pick_profile, provenance_of
 from moetune.runtime.shapes import get_model
@@ -28,6 +29,7 @@ LIST_CACHE_LIMIT = 64
 LIST_PAGE_MAX = 1000  # at most this many profiles in one list_profiles reply, whatever `limit` asks
 
 ShapeKey = tuple[str, int, int, int, int, int, int, str]
+_PASSED_OVER = "daemon.index.contradicting"  # the _once scope of "this row is not served" log lines
 
 
 class ReplyCache:
@@ -95,11 +97,21 @@ class ProfileIndex:
         self.fingerprint: str | None = facts.fingerprint if facts is not None else None
         self.software: str | None = facts.software_hash if facts is not None else None
         self.groups: dict[ShapeKey, list[ProfileRecord]] = {}
+        # current rows whose knobs or key contradict their family (what `db check` names): never served, their reason
+        # kept for a lookup that finds nothing else (said in its not-found reply)
+        self.passed_over: dict[ShapeKey, list[tuple[ProfileRecord, str]]] = {}
         for r in records:
             if r.status != "current":
                 continue  # a stale profile is never served as current
             k = r.key
-            self.groups.setdefault((k.fingerprint, k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype), []).append(r)
+            group = (k.fingerprint, k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype)
+            why = contradiction_reason(k, r.knobs)
+            if why is not None:
+                self.passed_over.setdefault(group, []).append((r, why))
+                # once per process and row: every store change rebuilds the index
+                say_once(_PASSED_OVER, r.profile_hash, f"profile {r.profile_hash}: {why}", logger=log)
+                continue
+            self.groups.setdefault(group, []).append(r)
         self.records = [r for r in records if r.status == "current"]
         self.stale = stale
         self.cache = ReplyCache(CACHE_LIMIT)
@@ -155,7 +167,8 @@ class ProfileIndex:
         fp = req.fingerprint or self.fingerprint
         if fp is None:
             return False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")
-        recs = self.groups.get((fp, req.ep_size, req.nodes, h, i, e_, k, dt), [])
+        group = (fp, req.ep_size, req.nodes, h, i, e_, k, dt)
+        recs = self.groups.get(group, [])
         # The software defaults to the daemon's own with its fingerprint (they default together): a profile
         # of this fingerprint keyed by other software (an import, another version's hash) is not this node's.
         sw = req.software or (self.software if fp == self.fingerprint else None)
@@ -171,8 +184,12 @@ class ProfileIndex:
             if rec is not None:
                 break
         if rec is None:
+            passed = [f"{r.profile_hash}: {why}" for r, why in self.passed_over.get(group, [])
+                      if (not sw or r.key.software == sw)
+                      and (not req.transport_family or r.key.transport_family == req.transport_family)]
+            what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
             return False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, software {sw}, ep {req.ep_size}, nodes {req.nodes}, "
-                                             f"shape {h}x{i}x{e_}/top{k} {dt}")
+                                             f"shape {h}x{i}x{e_}/top{k} {dt}{what}")
         return True, msgspec.Raw(wire.encoder.encode(encode_profile(rec, self.version)))
 
     def list_page(self, status: str, fingerprint: str | None, limit: int,

@@ -16,7 +16,6 @@ from moetune.runtime.options import data_path_problem
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     LIBFABRIC_PROVIDER,
-    MEGAKERNEL_FAMILY,
     PROFILE_STATUSES,
     PROVENANCES,
     TOKEN_BUCKETS,
@@ -25,6 +24,7 @@ from moetune.runtime.profile_record import (
     node_model_label_problem,
     provenance_of_backend,
 )
+from moetune.runtime.profile_record import key_knobs_problem as record_key_knobs_problem
 from moetune.runtime.profiles.perf_env import perf_env_problem
 from moetune.runtime.shapes import DTYPES, MAX_DIMENSION
 from moetune.tuner.store.models import Fingerprint, Profile
@@ -170,23 +170,9 @@ def _check_measured_only(rec: ProfileRecord, field: str, recorded: dict[str, Any
 
 
 def key_knobs_problem(rec: ProfileRecord) -> tuple[str, str] | None:
-    """(field, why) where the knobs or the key contradict the family: a megakernel profile is one GPU's (ep_size 1,
-    nodes 1), bf16 (the only dtype it times and runs) and names engine=megakernel; a transport family's never names
-    it (its mk_* knobs then mean nothing). An auto layer runs the engine the row names, so such a row ran the other
-    engine, or a number timed for bf16, under this key."""
-    key, engine = rec.key, rec.knobs.engine
-    if key.transport_family == MEGAKERNEL_FAMILY:
-        if (key.ep_size, key.nodes) != (1, 1):
-            return "key.ep_size", (f"a megakernel profile runs on one GPU (ep_size 1, nodes 1), got ep_size "
-                                   f"{key.ep_size}, nodes {key.nodes}")
-        if key.dtype != "bfloat16":
-            return "key.dtype", f"the megakernel runs bfloat16 only, got {key.dtype[:64]!r}"
-        if engine != "megakernel":
-            return "knobs.engine", f"engine {engine!r} under a megakernel key (it names engine 'megakernel')"
-    elif engine == "megakernel":
-        return "knobs.engine", (f"engine 'megakernel' under a {key.transport_family[:64]!r} key: only family "
-                                f"{MEGAKERNEL_FAMILY!r} names it")
-    return None
+    """(field, why) where the record's knobs or key contradict its family (`profile_record.key_knobs_problem`, the one
+    predicate, which the serving paths use too)."""
+    return record_key_knobs_problem(rec.key, rec.knobs)
 
 
 def check_record(rec: ProfileRecord) -> None:

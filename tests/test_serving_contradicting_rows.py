@@ -1,0 +1,69 @@
+"""A stored row whose knobs or key contradict its family (what `db check` names: `key_knobs_problem`) is never
+served: the daemon's index passes over it as over a missing row and its not-found reason says why; the runtime's
+read-only database lookup passes over it too (a daemon reply carrying one likewise) and falls back, its warning
+naming it. `db check` still reports it (tests/test_store_key_knobs_contradiction.py)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+from test_trust_client import _local_facts, _seed_db, key, resolve
+
+from moetune.runtime import wire
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileRecord
+from moetune.runtime.profiles import node_identity
+from moetune.tuner.daemon.index import ProfileIndex
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _measured(k: object, **knobs: object) -> ProfileRecord:
+    return ProfileRecord(key=k, knobs=default_knobs("nvlink").replace(**knobs), latency_us=5.0, spread_us=0.1,
+                         backend="local:nccl", provenance="measured", measured_on=k.fingerprint)  # type: ignore[attr-defined]
+
+
+def _lookup(idx: ProfileIndex, tokens: int) -> tuple[bool, object]:
+    return idx.lookup(wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=2, tokens=tokens, model="qwen3-30b",
+                                      fingerprint="fp", software="sw"))
+
+
+def test_daemon_index_passes_over_a_contradicting_row() -> None:
+    odd = _measured(key("fp", "sw", bucket=64), engine="megakernel")  # a transport key naming the megakernel engine
+    idx = ProfileIndex([odd], version=1, facts=SimpleNamespace(fingerprint="fp", software_hash="sw"), stale=[])
+    ok, (code, msg) = _lookup(idx, 64)  # type: ignore[misc]
+    assert not ok and code == wire.E_NOT_FOUND
+    assert odd.profile_hash in msg and "contradict its family" in msg and "knobs.engine" in msg
+    # a sound row a bucket away is served instead, as for a missing row
+    sound = _measured(key("fp", "sw", bucket=128), num_sms=32)
+    idx = ProfileIndex([odd, sound], version=1, facts=SimpleNamespace(fingerprint="fp", software_hash="sw"), stale=[])
+    ok, raw = _lookup(idx, 64)
+    assert ok, raw
+    assert wire.decode_result("get_profile", raw).profile_hash == sound.profile_hash  # type: ignore[arg-type]
+
+
+def test_database_lookup_passes_over_a_contradicting_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    facts = _local_facts()
+    F.pretend_node(monkeypatch, facts, tmp_path / "proc")
+    sw, fp = node_identity.software_hash(facts), "c" * 16
+    db = tmp_path / "moetune.db"
+    _seed_db(db, {"_fp": fp, "facts": facts}, [_measured(key(fp, sw, bucket=64), num_sms=32)])
+    nowhere = f"ipc://{tmp_path}/nowhere/daemon.sock"
+    res, _ = resolve(nowhere, tmp_path, db_path=db)
+    assert res.source == "database" and res.tuned  # the sound row is served
+    con = sqlite3.connect(db)
+    with con:  # as an older moetune's import stored it: `db check` names it
+        knobs = json.loads(con.execute("SELECT knobs FROM profiles").fetchone()[0])
+        con.execute("UPDATE profiles SET knobs = ?", (json.dumps({**knobs, "engine": "megakernel"}),))
+    con.close()
+    res, warned = resolve(nowhere, tmp_path, db_path=db)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert len(warned) == 1 and "contradict its family" in warned[0] and "knobs.engine" in warned[0], warned
