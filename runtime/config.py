@@ -90,6 +90,9 @@ class ClientConfig:
     # an EP buffer / MoE layer built without knobs looks up its tuned profile (daemon, then database); false: the
     # policy defaults, asking nothing (`client_autoload`; its variable is MOETUNE_AUTOLOAD, the name it always had)
     autoload: bool = True
+    # seconds an auto-load FALLBACK (the policy or built-in default: the daemon or a hardware check failed) is reused
+    # before a later buffer or layer looks up again; a resolved profile is kept for the process. 0: every construction
+    fallback_retry_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,12 @@ _ENV_NAMES = {("client", "autoload"): "MOETUNE_AUTOLOAD"}
 KEY_NOTES = {("client", "autoload"): "false (or `MOETUNE_AUTOLOAD=0`): an EP buffer or MoE layer built without "
                                      "knobs runs the policy defaults without asking the daemon or the database (no "
                                      "warning); true: it looks up the tuned profile. A value that is not a bool is "
-                                     "an error naming the variable or the file."}
+                                     "an error naming the variable or the file.",
+             ("client", "fallback_retry_s"): "how long (seconds) an auto-load that ended in the policy or built-in "
+                                             "default (the daemon did not answer, a hardware check failed) is reused "
+                                             "before a buffer or layer built later looks up again; a tuned or "
+                                             "modelled profile it found is kept for the process. 0: every "
+                                             "construction looks up again."}
 
 
 def env_name(section: str, key: str) -> str:
@@ -283,6 +291,8 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
     if not 1 <= c["timeout_ms"] <= MAX_CLIENT_TIMEOUT_MS:
         fail("client", "timeout_ms", f"must be 1 to {MAX_CLIENT_TIMEOUT_MS} (milliseconds: up to a day), "
              f"got {c['timeout_ms']}")
+    if c["fallback_retry_s"] < 0:
+        fail("client", "fallback_retry_s", f"must be >= 0 (seconds), got {c['fallback_retry_s']}")
     c["env_mismatch"] = c["env_mismatch"].strip().lower()
     if c["env_mismatch"] not in ENV_MISMATCH_MODES:
         fail("client", "env_mismatch", f"must be one of {', '.join(ENV_MISMATCH_MODES)}, got {c['env_mismatch']!r}")

@@ -24,7 +24,10 @@ names the variables, or with `client.env_mismatch = "refuse"` the profile is pas
 environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
 this module is not called at all). Results are cached per process, key and device (what can run depends on
 the device) and the settings and performance environment they were judged under (`_JUDGED_UNDER`: allow_modelled
-unset since must not leave a modelled profile served), so the many layers of one model cost one lookup.
+unset since must not leave a modelled profile served), so the many layers of one model cost one lookup. A FALLBACK
+(the policy or built-in default: the daemon did not answer, a hardware check failed) is cached only for
+`client.fallback_retry_s` (30 s): a layer built later looks up again, so a job whose daemon or NIC port was briefly
+down at its start does not run on defaults for its life.
 
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
@@ -60,10 +63,17 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from moetune.runtime.config import client_autoload, config_files
+from moetune.runtime.config import (
+    ClientConfig,
+    ConfigError,
+    client_autoload,
+    config_files,
+    load_client_config,
+)
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY
@@ -85,7 +95,10 @@ __all__ = ["ProfileMismatch", "apply_env", "autoload_group_profile", "autoload_k
 
 log = logging.getLogger("moetune.autoload")
 
-_cache: dict[tuple[Any, ...], Resolution] = {}
+# key -> (resolution, when it expires: None for the process's life; a monotonic time for a fallback, which a later
+# construction looks up again after client.fallback_retry_s: a daemon or NIC port briefly down at job start)
+_cache: dict[tuple[Any, ...], tuple[Resolution, float | None]] = {}
+FALLBACK_SOURCES = frozenset({"policy", "default"})  # a Resolution.source that is no looked-up profile
 _lock = threading.Lock()
 _last: Resolution | None = None
 
@@ -283,12 +296,14 @@ def autoload_profile(
            None if options is None else options.digest(),  # other options may be served another profile
            _lookup_env_digest())  # and other settings (allow_modelled, env_mismatch, autoload) judge otherwise
     with _lock:
-        if use_cache and client is None and key in _cache:
-            _last = _cache[key]
+        hit = _cache.get(key) if use_cache and client is None else None
+        if hit is not None and (hit[1] is None or time.monotonic() < hit[1]):
+            _last = hit[0]
             if export_env:
                 apply_env(_last.env)
             return _last
         on, where = client_autoload()  # a typo (MOETUNE_AUTOLOAD=of) is an error, not "on"
+        until: float | None = None  # kept for the process: a looked-up profile, or autoload off (nothing to retry)
         if not on:
             knobs, source = policy_or_default(transport_family or "collective")
             res = Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}",
@@ -296,14 +311,26 @@ def autoload_profile(
         else:
             res = _resolve(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device, client=client,
                            transport_family=transport_family, options=options)
+            if res.source in FALLBACK_SOURCES:
+                until = time.monotonic() + _fallback_retry_s()
         if export_env:
             apply_env(res.env)
         log.info("moetune: knobs from %s (profile %s, %.1f ms%s)", res.source, res.profile_hash, res.elapsed_ms,
                  f", NCCL/NVSHMEM/FI environment {res.env_status}" if res.env_status else "")
         if client is None:
-            _cache[key] = res
+            _cache[key] = (res, until)
         _last = res
         return res
+
+
+def _fallback_retry_s() -> float:
+    """client.fallback_retry_s (the config files, then its variable); its default where the config cannot be read
+    (the profile client has warned about that already)."""
+    try:
+        cfg, _ = load_client_config()
+    except (ConfigError, OSError):
+        return ClientConfig.fallback_retry_s
+    return cfg.client.fallback_retry_s
 
 
 def _resolve(
