@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import msgspec
@@ -33,6 +34,24 @@ ENGINE_FAMILIES: frozenset[str] = frozenset({MEGAKERNEL_FAMILY})
 # A libfabric provider's name in a family (`proxy:libfabric/cxi`): what NVSHMEM_LIBFABRIC_PROVIDER may be set to
 # (launcher_env's rule), so a family the store, a policy or a key takes is one the runtime can export.
 LIBFABRIC_PROVIDER = r"[a-z][a-z0-9_]{0,31}"
+# The transport families moetune names (tuner/fabric/families.py; `proxy:ucx` is NVSHMEM's UCX transport), plus
+# `proxy:libfabric/<provider>` for any libfabric provider: what a stored key (the store's import check) and a fabric
+# preset's `family` (its loader) may name. KNOWN_FAMILIES adds the engine families (a key's, never a fabric's).
+TRANSPORT_FAMILIES: frozenset[str] = frozenset(
+    {"nvlink", "proxy:ibrc", "proxy:ucx", "proxy:libfabric", "ibgda", "host_staged", "collective"}
+)
+KNOWN_FAMILIES: frozenset[str] = TRANSPORT_FAMILIES | ENGINE_FAMILIES
+_LIBFABRIC_FAMILY = re.compile(rf"proxy:libfabric/{LIBFABRIC_PROVIDER}")
+
+
+def is_transport_family(family: str) -> bool:
+    """Whether `family` is a transport family moetune names (`TRANSPORT_FAMILIES`, any libfabric provider's)."""
+    return family in TRANSPORT_FAMILIES or _LIBFABRIC_FAMILY.fullmatch(family) is not None
+
+
+def is_known_family(family: str) -> bool:
+    """A transport family (`is_transport_family`) or an engine family."""
+    return family in ENGINE_FAMILIES or is_transport_family(family)
 
 TOKEN_BUCKETS: tuple[int, ...] = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 

@@ -136,3 +136,47 @@ def test_a_fit_keeps_an_efficiency_at_most_one() -> None:
     from moetune.tuner.fabric_model.calibration import PHYSICAL_MAX
 
     assert PHYSICAL_MAX["gpu.gemm_efficiency"] == PHYSICAL_MAX["collective.nic_efficiency"] == 1.0
+
+
+@pytest.mark.parametrize(("edit", "field", "allowed"), [
+    # a typo: loaded without a word, and what reads the family later (tune, model calibrate) named no file
+    (lambda t: t.replace('family = "nvlink"', 'family = "nvlnk"'), "family", "collective"),
+    (lambda t: t.replace('family = "nvlink"', 'family = "megakernel"'), "family", "host_staged"),  # an engine, no fabric
+    (lambda t: t.replace('family = "nvlink"', 'family = "proxy:libfabric/CXI!"'), "family", "proxy:libfabric/PROVIDER"),
+    # a family whose transport the preset does not list: every prediction for it was refused at predict time
+    (lambda t: t.replace('family = "nvlink"', 'family = "ibgda"'), "transports", "nvlink, collective, host_staged, proxy"),
+])
+def test_a_family_that_is_unknown_or_not_in_transports_is_refused(tmp_path: Path, edit, field: str, allowed: str) -> None:
+    text = load_preset("nvlink-h200x2").to_toml()
+    f = tmp_path / "fam.toml"
+    f.write_text(edit(text))
+    assert f.read_text() != text
+    with pytest.raises(PresetError) as e:
+        load_preset(str(f))
+    msg = str(e.value)
+    assert str(f) in msg and f"{field} " in msg and allowed in msg, msg
+
+
+def test_a_family_without_its_transports_section_is_refused(tmp_path: Path) -> None:
+    """A proxy family needs [proxy] (the CPU proxy's costs), an ibgda family [ibgda], an nvlink family [nvlink]."""
+    text = load_preset("ndr-ibrc-h100x8").to_toml()
+    kept, skip = [], False
+    for line in text.splitlines():
+        if line.startswith("["):
+            skip = line == "[proxy]"
+        if not skip and not line.startswith('"proxy.'):
+            kept.append(line)
+    f = tmp_path / "no-proxy.toml"
+    f.write_text("\n".join(kept) + "\n")
+    with pytest.raises(PresetError) as e:
+        load_preset(str(f))
+    msg = str(e.value)
+    assert str(f) in msg and "family 'proxy:ibrc'" in msg and "[proxy]" in msg, msg
+
+
+@pytest.mark.parametrize("family", ["collective", "host_staged", "proxy:ucx", "proxy:libfabric/efa"])
+def test_every_transport_family_fits_a_preset_that_has_its_transport(tmp_path: Path, family: str) -> None:
+    text = load_preset("nvlink-h200x2").to_toml().replace('family = "nvlink"', f'family = "{family}"')
+    f = tmp_path / "ok.toml"
+    f.write_text(text)
+    assert load_preset(str(f)).family == family

@@ -13,13 +13,14 @@ import msgspec
 
 from moetune.runtime.knobs import TRANSPORTS
 from moetune.runtime.options import data_path_problem
-from moetune.runtime.profile_record import (
+from moetune.runtime.profile_record import (  # KNOWN_FAMILIES, is_known_family: the CLI imports them from here
     ENGINE_FAMILIES,
-    LIBFABRIC_PROVIDER,
+    KNOWN_FAMILIES,
     PROFILE_STATUSES,
     PROVENANCES,
     TOKEN_BUCKETS,
     ProfileRecord,
+    is_known_family,
     is_preset_fingerprint,
     node_model_label_problem,
     provenance_of_backend,
@@ -59,19 +60,8 @@ class FieldError(ValueError):
         self.field = field
 
 
-# The transport families moetune names (tuner/fabric/families.py; `proxy:ucx` is NVSHMEM's UCX transport) and the
-# engine families; `proxy:libfabric/<provider>` for any libfabric provider. An imported key is one of these: any
-# other text would be listed and shown as a family (an escape sequence in it reaches the terminal).
-KNOWN_FAMILIES = frozenset(
-    {"nvlink", "proxy:ibrc", "proxy:ucx", "proxy:libfabric", "ibgda", "host_staged", "collective", *ENGINE_FAMILIES}
-)
-_LIBFABRIC_FAMILY = re.compile(rf"proxy:libfabric/{LIBFABRIC_PROVIDER}")
 # C0 controls, DEL and C1 controls: ESC starts a terminal escape sequence; a CSI (0x9b) is one on its own.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def is_known_family(family: str) -> bool:
-    return family in KNOWN_FAMILIES or _LIBFABRIC_FAMILY.fullmatch(family) is not None
 
 
 def has_control(text: str) -> bool:
@@ -285,6 +275,7 @@ def check_import_record(rec: ProfileRecord, now: _dt.datetime | None = None) -> 
     if key.topk > key.experts:
         raise FieldError("key.topk", f"top-k {key.topk} is above the expert count {key.experts}")
     transport = family_transport(key.transport_family)
+    # any other text would be listed and shown as a family (an escape sequence in it reaches the terminal)
     if transport not in TRANSPORTS or not is_known_family(key.transport_family):
         raise FieldError(
             "key.transport_family",

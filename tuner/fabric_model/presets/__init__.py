@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime.knobs import TRANSPORTS
+from moetune.runtime.profile_record import TRANSPORT_FAMILIES, is_transport_family
 
 # Parameter sections the model reads, and the keys each must (or may) hold.
 REQUIRED: dict[str, tuple[str, ...]] = {
@@ -292,6 +293,27 @@ def _type_name(value: Any) -> str:
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
+# The section a family's transport needs beyond the required ones: the model's costs of that transport.
+FAMILY_SECTIONS = {"nvlink": "nvlink", "proxy": "proxy", "ibgda": "ibgda"}
+
+
+def _check_family(family: str, transports: tuple[str, ...], params: Mapping[str, Any], where: str) -> None:
+    """A preset's `family` (what `tune --preset` tunes, a node model's family) is a transport family moetune names,
+    whose transport the preset lists and models: a typo loaded without a word and was named only where the family
+    was read later, without the file; a family of a transport it does not list had every prediction refused."""
+    if not is_transport_family(family):
+        raise PresetError(f"{where}: family {family[:64]!r} is no transport family (allowed: "
+                          f"{', '.join(sorted(TRANSPORT_FAMILIES))}, or proxy:libfabric/PROVIDER)")
+    transport = family.split(":", 1)[0]  # proxy:libfabric/cxi runs the proxy transport
+    if transport not in transports:
+        raise PresetError(f"{where}: family {family!r} runs transport {transport!r}, which transports does not list "
+                          f"(it lists {', '.join(transports)}): add it, or name a family of one of those")
+    section = FAMILY_SECTIONS.get(transport)
+    if section is not None and section not in params:
+        raise PresetError(f"{where}: family {family!r} needs a [{section}] section (the {transport} transport's "
+                          f"parameters: {', '.join(OPTIONAL[section])})")
+
+
 def _parse(data: dict[str, Any], path: str | None) -> Preset:
     name = data.get("name")
     # name the file where there is one (that is what the user edits), else the preset
@@ -372,6 +394,7 @@ def _parse(data: dict[str, Any], path: str | None) -> Preset:
     if "nic" not in params and any(t in ("proxy", "ibgda") for t in transports):
         raise PresetError(f"{where}: proxy/ibgda transports need a [nic] section (the queue model reads its QPs, "
                           "overheads and round trip, also where the proxy serves this node's peers)")
+    _check_family(data["family"], transports, params, where)
     if "pcie" in params:
         params["pcie"].setdefault("duplex", True)
     for section, table in params.items():
