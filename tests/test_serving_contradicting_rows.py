@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
-from test_trust_client import _local_facts, _seed_db, key, resolve
+from test_trust_client import _local_facts, _seed_db, fake, key, ok_reply, resolve, result  # noqa: F401 (fixture)
 
 from moetune.runtime import wire
 from moetune.runtime.knobs import default_knobs
@@ -67,3 +67,14 @@ def test_database_lookup_passes_over_a_contradicting_row(tmp_path: Path, monkeyp
     res, warned = resolve(nowhere, tmp_path, db_path=db)
     assert res.source in ("policy", "default") and not res.tuned, res
     assert len(warned) == 1 and "contradict its family" in warned[0] and "knobs.engine" in warned[0], warned
+
+
+def test_a_daemon_reply_carrying_a_contradicting_profile_is_passed_over(fake, tmp_path: Path) -> None:  # noqa: F811
+    """A daemon of an older moetune (or another tool) may still serve such a row: the client passes it over."""
+    sound = result(knobs=default_knobs("nvlink").replace(num_sms=40))
+    res, _ = resolve(fake(lambda req: ok_reply(req["id"], sound)).endpoint, tmp_path)
+    assert res.source == "daemon" and res.tuned  # the same reply, sound, is applied
+    odd = result(knobs=default_knobs("nvlink").replace(engine="megakernel"))
+    res, warned = resolve(fake(lambda req: ok_reply(req["id"], odd), run=tmp_path / "run2").endpoint, tmp_path)
+    assert res.source in ("policy", "default") and not res.tuned, res
+    assert any("contradict its family" in w and "knobs.engine" in w for w in warned), warned
