@@ -271,12 +271,15 @@ class LooseKeyPath:
     loose_bits: int
 
 
-def loose_key_path(p: Path | str, *, forbid: int, sticky_ok: bool = False) -> LooseKeyPath | None:
+def loose_key_path(p: Path | str, *, forbid: int, sticky_ok: bool = False,
+                   st: os.stat_result | None = None) -> LooseKeyPath | None:
     """The one rule for key material, the daemon's refusal and the client's warning alike: None when `p` is owned by
     this process's effective user or root and has none of the mode bits `forbid` (a sticky folder such as /tmp passes
     with `sticky_ok`: only a file's owner may replace the file there). Follows a link: the target's mode and owner
-    are what matter. Raises OSError when `p` cannot be stat-ed."""
-    st = os.stat(p)
+    are what matter. `st`: the stat of the file as it was opened and read (judged instead of what is at `p` now).
+    Raises OSError when `p` cannot be stat-ed."""
+    if st is None:
+        st = os.stat(p)
     mode = stat.S_IMODE(st.st_mode)
     foreign = st.st_uid not in (os.geteuid(), 0)
     bad = 0 if sticky_ok and st.st_mode & stat.S_ISVTX else mode & forbid

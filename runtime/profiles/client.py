@@ -103,7 +103,11 @@ from moetune.runtime.profile_record import (
     is_preset_fingerprint,
 )
 from moetune.runtime.profiles import node_identity
-from moetune.runtime.profiles.curve_keys import read_curve_key_file, warn_loose_secret, warn_loose_server_key
+from moetune.runtime.profiles.curve_keys import (
+    read_curve_key_file_stat,
+    warn_loose_secret,
+    warn_loose_server_key,
+)
 from moetune.runtime.profiles.daemon_info import daemon_info_down, read_daemon_info, stale_daemon_reason
 from moetune.runtime.profiles.db_lookup import (
     node_identity_from_db,
@@ -287,16 +291,16 @@ class ProfileClient:
         elif self.endpoint.startswith("tcp://"):
             if curve_server_key is None and key_file:
                 try:
-                    curve_server_key, _ = read_curve_key_file(key_file)
-                    warn_loose_server_key(key_file)
+                    curve_server_key, _, st = read_curve_key_file_stat(key_file)
+                    warn_loose_server_key(key_file, st)  # the file read, not what is at its path now
                 except ValueError as e:
                     self._refusal = f"the daemon's CURVE public key file {key_file} {e}"
             if self._refusal is None and own_file and (curve_public_key is None or curve_secret_key is None):
                 try:
-                    curve_public_key, curve_secret_key = read_curve_key_file(own_file)
+                    curve_public_key, curve_secret_key, st = read_curve_key_file_stat(own_file)
                     if not curve_secret_key:
                         raise ValueError("holds no secret key")
-                    warn_loose_secret(own_file)
+                    warn_loose_secret(own_file, st)
                 except ValueError as e:
                     self._refusal = f"this client's CURVE secret key file {own_file} {e}"
             if self._refusal is None and curve_server_key is None and not allow_insecure_tcp:

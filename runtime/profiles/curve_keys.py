@@ -5,12 +5,15 @@ could be changed by them (whoever changes it can pose as the daemon)."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from pathlib import Path
 
 from moetune.runtime import _once
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 
-__all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "warn_loose_secret", "warn_loose_server_key"]
+__all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "read_curve_key_file_stat",
+           "warn_loose_secret", "warn_loose_server_key"]
 
 log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
 
@@ -44,35 +47,58 @@ def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "is not a
     regular file (...)", "cannot be read (...)", "holds no CURVE public key", "holds a ... that is not a CURVE key"
     (zmq.auth says "Invalid certificate file" of a missing one)."""
-    from zmq.auth import load_certificate
-
-    p = Path(path)
-    if not p.exists():
-        raise ValueError("does not exist" + (" (a link to nothing)" if p.is_symlink() else ""))
-    if p.is_dir():
-        raise ValueError("is a directory, not a key file")
-    if not p.is_file():  # a FIFO's open waits for a writer for ever: the lookup (and the EP buffer) hung here
-        raise ValueError("is not a regular file (a FIFO or a device), not a key file")
-    try:
-        public, secret = load_certificate(p)
-    except OSError as e:
-        raise ValueError(f"cannot be read ({e.strerror or e})") from None
-    except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
-        raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
-    if (what := bad_curve_key(public, secret)) is not None:  # no secret: the caller says if it needs one
-        raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
-                         "generate` key file, or an edited one)")
+    public, secret, _st = read_curve_key_file_stat(path)
     return public, secret
 
 
-def warn_loose_secret(path: str) -> None:
+def read_curve_key_file_stat(path: str | Path) -> tuple[bytes, bytes | None, os.stat_result]:
+    """`read_curve_key_file`, and the stat of the file it read (for the mode warnings: they judge what was read).
+
+    Opened once, and every check made on that descriptor: checked by path, then opened by path, a FIFO put there in
+    between had the open wait for a writer (the client's constructor hung). A link is followed (key files linked
+    to a shared copy are supported; who may replace a link is what the folder warnings judge)."""
+    from zmq.auth import load_certificate
+
+    p = Path(path)
+    try:
+        # O_NONBLOCK: a FIFO's open returns at once (it waited for a writer); O_CLOEXEC: no child inherits it
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ValueError("does not exist" + (" (a link to nothing)" if p.is_symlink() else "")) from None
+    except IsADirectoryError:
+        raise ValueError("is a directory, not a key file") from None
+    except OSError as e:
+        raise ValueError(f"cannot be read ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ValueError("is a directory, not a key file")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO's read waits for a writer for ever: the lookup (and the EP buffer) hung
+            raise ValueError("is not a regular file (a FIFO or a device), not a key file")
+        try:
+            # zmq reads a file by name: the name of this descriptor's file, never the path again (Linux's /proc)
+            public, secret = load_certificate(f"/proc/self/fd/{fd}")
+        except OSError as e:
+            raise ValueError(f"cannot be read ({e.strerror or e})") from None
+        except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
+            raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
+    finally:
+        os.close(fd)
+    if (what := bad_curve_key(public, secret)) is not None:  # no secret: the caller says if it needs one
+        raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
+                         "generate` key file, or an edited one)")
+    return public, secret, st
+
+
+def warn_loose_secret(path: str, st: os.stat_result | None = None) -> None:
     """Warn (once per file) when this client's CURVE secret key could be read, changed or replaced by other users
     (`secret_key_checks` and `loose_key_path`, the daemon's rule for its own key): whoever reads it connects as this
     client (an admin key: may re-tune). A warning, not a refusal: the daemon enforces its allow-list, and refusing
-    here would only push the job onto its fallbacks without a word at the daemon."""
+    here would only push the job onto its fallbacks without a word at the daemon. `st`: the key file as it was read
+    (`read_curve_key_file_stat`): the file judged is the one read, not one put at its path since."""
     for where, forbid in secret_key_checks(path):
         try:
-            loose = loose_key_path(where, forbid=forbid)
+            loose = loose_key_path(where, forbid=forbid, st=st if where == Path(path) else None)
         except OSError:  # gone or unreadable meanwhile: a warning only, the key was read
             continue
         if loose is None:
@@ -89,16 +115,17 @@ def warn_loose_secret(path: str) -> None:
         return
 
 
-def warn_loose_server_key(path: str) -> None:
+def warn_loose_server_key(path: str, st: os.stat_result | None = None) -> None:
     """Warn (once per file) when the daemon's CURVE public key file this client trusts could be changed by other users:
     writable by group or others, or in a folder (the one a link points into included) they may write without the
     sticky bit. Whoever changes it chooses the key this client takes for the daemon's, and can pose as the daemon over
     TCP (its replies are then applied as the daemon's). Readable by all is fine (a public key), and so is another
-    owner (the daemon operator's file, shared with the clients). A warning, as for the client's own secret key."""
+    owner (the daemon operator's file, shared with the clients). A warning, as for the client's own secret key.
+    `st`: the key file as it was read (`read_curve_key_file_stat`), judged instead of what is at its path now."""
     p = Path(path)
     for where in (p, *dict.fromkeys((p.parent, p.resolve().parent))):
         try:
-            loose = loose_key_path(where, forbid=0o022, sticky_ok=where != p)
+            loose = loose_key_path(where, forbid=0o022, sticky_ok=where != p, st=st if where == p else None)
         except OSError:  # gone or unreadable meanwhile: a warning only, the key was read
             continue
         if loose is None or not loose.loose_bits:  # its owner alone is not judged here (see above)
