@@ -40,6 +40,14 @@ from moetune.runtime.profile_record import (
 )
 
 PROTOCOL_VERSION = 1
+# The largest request a client can legitimately send: every field bounded (Name: NAME_MAX characters, Id: 128, a
+# reason: REASON_MAX, integers 64-bit), and a character at most 6 bytes as JSON (a control character's \u00XX escape).
+# A get_profile with all seven names and the id at their bounds, encoded as the client encodes it (msgspec, compact),
+# is 8,784 bytes; the rest are smaller (tests/test_router_queue_bound.py builds each). Rounded up to 9 KiB.
+LARGEST_REQUEST_BYTES = 9 << 10
+# The daemon's request cap (daemon.max_request_bytes) by default: ~7x the largest legitimate request, room for
+# another encoder's escapes (a surrogate pair's 12 bytes a character: ~23 KB) or whitespace; the daemon's ROUTER
+# takes frames up to this + 1 KiB (ZMQ_MAXMSGSIZE: `server.MAXMSG_SLACK`) and drops the connection of a bigger one.
 DEFAULT_MAX_REQUEST_BYTES = 65536
 # The largest frame a client takes (ZMQ_MAXMSGSIZE of its DEALER and SUB sockets): a reply or change notice over it
 # drops the connection before libzmq has buffered it whole. The largest a daemon sends, a list_profiles page of

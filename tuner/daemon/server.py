@@ -26,7 +26,8 @@ authenticated by pyzmq's ZAP authenticator against the allow-list of client publ
 (the ZAP domain enforced: without a handler libzmq would let every CURVE client in); key files and lists other local
 users could read (the secret key) or change are refused (`auth.check_key_path`). One bad frame never ends the
 serving loop: it is answered with an error (or its connection dropped). Every frame a peer sends is capped
-(ZMQ_MAXMSGSIZE: the ROUTER near the request cap, the PUB, whose peers send only subscriptions, at 1 KiB).
+(ZMQ_MAXMSGSIZE: the ROUTER near the request cap, the PUB, whose peers send only subscriptions, at 1 KiB), and
+what one connection can have queued at the ROUTER is bounded in bytes (ZMQ_RCVHWM: REQUEST_QUEUE_BYTES).
 Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
 re-tune, which runs benchmarks on the node's GPUs) is answered `forbidden` unless the peer is an admin: on
 IPC the daemon's own user or root (read from the kernel's peer credentials, SO_PEERCRED) and, with
@@ -140,6 +141,13 @@ MAXMSG_SLACK = 1024
 # change kind), never more than this; a bigger frame drops that connection (libzmq buffers a frame whole first)
 SUBSCRIPTION_MAX_BYTES = 1024
 MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
+# ZMQ_RCVHWM of the ROUTER: libzmq queues up to this many messages per connection, each up to its ZMQ_MAXMSGSIZE;
+# 10000 let one peer have the daemon hold ~650 MB at the default cap. A legitimate client has one request in flight
+# (ProfileClient: one DEALER, one request, a new socket after a time-out), and a full queue only has libzmq stop
+# reading that connection until the loop drains it (nothing is dropped): bounded at REQUEST_QUEUE_BYTES per
+# connection (~127 requests at the default cap), never below REQUEST_HWM_MIN (a cap the operator raised to MiBs).
+REQUEST_QUEUE_BYTES = 8 << 20
+REQUEST_HWM_MIN = 4
 LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
 RETUNE_QUEUE = 8  # retune requests waiting for the retune worker; more are answered `busy`
 STOP_WORKERS_S = 1.0  # how long stop() waits for the list and retune workers (one may be waiting on the store)
@@ -584,7 +592,7 @@ class Daemon(FabricWatch):
         # would have the daemon hold sndhwm of them; past this many, its replies are dropped (ROUTER_MANDATORY +
         # NOBLOCK: counted `unsent`), never another peer's
         r.sndhwm = REPLY_HWM
-        r.rcvhwm = 10000
+        r.rcvhwm = max(REQUEST_HWM_MIN, REQUEST_QUEUE_BYTES // (self.max_request_bytes + MAXMSG_SLACK))
         self._router = r
         self._bind_one(r, self.endpoint)
         p = self._ctx.socket(zmq.PUB)
