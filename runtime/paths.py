@@ -259,6 +259,44 @@ def untrusted_dir_reason(d: Path) -> str | None:
     return f"{d} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root, in a directory others can write"
 
 
+def untrusted_file_reason(f: Path) -> str | None:
+    """Why the runtime must not believe what the file `f` says (None when it may, or when there is no file there: its
+    reader says that). For the client's fallback database: a file other users can write could feed it profiles.
+
+    The socket folder's rule (`untrusted_dir_reason`), reused: the folder `f` is in (as given, and the one its links
+    lead into) must be one the runtime trusts a socket in, or (as `untrusted_socket_reason` allows a socket) a sticky
+    folder of this user or root, such as /tmp, with `f` this user's or root's. The file itself: not writable by group
+    or others, and owned by this user, root or its trusted folder's owner (a service's database, 0640 in its state
+    directory, read by its group's members)."""
+    real = Path(os.path.realpath(f))
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot stat {f}: {e.strerror or e}"
+    uid = os.getuid()
+    if st.st_mode & 0o022:
+        return f"{f} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}): other users could change it"
+    for d in dict.fromkeys((Path(os.path.abspath(f)).parent, real.parent)):
+        why = untrusted_dir_reason(d)
+        if why is None:
+            owner = os.stat(d).st_uid
+            if st.st_uid not in (uid, 0, owner):
+                return (f"{f} is owned by uid {st.st_uid}, not by this user (uid {uid}), root or its folder's owner "
+                        f"(uid {owner}): its owner could change it")
+            continue
+        try:
+            link, dst = os.lstat(d), os.stat(d)
+        except OSError as e:
+            return f"cannot stat {d}: {e.strerror or e}"
+        sticky_ok = (foreign_link_reason(d, link, uid) is None and dst.st_mode & stat.S_ISVTX
+                     and dst.st_uid in (uid, 0) and st.st_uid in (uid, 0))
+        if not sticky_ok:
+            return f"{why}: other users could replace {f}"
+    return None
+
+
 @dataclass(frozen=True)
 class LooseKeyPath:
     """Why key material (a CURVE key file or a folder of keys) is not safe: its mode and owner, whether the owner is

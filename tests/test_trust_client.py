@@ -1131,3 +1131,45 @@ def test_a_measurement_whose_measured_on_names_another_node_is_not_tuned(fake, t
     assert res.source in ("policy", "default") and not res.tuned, res
     assert any(f"measured on fingerprint {elsewhere}" in " ".join(w.split()) for w in warned), warned
     assert not msgspec.structs.replace(mine, measured_on=elsewhere).is_tuned_for(mine.key.fingerprint, mine.key.software)
+
+
+# -- a fallback database other users can write is not read: it could feed the job profiles -----------------------
+@pytest.mark.parametrize("what", ["file", "folder", "owner"])
+def test_a_database_others_can_write_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    db, mine = _this_node_with_a_measured_profile(shared, monkeypatch)  # its -wal beside it: made there
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source == "database" and res.profile_hash == mine.profile_hash, warned  # trusted: read as before
+    if what == "file":
+        os.chmod(db, 0o664)
+        why = "group- or world-writable (mode 664)"
+    elif what == "folder":
+        os.chmod(shared, 0o770)  # no sticky bit: a member of its group could put another file at the path
+        why = f"{shared} is group- or world-writable (mode 770)"
+    else:
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(db, 54321, -1)  # neither this user, nor root, nor its folder's owner
+        why = "owned by uid 54321"
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source in ("policy", "default"), warned  # as for a missing database: the defaults
+    assert len(warned) == 1 and f"database {db}: not used" in warned[0] and why in warned[0], warned
+
+
+def test_a_service_database_in_its_state_folder_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The system unit's layout: /var/lib/moetune (0750, the service user's) under a root folder, the database 0640 of
+    the service user, read by a member of its group: trusted (its folder's owner wrote it)."""
+    if os.getuid() != 0:
+        pytest.skip("giving files to another user needs root")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o750)
+    db, _mine = _this_node_with_a_measured_profile(state, monkeypatch)
+    os.chmod(db, 0o640)
+    os.chown(state, 54321, -1)
+    os.chown(db, 54321, -1)
+    assert paths.untrusted_file_reason(db) is None
+    monkeypatch.setattr(os, "getuid", lambda: 12345)  # a job of another user (root's folder above stays trusted)
+    assert paths.untrusted_file_reason(db) is None
+    os.chown(db, 54322, -1)  # a third user's file in the service's folder: refused
+    assert "owned by uid 54322" in (paths.untrusted_file_reason(db) or "")

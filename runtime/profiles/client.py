@@ -25,7 +25,8 @@ and falls back like a silent daemon; so is a reply that does not answer the requ
 the daemon would not pick, a profile that is not current, a profile_hash that is not the hash of its key and
 knobs). A profile whose transport this runtime does not have falls back too. A reply or change notice over
 `wire.MAX_REPLY_BYTES` drops the connection (ZMQ_MAXMSGSIZE) before it is buffered. Sockets and `daemon.json` are used
-only from a runtime directory this user may trust (`paths.untrusted_dir_reason`), `daemon.json` only as a regular file
+only from a runtime directory this user may trust (`paths.untrusted_dir_reason`), the fallback database only where
+other users cannot write it (`paths.untrusted_file_reason`: that rule again), `daemon.json` only as a regular file
 of at most MAX_INFO_BYTES (never a link or a FIFO); environment variables only as
 `launcher_env` computes them here from the profile's knobs (a reply's own `env` is never exported). A tcp://
 endpoint is used only with CURVE (or, explicitly, plain text on loopback); the PUB endpoint a daemon names must
@@ -93,6 +94,7 @@ from moetune.runtime.paths import (
     is_loopback_host,
     tcp_host,
     tcp_port,
+    untrusted_file_reason,
     untrusted_socket_reason,
 )
 from moetune.runtime.profile_record import (
@@ -699,8 +701,12 @@ class ProfileClient:
         if note is not None:
             problems.append(note)
         try:
-            ident, why_no_ident = node_identity_from_db(db)
-            if ident is None and not self.allow_modelled:
+            # a file other users can write could feed this job profiles: passed over, as a missing one is
+            untrusted = untrusted_file_reason(db)
+            ident, why_no_ident = (None, "") if untrusted is not None else node_identity_from_db(db)
+            if untrusted is not None:
+                problems.append(f"database {db}: not used, {untrusted}")
+            elif ident is None and not self.allow_modelled:
                 problems.append(f"database {db}: not used, this node's identity is unknown ({why_no_ident})")
             else:
                 recs = query_db_profiles(db, ep_size=ep_size, nodes=nodes, hidden=model.hidden,
