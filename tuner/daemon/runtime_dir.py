@@ -307,7 +307,10 @@ def synced(f: Any) -> None:
 
 def unlink_if(p: Path, ident: tuple[int, int] | None, kind: int = stat.S_IFREG) -> None:
     """Remove `p` only while it is the file of this user and kind with the (dev, inode) `ident` this daemon
-    created (never one put in its place since)."""
+    created (never one put in its place since). Check, then unlink: a file swapped in between would be the one
+    removed, but only a user who may write the folder could swap it, and `prepare_runtime_dir` refuses a socket folder
+    others may write without the sticky bit (in a sticky one they cannot rename our files); see
+    `lock_files.release_lock_file`."""
     if ident is None:
         return
     with contextlib.suppress(OSError):

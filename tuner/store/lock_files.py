@@ -103,7 +103,13 @@ def take_lock_file(path: Path) -> int:
 
 def release_lock_file(path: Path, fd: int) -> None:
     """Remove the lock file `path` while it is still the one `fd` holds (never one put in its place since), then
-    release the lock. A holder killed leaves the file (unlocked): the next taker takes it."""
+    release the lock. A holder killed leaves the file (unlocked): the next taker takes it.
+
+    The check and the unlink are two steps (no call unlinks "this inode"): whoever swaps another file in between has
+    that entry removed. Only someone who may write the folder can swap it, and they may remove or rename any entry of
+    it themselves (where they may not, as in a sticky folder, they cannot swap it either); unlink never follows a link
+    and changes no file's content. So the race gives nobody anything they could not do already; what it cannot keep
+    is the lock's exclusion against users who may write the database's folder, which no lock file can."""
     with contextlib.suppress(OSError):
         st = os.fstat(fd)
         now = os.lstat(path)
