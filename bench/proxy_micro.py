@@ -113,7 +113,9 @@ def run_micro(args, out_rows: list[dict]) -> None:
                         ok_flags = bool((f[:, :nsig] == want).all())
                     row = {
                         "bench": "proxy_micro", "mode": mode, "fence_mode": fence, "signalling": signalling or "none",
-                        "concurrency": c, "pes": npe, "size": size, "qps": args.qps, "batch": batch, "iters": len(t),
+                        "concurrency": c, "pes": npe, "size": size, "qps": args.qps,
+                        "abi": P.csrc_build.ABI_VERSION,  # qps per peer since ABI 19, shared before: the row says which
+                        "batch": batch, "iters": len(t),
                         "us_median": med, "us_p10": _pct(t, 10), "us_p90": _pct(t, 90),
                         "GBps": c * size / med / 1e3, "issue_us_per_op": st["busy_ns"] / 1e3 / max(1, st["processed"]),
                         "issue_us_per_op_excl_drain": (st["busy_ns"] - st["drain_ns"]) / 1e3 / max(1, st["processed"]),

@@ -241,14 +241,15 @@ def test_a_proxy_probe_row_is_modelled_with_the_streams_it_measured() -> None:
     preset = load_preset("nvlink-h200x2")
     assert preset.get("nic.shared_qps") == 4
     row = {"probe": "proxy_ce", "size": 65536, "mode": "decoupled_ordered", "transfers": 96, "us": 500.0}
-    (four,), _ = rows_to_points([{**row, "qps": 4}])
-    (one,), _ = rows_to_points([{**row, "qps": 1}])
+    # abi 18: qps streams shared by every peer (tests/test_proxy_probe_abi.py: the meaning since 19)
+    (four,), _ = rows_to_points([{**row, "qps": 4, "abi": 18}])
+    (one,), _ = rows_to_points([{**row, "qps": 1, "abi": 18}])
     (unsaid,), _ = rows_to_points([row])  # a row that names none: the preset's
     assert four.evaluate(preset) == unsaid.evaluate(preset)
     assert one.evaluate(preset) == pytest.approx(unsaid.evaluate(preset.with_params({"nic.shared_qps": 1})))
     assert one.evaluate(preset) != four.evaluate(preset)
     with pytest.raises(ValueError, match="qps"):
-        rows_to_points([{**row, "qps": 0}])
+        rows_to_points([{**row, "qps": 0, "abi": 18}])
 
 
 def test_a_collective_row_without_world_says_the_two_ranks_it_is_modelled_at() -> None:

@@ -79,8 +79,9 @@ def calibrate_cmd(
                                     "JSON object a line, naming what it measured: \"probe\" nccl_a2a, "
                                     "nccl_a2a_fp8payload or collective_a2a with fabric, model, S, ms (optional world, 2 where "
                                     "left out); "
-                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes, and qps, the streams it ran on, modelled as "
-                                    "the preset's nic.shared_qps); \"kind\" "
+                                    "\"probe\" proxy_ce with mode, size, transfers, us (optional pes, and qps, the streams it ran on, "
+                                    "with abi, the library ABI it was measured at: up to 18 streams shared by every "
+                                    "peer, the preset's nic.shared_qps; since 19 streams per peer); \"kind\" "
                                     "transfers with knobs, nodes, transfers, size, us (optional put_only). "
                                     "docs/fabric-model.md (Calibration) describes them."),
     out: Path | None = path_option(None, "--out", "-o", help="Write the calibrated preset TOML here."),

@@ -8,9 +8,14 @@ Each measured row is turned into the model call that describes the same experime
   fp8_e4m3; the runtime's own collective sends each token once per rank, which `predict` models by
   default: these rows describe the bare NCCL experiment, not the runtime's layout); `host_staged`
   rows ran with NCCL_P2P_DISABLE=1 → `Workload(p2p=False)`.
-* `{"probe": "proxy_ce", "size", "mode", "transfers", "qps", "us"}`: the proxy probe
+* `{"probe": "proxy_ce", "size", "mode", "transfers", "qps", "abi", "us"}`: the proxy probe
   (bench/results/2026-11-30_h200x2_proxy_probe.jsonl) →
-  `predict_transfers` with the matching signalling / fence mode (12 emulated PEs).
+  `predict_transfers` with the matching signalling / fence mode (12 emulated PEs). `qps` changed meaning at
+  library ABI 19 (csrc/mt_common.cu), so a row with `qps` says the ABI it was measured at (`abi`): up to 18 the
+  streams were shared by every peer (the preset's nic.shared_qps), since 19 each peer has `qps` of its own
+  (qps_per_pe, nic.shared_qps 0). A `qps` without `abi`, or an `abi` newer than this moetune's library, is
+  refused naming the row. The committed probe (a Python proxy of 2026-11-30, 4 streams for all 12 PEs) is given
+  `abi` 18: the meaning its `qps` has.
 * `{"kind": "transfers", "nodes", "transfers", "size", "knobs": {...}, "us", "put_only": false}`: a
   generic signalled-transfer microbenchmark (message-size sweep, fence cost, signal efficiency vs
   concurrency) → `predict_transfers` (`put_only: true` compares with its put-only time).
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetune.runtime.csrc_build import ABI_VERSION
 from moetune.runtime.knobs import Knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.predict import predict, predict_transfers
@@ -180,9 +186,31 @@ ROW_OPTIONAL: dict[str, dict[str, str]] = {
     "nccl_a2a": {"world": _POS_INT},
     "nccl_a2a_fp8payload": {"world": _POS_INT},
     "collective_a2a": {"world": _POS_INT},
-    "proxy_ce": {"pes": _POS_INT, "qps": _POS_INT},
+    "proxy_ce": {"pes": _POS_INT, "qps": _POS_INT, "abi": _POS_INT},
     "transfers": {"put_only": _BOOL},
 }
+# The library ABI from which the proxy engine's `qps` counts streams per peer (npeers x qps streams); up to the ABI
+# before it, `qps` streams in all, shared by every peer (csrc/mt_common.cu, the ABI 19 note)
+QPS_PER_PEER_ABI = 19
+MAX_QPS_PER_PEER = 64  # csrc/proxy_engine.h MT_MAX_QPS (the knob qps_per_pe's bound)
+
+
+def _qps_problem(row: dict[str, Any]) -> str | None:
+    """Why a proxy_ce row's `qps` has no meaning the model knows (its `abi` missing or newer than this library's),
+    or None."""
+    if "qps" not in row:
+        return None  # the preset's streams, whatever the ABI
+    if "abi" not in row:
+        return (f"field 'qps' without field 'abi': qps counts the streams shared by every peer up to library ABI "
+                f"{QPS_PER_PEER_ABI - 1} and the streams of each peer since ABI {QPS_PER_PEER_ABI}; add the ABI the "
+                f"row was measured at (`mt_abi_version`)")
+    abi = int(row["abi"])
+    if abi > ABI_VERSION:
+        return (f"field 'abi' is {abi}, newer than this moetune's library (ABI {ABI_VERSION}): what its 'qps' means is "
+                "not known here")
+    if abi >= QPS_PER_PEER_ABI and int(row["qps"]) > MAX_QPS_PER_PEER:
+        return f"field 'qps' is {row['qps']} per peer, more than the engine takes ({MAX_QPS_PER_PEER}, MT_MAX_QPS)"
+    return None
 
 
 def _field_problem(name: str, value: Any, want: str) -> str | None:
@@ -240,6 +268,8 @@ def row_problem(row: dict[str, Any]) -> str | None:
             why = _field_problem(name, row[name], want)
             if why:
                 return why
+    if probe == "proxy_ce":
+        return _qps_problem(row)
     return None
 
 
@@ -341,18 +371,21 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
         mode = row.get("mode")
         size, transfers = int(row["size"]), int(row["transfers"])
         dests = int(row.get("pes", 12))
-        # the copy-engine streams the probe ran on (its QPs, shared by every emulated peer: the preset's
-        # nic.shared_qps); a row that names none is modelled on the preset's
+        # the copy-engine streams the probe ran on (its QPs): up to ABI 18 shared by every emulated peer (the
+        # preset's nic.shared_qps), since ABI 19 `qps` per peer (qps_per_pe, no shared streams: nic.shared_qps 0,
+        # peer_hash as the probe maps them); a row that names none is modelled on the preset's
         qps = int(row["qps"]) if "qps" in row else None
+        per_peer = qps is not None and int(row["abi"]) >= QPS_PER_PEER_ABI
+        shared, qps_per_pe = (0, qps) if per_peer else (qps, 1)
         name = f"proxy_ce {mode} {size} B x{transfers}"
         if mode == "put_only":
-            knobs = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered")
-            def fn(pr, k=knobs, s=size, t=transfers, d=dests, q=qps):
+            knobs = Knobs(transport="proxy", signalling="decoupled", fence_mode="nic_ordered", qps_per_pe=qps_per_pe)
+            def fn(pr, k=knobs, s=size, t=transfers, d=dests, q=shared):
                 return (predict_transfers(_on_streams(pr, q), 1, t, s, k, destinations=d).put_only_us)
         elif mode in _PROBE_MODES:
             sig, fm = _PROBE_MODES[mode]
-            knobs = Knobs(transport="proxy", signalling=sig, fence_mode=fm)
-            def fn(pr, k=knobs, s=size, t=transfers, d=dests, q=qps):
+            knobs = Knobs(transport="proxy", signalling=sig, fence_mode=fm, qps_per_pe=qps_per_pe)
+            def fn(pr, k=knobs, s=size, t=transfers, d=dests, q=shared):
                 return (predict_transfers(_on_streams(pr, q), 1, t, s, k, destinations=d).time_us)
         else:
             return (label, f"unknown proxy_ce mode {mode!r} (known: put_only, {', '.join(_PROBE_MODES)})")
@@ -380,8 +413,9 @@ def _row_point(n: int, row: dict[str, Any]) -> Point | tuple[str, str]:
 
 
 def _on_streams(preset: Preset, qps: int | None) -> Preset:
-    """`preset` with the proxy probe's `qps` streams as its nic.shared_qps (unchanged where the row names none or
-    they agree; a preset without [nic] is refused by `predict_transfers` as before)."""
+    """`preset` with the proxy probe's `qps` shared streams as its nic.shared_qps (0: none shared, each peer its own;
+    unchanged where the row names none or they agree; a preset without [nic] is refused by `predict_transfers` as
+    before)."""
     nic = preset.params.get("nic", {})
     if qps is None or "shared_qps" not in nic or nic["shared_qps"] == qps:
         return preset
