@@ -32,6 +32,26 @@ def _signals_per_peer(knobs: Knobs, puts: int) -> int:
     return -(-puts // g)
 
 
+def _rows_on_peers_with_rows(rows_to: dict[int, float], peers: list[int], p_row: dict[int, float],
+                             tokens: int) -> dict[int, float]:
+    """`rows_to` (the expected rows of each peer) for `peers`, put on the peers that get any row. The runtime sends a
+    peer that gets none its count words only (csrc/proxy_xchg.h produce_exchange: chunking(0) is no PUT, no signal),
+    and at decode sizes most peers get none: `tokens` tokens each needing peer d with probability p_row[d] give it a
+    row with probability 1 - (1 - p)^tokens. PUTs go to the expected number of such peers, rounded (at least one
+    where any row is expected), those with the most rows (post order among equals), which carry all the expected
+    rows; the other peers get 0 (no PUT). With every peer likely to get rows nothing changes."""
+    total = sum(rows_to[d] for d in peers)
+    if total <= 0:
+        return {d: rows_to[d] for d in peers}
+    expected = sum(1.0 - (1.0 - min(1.0, max(0.0, p_row[d]))) ** tokens for d in peers)
+    n = min(len(peers), max(1, math.floor(expected + 0.5)))
+    if n == len(peers):
+        return {d: rows_to[d] for d in peers}
+    chosen = sorted(peers, key=lambda d: -rows_to[d])[:n]  # stable: post order among equals
+    scale = total / sum(rows_to[d] for d in chosen)
+    return {d: (rows_to[d] * scale if d in chosen else 0.0) for d in peers}
+
+
 def _rank_runs(rows: float, tb: float, ck: int, ready: float) -> list[tuple[float, int, int, float, float]]:
     """One peer's PUTs in the runtime layout: full chunks of `c` rows, then the last (partial) chunk; every
     row packed before the exchange starts (all ready at `ready`)."""
@@ -127,7 +147,7 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
     layout `runtime` (default): what runtime/transports/proxy.py + csrc/proxy_xchg.h send (module docstring):
     one pack kernel writes every peer's rows (dispatch; combine sends the expert output as it is), then per
     peer ceil(rows / chunk_tokens) PUTs (one with chunk_tokens 0, at most MAX_SLOTS), signals by
-    `_signals_per_peer`. IBGDA posts the same requests from GPU CTAs. `expert_tiles`: one bare copy per
+    `_signals_per_peer`; a peer that gets no row only its count words (`_rows_on_peers_with_rows`). IBGDA posts the same requests from GPU CTAs. `expert_tiles`: one bare copy per
     (token, expert) in tiles of `tile` tokens per expert, each tile a PUT with its own signal (see
     `predict`)."""
     ph = Phase()
@@ -186,7 +206,13 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
         per_sender = float(row_sums.max() if dispatch else row_sums.mean()) * S * tb
         ready = t0
     else:
-        rows_to = {d: S * float(hits[d] if dispatch else hits[src]) for d in range(P) if d != src}
+        # P(a token of the sender needs the receiver): dispatch, this PE's token needs d; combine, d's token needed src
+        p_row = {d: float(hits[d] if dispatch else hits[src]) for d in range(P) if d != src}
+        rows_to = {d: S * p_row[d] for d in p_row}
+        # a peer that gets no row is sent count words only: the rows (and PUTs) go to the peers that get any, per set
+        # (the queue's peers, the NVLink peers: each keeps its own bytes)
+        rows_to.update(_rows_on_peers_with_rows(rows_to, remote_pes, p_row, S))
+        rows_to.update(_rows_on_peers_with_rows(rows_to, local_pes, p_row, S))
         # dispatch: one pack kernel (csrc/ep_pack.cu rows: a grid over every SM, each byte read and written)
         # writes the rows for every rank, this one's own included, before the exchange kernel starts
         pack = S * float(hits.sum()) * tb / (p.hbm / 2.0) + p.launch if dispatch else 0.0
