@@ -63,6 +63,18 @@ MAX_SLOTS = 1024
 # the ranks a one-sided transport (nvlink, proxy) serves, on one node (csrc/mt_common.h MT_MAX_WORLD: its control
 # block's rows): here, torch-free, so the fabric model refuses what the runtime refuses (transports/_onesided.py)
 MAX_WORLD = 8
+# the transports that store into their peers' memory and so serve at most MAX_WORLD ranks of one node
+ONE_SIDED_TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy")
+
+
+def one_sided_world_problem(transport: str, world: int, who: str = "") -> str | None:
+    """Why the runtime's `transport` cannot serve an EP group of `world` ranks (None when it can): nvlink and proxy
+    serve at most MAX_WORLD ranks. The one statement of the rule, torch-free: the transports' `check_world` raises it,
+    autoload passes such a profile over, the store and the tuner's reports name it."""
+    if transport in ONE_SIDED_TRANSPORTS and world > MAX_WORLD:
+        return (f"{who}transport={transport} serves at most {MAX_WORLD} ranks on one node (its GPUs store into each "
+                f"other's memory), this EP group has {world}: use transport=collective for a larger group")
+    return None
 
 
 def chunk_tokens_fit(chunk_tokens: int, rows: int) -> bool:

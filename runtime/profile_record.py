@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import msgspec
 
-from moetune.runtime.knobs import FORMER_MK_DEFAULTS, Knobs
+from moetune.runtime.knobs import FORMER_MK_DEFAULTS, Knobs, one_sided_world_problem
 from moetune.runtime.options import data_path_digest
 from moetune.runtime.shapes import check_experts_divide
 
@@ -469,3 +469,15 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         runtime_options, routing or the latencies: they say where the numbers come from, not what a rank applies (each
         rank compares its own environment and options with them at lookup)."""
         return profile_hash_of(self.key, self.knobs)
+
+
+def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
+    """Why no run of this runtime can take a profile of `key` with `knobs` (None when one can): its transport cannot
+    serve the key's EP size (a model tune of a cross-node proxy preset at EP 32). Such a profile is a what-if report:
+    stored only as modelled (the store refuses it labelled measured), and autoload passes it over
+    (`transport_world_problem`, the same rule: `one_sided_world_problem`)."""
+    return one_sided_world_problem(knobs.transport, key.ep_size)
+
+
+# how the tuner's report and `profiles show` say it
+WHAT_IF_ONLY = "what-if only: the runtime cannot run it ({why}); autoload passes over it"

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from moetune.runtime import _args, csrc_build
 from moetune.runtime.knobs import MAX_SLOTS as MAX_SLOTS  # the one-sided signal slot layout (MT_MAX_SLOTS)
 from moetune.runtime.knobs import MAX_WORLD as MAX_WORLD  # its ranks, one node (MT_MAX_WORLD)
-from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.knobs import KnobError, Knobs, one_sided_world_problem
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports.base import Availability, EPTransport
 
@@ -385,10 +385,9 @@ class OneSidedTransport(EPTransport):
     @classmethod
     def check_world(cls, world: int, who: str = "") -> None:
         """At most MAX_WORLD ranks (csrc MT_MAX_WORLD: the control block's signal and count-matrix rows), one node."""
-        if world > MAX_WORLD:
-            raise KnobError(f"{who}transport={cls.name} serves at most {MAX_WORLD} ranks on one node (its GPUs store "
-                            f"into each other's memory), this EP group has {world}: use transport=collective for a "
-                            "larger group", ("transport",))
+        why = one_sided_world_problem(cls.name, world, who)
+        if why:
+            raise KnobError(why, ("transport",))
 
     @property
     def timeout_s(self) -> float:

@@ -20,8 +20,10 @@ from moetune.runtime.profile_record import (
     MODELLED_METRIC,
     PROFILE_STATUSES,
     PROVENANCES,
+    WHAT_IF_ONLY,
     metric_of_backend,
     provenance_of_backend,
+    runtime_refusal,
 )
 from moetune.runtime.profiles.perf_env import perf_env_digest
 from moetune.tuner.cli._args import path_arg, path_option, path_text, text_option, write_error_code
@@ -210,6 +212,9 @@ def show(
     if origin:
         rows.append(("preset", escape(origin) if shipped else f"[red]{escape(origin)}[/]"))
     rows.append(("routing", escape(rec.tuned_routing or "(not recorded)")))
+    unrunnable = runtime_refusal(rec.key, rec.knobs)
+    if unrunnable:  # kept as a modelled what-if report (the store refuses it labelled measured)
+        rows.append(("runtime", f"[yellow]{escape(WHAT_IF_ONLY.format(why=unrunnable))}[/]"))
     for name, value in perf_env_lines(rec) + runtime_options_lines(rec):
         rows.append((escape(name), escape(value)))
     for name, value in sorted(rec.software_versions.items()):

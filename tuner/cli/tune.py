@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.runtime.profile_record import WHAT_IF_ONLY
 from moetune.tuner.cli import tune_show
 from moetune.tuner.cli._args import (
     distinct_buckets,
@@ -443,6 +444,8 @@ def _result_rows(results: list, trials: int, forced: str, scales: list[str | Non
             "forced_model": forced or None,  # the [calibration] warning of a refused fit tuned on anyway
             # this study's EP size or tokens lie beyond what the preset's calibration measured (model predict's note)
             "extrapolation": scale,
+            # no run of this runtime can take it (proxy at EP 32): a what-if report, which autoload passes over
+            "runtime_refusal": r.runtime_refusal,
         })
     return rows
 
@@ -472,10 +475,13 @@ def _print_results(rows: list[dict[str, Any]], backend: str, scale: str | None) 
                       "-" if best is None else f"{best:,.1f}",
                       "-" if best is None else f"{row['spread_us']:,.1f}",
                       *((f"{default / best:.2f}" if best and default else "-",) if ratio else ()),
-                      STORED_CELL[row["stored"]]))
+                      STORED_CELL[row["stored"]] + (" (what-if)" if row["runtime_refusal"] else "")))
         note = row_note(row)
         if note is not None:
             notes.append(note)
+        if row["runtime_refusal"]:  # stored as modelled, for what-if reports only
+            notes.append(f"{row['family']} {row['model']} S={row['tokens']}: "
+                         + WHAT_IF_ONLY.format(why=row["runtime_refusal"]))
     c = Console()
     print_table(c, cols, cells, title="tuned profiles" + (" (MODELLED: predicted, not measured)" if backend == "model"
                                                           else ""), box=box.SIMPLE_HEAD, pad_edge=False,

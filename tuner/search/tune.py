@@ -34,6 +34,7 @@ from moetune.runtime.profile_record import (
     is_preset_fingerprint,
     metric_of_backend,
     nearest_bucket,
+    runtime_refusal,
 )
 from moetune.runtime.shapes import ModelShape
 from moetune.tuner.search.backends import (
@@ -187,6 +188,12 @@ class TuneResult:
     # check included: a budget is shared over the studies of one call (tune_profiles_detailed)
     budget_s: float | None = None
     used_s: float | None = None
+
+    @property
+    def runtime_refusal(self) -> str | None:
+        """Why no run of this runtime can take the record (a what-if report: its transport cannot serve the key's EP
+        size; autoload passes it over), None when one can or nothing was recorded."""
+        return runtime_refusal(self.record.key, self.record.knobs) if self.record is not None else None
 
     @property
     def effective_provenance(self) -> str:

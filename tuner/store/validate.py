@@ -24,6 +24,7 @@ from moetune.runtime.profile_record import (  # KNOWN_FAMILIES, is_known_family:
     is_preset_fingerprint,
     node_model_label_problem,
     provenance_of_backend,
+    runtime_refusal,
 )
 from moetune.runtime.profile_record import key_knobs_problem as record_key_knobs_problem
 from moetune.runtime.profiles.perf_env import perf_env_problem
@@ -200,6 +201,11 @@ def check_record(rec: ProfileRecord) -> None:
     # (import refused it; put_profile stored it, and an export of it was one no import takes)
     if rec.provenance == "measured" and rec.measured_on != rec.key.fingerprint:
         raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
+    # nor one no run of this runtime can take (proxy or nvlink beyond MAX_WORLD ranks): nothing can have measured it;
+    # modelled, it is a what-if report (a model tune of a cross-node proxy preset), which autoload passes over
+    unrunnable = runtime_refusal(rec.key, rec.knobs)
+    if rec.provenance == "measured" and unrunnable:
+        raise FieldError("provenance", f"measured, but no run can take it: {unrunnable}")
     # nor this node's model: node_model outranks preset, so a preset's (or another node's model's) prediction so
     # labelled would displace a faster preset profile and be served as this node's model
     why = node_model_label_problem(str(rec.provenance), rec.backend, rec.key.fingerprint)

@@ -1,0 +1,85 @@
+"""A model tune of a cross-node proxy preset (ndr-ibrc-h100x8 on 4 nodes: EP 32) stores profiles of transport proxy at
+EP 32, which the runtime's proxy transport cannot run (`check_world`: at most MAX_WORLD ranks, one node), so autoload
+passes over them. They are kept as what-if reports (the Perseus IBRC model at that scale: the only place its tuned
+settings are written down), labelled MODELLED as every preset profile is, and the three say the same thing from one
+rule (`runtime.knobs.one_sided_world_problem`, torch-free):
+
+* the store keeps them modelled and refuses one labelled measured (no run can have measured it);
+* the tune's report (its table's note and --json's `runtime_refusal`) and `profiles show` say the runtime cannot run
+  it and autoload passes over it;
+* autoload's `transport_world_problem` gives the same reason."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.knobs import MAX_WORLD, Knobs, one_sided_world_problem
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profiles.autoload import transport_world_problem
+from moetune.tuner.cli import app
+from moetune.tuner.store.store import Store
+from moetune.tuner.store.validate import FieldError
+
+runner = CliRunner()
+
+
+def _tune(tmp_path: Path, *extra: str) -> tuple[int, str]:
+    r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p", "ndr-ibrc-h100x8",
+                            "--nodes", "4", "--trials", "3", "--db", str(tmp_path / "p.db"),
+                            "--storage", f"sqlite:///{tmp_path / 's.db'}", *extra], env={"COLUMNS": "300"})
+    return r.exit_code, r.stdout if "--json" in extra else r.output
+
+
+def test_the_rule_is_the_runtimes() -> None:
+    why = one_sided_world_problem("proxy", 32)
+    assert why is not None and f"at most {MAX_WORLD} ranks" in why
+    assert transport_world_problem("proxy", 32) == f"knob transport: {why}"
+    assert one_sided_world_problem("proxy", MAX_WORLD) is None and one_sided_world_problem("collective", 32) is None
+    assert transport_world_problem("proxy", MAX_WORLD) is None
+
+
+def test_a_cross_node_proxy_tune_is_stored_modelled_and_reported_as_what_if(tmp_path: Path) -> None:
+    code, out = _tune(tmp_path)
+    assert code == 0, out
+    flat = " ".join(out.split())
+    assert "new (what-if)" in flat, out
+    assert "the runtime cannot run it" in flat and "at most 8 ranks" in flat and "autoload passes over it" in flat
+    with sqlite3.connect(tmp_path / "p.db") as db:
+        rows = db.execute("SELECT id, provenance, ep_size, status FROM profiles").fetchall()
+    assert [(r[1], r[2], r[3]) for r in rows] == [("preset", 32, "current")]
+    show = runner.invoke(app, ["profiles", "show", str(rows[0][0]), "--db", str(tmp_path / "p.db")],
+                         env={"COLUMNS": "300"})
+    assert show.exit_code == 0, show.output
+    flat = " ".join(show.output.split())
+    assert "what-if only: the runtime cannot run it" in flat and "at most 8 ranks" in flat, show.output
+    code, out = _tune(tmp_path, "--json")
+    assert code == 0, out
+    (row,) = json.loads(out)
+    assert row["modelled"] is True and "at most 8 ranks" in row["runtime_refusal"]
+
+
+def test_a_profile_the_runtime_can_run_is_reported_as_before(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p", "ndr-ibrc-h100x8",
+                            "--trials", "3", "--db", str(tmp_path / "p.db"), "--storage",
+                            f"sqlite:///{tmp_path / 's.db'}", "--json"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)
+    assert row["runtime_refusal"] is None
+
+
+def test_the_store_refuses_such_a_profile_labelled_measured(tmp_path: Path) -> None:
+    key = ProfileKey(fingerprint="fpA", software="sw", transport_family="proxy:ibrc", ep_size=32, nodes=4, hidden=2048,
+                     intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=256)
+    knobs = Knobs(transport="proxy", fence_mode="proxy_drain")
+    s = Store(tmp_path / "p.db")
+    with pytest.raises(FieldError, match="at most 8 ranks"):
+        s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1, backend="local:nccl",
+                                    provenance="measured", measured_on="fpA"))
+    ok, why = s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1,
+                                          backend="model:ndr-ibrc-h100x8", provenance="preset"))
+    assert ok, why
