@@ -407,7 +407,8 @@ def _proxy_signalled(sizes: list[int], iters: int, label: str) -> list[dict]:
             put = t_med[("put_only", c, size)][0]
             extra = {"mode": mode, "fence_mode": fence, "signalling": signalling or "none", "concurrency": c,
                      # abi: qps is per peer since library ABI 19 (shared by every peer before): the row says which
-                     "qps": PROXY_QPS, "abi": P.csrc_build.ABI_VERSION, "us_median": med, "put_only_us": put, "GBps": c * size / med / 1e3}
+                     "qps": PROXY_QPS, "abi": P.csrc_build.ABI_VERSION,
+                     "us_median": med, "put_only_us": put, "GBps": c * size / med / 1e3}
             if signalling is not None:
                 out.append(asdict(MicroResult("proxy", "signalled_efficiency", d, size, put / med, spread * put / med**2,
                                               "ratio", extra)))

@@ -147,9 +147,9 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
     layout `runtime` (default): what runtime/transports/proxy.py + csrc/proxy_xchg.h send (module docstring):
     one pack kernel writes every peer's rows (dispatch; combine sends the expert output as it is), then per
     peer ceil(rows / chunk_tokens) PUTs (one with chunk_tokens 0, at most MAX_SLOTS), signals by
-    `_signals_per_peer`; a peer that gets no row only its count words (`_rows_on_peers_with_rows`). IBGDA posts the same requests from GPU CTAs. `expert_tiles`: one bare copy per
-    (token, expert) in tiles of `tile` tokens per expert, each tile a PUT with its own signal (see
-    `predict`)."""
+    `_signals_per_peer`; a peer that gets no row only its count words (`_rows_on_peers_with_rows`). IBGDA
+    posts the same requests from GPU CTAs. `expert_tiles`: one bare copy per (token, expert) in tiles of
+    `tile` tokens per expert, each tile a PUT with its own signal (see `predict`)."""
     ph = Phase()
     S, P, G = w.tokens_per_gpu, w.pes, w.gpus_per_node
     kind = knobs.transport
