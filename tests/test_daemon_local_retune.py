@@ -16,7 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
 
-from moetune.runtime.profile_record import ProfileKey
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.shapes import MODELS
 from moetune.tuner.daemon.jobs import Job, JobContext, JobManager
 from moetune.tuner.daemon.retune import tuner_retune
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 QWEN = MODELS["qwen3-30b"]
 
 
-def _key(facts: Any, ep: int, nodes: int, bucket: int = 64) -> ProfileKey:
-    return ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+def _key(facts: Any, ep: int, nodes: int, bucket: int = 64, family: str = "nvlink") -> ProfileKey:
+    return ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family=family,
                       ep_size=ep, nodes=nodes, hidden=QWEN.hidden, intermediate=QWEN.intermediate,
                       experts=QWEN.experts, topk=QWEN.topk, dtype=QWEN.dtype, token_bucket=bucket)
 
@@ -93,7 +94,11 @@ def test_a_job_of_only_unmeasurable_keys_fails_and_leaves_them_stale(tmp_path: P
     store = F.open_store(tmp_path / "m.db")
     old = F.FakeFacts({"gpu_count": 8, "name": "before"})
     new = F.FakeFacts({"gpu_count": 8, "name": "after"})
-    stale = F.make_record(_key(old, 16, 2))
+    # a measured EP 16 profile of two nodes is a collective one (nvlink serves one node of at most 8 ranks: the store
+    # refuses a measured nvlink profile of 16)
+    key = _key(old, 16, 2, family="collective")
+    stale = ProfileRecord(key=key, knobs=default_knobs("collective"), latency_us=10.0, spread_us=0.1, backend="local:fake",
+                          provenance="measured")
     store.put_profile(stale)
     store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
     done: list = []

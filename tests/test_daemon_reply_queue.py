@@ -23,9 +23,10 @@ def test_a_peer_that_never_reads_its_list_replies_does_not_grow_the_daemon(tmp_p
     facts = F.make_capture(tmp_path / "capture")
     store = F.open_store(tmp_path / "moetune.db")
     buckets = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    # nvlink serves at most 8 ranks: a measured nvlink profile of a larger EP group is refused by the store (1e09ade)
     for model in ("qwen3-30b", "gpt-oss-120b", "deepseek-v3"):
-        for ep in (2, 4, 8, 16, 32, 64):
-            F.seed_profiles(store, facts, model=model, ep_size=ep, buckets=buckets)  # 234 profiles
+        for ep in (2, 4, 8):
+            F.seed_profiles(store, facts, model=model, ep_size=ep, buckets=buckets)  # 117 profiles
     d = F.DaemonProc(tmp_path, interval=0)
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
