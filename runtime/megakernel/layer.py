@@ -83,7 +83,8 @@ class MegakernelMoE:
             are (shared, not copied: what `MoELayer` does with its own parameters; `rebind` points it at new ones).
             The gate is always read in place (shared, never copied), so an in-place change of it (a training step,
             load_state_dict into it) is seen by the next launch: it must be contiguous and 16-byte aligned
-            (ValueError otherwise; pass `gate.contiguous()` for a copy of the layer's own).
+            (ValueError otherwise; `gate.clone(memory_format=torch.contiguous_format)` is a copy of the layer's
+            own that is both: `gate.contiguous()` returns a misaligned contiguous view itself, not a copy).
 
     Settings the library would refuse (experts, topk, split-K, tiles for max_tokens, pipeline depth against shared
     memory, CTAs per SM) raise ValueError / ConfigError here, not at the first forward.
