@@ -1,7 +1,8 @@
 """A stored row whose knobs or key contradict its family (what `db check` names: `key_knobs_problem`) is never
 served: the daemon's index passes over it as over a missing row and its not-found reason says why; the runtime's
 read-only database lookup passes over it too (a daemon reply carrying one likewise) and falls back, its warning
-naming it. `db check` still reports it (tests/test_store_key_knobs_contradiction.py)."""
+naming it; so does the tuner's `Store.find_profile`. `db check` still reports it
+(tests/test_store_key_knobs_contradiction.py)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,30 @@ def test_a_daemon_reply_carrying_a_contradicting_profile_is_passed_over(fake, tm
     res, warned = resolve(fake(lambda req: ok_reply(req["id"], odd), run=tmp_path / "run2").endpoint, tmp_path)
     assert res.source in ("policy", "default") and not res.tuned, res
     assert any("contradict its family" in w and "knobs.engine" in w for w in warned), warned
+
+
+def test_store_find_profile_passes_over_a_contradicting_row(tmp_path: Path) -> None:
+    """`Store.find_profile`, the lookup the README gives for Python (and that the daemon's index and the client's
+    database fallback pick as), passes over such a row as they do: the sound row a bucket away is the answer, and
+    with none, nothing is (the caller falls back). It returned the contradicting row."""
+    from moetune.tuner.store.store import Store
+
+    facts = _local_facts()
+    fp, sw = "c" * 16, "s" * 16
+    db = tmp_path / "moetune.db"
+    _seed_db(db, {"_fp": fp, "facts": facts}, [_measured(key(fp, sw, bucket=64), num_sms=32),
+                                                _measured(key(fp, sw, bucket=128), num_sms=24)])
+    con = sqlite3.connect(db)
+    with con:  # as an older moetune's import stored it: `db check` names it
+        row_id, raw = con.execute("SELECT id, knobs FROM profiles WHERE token_bucket = 64").fetchone()
+        con.execute("UPDATE profiles SET knobs = ? WHERE id = ?", (json.dumps({**json.loads(raw), "engine": "megakernel"}),
+                                                                  row_id))
+    con.close()
+    k = key(fp, sw)
+    args = dict(fingerprint=fp, software=sw, ep_size=k.ep_size, nodes=k.nodes, hidden=k.hidden,
+                intermediate=k.intermediate, experts=k.experts, topk=k.topk, dtype=k.dtype)
+    with Store(db) as s:
+        for family in ("nvlink", None):
+            got = s.find_profile(**args, tokens=64, transport_family=family)
+            assert got is not None and got.key.token_bucket == 128 and got.knobs.engine != "megakernel", (family, got)
+        assert s.find_profile(**args, tokens=64, max_bucket_steps=0) is None

@@ -816,6 +816,8 @@ class Store:
         (never with `measured_only`). Without `transport_family`, the fastest family at that bucket, among numbers of
         one routing (`one_routing`: uniform where several routings are stored) and one metric (`one_metric`: whole
         layers where round trips sit beside them).
+        A row whose knobs or key contradict its family (`key_knobs_problem`) is passed over, as the daemon and the
+        runtime's lookups pass it over.
         The record carries its `provenance`; `rec.is_tuned_for(fingerprint, software)` says whether it
         may be applied as tuned. An unknown dtype is a ValueError (moetune writes `bfloat16`, not `bf16`)."""
         from moetune.runtime.shapes import DTYPES
@@ -840,6 +842,9 @@ class Store:
             where.append(Profile.transport_family.not_in(ENGINE_FAMILIES))
         with self._read() as s:
             rows = self._records(s, select_records().where(*where))
+        # a row whose knobs or key contradict its family (an older moetune's import; `db check` names it) is passed
+        # over as the daemon's index and the client pass it over: a bucket away, or None, as for a missing row
+        rows = [(i, r) for i, r in rows if key_knobs_problem(r) is None]
         # tiers by what the numbers are (effective provenance: a hand-edited "measured" label on a modelling backend
         # is modelled), not by the stored label
         for provenance in sorted(PROVENANCES, key=lambda p: -PROVENANCE_RANK[p]):
