@@ -267,7 +267,8 @@ def untrusted_file_reason(f: Path) -> str | None:
     lead into) must be one the runtime trusts a socket in, or (as `untrusted_socket_reason` allows a socket) a sticky
     folder of this user or root, such as /tmp, with `f` this user's or root's. The file itself: not writable by group
     or others, and owned by this user, root or its trusted folder's owner (a service's database, 0640 in its state
-    directory, read by its group's members)."""
+    directory, read by its group's members). SQLite's side files beside it (-wal, -shm, -journal: read as part of the
+    database) are judged as the file is: in a sticky folder another user may make them while the file is safe."""
     real = Path(os.path.realpath(f))
     try:
         st = os.stat(real)
@@ -275,25 +276,41 @@ def untrusted_file_reason(f: Path) -> str | None:
         return None
     except OSError as e:
         return f"cannot stat {f}: {e.strerror or e}"
+    files: list[tuple[Path, os.stat_result]] = [(f, st)]
+    for suffix in ("-wal", "-shm", "-journal"):
+        side = real.with_name(real.name + suffix)
+        try:
+            files.append((side, os.stat(side)))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return f"cannot stat {side}: {e.strerror or e}"
     uid = os.getuid()
-    if st.st_mode & 0o022:
-        return f"{f} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}): other users could change it"
+    for name, fst in files:
+        if fst.st_mode & 0o022:
+            return (f"{name} is group- or world-writable (mode {stat.S_IMODE(fst.st_mode):o}): other users could "
+                    "change it")
     for d in dict.fromkeys((Path(os.path.abspath(f)).parent, real.parent)):
         why = untrusted_dir_reason(d)
         if why is None:
             owner = os.stat(d).st_uid
-            if st.st_uid not in (uid, 0, owner):
-                return (f"{f} is owned by uid {st.st_uid}, not by this user (uid {uid}), root or its folder's owner "
-                        f"(uid {owner}): its owner could change it")
+            for name, fst in files:
+                if fst.st_uid not in (uid, 0, owner):
+                    return (f"{name} is owned by uid {fst.st_uid}, not by this user (uid {uid}), root or its folder's "
+                            f"owner (uid {owner}): its owner could change it")
             continue
         try:
             link, dst = os.lstat(d), os.stat(d)
         except OSError as e:
             return f"cannot stat {d}: {e.strerror or e}"
-        sticky_ok = (foreign_link_reason(d, link, uid) is None and dst.st_mode & stat.S_ISVTX
-                     and dst.st_uid in (uid, 0) and st.st_uid in (uid, 0))
-        if not sticky_ok:
-            return f"{why}: other users could replace {f}"
+        if (foreign_link_reason(d, link, uid) is None and dst.st_mode & stat.S_ISVTX and dst.st_uid in (uid, 0)
+                and st.st_uid in (uid, 0)):
+            for name, fst in files[1:]:  # a sticky folder: only this user's or root's files are theirs alone
+                if fst.st_uid not in (uid, 0):
+                    return (f"{name} is owned by uid {fst.st_uid}, not by this user (uid {uid}) or root, in {d}, "
+                            "a folder others can write: its owner could change it")
+            continue
+        return f"{why}: other users could replace {f}"
     return None
 
 

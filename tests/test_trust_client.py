@@ -1173,3 +1173,35 @@ def test_a_service_database_in_its_state_folder_is_read(tmp_path: Path, monkeypa
     assert paths.untrusted_file_reason(db) is None
     os.chown(db, 54322, -1)  # a third user's file in the service's folder: refused
     assert "owned by uid 54322" in (paths.untrusted_file_reason(db) or "")
+
+
+@pytest.mark.parametrize("what", ["mode", "owner"])
+@pytest.mark.parametrize("side", ["-wal", "-shm", "-journal"])
+def test_a_database_side_file_others_can_write_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str,
+                                                           side: str) -> None:
+    """SQLite reads a database's -wal (through its -shm index) and a hot -journal as part of the database: in a sticky
+    folder such as /tmp, where the database itself is safe (only its owner may replace it), another user may still
+    create the side files beside it (a -wal of their pages is read as the database's latest content). Each side file
+    there is judged as the database file is."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # this user's sticky folder, world-writable: as /tmp is root's
+    db, mine = _this_node_with_a_measured_profile(sticky, monkeypatch)
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source == "database" and res.profile_hash == mine.profile_hash, warned  # trusted: read as before
+    other = sticky / (db.name + side)
+    if not other.exists():  # the store's own -wal/-shm may be there: then that one is changed
+        other.write_bytes(b"")
+    if what == "mode":
+        os.chmod(other, 0o666)
+        why = f"{other} is group- or world-writable (mode 666)"
+    else:
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chmod(other, 0o644)
+        os.chown(other, 54321, -1)  # another user's, made before this job looked
+        why = f"{other} is owned by uid 54321"
+    assert why in (paths.untrusted_file_reason(db) or ""), paths.untrusted_file_reason(db)
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
+    assert res.source in ("policy", "default"), warned
+    assert len(warned) == 1 and f"database {db}: not used" in warned[0] and why in warned[0], warned
