@@ -1205,3 +1205,24 @@ def test_a_database_side_file_others_can_write_is_not_read(tmp_path: Path, monke
     res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=db)
     assert res.source in ("policy", "default"), warned
     assert len(warned) == 1 and f"database {db}: not used" in warned[0] and why in warned[0], warned
+
+
+def test_query_labels_nothing_from_a_database_the_client_does_not_trust(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune query` labels a served profile (provenance, measured on, backend) from the fallback database: one other
+    users can write is not read there either (the client's rule), or they would choose what the label says."""
+    from types import SimpleNamespace
+
+    from moetune.tuner.cli import query as Q
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    db, mine = _this_node_with_a_measured_profile(shared, monkeypatch)
+    res = SimpleNamespace(key=mine.key, profile_hash=mine.profile_hash, provenance="", tuned=False, source="daemon")
+    assert Q.provenance_of(res, db) == ("measured", "c" * 16, "local:nccl")  # trusted: read as before
+    os.chmod(db, 0o666)
+    assert paths.untrusted_file_reason(db) is not None
+    assert Q.provenance_of(res, db) == ("unknown", "", "")
+    told = SimpleNamespace(key=mine.key, profile_hash=mine.profile_hash, provenance="measured", tuned=False,
+                           source="daemon")
+    assert Q.provenance_of(told, db) == ("measured", "", "")  # the reply's word alone, none of the file's

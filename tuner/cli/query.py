@@ -202,16 +202,20 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
 def provenance_of(res: Resolution, db: Path) -> tuple[str, str, str]:
     """(provenance, measured_on, backend) of a resolution: from the reply when it says, else from `db` (the database
     the lookup read: `ProfileClient.fallback_db`); a policy or built-in default is its own kind; "unknown" when
-    nothing says. measured_on and backend are the database's row's ("" where it has none that agrees)."""
+    nothing says. measured_on and backend are the database's row's ("" where it has none that agrees). A database
+    the client does not trust (`paths.untrusted_file_reason`: others can write it) is not read: it says nothing."""
     if res.key is None:
         return res.provenance or str(res.source), "", ""
+    from moetune.runtime.paths import untrusted_file_reason
     from moetune.tuner.store.store import Store, StoreError
 
-    try:
-        with Store(db, readonly=True) as store:
-            got = store.provenance_of(res.key, res.profile_hash)
-    except (StoreError, OSError):
-        got = None
+    got = None
+    if untrusted_file_reason(Path(db)) is None:  # (when the lookup went there, its fallback warning said why)
+        try:
+            with Store(db, readonly=True) as store:
+                got = store.provenance_of(res.key, res.profile_hash)
+        except (StoreError, OSError):
+            got = None
     if res.provenance:  # the reply's own measured_on is not taken: from the database, when it agrees, or
         if got is not None and got[0] == res.provenance:
             return got
