@@ -78,3 +78,25 @@ def test_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a regular file"):
         read_curve_key_file(fifo)
     assert time.monotonic() - t0 < 2
+
+
+def test_without_proc_the_error_says_so(tmp_path: Path) -> None:
+    """The key file is read through /proc/self/fd (its checked descriptor): where this process has no /proc (a chroot
+    or sandbox without it, a /proc of another PID namespace) the read fails, and the error must say that, not that a
+    file named /proc/self/fd/N is an "Invalid certificate file" (what zmq says of a path that is not there)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("umount") is None:
+        pytest.skip("a mount namespace without /proc needs root and unshare")
+    public, _secret = generate_keys(tmp_path / "keys")
+    code = ("from moetune.runtime.profiles.curve_keys import read_curve_key_file as r\n"
+            f"try:\n    r({str(public)!r})\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    run = subprocess.run(["unshare", "-m", "sh", "-c", 'umount -l /proc && exec "$0" -c "$1"', sys.executable, code],
+                         capture_output=True, text=True, timeout=60)
+    if run.returncode != 0 and "REFUSED" not in run.stdout:
+        pytest.skip(f"cannot unmount /proc in a new mount namespace here: {run.stderr.strip()[:200]}")
+    assert "REFUSED" in run.stdout, (run.stdout, run.stderr)
+    assert "/proc" in run.stdout and "not mounted" in run.stdout and "Invalid certificate file" not in run.stdout, \
+        run.stdout

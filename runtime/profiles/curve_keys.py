@@ -45,7 +45,8 @@ def bad_curve_key(public: bytes | None, secret: bytes | None) -> str | None:
 def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     """(public, secret or None) of a CURVE key file (`moetune keys generate`), else a ValueError saying what is
     wrong as a predicate to follow the file's name: "does not exist", "is a directory, not a key file", "is not a
-    regular file (...)", "cannot be read (...)", "holds no CURVE public key", "holds a ... that is not a CURVE key"
+    regular file (...)", "cannot be read (...)", "cannot be read here: ... (/proc is not mounted ...)", "holds no CURVE
+    public key", "holds a ... that is not a CURVE key"
     (zmq.auth says "Invalid certificate file" of a missing one)."""
     public, secret, _st = read_curve_key_file_stat(path)
     return public, secret
@@ -56,7 +57,8 @@ def read_curve_key_file_stat(path: str | Path) -> tuple[bytes, bytes | None, os.
 
     Opened once, and every check made on that descriptor: checked by path, then opened by path, a FIFO put there in
     between had the open wait for a writer (the client's constructor hung). A link is followed (key files linked
-    to a shared copy are supported; who may replace a link is what the folder warnings judge)."""
+    to a shared copy are supported; who may replace a link is what the folder warnings judge). zmq reads it as
+    /proc/self/fd/N: without /proc (a chroot or sandbox, or a /proc of another PID namespace) it is refused, saying so."""
     from zmq.auth import load_certificate
 
     p = Path(path)
@@ -75,9 +77,13 @@ def read_curve_key_file_stat(path: str | Path) -> tuple[bytes, bytes | None, os.
             raise ValueError("is a directory, not a key file")
         if not stat.S_ISREG(st.st_mode):  # a FIFO's read waits for a writer for ever: the lookup (and the EP buffer) hung
             raise ValueError("is not a regular file (a FIFO or a device), not a key file")
+        # zmq reads a file by name: the name of this descriptor's file, never the path again (Linux's /proc)
+        by_fd = f"/proc/self/fd/{fd}"
+        if not os.path.exists(by_fd):  # zmq would say "Invalid certificate file: /proc/self/fd/N" of a good file
+            raise ValueError(f"cannot be read here: {by_fd} is not there (/proc is not mounted, or is another PID "
+                             "namespace's); moetune reads a key file through the descriptor it checked, in /proc")
         try:
-            # zmq reads a file by name: the name of this descriptor's file, never the path again (Linux's /proc)
-            public, secret = load_certificate(f"/proc/self/fd/{fd}")
+            public, secret = load_certificate(by_fd)
         except OSError as e:
             raise ValueError(f"cannot be read ({e.strerror or e})") from None
         except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
