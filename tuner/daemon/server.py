@@ -27,7 +27,8 @@ authenticated by pyzmq's ZAP authenticator against the allow-list of client publ
 users could read (the secret key) or change are refused (`auth.check_key_path`). One bad frame never ends the
 serving loop: it is answered with an error (or its connection dropped). Every frame a peer sends is capped
 (ZMQ_MAXMSGSIZE: the ROUTER near the request cap, the PUB, whose peers send only subscriptions, at 1 KiB), and
-what one connection can have queued at the ROUTER is bounded in bytes (ZMQ_RCVHWM: REQUEST_QUEUE_BYTES).
+what one connection can have queued at the ROUTER in one-frame messages is bounded in bytes (ZMQ_RCVHWM:
+REQUEST_QUEUE_BYTES); a multipart message is not (libzmq caps frames, not frames per message: see MAXMSG_SLACK).
 Reading is open to every peer the socket lets in; the administrative op (`retune`: queue or cancel a
 re-tune, which runs benchmarks on the node's GPUs) is answered `forbidden` unless the peer is an admin: on
 IPC the daemon's own user or root (read from the kernel's peer credentials, SO_PEERCRED) and, with
@@ -141,11 +142,13 @@ MAXMSG_SLACK = 1024
 # change kind), never more than this; a bigger frame drops that connection (libzmq buffers a frame whole first)
 SUBSCRIPTION_MAX_BYTES = 1024
 MAX_REQUEST_BYTES_LIMIT = 16 << 20  # a request cap above this is a configuration mistake
-# ZMQ_RCVHWM of the ROUTER: libzmq queues up to this many messages per connection, each up to its ZMQ_MAXMSGSIZE;
-# 10000 let one peer have the daemon hold ~650 MB at the default cap. A legitimate client has one request in flight
-# (ProfileClient: one DEALER, one request, a new socket after a time-out), and a full queue only has libzmq stop
-# reading that connection until the loop drains it (nothing is dropped): bounded at REQUEST_QUEUE_BYTES per
-# connection (~127 requests at the default cap), never below REQUEST_HWM_MIN (a cap the operator raised to MiBs).
+# ZMQ_RCVHWM of the ROUTER: libzmq queues up to this many messages per connection, each frame up to its
+# ZMQ_MAXMSGSIZE; 10000 let one peer have the daemon hold ~650 MB at the default cap. The bound holds for one-frame
+# messages, what clients send: a message of many frames counts once (see MAXMSG_SLACK). A legitimate client has one
+# request in flight (ProfileClient: one DEALER, one request, a new socket after a time-out), and a full queue only
+# has libzmq stop reading that connection until the loop drains it (nothing is dropped): bounded at
+# REQUEST_QUEUE_BYTES per connection (~127 requests at the default cap), never below REQUEST_HWM_MIN (a cap the
+# operator raised to MiBs).
 REQUEST_QUEUE_BYTES = 8 << 20
 REQUEST_HWM_MIN = 4
 LIST_QUEUE = 8  # uncached list requests waiting for the list worker; more are answered `busy`
