@@ -1,13 +1,17 @@
 """What one connected peer can have the daemon's ROUTER hold: libzmq queues up to ZMQ_RCVHWM messages per
 connection, each up to ZMQ_MAXMSGSIZE. With an RCVHWM of 10000 that was ~650 MB per connection at the default
-request cap (and 160 GB at the largest cap the config allows). The queue is now bounded in bytes; a legitimate
+request cap (and 160 GB at the largest cap the config allows). The queue of one-frame messages (what clients send)
+is now bounded in bytes (a multipart message counts once: libzmq caps frames, not frames per message); a legitimate
 client has one request in flight, and a full queue only makes libzmq stop reading that connection (nothing is
 lost). The largest legitimate request the wire messages allow fits the default cap with room to spare."""
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -77,6 +81,42 @@ def test_an_oversize_message_is_dropped_and_serving_goes_on(tmp_path: Path) -> N
         assert answered == set(range(n))
     finally:
         big.close()
+        s.close()
+        ctx.term()
+        d.stop()
+
+
+def test_a_full_queue_loses_nothing(tmp_path: Path) -> None:
+    """At the largest request cap the ROUTER queues REQUEST_HWM_MIN messages per connection: more requests than that
+    in flight at once (the test above never had more than 16, under the default cap's ~127) are all answered, libzmq
+    reading the connection again as the loop drains its queue."""
+    d = F.in_process_daemon(tmp_path, max_request_bytes=server.MAX_REQUEST_BYTES_LIMIT)
+    go, first = threading.Event(), threading.Event()
+    real = d._handle
+
+    def held(*a: Any) -> Any:  # the loop holds the first request until every other one is sent: they queue
+        first.set()
+        go.wait(10)
+        return real(*a)
+
+    d._handle = held  # type: ignore[method-assign]
+    d.start(background=True)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    try:
+        assert d._router is not None and d._router.rcvhwm == server.REQUEST_HWM_MIN
+        s.linger, s.rcvtimeo = 0, 5000
+        s.connect(d.endpoint)
+        n = 4 * server.REQUEST_HWM_MIN
+        assert n <= server.REPLY_HWM  # the replies' queue holds them all (past it they would be dropped: `unsent`)
+        for i in range(n):
+            s.send(msgspec.json.encode({"v": 1, "id": i, "op": "hello"}))
+        assert first.wait(5)
+        time.sleep(0.3)  # the rest arrive meanwhile: REQUEST_HWM_MIN queued, the others left unread
+        go.set()
+        assert {msgspec.json.decode(s.recv())["id"] for _ in range(n)} == set(range(n))
+    finally:
+        go.set()
         s.close()
         ctx.term()
         d.stop()
