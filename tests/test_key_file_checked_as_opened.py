@@ -100,3 +100,18 @@ def test_without_proc_the_error_says_so(tmp_path: Path) -> None:
     assert "REFUSED" in run.stdout, (run.stdout, run.stderr)
     assert "/proc" in run.stdout and "not mounted" in run.stdout and "Invalid certificate file" not in run.stdout, \
         run.stdout
+
+
+def test_a_socket_is_refused_as_not_a_regular_file(tmp_path: Path) -> None:
+    """A unix socket at the key path cannot be opened (ENXIO): it is refused as what it is, as before the file was
+    opened first ("is not a regular file"), not as 'cannot be read (No such device or address)'."""
+    import socket
+
+    path = tmp_path / "k.key"
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(str(path))
+        with pytest.raises(ValueError, match="is not a regular file"):
+            read_curve_key_file(path)
+    finally:
+        s.close()

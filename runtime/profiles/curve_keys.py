@@ -4,6 +4,7 @@ could be changed by them (whoever changes it can pose as the daemon)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -70,6 +71,8 @@ def read_curve_key_file_stat(path: str | Path) -> tuple[bytes, bytes | None, os.
     except IsADirectoryError:
         raise ValueError("is a directory, not a key file") from None
     except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket (or a device with nothing behind it): never a regular file
+            raise ValueError("is not a regular file (a socket or a device), not a key file") from None
         raise ValueError(f"cannot be read ({e.strerror or e})") from None
     try:
         st = os.fstat(fd)
