@@ -67,13 +67,19 @@ MAX_WORLD = 8
 ONE_SIDED_TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy")
 
 
-def one_sided_world_problem(transport: str, world: int, who: str = "") -> str | None:
-    """Why the runtime's `transport` cannot serve an EP group of `world` ranks (None when it can): nvlink and proxy
-    serve at most MAX_WORLD ranks. The one statement of the rule, torch-free: the transports' `check_world` raises it,
-    autoload passes such a profile over, the store and the tuner's reports name it."""
-    if transport in ONE_SIDED_TRANSPORTS and world > MAX_WORLD:
+def one_sided_world_problem(transport: str, world: int, who: str = "", nodes: int = 1) -> str | None:
+    """Why the runtime's `transport` cannot serve an EP group of `world` ranks on `nodes` hosts (None when it can):
+    nvlink and proxy serve at most MAX_WORLD ranks, of one node. The one statement of the rule, torch-free: the
+    transports' `check_world` raises it (it knows no node count: 1), autoload passes such a profile over (given the
+    group's node count), the store and the tuner's reports name it (given the key's)."""
+    if transport not in ONE_SIDED_TRANSPORTS:
+        return None
+    if world > MAX_WORLD:
         return (f"{who}transport={transport} serves at most {MAX_WORLD} ranks on one node (its GPUs store into each "
                 f"other's memory), this EP group has {world}: use transport=collective for a larger group")
+    if nodes > 1:  # within MAX_WORLD, but a peer on another host has no memory these GPUs can store into
+        return (f"{who}transport={transport} serves the ranks of one node (its GPUs store into each other's memory), "
+                f"this EP group spans {nodes} nodes: use transport=collective for a group across nodes")
     return None
 
 

@@ -473,10 +473,10 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
     """Why no run of this runtime can take a profile of `key` with `knobs` (None when one can): its transport cannot
-    serve the key's EP size (a model tune of a cross-node proxy preset at EP 32). Such a profile is a what-if report:
-    stored only as modelled (the store refuses it labelled measured), and autoload passes it over
-    (`transport_world_problem`, the same rule: `one_sided_world_problem`)."""
-    return one_sided_world_problem(knobs.transport, key.ep_size)
+    serve the key's EP size or node count (a model tune of a cross-node proxy preset: EP 32, or 2 nodes x 4 GPUs).
+    Such a profile is a what-if report: stored only as modelled (the store refuses it labelled measured), and
+    autoload passes it over (`transport_world_problem`, the same rule: `one_sided_world_problem`)."""
+    return one_sided_world_problem(knobs.transport, key.ep_size, nodes=key.nodes)
 
 
 # how the tuner's report and `profiles show` say it

@@ -736,7 +736,10 @@ def test_nodes_from_process_group() -> None:
 
 
 def test_autoload_asks_for_the_group_nodes(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    d = fake(lambda req: ok_reply(req["id"], result(key(nodes=req.get("nodes", 1)))))
+    # a collective profile: what a group across hosts can run (an nvlink one at nodes 2 is passed over, as the
+    # runtime cannot run it: test_what_if_beyond_the_runtime.py)
+    d = fake(lambda req: ok_reply(req["id"], result(key(family="collective", nodes=req.get("nodes", 1)),
+                                                    knobs=default_knobs("collective"))))
     monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", d.endpoint)
     monkeypatch.setattr(autoload, "group_nodes", lambda group=None: 2)
     autoload.clear_cache()

@@ -15,11 +15,12 @@ import json
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
 from moetune.runtime.knobs import MAX_WORLD, Knobs, one_sided_world_problem
-from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord, runtime_refusal
 from moetune.runtime.profiles.autoload import transport_world_problem
 from moetune.tuner.cli import app
 from moetune.tuner.store.store import Store
@@ -83,3 +84,44 @@ def test_the_store_refuses_such_a_profile_labelled_measured(tmp_path: Path) -> N
     ok, why = s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1,
                                           backend="model:ndr-ibrc-h100x8", provenance="preset"))
     assert ok, why
+
+
+def test_a_cross_node_group_within_max_world_is_beyond_the_runtime_too(tmp_path: Path) -> None:
+    """2 nodes x 4 GPUs (slingshot11-libfabric-a100x4 on 2 nodes: EP 8) is within MAX_WORLD, but the runtime's
+    one-sided transports store into the GPUs of one node only (CUDA IPC / symmetric memory), so such a proxy profile
+    is as much a what-if report as one at EP 32: the rule knows the key's node count, autoload's check is given the
+    group's, and the tune reports it so."""
+    why = one_sided_world_problem("proxy", 8, nodes=2)
+    assert why is not None and "one node" in why and "2 nodes" in why, why
+    assert one_sided_world_problem("nvlink", 4, nodes=2) is not None
+    assert one_sided_world_problem("proxy", MAX_WORLD, nodes=1) is None
+    assert one_sided_world_problem("collective", 8, nodes=2) is None
+    # the rank count is still said first where both are off (EP 32 on 4 nodes: as before)
+    assert "at most 8 ranks" in (one_sided_world_problem("proxy", 32, nodes=4) or "")
+    assert transport_world_problem("proxy", 8, nodes=2) == f"knob transport: {why}"
+    assert transport_world_problem("proxy", 8, nodes=1) is None
+
+    key = ProfileKey(fingerprint="fpA", software="sw", transport_family="proxy:libfabric/cxi", ep_size=8, nodes=2,
+                     hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=256)
+    assert runtime_refusal(key, Knobs(transport="proxy", fence_mode="proxy_drain")) == why
+    assert runtime_refusal(msgspec.structs.replace(key, nodes=1), Knobs(transport="proxy", fence_mode="proxy_drain")) is None
+
+    # autoload gives its world check the group's node count (a 2-node group with allow_modelled took such a profile)
+    class _Asks:
+        def resolve(self, *, transport_ok, **_: object) -> str | None:
+            return transport_ok("proxy")
+
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.shapes import get_model
+
+    got = autoload._resolve(model=get_model("qwen3-30b"), ep_size=8, nodes=2, max_tokens=256, device=None,
+                            client=_Asks())  # type: ignore[arg-type]
+    assert got is not None and "2 nodes" in str(got), got
+
+    r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p",
+                            "slingshot11-libfabric-a100x4", "--nodes", "2", "--trials", "3", "--db",
+                            str(tmp_path / "p.db"), "--storage", f"sqlite:///{tmp_path / 's.db'}", "--json"],
+                      env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)
+    assert row["modelled"] is True and "2 nodes" in (row["runtime_refusal"] or ""), row

@@ -14,7 +14,7 @@ Every fallback warns once, naming the sources and why. The whole chain is bounde
 (construction is collective already). Counting hosts is exact for any group, where LOCAL_WORLD_SIZE
 describes only the launcher's whole world. A profile whose transport this runtime's registry does not
 have (a served `ibgda` profile) is passed over, and so is one whose transport cannot serve the EP group's
-size (nvlink or proxy beyond MAX_WORLD ranks: `transport_world_problem`).
+size or its hosts (nvlink or proxy beyond MAX_WORLD ranks or across nodes: `transport_world_problem`).
 
 The profile's environment-level settings (NVSHMEM_*, NCCL_*; only those `launcher_env` produces) are
 exported to `os.environ` right away, before any communicator exists. The performance environment a tuned profile
@@ -74,7 +74,7 @@ from moetune.runtime.config import (
     config_files,
     load_client_config,
 )
-from moetune.runtime.knobs import KnobError, Knobs, default_knobs
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs, one_sided_world_problem
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
@@ -236,11 +236,13 @@ def runtime_transport_problem(name: str, device: Any = None, options: RuntimeOpt
     return why
 
 
-def transport_world_problem(name: str, world: int) -> str | None:
-    """Why transport `name` cannot serve an EP group of `world` ranks (its `check_world`: nvlink and proxy take at most
-    MAX_WORLD), None when it can or `name` is no transport of this runtime (runtime_transport_problem says that). A
-    stored profile the runtime would refuse so (a model tune before 668bd35b stored nvlink at EP 16) is passed over
-    here, not handed to EPBuffer, whose loaded-knob check raised on it."""
+def transport_world_problem(name: str, world: int, nodes: int = 1) -> str | None:
+    """Why transport `name` cannot serve an EP group of `world` ranks on `nodes` hosts (its `check_world`: nvlink and
+    proxy take at most MAX_WORLD; and those two one node's ranks only, `one_sided_world_problem`), None when it can or
+    `name` is no transport of this runtime (runtime_transport_problem says that). A stored profile the runtime would
+    refuse so (a model tune before 668bd35b stored nvlink at EP 16; a model tune of a 4-GPU proxy preset on 2 nodes)
+    is passed over here, not handed to EPBuffer, whose loaded-knob check raised on it or whose symmetric memory
+    cannot reach another host."""
     if name == MEGAKERNEL_FAMILY:  # not a transport (world 1): no registry import (torch) to say so
         return None
     from moetune.runtime.transports.registry import get_transport
@@ -253,7 +255,9 @@ def transport_world_problem(name: str, world: int) -> str | None:
         cls.check_world(world)
     except KnobError as e:
         return str(e)
-    return None
+    # check_world knows no node count: the same rule given the group's (no one-sided transport reaches another host)
+    why = one_sided_world_problem(cls.name, world, nodes=nodes)
+    return None if why is None else str(KnobError(why, ("transport",)))
 
 
 def autoload_profile(
@@ -344,7 +348,7 @@ def _resolve(
             return c.resolve(model=model, ep_size=ep_size, tokens=max_tokens, nodes=nodes,
                              transport_family=transport_family,
                              transport_ok=lambda name: (runtime_transport_problem(name, device, options)
-                                                        or transport_world_problem(name, ep_size)),
+                                                        or transport_world_problem(name, ep_size, nodes)),
                              options=options)
         finally:
             if own:
