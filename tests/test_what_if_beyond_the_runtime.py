@@ -125,3 +125,29 @@ def test_a_cross_node_group_within_max_world_is_beyond_the_runtime_too(tmp_path:
     assert r.exit_code == 0, r.output
     (row,) = json.loads(r.stdout)
     assert row["modelled"] is True and "2 nodes" in (row["runtime_refusal"] or ""), row
+
+
+def test_a_multi_host_group_does_not_fall_back_to_a_proxy_policy_default(tmp_path: Path) -> None:
+    """The policy-default step asks the same check: a 2-node group whose node prefers proxy:ibrc (policy default
+    transport=proxy, one node's ranks only) falls back to collective; one node keeps proxy:ibrc as before."""
+    import warnings
+
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.profiles.client import ProfileClient
+    from moetune.runtime.shapes import get_model
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"fingerprint": "f" * 16, "software": "s" * 16,
+                                                 "transports": ["proxy:ibrc", "collective"],
+                                                 "db": str(tmp_path / "none.db")}))
+    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", env={"HOME": "/nonexistent"})
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warnings (no daemon, no database)
+        for nodes in (1, 2):
+            got[nodes] = autoload._resolve(model=get_model("qwen3-30b"), ep_size=8, nodes=nodes, max_tokens=100,
+                                           device=None, client=c)
+    assert (got[1].family, got[1].knobs.transport) == ("proxy:ibrc", "proxy")
+    assert (got[2].family, got[2].knobs.transport) == ("collective", "collective")
+    assert "spans 2 nodes" in got[2].message
