@@ -151,3 +151,35 @@ def test_a_multi_host_group_does_not_fall_back_to_a_proxy_policy_default(tmp_pat
     assert (got[1].family, got[1].knobs.transport) == ("proxy:ibrc", "proxy")
     assert (got[2].family, got[2].knobs.transport) == ("collective", "collective")
     assert "spans 2 nodes" in got[2].message
+
+
+def test_db_check_names_a_stored_measured_profile_no_run_can_take(tmp_path: Path) -> None:
+    """A row labelled measured that the rule refuses (stored before the store refused it: an older moetune's import)
+    is named by `db check`, with the rule's reason; the modelled what-if report beside it is not."""
+    db = tmp_path / "p.db"
+    key = ProfileKey(fingerprint="fpA", software="sw", transport_family="proxy:ibrc", ep_size=32, nodes=4, hidden=2048,
+                     intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=256)
+    knobs = Knobs(transport="proxy", fence_mode="proxy_drain")
+    with Store(db) as s:
+        assert s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1,
+                                           backend="model:ndr-ibrc-h100x8", provenance="preset"))[0]
+        assert s.put_profile(ProfileRecord(key=msgspec.structs.replace(key, token_bucket=128),
+                                           knobs=Knobs(transport="collective"), latency_us=50, spread_us=1,
+                                           backend="local:nccl", provenance="measured", measured_on="fpA"))[0]
+        assert s.check()["ok"]
+    con = sqlite3.connect(db)
+    with con:  # as an older moetune's import stored it: measured, transport proxy at EP 32
+        pid, raw = con.execute("SELECT id, knobs FROM profiles WHERE provenance = 'measured'").fetchone()
+        con.execute("UPDATE profiles SET knobs = ? WHERE id = ?", (json.dumps({**json.loads(raw), **knobs.to_dict()}),
+                                                                   pid))
+    con.close()
+    with Store(db) as s:
+        info = s.check()
+    assert not info["ok"]
+    assert [r["id"] for r in info["unrunnable_measured_profiles"]] == [pid], info
+    assert "at most 8 ranks" in info["unrunnable_measured_profiles"][0]["error"]
+    r = runner.invoke(app, ["db", "check", "--db", str(db)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert f"profile {pid}: labelled measured, but no run of this runtime can take it" in flat, r.output
+    assert "at most 8 ranks" in flat

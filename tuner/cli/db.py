@@ -428,7 +428,7 @@ def check(
     db: Path | None = path_option(None, "--db", help=DB_HELP),
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
 ) -> None:
-    """Check revision, schema drift, SQLite integrity, foreign keys, profile rows this moetune cannot read and rows labelled measured whose backend does not measure (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
+    """Check revision, schema drift, SQLite integrity, foreign keys, profile rows this moetune cannot read and rows labelled measured whose backend does not measure or that no run of this runtime can take (listed by id); exit 1 when anything is off, 2 on a newer moetune's database."""
     from moetune.tuner.store.db_file import without_moetune
 
     path = db_path(db, config)
@@ -454,7 +454,8 @@ def check(
     except (StoreDamaged, StoreNotDatabase) as e:  # SQLite could not even read what the check starts from: that is the check's answer
         info = {"path": str(path), "revision": None, "head": None, "at_head": False, "integrity": [str(e)],
                 "foreign_key_errors": 0, "schema_diff": [], "unreadable_profiles": None,
-                "mislabelled_profiles": None, "contradicting_profiles": None, "ok": False}
+                "mislabelled_profiles": None, "contradicting_profiles": None,
+                "unrunnable_measured_profiles": None, "ok": False}
         if json_out:
             print_json(info)
         else:
@@ -502,5 +503,9 @@ def check(
             out.print(escape(f"  profile {row['id']}: its knobs or key contradict its family ({row['error']}): today's "
                              f"store refuses such a row (an import by an older moetune?); `moetune profiles delete "
                              f"{row['id']}{db_flag(Path(info['path']))}` removes it"))
+        for row in info.get("unrunnable_measured_profiles") or []:  # nothing can have measured it; autoload passes over
+            out.print(escape(f"  profile {row['id']}: labelled measured, but no run of this runtime can take it "
+                             f"({row['error']}): today's store refuses such a row (an import by an older moetune?); "
+                             f"`moetune profiles delete {row['id']}{db_flag(Path(info['path']))}` removes it"))
     if not info["ok"]:
         raise typer.Exit(1)

@@ -123,7 +123,7 @@ from moetune.tuner.store.models import (
     check_event_kinds,
 )
 from moetune.tuner.store.sqlite_errors import damaged_message, sqlite_failure
-from moetune.tuner.store.validate import check_record, key_knobs_problem
+from moetune.tuner.store.validate import check_record, key_knobs_problem, measured_unrunnable_problem
 
 _V = TypeVar("_V")
 log = logging.getLogger("moetune.store")
@@ -488,7 +488,8 @@ class Store:
     def check(self) -> dict[str, Any]:
         """Revision vs head, schema drift against the models, `PRAGMA integrity_check`, foreign keys, and the profile
         rows this moetune cannot read (`unreadable_profiles`: [{id, error}], None where the schema is not this
-        moetune's head, whose columns the read needs)."""
+        moetune's head, whose columns the read needs), and the rows labelled measured that no run can take
+        (`unrunnable_measured_profiles`: [{id, error}])."""
         info = self.schema.check()
         bad = self.unreadable_profiles() if info["ok"] else None
         info["unreadable_profiles"] = None if bad is None else [{"id": i, "error": why} for i, why in bad]
@@ -497,7 +498,9 @@ class Store:
                                                                    for i, b, p in wrong]
         odd = self.contradicting_profiles() if info["ok"] else None
         info["contradicting_profiles"] = None if odd is None else [{"id": i, "error": why} for i, why in odd]
-        info["ok"] = info["ok"] and not bad and not wrong and not odd
+        beyond = self.unrunnable_measured_profiles() if info["ok"] else None
+        info["unrunnable_measured_profiles"] = None if beyond is None else [{"id": i, "error": why} for i, why in beyond]
+        info["ok"] = info["ok"] and not bad and not wrong and not odd and not beyond
         return info
 
     def quick_check(self) -> list[str]:
@@ -530,6 +533,15 @@ class Store:
         with self._read() as s:
             got = records(s.execute(select_records().order_by(Profile.id)), [])
         return [(i, f"{p[0]}: {p[1]}") for i, rec in got if (p := key_knobs_problem(rec)) is not None]
+
+    @retried
+    def unrunnable_measured_profiles(self) -> list[tuple[int, str]]:
+        """(id, why) of each readable row labelled measured that no run of this runtime can take
+        (`measured_unrunnable_problem`: proxy or nvlink beyond 8 ranks or across nodes, so nothing measured it).
+        `check_record` refuses them; one stored before it did (an older moetune's import) is named by `check`."""
+        with self._read() as s:
+            got = records(s.execute(select_records().where(Profile.provenance == "measured").order_by(Profile.id)), [])
+        return [(i, why) for i, rec in got if (why := measured_unrunnable_problem(rec)) is not None]
 
     @retried
     def mislabelled_profiles(self) -> list[tuple[int, str, str]]:

@@ -166,6 +166,17 @@ def key_knobs_problem(rec: ProfileRecord) -> tuple[str, str] | None:
     return record_key_knobs_problem(rec.key, rec.knobs)
 
 
+def measured_unrunnable_problem(rec: ProfileRecord) -> str | None:
+    """Why a record labelled measured cannot have been measured, no run of this runtime taking it
+    (`profile_record.runtime_refusal`: proxy or nvlink beyond MAX_WORLD ranks or across nodes), or None. Modelled, it
+    is a what-if report (a model tune of a cross-node proxy preset), which autoload passes over. `check_record`
+    refuses such a record; `db check` names a stored one."""
+    unrunnable = runtime_refusal(rec.key, rec.knobs)
+    if rec.provenance == "measured" and unrunnable:
+        return f"measured, but no run can take it: {unrunnable}"
+    return None
+
+
 def check_record(rec: ProfileRecord) -> None:
     """What every stored profile satisfies (the database's own constraints, said before it is asked)."""
     for field, column in TEXT_COLUMNS:
@@ -201,11 +212,11 @@ def check_record(rec: ProfileRecord) -> None:
     # (import refused it; put_profile stored it, and an export of it was one no import takes)
     if rec.provenance == "measured" and rec.measured_on != rec.key.fingerprint:
         raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
-    # nor one no run of this runtime can take (proxy or nvlink beyond MAX_WORLD ranks): nothing can have measured it;
-    # modelled, it is a what-if report (a model tune of a cross-node proxy preset), which autoload passes over
-    unrunnable = runtime_refusal(rec.key, rec.knobs)
-    if rec.provenance == "measured" and unrunnable:
-        raise FieldError("provenance", f"measured, but no run can take it: {unrunnable}")
+    # nor one no run of this runtime can take (proxy or nvlink beyond MAX_WORLD ranks or across nodes): nothing can
+    # have measured it
+    unrunnable = measured_unrunnable_problem(rec)
+    if unrunnable:
+        raise FieldError("provenance", unrunnable)
     # nor this node's model: node_model outranks preset, so a preset's (or another node's model's) prediction so
     # labelled would displace a faster preset profile and be served as this node's model
     why = node_model_label_problem(str(rec.provenance), rec.backend, rec.key.fingerprint)
