@@ -14,7 +14,7 @@ from moetune.runtime import _once
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 
 __all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "read_curve_key_file_stat",
-           "warn_loose_secret", "warn_loose_server_key"]
+           "read_key_file_as_opened", "warn_loose_secret", "warn_loose_server_key"]
 
 log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
 
@@ -54,7 +54,18 @@ def read_curve_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
 
 
 def read_curve_key_file_stat(path: str | Path) -> tuple[bytes, bytes | None, os.stat_result]:
-    """`read_curve_key_file`, and the stat of the file it read (for the mode warnings: they judge what was read).
+    """`read_curve_key_file`, and the stat of the file it read (for the mode warnings: they judge what was read)."""
+    public, secret, st = read_key_file_as_opened(path)
+    if (what := bad_curve_key(public, secret)) is not None:  # no secret: the caller says if it needs one
+        raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
+                         "generate` key file, or an edited one)")
+    return public, secret, st
+
+
+def read_key_file_as_opened(path: str | Path) -> tuple[bytes, bytes | None, os.stat_result]:
+    """(public, secret or None, stat) of a key file as zmq parses it, its keys not yet checked to be CURVE keys
+    (`read_curve_key_file_stat` checks them; `moetune keys allow` names a bad one its own way). Errors as
+    `read_curve_key_file`'s.
 
     Opened once, and every check made on that descriptor: checked by path, then opened by path, a FIFO put there in
     between had the open wait for a writer (the client's constructor hung). A link is followed (key files linked
@@ -93,9 +104,6 @@ def read_curve_key_file_stat(path: str | Path) -> tuple[bytes, bytes | None, os.
             raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
     finally:
         os.close(fd)
-    if (what := bad_curve_key(public, secret)) is not None:  # no secret: the caller says if it needs one
-        raise ValueError(f"holds a {what} that is not a CURVE key (40 Z85 characters; not a `moetune keys "
-                         "generate` key file, or an edited one)")
     return public, secret, st
 
 

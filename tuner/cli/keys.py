@@ -19,7 +19,7 @@ from pathlib import Path
 
 import typer
 
-from moetune.runtime.profiles.curve_keys import is_curve_key
+from moetune.runtime.profiles.curve_keys import is_curve_key, read_key_file_as_opened
 from moetune.tuner.cli._args import path_arg, path_option, write_error_code
 
 app = typer.Typer(help="CURVE keys for a daemon listening on TCP.", no_args_is_help=True)
@@ -170,16 +170,15 @@ def generate(
 
 
 def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -> Path:
-    """Copy a client's public key file into the daemon's allow-list directory (created 0700)."""
-    import zmq.auth
-
-    check_public_file(public_file)
+    """Put the public key of a client's key file into the daemon's allow-list directory (created 0700), as
+    `moetune keys generate` writes a public key file. The file is opened once and read once; what is written is the
+    key validated from those bytes, never the file read again by path (a file replaced in between was copied
+    unchecked, and the daemon refused it at its next start)."""
+    check_public_file(public_file)  # its plain errors first (no such file, a directory); the read below re-checks
     try:
-        public, secret = zmq.auth.load_certificate(str(public_file))
-    except OSError as e:  # unreadable: not "not a CURVE public key file: [Errno 13] Permission denied"
-        raise ValueError(f"{public_file}: cannot read it ({e.strerror or e})") from None
-    except ValueError as e:
-        raise ValueError(f"{public_file} is not a CURVE public key file: {e}") from None
+        public, _secret, _st = read_key_file_as_opened(public_file)
+    except ValueError as e:  # "does not exist", "is not a regular file (...)", "cannot be read (...)", ...
+        raise ValueError(f"{public_file} {e}") from None
     if not public:
         raise ValueError(f"{public_file} holds no public key")
     if not is_curve_key(public):  # the daemon would load it and never match a client: an allow-list entry for nobody
@@ -194,8 +193,8 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
         raise FileExistsError(f"{dest} exists (use --force to overwrite): it is not a file holding this key")
     from moetune.tuner.store.atomic_files import write_atomic
 
-    # a secret key file: only its public half. Else a copy of the file as given (read whole by load_certificate above)
-    data = _cert_text(public).encode("ascii") if secret else public_file.read_bytes()
+    # the canonical public key file of the key validated above (of a secret key file: only its public half)
+    data = _cert_text(public).encode("ascii")
     try:
         # mode 0600 from creation; a link at `dest` is replaced, never written through; without --force a file that
         # appeared since the check is not replaced either
