@@ -13,10 +13,16 @@ from pathlib import Path
 from moetune.runtime import _once
 from moetune.runtime.paths import loose_key_path, secret_key_checks
 
-__all__ = ["bad_curve_key", "is_curve_key", "read_curve_key_file", "read_curve_key_file_stat",
+__all__ = ["NoProcError", "bad_curve_key", "is_curve_key", "read_curve_key_file", "read_curve_key_file_stat",
            "read_key_file_as_opened", "warn_loose_secret", "warn_loose_server_key"]
 
 log = logging.getLogger("moetune.client")  # the client's logger: the CLI filters its records by it
+
+
+class NoProcError(ValueError):
+    """A key file read refused because /proc/self/fd is not there (no /proc, or another PID namespace's): nothing is
+    known of the file's keys. Its own class so that a check that can go on without the file (the daemon's pair check)
+    can tell this apart from a file that is no key file, and say it."""
 
 
 def is_curve_key(key: bytes | None) -> bool:
@@ -94,7 +100,7 @@ def read_key_file_as_opened(path: str | Path) -> tuple[bytes, bytes | None, os.s
         # zmq reads a file by name: the name of this descriptor's file, never the path again (Linux's /proc)
         by_fd = f"/proc/self/fd/{fd}"
         if not os.path.exists(by_fd):  # zmq would say "Invalid certificate file: /proc/self/fd/N" of a good file
-            raise ValueError(f"cannot be read here: {by_fd} is not there (/proc is not mounted, or is another PID "
+            raise NoProcError(f"cannot be read here: {by_fd} is not there (/proc is not mounted, or is another PID "
                              "namespace's); moetune reads a key file through the descriptor it checked, in /proc")
         try:
             public, secret = load_certificate(by_fd)

@@ -11,6 +11,7 @@ root (the kernel's peer credentials, `peer_credentials`) and, with `group_may_re
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import shlex
 from pathlib import Path
@@ -18,8 +19,10 @@ from pathlib import Path
 import zmq
 
 from moetune.runtime.paths import loose_key_path, secret_key_checks
-from moetune.runtime.profiles.curve_keys import bad_curve_key, read_curve_key_file
+from moetune.runtime.profiles.curve_keys import NoProcError, bad_curve_key, read_curve_key_file
 from moetune.tuner.daemon.errors import DaemonConfigError
+
+log = logging.getLogger("moetune.daemon")  # the server's logger: its warnings go to the daemon's log
 
 
 def _mode_words(bits: int) -> tuple[str, str]:
@@ -93,18 +96,27 @@ def check_public_beside(secret_file: str | Path, public: bytes) -> None:
     """Refuse a NAME.key beside the daemon's NAME.key_secret that holds another public key than the secret file:
     `moetune keys generate --force` renames the secret file, then the public one, into place, and a kill between left
     the old public key in NAME.key, the file its clients are given (each then refused by the CURVE handshake, with no
-    word of why). No NAME.key there, or one that is no key file, is left alone (not a pair of `keys generate`'s)."""
+    word of why). No NAME.key there, or one that is no key file, is left alone (not a pair of `keys generate`'s); one
+    that cannot be read here for want of /proc is warned of (not checked), never passed over silently."""
     sf = Path(secret_file)
     if sf.suffix != ".key_secret":
         return
     pf = sf.with_suffix(".key")
+    # shell-quoted (as store._schema.db_option): a folder with a space must paste as one argument
+    fix = f"moetune keys generate --force {shlex.quote(str(sf.parent))} --name {shlex.quote(sf.stem)}"
     try:
         theirs, _ = read_curve_key_file(pf)
+    except NoProcError as e:
+        # the daemon serves without /proc (it reads its own keys by path), so a refusal here would stop a daemon that
+        # works for want of a consistency check; it starts, but never silently
+        log.warning("the public key file %s beside the daemon's secret key %s was not checked to hold the same "
+                    "public key: it %s. Should it hold another key, clients given %s are refused by the CURVE "
+                    "handshake; if in doubt, write a whole pair again with `%s` and give the clients the new %s",
+                    pf, sf, e, pf.name, fix, pf.name)
+        return
     except ValueError:
         return
     if theirs != public:
-        # shell-quoted (as store._schema.db_option): a folder with a space must paste as one argument
-        fix = f"moetune keys generate --force {shlex.quote(str(sf.parent))} --name {shlex.quote(sf.stem)}"
         raise DaemonConfigError(
             f"{pf} holds another public key than {sf} (a `moetune keys generate --force` cut short between writing "
             f"the two?): clients given {pf.name} would be refused; write a whole pair again with `{fix}` and give "
