@@ -353,9 +353,18 @@ def register(app: typer.Typer) -> None:
         read = client.fallback_db()  # the database the lookup read (or would have): --db, else the runtime's rule
         client.close()
         if res.source != "daemon":  # the database was read (or meant to be): a damaged one is said, as by every reader
-            from moetune.tuner.cli.db import warn_if_damaged_path
+            from rich.markup import escape
 
-            warn_if_damaged_path(Path(read))
+            from moetune.runtime.paths import untrusted_file_reason
+            from moetune.tuner.cli.db import err, warn_if_damaged_path
+
+            # one the client does not trust was not read, and is not opened to be scanned either: SQLite would parse
+            # pages (and a -wal, a shared -shm, locks) whoever may write it controls, read-only or not
+            if (untrusted := untrusted_file_reason(Path(read))) is not None:
+                err.print(escape(f"warning: {read} is a database this client does not trust ({untrusted}): not "
+                                 "read, nor opened to check it for damage"))
+            else:
+                warn_if_damaged_path(Path(read))
         provenance, measured_on, backend = provenance_of(res, read)
         if fmt == "env":
             from moetune.runtime.profiles.launcher_env import allowed_env
