@@ -481,3 +481,15 @@ def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
 
 # how the tuner's report and `profiles show` say it
 WHAT_IF_ONLY = "what-if only: the runtime cannot run it ({why}); autoload passes over it"
+
+
+def not_served_reason(key: ProfileKey, knobs: Knobs) -> str | None:
+    """Why no lookup serves a current profile of `key` with `knobs` (None: one may): its knobs or key contradict its
+    family (`contradiction_reason`: the daemon, the client and the store's find_profile pass it over), or no run of
+    this runtime can take it (`runtime_refusal`: autoload passes it over). Such a row stands for no key: what counts
+    or keeps current profiles as served (re-tune planning, the daemon's status, the tuner's incumbent) asks this."""
+    why = contradiction_reason(key, knobs)
+    if why is not None:
+        return why
+    refusal = runtime_refusal(key, knobs)
+    return None if refusal is None else WHAT_IF_ONLY.format(why=refusal)

@@ -22,7 +22,13 @@ from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner import __version__
 from moetune.tuner.daemon.index import ProfileIndex
 from moetune.tuner.daemon.jobs import JobNotRecorded
-from moetune.tuner.daemon.retune import retune_refusal, tuner_retune, tuning_key
+from moetune.tuner.daemon.retune import (
+    key_holds_a_profile,
+    retune_refusal,
+    served_tuning_keys,
+    tuner_retune,
+    tuning_key,
+)
 from moetune.tuner.daemon.watch import facts_dict, transport_names
 
 if TYPE_CHECKING:
@@ -116,7 +122,8 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
     if not keys:
         # --all re-tunes current profiles too: with none of those either, there is nothing of any kind
         why = ("this fabric has no current profile, and no stale one lacks a current one" if req.all
-               else "no stale profile lacks a current one (--all re-tunes the current ones too)")
+               else "no stale profile lacks a served current one, and every current one is served (--all re-tunes "
+                     "the current ones too)")
         return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
     if d.jobs.retune is tuner_retune:  # a job that could only fail as impossible is refused, not queued
         why = retune_refusal(d.store, d.facts, d.tune, keys)
@@ -132,16 +139,18 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
 
 
 def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
-    """Stale keys without a current profile of this fingerprint (+ every current one with `all_current`)."""
-    have = {tuning_key(r.key) for r in idx.records if r.key.fingerprint == idx.fingerprint}
+    """Stale keys without a served current profile of this fingerprint, and this fingerprint's current keys none of
+    whose rows is served (`served_tuning_keys`: their lookups fall back, as for a missing row) where a re-tune can
+    store a sound one (`key_holds_a_profile`), + every current one with `all_current`."""
+    mine = [r for r in idx.records if r.key.fingerprint == idx.fingerprint]
+    have = served_tuning_keys(mine)
     out: dict[tuple, ProfileKey] = {}
-    for r in idx.stale:
+    for r in [*idx.stale, *filter(key_holds_a_profile, mine)]:
         if tuning_key(r.key) not in have:
             out.setdefault(tuning_key(r.key), r.key)
     if all_current:
-        for r in idx.records:
-            if r.key.fingerprint == idx.fingerprint:
-                out.setdefault(tuning_key(r.key), r.key)
+        for r in mine:
+            out.setdefault(tuning_key(r.key), r.key)
     return list(out.values())
 
 

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,8 @@ from moetune.runtime.profile_record import (
     UNIFORM_ROUTING,
     ProfileKey,
     ProfileRecord,
+    key_knobs_problem,
+    not_served_reason,
 )
 from moetune.runtime.shapes import MODELS, ModelShape
 
@@ -58,6 +60,21 @@ def tuning_key(k: ProfileKey) -> tuple:
     its own tune at EP 1) that family too, so a transport profile at EP 1 never stands for a megakernel key."""
     engine = k.transport_family if k.transport_family in ENGINE_FAMILIES else ""
     return (k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype, k.token_bucket, engine)
+
+
+def served_tuning_keys(records: Iterable[ProfileRecord]) -> set[tuple]:
+    """The `tuning_key`s that a current row of `records` is served for: a row no lookup serves (`not_served_reason`:
+    its knobs contradict its family, or no run of this runtime can take it) stands for no key, whose lookups fall
+    back as for a missing row; its key is re-tuned as one without a current profile."""
+    return {tuning_key(r.key) for r in records if not_served_reason(r.key, r.knobs) is None}
+
+
+def key_holds_a_profile(rec: ProfileRecord) -> bool:
+    """Whether a re-tune of `rec`'s key can give it a served profile: not where the key itself contradicts its family
+    (a megakernel key at EP 2, or of a dtype other than bf16: the store refuses every profile of it), only where the
+    knobs do (engine=megakernel under a transport key: a re-tune stores sound ones)."""
+    p = key_knobs_problem(rec.key, rec.knobs)
+    return p is None or not p[0].startswith("key.")
 
 
 TUNE_BACKENDS = ("model", "local")  # [tune] backend: this node's calibrated model, or measure on this node

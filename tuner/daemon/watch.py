@@ -59,7 +59,7 @@ def retune_keys(made_stale: list[Any], new_stale: list[tuple[int, Any]], have: s
     """The keys a fabric change re-tunes, by `tuning_key`, in one rule for the daemon's change (`_fabric_changed`)
     and the start's finish of one recorded but not queued (`_retune_after_interrupted_change`): those of the old
     fingerprint's records the change made stale (`made_stale`) and of the new fingerprint's stale rows (`new_stale`:
-    (id, record)), both less the keys it has a current profile for (`have`)."""
+    (id, record)), both less the keys it has a served current profile for (`have`: `served_tuning_keys`)."""
     from moetune.tuner.daemon.retune import tuning_key
 
     keys: dict[tuple, Any] = {}
@@ -175,7 +175,7 @@ class FabricWatch:
         has are queued, with the new fingerprint's older stale keys: the keys `_fabric_changed` queues
         (`retune_keys`), for a change recorded by a CLI writer while no daemon ran too. A change of GPUs only (same fingerprint) too: the rows it concerns are the old GPUs'."""
         from moetune.tuner.daemon.recovery import keys_from_details
-        from moetune.tuner.daemon.retune import tuning_key
+        from moetune.tuner.daemon.retune import served_tuning_keys, tuning_key
         from moetune.tuner.store import StoreError
 
         if self.facts is None:
@@ -202,7 +202,9 @@ class FabricWatch:
             current = [i for i, r in self.store.list_profiles(status="current", fingerprint=old_fp) if concerned(i, r)]
             if current:  # stopped before mark_stale
                 self.store.mark_stale(fingerprint=old_fp, reason=f"fabric changed: {reason}"[:4000], ids=current)
-            have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=self.facts.fingerprint)}
+            # a current row no lookup serves (its knobs contradict its family, or beyond the runtime) has no key
+            have = served_tuning_keys(r for _, r in self.store.list_profiles(status="current",
+                                                                            fingerprint=self.facts.fingerprint))
             # the rows of old_fp this change made stale, and the new fingerprint's own stale keys nothing current
             # replaced, as `_fabric_changed` queues them (`retune_keys`): a fabric back to one it had on other GPUs
             # keeps that one's profiles stale. Without the latter a change finished here (recorded by `fabric show
@@ -262,7 +264,7 @@ class FabricWatch:
         # current, nothing was published or re-tuned until a restart). The retry writes no second event for it.
         kept = self.facts
         try:
-            from moetune.tuner.daemon.retune import tuning_key
+            from moetune.tuner.daemon.retune import served_tuning_keys
 
             recorded = self._recorded_change(old_fp, facts)
             with self._commit_lock:
@@ -304,7 +306,7 @@ class FabricWatch:
             # port down, then up; a package downgraded, then restored) left its profiles stale from the first change,
             # and with nothing current of the fingerprint in between nothing was re-tuned. Read here, before the
             # change is published, so that a failed read is retried with the rest
-            have = {tuning_key(r.key) for _, r in self.store.list_profiles(status="current", fingerprint=facts.fingerprint)}
+            have = served_tuning_keys(r for _, r in self.store.list_profiles(status="current", fingerprint=facts.fingerprint))
             keys = retune_keys(stale_recs, self.store.list_profiles(status="stale", fingerprint=facts.fingerprint), have)
         except BaseException:
             with self._commit_lock:

@@ -1,0 +1,109 @@
+"""Rows no lookup serves (knobs or key contradicting their family: `key_knobs_problem`; beyond the runtime:
+`runtime_refusal`) are not counted as served elsewhere: the daemon's re-tune planning (`moetune daemon retune`, a
+fabric change's re-tune), its status, and the tuner's incumbent (tests/test_serving_contradicting_rows.py has the
+lookups themselves)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.daemon.handlers import retune_keys
+from moetune.tuner.daemon.index import ProfileIndex
+
+pytestmark = pytest.mark.timeout(120)
+
+QWEN = (2048, 768, 128, 8)
+
+
+def _key(fp: str, sw: str = "sw", *, family: str = "nvlink", ep: int = 2, nodes: int = 1,
+         bucket: int = 64) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software=sw, transport_family=family, ep_size=ep, nodes=nodes, hidden=QWEN[0],
+                      intermediate=QWEN[1], experts=QWEN[2], topk=QWEN[3], dtype="bfloat16", token_bucket=bucket)
+
+
+def _rec(k: ProfileKey, backend: str = "local:nccl", **knobs: object) -> ProfileRecord:
+    prov = "measured" if backend.startswith("local:") else "node_model"
+    return ProfileRecord(key=k, knobs=default_knobs(k.transport_family.split(":")[0]).replace(**knobs),
+                         latency_us=5.0, spread_us=0.1, backend=backend, provenance=prov,  # type: ignore[arg-type]
+                         measured_on=k.fingerprint)
+
+
+def _contradict(db: Path, fingerprint: str, bucket: int) -> None:
+    """Make the current row of `fingerprint` at `bucket` name engine=megakernel under its transport key, as an older
+    moetune's import stored it (the store refuses to write one: `db check` names it)."""
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        row_id, raw = con.execute("SELECT id, knobs FROM profiles WHERE fingerprint = ? AND token_bucket = ? "
+                                  "AND status = 'current'", (fingerprint, bucket)).fetchone()
+        con.execute("UPDATE profiles SET knobs = ? WHERE id = ?",
+                    (json.dumps({**json.loads(raw), "engine": "megakernel"}), row_id))
+
+
+# -- 1. re-tune planning ---------------------------------------------------------------------------------------------
+def test_retune_plans_a_stale_key_whose_current_row_is_not_served() -> None:
+    """`moetune daemon retune`: a stale key whose only current row contradicts its family is planned (its lookups fall
+    back); so is a current key no row of which is served, stale or not. A served row still stands for its key."""
+    facts = SimpleNamespace(fingerprint="fp", software_hash="sw")
+    odd = _rec(_key("fp", bucket=64), engine="megakernel")
+    stale = _rec(_key("old", bucket=64))
+    idx = ProfileIndex([odd], version=1, facts=facts, stale=[stale])
+    assert retune_keys(idx, all_current=False) == [stale.key]
+    idx = ProfileIndex([odd], version=1, facts=facts, stale=[])
+    assert retune_keys(idx, all_current=False) == [odd.key]
+    # what-if: proxy at EP 16 (beyond the runtime: autoload passes it over)
+    what_if = _rec(_key("fp", family="proxy:ibrc", ep=16, nodes=2, bucket=64), backend="model:node:fp")
+    idx = ProfileIndex([what_if], version=1, facts=facts, stale=[])
+    assert retune_keys(idx, all_current=False) == [what_if.key]
+    # a megakernel key at EP 2 holds no profile at all (the store refuses every one): a re-tune of it is no answer
+    mk = ProfileRecord(key=_key("fp", family="megakernel", ep=2, bucket=64), knobs=default_knobs("collective").replace(
+        engine="megakernel"), latency_us=5.0, spread_us=0.1, backend="local:megakernel", provenance="measured",
+                       measured_on="fp")
+    idx = ProfileIndex([mk], version=1, facts=facts, stale=[])
+    assert retune_keys(idx, all_current=False) == []
+    # a served row of the same tuning key (another family) stands for it
+    sound = _rec(_key("fp", family="collective", bucket=64))
+    idx = ProfileIndex([odd, sound], version=1, facts=facts, stale=[stale])
+    assert retune_keys(idx, all_current=False) == []
+
+
+def test_a_fabric_change_finished_at_start_re_tunes_a_key_whose_current_row_is_not_served(tmp_path: Path) -> None:
+    """The start's finish of an unqueued fabric change (`retune_keys` of watch.py): a key of the new fingerprint whose
+    only current row contradicts its family is no key the new fabric has a profile for."""
+    from moetune.tuner.daemon.server import Daemon
+
+    db = tmp_path / "moetune.db"
+    store, old, new, seeded = F.unqueued_fabric_change(db)
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")
+    k = seeded[0].key
+    mine = ProfileKey(**{**k.to_dict(), "fingerprint": new.fingerprint, "software": new.software_hash})
+    store.put_profile(F.make_record(mine))
+    _contradict(db, new.fingerprint, k.token_bucket)
+    ran: list[list[Any]] = []
+    done = threading.Event()
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        done.set()
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: new, rediscover_interval_s=0,
+               retune_job=retune).start(background=True)
+    try:
+        assert done.wait(10), "no re-tune queued for the change"
+        assert sorted(x.token_bucket for x in ran[0]) == sorted(r.key.token_bucket for r in seeded)
+    finally:
+        d.stop()
+
