@@ -335,7 +335,10 @@ class StatusResult(msgspec.Struct, kw_only=True):
     profiles_stale: int
     requests: int
     jobs: JobsInfo
-    provenance: dict[str, int] = {}  # current profiles of this fingerprint by provenance
+    provenance: dict[str, int] = {}  # current profiles of this fingerprint by provenance, those served only
+    # of profiles_current, the rows no lookup serves (knobs contradicting their family, what `db check` names; or no
+    # run of this runtime can take them: what-if reports); 0 from a daemon that does not count them
+    profiles_not_served: int = 0
     tune_notice: str = ""  # why the automatic re-tune cannot run on this node, when it cannot
     # the daemon found its database damaged (the message: the file, `moetune db check`, restore it): nothing more is
     # written to it (no job, event or fabric change is recorded) and what it can still read is served; "" while sound

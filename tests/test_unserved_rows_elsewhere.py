@@ -107,3 +107,35 @@ def test_a_fabric_change_finished_at_start_re_tunes_a_key_whose_current_row_is_n
     finally:
         d.stop()
 
+
+# -- 2. the daemon's status ------------------------------------------------------------------------------------------
+def test_status_counts_current_rows_no_lookup_serves_apart(tmp_path: Path) -> None:
+    """`profiles_current` counts every current row, as `list_profiles` lists them (the database's status: `db check`
+    names the contradicting ones); those no lookup serves are counted apart (`profiles_not_served`), and the
+    provenance counts (what lookups take) leave them out."""
+    from typer.testing import CliRunner
+
+    from moetune.runtime.profiles.client import ProfileClient
+    from moetune.tuner.cli import app
+    from moetune.tuner.daemon.server import Daemon
+
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    db = tmp_path / "moetune.db"
+    store = F.open_store(db)
+    for b in (64, 1024, 4096):
+        store.put_profile(F.make_record(_key(facts.fingerprint, facts.software_hash, bucket=b), backend="local:nccl"))
+    _contradict(db, facts.fingerprint, 4096)
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: facts,
+               rediscover_interval_s=0).start(background=True)
+    try:
+        c = ProfileClient(d.endpoint, timeout_ms=2000)
+        st = c.status()
+        assert len(c.list_profiles().profiles) == st.profiles_current == 3
+        assert st.profiles_not_served == 1
+        assert st.provenance == {"measured": 2, "node_model": 0, "preset": 0}
+        c.close()
+        r = CliRunner().invoke(app, ["status", "--socket", d.endpoint], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert "not served: 1" in r.output and "db check" in r.output, r.output
+    finally:
+        d.stop()

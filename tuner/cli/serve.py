@@ -138,7 +138,11 @@ def register(app: typer.Typer) -> None:
                                           "(restart it once the file is restored)[/]"))
         # the counts cover every fingerprint in the database (presets and other nodes too), the provenance
         # row only this node's: say so, or 3 current profiles beside "measured: 0, ..., preset: 0" reads as a bug
-        rows += [("profiles_current (all fingerprints)", str(st.profiles_current)),
+        # the rows no lookup serves are listed as current (`profiles list`, the database's status): said apart
+        current = str(st.profiles_current) + (
+            f" (not served: {st.profiles_not_served}: knobs contradicting their family, named by `moetune db check`, "
+            "or what-if profiles no run of this runtime can take)" if st.profiles_not_served else "")
+        rows += [("profiles_current (all fingerprints)", current),
                  ("profiles_stale (all fingerprints)", str(st.profiles_stale))]
         rows += [(k, escape(str(getattr(st, k))))
                  for k in ("requests", "last_discovery", "last_discovery_ok", "last_discovery_message")]

@@ -96,7 +96,7 @@ def status(d: Daemon, req: wire.Status) -> Result:
         fingerprint=idx.fingerprint, last_discovery=when, last_discovery_ok=ok, last_discovery_message=msg,
         profiles_current=idx.current_count, profiles_stale=len(idx.stale), requests=d.metrics.total_requests(),
         jobs=_jobs_info(d), provenance=idx.provenance_counts(), tune_notice=d.tune_notice,
-        store_damaged=d.store.damaged or "",
+        store_damaged=d.store.damaged or "", profiles_not_served=idx.not_served_count,
     )
 
 

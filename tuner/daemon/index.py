@@ -17,7 +17,7 @@ import msgspec
 
 from moetune.runtime import wire
 from moetune.runtime._once import say_once
-from moetune.runtime.profile_record import PROVENANCES, ProfileRecord, contradiction_reason
+from moetune.runtime.profile_record import PROVENANCES, ProfileRecord, contradiction_reason, not_served_reason
 from moetune.runtime.profiles.autoload import launcher_env
 from moetune.runtime.profiles.db_lookup import pick_profile, provenance_of
 from moetune.runtime.shapes import get_model
@@ -113,6 +113,10 @@ class ProfileIndex:
                 continue
             self.groups.setdefault(group, []).append(r)
         self.records = [r for r in records if r.status == "current"]
+        # current rows no lookup serves (the above, and those no run of this runtime can take, which autoload passes
+        # over): listed as current (the database's status), counted apart by `status`, out of its provenance counts
+        # (by identity: a record is not hashable)
+        self.not_served = {id(r) for r in self.records if not_served_reason(r.key, r.knobs) is not None}
         self.stale = stale
         self.cache = ReplyCache(CACHE_LIMIT)
         self.list_cache = ReplyCache(LIST_CACHE_LIMIT, shared=True)
@@ -141,9 +145,16 @@ class ProfileIndex:
     def current_count(self) -> int:
         return len(self.records)
 
+    @property
+    def not_served_count(self) -> int:
+        """Of `current_count`, the rows no lookup serves (`not_served_reason`)."""
+        return len(self.not_served)
+
     def provenance_counts(self) -> dict[str, int]:
-        """How the current profiles of this node's fingerprint were obtained (what `status` shows)."""
-        mine = [r for r in self.records if self.fingerprint is None or r.key.fingerprint == self.fingerprint]
+        """How the current profiles of this node's fingerprint that lookups serve were obtained (what `status`
+        shows; a row no lookup serves is counted apart, `not_served_count`)."""
+        mine = [r for r in self.records if (self.fingerprint is None or r.key.fingerprint == self.fingerprint)
+                and id(r) not in self.not_served]
         c = Counter(r.effective_provenance for r in mine)  # what the numbers are, as lookups take them
         return {p: c.get(p, 0) for p in PROVENANCES}
 

@@ -287,6 +287,7 @@ class Daemon(FabricWatch):
         g = self.metrics.gauges
         g["profiles_current"] = lambda: self.index.current_count
         g["profiles_stale"] = lambda: len(self.index.stale)
+        g["profiles_not_served"] = lambda: self.index.not_served_count  # of profiles_current
         g["jobs_queued"] = lambda: self.jobs.queued_count()
         g["jobs_running"] = lambda: 1 if self.jobs.running else 0
         g["uptime_seconds"] = lambda: time.time() - self.started
