@@ -139,3 +139,40 @@ def test_status_counts_current_rows_no_lookup_serves_apart(tmp_path: Path) -> No
         assert "not served: 1" in r.output and "db check" in r.output, r.output
     finally:
         d.stop()
+
+
+# -- 3. the incumbent: the store's gate and the tuner ---------------------------------------------------------------
+def _contradicting_current(tmp_path: Path, k: ProfileKey, latency_us: float = 50.0) -> Any:
+    """A store whose current profile of `k` is measured and fast, its knobs naming engine=megakernel under the
+    transport key (an older moetune's import: no lookup serves it, `db check` names it)."""
+    from moetune.tuner.store.store import Store
+
+    db = tmp_path / "p.db"
+    store = Store(db)
+    ok, why = store.put_profile(ProfileRecord(key=k, knobs=default_knobs("host_staged"), latency_us=latency_us,
+                                              spread_us=1.0, backend="local:gloo", provenance="measured",
+                                              measured_on=k.fingerprint, routing="uniform"))
+    assert ok, why
+    _contradict(db, k.fingerprint, k.token_bucket)
+    assert store.contradicting_profiles()
+    return store
+
+
+@pytest.mark.parametrize("backend", ["local:gloo", "model:nvlink-h200x2"])
+def test_the_store_replaces_a_current_row_no_lookup_serves(tmp_path: Path, backend: str) -> None:
+    """`put_profile`'s gate: a current row whose knobs contradict its family stands for nothing, so a sound profile
+    replaces it whatever the numbers or the provenance (a slower measurement; a preset's prediction), saying why. It
+    kept the row: "does not beat the stored number", or "a preset profile never displaces" a measured one."""
+    k = _key("c" * 16, family="host_staged", bucket=1024)
+    store = _contradicting_current(tmp_path, k)
+    new = ProfileRecord(key=k, knobs=default_knobs("host_staged").replace(pipeline_depth=2), latency_us=90.0,
+                        spread_us=1.0, backend=backend,
+                        provenance="measured" if backend.startswith("local:") else "preset",
+                        measured_on=k.fingerprint if backend.startswith("local:") else "preset:nvlink-h200x2",
+                        routing="uniform")
+    written, why = store.put_profile(new)
+    assert written and "contradict its family" in why, why
+    cur = store.get_current(k)
+    assert cur is not None and cur.knobs == new.knobs
+    current = {i for i, _ in store.list_profiles(status="current")}
+    assert not current & {i for i, _ in store.contradicting_profiles()}  # kept as superseded history

@@ -15,6 +15,7 @@ from moetune.runtime.profile_record import (
     ProfileKey,
     ProfileRecord,
     effective_provenance,
+    key_knobs_problem,
     metric_of_backend,
     stored_profile_hashes,
 )
@@ -167,7 +168,8 @@ class Decision(NamedTuple):
     another routing: latencies not compared), "metric" (a number of another metric, round trip vs whole layer:
     not compared; replaced only with `force_reason`), "remeasured" (the same knobs measured again: the newer number is
     the truth about them), "unchanged" (the same knobs and numbers again: nothing to write), "older" (an import of the
-    stored knobs measured before the stored number), "forced" (the
+    stored knobs measured before the stored number), "contradiction" (the current row's knobs contradict its
+    family: no lookup serves it, any sound profile replaces it), "forced" (the
     caller compared both settings side by side), "gain" / "noise" / "slower" (other knobs against the stored
     number)."""
 
@@ -203,6 +205,13 @@ def decide(
     max(old.spread, new.spread). A stored number can be stale (NCCL_* environment, power cap, clocks: what the
     fingerprint does not capture; the environment is recorded, `perf_env`, but not compared here), so a slower new best is not called a loss to it: the reason says that only a
     side-by-side comparison decides, and the stored profile is kept."""
+    # a current row whose knobs contradict its family (an older moetune's import: `db check` names it) answers no
+    # lookup, so it is no rival: a sound profile (`check_record` refused any other) replaces it, whatever the numbers
+    # or the provenance
+    contradiction = _held_contradiction(new.key, old.knobs)
+    if contradiction is not None:
+        return Decision(True, f"replaced profile {old.id}: its knobs or key contradict its family ({contradiction}), "
+                              "so no lookup served it", "contradiction")
     # by what the numbers are (a "measured" label on a modelling backend, a hand edit, ranks as modelled: it must
     # not keep a real measurement out), as the runtime takes them
     old_prov, new_prov = effective_provenance(str(old.provenance), old.backend, new.key.fingerprint), new.effective_provenance
@@ -287,6 +296,17 @@ def decide(
     return Decision(
         False, f"kept the current profile {old.id}: gain {gain:.3f} us does not beat the noise {noise:.3f} us", "noise"
     )
+
+
+def _held_contradiction(key: ProfileKey, knobs_text: str | None) -> str | None:
+    """`field: why` where a stored row of `key` holds knobs (its JSON as text) that contradict its family
+    (`key_knobs_problem`), else None; unreadable knobs are not judged here (the row is read as it was)."""
+    try:
+        held = Knobs.from_stored(msgspec.json.decode(knobs_text or "null"))
+    except (KnobError, ValueError, TypeError, msgspec.DecodeError):
+        return None
+    p = key_knobs_problem(key, held)
+    return None if p is None else f"{p[0]}: {p[1]}"
 
 
 def replacement_event(old: Any, new: ProfileRecord, new_id: int, decision: Decision, ts: str) -> Event | None:
