@@ -176,3 +176,69 @@ def test_the_store_replaces_a_current_row_no_lookup_serves(tmp_path: Path, backe
     assert cur is not None and cur.knobs == new.knobs
     current = {i for i, _ in store.list_profiles(status="current")}
     assert not current & {i for i, _ in store.contradicting_profiles()}  # kept as superseded history
+
+
+def test_a_local_tune_never_keeps_an_incumbent_no_lookup_serves(tmp_path: Path) -> None:
+    """`_write_profile`: an incumbent whose knobs contradict its family is not compared as the incumbent (it held its
+    own side by side, was "kept", and its fresh number was handed to put_profile, which refuses such a record): the
+    search's best is stored in its place, the reason saying why."""
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.backends import Measurement, TuneWorkload
+    from moetune.tuner.search.local_backend import LocalBackend
+    from moetune.tuner.search.study import StudyResult
+    from moetune.tuner.search.tune import _write_profile
+
+    k = _key("c" * 16, family="host_staged", bucket=1024)
+    store = _contradicting_current(tmp_path, k)
+    odd = store.get_current(k).knobs
+    best = default_knobs("host_staged").replace(pipeline_depth=2)
+
+    class SideBySide(LocalBackend):
+        def __init__(self) -> None:
+            super().__init__(command=["true"], comm_backend="gloo", repeats=2)
+
+        def compare(self, cands, workload, rounds=2):  # type: ignore[override]
+            us = {best: 100.0, odd: 99.0}  # the contradicting incumbent "holds its own"
+            return [Measurement(us[c], 1.0, [us[c]] * rounds, True) for c in cands]
+
+    class Facts:
+        fingerprint, software_hash, software = k.fingerprint, k.software, {}
+
+    wl = TuneWorkload(get_model("qwen3-30b"), 1024, gpus_per_node=2)
+    result = StudyResult(study_name="s", family="host_staged", workload=wl, best_knobs=best,
+                         best=Measurement(100.0, 1.0, [100.0], True), trials=4, complete=4, failed=0, pruned=0)
+    _rec, written, reason = _write_profile(store, k, SideBySide(), result, Facts())
+    assert written and "contradict its family" in reason, reason
+    cur = store.get_current(k)
+    assert cur is not None and cur.knobs == best
+
+
+def test_a_tune_with_no_result_does_not_call_an_unserved_current_profile_kept(tmp_path: Path) -> None:
+    """`TuneResult.kept` ("the current profile stored before stands for the key") is not said of a row no lookup
+    serves: nothing stands for the key, its stored cell is "none"."""
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.search.backends import CallableBackend
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    class Facts:
+        fingerprint, software_hash = "c" * 16, "sw"
+        software: dict = {}  # noqa: RUF012
+        gpu_count, nodes, link_rates = 2, 1, {}
+
+        @property
+        def transports(self) -> list[Any]:
+            from moetune.tuner.search.tune import _Fam
+
+            return [_Fam("host_staged")]
+
+    k = _key("c" * 16, family="host_staged", bucket=1024)
+    store = _contradicting_current(tmp_path, k)
+
+    def fails(_k: object, _w: object) -> float:
+        raise RuntimeError("no run")
+
+    res = tune_profiles_detailed(store, Facts(), models=[MODELS["qwen3-30b"]], tokens=[1024], ep_size=2, nodes=1,
+                                 backend=CallableBackend(fails), trials=2, families=["host_staged"],
+                                 storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    assert len(res) == 1 and res[0].record is None and res[0].study.best_knobs is None
+    assert res[0].record is None and not res[0].kept and res[0].stored == "none", res[0]

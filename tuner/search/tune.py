@@ -8,7 +8,8 @@ backend (the fabric model on a preset, or real runs of `moetune bench ep`), open
 - Across token buckets: the nearest smaller bucket's study of the same key (from this run or an earlier
   one) warm-starts the next with its best settings (see `study.neighbour_bucket`).
 - Writing: with the local backend the winner is measured again side by side with the incumbent (or the
-  policy default); it replaces the incumbent only when the gain beats the larger spread of the two.
+  policy default); it replaces the incumbent only when the gain beats the larger spread of the two. A current
+  profile whose knobs contradict its family (no lookup serves it) is no incumbent: it is replaced, never kept.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from moetune.runtime.profile_record import (
     PRESET_PREFIX,
     ProfileKey,
     ProfileRecord,
+    contradiction_reason,
     is_preset_fingerprint,
     metric_of_backend,
     nearest_bucket,
@@ -534,8 +536,9 @@ def _tune_one(store: Any, st: optuna.storages.BaseStorage, url: str, name: str, 
         cut = spent or (timeout_s is not None and result.trials < trials)
         if cut and result.best is None:
             reason = f"{reason} before the time budget ended ({result.trials} of {trials} trials ran)"
-        # after the write: an incumbent that held its own (or a measured one a prediction did not displace) is kept
-        kept = not written and store is not None and store.get_current(key) is not None
+        # after the write: an incumbent that held its own (or a measured one a prediction did not displace) is kept;
+        # one no lookup serves stands for nothing (`served_incumbent`)
+        kept = not written and store is not None and served_incumbent(store, key)[0] is not None
         return TuneResult(record, written, reason, result, budget_ended=cut, kept=kept, stopped=stopped,
                           provenance=be.provenance)
     except KeyboardInterrupt:
@@ -682,7 +685,7 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     if result.best_knobs is None or result.best is None:
         return None, False, "no successful trial"
     knobs, meas = result.best_knobs, result.best
-    incumbent = store.get_current(key) if store is not None else None
+    incumbent, passed_over = served_incumbent(store, key)
     # Say what the numbers are: a local measurement on this node, or a prediction (node model / preset).
     origin = provenance_fields(be)  # what the backend's class declares, never what its label says
     provenance = origin["provenance"]
@@ -744,4 +747,19 @@ def _write_profile(store: Any, key: ProfileKey, be: BenchmarkBackend, result: St
     written, reason = store.put_profile(rec, force_reason=side_by_side_why)
     if not written:
         rec.status = "superseded"
-    return rec, written, f"{reason}; {kept_default}" if kept_default else reason
+    why = "; ".join(w for w in (reason, kept_default, passed_over) if w)
+    return rec, written, why
+
+
+def served_incumbent(store: Any, key: ProfileKey) -> tuple[ProfileRecord | None, str]:
+    """(the current profile of `key` as the incumbent, '') or, where its knobs contradict its family, (None, why):
+    no lookup serves such a row, so it is neither compared side by side nor kept nor stored again (the store refuses
+    it); the store's gate lets the search's best or the default replace it. A row no run can take (what-if) is not
+    set aside here: every profile of its key is one, the winner too."""
+    incumbent = store.get_current(key) if store is not None else None
+    if incumbent is None:
+        return None, ""
+    why = contradiction_reason(key, incumbent.knobs)
+    if why is None:
+        return incumbent, ""
+    return None, f"the current profile {incumbent.profile_hash} was not compared: {why}"
