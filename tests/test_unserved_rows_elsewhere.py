@@ -242,3 +242,25 @@ def test_a_tune_with_no_result_does_not_call_an_unserved_current_profile_kept(tm
                                  storage=f"sqlite:///{tmp_path / 'studies.db'}")
     assert len(res) == 1 and res[0].record is None and res[0].study.best_knobs is None
     assert res[0].record is None and not res[0].kept and res[0].stored == "none", res[0]
+
+
+@pytest.mark.usefixtures("on_captured_node")
+def test_the_bring_up_compare_stage_never_keeps_a_current_profile_no_lookup_serves(tmp_path: Path) -> None:
+    """`moetune profile`'s compare stage: a current profile whose knobs contradict its family (engine=unfused under
+    the megakernel key, faster by its stored number) does not keep out the tuned setting that beats the default
+    (the megakernel backend cannot run those knobs, so the side-by-side has no number of it: the store's gate
+    decides, and before 64878ee2 kept the row as "the new best is slower")."""
+    from test_bringup_compare_rules import _bringup, _key, _store_x, _tune_and_compare, timed
+
+    from moetune.runtime.knobs import Knobs
+
+    b = _bringup(tmp_path, timed(x_us=150.0, other_us=210.0))
+    _store_x(b, "uniform")
+    with contextlib.closing(sqlite3.connect(tmp_path / "b.db")) as con, con:
+        con.execute("UPDATE profiles SET knobs = ? WHERE status = 'current'", (json.dumps(Knobs().to_dict()),))
+    assert b.store.contradicting_profiles()
+    row = _tune_and_compare(b)
+    cur = b.store.get_current(_key(b))
+    assert cur is not None and cur.knobs.engine == "megakernel" and cur.latency_us == 210.0, row
+    assert row["stored"] == "tuned" and row["written"] and "contradict its family" in row["reason"], row
+    assert row["current_us"] != row["current_us"]  # nan: not measured
