@@ -4,8 +4,8 @@ later construction after that looks up again, so a job does not run on defaults 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -62,12 +62,16 @@ def test_a_fallback_is_looked_up_again_after_the_retry_interval(env: dict[str, s
     cfg.write_text("[client]\nfallback_retry_s = 0.3\n")
     monkeypatch.setenv("MOETUNE_CONFIG", str(cfg))
     calls = _answers(monkeypatch, ["down", "tuned"])
+    # autoload's clock, moved by hand: real sleeps let a loaded machine pass the interval between two calls
+    now = [1000.0]
+    monkeypatch.setattr(autoload, "time", SimpleNamespace(monotonic=lambda: now[0]))
     assert _load().source == "policy"
+    now[0] += 0.29
     assert _load().source == "policy" and len(calls) == 1  # within the interval: the cached fallback
-    time.sleep(0.35)
+    now[0] += 0.06
     res = _load()
     assert res.source == "daemon" and res.profile_hash == "tuned" and len(calls) == 2  # the daemon is back
-    time.sleep(0.35)
+    now[0] += 3600
     assert _load().profile_hash == "tuned" and len(calls) == 2  # a tuned resolution is kept for the process
 
 
