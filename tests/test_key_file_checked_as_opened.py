@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,38 +20,57 @@ from moetune.tuner.cli.keys import generate_keys
 pytestmark = pytest.mark.timeout(30)
 
 
+@contextmanager
+def _unblocker(fifo: Path) -> Iterator[threading.Event]:
+    """A writer that opens `fifo` if the read has not returned within 20 s: a reader stuck in the FIFO's open (the old
+    code's failure mode) is let go, and the event it sets says so. No clock is compared: a loaded machine that is slow
+    to run the read does not fail it, a read that waits on the FIFO always does."""
+    done, unblocked = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        if not done.wait(20):
+            unblocked.set()
+            with open(fifo, "wb"):
+                pass
+
+    threading.Thread(target=writer, daemon=True).start()
+    try:
+        yield unblocked
+    finally:
+        done.set()
+
+
 def test_a_fifo_swapped_in_after_the_checks_never_blocks_the_read(tmp_path: Path, monkeypatch) -> None:
     public, _secret = generate_keys(tmp_path / "keys")
     key = Path(public)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
-    real_is_file = Path.is_file
+    swapped: list[str] = []
 
-    def swap_after_check(self: Path) -> bool:  # the race at its worst: the check passes, then the FIFO is put there
-        ok = real_is_file(self)
-        if self == key and fifo.exists():
+    def swap(when: str) -> None:
+        if not swapped:
             os.replace(fifo, key)
+            swapped.append(when)
+
+    real_is_file, real_open = Path.is_file, os.open
+
+    def swap_after_check(self: Path) -> bool:  # the race at its worst: the check by path passes, then the FIFO is put there
+        ok = real_is_file(self)
+        if self == key:
+            swap("after the is_file check")
         return ok
 
+    def swap_before_open(path, flags, *args, **kwargs):  # a reader that opens first: the FIFO is there when it opens
+        if Path(path) == key:
+            swap("before os.open")
+        return real_open(path, flags, *args, **kwargs)
+
     monkeypatch.setattr(Path, "is_file", swap_after_check)
-    # unblocks a reader stuck in the FIFO's open after a while (it then reads nothing): the old code's failure mode
-    done = threading.Event()
-
-    def writer() -> None:
-        if not done.wait(3):
-            with open(key, "wb"):
-                pass
-
-    threading.Thread(target=writer, daemon=True).start()
-    t0 = time.monotonic()
-    try:
-        read_curve_key_file(key)  # the regular file opened (no swap), or refused at once: never a wait
-    except ValueError as e:
-        assert "not a regular file" in str(e)
-    finally:
-        elapsed = time.monotonic() - t0
-        done.set()
-    assert elapsed < 2, f"the read waited {elapsed:.1f} s on a FIFO swapped in after its check"
+    monkeypatch.setattr(os, "open", swap_before_open)
+    with _unblocker(key) as unblocked, pytest.raises(ValueError, match="not a regular file"):
+        read_curve_key_file(key)  # the FIFO opened, and refused at once: never a wait
+    assert swapped, "the FIFO was never put at the key's path: the test did not race the read"
+    assert not unblocked.is_set(), f"the read waited on a FIFO swapped in {swapped[0]}"
 
 
 def test_the_stat_is_the_opened_files(tmp_path: Path, monkeypatch) -> None:
@@ -74,10 +94,9 @@ def test_the_stat_is_the_opened_files(tmp_path: Path, monkeypatch) -> None:
 def test_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     fifo = tmp_path / "k.key"
     os.mkfifo(fifo, 0o600)
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match="not a regular file"):
+    with _unblocker(fifo) as unblocked, pytest.raises(ValueError, match="not a regular file"):
         read_curve_key_file(fifo)
-    assert time.monotonic() - t0 < 2
+    assert not unblocked.is_set(), "the read waited on the FIFO"
 
 
 def test_without_proc_the_error_says_so(tmp_path: Path) -> None:
