@@ -590,8 +590,8 @@ def test_whether_a_profiles_transport_runs_is_asked_under_the_callers_options(mo
     hs = Resolution(knobs=default_knobs("host_staged"), source="daemon", profile_hash="h", status="current",
                     family="host_staged")
     # (nodes=1: host_staged serves one host's ranks, so with more it is replaced before availability is asked)
-    assert autoload._group_default(hs, 1, "cpu", "test", mine).family == "collective"
-    assert autoload._group_default(hs, 1, "cpu", "test", RuntimeOptions()).family == "host_staged"
+    assert autoload._group_default(hs, 1, "cpu", "test", mine, ep_size=2).family == "collective"
+    assert autoload._group_default(hs, 1, "cpu", "test", RuntimeOptions(), ep_size=2).family == "host_staged"
 
 
 def test_chunk_weights_are_at_most_one_per_pipeline_chunk_so_a_recorded_set_fits_a_reply() -> None:

@@ -509,20 +509,24 @@ def test_env_allow_list_is_launcher_env() -> None:
 def test_the_group_default_exports_only_what_launcher_env_may_produce() -> None:
     """The policy default a multi-host group falls back to (`autoload._group_default`) built its env from rank 0's
     family unfiltered, while every other path keeps only what launcher_env may produce: a database row's family
-    `proxy:libfabric/BAD VALUE` put NVSHMEM_LIBFABRIC_PROVIDER='BAD VALUE' in the resolution every rank received."""
+    `proxy:libfabric/BAD VALUE` put NVSHMEM_LIBFABRIC_PROVIDER='BAD VALUE' in the resolution every rank received.
+    A proxy family's default (transport=proxy) serves one node's ranks only, so a group across hosts now falls back
+    to collective and exports nothing of that family; the filter is checked where the proxy default stays (one node)."""
     from moetune.runtime.profiles.client import Resolution
 
     for family in ("proxy:libfabric/BAD VALUE", "proxy:libfabric/cxi/../../x"):
         res = Resolution(knobs=default_knobs("proxy"), source="database", profile_hash="h", status="current",
                          family=family)
-        got = autoload._group_default(res, 2, None, "hosts disagree")
+        got = autoload._group_default(res, 1, None, "hosts disagree", ep_size=2)
         assert all(launcher_env.env_refusal(k, v) is None for k, v in got.env.items()), got.env
         assert got.env == {"NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_REMOTE_TRANSPORT": "libfabric"}
         assert got.message.startswith("hosts disagree; transport family ") and "not exporting" in got.message
+        across = autoload._group_default(res, 2, None, "hosts disagree", ep_size=2)
+        assert (across.family, across.knobs.transport, across.env) == ("collective", "collective", {}), across
     good = Resolution(knobs=default_knobs("proxy"), source="database", profile_hash="h", status="current",
                       family="proxy:libfabric/cxi")
-    got = autoload._group_default(good, 2, None, "hosts disagree")
-    assert got.env == launcher_env.launcher_env(got.knobs, "proxy:libfabric/cxi", 2) and got.message == "hosts disagree"
+    got = autoload._group_default(good, 1, None, "hosts disagree", ep_size=2)
+    assert got.env == launcher_env.launcher_env(got.knobs, "proxy:libfabric/cxi", 1) and got.message == "hosts disagree"
 
 
 def test_reply_env_filtered_before_export(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1107,7 +1111,7 @@ def test_a_multi_host_fallback_never_picks_a_one_host_family(tmp_path: Path, tra
     # the group default a multi-host group falls back to when its hosts disagree keeps to it too
     one_host = client.Resolution(knobs=default_knobs("host_staged"), source="policy", profile_hash="x",
                                  status="default", family="host_staged")
-    assert autoload._group_default(one_host, 2, None, "hosts disagree").family == "collective"
+    assert autoload._group_default(one_host, 2, None, "hosts disagree", ep_size=4).family == "collective"
 
 
 def test_a_measurement_whose_measured_on_names_another_node_is_not_tuned(fake, tmp_path: Path,

@@ -183,3 +183,23 @@ def test_db_check_names_a_stored_measured_profile_no_run_can_take(tmp_path: Path
     flat = " ".join(r.output.split())
     assert f"profile {pid}: labelled measured, but no run of this runtime can take it" in flat, r.output
     assert "at most 8 ranks" in flat
+
+
+def test_hosts_that_disagree_fall_back_to_a_transport_that_runs_across_them() -> None:
+    """Hosts of an EP group that resolved different profiles make the group run rank 0's family's policy default
+    (`autoload._group_default`). A collective profile keyed on the fabric's family proxy:ibrc gave every rank the
+    proxy:ibrc policy default (transport=proxy), which serves one node's ranks only: a 2-node group must fall back to
+    collective, saying why; one node keeps the proxy default."""
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.profiles.client import Resolution
+
+    res = Resolution(knobs=Knobs(transport="collective"), source="daemon", profile_hash="h", status="current",
+                     family="proxy:ibrc")
+    got = autoload._group_default(res, 2, None, "hosts disagree", ep_size=8)
+    assert (got.family, got.knobs.transport, got.source) == ("collective", "collective", "default"), got
+    assert got.message.startswith("hosts disagree; ") and "spans 2 nodes" in got.message, got.message
+    assert not any(k.startswith("NVSHMEM") for k in got.env), got.env
+    # EP 16 on 2 nodes: the rank count is said
+    assert "at most 8 ranks" in autoload._group_default(res, 2, None, "hosts disagree", ep_size=16).message
+    kept = autoload._group_default(res, 1, None, "test", ep_size=8)
+    assert (kept.family, kept.knobs.transport) == ("proxy:ibrc", "proxy") and kept.message == "test"

@@ -50,7 +50,8 @@ other ranks of rank 0's host do not look up at all, so one slow rank (cold daemo
 the ranks disagree. A profile belongs to one node's fingerprint: with ranks on several hosts, the first rank of
 every other host resolves too (its own node's daemon / database), and rank 0's profile is used only when every
 host resolved the same profile hash; otherwise the whole group runs rank 0's policy default for the transport
-family, with one warning naming the hashes (never an error). Every rank exports the agreed env and logs it.
+family (the built-in collective default where that cannot serve the group: `transport_world_problem`), with one
+warning naming the hashes and the reason (never an error). Every rank exports the agreed env and logs it.
 
 `check_same_profile(group, profile_hash)` all-gathers the hash across ranks and raises when they differ.
 """
@@ -417,19 +418,23 @@ def _all_gather_text(text: str, group: Any, device: Any) -> list[str]:
 
 
 def _group_default(res: Resolution, nodes: int, device: Any, why: str,
-                   options: RuntimeOptions | None = None) -> Resolution:
+                   options: RuntimeOptions | None = None, *, ep_size: int) -> Resolution:
     """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it under
-    `options` (the group's RuntimeOptions)."""
+    `options` (the group's RuntimeOptions) for an EP group of `ep_size` ranks on `nodes` hosts."""
     family = res.family or "collective"
     if one_host_family(family) and nodes > 1:  # nvlink, host_staged: one host's ranks only
         family = "collective"
     knobs, source = policy_or_default(family)
-    if runtime_transport_problem(knobs.transport, device, options) is not None:
+    # the world check too, as client.resolve's transport_ok asks it: a family keyed proxy:* (a collective profile on
+    # an InfiniBand node) has a proxy policy default, which serves one node's ranks only
+    unworldly = transport_world_problem(knobs.transport, ep_size, nodes)
+    if runtime_transport_problem(knobs.transport, device, options) is not None or unworldly is not None:
         family, (knobs, source) = "collective", (default_knobs("collective"), "default")
     # as every other path (client.resolve): only what launcher_env may produce. The family is rank 0's resolution's,
     # which came from a daemon reply or a database row: its provider string is not checked by anything before this
     env, refused = allowed_env(launcher_env(knobs, family, nodes))
-    message = "; ".join([why, *(f"transport family {family}: not exporting {x}" for x in refused[:8])])
+    message = "; ".join([why, *([f"the policy default of {res.family}: {unworldly}"] if unworldly else []),
+                         *(f"transport family {family}: not exporting {x}" for x in refused[:8])])
     return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
                       env=env, family=family, message=message)
 
@@ -486,7 +491,7 @@ def autoload_group_profile(
                 detail = ", ".join(f"rank {r}: {h}" for r, h in per_host.items())
                 why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
                        f"measured per node, so every host must resolve the same one")
-                final = _group_default(mine, nodes, device, why, options)
+                final = _group_default(mine, nodes, device, why, options, ep_size=ep_size)
                 # say which default: a family without a runnable policy file falls back to the built-in one
                 what = "the policy default" if final.source == "policy" else "the built-in default"
                 warn_fallback(f"moetune: using {what} on every rank ({final.message})")
