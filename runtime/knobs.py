@@ -65,6 +65,18 @@ MAX_SLOTS = 1024
 MAX_WORLD = 8
 # the transports that store into their peers' memory and so serve at most MAX_WORLD ranks of one node
 ONE_SIDED_TRANSPORTS: tuple[str, ...] = ("nvlink", "proxy")
+# the transports this runtime implements (runtime/transports/registry.py registers these; a test keeps the two
+# equal): here, torch-free, so the store and the tuner's reports say what autoload finds. ibgda is the fabric
+# model's only.
+RUNTIME_TRANSPORTS: tuple[str, ...] = ("collective", "host_staged", "nvlink", "proxy")
+
+
+def missing_transport_problem(transport: str) -> str | None:
+    """Why the runtime cannot run `transport` at all (None when it implements it: `RUNTIME_TRANSPORTS`)."""
+    if transport in RUNTIME_TRANSPORTS:
+        return None
+    return (f"transport={transport} has no runtime transport (the fabric model predicts it; this runtime runs "
+            f"{', '.join(RUNTIME_TRANSPORTS)})")
 
 
 def one_sided_world_problem(transport: str, world: int, who: str = "", nodes: int = 1) -> str | None:

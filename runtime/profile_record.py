@@ -13,7 +13,12 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import msgspec
 
-from moetune.runtime.knobs import FORMER_MK_DEFAULTS, Knobs, one_sided_world_problem
+from moetune.runtime.knobs import (
+    FORMER_MK_DEFAULTS,
+    Knobs,
+    missing_transport_problem,
+    one_sided_world_problem,
+)
 from moetune.runtime.options import data_path_digest
 from moetune.runtime.shapes import check_experts_divide
 
@@ -472,10 +477,19 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
-    """Why no run of this runtime can take a profile of `key` with `knobs` (None when one can): its transport cannot
-    serve the key's EP size or node count (a model tune of a cross-node proxy preset: EP 32, or 2 nodes x 4 GPUs).
-    Such a profile is a what-if report: stored only as modelled (the store refuses it labelled measured), and
-    autoload passes it over (`transport_world_problem`, the same rule: `one_sided_world_problem`)."""
+    """Why no run of this runtime can take a profile of `key` with `knobs` (None when one can): the runtime has no
+    transport for the key's family or the knobs' (ibgda: `missing_transport_problem`; autoload asks both, the
+    registry's way), or its transport cannot serve the key's EP size or node count (a model tune of a cross-node
+    proxy preset: EP 32, or 2 nodes x 4 GPUs). Such a profile is a what-if report: stored only as modelled (the
+    store refuses it labelled measured), and autoload passes it over (`runtime_transport_problem`,
+    `transport_world_problem`: the same rules)."""
+    family = key.transport_family
+    # an engine family names no transport; an unknown one is refused by the family check, which says so
+    head = [family.split(":", 1)[0]] if is_transport_family(family) else []
+    for name in dict.fromkeys([*head, knobs.transport]):
+        why = missing_transport_problem(name)
+        if why is not None:
+            return why
     return one_sided_world_problem(knobs.transport, key.ep_size, nodes=key.nodes)
 
 

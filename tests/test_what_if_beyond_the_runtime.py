@@ -203,3 +203,43 @@ def test_hosts_that_disagree_fall_back_to_a_transport_that_runs_across_them() ->
     assert "at most 8 ranks" in autoload._group_default(res, 2, None, "hosts disagree", ep_size=16).message
     kept = autoload._group_default(res, 1, None, "test", ep_size=8)
     assert (kept.family, kept.knobs.transport) == ("proxy:ibrc", "proxy") and kept.message == "test"
+
+
+def test_a_profile_of_a_transport_the_runtime_lacks_is_a_what_if_report(tmp_path: Path) -> None:
+    """IBGDA has no runtime transport (the fabric model only), so autoload passes over an ibgda profile (key family or
+    knobs) as it does a proxy one beyond the runtime: the one rule (`runtime_refusal`) says so too, so the store keeps
+    it modelled only (nothing here can measure it: the local backend's worker refuses an unregistered transport), and
+    the tune's table and `profiles show` mark it what-if."""
+    from moetune.runtime.knobs import RUNTIME_TRANSPORTS, default_knobs
+    from moetune.runtime.transports.registry import registered_transports
+
+    assert set(RUNTIME_TRANSPORTS) == set(registered_transports())  # the torch-free list is the registry's
+    key = ProfileKey(fingerprint="fpA", software="sw", transport_family="ibgda", ep_size=8, nodes=1, hidden=2048,
+                     intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=256)
+    why = runtime_refusal(key, default_knobs("ibgda"))
+    assert why is not None and "ibgda" in why and "no runtime transport" in why, why
+    assert runtime_refusal(key, Knobs(transport="collective")) is not None  # autoload asks the key's family too
+    assert runtime_refusal(msgspec.structs.replace(key, transport_family="collective"),
+                           Knobs(transport="collective")) is None
+    s = Store(tmp_path / "p.db")
+    with pytest.raises(FieldError, match="no runtime transport"):
+        s.put_profile(ProfileRecord(key=key, knobs=default_knobs("ibgda"), latency_us=50, spread_us=1,
+                                    backend="local:nccl", provenance="measured", measured_on="fpA"))
+    s.close()
+
+    args = ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p", "ndr-ibgda-h100x8", "--trials", "3",
+            "--db", str(tmp_path / "m.db"), "--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    r = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.output.split())
+    assert "new (what-if)" in flat and "no runtime transport" in flat, r.output
+    with sqlite3.connect(tmp_path / "m.db") as db:
+        ((pid, prov),) = db.execute("SELECT id, provenance FROM profiles").fetchall()
+    assert prov == "preset"
+    show = runner.invoke(app, ["profiles", "show", str(pid), "--db", str(tmp_path / "m.db")], env={"COLUMNS": "300"})
+    assert show.exit_code == 0, show.output
+    assert "what-if only: the runtime cannot run it" in " ".join(show.output.split()), show.output
+    r = runner.invoke(app, [*args, "--json"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)
+    assert row["modelled"] is True and "no runtime transport" in (row["runtime_refusal"] or ""), row

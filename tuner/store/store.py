@@ -537,7 +537,8 @@ class Store:
     @retried
     def unrunnable_measured_profiles(self) -> list[tuple[int, str]]:
         """(id, why) of each readable row labelled measured that no run of this runtime can take
-        (`measured_unrunnable_problem`: proxy or nvlink beyond 8 ranks or across nodes, so nothing measured it).
+        (`measured_unrunnable_problem`: ibgda, or proxy or nvlink beyond 8 ranks or across nodes, so nothing measured
+        it).
         `check_record` refuses them; one stored before it did (an older moetune's import) is named by `check`."""
         with self._read() as s:
             got = records(s.execute(select_records().where(Profile.provenance == "measured").order_by(Profile.id)), [])

@@ -168,7 +168,8 @@ def key_knobs_problem(rec: ProfileRecord) -> tuple[str, str] | None:
 
 def measured_unrunnable_problem(rec: ProfileRecord) -> str | None:
     """Why a record labelled measured cannot have been measured, no run of this runtime taking it
-    (`profile_record.runtime_refusal`: proxy or nvlink beyond MAX_WORLD ranks or across nodes), or None. Modelled, it
+    (`profile_record.runtime_refusal`: a transport the runtime lacks, ibgda, or proxy or nvlink beyond MAX_WORLD ranks
+    or across nodes), or None. Modelled, it
     is a what-if report (a model tune of a cross-node proxy preset), which autoload passes over. `check_record`
     refuses such a record; `db check` names a stored one."""
     unrunnable = runtime_refusal(rec.key, rec.knobs)
@@ -212,7 +213,7 @@ def check_record(rec: ProfileRecord) -> None:
     # (import refused it; put_profile stored it, and an export of it was one no import takes)
     if rec.provenance == "measured" and rec.measured_on != rec.key.fingerprint:
         raise FieldError("measured_on", f"a measured profile is measured on its key's fingerprint, got {rec.measured_on[:64]!r}")
-    # nor one no run of this runtime can take (proxy or nvlink beyond MAX_WORLD ranks or across nodes): nothing can
+    # nor one no run of this runtime can take (ibgda; proxy or nvlink beyond MAX_WORLD ranks or across nodes): nothing can
     # have measured it
     unrunnable = measured_unrunnable_problem(rec)
     if unrunnable:
