@@ -15,6 +15,12 @@ runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _expected_puts(tokens: int, p: float, chunk: int) -> float:
+    """E[ceil(X / chunk)] for X ~ Binomial(tokens, p): the PUTs the engine sends a peer on average (by hand)."""
+    return sum(math.exp(math.lgamma(tokens + 1) - math.lgamma(k + 1) - math.lgamma(tokens - k + 1) + k * math.log(p)
+                        + (tokens - k) * math.log1p(-p)) * -(-k // chunk) for k in range(1, tokens + 1))
+
+
 def test_predict_json_is_labelled_modelled() -> None:
     r = runner.invoke(app, ["model", "predict", "--preset", "slingshot11-libfabric-a100x4", "--model", "qwen3-30b",
                             "--nodes", "8", "--tokens", "1024", "--knobs", "signalling=decoupled,fence_mode=nic_ordered",
@@ -67,8 +73,13 @@ def test_sweep_table_json_and_plot(tmp_path: Path) -> None:
     puts = math.ceil(math.ceil(rows_per_peer) / 8)
     assert puts == 14
     assert [x["x"] for x in rows] == [1, 2, 7, 14]
-    # fences: 12 remote peers + this PE's PUTs to itself (as many rows), each ceil(14 / g), dispatch + combine
-    assert [x["fences"] for x in rows] == [2 * 13 * math.ceil(puts / g) for g in (1, 2, 7, 14)] == [364, 182, 52, 26]
+    # fences: 12 remote peers + this PE's PUTs to itself (14), dispatch + combine. A remote peer gets X ~ Binomial(256,
+    # p) rows, ceil(X / 8) PUTs: 13.63 on average, 164 for the 12 (13 or 14 each), so one signal a PUT (g = 1) is
+    # 164 + 14 fences, and larger groups ceil(13 / g) = ceil(14 / g) each
+    p = rows_per_peer / 256
+    assert round(12 * _expected_puts(256, p, 8)) == 164
+    assert [x["fences"] for x in rows] == [2 * (164 + 14)] + [2 * 13 * math.ceil(puts / g) for g in (2, 7, 14)]
+    assert [x["fences"] for x in rows] == [356, 182, 52, 26]
     assert png.stat().st_size > 1000
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "nodes",
                             "--values", "2,4"])

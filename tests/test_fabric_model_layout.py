@@ -18,6 +18,12 @@ from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import PLACEMENT_SEED, rank_hits
 
 
+def _expected_puts(tokens: int, p: float, chunk: int) -> float:
+    """E[ceil(X / chunk)] for X ~ Binomial(tokens, p): the PUTs the engine sends a peer on average (by hand)."""
+    return sum(math.exp(math.lgamma(tokens + 1) - math.lgamma(k + 1) - math.lgamma(tokens - k + 1) + k * math.log(p)
+                        + (tokens - k) * math.log1p(-p)) * -(-k // chunk) for k in range(1, tokens + 1))
+
+
 @pytest.mark.parametrize(("experts", "topk", "pes"), [(256, 8, 2), (256, 8, 16), (128, 8, 4), (64, 6, 8), (8, 2, 8)])
 def test_uniform_rank_hits_are_the_runtime_hit_probability(experts: int, topk: int, pes: int) -> None:
     from moetune.runtime.buffer.layout_choice import hit_probability
@@ -166,8 +172,9 @@ def test_sixteen_rank_proxy_bytes_and_counts() -> None:
     w = Workload(QWEN, 256, 4, 4)
     k = Knobs(transport="proxy", fence_mode="proxy_drain", chunk_tokens=16)
     r = predict("slingshot11-libfabric-a100x4", w, k, phase="dispatch")
-    puts = math.ceil(106 / 16)  # 7 per peer
-    assert r.transfers == 12 * puts and r.fences == 12 + 1  # decoupled per peer, + the PUTs to itself
+    # a peer gets X ~ Binomial(256, p) rows, ceil(X / 16) PUTs: 7.06 on average (not ceil(106 / 16) = 7 each)
+    assert round(12 * _expected_puts(256, rows / 256, 16)) == 85
+    assert r.transfers == 85 and r.fences == 12 + 1  # decoupled per peer, + the PUTs to itself
     words = 15 * (1 + 16) * 8  # exchange_counts' word and the count-matrix row to each other rank
     assert r.bytes_on_wire == pytest.approx(15 * rows * 4192 + 15 * 8 + words, rel=1e-12)
     tiles = predict("slingshot11-libfabric-a100x4", w, k, phase="dispatch", layout="expert_tiles")
@@ -183,8 +190,10 @@ def test_ibgda_posts_the_same_requests_from_the_gpu() -> None:
     rows = 1024 * (1 - math.comb(124, 8) / math.comb(128, 8))  # 32 PEs, 4 experts each
     puts = math.ceil(math.ceil(rows) / 32)
     assert (gda.transfers, gda.fences, gda.bytes_on_wire) == (rc.transfers, rc.fences, pytest.approx(rc.bytes_on_wire))
-    # fences: 24 remote peers and this PE itself (as many rows), dispatch and combine
-    assert gda.transfers == 2 * 24 * puts and gda.fences == 2 * 25 * math.ceil(puts / 4)
+    # PUTs: a remote peer gets X ~ Binomial(1024, p) rows, ceil(X / 32) PUTs, 7.85 on average (7 or 8 each): 188 for
+    # the 24; fences: 24 remote peers and this PE itself (its 8 PUTs), ceil(8 / 4) = ceil(7 / 4) each, both phases
+    assert round(24 * _expected_puts(1024, rows / 1024, 32)) == 188
+    assert gda.transfers == 2 * 188 and gda.fences == 2 * 25 * math.ceil(puts / 4)
     assert gda.phases["dispatch.gpu_post"] > 0 and gda.phases["dispatch.sm_contention"] > 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -53,3 +54,28 @@ def chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
         c = -(-cnt // MAX_SLOTS)
         n = -(-cnt // c)
     return c, n
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_puts(p: float, tokens: int, chunk_tokens: int) -> float:
+    """The PUTs one peer gets on average (`chunking`'s count, none for no row) when each of `tokens` tokens needs it
+    with probability `p`: E[chunking(X)] over X ~ Binomial(tokens, p) rows. Not chunking(E[X]): at decode sizes most
+    peers get no row and one that gets any gets whole rows (S = 2, p = 0.41, chunk_tokens 1: 0.82 PUTs, not 1).
+    The fabric model charges a set of peers the sum (`phases/queued.py`), the search space keys its chunk grid on it
+    (`search/space.py`), so both count the same PUTs."""
+    p = min(1.0, max(0.0, p))
+    if tokens <= 0 or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return float(chunking(float(tokens), chunk_tokens)[1])
+    if chunk_tokens <= 0:  # one PUT for any rows (MAX_SLOTS never binds on one)
+        return 1.0 - (1.0 - p) ** tokens
+    # the binomial's mass lies within a few standard deviations of its mean: 12 leave out less than 1e-30
+    mean, sd = tokens * p, math.sqrt(tokens * p * (1.0 - p))
+    lo, hi = max(1, math.floor(mean - 12 * sd)), min(tokens, math.ceil(mean + 12 * sd) + 1)
+    lp, lq, lt = math.log(p), math.log1p(-p), math.lgamma(tokens + 1)
+    total = 0.0
+    for k in range(lo, hi + 1):
+        pmf = math.exp(lt - math.lgamma(k + 1) - math.lgamma(tokens - k + 1) + k * lp + (tokens - k) * lq)
+        total += pmf * chunking(float(k), chunk_tokens)[1]
+    return total

@@ -11,7 +11,7 @@ from moetune.tuner.fabric_model.phases.phase import Phase, reduce_us
 from moetune.tuner.fabric_model.queue import run_queue
 from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import spread_quantiles
-from moetune.tuner.fabric_model.wire_rows import SIGNAL_BYTES, chunking, token_bytes
+from moetune.tuner.fabric_model.wire_rows import SIGNAL_BYTES, chunking, expected_puts, token_bytes
 
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
 
@@ -52,10 +52,42 @@ def _rows_on_peers_with_rows(rows_to: dict[int, float], peers: list[int], p_row:
     return {d: (rows_to[d] * scale if d in chosen else 0.0) for d in peers}
 
 
-def _rank_runs(rows: float, tb: float, ck: int, ready: float) -> list[tuple[float, int, int, float, float]]:
+def _puts_on_peers(rows_to: dict[int, float], peers: list[int], p_row: dict[int, float], tokens: int,
+                   ck: int) -> dict[int, int]:
+    """The PUTs each of `peers` is charged: the engine's expected count for the set (the sum over its peers of
+    `expected_puts`: E[ceil(X / chunk_tokens)], X ~ Binomial(tokens, p_row[d])), rounded, on the peers that carry
+    rows (`rows_to` > 0: `_rows_on_peers_with_rows`), at least one each, shared out by their own expectation (largest
+    remainder, post order among equals). Chunking the rows piled on those peers rounded up instead: qwen3-30b on
+    2 x 8 GPUs at S=2, chunk_tokens 1 had 10 remote PUTs for 6.6 rows (the engine's expectation: 6.6)."""
+    out = {d: 0 for d in peers}
+    getting = [d for d in peers if rows_to[d] > 0]
+    if not getting:
+        return out
+    want = {d: expected_puts(p_row[d], tokens, ck) for d in peers}
+    total = max(len(getting), math.floor(sum(want.values()) + 0.5))
+    weight = sum(want[d] for d in getting)
+    quota = {d: total * want[d] / weight if weight > 0 else total / len(getting) for d in getting}
+    got = {d: max(1, math.floor(quota[d])) for d in getting}
+    by_remainder = sorted(getting, key=lambda d: -(quota[d] - math.floor(quota[d])))  # stable: post order
+    i = 0
+    while sum(got.values()) < total:
+        got[by_remainder[i % len(getting)]] += 1
+        i += 1
+    while sum(got.values()) > total:  # the at-least-one took more than the quotas: back from the most over quota
+        d = max((d for d in getting if got[d] > 1), key=lambda d: got[d] - quota[d])
+        got[d] -= 1
+    out.update(got)
+    return out
+
+
+def _rank_runs(rows: float, tb: float, ck: int, ready: float,
+               puts: int | None = None) -> list[tuple[float, int, int, float, float]]:
     """One peer's PUTs in the runtime layout: full chunks of `c` rows, then the last (partial) chunk; every
-    row packed before the exchange starts (all ready at `ready`)."""
+    row packed before the exchange starts (all ready at `ready`). `puts`: the count charged where it is not
+    chunking's of `rows` (an expected count, `_puts_on_peers`): that many PUTs of equal size."""
     c, n = chunking(rows, ck)
+    if puts is not None and puts != n:
+        return [(rows / puts * tb, puts, 1, ready, 0.0)] if puts > 0 and rows > 0 else []
     if n == 0:
         return []
     if n == 1:
@@ -147,7 +179,8 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
     layout `runtime` (default): what runtime/transports/proxy.py + csrc/proxy_xchg.h send (module docstring):
     one pack kernel writes every peer's rows (dispatch; combine sends the expert output as it is), then per
     peer ceil(rows / chunk_tokens) PUTs (one with chunk_tokens 0, at most MAX_SLOTS), signals by
-    `_signals_per_peer`; a peer that gets no row only its count words (`_rows_on_peers_with_rows`). IBGDA
+    `_signals_per_peer`; a peer that gets no row only its count words (`_rows_on_peers_with_rows`), and the PUTs
+    are the engine's expected count over the rows a peer may get (`_puts_on_peers`). IBGDA
     posts the same requests from GPU CTAs. `expert_tiles`: one bare copy per (token, expert) in tiles of
     `tile` tokens per expert, each tile a PUT with its own signal (see `predict`)."""
     ph = Phase()
@@ -213,6 +246,8 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
         # (the queue's peers, the NVLink peers: each keeps its own bytes)
         rows_to.update(_rows_on_peers_with_rows(rows_to, remote_pes, p_row, S))
         rows_to.update(_rows_on_peers_with_rows(rows_to, local_pes, p_row, S))
+        # and the PUTs the engine makes on average, not the piled rows' chunks rounded up (per set too)
+        puts_to = {**_puts_on_peers(rows_to, remote_pes, p_row, S, ck), **_puts_on_peers(rows_to, local_pes, p_row, S, ck)}
         # dispatch: one pack kernel (csrc/ep_pack.cu rows: a grid over every SM, each byte read and written)
         # writes the rows for every rank, this one's own included, before the exchange kernel starts
         pack = S * float(hits.sum()) * tb / (p.hbm / 2.0) + p.launch if dispatch else 0.0
@@ -235,13 +270,13 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
         ready = x_start
         gates = {d: cw.gate(x_start, d) for d in remote_pes + local_pes}
         for i, d in enumerate(remote_pes):
-            runs = _rank_runs(rows_to[d], tb, ck, gates[d])
+            runs = _rank_runs(rows_to[d], tb, ck, gates[d], puts_to[d])
             nmsg += sum(r[1] for r in runs)
             total_bytes += rows_to[d] * tb
             dests.append((rtts[i], runs))
         for j, d in enumerate(local_pes):
             local_bytes[j] = rows_to[d] * tb
-            local_groups += _signals_per_peer(knobs, chunking(rows_to[d], ck)[1])
+            local_groups += _signals_per_peer(knobs, puts_to[d])
         if local_pes:
             ready = max(gates[d] for d in local_pes)
         # the rows this PE sends itself: PUTs through the same poster, a local copy (read + write at HBM speed)

@@ -1,0 +1,70 @@
+"""The queued transports (proxy, IBGDA) with chunk_tokens > 0 at decode sizes: the PUTs charged are the engine's
+expected count, not ceil(rows / chunk) of the rows piled on the expected peers.
+
+Since 2ce9b50 the model puts all the expected rows on the expected number of peers that get any (a peer that gets
+none is sent count words only). Its rows per peer were then chunked and rounded up, so with chunk_tokens 1 the PUTs
+exceeded the rows sent. csrc/proxy_xchg.h sends a peer that gets X rows ceil(X / chunk_tokens) PUTs (one with
+chunk_tokens 0, none with X = 0), so the engine's expected PUTs to peer d are E[ceil(X_d / chunk)], X_d ~
+Binomial(S, p_d): each of the S tokens needs d with probability p_d.
+
+Hand-computed case: custom:1024,512,16,2 (16 experts, top-2) on 2 nodes x 8 GPUs, uniform routing: each rank holds
+one expert, so a token needs a given rank with p = 2/16 = 1/8. Source PE 0 has 8 peers on the other node (the
+queue). At S = 8, X ~ Binomial(8, 1/8):
+* peers that get a row: 8 x (1 - (7/8)^8) = 5.25 -> 5 (chunk_tokens 0: 5 PUTs, as before);
+* chunk_tokens 1: E[X] = 8/8 = 1 per peer -> 8 PUTs (the old model: 8 rows on 5 peers, 1.6 each, rounded up to 2
+  PUTs each: 10);
+* chunk_tokens 2: E[ceil(X/2)] = P1 + P2 + 2 (P3 + P4) + 3 (P5 + P6) + 4 (P7 + P8) = 0.7250 per peer -> 5.80 -> 6.
+Combine is the same count (the most needed PE returns p = 1/8 of each owner's S tokens)."""
+
+from __future__ import annotations
+
+from math import comb
+
+import pytest
+
+from moetune.runtime.knobs import Knobs
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.records import Workload
+
+MODEL = "custom:1024,512,16,2"
+CASES = [("ndr-ibrc-h100x8", Knobs(transport="proxy", fence_mode="proxy_drain")),
+         ("ndr-ibgda-h100x8", Knobs(transport="ibgda", fence_mode="nic_ordered"))]
+
+
+def _pmf(k: int, n: int = 8, p: float = 1 / 8) -> float:
+    return comb(n, k) * p**k * (1 - p) ** (n - k)
+
+
+def test_the_hand_computation() -> None:
+    assert round(8 * (1 - (7 / 8) ** 8)) == 5
+    half = sum(_pmf(k) * -(-k // 2) for k in range(9))
+    assert half == pytest.approx(0.7250, abs=5e-5) and round(8 * half) == 6
+
+
+@pytest.mark.parametrize(("preset", "knobs"), CASES)
+@pytest.mark.parametrize(("chunk", "puts"), [(0, 5), (1, 8), (2, 6)])
+def test_puts_are_the_engines_expected_count(preset: str, knobs: Knobs, chunk: int, puts: int) -> None:
+    w = Workload(MODEL, 8, 2, 8)
+    for phase in ("dispatch", "combine"):
+        pr = predict(preset, w, knobs.replace(chunk_tokens=chunk), phase=phase)
+        assert pr.transfers == puts, (phase, chunk, pr.transfers)
+
+
+@pytest.mark.parametrize(("preset", "knobs"), CASES)
+def test_the_bytes_do_not_depend_on_the_chunking(preset: str, knobs: Knobs) -> None:
+    """The rows on the wire are the expected rows whatever the chunk (signals aside: decoupled, one per peer)."""
+    w = Workload(MODEL, 8, 2, 8)
+    k = knobs.replace(signalling="decoupled", group_size=0)
+    got = {c: predict(preset, w, k.replace(chunk_tokens=c), phase="dispatch").bytes_on_wire for c in (0, 1, 2)}
+    assert got[1] == pytest.approx(got[0]) and got[2] == pytest.approx(got[0]), got
+
+
+def test_the_qwen3_decode_case() -> None:
+    """qwen3-30b (128 experts, top-8) on 2 x 8 GPUs at S = 2, chunk_tokens 1: p = 1 - C(120, 8) / C(128, 8) = 0.412;
+    8 remote peers x E[X] = 8 x 2p = 6.6 PUTs on average -> 7 (the model said 10: 6.6 rows on 5 peers, 1.32 each,
+    rounded up to 2 PUTs each)."""
+    p = 1 - comb(120, 8) / comb(128, 8)
+    assert round(8 * 2 * p) == 7
+    pr = predict("ndr-ibrc-h100x8", Workload("qwen3-30b", 2, 2, 8),
+                 Knobs(transport="proxy", fence_mode="proxy_drain", chunk_tokens=1), phase="dispatch")
+    assert pr.transfers == 7
