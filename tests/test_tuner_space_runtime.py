@@ -13,6 +13,7 @@ from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.group_grids import transfers_per_peer
 from moetune.tuner.fabric_model.predict import KNOBS_READ
 from moetune.tuner.fabric_model.records import Workload
+from moetune.tuner.fabric_model.wire_rows import expected_puts
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import KnobSpec, load_policy
 from moetune.tuner.search.space import RUNTIME_READS, SearchSpace, nvlink_ctas_per_peer, put_chunking
@@ -21,15 +22,20 @@ from moetune.tuner.search.study import study_config
 RUNTIME_FAMILIES = ["nvlink", "proxy:ibrc", "proxy:libfabric", "collective", "host_staged"]
 
 
-def _behaviour(knobs, ep_size: int, rows: float | None = None) -> tuple:
+def _behaviour(knobs, ep_size: int, rows: float | None = None, tokens: int | None = None) -> tuple:
     """What the runtime can tell apart in a knob set (the rest is ignored by it). `rows`: the rows a peer
-    gets at the workload's token count (proxy: PUTs per peer then decide what chunk and group sizes do)."""
+    gets at the workload's token count (proxy: PUTs per peer then decide what chunk and group sizes do); with
+    `tokens`, as the fabric model counts them: a peer's X ~ Binomial(tokens, rows / tokens) rows, ceil(X / chunk)
+    PUTs (`expected_puts`), told apart by a whole PUT over the other ranks."""
     t = knobs.transport
     key: list = [knobs.compression, knobs.scale_granularity]
     if t in ("proxy", "ibgda") and rows is not None:
         # csrc/proxy_xchg.h: (rows per PUT, PUTs per peer), a decoupled signal per group of group_size PUTs (a
         # group of >= the PUTs is one per peer, like 0)
         per_put, puts = put_chunking(rows, knobs.chunk_tokens)
+        if tokens:
+            each, getting = (expected_puts(rows / tokens, tokens, c) for c in (knobs.chunk_tokens, 0))
+            per_put, puts = round((ep_size - 1) * each + 1e-9), max(1, round(each / getting + 1e-9))
         g = None
         if knobs.signalling == "decoupled":
             g = puts if knobs.group_size <= 0 else min(knobs.group_size, puts)
@@ -142,7 +148,7 @@ def _put_space(family: str, ep: int, tokens: int | None, policy=None, **kw) -> S
 def test_put_grid_points_are_distinct_runs_at_the_token_count(family: str, ep_size: int, tokens: int) -> None:
     space = _put_space(family, ep_size, tokens)
     points = list(space.enumerate())
-    behaviours = {_behaviour(k, ep_size, space.rows_per_peer) for k in points}
+    behaviours = {_behaviour(k, ep_size, space.rows_per_peer, space.tokens) for k in points}
     assert len(behaviours) == len(points), (family, ep_size, tokens, len(points), len(behaviours))
     # the same rows per peer as the fabric model's transfers_per_peer (uniform routing)
     wl = Workload(model="custom:1024,512,128,8", tokens_per_gpu=tokens, nodes=1, gpus_per_node=ep_size)
@@ -186,7 +192,7 @@ def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> 
                                             r"than the 1024 signal slots"):
             space.check(space.policy.defaults.replace(chunk_tokens=c))
     assert space.project(space.policy.defaults.replace(chunk_tokens=1)).chunk_tokens == 0  # nearest offered
-    assert space.grid_rule() == {"put_grid": "distinct_puts_per_peer", "chunk_slots": "at_most_max_slots"}
+    assert space.grid_rule() == {"put_grid": "distinct_expected_puts", "chunk_slots": "at_most_max_slots"}
     # several group sets: each its own Optuna parameter (one name, one set of choices)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(60):
@@ -196,7 +202,7 @@ def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> 
         study.tell(t, 1.0)
     small = _put_space("proxy:ibrc", 2, 16, policy=pol)  # 16 rows: only 1 (16 PUTs), 2 (8) and 0 differ
     assert small.spec["chunk_tokens"].values() == (1, 0, 2)
-    assert small.grid_rule() == {"put_grid": "distinct_puts_per_peer"}  # every value fits: the config as before
+    assert small.grid_rule() == {"put_grid": "distinct_expected_puts"}  # every value fits: the config as before
     assert {k.group_size for k in small.enumerate() if k.chunk_tokens == 2} == {0, 2, 4}
 
 
@@ -232,7 +238,7 @@ def test_put_grid_check_and_project_sets_from_other_buckets(family: str) -> None
             p = space.project(k)
             assert space.feasible(p)[0], (tokens, k, p)
             # projection keeps the run: the same PUTs and signals per peer at this token count
-            assert _behaviour(p, 8, space.rows_per_peer) == _behaviour(k, 8, space.rows_per_peer), (tokens, k, p)
+            assert _behaviour(p, 8, space.rows_per_peer, space.tokens) == _behaviour(k, 8, space.rows_per_peer, space.tokens), (tokens, k, p)
             if ok:
                 assert p == k
         # a smaller bucket's points are points of the larger one

@@ -13,8 +13,10 @@ cannot produce an infeasible setting:
   only with chunk_tokens > 0 (with one PUT every group size is the same run), among per peer (0) and
   `PUT_GROUP_SIZES` (`put_groups`). Given the workload's tokens per rank (`tokens`, with `topk`), the space
   also knows the rows a peer gets (S x P(token needs the peer), `fabric_model.routing.rank_hits`), so it
-  offers only chunk_tokens values with distinct PUTs per peer (a chunk >= the rows is one PUT, the same run
-  as chunk_tokens 0) and only group sizes < the PUTs per peer the chunk gives (`put_grid`). It never offers
+  offers only chunk_tokens values with distinct PUTs as the fabric model counts them (`wire_rows.expected_puts`:
+  E[ceil(X / chunk_tokens)] over the X ~ Binomial(S, p) rows a peer gets, a whole PUT over the other ranks
+  apart; a chunk no peer's rows plausibly exceed is one PUT, the same run as chunk_tokens 0) and only group
+  sizes < the PUTs a peer that gets rows is sent with the chunk (`put_grid`). It never offers
   a chunk_tokens with more than MAX_SLOTS PUTs for the `tokens` rows a call may send one peer (`chunk_fits`):
   the kernel would cut larger chunks than named and the runtime refuses it (EPBuffer, as the benchmark builds
   it with max_tokens = tokens);
@@ -123,8 +125,9 @@ _PLAIN = ("chunk_tokens", "pipeline_depth", "num_sms", "channels", "staging_slot
 PUT_GROUP_SIZES: tuple[int, ...] = (2, 4, 8)
 # Given the token count (SearchSpace(tokens=..., topk=...)) the set is bounded by the PUTs per peer: a study
 # config carries this marker (`SearchSpace.grid_rule`), so a study that offered the fixed set is not resumed
-# with the bounded one (Optuna refuses changed categorical choices).
-PUT_GRID_RULE = "distinct_puts_per_peer"
+# with the bounded one (Optuna refuses changed categorical choices). Since the grid counts the fabric model's
+# expected PUTs (`SearchSpace._put_key`) it is another marker: a study of the ceil(S x p) grid is not resumed.
+PUT_GRID_RULE = "distinct_expected_puts"
 # collective / host_staged: channels offered by the lanes the chunks use, combine_lanes only when pipelined (module
 # doc); in the study config (`SearchSpace.grid_rule`), so a study that offered every channels value at every depth is
 # not resumed with the narrower grid
@@ -408,9 +411,19 @@ class SearchSpace:
         return self._put_key(chunk_tokens)[1]
 
     def _put_key(self, chunk_tokens: int) -> tuple[int, int]:
-        """What the runtime does with `chunk_tokens` at this token count: (rows per PUT, PUTs per peer)."""
-        assert self.rows_per_peer is not None
-        return put_chunking(self.rows_per_peer, chunk_tokens)
+        """What the runtime does with `chunk_tokens` at this token count, as the fabric model charges it (one function,
+        `wire_rows.expected_puts`: E[chunking(X)] over the X ~ Binomial(tokens, p) rows the busiest peer gets): (the
+        PUTs to every other rank, rounded: the model's resolution, a whole PUT over a set of peers; the PUTs a peer
+        that gets rows is sent, rounded, at least 1). ceil(S x p) instead rounded the expected rows of every peer,
+        below 1 at decode, and collapsed chunks the model and the engine tell apart (a peer of 2 rows gets 2 PUTs of
+        1); the rows after 2ce9b50 sit on fewer peers, whose PUTs this counts."""
+        from moetune.tuner.fabric_model.wire_rows import expected_puts
+
+        assert self.rows_per_peer is not None and self.tokens is not None
+        hit = self.rows_per_peer / self.tokens if self.tokens > 0 else 0.0
+        each, getting = expected_puts(hit, self.tokens, chunk_tokens), expected_puts(hit, self.tokens, 0)
+        return (math.floor(max(1, self.ep_size - 1) * each + 0.5),
+                max(1, math.floor(each / getting + 0.5)) if getting > 0 else 1)
 
     def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one
@@ -602,10 +615,11 @@ class SearchSpace:
         if self.rows_per_peer is not None and not self.spec["chunk_tokens"].contains(knobs.chunk_tokens) \
                 and knobs.chunk_tokens in self._policy_chunks:
             same = self._equivalent_chunk(knobs.chunk_tokens)
-            rows_per_put, puts = self._put_key(knobs.chunk_tokens)
+            all_puts, puts = self._put_key(knobs.chunk_tokens)
             raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank (~{self.rows_per_peer:.1f} "
-                            f"rows per peer): {puts} PUT(s) of {rows_per_put} rows per peer, the same run as chunk_tokens "
-                            f"{same}; offered: {list(self.spec['chunk_tokens'].values())}", ("chunk_tokens",))
+                            f"rows per peer): ~{puts} PUT(s) per peer that gets rows, ~{all_puts} to all peers, the same "
+                            f"run as chunk_tokens {same}; offered: {list(self.spec['chunk_tokens'].values())}",
+                            ("chunk_tokens",))
         for name, s in self.spec.items():
             if name in ("group_size", "qp_mapping", "scale_granularity"):
                 continue

@@ -1,0 +1,56 @@
+"""The proxy/ibgda chunk_tokens grid at a known token count keys its values on the PUTs the fabric model charges
+(`wire_rows.expected_puts`: E[ceil(X / chunk_tokens)], X ~ Binomial(S, p) rows a peer gets), not on ceil(S x p):
+that rounded the expected rows of every peer, below one at decode, so every chunk collapsed into chunk_tokens 0 while
+the model (and the engine: a peer that gets 2 rows is sent 2 PUTs of 1) tells them apart.
+
+Hand-computed cases (uniform routing):
+* qwen3-30b (128 experts, top-8) at EP 16 (2 x 8), S = 2: p = 1 - C(120, 8) / C(128, 8) = 0.412. chunk_tokens 1:
+  a peer gets X PUTs, 15 x 2p = 12.4 over the 15 peers, where chunk_tokens 0 sends 15 x (1 - (1 - p)^2) = 9.8: two
+  runs (the grid offered chunk 0 only). chunk_tokens 2 >= S: one PUT whatever X, the same run as 0.
+* deepseek-v3 (256 experts, top-8) at EP 32 (4 x 8), S = 1024, the stock policy's chunk_tokens 256: p = 1 - C(248, 8)
+  / C(256, 8) = 0.227, X has mean 232.5 and standard deviation 13.4, so P(X > 256) = 0.038: 31 x 1.038 = 32.2 PUTs
+  against 31 with chunk_tokens 0 (the grid dropped 256 as one PUT of ceil(232.5) = 233 rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+from math import comb, exp, lgamma, log, log1p
+
+from moetune.runtime.knobs import Knobs
+from moetune.runtime.shapes import get_model
+from moetune.tuner.fabric_model.predict import predict
+from moetune.tuner.fabric_model.records import Workload
+from moetune.tuner.search.policy import KnobSpec, load_policy
+from moetune.tuner.search.space import SearchSpace
+
+
+def _space(model: str, ep: int, tokens: int, chunks: tuple[int, ...] | None = None) -> SearchSpace:
+    pol = load_policy("proxy:ibrc")
+    if chunks is not None:
+        pol = dataclasses.replace(pol, knobs={**pol.knobs, "chunk_tokens": KnobSpec("chunk_tokens", choices=chunks)})
+    m = get_model(model)
+    return SearchSpace(pol, experts=m.experts, ep_size=ep, tokens=tokens, topk=m.topk)
+
+
+def _knobs(chunk: int) -> Knobs:
+    return Knobs(transport="proxy", fence_mode="proxy_drain", chunk_tokens=chunk)
+
+
+def test_decode_chunks_the_model_tells_apart_are_offered() -> None:
+    p = 1 - comb(120, 8) / comb(128, 8)
+    assert round(15 * 2 * p) == 12 and round(15 * (1 - (1 - p) ** 2)) == 10
+    assert _space("qwen3-30b", 16, 2, (0, 1, 2)).spec["chunk_tokens"].values() == (0, 1)
+    w = Workload("qwen3-30b", 2, 2, 8)
+    puts = {c: predict("ndr-ibrc-h100x8", w, _knobs(c), phase="dispatch").transfers for c in (0, 1, 2)}
+    assert puts[1] != puts[0] and puts[2] == puts[0], puts
+
+
+def test_a_stock_chunk_the_model_tells_apart_at_prefill_is_offered() -> None:
+    p = 1 - comb(248, 8) / comb(256, 8)
+    tail = sum(exp(lgamma(1025) - lgamma(k + 1) - lgamma(1025 - k) + k * log(p) + (1024 - k) * log1p(-p))
+               for k in range(257, 1025))
+    assert abs(tail - 0.038) < 0.001 and round(31 * (1 + tail)) == 32
+    assert _space("deepseek-v3", 32, 1024).spec["chunk_tokens"].values() == (0, 256)
+    w = Workload("deepseek-v3", 1024, 4, 8)
+    puts = {c: predict("ndr-ibrc-h100x8", w, _knobs(c), phase="dispatch").transfers for c in (0, 256)}
+    assert puts[256] > puts[0], puts
