@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,20 @@ def autoload_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
     yield
     _reset()
+
+
+@pytest.fixture
+def clean_autoload_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """No config of the user's or the system's (HOME, XDG_CONFIG_HOME, MOETUNE_HOME under tmp_path), autoload's
+    variables unset, fresh caches; yields the variables set."""
+    e = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "MOETUNE_HOME": str(tmp_path / "mh")}
+    for k, v in e.items():
+        monkeypatch.setenv(k, v)
+    for k in ("MOETUNE_AUTOLOAD", "MOETUNE_CONFIG", "MOETUNE_CLIENT_FALLBACK_RETRY_S"):
+        monkeypatch.delenv(k, raising=False)
+    autoload.clear_cache()
+    yield e
+    autoload.clear_cache()
 
 
 @pytest.fixture

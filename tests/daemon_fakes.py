@@ -624,3 +624,21 @@ def fabric_daemon(tmp: Path, facts: Any) -> tuple[Any, list[ProfileRecord], list
     d = Daemon(store=store, endpoint=f"ipc://{tmp}/run/d.sock", discover=lambda: now[0], rediscover_interval_s=0,
                retune_job=job).start(background=True)
     return store, seeded, now, ran, d
+
+
+def start_recording_daemon(store: Any, tmp: Path, facts: Any, **kw: Any) -> tuple[Any, list[list[Any]], threading.Event]:
+    """A Daemon started in the background on ipc://`tmp`/run/d.sock with `facts`, no rediscovery, whose re-tune job
+    only records the keys it was given (`ran`, one list a job) and sets `done`; returns (daemon, ran, done)."""
+    from moetune.tuner.daemon.server import Daemon
+
+    ran: list[list[Any]] = []
+    done = threading.Event()
+
+    def retune(ctx: Any) -> list[Any]:
+        ran.append(list(ctx.keys))
+        done.set()
+        return []
+
+    d = Daemon(store=store, endpoint=f"ipc://{tmp}/run/d.sock", discover=lambda: facts, rediscover_interval_s=0,
+               retune_job=retune, **kw).start(background=True)
+    return d, ran, done

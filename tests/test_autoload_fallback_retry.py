@@ -20,17 +20,8 @@ QWEN = get_model("qwen3-30b")
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """No config of the user's or the system's; autoload on."""
-    e = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "MOETUNE_HOME": str(tmp_path / "mh")}
-    for k, v in e.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
-    monkeypatch.delenv("MOETUNE_CONFIG", raising=False)
-    monkeypatch.delenv("MOETUNE_CLIENT_FALLBACK_RETRY_S", raising=False)
-    autoload.clear_cache()
-    yield e
-    autoload.clear_cache()
+def env(clean_autoload_env: dict[str, str]) -> dict[str, str]:
+    return clean_autoload_env
 
 
 def _answers(monkeypatch: pytest.MonkeyPatch, answers: list[str]) -> list[str]:

@@ -14,15 +14,8 @@ from moetune.runtime.shapes import get_model
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """No config of the user's or the system's; MOETUNE_AUTOLOAD unset."""
-    e = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "MOETUNE_HOME": str(tmp_path / "mh")}
-    for k, v in e.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("MOETUNE_AUTOLOAD", raising=False)
-    monkeypatch.delenv("MOETUNE_CONFIG", raising=False)
-    autoload.clear_cache()
-    return e
+def env(clean_autoload_env: dict[str, str]) -> dict[str, str]:
+    return clean_autoload_env
 
 
 def _config(tmp_path: Path, text: str) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sqlite3
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,20 +25,6 @@ from moetune.tuner.fabric.discovery import discover
 pytestmark = pytest.mark.timeout(60)
 
 CAPTURES = Path(__file__).parent / "captures"
-
-
-def _start(store: Any, tmp_path: Path, facts: Any, **kw: Any) -> tuple[Daemon, list[list[Any]], threading.Event]:
-    ran: list[list[Any]] = []
-    done = threading.Event()
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        done.set()
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: facts, rediscover_interval_s=0,
-               retune_job=retune, **kw).start(background=True)
-    return d, ran, done
 
 
 def _profiled(tmp_path: Path, capture: str) -> tuple[Any, Any, list[Any]]:
@@ -58,7 +43,7 @@ def test_a_change_since_the_bringup_is_a_change_at_the_first_start(tmp_path: Pat
     store, old, seeded = _profiled(tmp_path, "h200x1")
     new = discover(CAPTURES / "h200x2")
     assert new.fingerprint != old.fingerprint
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert done.wait(10), "no re-tune queued for the change since the bring-up"
         assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
@@ -74,7 +59,7 @@ def test_a_change_since_the_bringup_is_a_change_at_the_first_start(tmp_path: Pat
 
 def test_the_same_fabric_as_the_bringup_is_a_first_discovery(tmp_path: Path) -> None:
     store, old, seeded = _profiled(tmp_path, "h200x2")
-    d, ran, done = _start(store, tmp_path, discover(CAPTURES / "h200x2"))
+    d, ran, done = F.start_recording_daemon(store, tmp_path, discover(CAPTURES / "h200x2"))
     try:
         assert not done.wait(1.0), f"re-tuned at start: {ran}"
         assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)
@@ -88,7 +73,7 @@ def test_unreadable_stored_facts_are_no_base(tmp_path: Path) -> None:
     store = F.open_store(tmp_path / "moetune.db")
     store.upsert_fingerprint("fp-bad", {"gpus": "string"}, origin="local")
     new = discover(CAPTURES / "h200x2")
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert not done.wait(1.0), f"re-tuned at start: {ran}"
         assert _kinds(store) == ["fabric_seen"] and d.facts.fingerprint == new.fingerprint
@@ -137,7 +122,7 @@ def _other_node_export(tmp_path: Path, capture: str) -> tuple[Path, Any, list[An
 
 
 def _no_change_at_start(store: Any, tmp_path: Path, node: Any, other_fp: str, n_other: int, **kw: Any) -> Daemon:
-    d, ran, done = _start(store, tmp_path, node, **kw)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, node, **kw)
     try:
         assert not done.wait(1.0), f"re-tuned at start: {ran}"
         assert _kinds(store) == ["fabric_seen"] and d.facts.fingerprint == node.fingerprint

@@ -5,7 +5,6 @@ for good and the profiles stayed stale). A change whose re-tune was queued is no
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ def test_the_retune_of_a_change_the_last_daemon_did_not_queue_is_queued_at_start
                         details={"job_id": 1, "keys": [r.key.to_dict() for r in seeded]})
         store.add_event(kind="job_finished", reason="cancelled", details={"job_id": 1, "state": "cancelled"})
 
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         if stopped_after == "job_queued":
             assert not done.wait(1.0) and not d.jobs.info()[0]
@@ -66,7 +65,7 @@ def test_an_interrupted_change_of_gpus_only_is_finished_at_start(tmp_path: Path,
                              **({"profiles": ids} if ids_recorded else {})})
     if stopped_after == "mark_stale":
         store.mark_stale(fingerprint=x.fingerprint, reason="fabric changed: GPU 0 replaced", ids=ids)
-    d, ran, done = _start(store, tmp_path, y)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, y)
     try:
         assert done.wait(10), "no re-tune queued for the change of GPUs"
         assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
@@ -74,20 +73,6 @@ def test_an_interrupted_change_of_gpus_only_is_finished_at_start(tmp_path: Path,
         assert d.index.current_count == 0 and len(d.index.stale) == len(seeded)  # the old GPUs' not served
     finally:
         d.stop()
-
-
-def _start(store: Any, tmp_path: Path, new: Any) -> tuple[Daemon, list[list[Any]], threading.Event]:
-    ran: list[list[Any]] = []
-    done = threading.Event()
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        done.set()
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: new, rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
-    return d, ran, done
 
 
 def test_a_change_whose_retune_was_queued_is_not_acted_on_at_later_starts(tmp_path: Path,
@@ -105,7 +90,7 @@ def test_a_change_whose_retune_was_queued_is_not_acted_on_at_later_starts(tmp_pa
                     details={"job_id": 1, "old_fingerprint": old.fingerprint, "keys": [r.key.to_dict() for r in seeded]})
     store.add_event(kind="job_finished", reason="done", details={"job_id": 1, "state": "done"})
     F.seed_profiles(store, old, buckets=(8192,))
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert not done.wait(1.5), f"re-tuned at start: {ran}"
         assert [r.key.token_bucket for _, r in store.list_profiles(status="current", fingerprint=old.fingerprint)] == [8192]
@@ -127,7 +112,7 @@ def test_only_the_rows_the_interrupted_change_concerns_are_retuned(tmp_path: Pat
     at_change = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
     F.record_fabric_change(store, old, new, **({"profiles": at_change} if ids_recorded else {}))
     F.seed_profiles(store, old, buckets=(8192,))  # after the change (an import, say)
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert done.wait(10), "no re-tune queued for the change"
         assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
@@ -142,7 +127,7 @@ def test_a_fabric_change_records_the_profiles_it_makes_stale(tmp_path: Path) -> 
     F.seed_profiles(store, old)
     F.record_fabric_seen(store, old)
     ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
-    d, _, done = _start(store, tmp_path, new)
+    d, _, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert done.wait(10)
         ev = store.list_events(limit=1, kinds=("fabric_changed",))[0]
@@ -164,7 +149,7 @@ def test_a_resumed_job_of_one_key_does_not_hide_the_changes_other_keys(tmp_path:
     ids = [i for i, _ in store.list_profiles(status="current", fingerprint=old.fingerprint)]
     F.record_fabric_change(store, old, new, profiles=ids)
     store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed")  # killed here: no re-tune queued
-    d, ran, _done = _start(store, tmp_path, new)
+    d, ran, _done = F.start_recording_daemon(store, tmp_path, new)
     try:
         deadline = time.monotonic() + 10
         want = sorted(r.key.token_bucket for r in seeded)
@@ -386,7 +371,7 @@ def test_an_interrupted_change_behind_thousands_of_job_events_is_still_finished_
             for jid in range(1, 2102) for kind in ("job_queued", "job_finished")]
     with contextlib.closing(sqlite3.connect(tmp_path / "moetune.db")) as c, c:
         c.executemany("INSERT INTO events (created, kind, reason, details) VALUES (?, ?, ?, ?)", rows)
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert done.wait(10), "no re-tune queued for the change"
         assert sorted(k.token_bucket for k in ran[0]) == sorted(r.key.token_bucket for r in seeded)
@@ -411,7 +396,7 @@ def test_an_interrupted_change_whose_keys_a_later_job_holds_is_not_queued_again(
              ("x", "job_finished", "job 1001", json.dumps({"job_id": 1001, "keys": every, "state": "cancelled"}))]
     with contextlib.closing(sqlite3.connect(tmp_path / "moetune.db")) as c, c:
         c.executemany("INSERT INTO events (created, kind, reason, details) VALUES (?, ?, ?, ?)", rows)
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert not done.wait(1.5), f"re-tuned at start: {ran}"
     finally:

@@ -9,7 +9,6 @@ import contextlib
 import json
 import sqlite3
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -82,7 +81,6 @@ def test_retune_plans_a_stale_key_whose_current_row_is_not_served() -> None:
 def test_a_fabric_change_finished_at_start_re_tunes_a_key_whose_current_row_is_not_served(tmp_path: Path) -> None:
     """The start's finish of an unqueued fabric change (`retune_keys` of watch.py): a key of the new fingerprint whose
     only current row contradicts its family is no key the new fabric has a profile for."""
-    from moetune.tuner.daemon.server import Daemon
 
     db = tmp_path / "moetune.db"
     store, old, new, seeded = F.unqueued_fabric_change(db)
@@ -91,16 +89,7 @@ def test_a_fabric_change_finished_at_start_re_tunes_a_key_whose_current_row_is_n
     mine = ProfileKey(**{**k.to_dict(), "fingerprint": new.fingerprint, "software": new.software_hash})
     store.put_profile(F.make_record(mine))
     _contradict(db, new.fingerprint, k.token_bucket)
-    ran: list[list[Any]] = []
-    done = threading.Event()
-
-    def retune(ctx: Any) -> list[Any]:
-        ran.append(list(ctx.keys))
-        done.set()
-        return []
-
-    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/d.sock", discover=lambda: new, rediscover_interval_s=0,
-               retune_job=retune).start(background=True)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert done.wait(10), "no re-tune queued for the change"
         assert sorted(x.token_bucket for x in ran[0]) == sorted(r.key.token_bucket for r in seeded)
