@@ -318,7 +318,9 @@ class JobsInfo(msgspec.Struct, kw_only=True):
     capacity: int
 
 
-class StatusResult(msgspec.Struct, kw_only=True):
+# omit_defaults: a field added here (with its default) is sent only when it says something, as JobInfo's
+# `cancelling`: a client refuses a field it does not know, and one a version older then still reads the reply
+class StatusResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     epoch: str
     daemon_version: str
     pid: int
@@ -337,7 +339,8 @@ class StatusResult(msgspec.Struct, kw_only=True):
     jobs: JobsInfo
     provenance: dict[str, int] = {}  # current profiles of this fingerprint by provenance, those served only
     # of profiles_current, the rows no lookup serves (knobs contradicting their family, what `db check` names; or no
-    # run of this runtime can take them: what-if reports); 0 from a daemon that does not count them
+    # run of this runtime can take them: what-if reports); 0 from a daemon that does not count them, and left out of
+    # the reply while 0 (a client older than this field reads it then)
     profiles_not_served: int = 0
     tune_notice: str = ""  # why the automatic re-tune cannot run on this node, when it cannot
     # the daemon found its database damaged (the message: the file, `moetune db check`, restore it): nothing more is
