@@ -236,9 +236,9 @@ def test_a_tune_with_no_result_does_not_call_an_unserved_current_profile_kept(tm
 @pytest.mark.usefixtures("on_captured_node")
 def test_the_bring_up_compare_stage_never_keeps_a_current_profile_no_lookup_serves(tmp_path: Path) -> None:
     """`moetune profile`'s compare stage: a current profile whose knobs contradict its family (engine=unfused under
-    the megakernel key, faster by its stored number) does not keep out the tuned setting that beats the default
-    (the megakernel backend cannot run those knobs, so the side-by-side has no number of it: the store's gate
-    decides, and before 64878ee2 kept the row as "the new best is slower")."""
+    the megakernel key, faster by its stored number) does not keep out the tuned setting that beats the default:
+    it is not measured beside it (`served_incumbent`, as `moetune tune`), and the store's gate replaces it (before
+    64878ee2 it kept the row as "the new best is slower")."""
     from test_bringup_compare_rules import _bringup, _key, _store_x, _tune_and_compare, timed
 
     from moetune.runtime.knobs import Knobs
@@ -252,4 +252,59 @@ def test_the_bring_up_compare_stage_never_keeps_a_current_profile_no_lookup_serv
     cur = b.store.get_current(_key(b))
     assert cur is not None and cur.knobs.engine == "megakernel" and cur.latency_us == 210.0, row
     assert row["stored"] == "tuned" and row["written"] and "contradict its family" in row["reason"], row
-    assert row["current_us"] != row["current_us"]  # nan: not measured
+    assert "current_us" not in row  # not a rival: not measured beside the tuned setting (`served_incumbent`)
+
+
+@pytest.mark.usefixtures("on_captured_node")
+def test_the_bring_up_compare_stage_never_keeps_a_contradicting_transport_profile_that_holds_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moetune profile`'s compare stage on an EP key: a current profile naming engine=megakernel under a transport
+    key (no lookup serves it) that the backend measures and finds as fast as the tuned setting was "kept" as the
+    current profile, its fresh number handed to put_profile, which refuses such a record (FieldError knobs.engine):
+    the stage failed. As `moetune tune` (`served_incumbent`), it is no rival: the tuned setting is stored."""
+    import io
+
+    from rich.console import Console
+
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.search.backends import Measurement
+    from moetune.tuner.search.local_backend import LocalBackend
+    from moetune.tuner.search.policy import load_policy
+
+    default = load_policy("collective").defaults
+    tuned = default.replace(pipeline_depth=2)
+
+    class SideBySide(LocalBackend):
+        def compare(self, cands, workload, rounds=2):  # type: ignore[override]
+            # the contradicting row holds its own beside the tuned setting; the default is slower than both
+            us = {tuned: 100.0, default: 200.0}
+            return [Measurement(us.get(c, 99.0), 1.0, [us.get(c, 99.0)] * rounds, True) for c in cands]
+
+    monkeypatch.setattr(flow.Bringup, "_backend", lambda self, world: SideBySide(
+        world=world, command=["true"], comm_backend="gloo", repeats=2, metric="comm"))
+    plan = flow.Plan(models=["qwen3-30b"], tokens=[16], trials=2, repeats=1, iters=5, compare_rounds=2)
+    b = flow.Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                     console=Console(file=io.StringIO(), width=200), capture=Path(__file__).resolve().parent
+                     / "captures" / "dgx-h100", storage=f"sqlite:///{tmp_path / 'opt.db'}")
+    b.state.mark("discover", b.stage_discover())
+    m = get_model("qwen3-30b")
+    k = ProfileKey(fingerprint=b.facts.fingerprint, software=b.facts.software_hash, transport_family="collective",
+                   ep_size=8, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts, topk=m.topk,
+                   dtype=m.dtype, token_bucket=16)
+    label = b._backend(8).label
+    ok, why = b.store.put_profile(ProfileRecord(key=k, knobs=default.replace(pipeline_depth=3), latency_us=90.0,
+                                                spread_us=1.0, backend=label, provenance="measured",
+                                                measured_on=k.fingerprint, routing="uniform",
+                                                software_versions=dict(b.facts.software)))
+    assert ok, why
+    _contradict(tmp_path / "b.db", k.fingerprint, 16)
+    assert b.store.contradicting_profiles()
+    b.state.mark("tune", [{"family": "collective", "tokens": 16, "ep_size": 8, "key": k.to_dict(),
+                           "software_versions": dict(b.facts.software), "knobs": tuned.to_dict(), "latency_us": 100.0,
+                           "spread_us": 1.0, "written": False, "reason": "", "study": "s", "routing": "uniform",
+                           "model": "qwen3-30b"}])
+    (row,) = b.stage_compare()
+    cur = b.store.get_current(k)
+    assert cur is not None and cur.knobs == tuned, row
+    assert row["stored"] == "tuned" and row["written"] and "contradict its family" in row["reason"], row

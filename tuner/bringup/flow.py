@@ -775,7 +775,7 @@ class Bringup:
         from moetune.runtime.profile_record import ProfileKey
         from moetune.tuner.search.backends import TuneWorkload, too_few_samples
         from moetune.tuner.search.policy import load_policy
-        from moetune.tuner.search.tune import SideBySide, metric_force, side_by_side
+        from moetune.tuner.search.tune import SideBySide, metric_force, served_incumbent, side_by_side
         from moetune.tuner.store.validate import canonical_routing
 
         out = []
@@ -824,8 +824,10 @@ class Bringup:
             # in the trials (a fresh backend had none: a tuned fp8 setting over the budget here was stored)
             be.for_family(t["family"], policy.error_budget)
             # The current stored profile is a rival too (a search's best never replaces a faster one unmeasured),
-            # unless it was measured under another routing: then it is not compared, and the store keeps it.
-            current = self.store.get_current(ProfileKey(**t["key"]))
+            # unless it was measured under another routing: then it is not compared, and the store keeps it. One no
+            # lookup serves (knobs contradicting its family) is no rival, as for `moetune tune`: kept, its fresh
+            # number was handed to put_profile, which refuses it (the stage failed); the store's gate replaces it
+            current, passed_over = served_incumbent(self.store, ProfileKey(**t["key"]))
             same_routing = current is not None and current.tuned_routing in ("", canonical_routing(routing))
             inc = current.knobs if same_routing else None
             inert = be.inert_reason(t["family"], wl)  # no knob acts here: the default replaces other knobs
@@ -860,6 +862,7 @@ class Bringup:
                     stored = "tuned" if choice.knobs == tuned and tuned != default else "policy default"
                     force = metric_force(current if same_routing else None, be.label, choice.force)
                     written, reason = self._store_decision(t, choice.knobs, choice.meas, force, be, routing)
+                    reason = "; ".join(w for w in (reason, passed_over) if w)
                 keep_tuned = stored == "tuned"
                 row = asdict(BucketResult(
                     model=t["model"], tokens=t["tokens"], family=t["family"],
