@@ -501,7 +501,8 @@ def not_served_reason(key: ProfileKey, knobs: Knobs) -> str | None:
     """Why no lookup serves a current profile of `key` with `knobs` (None: one may): its knobs or key contradict its
     family (`contradiction_reason`: the daemon, the client and the store's find_profile pass it over), or no run of
     this runtime can take it (`runtime_refusal`: autoload passes it over). Such a row stands for no key: what counts
-    or keeps current profiles as served (re-tune planning, the daemon's status, the tuner's incumbent) asks this."""
+    current profiles as served (re-tune planning, the daemon's status) asks this. The tuner's incumbent asks only
+    `contradiction_reason` (tune.served_incumbent): a what-if row's rival is a what-if profile too."""
     why = contradiction_reason(key, knobs)
     if why is not None:
         return why

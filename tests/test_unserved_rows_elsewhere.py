@@ -1,7 +1,8 @@
 """Rows no lookup serves (knobs or key contradicting their family: `key_knobs_problem`; beyond the runtime:
 `runtime_refusal`) are not counted as served elsewhere: the daemon's re-tune planning (`moetune daemon retune`, a
-fabric change's re-tune), its status, and the tuner's incumbent (tests/test_serving_contradicting_rows.py has the
-lookups themselves)."""
+fabric change's re-tune) and its status; and a row whose knobs contradict its family is no incumbent of the store's
+gate, the tuner or the bring-up's compare stage (tests/test_serving_contradicting_rows.py has the lookups
+themselves)."""
 
 from __future__ import annotations
 
