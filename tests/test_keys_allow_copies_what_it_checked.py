@@ -58,3 +58,21 @@ def test_what_goes_into_the_allow_list_is_the_public_key_line_only(tmp_path: Pat
     (dest,) = keys.allow_everywhere(given, server, None, None, admin=False, force=False)
     assert dest.read_bytes() == _canonical(public), dest.read_bytes()
     assert os.stat(dest).st_mode & 0o777 == 0o600
+
+
+def test_a_secret_key_file_given_by_mistake_is_refused_saying_which_file_to_give(tmp_path: Path) -> None:
+    """A client's NAME.key_secret given to `keys allow` was taken silently (its public half allowed): the secret key,
+    which never needs to leave its client, had been copied to the daemon's operator without a word. Refused, naming
+    the public key file to give instead; nothing is written."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    server = tmp_path / "srv"
+    keys.generate_keys(server)
+    _pub, secret = keys.generate_keys(tmp_path / "carol", "carol")
+    r = CliRunner().invoke(app, ["keys", "allow", str(secret), str(server)], env={"COLUMNS": "200"})
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2, said
+    assert "holds a secret key" in said and "carol.key" in said, said
+    assert not (server / "clients").exists() or not list((server / "clients").iterdir())

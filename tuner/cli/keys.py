@@ -176,11 +176,15 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
     unchecked, and the daemon refused it at its next start)."""
     check_public_file(public_file)  # its plain errors first (no such file, a directory); the read below re-checks
     try:
-        public, _secret, _st = read_key_file_as_opened(public_file)
+        public, secret, _st = read_key_file_as_opened(public_file)
     except ValueError as e:  # "does not exist", "is not a regular file (...)", "cannot be read (...)", ...
         raise ValueError(f"{public_file} {e}") from None
     if not public:
         raise ValueError(f"{public_file} holds no public key")
+    if secret:  # taken silently before: a client's secret key, which the daemon never needs, had left its client
+        raise ValueError(f"{public_file} holds a secret key: give the client's public key file "
+                         f"({public_file.stem}.key, as `moetune keys generate` writes it) instead; a secret key "
+                         "file never needs to leave its client (one that did is best replaced by a new pair)")
     if not is_curve_key(public):  # the daemon would load it and never match a client: an allow-list entry for nobody
         raise ValueError(f"{public_file}: its public key {public[:60]!r} is not a CURVE key (40 Z85 characters)")
     _make_dir(clients_dir, "allow-list directory")
@@ -193,7 +197,7 @@ def allow_client(public_file: Path, clients_dir: Path, *, force: bool = False) -
         raise FileExistsError(f"{dest} exists (use --force to overwrite): it is not a file holding this key")
     from moetune.tuner.store.atomic_files import write_atomic
 
-    # the canonical public key file of the key validated above (of a secret key file: only its public half)
+    # the canonical public key file of the key validated above
     data = _cert_text(public).encode("ascii")
     try:
         # mode 0600 from creation; a link at `dest` is replaced, never written through; without --force a file that
