@@ -176,7 +176,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
-        """Queue a re-tune of stale profiles in the daemon (or cancel a job); admins only.
+        """Queue a re-tune of stale profiles in the daemon, and of keys whose current profile no lookup serves (or cancel a job); admins only.
 
         Admins: the daemon's own user on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys allow --admin` on TCP."""
         from moetune.runtime import wire
