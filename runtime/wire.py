@@ -19,6 +19,11 @@ change kind (``profile_updated``, ``profile_stale``, ``fabric_changed``) and the
 `Change` carrying a monotonically increasing ``version``. A client subscribes first, then fetches a
 snapshot (``list_profiles`` / ``get_profile`` / ``hello`` carry the current ``version``) and then
 applies only changes whose version is above the snapshot's (the ZeroMQ Guide's Clone pattern).
+
+Adding a field to a result: give it a default and leave it off the wire at that default (the struct's
+``omit_defaults``, or ``msgspec.UNSET``). A client refuses a reply with a field it does not know (a newer daemon:
+`runtime/profiles/replies.py`), so one a version older still reads every reply that says nothing new, and a newer
+client reads an older daemon's reply as the default. ``v`` changes only where that cannot hold.
 """
 
 from __future__ import annotations
