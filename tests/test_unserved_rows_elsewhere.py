@@ -79,6 +79,22 @@ def test_retune_plans_a_stale_key_whose_current_row_is_not_served() -> None:
     assert retune_keys(idx, all_current=False) == []
 
 
+def test_nothing_to_re_tune_does_not_call_a_current_row_no_re_tune_can_answer_served() -> None:
+    """A megakernel key at EP 2 holds no profile a re-tune could store (`key_holds_a_profile`), so its current row is
+    not planned; "nothing to re-tune" then said that every current profile is served, of one no lookup serves."""
+    from moetune.runtime import wire
+    from moetune.tuner.daemon.handlers import run_retune
+
+    facts = SimpleNamespace(fingerprint="fp", software_hash="sw")
+    mk = ProfileRecord(key=_key("fp", family="megakernel", ep=2, bucket=64), knobs=default_knobs("collective").replace(
+        engine="megakernel"), latency_us=5.0, spread_us=0.1, backend="local:megakernel", provenance="measured",
+                       measured_on="fp")
+    d = SimpleNamespace(index=ProfileIndex([mk], version=1, facts=facts, stale=[]))
+    ok, res = run_retune(d, wire.Retune(v=wire.PROTOCOL_VERSION, id=1))  # type: ignore[arg-type]
+    assert ok and res.job is None and res.message.startswith("nothing to re-tune"), res
+    assert "no re-tune can answer" in res.message, res.message  # not "every current one is served" alone
+
+
 def test_a_fabric_change_finished_at_start_re_tunes_a_key_whose_current_row_is_not_served(tmp_path: Path) -> None:
     """The start's finish of an unqueued fabric change (`retune_keys` of watch.py): a key of the new fingerprint whose
     only current row contradicts its family is no key the new fabric has a profile for."""

@@ -122,8 +122,9 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
     if not keys:
         # --all re-tunes current profiles too: with none of those either, there is nothing of any kind
         why = ("this fabric has no current profile, and no stale one lacks a current one" if req.all
-               else "no stale profile lacks a served current one, and every current one is served (--all re-tunes "
-                     "the current ones too)")
+               else "no stale profile lacks a served current one, and every current one is served or of a key no "
+                     "re-tune can answer (one that contradicts its family: `moetune db check` names it) (--all "
+                     "re-tunes the current ones too)")
         return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
     if d.jobs.retune is tuner_retune:  # a job that could only fail as impossible is refused, not queued
         why = retune_refusal(d.store, d.facts, d.tune, keys)
