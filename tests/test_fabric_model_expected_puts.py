@@ -18,6 +18,7 @@ Combine is the same count (the most needed PE returns p = 1/8 of each owner's S 
 
 from __future__ import annotations
 
+import math
 from math import comb
 
 import pytest
@@ -68,3 +69,18 @@ def test_the_qwen3_decode_case() -> None:
     pr = predict("ndr-ibrc-h100x8", Workload("qwen3-30b", 2, 2, 8),
                  Knobs(transport="proxy", fence_mode="proxy_drain", chunk_tokens=1), phase="dispatch")
     assert pr.transfers == 7
+
+
+@pytest.mark.parametrize("p", [1e-17, 1e-12, 1e-3, 0.3])
+def test_one_put_for_any_rows_at_large_token_counts(p: float) -> None:
+    """A chunk of at least the token count sends one PUT for any rows, as chunk_tokens 0 does: both are P(X >= 1)
+    = 1 - (1 - p)^S. At S = 65536 that was lost to cancellation with chunk 0 (1 - (1 - p)^S: 0 for p = 1e-17, 2e-5
+    off at 1e-12)."""
+    from moetune.tuner.fabric_model.wire_rows import expected_puts
+
+    tokens = 65536
+    want = -math.expm1(tokens * math.log1p(-p))  # 1 - (1 - p)^S without the cancellation
+    # (no absolute tolerance: pytest's default of 1e-12 took 0 for 6.6e-13; the binomial sum's lgamma terms, some
+    # 7e5 each at this S, hold its relative error near 1e-11)
+    assert expected_puts(p, tokens, 0) == pytest.approx(want, rel=1e-9, abs=0)
+    assert expected_puts(p, tokens, tokens) == pytest.approx(want, rel=1e-9, abs=0)

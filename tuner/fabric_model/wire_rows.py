@@ -56,6 +56,18 @@ def chunking(rows: float, chunk_tokens: int) -> tuple[int, int]:
     return c, n
 
 
+def any_row_probability(p: float, tokens: int) -> float:
+    """P(X >= 1) for X ~ Binomial(tokens, p): the chance a peer gets any of `tokens` rows. 1 - (1 - p)^tokens as
+    -expm1(tokens log1p(-p)): the plain form cancels at large `tokens` and tiny p (0 for p < 1e-16, 2e-5 off at
+    p = 1e-12 and S = 65536), where the rows, and so the chunked PUTs, are not 0."""
+    p = min(1.0, max(0.0, p))
+    if tokens <= 0 or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    return -math.expm1(tokens * math.log1p(-p))
+
+
 @functools.lru_cache(maxsize=4096)
 def expected_puts(p: float, tokens: int, chunk_tokens: int) -> float:
     """The PUTs one peer gets on average (`chunking`'s count, none for no row) when each of `tokens` tokens needs it
@@ -69,7 +81,7 @@ def expected_puts(p: float, tokens: int, chunk_tokens: int) -> float:
     if p >= 1.0:
         return float(chunking(float(tokens), chunk_tokens)[1])
     if chunk_tokens <= 0:  # one PUT for any rows (MAX_SLOTS never binds on one)
-        return 1.0 - (1.0 - p) ** tokens
+        return any_row_probability(p, tokens)
     # the binomial's mass lies within a few standard deviations of its mean: 12 leave out less than 1e-30
     mean, sd = tokens * p, math.sqrt(tokens * p * (1.0 - p))
     lo, hi = max(1, math.floor(mean - 12 * sd)), min(tokens, math.ceil(mean + 12 * sd) + 1)

@@ -11,7 +11,13 @@ from moetune.tuner.fabric_model.phases.phase import Phase, reduce_us
 from moetune.tuner.fabric_model.queue import run_queue
 from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import spread_quantiles
-from moetune.tuner.fabric_model.wire_rows import SIGNAL_BYTES, chunking, expected_puts, token_bytes
+from moetune.tuner.fabric_model.wire_rows import (
+    SIGNAL_BYTES,
+    any_row_probability,
+    chunking,
+    expected_puts,
+    token_bytes,
+)
 
 MAX_MESSAGES = 2_000_000  # guard against absurd chunking
 
@@ -43,7 +49,8 @@ def _rows_on_peers_with_rows(rows_to: dict[int, float], peers: list[int], p_row:
     total = sum(rows_to[d] for d in peers)
     if total <= 0:
         return {d: rows_to[d] for d in peers}
-    expected = sum(1.0 - (1.0 - min(1.0, max(0.0, p_row[d]))) ** tokens for d in peers)
+    # the same P(X >= 1) as expected_puts' chunk_tokens 0, so _puts_on_peers charges these peers one PUT each there
+    expected = sum(any_row_probability(p_row[d], tokens) for d in peers)
     n = min(len(peers), max(1, math.floor(expected + 0.5)))
     if n == len(peers):
         return {d: rows_to[d] for d in peers}
