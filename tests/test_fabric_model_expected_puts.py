@@ -71,11 +71,12 @@ def test_the_qwen3_decode_case() -> None:
     assert pr.transfers == 7
 
 
-@pytest.mark.parametrize("p", [1e-17, 1e-12, 1e-3, 0.3])
+@pytest.mark.parametrize("p", [1e-17, 1e-12, 1e-8, 1e-3, 0.3, 1 - 1e-9])
 def test_one_put_for_any_rows_at_large_token_counts(p: float) -> None:
     """A chunk of at least the token count sends one PUT for any rows, as chunk_tokens 0 does: both are P(X >= 1)
     = 1 - (1 - p)^S. At S = 65536 that was lost to cancellation with chunk 0 (1 - (1 - p)^S: 0 for p = 1e-17, 2e-5
-    off at 1e-12)."""
+    off at 1e-12) and, where the standard deviation is below 1, to the +-12 sd window of the sum (p = 1e-8: 7e-8
+    relative, X >= 3 left out; p = 1 - 1e-9: P(X = S - 2) = 2e-9)."""
     from moetune.tuner.fabric_model.wire_rows import expected_puts
 
     tokens = 65536
@@ -84,3 +85,11 @@ def test_one_put_for_any_rows_at_large_token_counts(p: float) -> None:
     # 7e5 each at this S, hold its relative error near 1e-11)
     assert expected_puts(p, tokens, 0) == pytest.approx(want, rel=1e-9, abs=0)
     assert expected_puts(p, tokens, tokens) == pytest.approx(want, rel=1e-9, abs=0)
+
+
+def test_the_slot_cap_near_p_one() -> None:
+    """p = 1 - 1e-9 at S = 65536, chunk_tokens 1: every plausible X (65534 .. 65536) is cut into MAX_SLOTS = 1024
+    PUTs, so the expectation is 1024 to within P(X < 65473) (nothing): the window left out 2e-9 of the mass."""
+    from moetune.tuner.fabric_model.wire_rows import expected_puts
+
+    assert expected_puts(1 - 1e-9, 65536, 1) == pytest.approx(1024.0, rel=1e-12, abs=0)

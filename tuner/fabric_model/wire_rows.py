@@ -82,9 +82,11 @@ def expected_puts(p: float, tokens: int, chunk_tokens: int) -> float:
         return float(chunking(float(tokens), chunk_tokens)[1])
     if chunk_tokens <= 0:  # one PUT for any rows (MAX_SLOTS never binds on one)
         return any_row_probability(p, tokens)
-    # the binomial's mass lies within a few standard deviations of its mean: 12 leave out less than 1e-30
+    # the binomial's mass lies within a few standard deviations of its mean: 12 leave out less than 1e-30 where it
+    # is near normal; where the standard deviation is below 1 (p near 0 or 1) it is not, and 12 of them alone left
+    # out 2e-9 of it (p = 1 - 1e-9, S = 65536: X = S - 2), so 20 values more each side
     mean, sd = tokens * p, math.sqrt(tokens * p * (1.0 - p))
-    lo, hi = max(1, math.floor(mean - 12 * sd)), min(tokens, math.ceil(mean + 12 * sd) + 1)
+    lo, hi = max(1, math.floor(mean - 12 * sd) - 20), min(tokens, math.ceil(mean + 12 * sd) + 20)
     lp, lq, lt = math.log(p), math.log1p(-p), math.lgamma(tokens + 1)
     total = 0.0
     for k in range(lo, hi + 1):
