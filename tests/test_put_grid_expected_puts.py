@@ -54,3 +54,23 @@ def test_a_stock_chunk_the_model_tells_apart_at_prefill_is_offered() -> None:
     w = Workload("deepseek-v3", 1024, 4, 8)
     puts = {c: predict("ndr-ibrc-h100x8", w, _knobs(c), phase="dispatch").transfers for c in (0, 256)}
     assert puts[256] > puts[0], puts
+
+
+def test_group_sizes_the_model_tells_apart_are_offered() -> None:
+    """The group-size bound is the most PUTs the model charges a peer, not the rounded mean: qwen3-30b at EP 64
+    (8 x 8), S = 4096, the stock chunk_tokens 256: p = 1 - C(126, 8) / C(128, 8) = 0.122, X has mean 497.9 and
+    standard deviation 20.9, so ceil(X / 256) is 2, or 3 where X > 512 (P = 0.241): E = 2.241 per peer. The model
+    charges the 56 remote peers round(56 x 2.241) = 126 PUTs, 14 of them 3 (largest remainder), so group_size 2 sends
+    those 2 signals, not 1 (dispatch fences 71 against 57 per peer); the bound round(2.241) = 2 offered no group
+    size. Over the 63 other ranks: round(63 x 2.241) = 141 PUTs on the 63 peers that get rows, ceil(141 / 63) = 3."""
+    p = 1 - comb(126, 8) / comb(128, 8)
+    tail = sum(exp(lgamma(4097) - lgamma(k + 1) - lgamma(4097 - k) + k * log(p) + (4096 - k) * log1p(-p))
+               for k in range(513, 4097))
+    assert abs(tail - 0.241) < 0.001 and round(56 * (2 + tail)) == 126 and round(63 * (2 + tail)) == 141
+    space = _space("qwen3-30b", 64, 4096)
+    assert space.spec["chunk_tokens"].values() == (0, 256)
+    assert space.puts_per_peer(256) == 3 and space.group_values(chunk_tokens=256) == (0, 2)
+    w = Workload("qwen3-30b", 4096, 8, 8)
+    k = _knobs(256).replace(signalling="decoupled")
+    fences = {g: predict("ndr-ibrc-h100x8", w, k.replace(group_size=g), phase="dispatch").fences for g in (0, 2, 4)}
+    assert fences[2] != fences[0] and fences[4] == fences[0], fences  # 4 >= the most PUTs: one signal a peer

@@ -4,6 +4,7 @@ kernel does with them (CTAs per signal group, out of num_sms // world CTAs per p
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import optuna
 import pytest
@@ -26,7 +27,8 @@ def _behaviour(knobs, ep_size: int, rows: float | None = None, tokens: int | Non
     """What the runtime can tell apart in a knob set (the rest is ignored by it). `rows`: the rows a peer
     gets at the workload's token count (proxy: PUTs per peer then decide what chunk and group sizes do); with
     `tokens`, as the fabric model counts them: a peer's X ~ Binomial(tokens, rows / tokens) rows, ceil(X / chunk)
-    PUTs (`expected_puts`), told apart by a whole PUT over the other ranks."""
+    PUTs (`expected_puts`), told apart by a whole PUT over the other ranks, the most a peer is sent that total shared
+    out over the peers that get rows (phases/queued.py _puts_on_peers)."""
     t = knobs.transport
     key: list = [knobs.compression, knobs.scale_granularity]
     if t in ("proxy", "ibgda") and rows is not None:
@@ -35,7 +37,9 @@ def _behaviour(knobs, ep_size: int, rows: float | None = None, tokens: int | Non
         per_put, puts = put_chunking(rows, knobs.chunk_tokens)
         if tokens:
             each, getting = (expected_puts(rows / tokens, tokens, c) for c in (knobs.chunk_tokens, 0))
-            per_put, puts = round((ep_size - 1) * each + 1e-9), max(1, round(each / getting + 1e-9))
+            per_put = round((ep_size - 1) * each + 1e-9)
+            getting_peers = min(ep_size - 1, max(1, round((ep_size - 1) * getting + 1e-9)))
+            puts = max(1, math.ceil(max(per_put, getting_peers) / getting_peers)) if getting > 0 else 1
         g = None
         if knobs.signalling == "decoupled":
             g = puts if knobs.group_size <= 0 else min(knobs.group_size, puts)
@@ -150,10 +154,13 @@ def test_put_grid_points_are_distinct_runs_at_the_token_count(family: str, ep_si
     points = list(space.enumerate())
     behaviours = {_behaviour(k, ep_size, space.rows_per_peer, space.tokens) for k in points}
     assert len(behaviours) == len(points), (family, ep_size, tokens, len(points), len(behaviours))
-    # the same rows per peer as the fabric model's transfers_per_peer (uniform routing)
+    # the same rows per peer as the fabric model's transfers_per_peer (uniform routing): its chunks of the mean rows,
+    # or one more where a peer's rows above the mean cross a chunk boundary (the model then charges some peers one
+    # more PUT: the most it charges one is the bound, EP 32 at S=1024 with chunk 256: 232.5 rows on average, 2 PUTs
+    # for the 4% of peers past 256)
     wl = Workload(model="custom:1024,512,128,8", tokens_per_gpu=tokens, nodes=1, gpus_per_node=ep_size)
     for c in space.spec["chunk_tokens"].values():
-        assert space.puts_per_peer(c) == transfers_per_peer(wl, c), (c, tokens)
+        assert space.puts_per_peer(c) - transfers_per_peer(wl, c) in (0, 1), (c, tokens)
     for k in points:
         space.check(k)
         assert space.knobs_from_params(space.params_of(k)) == k

@@ -16,7 +16,7 @@ cannot produce an infeasible setting:
   offers only chunk_tokens values with distinct PUTs as the fabric model counts them (`wire_rows.expected_puts`:
   E[ceil(X / chunk_tokens)] over the X ~ Binomial(S, p) rows a peer gets, a whole PUT over the other ranks
   apart; a chunk no peer's rows plausibly exceed is one PUT, the same run as chunk_tokens 0) and only group
-  sizes < the PUTs a peer that gets rows is sent with the chunk (`put_grid`). It never offers
+  sizes < the most PUTs the model sends a peer with the chunk (`put_grid`). It never offers
   a chunk_tokens with more than MAX_SLOTS PUTs for the `tokens` rows a call may send one peer (`chunk_fits`):
   the kernel would cut larger chunks than named and the runtime refuses it (EPBuffer, as the benchmark builds
   it with max_tokens = tokens);
@@ -413,17 +413,24 @@ class SearchSpace:
     def _put_key(self, chunk_tokens: int) -> tuple[int, int]:
         """What the runtime does with `chunk_tokens` at this token count, as the fabric model charges it (one function,
         `wire_rows.expected_puts`: E[chunking(X)] over the X ~ Binomial(tokens, p) rows the busiest peer gets): (the
-        PUTs to every other rank, rounded: the model's resolution, a whole PUT over a set of peers; the PUTs a peer
-        that gets rows is sent, rounded, at least 1). ceil(S x p) instead rounded the expected rows of every peer,
-        below 1 at decode, and collapsed chunks the model and the engine tell apart (a peer of 2 rows gets 2 PUTs of
-        1); the rows after 2ce9b50 sit on fewer peers, whose PUTs this counts."""
+        PUTs to every other rank, rounded: the model's resolution, a whole PUT over a set of peers; the most PUTs a
+        peer that gets rows is sent: the model's largest share, at least 1). ceil(S x p) instead rounded the expected
+        rows of every peer, below 1 at decode, and collapsed chunks the model and the engine tell apart (a peer of 2
+        rows gets 2 PUTs of 1); the rows after 2ce9b50 sit on fewer peers, whose PUTs this counts."""
         from moetune.tuner.fabric_model.wire_rows import expected_puts
 
         assert self.rows_per_peer is not None and self.tokens is not None
         hit = self.rows_per_peer / self.tokens if self.tokens > 0 else 0.0
         each, getting = expected_puts(hit, self.tokens, chunk_tokens), expected_puts(hit, self.tokens, 0)
-        return (math.floor(max(1, self.ep_size - 1) * each + 0.5),
-                max(1, math.floor(each / getting + 0.5)) if getting > 0 else 1)
+        peers = max(1, self.ep_size - 1)
+        total = math.floor(peers * each + 0.5)
+        if getting <= 0:
+            return total, 1
+        # the most PUTs the model gives one peer (`phases/queued.py` _puts_on_peers: the rounded total shared out by
+        # largest remainder over the rounded count of peers that get rows), not the rounded mean: E = 2.24 (2 or 3
+        # each) gives some peers 3, so group_size 2 sends them 2 signals, another run than per peer
+        n = min(peers, max(1, math.floor(peers * getting + 0.5)))
+        return total, max(1, -(-max(total, n) // n))
 
     def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one
@@ -617,7 +624,7 @@ class SearchSpace:
             same = self._equivalent_chunk(knobs.chunk_tokens)
             all_puts, puts = self._put_key(knobs.chunk_tokens)
             raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank (~{self.rows_per_peer:.1f} "
-                            f"rows per peer): ~{puts} PUT(s) per peer that gets rows, ~{all_puts} to all peers, the same "
+                            f"rows per peer): at most ~{puts} PUT(s) per peer that gets rows, ~{all_puts} to all peers, the same "
                             f"run as chunk_tokens {same}; offered: {list(self.spec['chunk_tokens'].values())}",
                             ("chunk_tokens",))
         for name, s in self.spec.items():
@@ -657,7 +664,7 @@ class SearchSpace:
                                     "size is the same run; only per peer (0) is offered", ("group_size",))
                 if self.rows_per_peer is not None and knobs.group_size >= self.puts_per_peer(knobs.chunk_tokens):
                     raise KnobError(f"group size {knobs.group_size} with chunk_tokens {knobs.chunk_tokens} at {self.tokens} "
-                                    f"tokens per rank: {self.puts_per_peer(knobs.chunk_tokens)} PUT(s) per peer, one "
+                                    f"tokens per rank: at most {self.puts_per_peer(knobs.chunk_tokens)} PUT(s) per peer, one "
                                     f"signal per peer like per peer (0); offered: "
                                     f"{list(self.group_values(chunk_tokens=knobs.chunk_tokens))}", ("group_size",))
                 raise KnobError(f"group size {knobs.group_size} is not offered for PUT groups "
