@@ -243,3 +243,26 @@ def test_a_profile_of_a_transport_the_runtime_lacks_is_a_what_if_report(tmp_path
     assert r.exit_code == 0, r.output
     (row,) = json.loads(r.stdout)
     assert row["modelled"] is True and "no runtime transport" in (row["runtime_refusal"] or ""), row
+
+
+def test_a_measuring_backend_does_not_take_a_family_the_runtime_has_no_transport_for() -> None:
+    """The store refuses a measured ibgda profile (`runtime_refusal`), so a local tune or bring-up must not plan the
+    family at all: every real trial fails (the worker refuses an unregistered transport), and a bench that answered
+    (the bring-up tests' fake) ended the bring-up on the store's FieldError. `supports` says so, and `tune` skips the
+    family ("backend local cannot measure it") as it skips one the backend cannot run."""
+    from moetune.tuner.search.local_backend import LocalBackend
+
+    be = LocalBackend(world=2, comm_backend="gloo", command=["true"])
+    assert not be.supports("ibgda")
+    assert all(be.supports(f) for f in ("collective", "host_staged", "nvlink", "proxy:ibrc", "proxy:libfabric/cxi",
+                                        "megakernel"))
+    # asked for by name on a node that has it (a DGX H100 capture: mlx5 + GPUDirect RDMA): refused, saying why
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.search.tune import check_tune
+
+    facts = discover(Path(__file__).resolve().parent / "captures" / "dgx-h100")
+    assert "ibgda" in [t.name for t in facts.transports]
+    with pytest.raises(ValueError, match=r"no transport family to tune \(found: ibgda; backend local:gloo; it cannot "
+                                         r"measure ibgda\)"):
+        check_tune(facts, models=[MODELS["qwen3-30b"]], backend=be, ep_size=2, families=["ibgda"])

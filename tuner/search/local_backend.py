@@ -22,9 +22,9 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.knobs import KnobError, Knobs, missing_transport_problem
 from moetune.runtime.options import RuntimeOptions, data_path_digest
-from moetune.runtime.profile_record import COMM_METRIC, Provenance, backend_label
+from moetune.runtime.profile_record import COMM_METRIC, Provenance, backend_label, is_transport_family
 from moetune.runtime.profiles.launcher_env import launcher_env
 from moetune.runtime.profiles.perf_env import PerfEnv, perf_env_digest, performance_environment, relevant_to
 from moetune.runtime.profiles.tuned_options import relevant_options
@@ -47,6 +47,7 @@ from moetune.tuner.search.bench_workers import (
     close_workers,
     run_in_group,
 )
+from moetune.tuner.search.policy import transport_of_family
 
 _log = logging.getLogger("moetune.tuner.search.local_backend")
 
@@ -224,6 +225,11 @@ class LocalBackend(BenchmarkBackend):
         # what it stores is measured: the key must be the group it ran, on the GPUs (or CPUs) the node has
         return (unmeasured_key(self.world, ep_size, nodes, families)
                 or cpu_comm_on_gpus(self.comm_backend, gpu_count, families))
+
+    def supports(self, family: str) -> bool:
+        # a transport family this runtime has no transport for (ibgda: the fabric model's only) cannot be measured:
+        # every run fails, and the store refuses a measured profile of it (`runtime_refusal`)
+        return not is_transport_family(family) or missing_transport_problem(transport_of_family(family)) is None
 
     def for_family(self, family: str, error_budget: float | None) -> None:
         self.family = family

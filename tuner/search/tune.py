@@ -306,9 +306,11 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
             raise ValueError(f"{what} not found on this fabric ({named_by}; found: {', '.join(fams) or 'none'})")
         fams = [f for f in fams if f in families]
     policies: dict[str, Policy] = {}
+    unmeasurable: list[str] = []  # said where nothing is left to tune (the log line alone is not shown)
     for f in fams:
         if not be.supports(f):
             log.info("family %s skipped: backend %s cannot measure it", f, be.label)
+            unmeasurable.append(f)
             continue
         try:
             policies[f] = load_policy(f, policy_override)
@@ -318,7 +320,8 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
                 continue
             raise
     if not policies:
-        raise ValueError(f"no transport family to tune (found: {', '.join(fams) or 'none'}; backend {be.label})")
+        cannot = f"; it cannot measure {', '.join(unmeasurable)}" if unmeasurable else ""
+        raise ValueError(f"no transport family to tune (found: {', '.join(fams) or 'none'}; backend {be.label}{cannot})")
     why = be.refusal(ep_size=ep_size, nodes=nodes, families=list(policies), gpu_count=facts.gpu_count)
     if why:
         raise ValueError(why)
