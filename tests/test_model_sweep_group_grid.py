@@ -6,6 +6,7 @@ as group_size 0); a transport with no signal groups is refused."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 from moetune.runtime.knobs import default_knobs
 from moetune.runtime.shapes import get_model
 from moetune.tuner.cli import app
-from moetune.tuner.fabric_model.group_grids import group_grid, transfers_per_peer
+from moetune.tuner.fabric_model.group_grids import busiest_peer_rows, group_grid, transfers_per_peer
 from moetune.tuner.fabric_model.presets import load_preset
 from moetune.tuner.fabric_model.records import Workload
 
@@ -37,22 +38,43 @@ def test_default_group_size_sweep_picks_a_chunk_and_says_so(preset: str) -> None
     doc = json.loads(r.stdout)
     chunk = doc["knobs"]["chunk_tokens"]
     assert chunk > 0, doc["knobs"]  # not chunk_tokens 0: one PUT per peer, one point
-    # the chunk gives 8 PUTs per peer: the default points are their divisors
+    # the chunk gives 8 chunks of the busiest peer's rows; the points are the divisors of the most PUTs the model
+    # charges a peer with it (group_grid: the expected PUTs shared out, 8 here or one more)
+    puts = _model_puts(preset, doc, chunk)
+    assert puts in (8, 9), puts
     for rows in doc["series"].values():
-        assert [p["x"] for p in rows] == [1, 2, 4, 8] and all("error" not in p for p in rows), rows
+        assert [p["x"] for p in rows] == _divisors(puts) and all("error" not in p for p in rows), rows
     decoupled = [s for label, s in doc["series"].items() if label.startswith("decoupled")]
-    assert decoupled and all(len({p["fences"] for p in s}) == 4 for s in decoupled)  # the group size matters
+    assert decoupled and all(len({p["fences"] for p in s}) == len(_divisors(puts)) for s in decoupled)  # it matters
     assert any(f"chunk_tokens={chunk} for this sweep" in n and "chunk_tokens=0" in n for n in doc["notes"]), doc
     text = _flat(_sweep("-p", preset).output)
-    assert f"note: chunk_tokens={chunk} for this sweep (8 PUTs to the busiest peer)" in text
+    assert f"note: chunk_tokens={chunk} for this sweep ({puts} PUTs to the busiest peer)" in text
     assert "the busiest peer's" in text and "-k chunk_tokens=N" in text
 
 
-@pytest.mark.parametrize(("tokens", "puts"), [(40, 10), (8, 2), (256, 8), (1024, 8)])
-def test_the_chunk_gives_eight_puts_where_the_rows_allow(tokens: int, puts: int) -> None:
-    """ceil(rows / 8) gave 5 PUTs for 10 rows (-t 40): exactly 8 where some chunk gives 8, else the fewest above
-    (10 rows: 10), or as many as there are rows (2)."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _model_puts(preset: str, doc: dict, chunk: int) -> int:
+    """The most PUTs the model charges a peer in the sweep's workload with `chunk` (its grid)."""
+    wl = doc["workload"]
+    w = Workload(get_model(wl["model"]), wl["tokens_per_gpu"], wl["nodes"], wl["gpus_per_node"])
+    return group_grid(load_preset(preset), w, default_knobs(doc["knobs"]["transport"]).replace(chunk_tokens=chunk))
+
+
+@pytest.mark.parametrize(("tokens", "chunks"), [(40, 10), (8, 2), (256, 8), (1024, 8)])
+def test_the_chunk_gives_eight_puts_where_the_rows_allow(tokens: int, chunks: int) -> None:
+    """ceil(rows / 8) gave 5 PUTs for 10 rows (-t 40): a chunk cutting the busiest peer's rows in exactly 8 where
+    some chunk does, else the fewest above (10 rows: 10), or as many as there are rows (2). The PUTs the note gives
+    and the last point are the model's (group_grid: those chunks' expectation shared out, one more for some peers)."""
     doc = json.loads(_sweep("-p", "ndr-ibrc-h100x8", "-t", str(tokens), "--json").stdout)
+    chunk = doc["knobs"]["chunk_tokens"]
+    rows = math.ceil(busiest_peer_rows(Workload(get_model(doc["workload"]["model"]), tokens,
+                                                doc["workload"]["nodes"], 8)) - 1e-9)
+    assert math.ceil(rows / chunk) == chunks, (rows, chunk)
+    puts = _model_puts("ndr-ibrc-h100x8", doc, chunk)
+    assert puts - chunks in (0, 1), (puts, chunks)
     assert f"({puts} PUTs to the busiest peer)" in doc["notes"][0], doc["notes"]
     assert [p["x"] for p in doc["series"]["decoupled/nic_ordered"]][-1] == puts
 
@@ -187,3 +209,24 @@ def test_the_plot_draws_a_group_size_of_zero(tmp_path, monkeypatch) -> None:
                "--out", str(out))
     assert r.exit_code == 0, r.output
     assert drawn and all(x0 == 0 for x0, _ in drawn)  # every series starts at its group size 0
+
+
+def test_the_grid_is_the_most_puts_the_model_charges_a_peer() -> None:
+    """qwen3-30b on 2 x 8 GPUs, S = 2, chunk_tokens 1: the model charges a set of peers its expected PUTs shared out
+    by largest remainder (phases/queued.py), some peers 2 (remote: round(8 x 0.82) = 7 PUTs on the 5 peers that get
+    rows), so decoupled group_size 1 is another run than 0. The grid chunked the busiest peer's mean rows (0.82: one
+    PUT) and the sweep said "group_size has nothing to group" beside a table where 0 and 1 differ."""
+    pr = load_preset("ndr-ibrc-h100x8")
+    w = Workload(get_model("qwen3-30b"), 2, 2, 8)
+    k = default_knobs("proxy").replace(chunk_tokens=1, signalling="decoupled")
+    assert group_grid(pr, w, k) == 2
+    doc = json.loads(_sweep("-p", "ndr-ibrc-h100x8", "-m", "qwen3-30b", "-n", "2", "-t", "2", "-k", "chunk_tokens=1",
+                            "--json").stdout)
+    assert not any("nothing to group" in n for n in doc["notes"]), doc["notes"]
+    dec = {p["x"]: p for p in doc["series"]["decoupled/proxy_drain"]}
+    assert sorted(dec) == [1, 2] and all("error" not in p for p in dec.values()), dec
+    r = _sweep("-p", "ndr-ibrc-h100x8", "-m", "qwen3-30b", "-n", "2", "-t", "2", "-k", "chunk_tokens=1",
+               "--values", "0,1,2,3", "--json")
+    dec = {p["x"]: p for p in json.loads(r.stdout)["series"]["decoupled/proxy_drain"]}
+    assert dec[1]["latency_us"] != dec[0]["latency_us"] and dec[2]["latency_us"] == dec[0]["latency_us"], dec
+    assert "above the 2 PUTs per peer" in dec[3]["error"], dec

@@ -8,10 +8,11 @@ from moetune.runtime.knobs import Knobs
 from moetune.runtime.routing import parse_routing
 from moetune.tuner.fabric_model.params import as_preset, params
 from moetune.tuner.fabric_model.phases.nvlink import ctas_per_peer
+from moetune.tuner.fabric_model.phases.queued import most_puts_to_a_peer
 from moetune.tuner.fabric_model.presets import Preset
 from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import rank_hits
-from moetune.tuner.fabric_model.wire_rows import chunking
+from moetune.tuner.fabric_model.wire_rows import chunking, route
 
 
 def transfers_per_peer(w: Workload, chunk_tokens: int = 0) -> int:
@@ -34,13 +35,15 @@ def busiest_peer_rows(w: Workload) -> float:
 
 def group_grid(preset: Preset | str, w: Workload, knobs: Knobs) -> int:
     """How many transfers a decoupled `group_size` groups per peer in `predict`'s runtime layout, the most any
-    peer gets: proxy/ibgda the PUTs to the busiest peer (`chunking`: ceil(rows / chunk_tokens), ONE with
-    chunk_tokens 0, at most MAX_SLOTS), nvlink the kernel's CTAs per peer (`ctas_per_peer`, which depends on
+    peer gets: proxy/ibgda the most PUTs the model charges a peer (`phases.queued.most_puts_to_a_peer`: the expected
+    PUTs of a set of peers shared out by largest remainder, so some peers get one more than the mean; ONE with
+    chunk_tokens 0; the busiest peer's mean rows chunked gave 1 at decode where the model charges some peers 2), nvlink the kernel's CTAs per peer (`ctas_per_peer`, which depends on
     num_sms); 0 for the transports whose prediction reads no group_size (collective, host_staged). A group
     size above it makes one group of every peer's transfers: the same run as group_size 0 (one per peer)."""
     preset = as_preset(preset)
     if knobs.transport in ("proxy", "ibgda"):
-        return max(1, chunking(busiest_peer_rows(w), knobs.chunk_tokens)[1])
+        _, hits = route(w)
+        return max(1, most_puts_to_a_peer(params(preset), w, knobs, hits))
     if knobs.transport == "nvlink":
         return ctas_per_peer(params(preset), knobs.num_sms, w.gpus_per_node)
     return 0

@@ -417,6 +417,7 @@ class SearchSpace:
         peer that gets rows is sent: the model's largest share, at least 1). ceil(S x p) instead rounded the expected
         rows of every peer, below 1 at decode, and collapsed chunks the model and the engine tell apart (a peer of 2
         rows gets 2 PUTs of 1); the rows after 2ce9b50 sit on fewer peers, whose PUTs this counts."""
+        from moetune.tuner.fabric_model.phases.queued import charged_puts
         from moetune.tuner.fabric_model.wire_rows import expected_puts
 
         assert self.rows_per_peer is not None and self.tokens is not None
@@ -426,11 +427,13 @@ class SearchSpace:
         total = math.floor(peers * each + 0.5)
         if getting <= 0:
             return total, 1
-        # the most PUTs the model gives one peer (`phases/queued.py` _puts_on_peers: the rounded total shared out by
-        # largest remainder over the rounded count of peers that get rows), not the rounded mean: E = 2.24 (2 or 3
-        # each) gives some peers 3, so group_size 2 sends them 2 signals, another run than per peer
-        n = min(peers, max(1, math.floor(peers * getting + 0.5)))
-        return total, max(1, -(-max(total, n) // n))
+        # the most PUTs the model gives one peer (`phases/queued.py` charged_puts, the one statement `model sweep`'s
+        # grid uses too: the rounded total shared out by largest remainder over the rounded count of peers that get
+        # rows), not the rounded mean: E = 2.24 (2 or 3 each) gives some peers 3, so group_size 2 sends them 2
+        # signals, another run than per peer
+        ranks = list(range(peers))
+        share = charged_puts(ranks, dict.fromkeys(ranks, hit), self.tokens, chunk_tokens)[1]
+        return total, max(1, max(share.values()))
 
     def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one

@@ -87,6 +87,37 @@ def _puts_on_peers(rows_to: dict[int, float], peers: list[int], p_row: dict[int,
     return out
 
 
+def charged_puts(peers: list[int], p_row: dict[int, float], tokens: int,
+                 ck: int) -> tuple[dict[int, float], dict[int, int]]:
+    """(rows, PUTs) the model charges each of one set of `peers` (the queue's, or the NVLink ones) of a PE whose
+    `tokens` tokens each need peer d with probability p_row[d]: the expected rows put on the peers that get any
+    (`_rows_on_peers_with_rows`), the expected PUTs shared out over them (`_puts_on_peers`). The one statement of
+    the charge: `phase_queued` prices it, the `model sweep` grid and the search space bound group sizes by its
+    largest share."""
+    rows = _rows_on_peers_with_rows({d: tokens * p_row[d] for d in peers}, peers, p_row, tokens)
+    return rows, _puts_on_peers(rows, peers, p_row, tokens, ck)
+
+
+def _sender(hits, pes: int, dispatch: bool) -> tuple[int, dict[int, float]]:
+    """(the PE the runtime layout models, P(a token of it needs peer d) for every other PE): dispatch, PE 0 sending
+    its tokens; combine, the most needed PE returning the rows every token owner sent it."""
+    src = 0 if dispatch else int(hits.argmax())
+    return src, {d: float(hits[d] if dispatch else hits[src]) for d in range(pes) if d != src}
+
+
+def most_puts_to_a_peer(p: Params, w: Workload, knobs: Knobs, hits) -> int:
+    """The most PUTs the runtime layout charges one peer, over dispatch and combine and both sets of peers
+    (`charged_puts`), 0 for none: what a decoupled group_size groups, a group size at or above it is per peer."""
+    most = 0
+    for dispatch in (True, False):
+        src, p_row = _sender(hits, w.pes, dispatch)
+        remote, local, _ = _peer_sets(p, w, knobs, src)
+        for peers in (remote, local):
+            most = max(most, max(charged_puts(peers, p_row, w.tokens_per_gpu, knobs.chunk_tokens)[1].values(),
+                                 default=0))
+    return most
+
+
 def _rank_runs(rows: float, tb: float, ck: int, ready: float,
                puts: int | None = None) -> list[tuple[float, int, int, float, float]]:
     """One peer's PUTs in the runtime layout: full chunks of `c` rows, then the last (partial) chunk; every
@@ -104,8 +135,21 @@ def _rank_runs(rows: float, tb: float, ck: int, ready: float,
 
 def _queued_peers(p: Params, w: Workload, knobs: Knobs, src: int) -> tuple[list[int], list[int], bool]:
     """(peers reached through the queue in post order, peers reached over NVLink, NVLink used) of PE `src`."""
+    remote, local, nvl_intra = _peer_sets(p, w, knobs, src)
+    if remote and not p.has_nic and not _intra_by_proxy(p, knobs):
+        raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
+    return remote, local, nvl_intra
+
+
+def _intra_by_proxy(p: Params, knobs: Knobs) -> bool:
+    # has_proxy first: a preset without a proxy section has no proxy_intra (the grid asks before predict refuses it)
+    return knobs.transport == "proxy" and p.has_proxy and p.proxy_intra
+
+
+def _peer_sets(p: Params, w: Workload, knobs: Knobs, src: int) -> tuple[list[int], list[int], bool]:
+    """`_queued_peers` where the preset may not reach them (no network): the grid's sets, for a run predict refuses."""
     P, G = w.pes, w.gpus_per_node
-    intra_by_proxy = knobs.transport == "proxy" and p.proxy_intra
+    intra_by_proxy = _intra_by_proxy(p, knobs)
     nvl_intra = p.has_nvl and w.p2p and not intra_by_proxy
     node = src // G
     remote = [d for d in range(P) if d // G != node]
@@ -115,8 +159,6 @@ def _queued_peers(p: Params, w: Workload, knobs: Knobs, src: int) -> tuple[list[
     if not nvl_intra:
         # the proxy serves this node's peers too, or there is no NVLink / P2P: they go through the queue
         remote, local = local + remote, []
-    if remote and not p.has_nic and not intra_by_proxy:
-        raise ValueError(f"preset {p.name!r} has no network: it cannot reach PEs on other nodes")
     return remote, local, nvl_intra
 
 
@@ -207,7 +249,7 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
         row_sums = loads.sum(axis=1)
         src = 0 if dispatch else int(row_sums.argmax())
     else:
-        src = 0 if dispatch else int(hits.argmax())
+        src = _sender(hits, P, dispatch)[0]
     remote_pes, local_pes, nvl_intra = _queued_peers(p, w, knobs, src)
     dests = []
     rtts = round_trips(p, len(remote_pes)) if remote_pes else []
@@ -247,14 +289,16 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
         ready = t0
     else:
         # P(a token of the sender needs the receiver): dispatch, this PE's token needs d; combine, d's token needed src
-        p_row = {d: float(hits[d] if dispatch else hits[src]) for d in range(P) if d != src}
-        rows_to = {d: S * p_row[d] for d in p_row}
+        p_row = _sender(hits, P, dispatch)[1]
         # a peer that gets no row is sent count words only: the rows (and PUTs) go to the peers that get any, per set
-        # (the queue's peers, the NVLink peers: each keeps its own bytes)
-        rows_to.update(_rows_on_peers_with_rows(rows_to, remote_pes, p_row, S))
-        rows_to.update(_rows_on_peers_with_rows(rows_to, local_pes, p_row, S))
-        # and the PUTs the engine makes on average, not the piled rows' chunks rounded up (per set too)
-        puts_to = {**_puts_on_peers(rows_to, remote_pes, p_row, S, ck), **_puts_on_peers(rows_to, local_pes, p_row, S, ck)}
+        # (the queue's peers, the NVLink peers: each keeps its own bytes), and the PUTs the engine makes on average,
+        # not the piled rows' chunks rounded up (per set too)
+        rows_to: dict[int, float] = {}
+        puts_to: dict[int, int] = {}
+        for peers in (remote_pes, local_pes):
+            rows, puts = charged_puts(peers, p_row, S, ck)
+            rows_to.update(rows)
+            puts_to.update(puts)
         # dispatch: one pack kernel (csrc/ep_pack.cu rows: a grid over every SM, each byte read and written)
         # writes the rows for every rank, this one's own included, before the exchange kernel starts
         pack = S * float(hits.sum()) * tb / (p.hbm / 2.0) + p.launch if dispatch else 0.0
