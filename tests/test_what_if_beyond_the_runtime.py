@@ -183,6 +183,9 @@ def test_db_check_names_a_stored_measured_profile_no_run_can_take(tmp_path: Path
     flat = " ".join(r.output.split())
     assert f"profile {pid}: labelled measured, but no run of this runtime can take it" in flat, r.output
     assert "at most 8 ranks" in flat
+    # said once: the line read "no run of this runtime can take it (measured, but no run can take it: ...)"
+    line = next(ln for ln in flat.split("profile ")[1:] if ln.startswith(f"{pid}:"))
+    assert line.count("no run") == 1 and line.count("measured") == 1, line
 
 
 def test_hosts_that_disagree_fall_back_to_a_transport_that_runs_across_them() -> None:

@@ -57,6 +57,7 @@ from moetune.runtime.profile_record import (
     nearest_bucket_within,
     node_model_label_problem,
     provenance_of_backend,
+    runtime_refusal,
 )
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import busy_timeout as busy
@@ -539,10 +540,12 @@ class Store:
         """(id, why) of each readable row labelled measured that no run of this runtime can take
         (`measured_unrunnable_problem`: ibgda, or proxy or nvlink beyond 8 ranks or across nodes, so nothing measured
         it).
-        `check_record` refuses them; one stored before it did (an older moetune's import) is named by `check`."""
+        `check_record` refuses them; one stored before it did (an older moetune's import) is named by `check`. `why` is
+        the runtime's refusal alone (`runtime_refusal`): `db check` says "labelled measured, but no run ..." itself."""
         with self._read() as s:
             got = records(s.execute(select_records().where(Profile.provenance == "measured").order_by(Profile.id)), [])
-        return [(i, why) for i, rec in got if (why := measured_unrunnable_problem(rec)) is not None]
+        return [(i, runtime_refusal(rec.key, rec.knobs) or "") for i, rec in got
+                if measured_unrunnable_problem(rec) is not None]
 
     @retried
     def mislabelled_profiles(self) -> list[tuple[int, str, str]]:
