@@ -208,6 +208,21 @@ def test_hosts_that_disagree_fall_back_to_a_transport_that_runs_across_them() ->
     assert (kept.family, kept.knobs.transport) == ("proxy:ibrc", "proxy") and kept.message == "test"
 
 
+def test_hosts_that_disagree_say_why_a_family_default_the_runtime_lacks_falls_back() -> None:
+    """Rank 0's family ibgda has a policy default (transport=ibgda) this runtime has no transport for, so
+    `_group_default` falls back to collective, and its warning says why, as it does for the world rule: it said only
+    "hosts disagree", which reads as if the family's own default had been taken."""
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.profiles.client import Resolution
+
+    res = Resolution(knobs=Knobs(transport="collective"), source="daemon", profile_hash="h", status="current",
+                     family="ibgda")
+    got = autoload._group_default(res, 1, None, "hosts disagree", ep_size=8)
+    assert (got.family, got.knobs.transport, got.source) == ("collective", "collective", "default"), got
+    assert got.message.startswith("hosts disagree; the policy default of ibgda: "), got.message
+    assert "unknown transport 'ibgda'" in got.message, got.message
+
+
 def test_a_profile_of_a_transport_the_runtime_lacks_is_a_what_if_report(tmp_path: Path) -> None:
     """IBGDA has no runtime transport (the fabric model only), so autoload passes over an ibgda profile (key family or
     knobs) as it does a proxy one beyond the runtime: the one rule (`runtime_refusal`) says so too, so the store keeps

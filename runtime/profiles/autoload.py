@@ -428,12 +428,14 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str,
     # the world check too, as client.resolve's transport_ok asks it: a family keyed proxy:* (a collective profile on
     # an InfiniBand node) has a proxy policy default, which serves one node's ranks only
     unworldly = transport_world_problem(knobs.transport, ep_size, nodes)
-    if runtime_transport_problem(knobs.transport, device, options) is not None or unworldly is not None:
+    lacking = runtime_transport_problem(knobs.transport, device, options)  # ibgda: no runtime transport
+    if lacking is not None or unworldly is not None:
         family, (knobs, source) = "collective", (default_knobs("collective"), "default")
     # as every other path (client.resolve): only what launcher_env may produce. The family is rank 0's resolution's,
     # which came from a daemon reply or a database row: its provider string is not checked by anything before this
     env, refused = allowed_env(launcher_env(knobs, family, nodes))
-    message = "; ".join([why, *([f"the policy default of {res.family}: {unworldly}"] if unworldly else []),
+    # the warning says why rank 0's family's default was not taken, whichever rule refused it
+    message = "; ".join([why, *(f"the policy default of {res.family}: {x}" for x in (lacking, unworldly) if x),
                          *(f"transport family {family}: not exporting {x}" for x in refused[:8])])
     return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
                       env=env, family=family, message=message)
