@@ -230,7 +230,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-SWEEP_PUTS = 8  # the fewest PUTs to the busiest peer a group_size sweep's chunk_tokens gives (when 0 gives one)
+SWEEP_PUTS = 8  # the fewest chunks of the busiest peer's rows a group_size sweep's chunk_tokens cuts (when 0 gives one)
 
 
 def _given_values(knobs: str) -> dict[str, str]:
@@ -260,7 +260,8 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
     """(knobs, grid, unit, notes) of a sweep over group_size: what a decoupled group_size groups per peer in the
     model (`predict.group_grid`: PUTs for proxy/ibgda, CTAs for nvlink). Refused (exit 2) for a transport whose
     prediction reads no group_size. Without --values, chunk_tokens 0 (each peer's rows in ONE PUT: every group
-    size the same run) is replaced by a chunk giving SWEEP_PUTS PUTs, unless --knobs set chunk_tokens; the notes
+    size the same run) is replaced by a chunk cutting the busiest peer's rows in SWEEP_PUTS, unless --knobs set
+    chunk_tokens (the grid is then the PUTs the model charges: that many, or one more for some peers); the notes
     say so, or why there is one transfer per peer."""
     from moetune.runtime.knobs import KnobError
     from moetune.tuner.fabric_model.group_grids import busiest_peer_rows, group_grid
@@ -284,7 +285,7 @@ def _group_sweep(pr: Any, w0: Any, k0: Any, knobs: str, values_given: bool) -> t
         return k0, grid, "CTA" if grid == 1 else "CTAs", notes
     rows = max(1, math.ceil(busiest_peer_rows(w0) - 1e-9))
     if grid == 1 and k0.chunk_tokens == 0 and not values_given and "chunk_tokens" not in _given_knobs(knobs):
-        # exactly SWEEP_PUTS PUTs (as many as the rows allow) where some chunk gives that many, else the fewest above
+        # exactly SWEEP_PUTS chunks (as many as the rows allow) where some chunk gives that many, else the fewest above
         target = min(SWEEP_PUTS, rows)
         # the largest chunk giving `target` PUTs is ceil(rows / target), and a smaller one gives more PUTs
         chunk = math.ceil(rows / target)
@@ -349,7 +350,7 @@ def sweep_cmd(
     over: str = typer.Option("group_size", "--over", help="group_size, nodes or tokens."),
     values: str | None = typer.Option(None, "--values", help="Comma-separated x values (default: group_size the "
                                       "divisors of the transfers a group groups per peer: PUTs for proxy/ibgda, where "
-                                      "chunk_tokens 0 (one PUT) is replaced by a chunk giving the busiest peer at least 8 PUTs unless --knobs "
+                                      "chunk_tokens 0 (one PUT) is replaced by a chunk cutting the busiest peer's rows in at least 8 unless --knobs "
                                       "sets it, CTAs for nvlink; nodes 1,2,4,8,16 up to the preset's most nodes, "
                                       "tokens 64,256,1024,4096,16384). A group_size above the transfers per peer is "
                                       "n/a: the same run as group_size 0."),

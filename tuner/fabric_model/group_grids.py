@@ -16,10 +16,10 @@ from moetune.tuner.fabric_model.wire_rows import chunking, route
 
 
 def transfers_per_peer(w: Workload, chunk_tokens: int = 0) -> int:
-    """The group-size grid of the runtime's layout: the PUTs one PE posts to one peer under uniform routing,
-    ceil(S x P(token needs the peer) / chunk_tokens) (1 with chunk_tokens 0; at most MAX_SLOTS), the
-    transfers a decoupled group_size groups. Any group size is valid (a last partial group is sent as is,
-    csrc/proxy_xchg.h), so this is the range worth sweeping, not a divisibility rule. 1 for EP size 1."""
+    """The PUTs one PE posts to one peer under uniform routing, its mean rows chunked: ceil(S x P(token needs the
+    peer) / chunk_tokens) (1 with chunk_tokens 0; at most MAX_SLOTS). Not the model's charge, whose largest share
+    may be one more (`group_grid` is the sweep's grid). Any group size is valid (a last partial group is sent as is,
+    csrc/proxy_xchg.h): a count, not a divisibility rule. 1 for EP size 1."""
     if w.pes < 2:
         return 1
     rows = w.tokens_per_gpu * float(rank_hits(w.model.experts, w.model.topk, 0.0, w.pes)[0])
