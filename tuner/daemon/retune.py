@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
@@ -181,6 +181,77 @@ def local_refusal(ep_size: int, nodes: int, gpus: int) -> str:
     return ""
 
 
+# what a re-tune of keys the local backend cannot measure here may do instead (the job's failure, a user's refusal)
+MEASURE_ELSEWHERE = ("Re-tune them where the group can be measured, or set [tune] backend = \"model\" to predict "
+                     "them (stored as node_model)")
+
+
+class KeyRefusal(NamedTuple):
+    """Keys the default re-tune refuses on this node (`key_refusals`), one EP group or megakernel lot at a time."""
+
+    keys: list[ProfileKey]
+    what: str  # "2 key(s) of EP 16 over 2 node(s)"
+    verb: str  # not "re-tuned" / not "re-measured"
+    why: str  # "" where `what` says it
+    measuring: bool  # the local backend cannot measure the group here: the model backend may predict it
+
+    def said(self, tail: str = "", *, naming: bool = False) -> str:
+        """"<what> not <verb>: <why>[; <tail>]", the keys' shapes and buckets after <what> with `naming`."""
+        named = f" ({key_names(self.keys)})" if naming else ""
+        return (f"{self.what}{named} not {self.verb}" + (f": {self.why}" if self.why else "")
+                + (f"; {tail}" if tail else ""))
+
+
+def key_names(keys: list[ProfileKey]) -> str:
+    """The keys as a user names them: each shape (with its families) at its token buckets."""
+    shapes: dict[str, tuple[set[str], set[int]]] = {}
+    for k in keys:
+        fams, buckets = shapes.setdefault(_shape_of(k).name, (set(), set()))
+        fams.add(k.transport_family)
+        buckets.add(k.token_bucket)
+    return "; ".join(f"{name} [{', '.join(sorted(f))}] at {', '.join(map(str, sorted(b)))} token(s)"
+                     for name, (f, b) in sorted(shapes.items()))
+
+
+def key_refusals(keys: list[ProfileKey], facts: Any, backend: str) -> list[KeyRefusal]:
+    """The keys of `keys` that the default re-tune (`tuner_retune`) with [tune] backend `backend` refuses on the node
+    of `facts`, and why: the job refuses them by this (they stay stale), and a user's `retune` leaves them out of
+    the job it queues (handlers.run_retune). An EP group of a transport family at EP 1 (both backends:
+    `one_rank_exchange`); with "local", a group this node cannot measure (`local_refusal`: several nodes, more
+    ranks than it has GPUs); a megakernel key not at EP 1 on one node, or one `megakernel_refusal` refuses. An EP
+    key's family is no reason: its group is re-tuned over the node's families, whichever the key names."""
+    from moetune.tuner.search.backends import one_rank_exchange
+
+    local = backend == "local"
+    gpus = int(facts.gpu_count or 0)
+    out: list[KeyRefusal] = []
+    ep_keys = [k for k in keys if k.transport_family not in ENGINE_FAMILIES]
+    for ep, nodes in sorted({(k.ep_size, k.nodes) for k in ep_keys}):
+        group = [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
+        what = f"{len(group)} key(s) of EP {ep} over {nodes} node(s)"
+        one = one_rank_exchange(ep, sorted({k.transport_family for k in group}),
+                                done="a re-tune of {families} would store a profile",
+                                fix="Neither backend tunes a transport family at EP 1 (both refuse it)")
+        if one:
+            # a key of a transport family at EP 1 (stored before EP 1 was refused for them): the search refuses it
+            # (a ValueError that failed the whole job, every other group's keys untuned with it): refused here
+            out.append(KeyRefusal(group, what, "re-tuned", one, False))
+            continue
+        why = local_refusal(ep, nodes, gpus) if local else ""
+        if why:
+            out.append(KeyRefusal(group, what, "re-measured", why, True))
+    mk_keys = [k for k in keys if k.transport_family == MEGAKERNEL_FAMILY]
+    bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
+    if bad:
+        out.append(KeyRefusal(bad, f"{len(bad)} megakernel key(s) not at EP 1 on 1 node (the megakernel runs on one "
+                                   "GPU)", "re-tuned", "", False))
+    good = [k for k in mk_keys if (k.ep_size, k.nodes) == (1, 1)]
+    why = megakernel_refusal(facts, backend) if good else ""
+    if why:
+        out.append(KeyRefusal(good, f"{len(good)} megakernel key(s)", "re-tuned", why, False))
+    return out
+
+
 def _installed_version(dist: str) -> str | None:
     """The version of the Python distribution `dist` installed now (None: not installed), read afresh as discovery
     reads it (the runtime's reading is once per process)."""
@@ -285,7 +356,6 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation: the `on_trial` callback stops the study after its running trial, `stop` is asked before every
     study and side-by-side check, and what the calls did is tallied before JobCancelled ends the job."""
-    from moetune.tuner.search.backends import one_rank_exchange
     from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
 
     tune = ctx.tune
@@ -303,48 +373,27 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         ctx.refused.append(msg)
         log.warning("re-tune job %d: %s", ctx.job.id, msg)
 
-    gpus = int(ctx.facts.gpu_count or 0)
     # each key is tuned under the routing its profile was: the default (uniform) brought a zipf key back as a uniform
     # profile, or, beside its current zipf profile, one the store never compares with it (the key stayed as it was)
     routings = {k: ctx.store.routing_of(k) for k in ctx.keys}
-    ep_keys = [k for k in ctx.keys if k.transport_family not in ENGINE_FAMILIES]
-    mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY]
-    ep_refused = False
+    refusals = key_refusals(ctx.keys, ctx.facts, tune.backend)
+    for r in refusals:
+        refuse(r.said("they stay stale"))
+    ep_refused = any(r.measuring for r in refusals)
+    refused = {k for r in refusals for k in r.keys}
+    ep_keys = [k for k in ctx.keys if k.transport_family not in ENGINE_FAMILIES and k not in refused]
+    mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY and k not in refused]
     runnable = []
     tuned: list[ProfileKey] = []
     for (ep, nodes), shapes in sorted(group_keys(ep_keys, routings.__getitem__).items()):
-        group = [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
-        one = one_rank_exchange(ep, sorted({k.transport_family for k in group}),
-                                done="a re-tune of {families} would store a profile",
-                                fix="Neither backend tunes a transport family at EP 1 (both refuse it)")
-        if one:
-            # a key of a transport family at EP 1 (stored before EP 1 was refused for them): the search refuses it
-            # (a ValueError that failed the whole job, every other group's keys untuned with it): refused here
-            refuse(f"{len(group)} key(s) of EP {ep} over {nodes} node(s) not re-tuned: {one}; they stay stale")
-            continue
-        why = local_refusal(ep, nodes, gpus) if local else ""
-        if why:
-            refuse(f"{len(group)} key(s) of EP {ep} over {nodes} node(s) not re-measured: {why}; they stay stale")
-            ep_refused = True
-            continue
         runnable.append((ep, nodes, [(r, m, b) for (r, _name), (m, b) in shapes.items()]))
-        tuned += group
+        tuned += [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
     mk_shapes: list[tuple[str, ModelShape, list[int]]] = []
-    if mk_keys:
-        bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
-        if bad:
-            refuse(f"{len(bad)} megakernel key(s) not at EP 1 on 1 node (the megakernel runs on one GPU) not "
-                   "re-tuned; they stay stale")
-        good = [k for k in mk_keys if (k.ep_size, k.nodes) == (1, 1)]
-        why = megakernel_refusal(ctx.facts, tune.backend) if good else ""
-        if why:
-            refuse(f"{len(good)} megakernel key(s) not re-tuned: {why}; they stay stale")
-        elif good:
-            mk_shapes = [(r, m, b) for (r, _name), (m, b) in group_keys(good, routings.__getitem__)[(1, 1)].items()]
-            tuned += good
+    if mk_keys:  # at EP 1 on one node, measurable here (`key_refusals`)
+        mk_shapes = [(r, m, b) for (r, _name), (m, b) in group_keys(mk_keys, routings.__getitem__)[(1, 1)].items()]
+        tuned += mk_keys
     if not runnable and not mk_shapes:
-        advice = (". Re-tune them where the group can be measured, or set [tune] backend = \"model\" to predict "
-                  "them (stored as node_model)") if ep_refused else ""
+        advice = ". " + MEASURE_ELSEWHERE if ep_refused else ""
         raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} here: " + "; ".join(ctx.refused) + advice)
     be: Any = None
     preset_file: str | None = None
