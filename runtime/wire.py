@@ -353,9 +353,13 @@ class StatusResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     store_damaged: str = ""
 
 
-class RetuneResult(msgspec.Struct, kw_only=True):
+# omit_defaults: `left_out` is sent only where keys were left out (a client one version older reads the rest)
+class RetuneResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     job: JobInfo | None
     message: str
+    # keys the daemon's re-tune cannot answer on this node with its [tune] backend, left out of the job (a group
+    # over several nodes for a measuring one, say): one line a group, with why
+    left_out: list[str] = []
 
 
 # -- change notifications (PUB) ---------------------------------------------------------------------

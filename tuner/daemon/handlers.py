@@ -23,7 +23,9 @@ from moetune.tuner import __version__
 from moetune.tuner.daemon.index import ProfileIndex
 from moetune.tuner.daemon.jobs import JobNotRecorded
 from moetune.tuner.daemon.retune import (
+    MEASURE_ELSEWHERE,
     key_holds_a_profile,
+    key_refusals,
     retune_refusal,
     served_tuning_keys,
     tuner_retune,
@@ -118,7 +120,7 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
     idx = d.index
     if idx.fingerprint is None:
         return False, (wire.E_NOT_FOUND, "the fabric is unknown (discovery failed); nothing to re-tune for")
-    keys = retune_keys(idx, all_current=req.all)
+    keys, asked = planned_keys(idx, all_current=req.all)
     if not keys:
         # --all re-tunes current profiles too: with none of those either, there is nothing of any kind
         why = ("this fabric has no current profile, and no stale one lacks a current one" if req.all
@@ -126,33 +128,69 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
                      "re-tune can answer (one that contradicts its family: `moetune db check` names it) (--all "
                      "re-tunes the current ones too)")
         return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
+    left_out: list[str] = []
+    left_out_said = ""
     if d.jobs.retune is tuner_retune:  # a job that could only fail as impossible is refused, not queued
+        # keys the job would refuse on this node (`key_refusals`, its own rule) are left out of it and named: a
+        # current key whose rows are what-if ones (2 nodes, EP 16) queued a job that failed at every `retune`
+        refusals = key_refusals(keys, d.facts, d.tune.backend) if d.facts is not None else []
+        if refusals:
+            refused = {k for r in refusals for k in r.keys}
+            keys = [k for k in keys if k not in refused]
+            backend = f'[tune] backend = "{d.tune.backend}"'
+            left_out = [r.said(naming=True) for r in refusals]
+            said = "; ".join(left_out) + (". " + MEASURE_ELSEWHERE if any(r.measuring for r in refusals) else "")
+            if not keys:
+                if any(tuning_key(k) in asked for k in refused):
+                    # stale keys (or --all's current ones) asked for by name: the job could only fail
+                    return False, (wire.E_NOT_FOUND, f"not queued: {backend} cannot re-tune any of the "
+                                                     f"{len(refused)} key(s) here: {said}")
+                # current keys planned only because no row of theirs is served: as before they were planned
+                return True, wire.RetuneResult(job=None, left_out=left_out, message=(
+                    "nothing to re-tune: no stale profile lacks a served current one, and the current keys no "
+                    f"lookup serves are ones {backend} cannot re-tune here: {said}"))
+            left_out_said = f"; {backend} leaves out {len(refused)} key(s) it cannot re-tune here: {said}"
         why = retune_refusal(d.store, d.facts, d.tune, keys)
         if why:
-            return False, (wire.E_NOT_FOUND, f"not queued: {why}")
+            also = f" Also, {backend} leaves out: {'; '.join(left_out)}" if left_out else ""
+            return False, (wire.E_NOT_FOUND, f"not queued: {why}{also}")
     try:
         job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all, confirm=True)
     except JobNotRecorded as e:
         return False, (wire.E_INTERNAL, str(e))
     except queue.Full:
         return False, (wire.E_BUSY, f"the job queue is full ({d.jobs.capacity} jobs)")
-    return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)")
+    return True, wire.RetuneResult(job=job.info(), left_out=left_out, message=(
+        f"queued job {job.id} for {len(keys)} key(s)" + left_out_said))
 
 
-def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
-    """Stale keys without a served current profile of this fingerprint, and this fingerprint's current keys none of
-    whose rows is served (`served_tuning_keys`: their lookups fall back, as for a missing row) where a re-tune can
-    store a sound one (`key_holds_a_profile`), + every current one with `all_current`."""
+def planned_keys(idx: ProfileIndex, *, all_current: bool) -> tuple[list[ProfileKey], set[tuple]]:
+    """`retune_keys`, and the `tuning_key`s of those asked for by name: the stale ones and, with `all_current`,
+    every current one (the rest are current keys planned only because no row of theirs is served)."""
     mine = [r for r in idx.records if r.key.fingerprint == idx.fingerprint]
     have = served_tuning_keys(mine)
     out: dict[tuple, ProfileKey] = {}
-    for r in [*idx.stale, *filter(key_holds_a_profile, mine)]:
+    asked: set[tuple] = set()
+    for r in idx.stale:
+        if tuning_key(r.key) not in have:
+            out.setdefault(tuning_key(r.key), r.key)
+            asked.add(tuning_key(r.key))
+    for r in filter(key_holds_a_profile, mine):
         if tuning_key(r.key) not in have:
             out.setdefault(tuning_key(r.key), r.key)
     if all_current:
         for r in mine:
             out.setdefault(tuning_key(r.key), r.key)
-    return list(out.values())
+            asked.add(tuning_key(r.key))
+    return list(out.values()), asked
+
+
+def retune_keys(idx: ProfileIndex, *, all_current: bool) -> list[ProfileKey]:
+    """Stale keys without a served current profile of this fingerprint, and this fingerprint's current keys none of
+    whose rows is served (`served_tuning_keys`: their lookups fall back, as for a missing row) where a re-tune can
+    store a sound one (`key_holds_a_profile`), + every current one with `all_current`. What the configured backend
+    cannot answer here is left out after (`run_retune`, `key_refusals`)."""
+    return planned_keys(idx, all_current=all_current)[0]
 
 
 # Ops only an admin peer may run (Daemon._admin_refusal says who): a re-tune occupies the node's GPUs.

@@ -1,0 +1,186 @@
+"""`moetune retune` leaves out the keys the configured [tune] backend cannot answer on this node, and names them.
+
+Since 2d91c73 the daemon's re-tune planning (handlers.retune_keys) also plans this fingerprint's current keys none of
+whose rows a lookup serves: what-if rows (a proxy profile of 2 nodes, nvlink beyond the node's GPUs). With [tune]
+backend = "local" the job refuses such a key (retune.local_refusal: it measures on this one node only), so every
+`retune` queued a job that could only fail, where it said "nothing to re-tune" before. The planning now asks the
+job's own refusal (retune.key_refusals): such keys are left out and named in the reply; the model backend still
+re-tunes them; a request whose every asked-for key is refused is not queued and says why. A fabric change's
+automatic re-tune is unchanged: its job names the keys that stay stale (tests/test_daemon_local_retune.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
+
+from moetune.runtime import wire
+from moetune.runtime.knobs import default_knobs
+from moetune.runtime.profile_record import ProfileKey, ProfileRecord
+from moetune.tuner.daemon.handlers import run_retune
+from moetune.tuner.daemon.index import ProfileIndex
+from moetune.tuner.daemon.retune import tuner_retune
+from moetune.tuner.daemon.server import TuneSettings
+
+pytestmark = pytest.mark.timeout(120)
+
+QWEN = (2048, 768, 128, 8)
+
+
+def _key(fp: str, *, family: str = "nvlink", ep: int = 8, nodes: int = 1, bucket: int = 64) -> ProfileKey:
+    return ProfileKey(fingerprint=fp, software="sw", transport_family=family, ep_size=ep, nodes=nodes, hidden=QWEN[0],
+                      intermediate=QWEN[1], experts=QWEN[2], topk=QWEN[3], dtype="bfloat16", token_bucket=bucket)
+
+
+def _rec(k: ProfileKey, backend: str = "local:nccl") -> ProfileRecord:
+    prov = "measured" if backend.startswith("local:") else "node_model"
+    return ProfileRecord(key=k, knobs=default_knobs(k.transport_family.split(":")[0]), latency_us=5.0,
+                         spread_us=0.1, backend=backend, provenance=prov, measured_on=k.fingerprint)  # type: ignore[arg-type]
+
+
+def _what_if(fp: str, **kw: Any) -> ProfileRecord:
+    """A model tune's proxy profile of 2 nodes (autoload passes it over: no lookup serves it)."""
+    return _rec(_key(fp, family="proxy:ibrc", **{"ep": 16, "nodes": 2, **kw}), backend=f"model:node:{fp}")
+
+
+class _Jobs:
+    """The job manager as run_retune sees it: the default re-tune, submit recorded."""
+
+    def __init__(self) -> None:
+        self.retune = tuner_retune
+        self.submitted: list[list[ProfileKey]] = []
+        self.capacity = 8
+
+    def submit(self, *, keys: list[ProfileKey], **_kw: Any) -> Any:
+        self.submitted.append(list(keys))
+        info = wire.JobInfo(id=len(self.submitted), state="queued", reason="t", keys=len(keys))
+        return SimpleNamespace(id=len(self.submitted), info=lambda: info)
+
+
+def _daemon(records: list[ProfileRecord], stale: list[ProfileRecord], *, backend: str = "local", gpus: int = 8,
+            tmp: Path | None = None) -> Any:
+    facts = F.FakeFacts({"gpu_count": gpus, "name": "node"})
+    facts.fingerprint = "fp"  # the records' fingerprint
+    facts.software_hash = "sw"
+    tune = TuneSettings(backend=backend, trials=1, node_model_dir=str(tmp) if tmp else None)
+    return SimpleNamespace(index=ProfileIndex(records, version=1, facts=facts, stale=stale), facts=facts, tune=tune,
+                           jobs=_Jobs(), store=SimpleNamespace(path=str((tmp or Path("/nonexistent")) / "m.db")))
+
+
+def _ask(d: Any, **kw: Any) -> tuple[bool, Any]:
+    return run_retune(d, wire.Retune(v=wire.PROTOCOL_VERSION, id=1, reason="t", **kw))
+
+
+def test_a_local_retune_of_only_what_if_keys_it_cannot_measure_says_nothing_to_re_tune_and_names_them() -> None:
+    """Current keys whose only rows are what-if ones, of 2 nodes and of more ranks than the node has GPUs: no job
+    (it failed as impossible, every time), "nothing to re-tune" as before 2d91c73, each group named with why."""
+    d = _daemon([_what_if("fp"), _rec(_key("fp", ep=16, bucket=1024), backend="model:node:fp")], [])
+    ok, res = _ask(d)
+    assert ok and res.job is None and not d.jobs.submitted, res
+    assert res.message.startswith("nothing to re-tune"), res.message
+    assert "EP 16 over 2 node(s)" in res.message and "EP 16 over 1 node(s)" in res.message, res.message
+    assert "this node has 8" in res.message and "spans 2 nodes" in res.message, res.message
+    assert 'backend = "model"' in res.message, res.message  # what would answer them
+    assert len(res.left_out) == 2 and any("qwen" in x or "2048" in x for x in res.left_out), res.left_out
+
+
+def test_the_model_backend_still_re_tunes_them(tmp_path: Path) -> None:
+    d = _daemon([_what_if("fp")], [], backend="model", tmp=tmp_path)
+    F.write_node_model(tmp_path, "fp")
+    ok, res = _ask(d)
+    assert ok and res.job is not None and d.jobs.submitted == [[_what_if("fp").key]], res
+    assert res.left_out == [] and "leaves out" not in res.message, res.message
+
+
+def test_a_mixed_plan_queues_what_the_backend_can_answer_and_names_the_rest() -> None:
+    stale = _rec(_key("old", ep=8, bucket=4096))
+    d = _daemon([_what_if("fp")], [stale])
+    ok, res = _ask(d)
+    assert ok and res.job is not None and d.jobs.submitted == [[stale.key]], res
+    assert "queued job 1 for 1 key(s)" in res.message and "leaves out 1 key(s)" in res.message, res.message
+    assert len(res.left_out) == 1 and "EP 16 over 2 node(s)" in res.left_out[0], res.left_out
+
+
+def test_a_request_whose_every_stale_key_is_refused_is_not_queued_and_says_why() -> None:
+    """A stale key the local backend cannot measure: the job could only fail as impossible; refused up front, as a
+    model re-tune without a node model is (test_trust_daemon)."""
+    d = _daemon([], [_rec(_key("old", family="collective", ep=16, nodes=2))])
+    ok, res = _ask(d)
+    assert not ok and not d.jobs.submitted, res
+    code, msg = res
+    assert code == wire.E_NOT_FOUND and msg.startswith("not queued") and "EP 16 over 2 node(s)" in msg, msg
+    assert 'backend = "model"' in msg, msg
+    # --all asks for every current key by name: the same refusal
+    d = _daemon([_what_if("fp")], [])
+    ok, (code, msg) = _ask(d, all=True)
+    assert not ok and code == wire.E_NOT_FOUND and "not queued" in msg and not d.jobs.submitted, msg
+
+
+def test_a_what_if_key_of_a_family_the_local_backend_does_not_take_is_still_planned_where_its_group_fits() -> None:
+    """An ibgda key (no runtime transport; the local backend does not take the family: 5753dab) at EP 8 on this
+    8-GPU node: the job re-tunes a key's EP group over the node's families (never the key's family alone), so a
+    measurement answers it with a served profile of another family; it is not left out."""
+    ibgda = _rec(_key("fp", family="ibgda", ep=8), backend="model:node:fp")
+    d = _daemon([ibgda], [])
+    ok, res = _ask(d)
+    assert ok and d.jobs.submitted == [[ibgda.key]] and res.left_out == [], res
+
+
+def test_a_retune_reply_without_left_out_keys_is_what_an_older_client_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field at its default is left off the wire (wire.py): a client one version older refuses unknown fields."""
+    from moetune.runtime.profiles.errors import BadReply
+    from moetune.runtime.profiles.replies import decode_reply, decode_result
+
+    res = wire.RetuneResult(job=None, message="nothing to re-tune: x")
+    assert set(msgspec.json.decode(msgspec.json.encode(res))) == {"job", "message"}
+    said = wire.encode_ok(1, "e", wire.RetuneResult(job=None, message="m", left_out=["a"]))
+    assert decode_result("retune", decode_reply(said).result).left_out == ["a"]
+    older = msgspec.defstruct("RetuneResult", [("job", wire.JobInfo | None), ("message", str)], kw_only=True)
+    monkeypatch.setitem(wire.RESULT_TYPES, "retune", older)
+    assert decode_result("retune", decode_reply(wire.encode_ok(1, "e", res)).result).message == res.message
+    with pytest.raises(BadReply, match="unknown fields left_out"):  # says something it cannot show: said so
+        decode_result("retune", decode_reply(said).result)
+
+
+def test_retune_help_says_what_is_left_out() -> None:
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    r = CliRunner().invoke(app, ["retune", "--help"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "left out" in text and "cannot answer" in text, text
+
+
+def test_the_cli_prints_the_left_out_keys(tmp_path: Path) -> None:
+    """End to end: a daemon with [tune] backend = "local" and only a what-if current key of 2 nodes."""
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+    from moetune.tuner.daemon.server import Daemon
+
+    facts = F.FakeFacts({"gpu_model": "H200", "gpu_count": 8})
+    store = F.open_store(tmp_path / "moetune.db")
+    k = ProfileKey(**{**_what_if("x").key.to_dict(), "fingerprint": facts.fingerprint,
+                      "software": facts.software_hash})
+    ok, why = store.put_profile(_rec(k, backend=f"model:node:{facts.fingerprint}"))
+    assert ok, why
+    d = Daemon(store=store, endpoint=f"ipc://{tmp_path}/run/daemon.sock", discover=lambda: facts,
+               rediscover_interval_s=0, tune=TuneSettings(backend="local", trials=1)).start(background=True)
+    try:
+        F.until(lambda: d.index.fingerprint == facts.fingerprint)
+        r = CliRunner().invoke(app, ["retune", "--socket", d.endpoint], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        assert "nothing to re-tune" in r.output and "EP 16 over 2 node(s)" in r.output, r.output
+        assert not d.jobs.info()[0] and d.jobs.info()[1] is None
+    finally:
+        d.stop()
+
