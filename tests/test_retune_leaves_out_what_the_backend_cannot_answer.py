@@ -184,3 +184,28 @@ def test_the_cli_prints_the_left_out_keys(tmp_path: Path) -> None:
     finally:
         d.stop()
 
+
+def test_a_fabric_change_s_job_of_only_keys_it_refuses_says_so_without_waiting_for_idle_gpus(tmp_path: Path) -> None:
+    """A fabric change's automatic re-tune still queues its keys and names those that stay stale. A job every key of
+    which the local re-tune refuses measures nothing: it waited for the GPUs to be idle first (where no probe can
+    tell, for good: `status` showed it "deferred", checked again every 300 s) and never said why its keys stay
+    stale. It ends at once, failed as impossible, naming them."""
+    from moetune.tuner.daemon.jobs import JobManager
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
+                    tune=TuneSettings(backend="local", trials=1, busy_retry_s=300),
+                    gpu_probe=lambda: (None, "no NVML, no nvidia-smi (test)"))
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed", old_fingerprint="old",
+                  keys=[_key(facts.fingerprint, family="collective", ep=16, nodes=2)])
+        F.until(lambda: bool(done), timeout=10.0)
+    finally:
+        jm.stop()
+    job = done[0]
+    assert job.state == "failed" and job.impossible, job.message
+    assert "EP 16 over 2 node(s) not re-measured" in job.message and "stay stale" in job.message, job.message
+    assert not [e for e in store.list_events(limit=50) if e["kind"] == "job_deferred"]

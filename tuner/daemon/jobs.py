@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.wire import JobInfo
 from moetune.tuner.daemon.gpu_procs import GpuProbe, gpu_processes
-from moetune.tuner.daemon.retune import RetuneImpossible, tuning_key
+from moetune.tuner.daemon.retune import RetuneImpossible, key_refusals, tuner_retune, tuning_key
 from moetune.tuner.store import StoreDamaged
 
 if TYPE_CHECKING:
@@ -377,6 +377,21 @@ class JobManager:
         return (f"deferred: {why}; checked again every {self.tune.busy_retry_s:g} s "
                 "([tune] run_on_busy_gpus = true runs it anyway)")
 
+    def _measures_nothing(self, job: Job) -> bool:
+        """Whether the default re-tune refuses every key of `job` on this node (`key_refusals`): it runs nothing on
+        the GPUs, so it does not wait for them to be idle (where no probe can tell, it waited for good, `status`
+        showing it "deferred" instead of the refusal that names its keys)."""
+        if self.retune is not tuner_retune or not job.keys:
+            return False
+        facts = self._facts_or_none()
+        if facts is None:
+            return False
+        try:
+            refused = {k for r in key_refusals(job.keys, facts, self.tune.backend) for k in r.keys}
+        except Exception:  # broad: in the worker thread; the job itself then says what failed
+            return False
+        return all(k in refused for k in job.keys)
+
     def _wait_for_idle_gpus(self, job: Job) -> None:
         """Hold `job` queued while the GPUs are busy (or their state unknown); returns when it may run or is cancelled."""
         while not job.cancel.is_set():
@@ -424,7 +439,7 @@ class JobManager:
                 return
             if not job.cancel.is_set():
                 self._wait_for_facts(job)  # still listed as queued meanwhile
-            if not job.cancel.is_set():
+            if not job.cancel.is_set() and not self._measures_nothing(job):
                 self._wait_for_idle_gpus(job)
             with self._lock:
                 self._queued.pop(job.id, None)
