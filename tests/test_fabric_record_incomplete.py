@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
-from test_daemon_change_since_bringup import _kinds, _profiled, _start
+from test_daemon_change_since_bringup import _kinds, _profiled
 
 from moetune.tuner.cli import app
 from moetune.tuner.fabric import discovery
@@ -52,7 +52,7 @@ def test_an_incomplete_discovery_is_refused_and_nothing_is_written(
     assert TIMED_OUT in out and "--timeout SECONDS" in out and "this run: 2.5 s" in out, out
     assert [row["hash"] for row in store.list_fingerprints()] == [old.fingerprint]  # the bring-up's facts stay newest
     # the daemon's first start on the complete node finds no change
-    d, ran, done = _start(store, tmp_path, discovery.discover(CAPTURES / "h200x2"))
+    d, ran, done = F.start_recording_daemon(store, tmp_path, discovery.discover(CAPTURES / "h200x2"))
     try:
         assert not done.wait(1.0), f"re-tuned at start: {ran}"
         assert _kinds(store) == ["fabric_seen"]

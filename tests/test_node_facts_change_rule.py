@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_fakes as F
-from test_daemon_change_since_bringup import _profiled, _start
+from test_daemon_change_since_bringup import _profiled
 
 from moetune.tuner.cli import app
 from moetune.tuner.fabric import discovery
@@ -99,7 +99,7 @@ def test_the_daemons_start_after_a_swap_profile_recorded_keeps_what_was_measured
     assert "marked stale" in out.getvalue()
     assert not store.list_profiles(status="current", fingerprint=old.fingerprint)
     (measured,) = F.seed_profiles(store, new, buckets=(1024,))  # measured on the new GPUs
-    d, ran, done = _start(store, tmp_path, new)
+    d, ran, done = F.start_recording_daemon(store, tmp_path, new)
     try:
         assert done.wait(10), "the keys not measured on the new GPUs were not re-tuned"
         assert sorted(k.token_bucket for k in ran[0]) == [64, 4096]
@@ -204,7 +204,7 @@ def test_another_nodes_fabric_event_in_a_shared_database_is_no_base(tmp_path: Pa
     res = record_node_facts(store, old, by="test")
     assert not res.changed and not _fabric_changed(store)
     assert len(store.list_profiles(status="current", fingerprint=old.fingerprint)) == len(seeded)
-    d, ran, done = _start(store, tmp_path, old)  # nor is it the daemon's base at its first start here
+    d, ran, done = F.start_recording_daemon(store, tmp_path, old)  # nor is it the daemon's base at its first start here
     try:
         assert not done.wait(1.0), f"re-tuned at start: {ran}"
         assert not _fabric_changed(store)
