@@ -209,3 +209,29 @@ def test_a_fabric_change_s_job_of_only_keys_it_refuses_says_so_without_waiting_f
     assert job.state == "failed" and job.impossible, job.message
     assert "EP 16 over 2 node(s) not re-measured" in job.message and "stay stale" in job.message, job.message
     assert not [e for e in store.list_events(limit=50) if e["kind"] == "job_deferred"]
+
+
+def test_a_retune_reply_this_client_cannot_read_says_the_job_may_be_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer daemon's retune reply with a field this client does not know (left_out, to a client one version older)
+    is BadReply, yet the daemon answered: it queued the job (or cancelled it) first. Said as a timeout says it (check
+    `moetune status` before retrying), not as a plain failure whose retry queues a second job."""
+    from typer.testing import CliRunner
+
+    from moetune.runtime.profiles.errors import BadReply
+    from moetune.tuner.cli import app, query
+
+    class _Client:
+        endpoint = "ipc:///nonexistent/daemon.sock"
+
+        def request(self, op: str, **_kw: Any) -> Any:
+            raise BadReply(f"{op} result has unknown fields left_out (a newer daemon?)")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(query, "make_client", lambda *a, **kw: _Client())
+    r = CliRunner().invoke(app, ["retune", "--socket", _Client.endpoint], env={"COLUMNS": "400"})
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert "unknown fields left_out" in text and "may still have been queued" in text, text
+    assert "`moetune status` lists the queued and running jobs" in text, text

@@ -171,7 +171,8 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
                 on_timeout: str = "", **fields: Any) -> Any:
     """The daemon's answer to `op`, else exit 1 saying why: on stderr, or with `json_out` as the one JSON object
     on stdout, {"ok": false, "error": ...} (as `query --json` says in its JSON why the daemon did not answer).
-    `on_timeout` is added when the request was sent and no reply came in time (what the daemon may have done).
+    `on_timeout` is added when the request was sent and no reply came in time, or one came this moetune cannot read
+    (a newer daemon's): either way the daemon may have acted (what it may have done).
     Errors in the options given stay usage errors (exit 2), as for every command."""
     from moetune.runtime.profiles.errors import BadReply, DaemonError, DaemonTimeout, DaemonUnavailable
 
@@ -181,7 +182,8 @@ def daemon_call(op: str, *, socket: str | None, config: Path | None, timeout_ms:
     except (DaemonUnavailable, DaemonError, BadReply) as e:  # BadReply: a reply that does not validate (a newer daemon?)
         why = (f"the daemon said {e}" if isinstance(e, DaemonError)
                else f"the daemon's reply is not one this moetune reads: {e}" if isinstance(e, BadReply) else str(e))
-        if isinstance(e, DaemonTimeout) and on_timeout:
+        # a reply that does not validate still means the daemon received the request (a retune queued first)
+        if isinstance(e, (DaemonTimeout, BadReply)) and on_timeout:
             why = f"{why}: {on_timeout}"
         elif isinstance(e, DaemonUnavailable) and _nothing_at(client.endpoint):
             # what is wrong was said, not what to do: a first `moetune status` before any `moetune serve`
