@@ -235,3 +235,20 @@ def test_a_retune_reply_this_client_cannot_read_says_the_job_may_be_queued(monke
     text = " ".join(r.output.split())
     assert "unknown fields left_out" in text and "may still have been queued" in text, text
     assert "`moetune status` lists the queued and running jobs" in text, text
+
+
+def test_a_refusal_of_many_keys_still_says_every_group_and_what_answers_them_within_an_error_s_length() -> None:
+    """An error's message is cut at wire.ERROR_MESSAGE_MAX characters (encode_error): "not queued" naming every
+    shape and bucket of several refused groups ran past it, and the cut took the later groups and the advice (what
+    would answer them) with it. Each group is said, and the advice, within the limit."""
+    groups = [(16, 2), (32, 4), (64, 8), (16, 1)]  # (16, 1): more ranks than the node's 8 GPUs
+    stale = [_rec(_key("old", family="collective", ep=ep, nodes=n, bucket=1 << b)) for ep, n in groups
+             for b in range(15)]
+    ok, res = _ask(_daemon([], stale))
+    assert not ok, res
+    code, msg = res
+    said = msg[:wire.ERROR_MESSAGE_MAX]  # what the client gets
+    assert code == wire.E_NOT_FOUND and said.startswith("not queued"), said
+    for ep, n in groups:
+        assert f"EP {ep} over {n} node(s)" in said, (ep, n, said)
+    assert 'backend = "model"' in said, said

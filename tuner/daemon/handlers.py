@@ -129,7 +129,7 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
                      "re-tunes the current ones too)")
         return True, wire.RetuneResult(job=None, message=f"nothing to re-tune: {why}")
     left_out: list[str] = []
-    left_out_said = ""
+    left_out_said = brief = ""
     if d.jobs.retune is tuner_retune:  # a job that could only fail as impossible is refused, not queued
         # keys the job would refuse on this node (`key_refusals`, its own rule) are left out of it and named: a
         # current key whose rows are what-if ones (2 nodes, EP 16) queued a job that failed at every `retune`
@@ -139,12 +139,16 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
             keys = [k for k in keys if k not in refused]
             backend = f'[tune] backend = "{d.tune.backend}"'
             left_out = [r.said(naming=True) for r in refusals]
-            said = "; ".join(left_out) + (". " + MEASURE_ELSEWHERE if any(r.measuring for r in refusals) else "")
+            advice = ". " + MEASURE_ELSEWHERE if any(r.measuring for r in refusals) else ""
+            said = "; ".join(left_out) + advice
+            # an error's message is cut at wire.ERROR_MESSAGE_MAX: there each group is said without its shapes and
+            # buckets, so every group and the advice fit (many keys' names took both past the cut)
+            brief = "; ".join(r.said() for r in refusals)
             if not keys:
                 if any(tuning_key(k) in asked for k in refused):
                     # stale keys (or --all's current ones) asked for by name: the job could only fail
                     return False, (wire.E_NOT_FOUND, f"not queued: {backend} cannot re-tune any of the "
-                                                     f"{len(refused)} key(s) here: {said}")
+                                                     f"{len(refused)} key(s) here: {brief}{advice}")
                 # current keys planned only because no row of theirs is served: as before they were planned
                 return True, wire.RetuneResult(job=None, left_out=left_out, message=(
                     "nothing to re-tune: no stale profile lacks a served current one, and the current keys no "
@@ -152,7 +156,7 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
             left_out_said = f"; {backend} leaves out {len(refused)} key(s) it cannot re-tune here: {said}"
         why = retune_refusal(d.store, d.facts, d.tune, keys)
         if why:
-            also = f" Also, {backend} leaves out: {'; '.join(left_out)}" if left_out else ""
+            also = f" Also, {backend} leaves out: {brief}" if left_out else ""
             return False, (wire.E_NOT_FOUND, f"not queued: {why}{also}")
     try:
         job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all, confirm=True)
