@@ -353,7 +353,8 @@ class StatusResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     store_damaged: str = ""
 
 
-# omit_defaults: `left_out` is sent only where keys were left out (a client one version older reads the rest)
+# omit_defaults: `left_out` is sent only where keys were left out and no job was queued (a client one version older
+# reads every other reply; one that refuses this one was told nothing was queued, so a retry queues nothing twice)
 class RetuneResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     job: JobInfo | None
     message: str

@@ -164,8 +164,9 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
         return False, (wire.E_INTERNAL, str(e))
     except queue.Full:
         return False, (wire.E_BUSY, f"the job queue is full ({d.jobs.capacity} jobs)")
-    return True, wire.RetuneResult(job=job.info(), left_out=left_out, message=(
-        f"queued job {job.id} for {len(keys)} key(s)" + left_out_said))
+    # no left_out beside a queued job: a client one version older refuses a reply with a field it does not know, and
+    # its user, told the retune failed, would queue the job again; the message names the keys left out
+    return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)" + left_out_said)
 
 
 def planned_keys(idx: ProfileIndex, *, all_current: bool) -> tuple[list[ProfileKey], set[tuple]]:
