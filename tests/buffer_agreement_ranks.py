@@ -145,9 +145,9 @@ def _all_gathers(call: Any) -> int:
     return n[0]
 
 
-def case_foreign_handle(rank: int, world: int) -> tuple[str, str, float]:
-    """Rank 1 combines a prefill buffer's handle on a decode buffer (dense: sized by max_tokens); rank 0 does it
-    right. Every rank must get a ValueError at once (rank 1's was a gloo RuntimeError, rank 0 waited the timeout)."""
+def _prefill_and_decode(rank: int) -> tuple[EPBuffer, EPBuffer, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two dense buffers built on every rank, prefill (max_tokens 32) and decode (16), and this rank's 8 tokens
+    (x, expert ids, weights)."""
     model = get_model(MODEL)
     prefill = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=True)
     decode = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=True)
@@ -155,6 +155,13 @@ def case_foreign_handle(rank: int, world: int) -> tuple[str, str, float]:
     x = torch.randn(8, model.hidden, generator=g)
     idx = torch.randint(0, model.experts, (8, model.topk), generator=g)
     w = torch.rand(8, model.topk, generator=g)
+    return prefill, decode, x, idx, w
+
+
+def case_foreign_handle(rank: int, world: int) -> tuple[str, str, float]:
+    """Rank 1 combines a prefill buffer's handle on a decode buffer (dense: sized by max_tokens); rank 0 does it
+    right. Every rank must get a ValueError at once (rank 1's was a gloo RuntimeError, rank 0 waited the timeout)."""
+    prefill, decode, x, idx, w = _prefill_and_decode(rank)
     got = {"prefill": prefill.dispatch(x, idx, w), "decode": decode.dispatch(x, idx, w)}  # in step on both ranks
     recv_x, meta, handle = got["prefill" if rank == 1 else "decode"]
     return _outcome(lambda: decode.combine(weighted_rows(recv_x, meta), handle))
@@ -240,13 +247,7 @@ def case_out_of_step(rank: int, world: int, layouts: list[tuple[str, bool]]) -> 
 def _other_buffers(rank: int) -> dict[str, Any]:
     """Dense layout: rank 1 dispatches on a buffer of max_tokens 16 (decode), the others on one of 32 (prefill), each
     built on every rank; then every rank on the same buffer."""
-    model = get_model(MODEL)
-    prefill = EPBuffer(knobs=Knobs(), model=model, max_tokens=32, dense=True)
-    decode = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=True)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(8, model.hidden, generator=g)
-    idx = torch.randint(0, model.experts, (8, model.topk), generator=g)
-    w = torch.rand(8, model.topk, generator=g)
+    prefill, decode, x, idx, w = _prefill_and_decode(rank)
     got = _outcome(lambda: (decode if rank == 1 else prefill).dispatch(x, idx, w))
     recv_x, meta, handle = decode.dispatch(x, idx, w)
     y = decode.combine(weighted_rows(recv_x, meta), handle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -243,22 +244,31 @@ def case_errors(rank: int, world: int, kinds: list[str], bad_rank: int, dense: b
     return msgs
 
 
+def _small_unfused_layer(rank: int, dense: bool) -> tuple[MoELayer, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An unfused float32 layer on its own buffer (max_tokens 16) and this rank's 8 uniform tokens (x, ids, weights)."""
+    model = get_model("custom:64,32,8,2,float32")
+    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=dense)
+    return (MoELayer(model, max_tokens=16, buffer=buf, engine="unfused"), *make_inputs(rank, model, 8, "uniform", 0))
+
+
+def _timed_refusal(call: Callable[..., object], *args: object) -> str:
+    """"NO ERROR" where `call(*args)` returns, else "<seconds>s <its ValueError>"."""
+    t0 = time.monotonic()
+    try:
+        call(*args)
+        return "NO ERROR"
+    except ValueError as e:
+        return f"{time.monotonic() - t0:.2f}s {e}"
+
+
 def case_layer_grad(rank: int, world: int, dense: bool) -> dict[str, str]:
     """Rank 1 calls the layer with an x that requires grad (grad mode on): every rank must raise ValueError (no hang),
     and the layer still works after."""
-    model = get_model("custom:64,32,8,2,float32")
-    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=dense)
-    layer = MoELayer(model, max_tokens=16, buffer=buf, engine="unfused")
-    x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+    layer, x, idx, w = _small_unfused_layer(rank, dense)
     msgs: dict[str, str] = {}
     for kind in ("forward", "forward_routed"):
         xs = x.clone().requires_grad_() if rank == 1 else x
-        t0 = time.monotonic()
-        try:
-            layer(xs) if kind == "forward" else layer.forward_routed(xs, idx, w)
-            msgs[kind] = "NO ERROR"
-        except ValueError as e:
-            msgs[kind] = f"{time.monotonic() - t0:.2f}s {e}"
+        msgs[kind] = _timed_refusal(layer, xs) if kind == "forward" else _timed_refusal(layer.forward_routed, xs, idx, w)
         layer(x)  # the group still works
     return msgs
 
@@ -539,19 +549,11 @@ def case_layer_param_grad(rank: int, world: int, dense: bool) -> dict[str, str]:
     """Rank 1's layer has parameters that require grad (`layer.requires_grad_()`, as a training loop does), grad mode
     on: every rank must raise ValueError (no hang, no silently detached output), and the layer works again once they
     no longer do."""
-    model = get_model("custom:64,32,8,2,float32")
-    buf = EPBuffer(knobs=Knobs(), model=model, max_tokens=16, dense=dense)
-    layer = MoELayer(model, max_tokens=16, buffer=buf, engine="unfused")
-    x, idx, w = make_inputs(rank, model, 8, "uniform", 0)
+    layer, x, idx, w = _small_unfused_layer(rank, dense)
     msgs: dict[str, str] = {}
     for kind in ("forward", "forward_routed"):
         layer.requires_grad_(rank == 1)
-        t0 = time.monotonic()
-        try:
-            layer(x) if kind == "forward" else layer.forward_routed(x, idx, w)
-            msgs[kind] = "NO ERROR"
-        except ValueError as e:
-            msgs[kind] = f"{time.monotonic() - t0:.2f}s {e}"
+        msgs[kind] = _timed_refusal(layer, x) if kind == "forward" else _timed_refusal(layer.forward_routed, x, idx, w)
         layer.requires_grad_(False)
         layer(x)  # the group still works
     return msgs

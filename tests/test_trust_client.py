@@ -826,6 +826,13 @@ def test_autoload_cache_never_hands_one_token_count_another_counts_bucket(monkey
         autoload.clear_cache()
 
 
+def _collective_policy() -> client.Resolution:
+    """The resolution of a lookup that fell back to the collective policy default."""
+    knobs = default_knobs("collective")
+    return client.Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                             family="collective")
+
+
 def test_autoload_cache_never_hands_one_devices_resolution_to_another(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which transports can run depends on the device (nvlink on a CUDA device, not on the CPU), but the cache key
     left the device out: a CPU layer made after a CUDA one in the same process got the CUDA layer's nvlink
@@ -841,9 +848,7 @@ def test_autoload_cache_never_hands_one_devices_resolution_to_another(monkeypatc
             if transport_ok("nvlink") is None:
                 return client.Resolution(knobs=nv.knobs, source="daemon", profile_hash=nv.profile_hash,
                                          status="current", key=nv.key, family="nvlink", tuned=True)
-            knobs = default_knobs("collective")
-            return client.Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}",
-                                     status="default", family="collective")
+            return _collective_policy()
 
         def close(self) -> None:
             pass
@@ -877,9 +882,7 @@ def test_autoload_passes_over_a_one_sided_profile_beyond_its_world_limit(monkeyp
             if problem is None:
                 return client.Resolution(knobs=nv.knobs, source="database", profile_hash=nv.profile_hash,
                                          status="current", key=nv.key, family="nvlink", provenance="preset")
-            knobs = default_knobs("collective")
-            return client.Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}",
-                                     status="default", family="collective")
+            return _collective_policy()
 
         def close(self) -> None:
             pass
