@@ -4,6 +4,7 @@ later construction after that looks up again, so a job does not run on defaults 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,9 +25,12 @@ def env(clean_autoload_env: dict[str, str]) -> dict[str, str]:
     return clean_autoload_env
 
 
-def _answers(monkeypatch: pytest.MonkeyPatch, answers: list[str]) -> list[str]:
-    """`_resolve` answers in turn: "down" (the chain ended in the policy default), "tuned" (the daemon's profile)."""
+def _answers(monkeypatch: pytest.MonkeyPatch, answers: list[str],
+             envs: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """`_resolve` answers in turn: "down" (the chain ended in the policy default), "tuned" (the daemon's profile);
+    `envs`: the env each answer's resolution carries (none by default)."""
     calls: list[str] = []
+    envs = envs or {}
 
     def fake_resolve(**kw: Any) -> Resolution:
         what = answers[min(len(calls), len(answers) - 1)]
@@ -34,10 +38,10 @@ def _answers(monkeypatch: pytest.MonkeyPatch, answers: list[str]) -> list[str]:
         if what == "down":
             k = Knobs()
             return Resolution(knobs=k, source="policy", profile_hash=f"policy:{k.digest()}", status="default",
-                              family="collective", message="daemon: no reply")
+                              family="collective", message="daemon: no reply", env=dict(envs.get(what, {})))
         k = Knobs(pipeline_depth=4)
         return Resolution(knobs=k, source="daemon", profile_hash="tuned", status="current", family="collective",
-                          provenance="measured", tuned=True)
+                          provenance="measured", tuned=True, env=dict(envs.get(what, {})))
 
     monkeypatch.setattr(autoload, "_resolve", fake_resolve)
     return calls
@@ -86,3 +90,74 @@ def test_the_retry_interval_is_a_typed_client_key(env: dict[str, str], tmp_path:
         with pytest.raises(ConfigError, match=needle) as e:
             load_config(cfg, env=env)
         assert "client.fallback_retry_s" in str(e.value) and str(cfg) in str(e.value)
+
+
+# launcher_env's variables: the fallback (a proxy:ibrc policy default) exports both, the tuned profile one of them
+RT, IBGDA = "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA"
+ENVS = {"down": {RT: "ibrc", IBGDA: "0"}, "tuned": {RT: "ucx"}}
+
+
+@pytest.fixture
+def retry_every_time(env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fallback_retry_s = 0 (every construction looks up again); RT and IBGDA unset, and put back after the test."""
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text("[client]\nfallback_retry_s = 0\n")
+    monkeypatch.setenv("MOETUNE_CONFIG", str(cfg))
+    for k in (RT, IBGDA):
+        monkeypatch.setenv(k, "")  # recorded, so the test's exports are undone whatever it leaves
+        monkeypatch.delenv(k)
+
+
+def test_a_retry_replaces_the_environment_its_fallback_exported(retry_every_time: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback's exports looked user-set to the retry's apply ("values already set win"): the tuned profile's
+    NVSHMEM_REMOTE_TRANSPORT was not applied and the fallback's NVSHMEM_IB_ENABLE_IBGDA stayed."""
+    calls = _answers(monkeypatch, ["down", "tuned"], ENVS)
+    assert _load().source == "policy"
+    assert os.environ.get(RT) == "ibrc"
+    assert _load().source == "daemon" and len(calls) == 2
+    assert os.environ.get(RT) == "ucx"  # the profile's value replaces the fallback's
+    assert _load().source == "daemon" and os.environ.get(RT) == "ucx"  # a cache hit keeps it
+
+
+def test_a_variable_only_the_fallback_set_is_unset_again_after_the_retry(retry_every_time: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _answers(monkeypatch, ["down", "tuned"], ENVS)
+    _load()
+    assert os.environ.get(IBGDA) == "0"
+    assert _load().source == "daemon"
+    assert IBGDA not in os.environ  # the profile does not set it: as it was before the fallback (unset)
+
+
+def test_a_variable_the_user_set_wins_over_the_fallback_and_the_profile(retry_every_time: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard of the fix's scope (unfixed code passes it; a fix exporting the profile's values over everything
+    fails it): what the user set, before autoload or since, is never replaced or unset."""
+    _answers(monkeypatch, ["down", "tuned"], ENVS)
+    monkeypatch.setenv(RT, "libfabric")  # before autoload
+    _load()
+    assert os.environ[RT] == "libfabric" and os.environ.get(IBGDA) == "0"
+    monkeypatch.setenv(IBGDA, "1")  # since autoload exported it: the user's now
+    assert _load().source == "daemon"
+    assert os.environ[RT] == "libfabric" and os.environ[IBGDA] == "1"
+
+
+def test_a_variable_changed_since_the_fallback_exported_it_is_the_users(retry_every_time: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above: the value autoload set is remembered, so a change since is the user's (not replaced by the retry)."""
+    _answers(monkeypatch, ["down", "tuned"], ENVS)
+    _load()
+    monkeypatch.setenv(RT, "none")
+    _load()
+    assert os.environ[RT] == "none"
+
+
+def test_another_lookups_profile_does_not_take_away_what_a_fallback_exported(retry_every_time: None,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard of the fix's scope (passes without it too): only the same lookup's retry replaces a fallback's
+    variables; another layer's profile (a megakernel's, which sets none) must not unset what this buffer needs."""
+    _answers(monkeypatch, ["down", "tuned"], {"down": ENVS["down"], "tuned": {}})
+    _load()
+    res = autoload.autoload_profile(model=QWEN, ep_size=1, nodes=1, max_tokens=4096)  # another key
+    assert res.source == "daemon"
+    assert os.environ.get(RT) == "ibrc" and os.environ.get(IBGDA) == "0"

@@ -22,7 +22,9 @@ was measured in (NCCL_ALGO, NCCL_P2P_DISABLE, FI_*, ...: runtime/profiles/perf_e
 process's and never exported: where they differ the resolution says so (`env_status`, `env_diff`) and one warning
 names the variables, or with `client.env_mismatch = "refuse"` the profile is passed over (client.py). Variables already set in the
 environment are left alone (what the user set explicitly wins, as explicit knobs do: with explicit knobs
-this module is not called at all). Results are cached per process, key and device (what can run depends on
+this module is not called at all); one autoload exported itself, still at that value, is its own: a later lookup of
+the same key (a fallback retried) replaces it, or puts it back as it was when that lookup no longer sets it
+(`apply_env`'s `owner`). Results are cached per process, key and device (what can run depends on
 the device) and the settings and performance environment they were judged under (`_JUDGED_UNDER`: allow_modelled
 unset since must not leave a modelled profile served), so the many layers of one model cost one lookup. A FALLBACK
 (the policy or built-in default: the daemon did not answer, a hardware check failed) is cached only for
@@ -87,7 +89,7 @@ from moetune.runtime.profiles.client import (
     policy_or_default,
     warn_fallback,
 )
-from moetune.runtime.profiles.launcher_env import allowed_env, apply_env, launcher_env
+from moetune.runtime.profiles.launcher_env import allowed_env, apply_env, forget_exports, launcher_env
 from moetune.runtime.profiles.perf_env import performance_environment
 from moetune.runtime.shapes import DTYPES, ModelShape
 
@@ -297,15 +299,17 @@ def autoload_profile(
     # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets. The
     # device too: which transports can run (transport_ok) depends on it, so a CUDA device's nvlink profile must
     # not be handed to a layer on the CPU.
-    key = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device),
-           None if options is None else options.digest(),  # other options may be served another profile
-           _lookup_env_digest())  # and other settings (allow_modelled, env_mismatch, autoload) judge otherwise
+    lookup = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device),
+              None if options is None else options.digest())  # other options may be served another profile
+    # and other settings (allow_modelled, env_mismatch, autoload) judge otherwise; the env this lookup exported is
+    # its own whatever they were (`owner`: a retry replaces what its fallback exported)
+    key = (*lookup, _lookup_env_digest())
     with _lock:
         hit = _cache.get(key) if use_cache and client is None else None
         if hit is not None and (hit[1] is None or time.monotonic() < hit[1]):
             _last = hit[0]
             if export_env:
-                apply_env(_last.env)
+                apply_env(_last.env, owner=lookup)
             return _last
         on, where = client_autoload()  # a typo (MOETUNE_AUTOLOAD=of) is an error, not "on"
         until: float | None = None  # kept for the process: a looked-up profile, or autoload off (nothing to retry)
@@ -319,7 +323,7 @@ def autoload_profile(
             if res.source in FALLBACK_SOURCES:
                 until = time.monotonic() + _fallback_retry_s()
         if export_env:
-            apply_env(res.env)
+            apply_env(res.env, owner=lookup)
         log.info("moetune: knobs from %s (profile %s, %.1f ms%s)", res.source, res.profile_hash, res.elapsed_ms,
                  f", NCCL/NVSHMEM/FI environment {res.env_status}" if res.env_status else "")
         if client is None:
@@ -502,7 +506,10 @@ def autoload_group_profile(
         got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:  # cannot happen short of a torch bug: say so loudly
         raise RuntimeError(f"moetune: the profile rank 0 broadcast does not decode: {e}") from None
-    apply_env(got.env)
+    # this group lookup's own: a later one (rank 0's fallback retried) replaces what this one exported
+    apply_env(got.env, owner=("group", model, None if dtype is None else str(dtype).removeprefix("torch."), ep_size,
+                              nodes, max_tokens, transport_family, None if device is None else str(device),
+                              None if options is None else options.digest()))
     if rank != 0:
         log.info("moetune: rank %d uses rank 0's profile %s (%s%s)", rank, got.profile_hash, got.source,
                  f", {got.provenance}" if got.provenance else "")
@@ -517,11 +524,13 @@ def last_resolution() -> Resolution | None:
 
 
 def clear_cache() -> None:
-    """Forget the resolutions, the environment warnings given and the daemons' reported identities."""
+    """Forget the resolutions, the environment warnings given, the daemons' reported identities and which variables
+    autoload exported (they stay set and are the user's to a later lookup, as in a new process)."""
     global _last
     with _lock:
         _cache.clear()
         _last = None
+    forget_exports()
     forget_env_warnings()
     forget_reported_identities()
 

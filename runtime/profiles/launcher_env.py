@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+from collections.abc import Hashable
 
 from moetune.runtime import _once
 from moetune.runtime.knobs import KNOB_VALUES, Knobs
@@ -103,22 +105,70 @@ def allowed_env(env: dict[str, str]) -> tuple[dict[str, str], list[str]]:
 KEPT_SCOPE = "launcher_env.kept"  # the _once scope of the warnings about a profile's variable the user set otherwise
 
 
-def apply_env(env: dict[str, str], *, override: bool = False) -> dict[str, str]:
-    """Export the allowed variables of `env`; variables already set win unless `override`. Returns what was set."""
+# What autoload itself exported, so that a later lookup replaces it instead of deferring to it as if the user had set
+# it (a fallback is cached for client.fallback_retry_s only; its retry may find a tuned profile with other values).
+# _wanted: each lookup (`owner`) -> the allowed env it wants now, in the order they first applied (the first wins a
+# conflict, as "already set" did). _exported: variable -> (its value before autoload set it, the value autoload set).
+_wanted: dict[Hashable, dict[str, str]] = {}
+_exported: dict[str, tuple[str | None, str]] = {}
+_env_lock = threading.Lock()
+
+
+def apply_env(env: dict[str, str], *, override: bool = False, owner: Hashable | None = None) -> dict[str, str]:
+    """Export the allowed variables of `env`; variables already set win unless `override`. Returns what was set.
+
+    `owner` (autoload's lookup key) makes autoload's exports its own: a variable it exported that still holds that
+    value is set to what the lookups want now (`owner`'s new `env` replaces its previous one; the first lookup wins a
+    conflict) and, where none wants it any more, put back as it was before (unset if it was unset). A variable set
+    outside autoload, before or since (a user who set it to autoload's very value is taken as autoload's), still
+    wins. Without `owner` nothing is recorded: what it sets is as the user's to later calls."""
     kept, refused = allowed_env(env)
     for why in refused:
         log.warning("moetune: not exporting a variable from a profile: %s", why)
     applied: dict[str, str] = {}
-    for k, v in kept.items():
-        if k in os.environ and not override:
-            if os.environ[k] != v:
+    with _env_lock:
+        if owner is not None:
+            _wanted[owner] = kept
+        for k, (before, mine) in list(_exported.items()):
+            if os.environ.get(k) != mine:  # changed outside autoload since: the user's now
+                del _exported[k]
+                continue
+            want = next((w[k] for w in _wanted.values() if k in w), None)
+            if want is None:  # no lookup wants it any more (a fallback's, its retry found a profile without it)
+                del _exported[k]
+                if before is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = before
+            elif want != mine:
+                os.environ[k] = want
+                _exported[k] = (before, want)
+                if kept.get(k) == want:
+                    applied[k] = want
+        for k, v in kept.items():
+            if k in _exported:
+                continue  # autoload's: settled above
+            if k in os.environ and not override:
+                continue
+            before = os.environ.get(k)
+            os.environ[k] = v
+            applied[k] = v
+            if owner is not None:
+                _exported[k] = (before, v)
+        for k, v in kept.items():
+            have = os.environ.get(k)
+            if have is not None and have != v:
                 # a warning, once: these variables are left out of the performance environment compared with the
                 # profile's (they follow from its knobs), so nothing else says the profile runs outside what it
                 # was measured in
-                _once.say_once(KEPT_SCOPE, (k, os.environ[k], v),
-                               f"moetune: keeping {k}={os.environ[k]} from the environment; the profile was measured "
+                _once.say_once(KEPT_SCOPE, (k, have, v),
+                               f"moetune: keeping {k}={have} from the environment; the profile was measured "
                                f"with {k}={v}, so its numbers are not this run's", logger=log)
-            continue
-        os.environ[k] = v
-        applied[k] = v
     return applied
+
+
+def forget_exports() -> None:
+    """Forget what autoload exported (autoload.clear_cache): the variables stay, as a new process inherits them."""
+    with _env_lock:
+        _wanted.clear()
+        _exported.clear()
