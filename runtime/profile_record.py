@@ -311,6 +311,11 @@ def contradiction_reason(key: ProfileKey, knobs: Knobs) -> str | None:
             "`moetune profiles delete ID` removes it)")
 
 
+# how a listing says, per row, why a row is never served (`not_served_label`): short, since a table holds it
+CONTRADICTS_LABEL = "contradicts its family ({why})"
+WHAT_IF_LABEL = "what-if only ({why})"
+
+
 class _Labelled(Protocol):
     """What the effective-label rule reads of a profile: a ProfileRecord, or a daemon's reply of one
     (wire.ProfileResult, whose fields have the same meaning)."""
@@ -448,6 +453,11 @@ class ProfileRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return None if opts is None else data_path_digest(opts)
 
     @property
+    def not_served(self) -> str | None:
+        """Why no lookup ever serves this row, whatever its status (`not_served_label`); None where one may."""
+        return not_served_label(self.key, self.knobs)
+
+    @property
     def effective_provenance(self) -> Provenance:
         """The provenance the runtime goes by (`effective_provenance`: "measured" only from a measuring backend)."""
         return effective_provenance(str(self.provenance), self.backend, self.key.fingerprint)
@@ -497,14 +507,34 @@ def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
 WHAT_IF_ONLY = "what-if only: the runtime cannot run it ({why}); autoload passes over it"
 
 
+def _not_served_cause(key: ProfileKey, knobs: Knobs) -> tuple[bool, str] | None:
+    """(contradicting, what is wrong) where no lookup serves a current profile of `key` with `knobs`, None where one
+    may: the one rule `not_served_reason` and `not_served_label` both say, each in its own words."""
+    p = key_knobs_problem(key, knobs)
+    if p is not None:
+        return True, f"{p[0]}: {p[1]}"
+    refusal = runtime_refusal(key, knobs)
+    return None if refusal is None else (False, refusal)
+
+
 def not_served_reason(key: ProfileKey, knobs: Knobs) -> str | None:
     """Why no lookup serves a current profile of `key` with `knobs` (None: one may): its knobs or key contradict its
     family (`contradiction_reason`: the daemon, the client and the store's find_profile pass it over), or no run of
     this runtime can take it (`runtime_refusal`: autoload passes it over). Such a row stands for no key: what counts
     current profiles as served (re-tune planning, the daemon's status) asks this. The tuner's incumbent asks only
     `contradiction_reason` (tune.served_incumbent): a what-if row's rival is a what-if profile too."""
-    why = contradiction_reason(key, knobs)
-    if why is not None:
-        return why
-    refusal = runtime_refusal(key, knobs)
-    return None if refusal is None else WHAT_IF_ONLY.format(why=refusal)
+    cause = _not_served_cause(key, knobs)
+    if cause is None:
+        return None
+    contradicting, why = cause
+    return contradiction_reason(key, knobs) if contradicting else WHAT_IF_ONLY.format(why=why)
+
+
+def not_served_label(key: ProfileKey, knobs: Knobs) -> str | None:
+    """`not_served_reason` said short, for what lists stored profiles (`profiles list`, `show`, the daemon's
+    list_profiles reply): a reader of a list took such a row for one in use. None where a lookup may serve it."""
+    cause = _not_served_cause(key, knobs)
+    if cause is None:
+        return None
+    contradicting, why = cause
+    return (CONTRADICTS_LABEL if contradicting else WHAT_IF_LABEL).format(why=why)

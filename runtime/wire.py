@@ -237,6 +237,10 @@ class ProfileResult(msgspec.Struct, kw_only=True):
     # The data-path runtime options the profile was measured under (ProfileRecord.runtime_options; left out: not
     # recorded, as an older daemon's replies do). The client compares them with the job's options.
     runtime_options: OptionsMap | msgspec.UnsetType = msgspec.UNSET
+    # list_profiles only: why no lookup ever serves this row (`profile_record.not_served_label`: its knobs contradict
+    # its family, or a what-if profile no run of this runtime can take). Left out for a row that may be served, so a
+    # client one version older still reads a list of such rows; a get_profile reply never carries it.
+    not_served: Annotated[str, Meta(max_length=ERROR_MESSAGE_MAX)] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.provenance is msgspec.UNSET:

@@ -20,6 +20,7 @@ from moetune.runtime.profile_record import (
     MODELLED_METRIC,
     PROFILE_STATUSES,
     PROVENANCES,
+    WHAT_IF_LABEL,
     WHAT_IF_ONLY,
     metric_of_backend,
     provenance_of_backend,
@@ -65,7 +66,10 @@ def _record_json(pid: int, rec: Any) -> dict[str, Any]:
          # likewise the data-path runtime options: null where not recorded
          "runtime_options": rec.tuned_runtime_options, "runtime_options_digest": rec.runtime_options_digest,
          # and the routing: an unrecorded one is UNSET, which to_builtins leaves out (the key was missing)
-         "routing": rec.tuned_routing or None}
+         "routing": rec.tuned_routing or None,
+         # why no lookup ever serves the row (its knobs contradict its family, or a what-if profile): listed beside
+         # served rows, it read as one in use; null where one may serve it (every row has the same keys)
+         "not_served": rec.not_served}
     # provenance and measured_on as the runtime takes them (as the table shows them): a row stored as measured whose
     # backend does not measure read "measured" here while the table said PRESET; the stored labels beside them
     eff = rec.as_effective()
@@ -146,11 +150,15 @@ def list_cmd(
             Col("µs", "word", "right"), Col("backend", drop=4), Col("updated", "num", drop=5))
     colour = {"current": "green", "stale": "yellow", "superseded": "dim"}
     cells = []
+    unserved: list[tuple[int, str]] = []  # (id, why) of the rows no lookup serves: said under the table
     for pid, r in rows:
         k = r.key
+        why = r.not_served
+        if why is not None:
+            unserved.append((pid, why))
         cells.append((
             str(pid),
-            f"[{colour[r.status]}]{r.status}[/]",
+            f"[{colour[r.status]}]{r.status}[/]" + (" [red]NOT SERVED[/]" if why is not None else ""),
             PROVENANCE_LABEL[str(r.effective_provenance)],  # as the runtime takes it (a hand-edited label: db check)
             escape(k.transport_family),
             escape(k.fingerprint[:10]),
@@ -167,6 +175,8 @@ def list_cmd(
              f"{total} profile(s), the newest {len(rows)} shown (--limit 0 shows all, --json lists all)")
     print_table(out, cols, cells, title=title, title_justify="left",
                 left_out_hint="--json shows them")
+    for pid, why in unserved:  # a reason is longer than a cell: one line each, by id
+        out.print(f"profile {pid} is NOT SERVED: {escape(why)}", soft_wrap=False)  # wrapped to the width, as the table
 
 
 @app.command()
@@ -215,6 +225,10 @@ def show(
     unrunnable = runtime_refusal(rec.key, rec.knobs)
     if unrunnable:  # kept as a modelled what-if report (the store refuses it labelled measured)
         rows.append(("runtime", f"[yellow]{escape(WHAT_IF_ONLY.format(why=unrunnable))}[/]"))
+    why_unserved = rec.not_served
+    if why_unserved is not None and why_unserved != WHAT_IF_LABEL.format(why=unrunnable):
+        # as `list` says it: a contradicting row had no line here (a what-if one has the line above)
+        rows.append(("served", f"[red]NOT SERVED[/]: {escape(why_unserved)}"))
     for name, value in perf_env_lines(rec) + runtime_options_lines(rec):
         rows.append((escape(name), escape(value)))
     for name, value in sorted(rec.software_versions.items()):

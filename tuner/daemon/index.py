@@ -88,6 +88,16 @@ def encode_profile(rec: ProfileRecord, version: int) -> wire.ProfileResult:
                                          version=version)
 
 
+def encode_listed(rec: ProfileRecord, version: int) -> wire.ProfileResult:
+    """A list_profiles reply's row: `encode_profile`, and why no lookup serves it where none does (a reader of the
+    list took such a row for one in use). Not get_profile's: a reply with the field is one an older client refuses."""
+    res = encode_profile(rec, version)
+    why = rec.not_served
+    if why is not None:
+        res.not_served = why[:wire.ERROR_MESSAGE_MAX]  # the field's bound: a longer one fails the client's decode
+    return res
+
+
 class ProfileIndex:
     """Current profiles grouped by (fingerprint, ep, nodes, shape); immutable once built (except the caches)."""
 
@@ -212,5 +222,5 @@ class ProfileIndex:
             recs = [r for r in recs if r.key.fingerprint == fingerprint]
         n = min(limit, LIST_PAGE_MAX)
         res = wire.ListProfilesResult(version=self.version, fingerprint=self.fingerprint,
-                                      profiles=[encode_profile(r, self.version) for r in recs[:n]])
+                                      profiles=[encode_listed(r, self.version) for r in recs[:n]])
         return wire.encoder.encode(res)

@@ -920,8 +920,10 @@ class Store:
     def list_profiles(
         self, *, status: str | None = None, fingerprint: str | None = None, provenance: str | None = None
     ) -> list[tuple[int, ProfileRecord]]:
-        """(id, record) in id order; each record says its provenance. A row this moetune cannot read is
-        skipped (one bad row must not hide the rest, nor stop a daemon); `_records` warns once about such rows."""
+        """(id, record) in id order; each record says its provenance, and why no lookup serves it where none does
+        (`ProfileRecord.not_served`: the listings print it, or such a row read as one in use). A row this moetune
+        cannot read is skipped (one bad row must not hide the rest, nor stop a daemon); `_records` warns once about
+        such rows."""
         q = select_records().order_by(Profile.id)
         if status is not None:
             q = q.where(Profile.status == status)
