@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import pytest
 from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moetune.runtime import wire
 from moetune.runtime.knobs import default_knobs
@@ -135,6 +138,32 @@ def test_the_daemons_list_reply_labels_them(tmp_path: Path) -> None:
     # a served row's reply leaves the field out, as before
     served = next(p for p in got.profiles if by_hash[p.profile_hash] == ids["served"])
     assert served.not_served is msgspec.UNSET
+
+
+def test_a_running_daemon_s_list_reply_labels_them_built_or_cached(tmp_path: Path) -> None:
+    """Through the client and a running daemon: the page built on the list worker, the same page from its cache, and
+    the history's page (read from the store) all carry the label."""
+    import daemon_fakes as F
+
+    from moetune.runtime.profiles.client import ProfileClient
+    from moetune.tuner.daemon.server import Daemon
+
+    db = tmp_path / "moetune.db"
+    ids = _fill(db)
+    with Store(db) as s:
+        by_hash = {r.profile_hash: i for i, r in s.list_profiles()}
+    facts = F.FakeFacts({"gpu_model": "H200"})
+    endpoint = f"ipc://{tmp_path}/run/d.sock"
+    d = Daemon(store=F.open_store(db), endpoint=endpoint, discover=lambda: facts,
+               rediscover_interval_s=0).start(background=True)
+    c = ProfileClient(endpoint, timeout_ms=5000)
+    try:
+        for status in ("current", "current", "all"):  # built, cached, from the store
+            got = c.list_profiles(status=status, limit=100)
+            _check_labels({by_hash[p.profile_hash]: p.not_served or None for p in got.profiles}, ids)
+    finally:
+        c.close()
+        d.stop()
 
 
 def _older_list_type() -> type:
