@@ -318,6 +318,10 @@ class JobInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     # a running job whose cancel was asked: it ends after its current trial (state stays "running" until then, and
     # a new field, not a state, so an older client still reads the reply)
     cancelling: bool = False
+    # what the `retune` that queued it left out (keys the daemon's [tune] backend cannot answer here): one line a
+    # group, with why; shown by `status` (only the reply's message named them). Left off the wire while empty, and
+    # off the retune reply's job always (a client one version older refuses the field there and would queue again)
+    left_out: list[str] = []
 
 
 class JobsInfo(msgspec.Struct, kw_only=True):
@@ -325,6 +329,18 @@ class JobsInfo(msgspec.Struct, kw_only=True):
     running: JobInfo | None
     recent: list[JobInfo]
     capacity: int
+
+
+class RetuneRefusal(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A `retune` that queued no job because its keys were left out (StatusResult.retune_refusals)."""
+
+    at: str  # when it was answered (UTC, ISO 8601)
+    reason: str  # the request's reason
+    message: str  # what the reply said ("not queued: ..." / "nothing to re-tune: ..."), each group without its keys
+    left_out: list[str] = []  # one line a group of keys left out, with its shapes and buckets and why
+
+
+RETUNE_REFUSALS_KEPT = 5  # how many a daemon keeps for `status` (the newest)
 
 
 # omit_defaults: a field added here (with its default) is sent only when it says something, as JobInfo's
@@ -355,6 +371,9 @@ class StatusResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the daemon found its database damaged (the message: the file, `moetune db check`, restore it): nothing more is
     # written to it (no job, event or fabric change is recorded) and what it can still read is served; "" while sound
     store_damaged: str = ""
+    # the last `retune` requests (RETUNE_REFUSALS_KEPT) that queued no job and left keys out, oldest first: after their
+    # reply nothing else says why those keys were not re-tuned. Kept in memory only (a restart forgets them)
+    retune_refusals: list[RetuneRefusal] = []
 
 
 # omit_defaults: `left_out` is sent only where keys were left out and no job was queued (a client one version older

@@ -218,7 +218,7 @@ def test_status_says_which_profiles_each_count_covers(monkeypatch: pytest.Monkey
                          fingerprint="f", version=0, profiles_current=3, profiles_stale=0, requests=1,
                          last_discovery="t", last_discovery_ok=True, last_discovery_message="", uptime_s=1.0,
                          provenance={"measured": 0, "node_model": 0, "preset": 0}, tune_notice="", jobs=jobs,
-                         store_damaged="", profiles_not_served=0)
+                         store_damaged="", profiles_not_served=0, retune_refusals=[])
     monkeypatch.setattr(Q, "daemon_call", lambda *a, **k: st)
     r = CliRunner().invoke(app, ["status"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output

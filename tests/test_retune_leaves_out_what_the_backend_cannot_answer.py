@@ -10,6 +10,7 @@ automatic re-tune is unchanged: its job names the keys that stay stale (tests/te
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,10 +59,11 @@ class _Jobs:
         self.submitted: list[list[ProfileKey]] = []
         self.capacity = 8
 
-    def submit(self, *, keys: list[ProfileKey], **_kw: Any) -> Any:
+    def submit(self, *, keys: list[ProfileKey], **kw: Any) -> Any:
         self.submitted.append(list(keys))
+        self.left_out = kw.get("left_out")
         info = wire.JobInfo(id=len(self.submitted), state="queued", reason="t", keys=len(keys))
-        return SimpleNamespace(id=len(self.submitted), info=lambda: info)
+        return SimpleNamespace(id=len(self.submitted), info=lambda **_kw: info)
 
 
 def _daemon(records: list[ProfileRecord], stale: list[ProfileRecord], *, backend: str = "local", gpus: int = 8,
@@ -71,7 +73,8 @@ def _daemon(records: list[ProfileRecord], stale: list[ProfileRecord], *, backend
     facts.software_hash = "sw"
     tune = TuneSettings(backend=backend, trials=1, node_model_dir=str(tmp) if tmp else None)
     return SimpleNamespace(index=ProfileIndex(records, version=1, facts=facts, stale=stale), facts=facts, tune=tune,
-                           jobs=_Jobs(), store=SimpleNamespace(path=str((tmp or Path("/nonexistent")) / "m.db")))
+                           jobs=_Jobs(), store=SimpleNamespace(path=str((tmp or Path("/nonexistent")) / "m.db")),
+                           retune_refusals=collections.deque(maxlen=wire.RETUNE_REFUSALS_KEPT))
 
 
 def _ask(d: Any, **kw: Any) -> tuple[bool, Any]:

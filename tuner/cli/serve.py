@@ -158,8 +158,12 @@ def register(app: typer.Typer) -> None:
         rows.append(("jobs", f"running: {running}, queued: {len(j.queued)}/{j.capacity}"))
         # the running and queued jobs with their reasons (and why one waits: "deferred: ..."), then the last done;
         # a cancelled running job says so until its current trial ends (it looked as if the cancel was lost)
-        rows += [(f"job {r.id}", escape(_job_state(r) + f": {r.reason}" + (f" ({r.message})" if r.message else "")))
+        # and what the `retune` that queued a job left out of it (only its reply named those keys before)
+        rows += [(f"job {r.id}", escape(_job_state(r) + f": {r.reason}" + (f" ({r.message})" if r.message else "")
+                                        + (f"; left out of it: {'; '.join(r.left_out)}" if r.left_out else "")))
                  for r in [*([j.running] if j.running else []), *j.queued, *j.recent[-5:]]]
+        # the last `retune`s that queued no job for the keys they left out (--json names each group's keys too)
+        rows += [(f"retune at {x.at}", f"[yellow]{escape(f'{x.reason}: {x.message}')}[/]") for x in st.retune_refusals]
         print_table(Console(), (Col("field", "word"), Col("value")), rows, title="moetune daemon", show_header=False)
 
     @app.command("retune")

@@ -12,6 +12,7 @@ import os
 import queue
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,7 @@ def status(d: Daemon, req: wire.Status) -> Result:
         profiles_current=idx.current_count, profiles_stale=len(idx.stale), requests=d.metrics.total_requests(),
         jobs=_jobs_info(d), provenance=idx.provenance_counts(), tune_notice=d.tune_notice,
         store_damaged=d.store.damaged or "", profiles_not_served=idx.not_served_count,
+        retune_refusals=list(d.retune_refusals),
     )
 
 
@@ -147,26 +149,43 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
             if not keys:
                 if any(tuning_key(k) in asked for k in refused):
                     # stale keys (or --all's current ones) asked for by name: the job could only fail
-                    return False, (wire.E_NOT_FOUND, f"not queued: {backend} cannot re-tune any of the "
-                                                     f"{len(refused)} key(s) here: {brief}{advice}")
+                    msg = f"not queued: {backend} cannot re-tune any of the {len(refused)} key(s) here: {brief}{advice}"
+                    _note_refusal(d, req, msg, left_out)
+                    return False, (wire.E_NOT_FOUND, msg)
                 # current keys planned only because no row of theirs is served: as before they were planned
-                return True, wire.RetuneResult(job=None, left_out=left_out, message=(
-                    "nothing to re-tune: no stale profile lacks a served current one, and the current keys no "
-                    f"lookup serves are ones {backend} cannot re-tune here: {said}"))
+                msg = ("nothing to re-tune: no stale profile lacks a served current one, and the current keys no "
+                       f"lookup serves are ones {backend} cannot re-tune here: ")
+                _note_refusal(d, req, msg + brief + advice, left_out)
+                return True, wire.RetuneResult(job=None, left_out=left_out, message=msg + said)
             left_out_said = f"; {backend} leaves out {len(refused)} key(s) it cannot re-tune here: {said}"
         why = retune_refusal(d.store, d.facts, d.tune, keys)
         if why:
             also = f" Also, {backend} leaves out: {brief}" if left_out else ""
+            if left_out:
+                _note_refusal(d, req, f"not queued: {why}{also}", left_out)
             return False, (wire.E_NOT_FOUND, f"not queued: {why}{also}")
     try:
-        job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all, confirm=True)
+        # the keys left out are kept on the job (its events, `status`): after this reply nothing else named them
+        job = d.jobs.submit(reason=req.reason, old_fingerprint=None, keys=keys, all_current=req.all, confirm=True,
+                            left_out=left_out)
     except JobNotRecorded as e:
         return False, (wire.E_INTERNAL, str(e))
     except queue.Full:
         return False, (wire.E_BUSY, f"the job queue is full ({d.jobs.capacity} jobs)")
-    # no left_out beside a queued job: a client one version older refuses a reply with a field it does not know, and
-    # its user, told the retune failed, would queue the job again; the message names the keys left out
-    return True, wire.RetuneResult(job=job.info(), message=f"queued job {job.id} for {len(keys)} key(s)" + left_out_said)
+    # no left_out beside a queued job, in the reply or its job: a client one version older refuses a reply with a field
+    # it does not know, and its user, told the retune failed, would queue the job again; the message names the keys
+    return True, wire.RetuneResult(job=job.info(left_out=False),
+                                   message=f"queued job {job.id} for {len(keys)} key(s)" + left_out_said)
+
+
+def _note_refusal(d: Daemon, req: wire.Retune, message: str, left_out: list[str]) -> None:
+    """Keep a `retune` that queued nothing for keys it left out, for `status` (the newest RETUNE_REFUSALS_KEPT): once
+    its reply is gone, nothing else says why those keys were not re-tuned."""
+    at = datetime.now(UTC).isoformat(timespec="seconds")
+    # a deque with maxlen, appended here (the list worker) and copied by `status` (the serving loop): each is one
+    # C-level operation under the GIL, so the copy never sees it half-changed
+    d.retune_refusals.append(wire.RetuneRefusal(at=at, reason=req.reason, message=message[:wire.ERROR_MESSAGE_MAX],
+                                                left_out=list(left_out)))
 
 
 def planned_keys(idx: ProfileIndex, *, all_current: bool) -> tuple[list[ProfileKey], set[tuple]]:

@@ -73,7 +73,7 @@ class JobNotRecorded(RuntimeError):
 
 class Job:
     def __init__(self, job_id: int, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
-                 resumes: int | None = None):
+                 resumes: int | None = None, left_out: list[str] | None = None):
         self.id = job_id
         self.resumes = resumes  # the job of the last daemon this one takes over (recover_jobs reads it back)
         self.reason = reason
@@ -96,6 +96,8 @@ class Job:
         self.backend: str | None = None  # the [tune] backend it ran under (a notice it leaves is about that one)
         self.cancelled_by = ""  # "user" (the retune op), "fabric" (the watch: its fabric changed), "shutdown"
         self.refused: list[str] = []  # keys the re-tune would not produce here, and why (they stay as they are)
+        # keys the `retune` that queued it left out (the backend cannot answer them here), a line a group: never in it
+        self.left_out: list[str] = list(left_out or [])
         self.kept = 0  # keys re-tuned whose current profile stayed (the new result did not replace it)
         self.kept_why: list[str] = []  # the distinct reasons they stayed (the store's rule, the side-by-side check)
         self.no_result: list[str] = []  # keys re-tuned that got nothing (no successful trial, the budget), and why
@@ -107,11 +109,13 @@ class Job:
         self.end_recorded = threading.Event()  # a dropped job's job_finished write was tried (`_finish_dropped`)
         self.end_ok = False  # ... and committed
 
-    def info(self) -> JobInfo:
+    def info(self, *, left_out: bool = True) -> JobInfo:
+        """As `status` lists it; without `left_out` as the retune reply carries it (see run_retune)."""
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
                        keys=len(self.keys), run_id=self.run_id if self.started_recorded else None, written=self.written, message=self.message,
                        created=self.created, finished=self.finished,
-                       cancelling=self.state == "running" and self.cancel.is_set())
+                       cancelling=self.state == "running" and self.cancel.is_set(),
+                       left_out=list(self.left_out) if left_out else [])
 
     def details(self) -> dict[str, Any]:
         return {"job_id": self.id, "run_id": self.run_id, "old_fingerprint": self.old_fingerprint,
@@ -119,7 +123,7 @@ class Job:
                 "keys": [k.to_dict() for k in self.keys], "state": self.state, "written": self.written,
                 "message": self.message, "impossible": self.impossible, "refused": list(self.refused),
                 "kept": self.kept, "kept_why": list(self.kept_why), "no_result": list(self.no_result),
-                "routings": dict(self.routings),
+                "routings": dict(self.routings), "left_out": list(self.left_out),
                 "resumes": self.resumes, "backend": self.backend}
 
 
@@ -237,12 +241,14 @@ class JobManager:
             return False
 
     def submit(self, *, reason: str, old_fingerprint: str | None, keys: list[ProfileKey], all_current: bool = False,
-               confirm: bool = False, skip_queued: bool = False, resumes: int | None = None) -> Job | None:
+               confirm: bool = False, skip_queued: bool = False, resumes: int | None = None,
+               left_out: list[str] | None = None) -> Job | None:
         """Queue a job; raises queue.Full when the queue is at capacity or the daemon is stopping. With
         `skip_queued` (the automatic re-tunes) keys a queued job already holds are left out (a queued job tunes
         for the facts current when it starts), and None is returned when none is left. `resumes`: the id of
         the last daemon's job this one takes over; such a job is queued past the capacity (a stopped daemon
-        may leave one running and `capacity` queued: none may be lost).
+        may leave one running and `capacity` queued: none may be lost). `left_out`: what the user's `retune` left
+        out of it (kept on the job for `status` and its events).
 
         The job_queued event is written (in the caller's thread) BEFORE the worker can see the job, so the events
         of one job are always in order (queued < started < finished) for recover_jobs(). With `confirm` (a user's
@@ -259,7 +265,7 @@ class JobManager:
             if len(self._queued) >= self.capacity and resumes is None:
                 raise queue.Full(f"{self.capacity} jobs queued")
             job = Job(next(self._ids), reason=reason, old_fingerprint=old_fingerprint, keys=keys, all_current=all_current,
-                      resumes=resumes)
+                      resumes=resumes, left_out=left_out)
             self._queued[job.id] = job  # reserves its place: at most `capacity` jobs queued or being persisted
         self._persist_and_enqueue(job, confirm=confirm)
         log.info("queued re-tune job %d (%d keys): %s", job.id, len(keys), reason)

@@ -42,6 +42,7 @@ its re-tune jobs measure and write as one does, so it refuses to start beside on
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import errno
 import gc
@@ -255,6 +256,8 @@ class Daemon(FabricWatch):
         self._last_discovery = ("", False, "not run yet")
         self.index = ProfileIndex([], version=0, facts=None, stale=[])
         self.tune_notice = ""  # why the automatic re-tune cannot run here (shown by `status`), else ""
+        # the last `retune` requests that queued nothing for keys they left out (handlers._note_refusal; `status`)
+        self.retune_refusals: collections.deque[wire.RetuneRefusal] = collections.deque(maxlen=wire.RETUNE_REFUSALS_KEPT)
         self._lists: queue.Queue[tuple[list[bytes], wire.ListProfiles] | None] = queue.Queue(maxsize=LIST_QUEUE)
         self._retunes: queue.Queue[tuple[list[bytes], wire.Retune] | None] = queue.Queue(maxsize=RETUNE_QUEUE)
         self._workers: list[threading.Thread] = []  # the list and retune workers (they hold a PUSH socket each)
@@ -927,7 +930,10 @@ class Daemon(FabricWatch):
             try:
                 job = self.jobs.submit(reason=f"resumed job {r.job_id} after a restart",
                                        old_fingerprint=d.get("old_fingerprint"), keys=keys,
-                                       all_current=bool(d.get("all_current")), resumes=r.job_id)
+                                       all_current=bool(d.get("all_current")), resumes=r.job_id,
+                                       # what its `retune` left out stays said (an older moetune wrote none)
+                                       left_out=[x for x in d.get("left_out") if isinstance(x, str)]
+                                       if isinstance(d.get("left_out"), list) else None)
             except queue.Full:  # only while stopping: left open in the store, the next start resumes it
                 log.error("daemon stopping: job %s not resumed", r.job_id)
                 continue
