@@ -112,7 +112,7 @@ def node_backend(store: Store, facts: Any, tune: TuneSettings) -> tuple[Any, str
     """`_backend_for` of a store, facts and [tune] settings: also asked before a user's `retune` is queued
     (`retune_refusal`)."""
     backend = tune.backend
-    if backend == "local":  # (a capture of another node is refused before: tuner_retune)
+    if backend == "local":  # (a capture of another node is refused before: key_refusals)
         return "local", None
     if backend != "model":
         raise RetuneImpossible(f"unknown tune.backend {backend!r} (expected one of {', '.join(TUNE_BACKENDS)})")
@@ -218,11 +218,20 @@ def key_refusals(keys: list[ProfileKey], facts: Any, backend: str) -> list[KeyRe
     of `facts`, and why: the job refuses them by this (they stay stale), and a user's `retune` leaves them out of
     the job it queues (handlers.run_retune). An EP group of a transport family at EP 1 (both backends:
     `one_rank_exchange`); with "local", a group this node cannot measure (`local_refusal`: several nodes, more
-    ranks than it has GPUs); a megakernel key not at EP 1 on one node, or one `megakernel_refusal` refuses. An EP
-    key's family is no reason: its group is re-tuned over the node's families, whichever the key names."""
+    ranks than it has GPUs); a megakernel key not at EP 1 on one node, or one `megakernel_refusal` refuses. With
+    "local" and facts read from a capture of another node (`_capture_elsewhere`), every key, the megakernel's too: it
+    measures on this machine only. An EP key's family is no reason: its group is re-tuned over the node's families,
+    whichever the key names."""
     from moetune.tuner.search.backends import one_rank_exchange
 
     local = backend == "local"
+    elsewhere = _capture_elsewhere(facts) if local and keys else ""
+    if elsewhere:
+        # what it measured here would be stored under the captured node's identity: the whole job failed once it ran
+        # (queued first); refused here, the reply leaves every key out at once and says why
+        measuring = any(k.transport_family not in ENGINE_FAMILIES for k in keys)
+        return [KeyRefusal(list(keys), f"{len(keys)} key(s)", "re-measured",
+                           f"a local re-tune measures on this machine only, and {elsewhere}", measuring)]
     gpus = int(facts.gpu_count or 0)
     out: list[KeyRefusal] = []
     ep_keys = [k for k in keys if k.transport_family not in ENGINE_FAMILIES]
@@ -359,11 +368,6 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
 
     tune = ctx.tune
-    local = tune.backend == "local"
-    why = _capture_elsewhere(ctx.facts) if local else ""
-    if why:  # before any key: the megakernel's keys measure here too, and would be stored as the captured node's
-        raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} by measuring here: {why}; a daemon "
-                               "serving a capture of another node re-tunes with [tune] backend = \"model\" only")
 
     def on_trial(_name: str, study: Any, _trial: Any) -> None:
         if ctx.cancel.is_set():  # the study ends here; `stop` then returns what the call did, tallied below
@@ -373,14 +377,15 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         ctx.refused.append(msg)
         log.warning("re-tune job %d: %s", ctx.job.id, msg)
 
-    # each key is tuned under the routing its profile was: the default (uniform) brought a zipf key back as a uniform
-    # profile, or, beside its current zipf profile, one the store never compares with it (the key stayed as it was)
-    routings = {k: ctx.store.routing_of(k) for k in ctx.keys}
+    # a local job of another node's capture: every key is refused here, before anything reads the store or measures
     refusals = key_refusals(ctx.keys, ctx.facts, tune.backend)
     for r in refusals:
         refuse(r.said("they stay stale"))
     ep_refused = any(r.measuring for r in refusals)
     refused = {k for r in refusals for k in r.keys}
+    # each key is tuned under the routing its profile was: the default (uniform) brought a zipf key back as a uniform
+    # profile, or, beside its current zipf profile, one the store never compares with it (the key stayed as it was)
+    routings = {k: ctx.store.routing_of(k) for k in ctx.keys if k not in refused}
     ep_keys = [k for k in ctx.keys if k.transport_family not in ENGINE_FAMILIES and k not in refused]
     mk_keys = [k for k in ctx.keys if k.transport_family == MEGAKERNEL_FAMILY and k not in refused]
     runnable = []
