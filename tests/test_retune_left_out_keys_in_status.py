@@ -164,3 +164,14 @@ def test_status_shows_what_a_job_s_retune_left_out(monkeypatch: pytest.MonkeyPat
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert "job 3" in text and "left out of it: 1 key(s) of EP 16 over 2 node(s) not x" in text, text
+
+
+def test_retune_help_says_status_lists_them() -> None:
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    r = CliRunner().invoke(app, ["retune", "--help"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "`moetune status` still lists them" in text and "capture of another node" in text, text
