@@ -71,6 +71,26 @@ def test_the_keys_left_out_of_a_queued_job_are_kept_on_the_job_not_in_the_retune
     assert ev["details"]["left_out"] == queued.left_out, ev  # stored with the job, as its other details
 
 
+def test_the_cancel_reply_s_job_carries_no_left_out_either(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`retune --cancel N` of a job keys were left out of: its reply's job carried left_out, which a client one version
+    older refuses (BadReply: its user was told the cancel failed, though the job was cancelled)."""
+    from moetune.runtime.profiles.replies import decode_reply, decode_result
+
+    d = L._daemon([L._what_if("fp")], [L._rec(L._key("old", ep=8, bucket=4096))])
+    d.jobs = JobManager(store=F.open_store(tmp_path / "m.db"), facts_fn=lambda: d.facts, retune=tuner_retune,
+                        on_done=lambda j, w: None, tune=d.tune)  # not started: the job stays queued
+    ok, res = L._ask(d)
+    assert ok and res.job is not None and d.jobs.info()[0][0].left_out, res  # a job with keys left out
+    ok, res = L._ask(d, cancel=res.job.id)
+    assert ok and res.job.state == "cancelled", res
+    frame = wire.encode_ok(1, "e", res)
+    assert b"left_out" not in frame, frame
+    old_job = _older(wire.JobInfo, "left_out")
+    monkeypatch.setitem(wire.RESULT_TYPES, "retune", _older(wire.RetuneResult, "", job=old_job | None))
+    assert decode_result("retune", decode_reply(frame).result).job.state == "cancelled"
+    assert d.jobs.info()[2][0].left_out, "status still lists them"
+
+
 def _older(struct: type, drop: str, **types: type) -> type:
     """`struct` as a client one version older defines it: without the field `drop` (nested types replaced)."""
     fields: list[Any] = []

@@ -118,7 +118,8 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
             return False, (wire.E_INTERNAL, str(e))
         if job is None:
             return False, (wire.E_NOT_FOUND, f"no queued or running job {req.cancel}")
-        return True, wire.RetuneResult(job=job.info(), message=f"cancelling job {job.id}")
+        # as the queued reply's job: no left_out (a client one version older refuses it and says the cancel failed)
+        return True, wire.RetuneResult(job=job.info(left_out=False), message=f"cancelling job {job.id}")
     idx = d.index
     if idx.fingerprint is None:
         return False, (wire.E_NOT_FOUND, "the fabric is unknown (discovery failed); nothing to re-tune for")

@@ -110,7 +110,7 @@ class Job:
         self.end_ok = False  # ... and committed
 
     def info(self, *, left_out: bool = True) -> JobInfo:
-        """As `status` lists it; without `left_out` as the retune reply carries it (see run_retune)."""
+        """As `status` lists it; without `left_out` as a retune reply carries it (queued or cancelled: run_retune)."""
         return JobInfo(id=self.id, state=self.state, reason=self.reason, fingerprint=self.fingerprint or self.old_fingerprint,
                        keys=len(self.keys), run_id=self.run_id if self.started_recorded else None, written=self.written, message=self.message,
                        created=self.created, finished=self.finished,
