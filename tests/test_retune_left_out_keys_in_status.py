@@ -91,6 +91,25 @@ def test_the_cancel_reply_s_job_carries_no_left_out_either(tmp_path: Path, monke
     assert d.jobs.info()[2][0].left_out, "status still lists them"
 
 
+def test_a_job_re_queued_because_the_fabric_changed_keeps_what_its_retune_left_out(tmp_path: Path) -> None:
+    """The job queued again after the fabric changed under it takes the first one over (`resumes`), as a job resumed
+    after a restart does (recover_jobs passes left_out on): its keys left out were lost from `status` and its
+    job_queued event, once the first job left the recent list."""
+    from moetune.tuner.daemon.jobs import Job
+
+    store = F.open_store(tmp_path / "m.db")
+    jm = JobManager(store=store, facts_fn=lambda: None, retune=tuner_retune, on_done=lambda j, w: None,
+                    tune=TuneSettings(backend="local", trials=1))  # not started: the new job stays queued
+    said = ["1 key(s) of EP 16 over 2 node(s) (x) not re-measured: y"]
+    first = Job(7, reason="asked", old_fingerprint=None, keys=[L._key("old", ep=8, bucket=4096)], left_out=said)
+    first.fingerprint = "old"
+    jm._requeue(first, "new")
+    [again] = jm.info()[0]
+    assert "re-queued" in again.reason and again.left_out == said, again
+    [ev] = [e for e in store.list_events(limit=10) if e["kind"] == "job_queued"]
+    assert ev["details"]["left_out"] == said and ev["details"]["resumes"] == 7, ev
+
+
 def _older(struct: type, drop: str, **types: type) -> type:
     """`struct` as a client one version older defines it: without the field `drop` (nested types replaced)."""
     fields: list[Any] = []

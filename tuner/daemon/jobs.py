@@ -607,7 +607,8 @@ class JobManager:
         try:
             self.submit(reason=f"job {job.id} re-queued: the fabric changed to {fingerprint} during it"[:512],
                         old_fingerprint=job.fingerprint, keys=job.keys, all_current=job.all_current, skip_queued=True,
-                        resumes=job.id)  # takes this job over (recover_jobs); past the capacity, as it ends
+                        resumes=job.id,  # takes this job over (recover_jobs); past the capacity, as it ends
+                        left_out=job.left_out)  # still said, as a job resumed after a restart says them
         except queue.Full as e:
             log.error("job %d not re-queued after the fabric changed: %s", job.id, e)
 
