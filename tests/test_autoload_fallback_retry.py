@@ -161,3 +161,30 @@ def test_another_lookups_profile_does_not_take_away_what_a_fallback_exported(ret
     res = autoload.autoload_profile(model=QWEN, ep_size=1, nodes=1, max_tokens=4096)  # another key
     assert res.source == "daemon"
     assert os.environ.get(RT) == "ibrc" and os.environ.get(IBGDA) == "0"
+
+
+def test_a_group_retry_replaces_the_fallback_s_environment_whatever_dtype_spelling(
+        retry_every_time: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EP group's lookup (rank 0 of one host: no real collective, monkeypatched) with dtype=None, then the same
+    lookup naming the model's own dtype (an EP buffer passes its torch dtype, autoload_knobs the caller's None): one
+    lookup, as autoload_profile keys it. Its exports were owned by two keys (None vs "bfloat16"), so the fallback's
+    stayed wanted and the retry's profile did not replace them."""
+    import torch.distributed as dist
+
+    _answers(monkeypatch, ["down", "tuned"], ENVS)
+    monkeypatch.setattr(autoload, "_dist_on", lambda group=None: True)
+    monkeypatch.setattr(autoload, "group_hosts", lambda group=None: [1, 1])
+    monkeypatch.setattr(autoload, "_group_device", lambda group: "cpu")
+    monkeypatch.setattr(autoload, "_broadcast_bytes", lambda data, group, device: data)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+    def load(dtype: Any) -> Resolution:
+        return autoload.autoload_group_profile(model=QWEN, ep_size=2, max_tokens=64, dtype=dtype)
+
+    assert load(None).source == "policy" and os.environ.get(RT) == "ibrc"
+    assert QWEN.dtype == "bfloat16"
+    assert load("bfloat16").source == "daemon"
+    assert os.environ.get(RT) == "ucx" and IBGDA not in os.environ
+    import torch
+
+    assert load(torch.bfloat16).source == "daemon" and os.environ.get(RT) == "ucx"  # a torch dtype: the same lookup

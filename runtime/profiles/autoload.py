@@ -506,10 +506,11 @@ def autoload_group_profile(
         got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:  # cannot happen short of a torch bug: say so loudly
         raise RuntimeError(f"moetune: the profile rank 0 broadcast does not decode: {e}") from None
-    # this group lookup's own: a later one (rank 0's fallback retried) replaces what this one exported
-    apply_env(got.env, owner=("group", model, None if dtype is None else str(dtype).removeprefix("torch."), ep_size,
-                              nodes, max_tokens, transport_family, None if device is None else str(device),
-                              None if options is None else options.digest()))
+    # this group lookup's own: a later one (rank 0's fallback retried) replaces what this one exported. Its dtype as
+    # autoload_profile keys it (None is the model's own; torch.bfloat16 is "bfloat16"): one lookup, one owner
+    dt = model.dtype if dtype is None else str(dtype).removeprefix("torch.")
+    apply_env(got.env, owner=("group", model, dt, ep_size, nodes, max_tokens, transport_family,
+                              None if device is None else str(device), None if options is None else options.digest()))
     if rank != 0:
         log.info("moetune: rank %d uses rank 0's profile %s (%s%s)", rank, got.profile_hash, got.source,
                  f", {got.provenance}" if got.provenance else "")
