@@ -51,6 +51,29 @@ def test_daemon_index_passes_over_a_contradicting_row() -> None:
     assert wire.decode_result("get_profile", raw).profile_hash == sound.profile_hash  # type: ignore[arg-type]
 
 
+def test_daemon_index_passes_over_a_what_if_row_for_a_runnable_one() -> None:
+    """A what-if row (proxy at EP 16 over 2 nodes: no run of this runtime takes it) modelled faster than a runnable
+    collective row of the same group is not what the daemon hands out (the client would refuse it and leave the daemon
+    for its database); with nothing else, the not-found reply says why it was passed over."""
+    facts = SimpleNamespace(fingerprint="fp", software_hash="sw")
+
+    def rec(family: str, latency: float) -> ProfileRecord:
+        k = key("fp", "sw", family=family, bucket=64, nodes=2)
+        k = k.__class__(**{**{f: getattr(k, f) for f in k.__struct_fields__}, "ep_size": 16})
+        return ProfileRecord(key=k, knobs=default_knobs(family.split(":")[0]), latency_us=latency, spread_us=0.1,
+                             backend="model:node:fp", provenance="node_model", measured_on="fp")
+
+    what_if, runnable = rec("proxy:ibrc", 1.0), rec("collective", 9.0)
+    req = wire.GetProfile(v=wire.PROTOCOL_VERSION, id=1, ep_size=16, nodes=2, tokens=64, model="qwen3-30b",
+                          fingerprint="fp", software="sw")
+    ok, raw = ProfileIndex([what_if, runnable], version=1, facts=facts, stale=[]).lookup(req)
+    assert ok, raw
+    assert wire.decode_result("get_profile", raw).profile_hash == runnable.profile_hash  # type: ignore[arg-type]
+    ok, (code, msg) = ProfileIndex([what_if], version=1, facts=facts, stale=[]).lookup(req)  # type: ignore[misc]
+    assert not ok and code == wire.E_NOT_FOUND
+    assert what_if.profile_hash in msg and "what-if only" in msg
+
+
 def test_database_lookup_passes_over_a_contradicting_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     facts = _local_facts()
     F.pretend_node(monkeypatch, facts, tmp_path / "proc")

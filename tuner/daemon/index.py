@@ -107,26 +107,28 @@ class ProfileIndex:
         self.fingerprint: str | None = facts.fingerprint if facts is not None else None
         self.software: str | None = facts.software_hash if facts is not None else None
         self.groups: dict[ShapeKey, list[ProfileRecord]] = {}
-        # current rows whose knobs or key contradict their family (what `db check` names): never served, their reason
-        # kept for a lookup that finds nothing else (said in its not-found reply)
+        # current rows no lookup serves (`not_served_reason`: knobs or key contradict their family, what `db check`
+        # names, or a what-if no run of this runtime can take): never served, their reason kept for a lookup that
+        # finds nothing else (said in its not-found reply). A what-if row handed out would only be refused by the
+        # client, which then skipped the daemon for its database although a runnable row of another family was here.
         self.passed_over: dict[ShapeKey, list[tuple[ProfileRecord, str]]] = {}
         for r in records:
             if r.status != "current":
                 continue  # a stale profile is never served as current
             k = r.key
             group = (k.fingerprint, k.ep_size, k.nodes, k.hidden, k.intermediate, k.experts, k.topk, k.dtype)
-            why = contradiction_reason(k, r.knobs)
+            why = not_served_reason(k, r.knobs)
             if why is not None:
                 self.passed_over.setdefault(group, []).append((r, why))
-                # once per process and row: every store change rebuilds the index
-                say_once(_PASSED_OVER, r.profile_hash, f"profile {r.profile_hash}: {why}", logger=log)
+                if contradiction_reason(k, r.knobs) is not None:  # a defect to mend; a what-if row is stored as meant
+                    # once per process and row: every store change rebuilds the index
+                    say_once(_PASSED_OVER, r.profile_hash, f"profile {r.profile_hash}: {why}", logger=log)
                 continue
             self.groups.setdefault(group, []).append(r)
         self.records = [r for r in records if r.status == "current"]
-        # current rows no lookup serves (the above, and those no run of this runtime can take, which autoload passes
-        # over): listed as current (the database's status), counted apart by `status`, out of its provenance counts
-        # (by identity: a record is not hashable)
-        self.not_served = {id(r) for r in self.records if not_served_reason(r.key, r.knobs) is not None}
+        # the rows passed over above: listed as current (the database's status), counted apart by `status`, out of
+        # its provenance counts (by identity: a record is not hashable)
+        self.not_served = {id(r) for rows in self.passed_over.values() for r, _ in rows}
         self.stale = stale
         self.cache = ReplyCache(CACHE_LIMIT)
         self.list_cache = ReplyCache(LIST_CACHE_LIMIT, shared=True)
