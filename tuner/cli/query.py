@@ -69,7 +69,10 @@ def check_db_given(db: Path) -> None:
     A --db that does not exist is refused too (a typo in the path answered the policy defaults, exit 0), and so is
     one a newer moetune wrote (an unknown schema revision: the fallback read nothing and answered the defaults, exit
     0, where every other command exits 2 on it); only with no --db is a missing database left to the fallback (the
-    defaults, saying there is no database). A busy one is left to the fallback."""
+    defaults, saying there is no database). A busy one is left to the fallback. One this client does not trust (others
+    can write it or its folder, or it is another user's: `paths.untrusted_file_reason`, the fallback database's rule)
+    is refused before SQLite opens it: the probe below would parse pages whoever may write it controls."""
+    from moetune.runtime.paths import untrusted_file_reason
     from moetune.tuner.cli.db import fail
     from moetune.tuner.store._schema import db_option
     from moetune.tuner.store.db_file import probe_database, without_moetune
@@ -78,6 +81,9 @@ def check_db_given(db: Path) -> None:
     if not db.exists():
         raise fail(f"--db {db} does not exist (give a moetune database: `moetune db path` prints the configured one; "
                    "without --db the lookup falls back to the policy defaults when there is no database)")
+    if (untrusted := untrusted_file_reason(db)) is not None:
+        raise fail(f"--db {db} is a database this client does not trust ({untrusted}): not opened; give one only "
+                   "you (or root) can write, in a folder others cannot write")
     try:
         kind, rev = probe_database(db)
     except StoreError as e:
