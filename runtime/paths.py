@@ -228,6 +228,53 @@ def foreign_link_reason(d: Path, link: os.stat_result, uid: int) -> str | None:
     return None
 
 
+MAX_LINK_HOPS = 40  # Linux's limit of links followed in one path lookup (ELOOP past it)
+
+
+def foreign_sticky_link_reason(p: str | Path, uid: int | None = None) -> str | None:
+    """Why the path `p` is refused for a symbolic link in it (any component, the last included, and any in what the
+    links lead to) that sits in a sticky, world-writable folder (such as /tmp) and is owned by neither this user
+    (`uid`, default os.getuid()) nor root; None where there is none. The sticky bit keeps others from replacing this
+    user's files there, not from making their own link first: `/tmp/moetune.db -> ~/x.db`, made by another user,
+    points this user's database wherever its owner likes, and Linux's fs.protected_symlinks refuses to follow it only
+    where that setting is on (and never for a path resolved by hand, as realpath does). Walked as the kernel resolves
+    a path (a `..` after a link goes up from where the link led); a component that is not there ends the walk (the
+    caller's open says what is missing)."""
+    uid = os.getuid() if uid is None else uid
+    raw = os.fspath(p)
+    if not os.path.isabs(raw):
+        raw = os.path.join(os.getcwd(), raw)
+    todo = [x for x in reversed(raw.split("/")) if x not in ("", ".")]  # popped from the end: the next component
+    cur, hops = "/", 0
+    while todo:
+        name = todo.pop()
+        if name == "..":
+            cur = os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, name)
+        try:
+            st = os.lstat(nxt)
+        except OSError:  # absent, or a folder this user may not search: nothing further to judge here
+            return None
+        if not stat.S_ISLNK(st.st_mode):
+            cur = nxt
+            continue
+        hops += 1
+        try:
+            folder, target = os.stat(cur), os.readlink(nxt)
+        except OSError:
+            return None
+        if folder.st_mode & stat.S_ISVTX and folder.st_mode & 0o002 and st.st_uid not in (uid, 0):
+            return (f"{nxt} is a symbolic link owned by uid {st.st_uid}, not by this user (uid {uid}) or root, in "
+                    f"{cur}, a sticky folder anyone can write: its owner can point it anywhere")
+        if hops > MAX_LINK_HOPS:  # a loop: the open fails with ELOOP and says so
+            return None
+        if target.startswith("/"):
+            cur = "/"
+        todo.extend(x for x in reversed(target.split("/")) if x not in ("", "."))
+    return None
+
+
 def untrusted_dir_reason(d: Path) -> str | None:
     """Why the runtime must not trust sockets or `daemon.json` in directory `d` (None when it may).
 
@@ -268,7 +315,11 @@ def untrusted_file_reason(f: Path) -> str | None:
     folder of this user or root, such as /tmp, with `f` this user's or root's. The file itself: not writable by group
     or others, and owned by this user, root or its trusted folder's owner (a service's database, 0640 in its state
     directory, read by its group's members). SQLite's side files beside it (-wal, -shm, -journal: read as part of the
-    database) are judged as the file is: in a sticky folder another user may make them while the file is safe."""
+    database) are judged as the file is: in a sticky folder another user may make them while the file is safe. A
+    path through another user's link in a sticky, world-writable folder is refused (`foreign_sticky_link_reason`):
+    the file it leads to says nothing of who chose it."""
+    if (why := foreign_sticky_link_reason(f)) is not None:
+        return why
     real = Path(os.path.realpath(f))
     try:
         st = os.stat(real)

@@ -44,6 +44,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool, StaticPool
 
 from moetune.runtime import _once
+from moetune.runtime.paths import foreign_sticky_link_reason
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     PROVENANCES,
@@ -226,6 +227,10 @@ class Store:
             except UnicodeEncodeError:  # argv's or the environment's non-UTF-8 bytes: the URL below is UTF-8 only
                 raise StoreError(f"database path {str(self.path)!r} is not UTF-8 (the store opens its file through "
                                  "a UTF-8 URL): rename the file (or its folder)") from None
+            # another user's link in /tmp (or any sticky, world-writable folder) chooses which file this opens and
+            # writes: refused before anything at the path is read or created (fs.protected_symlinks may be off)
+            if (why := foreign_sticky_link_reason(self.path)) is not None:
+                raise StoreError(f"database {self.path} refused: {why}")
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
             if self.path.exists() and not self.path.is_file():
                 raise not_a_file(self.path)
