@@ -109,3 +109,21 @@ def test_the_walk_with_a_faked_lstat(monkeypatch: pytest.MonkeyPatch) -> None:
     assert foreign_sticky_link_reason("/h/db", me) is None
     tree["/s/l"] = st(stat.S_IFLNK | 0o777, me)
     assert foreign_sticky_link_reason("/s/m", me) is None
+
+
+@needs_root
+def test_no_lock_file_is_made_where_their_link_points(tmp_path: Path) -> None:
+    """The daemon's database lock and the run lock are taken before the store opens, beside the file the links lead
+    to: through another user's link, a lock file of this user's appeared in the folder they chose."""
+    from moetune.tuner.daemon.errors import DaemonConfigError
+    from moetune.tuner.daemon.locks import lock_database
+    from moetune.tuner.store.lock_files import take_run_lock
+
+    sticky, private = _layout(tmp_path)
+    theirs = _link(sticky / "moetune.db", private / "mine.db", OTHER)
+    before = sorted(p.name for p in private.iterdir())
+    with pytest.raises(DaemonConfigError, match=rf"is a symbolic link owned by uid {OTHER}"):
+        lock_database(theirs)
+    with pytest.raises(StoreError, match=rf"is a symbolic link owned by uid {OTHER}"):
+        take_run_lock(theirs)
+    assert sorted(p.name for p in private.iterdir()) == before

@@ -38,8 +38,13 @@ def _take_lock(path: Path, what: str, busy: str) -> int:
 def lock_database(db_path: str | Path) -> int:
     """The fd of the daemon's flock beside the database `db_path`, this process's pid written in it (`db migrate`
     names the daemon it finds holding it); DaemonBusy when another daemon (or a migration) holds it."""
-    from moetune.tuner.store.db_file import daemon_lock_path
+    from moetune.tuner.store._schema import StoreError
+    from moetune.tuner.store.db_file import daemon_lock_path, refuse_foreign_link
 
+    try:  # taken before the store opens: the lock is made where the links lead, not where another user's link points
+        refuse_foreign_link(db_path)
+    except StoreError as e:
+        raise DaemonConfigError(str(e)) from None
     path = daemon_lock_path(db_path)
     return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
                       "locked; or a `moetune db upgrade/downgrade`, `profiles import` or `profiles delete` of it is "

@@ -7,6 +7,7 @@ import sqlite3
 from pathlib import Path
 from typing import Literal
 
+from moetune.runtime.paths import foreign_sticky_link_reason
 from moetune.runtime.profiles import sqlite_open
 from moetune.tuner.store import busy_timeout as busy
 from moetune.tuner.store._folders import make_parent
@@ -20,6 +21,14 @@ def database_path(path: str | Path) -> Path:
     """The file a store given `path` opens: ~ expanded (a config file gives it unexpanded), made absolute (links kept).
     The daemon probes and names the database by it too."""
     return Path(path).expanduser().absolute()
+
+
+def refuse_foreign_link(path: str | Path) -> None:
+    """StoreError where the database path goes through another user's link in a sticky, world-writable folder
+    (`paths.foreign_sticky_link_reason`): its owner chooses the file the store opens and writes, and the folder the
+    lock files are made in (they are made beside the file the links lead to). Checked before either."""
+    if (why := foreign_sticky_link_reason(database_path(path))) is not None:
+        raise StoreError(f"database {database_path(path)} refused: {why}")
 
 
 def daemon_lock_path(path: str | Path) -> Path:

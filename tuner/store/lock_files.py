@@ -146,11 +146,13 @@ def take_run_lock(db_path: str | Path) -> int | None:
 
     The database's folder is made first where it is moetune's own data folder (as the store would make it, same
     rule and mode): a first run on the default database took no lock there (no folder), then the store made it.
-    StoreError, as the store's own, where the folder is missing and not moetune's (the store refuses it anyway)."""
+    StoreError, as the store's own, where the folder is missing and not moetune's (the store refuses it anyway), or
+    where the path goes through another user's link in a sticky folder (`db_file.refuse_foreign_link`)."""
     from moetune.tuner.store._folders import make_parent
     from moetune.tuner.store._schema import StoreError
-    from moetune.tuner.store.db_file import database_path
+    from moetune.tuner.store.db_file import database_path, refuse_foreign_link
 
+    refuse_foreign_link(db_path)  # the lock is made where the links lead: not where another user's link points
     make_parent(database_path(db_path), StoreError)
     try:
         return take_lock_file(run_lock_path(db_path))

@@ -44,7 +44,6 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool, StaticPool
 
 from moetune.runtime import _once
-from moetune.runtime.paths import foreign_sticky_link_reason
 from moetune.runtime.profile_record import (
     ENGINE_FAMILIES,
     PROVENANCES,
@@ -101,6 +100,7 @@ from moetune.tuner.store.db_file import (
     not_a_file,
     probe,
     refuse_foreign,
+    refuse_foreign_link,
     without_moetune_words,
 )
 from moetune.tuner.store.io import (
@@ -229,8 +229,7 @@ class Store:
                                  "a UTF-8 URL): rename the file (or its folder)") from None
             # another user's link in /tmp (or any sticky, world-writable folder) chooses which file this opens and
             # writes: refused before anything at the path is read or created (fs.protected_symlinks may be off)
-            if (why := foreign_sticky_link_reason(self.path)) is not None:
-                raise StoreError(f"database {self.path} refused: {why}")
+            refuse_foreign_link(self.path)
             self.url = URL.create("sqlite", database=str(self.path)).render_as_string(hide_password=False)
             if self.path.exists() and not self.path.is_file():
                 raise not_a_file(self.path)
