@@ -10,10 +10,13 @@ root (the kernel's peer credentials, `peer_credentials`) and, with `group_may_re
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
 import shlex
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -31,13 +34,15 @@ def _mode_words(bits: int) -> tuple[str, str]:
     return " and ".join(x for x, on in (("readable", r), ("writable", w)) if on), "r" * r + "w" * w
 
 
-def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: bool = False) -> None:
+def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: bool = False,
+                   st: os.stat_result | None = None) -> None:
     """Refuse key material `p` (a key file or a directory of keys) that `moetune.runtime.paths.loose_key_path` finds
     loose: owned by a user other than this daemon's or root (its owner could change it), or with a mode bit of
     `forbid` (group/other read or write); a sticky directory (like /tmp) passes with `sticky_ok`. Never chmod-ed:
-    the user fixes it (the daemon never changes what it did not create)."""
+    the user fixes it (the daemon never changes what it did not create). `st`: the fstat of the file as opened to be
+    read (`_certificate`), judged instead of what is at `p` now."""
     try:
-        loose = loose_key_path(p, forbid=forbid, sticky_ok=sticky_ok)
+        loose = loose_key_path(p, forbid=forbid, sticky_ok=sticky_ok, st=st)
     except OSError as e:
         raise DaemonConfigError(f"cannot check the {what} {p}: {e.strerror or e}") from None
     if loose is None:
@@ -51,30 +56,73 @@ def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: boo
                             f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
 
 
-def check_secret_key_file(secret_file: str | Path) -> None:
+def check_secret_key_file(secret_file: str | Path, st: os.stat_result | None = None) -> None:
     """The daemon's CURVE secret key (`moetune.runtime.paths.secret_key_checks`): nobody but its user (or root) may
-    read or change it, nor replace it in its directory (the directory a link points into included)."""
+    read or change it, nor replace it in its directory (the directory a link points into included). `st`: the key
+    file as opened to be read (`load_curve_keys(check=True)`); its folders are judged by path."""
     for path, forbid in secret_key_checks(secret_file):
         if path == Path(secret_file):
-            check_key_path(path, "CURVE secret key file", forbid=forbid,
+            check_key_path(path, "CURVE secret key file", forbid=forbid, st=st,
                            risk="whoever can read it can impersonate the daemon, whoever can write it can replace its key")
         else:
             check_key_path(path, "directory of the CURVE secret key", forbid=forbid,
                            risk="others could replace the daemon's key (and its clients/ and admins/ lists)")
 
 
-def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool) -> tuple[bytes, bytes | None]:
-    """zmq's (public, secret) of a key file; DaemonConfigError `not_regular` where it is not a regular file (a FIFO's
-    open waits for ever: the start hung there; `missing_ok`: a missing one is left to zmq's error), "cannot read
-    WHAT" where zmq cannot read it."""
-    import zmq.auth
+def _keys_in(data: bytes) -> tuple[bytes | None, bytes | None]:
+    """(public, secret) of a CURVE certificate's text as `moetune keys` writes it and zmq.auth.load_certificate reads
+    it: the `public-key = "..."` and `secret-key = "..."` lines (blanks and quotes around the value dropped; `#` lines
+    are comments), the first non-empty value of each; None for one that is not there. Parsed here from the bytes
+    read through the checked descriptor: zmq.auth reads only by name (/proc/self/fd/N, absent where /proc is not
+    mounted, where the daemon still serves)."""
+    found: dict[bytes, bytes] = {}
+    for raw in data.splitlines():
+        line = raw.strip()
+        if line.startswith(b"#") or b"=" not in line:
+            continue
+        name, _, value = line.partition(b"=")
+        name = name.strip()
+        if name in (b"public-key", b"secret-key") and name not in found:
+            if key := value.strip(b" \t'\""):
+                found[name] = key
+    return found.get(b"public-key"), found.get(b"secret-key")
 
-    if not path.is_file() and (path.exists() or not missing_ok):
-        raise DaemonConfigError(not_regular)
+
+def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool,
+                 judge: Callable[[os.stat_result | None], None] | None = None) -> tuple[bytes, bytes | None]:
+    """zmq's (public, secret) of a key file, opened once and read from that descriptor: `judge` (the owner and mode
+    checks, DaemonConfigError) gets its fstat, so the file judged is the file read (a path checked, then read again,
+    could be another file by then). DaemonConfigError `not_regular` where it is not a regular file (O_NONBLOCK: a
+    FIFO's open returns at once, where it waited for a writer and the start hung; `missing_ok`: a missing one is
+    said as missing), "cannot read WHAT" where it cannot be read. A link is followed, as the key rules want (the
+    folder a link leads into is judged by its callers); where the open fails, `judge` gets None and judges the path,
+    so its "cannot check" refusals come first, as before."""
     try:
-        public, secret = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        if judge is not None:
+            judge(None)
+        if isinstance(e, FileNotFoundError) and missing_ok:
+            raise DaemonConfigError(f"cannot read {what}: it does not exist") from None
+        if isinstance(e, FileNotFoundError) or e.errno == errno.ENXIO:  # a dangling link; a socket
+            raise DaemonConfigError(not_regular) from None
         raise DaemonConfigError(f"cannot read {what}: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if judge is not None:
+            judge(st)
+        if not stat.S_ISREG(st.st_mode):
+            raise DaemonConfigError(not_regular)
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError as e:
+        raise DaemonConfigError(f"cannot read {what}: {e}") from None
+    finally:
+        os.close(fd)
+    public, secret = _keys_in(b"".join(chunks))
+    if public is None:  # zmq.auth's words for it
+        raise DaemonConfigError(f"cannot read {what}: No public key found in {path}")
     # an allow-list entry that is no key lets nobody in without a word: said here, naming the file
     if (kind := bad_curve_key(public, secret)) is not None:
         raise DaemonConfigError(f"{what} holds a {kind} that is not a CURVE key (40 Z85 characters, as `moetune "
@@ -82,11 +130,16 @@ def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool) -
     return public, secret
 
 
-def load_curve_keys(secret_file: str | Path) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 keys from a `moetune keys generate` secret key file."""
+def load_curve_keys(secret_file: str | Path, *, check: bool = False) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a `moetune keys generate` secret key file; with `check`, the file as opened
+    and read is judged by `check_secret_key_file` (its owner and mode by fstat, its folders by path) first."""
+    def judge(st: os.stat_result | None) -> None:
+        check_secret_key_file(secret_file, st)
+
     public, secret = _certificate(
         Path(secret_file), f"the CURVE key file {secret_file} is not a regular file (a FIFO, a device or a directory): "
-        "give the NAME.key_secret `moetune keys generate` wrote", f"the CURVE key file {secret_file}", missing_ok=True)
+        "give the NAME.key_secret `moetune keys generate` wrote", f"the CURVE key file {secret_file}", missing_ok=True,
+        judge=judge if check else None)
     if not secret:
         raise DaemonConfigError(f"{secret_file} holds no secret key")
     return public, secret
@@ -107,8 +160,8 @@ def check_public_beside(secret_file: str | Path, public: bytes) -> None:
     try:
         theirs, _ = read_curve_key_file(pf)
     except NoProcError as e:
-        # the daemon serves without /proc (it reads its own keys by path), so a refusal here would stop a daemon that
-        # works for want of a consistency check; it starts, but never silently
+        # the daemon serves without /proc (it parses its own keys from the descriptor it checked), so a refusal here
+        # would stop a daemon that works for want of a consistency check; it starts, but never silently
         log.warning("the public key file %s beside the daemon's secret key %s was not checked to hold the same "
                     "public key: it %s. Should it hold another key, clients given %s are refused by the CURVE "
                     "handshake; if in doubt, write a whole pair again with `%s` and give the clients the new %s",
@@ -197,13 +250,15 @@ def load_client_keys(directory: Path, role: str = "allow-list") -> list[bytes]:
     check_key_path(directory, f"CURVE client {role} directory", forbid=0o022, risk=risk)
     keys = []
     for f in sorted(directory.glob("*.key")):
-        check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk)
-        # a key file linked into another folder: whoever may write there could replace the file the link names
-        if (target := f.resolve().parent) != directory.resolve():
-            check_key_path(target, f"directory a key file of the CURVE client {role} ({f.name}) links into",
-                           forbid=0o022, risk=risk, sticky_ok=True)
+        def judge(st: os.stat_result | None, f: Path = f) -> None:  # the file as opened (`_certificate`)
+            check_key_path(f, f"key file in the CURVE client {role}", forbid=0o022, risk=risk, st=st)
+            # a key file linked into another folder: whoever may write there could replace the file the link names
+            if (target := f.resolve().parent) != directory.resolve():
+                check_key_path(target, f"directory a key file of the CURVE client {role} ({f.name}) links into",
+                               forbid=0o022, risk=risk, sticky_ok=True)
+
         public, _ = _certificate(f, f"{f} in the CURVE client {role} is not a regular file (a FIFO, a device or a "
                                  "directory): remove it, or put a client's public key file there", f"the client key {f}",
-                                 missing_ok=False)
+                                 missing_ok=False, judge=judge)
         keys.append(public)
     return keys

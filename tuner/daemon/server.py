@@ -84,7 +84,6 @@ from moetune.tuner.daemon import handlers
 from moetune.tuner.daemon.auth import (
     CurveAllowList,
     check_public_beside,
-    check_secret_key_file,
     default_admins_dir,
     default_clients_dir,
     load_admin_keys,
@@ -237,6 +236,7 @@ class Daemon(FabricWatch):
             default_admins_dir(curve_secret_key_file) if curve_secret_key_file else None)
         self._admin_keys: frozenset[bytes] = frozenset()  # read at start (see _check_transport_security)
         self._client_keys: frozenset[bytes] = frozenset()  # the allow-list as read and checked at start: ZAP's only source
+        self._curve_keys: tuple[bytes, bytes] | None = None  # (public, secret) as read and checked at start
         self._auth: Any = None  # the ZAP authenticator thread (tcp + CURVE)
         self.allow_insecure_tcp = allow_insecure_tcp
         self.group = group
@@ -470,9 +470,10 @@ class Daemon(FabricWatch):
                 )
         if self.curve_secret_key_file:
             tcp = any(ep.startswith("tcp://") for ep in (self.endpoint, self.pub_endpoint))
-            if tcp:  # the key is used only on TCP; an IPC daemon with a configured key is not refused for it
-                check_secret_key_file(self.curve_secret_key_file)
-            public, _secret = load_curve_keys(self.curve_secret_key_file)
+            # the key is used only on TCP; an IPC daemon with a configured key is not refused for its mode. Read
+            # once, judged on the descriptor it was read from; the binds use these keys, never the path again
+            public, secret = load_curve_keys(self.curve_secret_key_file, check=tcp)
+            self._curve_keys = (public, secret)
             if tcp:
                 check_public_beside(self.curve_secret_key_file, public)
             if tcp:
@@ -518,7 +519,9 @@ class Daemon(FabricWatch):
 
     def _secure(self, s: zmq.Socket, endpoint: str) -> None:
         if endpoint.startswith("tcp://") and self.curve_secret_key_file:
-            public, secret = load_curve_keys(self.curve_secret_key_file)
+            if self._curve_keys is None:  # a bind without the start's checks (`start` reads them first)
+                self._curve_keys = load_curve_keys(self.curve_secret_key_file, check=True)
+            public, secret = self._curve_keys
             self._start_authenticator()
             s.zap_domain = ZAP_DOMAIN.encode()
             # with no ZAP handler bound libzmq lets every CURVE client in ("Stonehouse", its legacy default): the
