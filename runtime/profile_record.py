@@ -280,6 +280,20 @@ def effective_measured_on(provenance: str, measured_on: str, backend: str, finge
     return default_measured_on(prov, backend, fingerprint)
 
 
+def megakernel_key_problem(key: ProfileKey) -> tuple[str, str] | None:
+    """(field, why) where a megakernel key itself names what the megakernel never runs: a group other than one GPU
+    (ep_size 1, nodes 1), or a dtype other than bf16. No profile of such a key can be stored (`key_knobs_problem`),
+    so the daemon's re-tune refuses it too (`tuner/daemon/retune.key_refusals`): one rule for both."""
+    if key.transport_family != MEGAKERNEL_FAMILY:
+        return None
+    if (key.ep_size, key.nodes) != (1, 1):
+        return "key.ep_size", (f"a megakernel profile runs on one GPU (ep_size 1, nodes 1), got ep_size "
+                               f"{key.ep_size}, nodes {key.nodes}")
+    if key.dtype != "bfloat16":
+        return "key.dtype", f"the megakernel runs bfloat16 only, got {key.dtype[:64]!r}"
+    return None
+
+
 def key_knobs_problem(key: ProfileKey, knobs: Knobs) -> tuple[str, str] | None:
     """(field, why) where the knobs or the key contradict the family: a megakernel profile is one GPU's (ep_size 1,
     nodes 1), bf16 (the only dtype it times and runs) and names engine=megakernel; a transport family's never names
@@ -288,11 +302,8 @@ def key_knobs_problem(key: ProfileKey, knobs: Knobs) -> tuple[str, str] | None:
     (`check_record`), `db check` names a stored one, and neither the daemon's index nor the client serves one."""
     family, engine = key.transport_family, knobs.engine
     if family == MEGAKERNEL_FAMILY:
-        if (key.ep_size, key.nodes) != (1, 1):
-            return "key.ep_size", (f"a megakernel profile runs on one GPU (ep_size 1, nodes 1), got ep_size "
-                                   f"{key.ep_size}, nodes {key.nodes}")
-        if key.dtype != "bfloat16":
-            return "key.dtype", f"the megakernel runs bfloat16 only, got {key.dtype[:64]!r}"
+        if (why := megakernel_key_problem(key)) is not None:
+            return why
         if engine != "megakernel":
             return "knobs.engine", f"engine {engine!r} under a megakernel key (it names engine 'megakernel')"
     elif engine == "megakernel":

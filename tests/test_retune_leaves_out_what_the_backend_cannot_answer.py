@@ -258,3 +258,28 @@ def test_a_refusal_of_many_keys_still_says_every_group_and_what_answers_them_wit
     for ep, n in groups:
         assert f"EP {ep} over {n} node(s)" in said, (ep, n, said)
     assert 'backend = "model"' in said, said
+
+
+def test_a_stale_megakernel_key_of_another_dtype_is_refused_as_the_store_refuses_its_profiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A megakernel key of dtype float16 (an older moetune's import): no profile of it can be stored (the store's
+    `megakernel_key_problem`), yet key_refusals checked only the group (EP 1, 1 node), so `retune` queued a job that
+    waited for idle GPUs and had every trial refused ("the megakernel runs bfloat16 activations"). Now refused by the
+    one rule, and named."""
+    from moetune.tuner.daemon import retune
+
+    monkeypatch.setattr(retune, "megakernel_refusal", lambda facts, backend: "")  # a node that can measure it
+    fp16 = ProfileKey(fingerprint="old", software="sw", transport_family="megakernel", ep_size=1, nodes=1,
+                      hidden=QWEN[0], intermediate=QWEN[1], experts=QWEN[2], topk=QWEN[3], dtype="float16",
+                      token_bucket=64)
+    bf16 = ProfileKey(**{**fp16.to_dict(), "dtype": "bfloat16"})
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    refused = retune.key_refusals([fp16, bf16], facts, "local")
+    assert [r.keys for r in refused] == [[fp16]], refused
+    assert "dtype float16" in refused[0].said() and "bfloat16 only" in refused[0].said(), refused[0].said()
+    stale = ProfileRecord(key=fp16, knobs=default_knobs("collective").replace(engine="megakernel"), latency_us=5.0,
+                          spread_us=0.1, backend="local:megakernel", provenance="measured", measured_on="old")
+    d = _daemon([], [stale])
+    ok, res = _ask(d)
+    assert not ok and not d.jobs.submitted, res
+    assert "dtype float16" in res[1], res

@@ -18,6 +18,7 @@ from moetune.runtime.profile_record import (
     ProfileKey,
     ProfileRecord,
     key_knobs_problem,
+    megakernel_key_problem,
     not_served_reason,
 )
 from moetune.runtime.shapes import MODELS, ModelShape
@@ -218,10 +219,10 @@ def key_refusals(keys: list[ProfileKey], facts: Any, backend: str) -> list[KeyRe
     of `facts`, and why: the job refuses them by this (they stay stale), and a user's `retune` leaves them out of
     the job it queues (handlers.run_retune). An EP group of a transport family at EP 1 (both backends:
     `one_rank_exchange`); with "local", a group this node cannot measure (`local_refusal`: several nodes, more
-    ranks than it has GPUs); a megakernel key not at EP 1 on one node, or one `megakernel_refusal` refuses. With
-    "local" and facts read from a capture of another node (`_capture_elsewhere`), every key, the megakernel's too: it
-    measures on this machine only. An EP key's family is no reason: its group is re-tuned over the node's families,
-    whichever the key names."""
+    ranks than it has GPUs); a megakernel key not at EP 1 on one node or not bf16 (`megakernel_key_problem`), or one
+    `megakernel_refusal` refuses. With "local" and facts read from a capture of another node (`_capture_elsewhere`),
+    every key, the megakernel's too: it measures on this machine only. An EP key's family is no reason: its group is
+    re-tuned over the node's families, whichever the key names."""
     from moetune.tuner.search.backends import one_rank_exchange
 
     local = backend == "local"
@@ -250,11 +251,20 @@ def key_refusals(keys: list[ProfileKey], facts: Any, backend: str) -> list[KeyRe
         if why:
             out.append(KeyRefusal(group, what, "re-measured", why, True))
     mk_keys = [k for k in keys if k.transport_family == MEGAKERNEL_FAMILY]
-    bad = [k for k in mk_keys if (k.ep_size, k.nodes) != (1, 1)]
-    if bad:
-        out.append(KeyRefusal(bad, f"{len(bad)} megakernel key(s) not at EP 1 on 1 node (the megakernel runs on one "
-                                   "GPU)", "re-tuned", "", False))
-    good = [k for k in mk_keys if (k.ep_size, k.nodes) == (1, 1)]
+    # the store's own rule for a megakernel key (`megakernel_key_problem`): a key no profile of which can be stored.
+    # A dtype other than bf16 was queued before (only the group was checked here): it waited for idle GPUs, then
+    # every trial was refused ("the megakernel runs bfloat16 activations") and the key stayed as it was
+    bad = [k for k in mk_keys if megakernel_key_problem(k) is not None]
+    off_group = [k for k in bad if (k.ep_size, k.nodes) != (1, 1)]
+    if off_group:
+        out.append(KeyRefusal(off_group, f"{len(off_group)} megakernel key(s) not at EP 1 on 1 node (the megakernel "
+                                         "runs on one GPU)", "re-tuned", "", False))
+    off_dtype = [k for k in bad if k not in off_group]
+    if off_dtype:
+        dtypes = ", ".join(sorted({k.dtype[:64] for k in off_dtype}))
+        out.append(KeyRefusal(off_dtype, f"{len(off_dtype)} megakernel key(s) of dtype {dtypes} (the megakernel "
+                                         "runs bfloat16 only)", "re-tuned", "", False))
+    good = [k for k in mk_keys if megakernel_key_problem(k) is None]
     why = megakernel_refusal(facts, backend) if good else ""
     if why:
         out.append(KeyRefusal(good, f"{len(good)} megakernel key(s)", "re-tuned", why, False))
