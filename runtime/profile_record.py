@@ -507,11 +507,18 @@ def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
     family = key.transport_family
     # an engine family names no transport; an unknown one is refused by the family check, which says so
     head = [family.split(":", 1)[0]] if is_transport_family(family) else []
-    for name in dict.fromkeys([*head, knobs.transport]):
+    names = list(dict.fromkeys([*head, knobs.transport]))
+    for name in names:
         why = missing_transport_problem(name)
         if why is not None:
             return why
-    return one_sided_world_problem(knobs.transport, key.ep_size, nodes=key.nodes)
+    # the world rule of both names too, as autoload's transport_ok asks it of each (`_transport_problem`): a profile
+    # keyed nvlink or proxy:* whose knobs name another transport was passed over there and called runnable here
+    for name in names:
+        why = one_sided_world_problem(name, key.ep_size, nodes=key.nodes)
+        if why is not None:
+            return why
+    return None
 
 
 # how the tuner's report and `profiles show` say it

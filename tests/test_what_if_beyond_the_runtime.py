@@ -163,7 +163,10 @@ def test_db_check_names_a_stored_measured_profile_no_run_can_take(tmp_path: Path
     with Store(db) as s:
         assert s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1,
                                            backend="model:ndr-ibrc-h100x8", provenance="preset"))[0]
-        assert s.put_profile(ProfileRecord(key=msgspec.structs.replace(key, token_bucket=128),
+        # a collective row keyed collective (keyed proxy:ibrc, autoload passes it over at EP 32: its family's world
+        # rule, which the store's refuses it by too)
+        assert s.put_profile(ProfileRecord(key=msgspec.structs.replace(key, token_bucket=128,
+                                                                       transport_family="collective"),
                                            knobs=Knobs(transport="collective"), latency_us=50, spread_us=1,
                                            backend="local:nccl", provenance="measured", measured_on="fpA"))[0]
         assert s.check()["ok"]
@@ -284,3 +287,18 @@ def test_a_measuring_backend_does_not_take_a_family_the_runtime_has_no_transport
     with pytest.raises(ValueError, match=r"no transport family to tune \(found: ibgda; backend local:gloo; it cannot "
                                          r"measure ibgda\)"):
         check_tune(facts, models=[MODELS["qwen3-30b"]], backend=be, ep_size=2, families=["ibgda"])
+
+
+def test_the_key_s_family_is_judged_by_the_world_rule_as_autoload_judges_it() -> None:
+    """Autoload asks its transport check (world rule included) of the key's family and of the knobs' transport
+    (client._transport_problem); runtime_refusal asked the world rule of the knobs' only, so a row keyed nvlink at EP
+    16 whose knobs name collective (an import or hand edit: put_profile does not compare the two) was passed over by
+    autoload and reported as runnable (not what-if; `db check` silent on it labelled measured)."""
+    key = ProfileKey(fingerprint="fpA", software="sw", transport_family="nvlink", ep_size=16, nodes=1,
+                     hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=256)
+    knobs = Knobs(transport="collective")
+    assert transport_world_problem("nvlink", 16) is not None  # autoload's check of the key's family
+    why = runtime_refusal(key, knobs)
+    assert why is not None and "transport=nvlink serves at most 8 ranks" in why, why
+    assert runtime_refusal(msgspec.structs.replace(key, transport_family="collective"), knobs) is None
+    assert runtime_refusal(msgspec.structs.replace(key, ep_size=8), knobs) is None
