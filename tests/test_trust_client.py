@@ -1236,3 +1236,30 @@ def test_query_labels_nothing_from_a_database_the_client_does_not_trust(tmp_path
     told = SimpleNamespace(key=mine.key, profile_hash=mine.profile_hash, provenance="measured", tuned=False,
                            source="daemon")
     assert Q.provenance_of(told, db) == ("measured", "", "")  # the reply's word alone, none of the file's
+
+
+def test_another_users_link_to_a_trusted_database_in_a_sticky_folder_is_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a sticky folder such as /tmp, the database's path may be a link another user made, aimed at this user's own
+    database: its target and both folders pass, yet the link's owner can repoint it at a database of theirs between
+    this check and SQLite's open (with fs.protected_symlinks off). The link is judged as a socket's folder link is
+    (`foreign_link_reason`): another user's is refused; this user's own link there is read as before."""
+    if os.getuid() != 0:
+        pytest.skip("a symbolic link owned by another user needs root (os.lchown)")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    db, mine = _this_node_with_a_measured_profile(private, monkeypatch)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # this user's sticky folder, world-writable: as /tmp is root's
+    link = sticky / "profiles.db"
+    link.symlink_to(db)
+    assert paths.untrusted_file_reason(link) is None  # this user's own link: trusted
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=link)
+    assert res.source == "database" and res.profile_hash == mine.profile_hash, warned
+    os.lchown(link, 54321, 54321)
+    why = f"{link} is a symbolic link owned by uid 54321"
+    assert why in (paths.untrusted_file_reason(link) or ""), paths.untrusted_file_reason(link)
+    res, warned = resolve(f"ipc://{tmp_path}/nowhere/daemon.sock", tmp_path, db_path=link)
+    assert res.source in ("policy", "default"), warned
+    assert len(warned) == 1 and f"database {link}: not used" in warned[0] and why in warned[0], warned
