@@ -143,3 +143,30 @@ def _timed(f, args: tuple, clock) -> float:
     t = clock()
     f(*args)
     return clock() - t
+
+
+def test_absurd_token_counts_are_refused_at_once_and_small() -> None:
+    """2^40 tokens summed a window of ~25M binomial values: seconds and hundreds of MB a call. No MoE layer has more
+    than MAX_TOKENS_PER_GPU (4M, what Workload and the CLI take) tokens per rank, so beyond it expected_puts refuses
+    with an error naming the count and the limit, at once and without allocating; at the limit itself the worst p
+    (0.5: the widest window) stays within a few ms and a few MB."""
+    import time
+    import tracemalloc
+
+    from moetune.runtime.shapes import MAX_TOKENS_PER_GPU
+    from moetune.tuner.fabric_model.wire_rows import expected_puts
+
+    for tokens in (2**40, MAX_TOKENS_PER_GPU + 1):
+        tracemalloc.start()
+        t = time.process_time()
+        with pytest.raises(ValueError, match=rf"tokens {tokens} is beyond .*at most {MAX_TOKENS_PER_GPU}"):
+            expected_puts.__wrapped__(0.5, tokens, 1)
+        spent = time.process_time() - t
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert spent < 0.05 and peak < 1 << 20, (tokens, spent, peak)
+    tracemalloc.start()
+    best = min(_timed(expected_puts.__wrapped__, (0.5, MAX_TOKENS_PER_GPU, 1), time.process_time) for _ in range(5))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert best < 0.02 and peak < 8 << 20, (best, peak)

@@ -10,7 +10,7 @@ import numpy as np
 
 from moetune.runtime.knobs import MAX_SLOTS, Knobs, num_scale_groups
 from moetune.runtime.routing import parse_routing
-from moetune.runtime.shapes import DTYPES, ModelShape
+from moetune.runtime.shapes import DTYPES, ModelShape, tokens_per_gpu_problem
 from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.routing import pe_loads, rank_hits
 
@@ -76,7 +76,12 @@ def expected_puts(p: float, tokens: int, chunk_tokens: int) -> float:
     with probability `p`: E[chunking(X)] over X ~ Binomial(tokens, p) rows. Not chunking(E[X]): at decode sizes most
     peers get no row and one that gets any gets whole rows (S = 2, p = 0.41, chunk_tokens 1: 0.82 PUTs, not 1).
     The fabric model charges a set of peers the sum (`phases/queued.py`), the search space keys its chunk grid on it
-    (`search/space.py`), so both count the same PUTs."""
+    (`search/space.py`), so both count the same PUTs. `tokens` beyond MAX_TOKENS_PER_GPU (what Workload and the CLI
+    take) is refused (ValueError): the exact window sum grows with sqrt(tokens) (2^40 tokens: ~25M values, seconds
+    and hundreds of MB a call) and no MoE layer has such a count; at 4M it is ~25k values, ~1 ms."""
+    problem = tokens_per_gpu_problem(tokens) if tokens > 0 else ""
+    if problem:
+        raise ValueError(f"expected_puts: tokens {problem}")
     p = min(1.0, max(0.0, p))
     if tokens <= 0 or p <= 0.0:
         return 0.0
