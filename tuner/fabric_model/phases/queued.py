@@ -339,9 +339,13 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
             local_groups += _signals_per_peer(knobs, puts_to[d])
         if local_pes:
             ready = max(gates[d] for d in local_pes)
-        # the rows this PE sends itself: PUTs through the same poster, a local copy (read + write at HBM speed)
-        self_rows = S * float(hits[src])
-        self_chunks = [b for b, n, *_ in _rank_runs(self_rows, tb, ck, x_start) for _ in range(n)]
+        # the rows this PE sends itself: PUTs through the same poster, a local copy (read + write at HBM speed).
+        # csrc/proxy_xchg.h produce_exchange loops over every rank, this one included: its X ~ Binomial(S, p) rows
+        # are chunking(X) PUTs like a peer's, so they are charged the same expected count (`charged_puts` of a set
+        # of one), not the expected rows rounded up and chunked (S p = 2.06 rows, chunk_tokens 1: 2 PUTs, not 3)
+        self_rows_to, self_puts_to = charged_puts([src], {src: float(hits[src])}, S, ck)
+        self_rows = self_rows_to[src]
+        self_chunks = [b for b, n, *_ in _rank_runs(self_rows, tb, ck, x_start, self_puts_to[src]) for _ in range(n)]
         if self_chunks:
             ph.parts["self_copy"] = self_rows * tb / (p.hbm / 2.0)
         # count words: the matrix row (world words) to every rank; dispatch adds exchange_counts' row
