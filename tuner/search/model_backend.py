@@ -145,20 +145,6 @@ class ModelBackend(BenchmarkBackend):
                       gpus_per_node=workload.gpus_per_node, **kw)
         return predict(self.preset, wl, knobs)
 
-    def peer_sets(self, knobs: Knobs, workload: TuneWorkload) -> tuple[int, ...] | None:
-        """The sizes of the sets of peers the fabric model shares one rank's PUTs of transport `knobs.transport` over
-        (`phases.queued.peer_set_sizes`), for the search space's PUT grid (SearchSpace(peer_sets=...)); None where
-        the model charges no PUTs (another transport) or a predictor stands in for it."""
-        if self.predictor is not None or self.preset is None or knobs.transport not in ("proxy", "ibgda"):
-            return None
-        from moetune.tuner.fabric_model.params import params
-        from moetune.tuner.fabric_model.phases.queued import peer_set_sizes
-        from moetune.tuner.fabric_model.records import Workload
-
-        wl = Workload(model=workload.model, tokens_per_gpu=workload.tokens, nodes=workload.nodes,
-                      gpus_per_node=workload.gpus_per_node, routing=self.routing or workload.routing)
-        return peer_set_sizes(params(self.preset), wl, knobs)
-
     def evaluate(self, knobs: Knobs, workload: TuneWorkload, *, report: ReportFn | None = None) -> Measurement:
         try:
             pred = self._predict(knobs, workload)

@@ -48,7 +48,7 @@ Parameters with a single possible value are fixed, not asked. `check` re-validat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,20 +221,17 @@ class SearchSpace:
 
     def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None,
                  pinned: Collection[str] = (), tokens: int | None = None, topk: int | None = None,
-                 routing: str = "uniform", hidden: int | None = None, peer_sets: Sequence[int] | None = None):
+                 routing: str = "uniform", hidden: int | None = None):
         """`pinned`: plain knobs held at the policy default (a backend that cannot tell their values apart,
         e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice.
         `tokens` (tokens per rank, with the model's `topk` and the `routing`): proxy/ibgda offer only the
         chunk_tokens values and group sizes that are distinct runs at that token count (module doc); None
         keeps the fixed set (every chunk_tokens value of the policy, group sizes 0, 2, 4, 8). `hidden` (the model's):
         fp8 scale granularities the runtime refuses on it are not offered (per_128 where 128 does not divide it:
-        `num_scale_groups`); None offers every one the policy's error budget allows. `peer_sets`: the sizes of the
-        sets of peers the fabric model shares a rank's PUTs over (`phases.queued.peer_set_sizes`: a node's NVLink
-        peers apart from the others); None: the other ranks as one set (one node, or the runtime's own)."""
+        `num_scale_groups`); None offers every one the policy's error budget allows."""
         self.policy = policy
         self.transport = policy.transport
         self.ep_size = max(1, ep_size)
-        self.peer_sets = tuple(n for n in (peer_sets or ()) if n > 0) or (max(1, self.ep_size - 1),)
         self.tpp = transfers_per_peer(experts, ep_size)
         # knobs the runtime does not read for this transport: held at the policy default
         self.ignored = runtime_ignores(policy)
@@ -426,21 +423,17 @@ class SearchSpace:
         assert self.rows_per_peer is not None and self.tokens is not None
         hit = self.rows_per_peer / self.tokens if self.tokens > 0 else 0.0
         each, getting = expected_puts(hit, self.tokens, chunk_tokens), expected_puts(hit, self.tokens, 0)
-        # rounded per set of peers, as the model charges each set (`peer_sets`)
-        total = sum(math.floor(n * each + 0.5) for n in self.peer_sets)
+        peers = max(1, self.ep_size - 1)
+        total = math.floor(peers * each + 0.5)
         if getting <= 0:
             return total, 1
         # the most PUTs the model gives one peer (`phases/queued.py` charged_puts, the one statement `model sweep`'s
         # grid uses too: the rounded total shared out by largest remainder over the rounded count of peers that get
         # rows), not the rounded mean: E = 2.24 (2 or 3 each) gives some peers 3, so group_size 2 sends them 2
-        # signals, another run than per peer. Over each set of peers the model charges apart: 2.05 PUTs each over
-        # 8 remote and 7 NVLink peers is 16 and 14 (2 each), where over 15 it was 31 (one peer 3)
-        most = 1
-        for n in self.peer_sets:
-            ranks = list(range(n))
-            share = charged_puts(ranks, dict.fromkeys(ranks, hit), self.tokens, chunk_tokens)[1]
-            most = max(most, max(share.values(), default=1))
-        return total, most
+        # signals, another run than per peer
+        ranks = list(range(peers))
+        share = charged_puts(ranks, dict.fromkeys(ranks, hit), self.tokens, chunk_tokens)[1]
+        return total, max(1, max(share.values()))
 
     def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one
@@ -477,8 +470,6 @@ class SearchSpace:
             lanes["scales"] = "divide_hidden"
         if self.rows_per_peer is None:
             return lanes
-        if self.peer_sets != (max(1, self.ep_size - 1),):  # the grid of other sets of peers: another study
-            lanes["peer_sets"] = ",".join(map(str, self.peer_sets))
         return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {}), **lanes}
 
     # -- the decision tree ---------------------------------------------------------------------------

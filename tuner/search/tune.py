@@ -406,11 +406,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     pinned = be.pinned_knobs(pol.transport) | (frozenset(pol.knobs) if inert else frozenset())
                     # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
                     # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
-                    # the fabric model shares the PUTs over a node's NVLink peers apart from the others: its grid
-                    peer_sets = be.peer_sets(pol.defaults, wl) if isinstance(be, ModelBackend) else None
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
                                         pinned=pinned, tokens=bucket, topk=model.topk, routing=routing,
-                                        hidden=model.hidden, peer_sets=peer_sets)
+                                        hidden=model.hidden)
                     if isinstance(be, ModelBackend):
                         # A workload the model cannot run at all (too many nodes for the preset, ...) is
                         # one clear error, not a study of failed trials.

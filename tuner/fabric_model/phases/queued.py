@@ -118,15 +118,6 @@ def most_puts_to_a_peer(p: Params, w: Workload, knobs: Knobs, hits) -> int:
     return most
 
 
-def peer_set_sizes(p: Params, w: Workload, knobs: Knobs) -> tuple[int, ...]:
-    """The sizes of the sets of peers `charged_puts` shares a PE's PUTs over (the queue's, the NVLink ones; the empty
-    ones left out): the same for every PE (each node holds as many GPUs). The search space bounds its group sizes by
-    the largest share over these sets, as `most_puts_to_a_peer` does (`search/space.py` SearchSpace(peer_sets=...)):
-    over the 15 other ranks of 2 x 8 as one set it offered a group size the model charges no peer more PUTs than."""
-    remote, local, _ = _peer_sets(p, w, knobs, 0)
-    return tuple(len(s) for s in (remote, local) if s)
-
-
 def _rank_runs(rows: float, tb: float, ck: int, ready: float,
                puts: int | None = None) -> list[tuple[float, int, int, float, float]]:
     """One peer's PUTs in the runtime layout: full chunks of `c` rows, then the last (partial) chunk; every
