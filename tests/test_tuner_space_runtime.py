@@ -199,7 +199,7 @@ def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> 
                                             r"than the 1024 signal slots"):
             space.check(space.policy.defaults.replace(chunk_tokens=c))
     assert space.project(space.policy.defaults.replace(chunk_tokens=1)).chunk_tokens == 0  # nearest offered
-    assert space.grid_rule() == {"put_grid": "distinct_expected_puts", "chunk_slots": "at_most_max_slots"}
+    assert space.grid_rule() == {"put_grid": "distinct_charged_puts", "chunk_slots": "at_most_max_slots"}
     # several group sets: each its own Optuna parameter (one name, one set of choices)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(60):
@@ -209,7 +209,7 @@ def test_put_grid_drops_chunks_with_the_same_puts_keeping_the_policy_order() -> 
         study.tell(t, 1.0)
     small = _put_space("proxy:ibrc", 2, 16, policy=pol)  # 16 rows: only 1 (16 PUTs), 2 (8) and 0 differ
     assert small.spec["chunk_tokens"].values() == (1, 0, 2)
-    assert small.grid_rule() == {"put_grid": "distinct_expected_puts"}  # every value fits: the config as before
+    assert small.grid_rule() == {"put_grid": "distinct_charged_puts"}  # every value fits: the config as before
     assert {k.group_size for k in small.enumerate() if k.chunk_tokens == 2} == {0, 2, 4}
 
 

@@ -111,6 +111,23 @@ class ModelBackend(BenchmarkBackend):
 
         return frozenset(Knobs.__struct_fields__) - KNOBS_READ[transport]
 
+    def nvlink_apart(self, knobs: Knobs, workload: TuneWorkload) -> bool:
+        """Whether the preset's PEs reach their node's peers over NVLink, a set of peers the model charges PUTs apart
+        from the queue's (`phases.queued.nvlink_apart`): the search space's PUT grid asks the same charge. False with
+        a predictor (nothing is known of its peers) or a transport that queues no PUTs."""
+        if self.predictor is not None or knobs.transport not in ("proxy", "ibgda"):
+            return False
+        from moetune.tuner.fabric_model.params import params
+        from moetune.tuner.fabric_model.phases.queued import nvlink_apart
+        from moetune.tuner.fabric_model.records import Workload
+
+        try:
+            wl = Workload(model=workload.model, tokens_per_gpu=max(1, workload.tokens), nodes=workload.nodes,
+                          gpus_per_node=workload.gpus_per_node)
+            return nvlink_apart(params(self.preset), wl, knobs)
+        except (ValueError, KnobError):  # a workload or preset the model refuses: `evaluate` says why, not this
+            return False
+
     def refusal(self, *, ep_size: int, nodes: int, families: Sequence[str], gpu_count: int) -> str:
         # a prediction stands for what it predicts, but at EP 1 that is no exchange (a ~14 µs "profile" of nothing)
         return one_rank_exchange(ep_size, families, done='a prediction of {families} would store a "modelled" profile',

@@ -126,8 +126,9 @@ PUT_GROUP_SIZES: tuple[int, ...] = (2, 4, 8)
 # Given the token count (SearchSpace(tokens=..., topk=...)) the set is bounded by the PUTs per peer: a study
 # config carries this marker (`SearchSpace.grid_rule`), so a study that offered the fixed set is not resumed
 # with the bounded one (Optuna refuses changed categorical choices). Since the grid counts the fabric model's
-# expected PUTs (`SearchSpace._put_key`) it is another marker: a study of the ceil(S x p) grid is not resumed.
-PUT_GRID_RULE = "distinct_expected_puts"
+# expected PUTs (`SearchSpace._put_key`) it is another marker: a study of the ceil(S x p) grid is not resumed; and
+# since it asks the model's charge of each peer set (NVLink peers apart on a preset with NVLink) another again.
+PUT_GRID_RULE = "distinct_charged_puts"
 # collective / host_staged: channels offered by the lanes the chunks use, combine_lanes only when pipelined (module
 # doc); in the study config (`SearchSpace.grid_rule`), so a study that offered every channels value at every depth is
 # not resumed with the narrower grid
@@ -144,14 +145,18 @@ def expected_rows_per_peer(experts: int, topk: int, ep_size: int, tokens: int, r
     """The rows one rank sends its busiest destination per dispatch: S x P(token needs that rank)
     (`fabric_model.routing.rank_hits`, what the fabric model's `transfers_per_peer` uses; exact under uniform
     routing, the hottest rank under zipf). At most `tokens`: a token goes once to each rank that needs it."""
+    if tokens <= 0:
+        return 0.0
+    return tokens * float(max(_rank_hits(experts, topk, ep_size, routing)))  # rank_hits caps each probability at 1
+
+
+def _rank_hits(experts: int, topk: int, ep_size: int, routing: str) -> Any:
+    """P(a token needs rank r) for every rank, as the fabric model routes (`fabric_model.routing.rank_hits`)."""
     from moetune.runtime.routing import parse_routing
     from moetune.tuner.fabric_model.routing import rank_hits
 
-    if tokens <= 0:
-        return 0.0
     _, zipf_s = parse_routing(routing)
-    hits = rank_hits(max(1, experts), max(1, min(topk, experts)), zipf_s, max(1, ep_size))
-    return tokens * float(max(hits))  # rank_hits caps each probability at 1
+    return rank_hits(max(1, experts), max(1, min(topk, experts)), zipf_s, max(1, ep_size))
 
 
 def chunk_fits(tokens: int, chunk_tokens: int) -> bool:
@@ -221,14 +226,18 @@ class SearchSpace:
 
     def __init__(self, policy: Policy, *, experts: int, ep_size: int, link_rates: Mapping[str, float] | None = None,
                  pinned: Collection[str] = (), tokens: int | None = None, topk: int | None = None,
-                 routing: str = "uniform", hidden: int | None = None):
+                 routing: str = "uniform", hidden: int | None = None, gpus_per_node: int | None = None,
+                 nvlink_apart: bool = False):
         """`pinned`: plain knobs held at the policy default (a backend that cannot tell their values apart,
         e.g. the fabric model, `ModelBackend.pinned_knobs`), so a tie is not stored as a tuned choice.
         `tokens` (tokens per rank, with the model's `topk` and the `routing`): proxy/ibgda offer only the
         chunk_tokens values and group sizes that are distinct runs at that token count (module doc); None
         keeps the fixed set (every chunk_tokens value of the policy, group sizes 0, 2, 4, 8). `hidden` (the model's):
         fp8 scale granularities the runtime refuses on it are not offered (per_128 where 128 does not divide it:
-        `num_scale_groups`); None offers every one the policy's error budget allows."""
+        `num_scale_groups`); None offers every one the policy's error budget allows. `gpus_per_node` (default: the
+        whole EP group on one node) and `nvlink_apart` (a modelled fabric whose PEs reach this node's peers over
+        NVLink, `phases.queued.nvlink_apart`; default no: every peer through the queue, as the runtime's proxy sends
+        them): the peer sets the fabric model charges PUTs apart, so the PUT grid asks its charge as it is priced."""
         self.policy = policy
         self.transport = policy.transport
         self.ep_size = max(1, ep_size)
@@ -282,12 +291,17 @@ class SearchSpace:
         # the rows a peer gets at the workload's token count (proxy/ibgda with `tokens`): bounds the grid
         self.tokens = tokens
         self.rows_per_peer: float | None = None
+        self.gpus_per_node = gpus_per_node if gpus_per_node is not None and gpus_per_node > 0 else self.ep_size
+        self.nvlink_apart = nvlink_apart
+        self._hits: Any = None  # P(a token needs rank r), the fabric model's (`rank_hits`): its PUT charge's input
+        self._put_keys: dict[int, tuple[int, ...]] = {}
         self._policy_chunks: tuple[int, ...] = tuple(self.spec["chunk_tokens"].values())
         self._over_slots = False  # a policy chunk_tokens left out: more than MAX_SLOTS PUTs at `tokens` (grid_rule)
         if self._put_groups and tokens is not None:
             if topk is None:
                 raise ValueError("SearchSpace(tokens=...) needs the model's topk (the rows a peer gets)")
             self.rows_per_peer = expected_rows_per_peer(experts, topk, self.ep_size, tokens, routing)
+            self._hits = _rank_hits(experts, topk, self.ep_size, routing)
             fitting = tuple(c for c in self._policy_chunks if chunk_fits(tokens, c))
             self._over_slots = len(fitting) < len(self._policy_chunks)
             kept = self._distinct_chunks(fitting)
@@ -407,33 +421,25 @@ class SearchSpace:
 
     # -- PUTs per peer at the workload's token count (proxy/ibgda with `tokens`) -------------------------
     def puts_per_peer(self, chunk_tokens: int) -> int:
-        """PUTs one rank posts to a peer with `chunk_tokens` (1 without chunking); needs `tokens`."""
-        return self._put_key(chunk_tokens)[1]
+        """The most PUTs the fabric model charges one peer with `chunk_tokens` (1 without chunking); needs `tokens`."""
+        return max(1, max(self._put_key(chunk_tokens), default=1))
 
-    def _put_key(self, chunk_tokens: int) -> tuple[int, int]:
-        """What the runtime does with `chunk_tokens` at this token count, as the fabric model charges it (one function,
-        `wire_rows.expected_puts`: E[chunking(X)] over the X ~ Binomial(tokens, p) rows the busiest peer gets): (the
-        PUTs to every other rank, rounded: the model's resolution, a whole PUT over a set of peers; the most PUTs a
-        peer that gets rows is sent: the model's largest share, at least 1). ceil(S x p) instead rounded the expected
-        rows of every peer, below 1 at decode, and collapsed chunks the model and the engine tell apart (a peer of 2
-        rows gets 2 PUTs of 1); the rows after 2ce9b50 sit on fewer peers, whose PUTs this counts."""
-        from moetune.tuner.fabric_model.phases.queued import charged_puts
-        from moetune.tuner.fabric_model.wire_rows import expected_puts
+    def _put_key(self, chunk_tokens: int) -> tuple[int, ...]:
+        """What the runtime does with `chunk_tokens` at this token count, as the fabric model charges it: the PUTs
+        of each peer in dispatch and combine (`phases.queued.puts_charged_each_peer`, the function `phase_queued` and
+        `model sweep`'s grid use: each set of peers, the queue's and the NVLink ones, its own rounded sum of
+        E[chunking(X)], X ~ Binomial(tokens, p), shared out by largest remainder). Two chunks with the same key are
+        charged the same PUTs everywhere; a copy of the rule here (all peers one set, peers x E rounded) dropped or
+        kept chunks the model prices otherwise."""
+        key = self._put_keys.get(chunk_tokens)
+        if key is None:
+            from moetune.tuner.fabric_model.phases.queued import puts_charged_each_peer
 
-        assert self.rows_per_peer is not None and self.tokens is not None
-        hit = self.rows_per_peer / self.tokens if self.tokens > 0 else 0.0
-        each, getting = expected_puts(hit, self.tokens, chunk_tokens), expected_puts(hit, self.tokens, 0)
-        peers = max(1, self.ep_size - 1)
-        total = math.floor(peers * each + 0.5)
-        if getting <= 0:
-            return total, 1
-        # the most PUTs the model gives one peer (`phases/queued.py` charged_puts, the one statement `model sweep`'s
-        # grid uses too: the rounded total shared out by largest remainder over the rounded count of peers that get
-        # rows), not the rounded mean: E = 2.24 (2 or 3 each) gives some peers 3, so group_size 2 sends them 2
-        # signals, another run than per peer
-        ranks = list(range(peers))
-        share = charged_puts(ranks, dict.fromkeys(ranks, hit), self.tokens, chunk_tokens)[1]
-        return total, max(1, max(share.values()))
+            assert self._hits is not None and self.tokens is not None
+            key = puts_charged_each_peer(self._hits, self.ep_size, self.gpus_per_node, self.nvlink_apart, self.tokens,
+                                         chunk_tokens)
+            self._put_keys[chunk_tokens] = key
+        return key
 
     def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one
@@ -625,11 +631,12 @@ class SearchSpace:
         if self.rows_per_peer is not None and not self.spec["chunk_tokens"].contains(knobs.chunk_tokens) \
                 and knobs.chunk_tokens in self._policy_chunks:
             same = self._equivalent_chunk(knobs.chunk_tokens)
-            all_puts, puts = self._put_key(knobs.chunk_tokens)
+            key = self._put_key(knobs.chunk_tokens)
+            all_puts = sum(key[:self.ep_size - 1])  # dispatch's peers (then combine's)
             raise KnobError(f"chunk_tokens {knobs.chunk_tokens} at {self.tokens} tokens per rank (~{self.rows_per_peer:.1f} "
-                            f"rows per peer): at most ~{puts} PUT(s) per peer that gets rows, ~{all_puts} to all peers, the same "
-                            f"run as chunk_tokens {same}; offered: {list(self.spec['chunk_tokens'].values())}",
-                            ("chunk_tokens",))
+                            f"rows per peer): at most ~{max(key, default=1)} PUT(s) per peer that gets rows, ~{all_puts} "
+                            f"to all peers, the same run as chunk_tokens {same}; offered: "
+                            f"{list(self.spec['chunk_tokens'].values())}", ("chunk_tokens",))
         for name, s in self.spec.items():
             if name in ("group_size", "qp_mapping", "scale_granularity"):
                 continue

@@ -406,9 +406,11 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     pinned = be.pinned_knobs(pol.transport) | (frozenset(pol.knobs) if inert else frozenset())
                     # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
                     # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
+                    # and as the fabric model charges them: its peer sets (a preset's NVLink peers apart)
+                    apart = isinstance(be, ModelBackend) and be.nvlink_apart(pol.defaults, wl)
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
                                         pinned=pinned, tokens=bucket, topk=model.topk, routing=routing,
-                                        hidden=model.hidden)
+                                        hidden=model.hidden, gpus_per_node=gpus_per_node, nvlink_apart=apart)
                     if isinstance(be, ModelBackend):
                         # A workload the model cannot run at all (too many nodes for the preset, ...) is
                         # one clear error, not a study of failed trials.

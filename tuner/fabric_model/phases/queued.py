@@ -105,17 +105,28 @@ def _sender(hits, pes: int, dispatch: bool) -> tuple[int, dict[int, float]]:
     return src, {d: float(hits[d] if dispatch else hits[src]) for d in range(pes) if d != src}
 
 
+def puts_charged_each_peer(hits, pes: int, gpus_per_node: int, nvlink_apart: bool, tokens: int,
+                           chunk_tokens: int) -> tuple[int, ...]:
+    """The PUTs the runtime layout charges each peer, dispatch's peers then combine's, each the queue's peers (post
+    order) then the NVLink ones (`charged_puts` of each set, as `phase_queued` prices them): `hits` P(a token needs
+    rank r), `nvlink_apart` whether this node's peers are a set of their own (`nvlink_apart`). The one rule the
+    `model sweep` grid (`most_puts_to_a_peer`) and the search space's chunk and group grids ask: two chunk_tokens
+    with the same tuple are charged the same PUTs on every peer."""
+    out: list[int] = []
+    for dispatch in (True, False):
+        src, p_row = _sender(hits, pes, dispatch)
+        for peers in split_peers(pes, gpus_per_node, src, nvlink_apart):
+            puts = charged_puts(peers, p_row, tokens, chunk_tokens)[1]
+            out += [puts[d] for d in peers]
+    return tuple(out)
+
+
 def most_puts_to_a_peer(p: Params, w: Workload, knobs: Knobs, hits) -> int:
     """The most PUTs the runtime layout charges one peer, over dispatch and combine and both sets of peers
-    (`charged_puts`), 0 for none: what a decoupled group_size groups, a group size at or above it is per peer."""
-    most = 0
-    for dispatch in (True, False):
-        src, p_row = _sender(hits, w.pes, dispatch)
-        remote, local, _ = _peer_sets(p, w, knobs, src)
-        for peers in (remote, local):
-            most = max(most, max(charged_puts(peers, p_row, w.tokens_per_gpu, knobs.chunk_tokens)[1].values(),
-                                 default=0))
-    return most
+    (`puts_charged_each_peer`), 0 for none: what a decoupled group_size groups, a group size at or above it is per
+    peer."""
+    return max(puts_charged_each_peer(hits, w.pes, w.gpus_per_node, nvlink_apart(p, w, knobs), w.tokens_per_gpu,
+                                      knobs.chunk_tokens), default=0)
 
 
 def _rank_runs(rows: float, tb: float, ck: int, ready: float,
@@ -146,20 +157,31 @@ def _intra_by_proxy(p: Params, knobs: Knobs) -> bool:
     return knobs.transport == "proxy" and p.has_proxy and p.proxy_intra
 
 
-def _peer_sets(p: Params, w: Workload, knobs: Knobs, src: int) -> tuple[list[int], list[int], bool]:
-    """`_queued_peers` where the preset may not reach them (no network): the grid's sets, for a run predict refuses."""
-    P, G = w.pes, w.gpus_per_node
-    intra_by_proxy = _intra_by_proxy(p, knobs)
-    nvl_intra = p.has_nvl and w.p2p and not intra_by_proxy
+def nvlink_apart(p: Params, w: Workload, knobs: Knobs) -> bool:
+    """Whether a PE reaches this node's peers over NVLink, a set apart from the queue's (not where the proxy serves
+    them too, nor without NVLink / P2P)."""
+    return p.has_nvl and w.p2p and not _intra_by_proxy(p, knobs)
+
+
+def split_peers(pes: int, gpus_per_node: int, src: int, nvl_intra: bool) -> tuple[list[int], list[int]]:
+    """(the peers PE `src` reaches through the queue in post order, those it reaches over NVLink): with `nvl_intra`
+    this node's peers are the NVLink set, else the queue serves them too (first)."""
+    G = max(1, gpus_per_node)
     node = src // G
-    remote = [d for d in range(P) if d // G != node]
+    remote = [d for d in range(pes) if d // G != node]
     rot = (node * G) % max(1, len(remote))
     remote = remote[rot:] + remote[:rot]
-    local = [d for d in range(node * G, node * G + G) if d != src]
+    local = [d for d in range(node * G, node * G + G) if d != src and d < pes]
     if not nvl_intra:
         # the proxy serves this node's peers too, or there is no NVLink / P2P: they go through the queue
-        remote, local = local + remote, []
-    return remote, local, nvl_intra
+        return local + remote, []
+    return remote, local
+
+
+def _peer_sets(p: Params, w: Workload, knobs: Knobs, src: int) -> tuple[list[int], list[int], bool]:
+    """`_queued_peers` where the preset may not reach them (no network): the grid's sets, for a run predict refuses."""
+    nvl_intra = nvlink_apart(p, w, knobs)
+    return (*split_peers(w.pes, w.gpus_per_node, src, nvl_intra), nvl_intra)
 
 
 class _CountWords:
