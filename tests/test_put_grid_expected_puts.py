@@ -74,3 +74,30 @@ def test_group_sizes_the_model_tells_apart_are_offered() -> None:
     k = _knobs(256).replace(signalling="decoupled")
     fences = {g: predict("ndr-ibrc-h100x8", w, k.replace(group_size=g), phase="dispatch").fences for g in (0, 2, 4)}
     assert fences[2] != fences[0] and fences[4] == fences[0], fences  # 4 >= the most PUTs: one signal a peer
+
+
+def test_the_group_grid_over_several_nodes_is_the_model_s_over_each_set_of_peers() -> None:
+    """The model shares a rank's PUTs over the queue's peers and the node's NVLink peers apart (`charged_puts` per
+    set). qwen3-30b at EP 16 (2 x 8), S = 64, chunk_tokens 16: E = 2.05 PUTs a peer, 16 over the 8 remote peers and
+    14 over the 7 NVLink ones, 2 each; a space that took the 15 as one set (31 PUTs, one peer 3) offered group size 2,
+    the same run as per peer in the model (equal fences and latency). With the model's sets (`ModelBackend.nvlink_apart`
+    and the node's GPUs, as `tune` builds the space) the two agree."""
+    from moetune.tuner.fabric_model.group_grids import group_grid
+    from moetune.tuner.search.backends import TuneWorkload
+    from moetune.tuner.search.model_backend import ModelBackend
+
+    m = get_model("qwen3-30b")
+    pol = load_policy("proxy:ibrc")
+    pol = dataclasses.replace(pol, knobs={**pol.knobs, "chunk_tokens": KnobSpec("chunk_tokens", choices=(0, 16))})
+    apart = ModelBackend("ndr-ibrc-h100x8").nvlink_apart(pol.defaults, TuneWorkload(m, 64, nodes=2, gpus_per_node=8))
+    assert apart
+    space = SearchSpace(pol, experts=m.experts, ep_size=16, tokens=64, topk=m.topk, gpus_per_node=8, nvlink_apart=apart)
+    w = Workload("qwen3-30b", 64, 2, 8)
+    k = _knobs(16).replace(signalling="decoupled")
+    assert space.puts_per_peer(16) == group_grid("ndr-ibrc-h100x8", w, k) == 2
+    assert space.group_values(chunk_tokens=16) == (0,)
+    runs = {g: [(x.fences, x.latency_us) for x in (predict("ndr-ibrc-h100x8", w, k.replace(group_size=g), phase=ph)
+                                                 for ph in ("dispatch", "combine"))] for g in (0, 2)}
+    assert runs[2] == runs[0], runs  # group size 2 is per peer here: not offered
+    # the one-set space (every peer the queue's, as the runtime's proxy sends them) offers it: the sets decide
+    assert 2 in SearchSpace(pol, experts=m.experts, ep_size=16, tokens=64, topk=m.topk).group_values(chunk_tokens=16)
