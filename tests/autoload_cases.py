@@ -76,3 +76,42 @@ def case_group_default_named(rank: int, world: int, hosts: list[str]) -> dict:
                       family="proxy:ucx", provenance="measured", tuned=True)
     answers = {0: mine, 1: _tuned(TUNED_B, "B")}
     return case_group_profile(rank, world, answers, hosts)
+
+
+def case_group_fallback_retry(rank: int, world: int, hosts: list[str], lagging: int, at: list[float]) -> dict:
+    """Two hosts' first ranks both fall back (the daemon did not answer), then find the tuned profile on any later
+    lookup. Rank `lagging`'s first lookup takes 0.2 s longer (it waited out the client timeout), so the fallback it
+    caches expires 0.2 s after the other host's. The group looks up at each clock time in `at` (autoload's clock,
+    moved by hand; client.fallback_retry_s is 10); report what every rank ended with each time."""
+    from types import SimpleNamespace
+
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.shapes import ModelShape
+
+    _patch(rank, {}, hosts)
+    now = [1000.0]
+    autoload.time = SimpleNamespace(monotonic=lambda: now[0])  # type: ignore[assignment]
+    calls: list[str] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        if not calls:
+            calls.append("down")
+            if rank == lagging:
+                now[0] += 0.2
+            knobs = Knobs()
+            return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                              family="collective", message="daemon: no reply")
+        calls.append("tuned")
+        return _tuned(TUNED_A, "A")
+
+    autoload._resolve = fake_resolve  # type: ignore[assignment]
+    model = ModelShape(name="t", hidden=64, intermediate=32, experts=8, topk=2, dtype="float32")
+    out: list[dict] = []
+    for t in at:
+        now[0] = t
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = autoload.autoload_group_profile(model=model, ep_size=world, max_tokens=16)
+        out.append({"hash": res.profile_hash, "source": res.source, "calls": list(calls),
+                    "warnings": [str(c.message) for c in caught]})
+    return {"steps": out}

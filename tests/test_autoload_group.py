@@ -115,6 +115,25 @@ def test_two_hosts_disagreeing_fall_back_to_the_policy_default_everywhere() -> N
         assert any("hosts of this EP group resolved different profiles" in w for w in res[0]["warnings"])
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lagging", [0, 1])
+def test_hosts_whose_fallbacks_expire_apart_retry_together(lagging: int) -> None:
+    """Each host's first rank cached its fallback at its own time (one waited out the client timeout): a layer built
+    between the two expiries saw one host retry and find the tuned profile while the other served its cached
+    fallback, so the group ran its default ("resolved different profiles"). Rank 0 now decides for the group when
+    its fallback is looked up again, and every host follows."""
+    at = [1000.0, 1010.1, 1010.3, 1020.0]  # fallback_retry_s = 10: 1010.1 lies between the two hosts' expiries
+    res = launch(cases.case_group_fallback_retry, 2, args=(["node-a", "node-b"], lagging, at),
+                 env={"MOETUNE_CLIENT_FALLBACK_RETRY_S": "10"}, timeout_s=20, join_timeout_s=55)
+    for step in range(len(at)):
+        got = [r["steps"][step] for r in res]
+        assert got[0]["hash"] == got[1]["hash"], (step, got)
+        assert not any("resolved different profiles" in w for g in got for w in g["warnings"]), (step, got)
+        assert got[0]["calls"] == got[1]["calls"], (step, got)  # every host retried at the same construction
+    assert res[0]["steps"][0]["source"] == "policy"  # the daemon did not answer either host
+    assert res[0]["steps"][-1]["hash"] == "tuned-A"  # and the group took the tuned profile once it answered
+
+
 # -- the megakernel: per token bucket ---------------------------------------------------------------------------
 def _mk_layer(monkeypatch: pytest.MonkeyPatch, per_bucket: dict[int, Knobs]) -> tuple[MoELayer, list[dict]]:
     use_fake_megakernel(monkeypatch)

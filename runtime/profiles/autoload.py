@@ -29,7 +29,9 @@ the device) and the settings and performance environment they were judged under 
 unset since must not leave a modelled profile served), so the many layers of one model cost one lookup. A FALLBACK
 (the policy or built-in default: the daemon did not answer, a hardware check failed) is cached only for
 `client.fallback_retry_s` (30 s): a layer built later looks up again, so a job whose daemon or NIC port was briefly
-down at its start does not run on defaults for its life.
+down at its start does not run on defaults for its life. An EP group over several hosts retries on rank 0's clock:
+rank 0 decides once for the group and every host's first rank follows (its own cached fallback served past its
+expiry, or looked up before it), since hosts retrying apart resolve different profiles.
 
 `transport_family="megakernel"` looks up the MoE megakernel's profile instead (a world-1 `MoELayer` does: ep_size
 1, nodes 1); "can this runtime run it" is then the megakernel's own check (runtime/megakernel/engine.py).
@@ -101,6 +103,10 @@ log = logging.getLogger("moetune.autoload")
 # key -> (resolution, when it expires: None for the process's life; a monotonic time for a fallback, which a later
 # construction looks up again after client.fallback_retry_s: a daemon or NIC port briefly down at job start)
 _cache: dict[tuple[Any, ...], tuple[Resolution, float | None]] = {}
+# rank 0's: an EP group lookup over several hosts (autoload_profile's key) -> when the group's agreed fallback is
+# looked up again (None: a profile every host resolved, kept). One clock for the group: each host's own expiry falls
+# at another time, and a host that retried alone resolved another profile than one still serving its fallback
+_group_until: dict[tuple[Any, ...], float | None] = {}
 FALLBACK_SOURCES = frozenset({"policy", "default"})  # a Resolution.source that is no looked-up profile
 _lock = threading.Lock()
 _last: Resolution | None = None
@@ -277,6 +283,7 @@ def autoload_profile(
     dtype: Any = None,
     export_env: bool = True,
     options: RuntimeOptions | None = None,
+    retry_fallback: bool | None = None,
 ) -> Resolution:
     """The full resolution (knobs, hash, source, env) for this process; env exported to os.environ (unless
     `export_env=False`: the group path exports the agreed env instead).
@@ -285,28 +292,23 @@ def autoload_profile(
     tuned profile measured under other data-path options is not applied as tuned (client.py).
 
     `dtype`: the activation dtype the caller runs at (None: `model.dtype`); it replaces the model's in the key.
-    `nodes` defaults to `group_nodes(group)`. Never raises for what the daemon, the database or the
-    policy files hold: the last resort is the built-in default, with a warning. Per process, not per group:
-    an EP group uses `autoload_group_profile`.
+    `nodes` defaults to `group_nodes(group)`. `retry_fallback`: whether a cached fallback is looked up again (None:
+    when its own client.fallback_retry_s has passed; the group path passes rank 0's decision). Never raises for
+    what the daemon, the database or the policy files hold: the last resort is the built-in default, with a
+    warning. Per process, not per group: an EP group uses `autoload_group_profile`.
     """
     global _last
-    if dtype is not None and dtype_name(dtype) != model.dtype:
-        import msgspec
-
-        model = msgspec.structs.replace(model, dtype=dtype_name(dtype))
     if nodes is None:
         nodes = group_nodes(group)
-    # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets. The
-    # device too: which transports can run (transport_ok) depends on it, so a CUDA device's nvlink profile must
-    # not be handed to a layer on the CPU.
-    lookup = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device),
-              None if options is None else options.digest())  # other options may be served another profile
-    # and other settings (allow_modelled, env_mismatch, autoload) judge otherwise; the env this lookup exported is
-    # its own whatever they were (`owner`: a retry replaces what its fallback exported)
-    key = (*lookup, _lookup_env_digest())
+    model, lookup, key = _lookup_key(model=model, dtype=dtype, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens,
+                                     transport_family=transport_family, device=device, options=options)
     with _lock:
         hit = _cache.get(key) if use_cache and client is None else None
-        if hit is not None and (hit[1] is None or time.monotonic() < hit[1]):
+        if hit is not None and hit[1] is not None:  # a fallback: still served, or looked up again?
+            fresh = time.monotonic() < hit[1] if retry_fallback is None else not retry_fallback
+            if not fresh:
+                hit = None
+        if hit is not None:
             _last = hit[0]
             if export_env:
                 apply_env(_last.env, owner=lookup)
@@ -330,6 +332,25 @@ def autoload_profile(
             _cache[key] = (res, until)
         _last = res
         return res
+
+
+def _lookup_key(
+    *, model: ModelShape, dtype: Any, ep_size: int, nodes: int, max_tokens: int, transport_family: str | None,
+    device: Any, options: RuntimeOptions | None,
+) -> tuple[ModelShape, tuple[Any, ...], tuple[Any, ...]]:
+    """(the model at `dtype`, the lookup that owns what it exports, its cache key)."""
+    if dtype is not None and dtype_name(dtype) != model.dtype:
+        import msgspec
+
+        model = msgspec.structs.replace(model, dtype=dtype_name(dtype))
+    # The exact token count, not its rung: two counts of one rung may have different nearest stored buckets. The
+    # device too: which transports can run (transport_ok) depends on it, so a CUDA device's nvlink profile must
+    # not be handed to a layer on the CPU.
+    lookup = (model, ep_size, nodes, max_tokens, transport_family, None if device is None else str(device),
+              None if options is None else options.digest())  # other options may be served another profile
+    # and other settings (allow_modelled, env_mismatch, autoload) judge otherwise; the env this lookup exported is
+    # its own whatever they were (`owner`: a retry replaces what its fallback exported)
+    return model, lookup, (*lookup, _lookup_env_digest())
 
 
 def _fallback_retry_s() -> float:
@@ -402,6 +423,17 @@ def _broadcast_bytes(data: bytes, group: Any, device: Any) -> bytes:
     return bytes(buf.cpu().tolist())
 
 
+def _broadcast_flag(flag: bool, group: Any, device: Any) -> bool:
+    """Group rank 0's `flag` on every rank (one tensor broadcast). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=src, group=group)
+    return bool(t.item())
+
+
 def _all_gather_text(text: str, group: Any, device: Any) -> list[str]:
     """Every rank's `text` (UTF-8, padded to the longest), in group rank order. Collective."""
     import torch
@@ -460,6 +492,8 @@ def autoload_group_profile(
 
     Ranks on rank 0's host never look up; the first rank of every other host does, and a host whose profile
     hash differs from rank 0's makes the whole group use rank 0's policy default (warned once, never raised).
+    With several hosts, rank 0 decides (and broadcasts) whether this lookup retries the group's fallback: once
+    client.fallback_retry_s has passed since the group last looked up and ended in a default.
     The agreed env is exported on every rank; `last_resolution()` is the agreed one. Without torch.distributed
     (or with one rank) this is `autoload_profile`.
     """
@@ -476,11 +510,28 @@ def autoload_group_profile(
     hosts = group_hosts(group)
     nodes = len(set(hosts))
     leader = hosts.index(hosts[rank]) == rank  # the first rank of its host
+    retry: bool | None = None  # one host: only rank 0 looks up, its own cache's expiry decides
+    group_key: tuple[Any, ...] | None = None
+    if nodes > 1:
+        # rank 0 decides once whether the group's fallback is looked up again, and every host's first rank follows
+        # (a cached fallback served past its own expiry, or looked up before it): the hosts' own expiries differ by
+        # when each lookup ended, and a host retrying alone resolves another profile than one serving its fallback
+        if rank == 0:
+            try:
+                group_key = _lookup_key(model=model, dtype=dtype, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens,
+                                        transport_family=transport_family, device=device, options=options)[2]
+            except Exception:  # a bad dtype: autoload_profile ends it in a default; no raise before the broadcast
+                group_key = None
+            with _lock:  # never looked up as a group (0.0): every host looks up
+                until = _group_until.get(group_key, 0.0) if group_key is not None else 0.0
+            retry = until is not None and time.monotonic() >= until
+        retry = _broadcast_flag(bool(retry), group, cdev)
     mine: Resolution | None = None
     if leader:
         try:
             mine = autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
-                                    dtype=dtype, transport_family=transport_family, export_env=False, options=options)
+                                    dtype=dtype, transport_family=transport_family, export_env=False, options=options,
+                                    retry_fallback=retry)
         except Exception as e:  # autoload_profile does not raise; a bug must not leave the other ranks waiting
             knobs = default_knobs("collective")
             mine = Resolution(knobs=knobs, source="default", profile_hash=f"default:{knobs.digest()}",
@@ -501,6 +552,12 @@ def autoload_group_profile(
                 # say which default: a family without a runnable policy file falls back to the built-in one
                 what = "the policy default" if final.source == "policy" else "the built-in default"
                 warn_fallback(f"moetune: using {what} on every rank ({final.message})")
+            # the group's default (a host's fallback, or the hosts disagreeing) is looked up again on rank 0's clock,
+            # fallback_retry_s after the group last looked up (not after a construction served from the caches)
+            fallback = final.source in FALLBACK_SOURCES
+            if group_key is not None and (retry or not fallback):
+                with _lock:
+                    _group_until[group_key] = time.monotonic() + _fallback_retry_s() if fallback else None
         payload = msgspec.json.encode(final)
     try:
         got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
@@ -530,6 +587,7 @@ def clear_cache() -> None:
     global _last
     with _lock:
         _cache.clear()
+        _group_until.clear()
         _last = None
     forget_exports()
     forget_env_warnings()
