@@ -153,8 +153,15 @@ KEY_NOTES = {("client", "autoload"): "false (or `MOETUNE_AUTOLOAD=0`): an EP buf
              ("client", "fallback_retry_s"): "how long (seconds) an auto-load that ended in the policy or built-in "
                                              "default (the daemon did not answer, a hardware check failed) is reused "
                                              "before a buffer or layer built later looks up again; a tuned or "
-                                             "modelled profile it found is kept for the process. 0: every "
-                                             "construction looks up again."}
+                                             "modelled profile it found is kept for the process, and replaces the "
+                                             "NVSHMEM_* variables the fallback exported (those still at the "
+                                             "fallback's value: one the user set, before or since, wins; one the "
+                                             "profile does not set is unset again). 0: every construction looks up "
+                                             "again. An EP group over several hosts retries on rank 0's clock: "
+                                             "rank 0 decides, and every host's first rank looks up again then (or "
+                                             "keeps serving its cached fallback until then), so hosts whose "
+                                             "fallbacks were cached at different times do not resolve different "
+                                             "profiles and run the group default."}
 
 
 def env_name(section: str, key: str) -> str:
