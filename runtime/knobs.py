@@ -81,9 +81,9 @@ def missing_transport_problem(transport: str) -> str | None:
 
 def one_sided_world_problem(transport: str, world: int, who: str = "", nodes: int = 1) -> str | None:
     """Why the runtime's `transport` cannot serve an EP group of `world` ranks on `nodes` hosts (None when it can):
-    nvlink and proxy serve at most MAX_WORLD ranks, of one node. The one statement of the rule, torch-free: the
-    transports' `check_world` raises it (it knows no node count: 1), autoload passes such a profile over (given the
-    group's node count), the store and the tuner's reports name it (given the key's)."""
+    nvlink and proxy serve at most MAX_WORLD ranks, of one node. The one-sided part of `group_world_problem` (which
+    adds host_staged across nodes), torch-free: the one-sided transports' `check_world` raises it (it knows no node
+    count: 1); autoload, the store and the tuner's reports ask `group_world_problem`."""
     if transport not in ONE_SIDED_TRANSPORTS:
         return None
     if world > MAX_WORLD:
@@ -93,6 +93,20 @@ def one_sided_world_problem(transport: str, world: int, who: str = "", nodes: in
         return (f"{who}transport={transport} serves the ranks of one node (its GPUs store into each other's memory), "
                 f"this EP group spans {nodes} nodes: use transport=collective for a group across nodes")
     return None
+
+
+def group_world_problem(transport: str, world: int, who: str = "", nodes: int = 1) -> str | None:
+    """Why the runtime's `transport` cannot serve an EP group of `world` ranks on `nodes` hosts (None when it can):
+    nvlink and proxy as `one_sided_world_problem` says, and host_staged on one host only. The one statement of the
+    rule for a group, torch-free: host_staged's constructor raises it (it counts the group's hosts), autoload passes
+    such a profile over (`transport_world_problem`), the store and the tuner's reports name it (`runtime_refusal`,
+    given the key's node count)."""
+    why = one_sided_world_problem(transport, world, who, nodes)
+    if why is None and transport == "host_staged" and nodes > 1:
+        # the ranks on other hosts cannot open rank 0's /dev/shm file (the copy-engine path failed in its setup)
+        why = (f"{who}transport=host_staged serves the ranks of one node (its staging memory is one host's shared "
+               f"memory file), this EP group spans {nodes} nodes: use transport=collective for a group across nodes")
+    return why
 
 
 def chunk_tokens_fit(chunk_tokens: int, rows: int) -> bool:

@@ -16,8 +16,8 @@ import msgspec
 from moetune.runtime.knobs import (
     FORMER_MK_DEFAULTS,
     Knobs,
+    group_world_problem,
     missing_transport_problem,
-    one_sided_world_problem,
 )
 from moetune.runtime.options import data_path_digest
 from moetune.runtime.shapes import check_experts_divide
@@ -501,7 +501,7 @@ def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
     """Why no run of this runtime can take a profile of `key` with `knobs` (None when one can): the runtime has no
     transport for the key's family or the knobs' (ibgda: `missing_transport_problem`; autoload asks both, the
     registry's way), or its transport cannot serve the key's EP size or node count (a model tune of a cross-node
-    proxy preset: EP 32, or 2 nodes x 4 GPUs). Such a profile is a what-if report: stored only as modelled (the
+    proxy preset: EP 32, or 2 nodes x 4 GPUs; host_staged across nodes: `group_world_problem`). Such a profile is a what-if report: stored only as modelled (the
     store refuses it labelled measured), and autoload passes it over (`runtime_transport_problem`,
     `transport_world_problem`: the same rules)."""
     family = key.transport_family
@@ -515,7 +515,7 @@ def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
     # the world rule of both names too, as autoload's transport_ok asks it of each (`_transport_problem`): a profile
     # keyed nvlink or proxy:* whose knobs name another transport was passed over there and called runnable here
     for name in names:
-        why = one_sided_world_problem(name, key.ep_size, nodes=key.nodes)
+        why = group_world_problem(name, key.ep_size, nodes=key.nodes)
         if why is not None:
             return why
     return None

@@ -94,12 +94,14 @@ def test_a_node_is_told_by_its_boot_id_not_its_host_name(tmp_path: Path, monkeyp
     name. The kernel's boot id tells nodes apart; the host name only where it cannot be read."""
     boot = tmp_path / "boot_id"
     boot.write_text("e0ec2882-a100-4979-a256-56129669cc35\n")
-    monkeypatch.setattr(autoload, "_BOOT_ID", str(boot))
-    monkeypatch.setattr(autoload.socket, "gethostname", lambda: "pod-1")
+    from moetune.runtime import hosts  # where autoload's host_identity lives (host_staged asks it too)
+
+    monkeypatch.setattr(hosts, "_BOOT_ID", str(boot))
+    monkeypatch.setattr(hosts.socket, "gethostname", lambda: "pod-1")
     first = autoload.host_identity()
-    monkeypatch.setattr(autoload.socket, "gethostname", lambda: "pod-2")
+    monkeypatch.setattr(hosts.socket, "gethostname", lambda: "pod-2")
     assert autoload.host_identity() == first == "boot:e0ec2882-a100-4979-a256-56129669cc35"
-    monkeypatch.setattr(autoload, "_BOOT_ID", str(tmp_path / "absent"))
+    monkeypatch.setattr(hosts, "_BOOT_ID", str(tmp_path / "absent"))
     assert autoload.host_identity() == "host:pod-2"
 
 

@@ -145,6 +145,34 @@ def test_without_cuda_it_is_the_collective() -> None:
         assert rep["native"][0] is False and "CUDA" in rep["native"][1]
 
 
+def _hosts_case(rank: int, world: int, hosts_of: list[str]) -> str:
+    """Build host_staged on a gloo group whose ranks tell their host as `hosts_of` says (the host count is the real
+    all-gather); what it raised, or "built"."""
+    from moetune.runtime import hosts
+
+    hosts.host_identity = lambda: hosts_of[rank]  # type: ignore[assignment]
+    try:
+        t = hs.HostStagedTransport(None, Knobs(transport="host_staged"), "cpu")
+    except KnobError as e:
+        return f"KnobError: {e}"
+    t.close()
+    return "built"
+
+
+@pytest.mark.timeout(120)
+def test_a_group_across_hosts_is_refused_with_the_rule_s_words() -> None:
+    """The staging memory is one host's /dev/shm file: a rank on another host could not map it (the copy-engine path
+    failed in its setup, "the staging memory could not be set up", and NCCL's staging ran where the library was off).
+    The transport counts the group's hosts when it is built and raises `group_world_problem`'s words on every rank,
+    the words the store and autoload say of a host_staged profile of 2 nodes."""
+    from moetune.runtime.knobs import group_world_problem
+
+    across = launch(_hosts_case, 2, args=(["host:a", "host:b"],), timeout_s=60)
+    why = group_world_problem("host_staged", 2, "HostStagedTransport: ", nodes=2)
+    assert across == [f"KnobError: knob transport: {why}"] * 2, across
+    assert launch(_hosts_case, 2, args=(["host:a", "host:a"],), timeout_s=60) == ["built", "built"]
+
+
 def test_wrong_knobs_are_refused_before_any_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     """HostStagedTransport loaded the library and joined an all-reduce (which ranks take the native path) before the
     base class checked the knobs: a rank given another transport's knobs was refused only after that collective,

@@ -2,7 +2,7 @@
 EP 32, which the runtime's proxy transport cannot run (`check_world`: at most MAX_WORLD ranks, one node), so autoload
 passes over them. They are kept as what-if reports (the Perseus IBRC model at that scale: the only place its tuned
 settings are written down), labelled MODELLED as every preset profile is, and the three say the same thing from one
-rule (`runtime.knobs.one_sided_world_problem`, torch-free):
+rule (`runtime.knobs.group_world_problem`, torch-free; host_staged across nodes too):
 
 * the store keeps them modelled and refuses one labelled measured (no run can have measured it);
 * the tune's report (its table's note and --json's `runtime_refusal`) and `profiles show` say the runtime cannot run
@@ -302,3 +302,70 @@ def test_the_key_s_family_is_judged_by_the_world_rule_as_autoload_judges_it() ->
     assert why is not None and "transport=nvlink serves at most 8 ranks" in why, why
     assert runtime_refusal(msgspec.structs.replace(key, transport_family="collective"), knobs) is None
     assert runtime_refusal(msgspec.structs.replace(key, ep_size=8), knobs) is None
+
+
+def _host_staged_preset(tmp_path: Path) -> Path:
+    """A fabric model whose family is host_staged and that has a network (a user's preset; the shipped host_staged
+    presets, pcie4-consumer-4090x4 and nvlink-h200x2, are one box: max_nodes = 1): the ndr-ibrc-h100x8 numbers, whose
+    [pcie] and [nic] the host_staged phase reads, with host_staged its family."""
+    from moetune.tuner.fabric_model.presets import load_preset
+
+    base = load_preset("ndr-ibrc-h100x8")
+    text = base.to_toml().replace('family = "proxy:ibrc"', 'family = "host_staged"', 1)
+    text = text.replace('transports = ["proxy", "collective", "nvlink"]',
+                        'transports = ["proxy", "collective", "nvlink", "host_staged"]', 1)
+    path = tmp_path / "staged-across-nodes.toml"
+    path.write_text(text.replace('name = "ndr-ibrc-h100x8"', 'name = "staged-across-nodes"', 1))
+    return path
+
+
+def test_host_staged_across_nodes_is_beyond_the_runtime_too(tmp_path: Path) -> None:
+    """The fabric model predicts host_staged across nodes (its NIC bytes), but the runtime's host_staged stages
+    through one host's /dev/shm file: a rank on another host cannot map it. The one rule (`group_world_problem`)
+    says so for the store, the tune's report and autoload, as it does for nvlink and proxy; the model's number is
+    still reported, labelled modelled and what-if."""
+    from moetune.runtime.knobs import group_world_problem
+
+    why = group_world_problem("host_staged", 8, nodes=2)
+    assert why is not None and "transport=host_staged serves the ranks of one node" in why and "2 nodes" in why, why
+    assert group_world_problem("host_staged", 8, nodes=1) is None
+    assert group_world_problem("host_staged", 64, nodes=1) is None  # no rank limit: one host's ranks, any number
+    assert group_world_problem("collective", 16, nodes=2) is None
+    assert group_world_problem("proxy", 8, nodes=2) == one_sided_world_problem("proxy", 8, nodes=2)
+    assert transport_world_problem("host_staged", 8, nodes=2) == f"knob transport: {why}"
+    assert transport_world_problem("host_staged", 8, nodes=1) is None
+
+    key = ProfileKey(fingerprint="fpA", software="sw", transport_family="host_staged", ep_size=8, nodes=2,
+                     hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16", token_bucket=256)
+    knobs = Knobs(transport="host_staged")
+    assert runtime_refusal(key, knobs) == why
+    assert runtime_refusal(msgspec.structs.replace(key, nodes=1), knobs) is None
+    s = Store(tmp_path / "p.db")
+    with pytest.raises(FieldError, match="host_staged serves the ranks of one node"):
+        s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1, backend="local:nccl",
+                                    provenance="measured", measured_on="fpA"))
+
+    # autoload gives its check the group's node count: a 2-node group passes a host_staged profile over
+    class _Asks:
+        def resolve(self, *, transport_ok, **_: object) -> str | None:
+            return transport_ok("host_staged")
+
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.shapes import get_model
+
+    got = autoload._resolve(model=get_model("qwen3-30b"), ep_size=8, nodes=2, max_tokens=256, device=None,
+                            client=_Asks())  # type: ignore[arg-type]
+    assert got is not None and "host_staged serves the ranks of one node" in str(got), got
+
+    preset = _host_staged_preset(tmp_path)
+    rows = {}
+    for nodes in (1, 2):
+        r = runner.invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p", str(preset),
+                                "--nodes", str(nodes), "--trials", "3", "--db", str(tmp_path / f"t{nodes}.db"),
+                                "--storage", f"sqlite:///{tmp_path / f's{nodes}.db'}", "--json"],
+                          env={"COLUMNS": "300"})
+        assert r.exit_code == 0, r.output
+        (rows[nodes],) = json.loads(r.stdout)
+    assert rows[1]["runtime_refusal"] is None, rows[1]
+    assert rows[2]["modelled"] is True and "spans 2 nodes" in (rows[2]["runtime_refusal"] or ""), rows[2]
+    assert rows[2]["best_us"] > 0 and rows[2]["stored"], rows[2]  # the model's number is kept: a what-if report

@@ -14,7 +14,8 @@ Every fallback warns once, naming the sources and why. The whole chain is bounde
 (construction is collective already). Counting hosts is exact for any group, where LOCAL_WORLD_SIZE
 describes only the launcher's whole world. A profile whose transport this runtime's registry does not
 have (a served `ibgda` profile) is passed over, and so is one whose transport cannot serve the EP group's
-size or its hosts (nvlink or proxy beyond MAX_WORLD ranks or across nodes: `transport_world_problem`).
+size or its hosts (nvlink or proxy beyond MAX_WORLD ranks or across nodes, host_staged across nodes:
+`transport_world_problem`).
 
 The profile's environment-level settings (NVSHMEM_*, NCCL_*; only those `launcher_env` produces) are
 exported to `os.environ` right away, before any communicator exists. The performance environment a tuned profile
@@ -66,7 +67,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -79,7 +79,8 @@ from moetune.runtime.config import (
     config_files,
     load_client_config,
 )
-from moetune.runtime.knobs import KnobError, Knobs, default_knobs, one_sided_world_problem
+from moetune.runtime.hosts import host_hash, host_identity
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs, group_world_problem
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY
 from moetune.runtime.profiles.client import (
@@ -131,28 +132,13 @@ def _dist_on(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
-
-
-def host_identity() -> str:
-    """What tells this node from another: the kernel's boot id, which every container on one host shares (each may
-    have its own host name, yet they share the node's NVLink) and no two hosts do (host names may repeat across
-    nodes); the host name where it cannot be read (not Linux)."""
-    try:
-        with open(_BOOT_ID, encoding="ascii") as f:
-            boot = f.read(64).strip()
-    except (OSError, UnicodeDecodeError):
-        boot = ""
-    return f"boot:{boot}" if boot else f"host:{socket.gethostname()}"
-
-
 def group_hosts(group: Any = None) -> list[int]:
     """A hash of the node (`host_identity`) of every rank of `group`, in group rank order ([one] without
     torch.distributed). Collective."""
     import torch
     import torch.distributed as dist
 
-    host = int.from_bytes(hashlib.sha256(host_identity().encode()).digest()[:7], "little")
+    host = host_hash(host_identity())
     if not _dist_on(group):
         return [host]
     mine = torch.tensor([host], dtype=torch.int64, device=_group_device(group))
@@ -247,11 +233,11 @@ def runtime_transport_problem(name: str, device: Any = None, options: RuntimeOpt
 
 def transport_world_problem(name: str, world: int, nodes: int = 1) -> str | None:
     """Why transport `name` cannot serve an EP group of `world` ranks on `nodes` hosts (its `check_world`: nvlink and
-    proxy take at most MAX_WORLD; and those two one node's ranks only, `one_sided_world_problem`), None when it can or
-    `name` is no transport of this runtime (runtime_transport_problem says that). A stored profile the runtime would
-    refuse so (a model tune before 668bd35b stored nvlink at EP 16; a model tune of a 4-GPU proxy preset on 2 nodes)
-    is passed over here, not handed to EPBuffer, whose loaded-knob check raised on it or whose symmetric memory
-    cannot reach another host."""
+    proxy take at most MAX_WORLD; those two and host_staged one node's ranks only, `group_world_problem`), None when
+    it can or `name` is no transport of this runtime (runtime_transport_problem says that). A stored profile the
+    runtime would refuse so (a model tune before 668bd35b stored nvlink at EP 16; a model tune of a 4-GPU proxy
+    preset on 2 nodes, or of a host_staged model on 2 nodes) is passed over here, not handed to EPBuffer, whose
+    loaded-knob check raised on it or whose symmetric or staging memory cannot reach another host."""
     if name == MEGAKERNEL_FAMILY:  # not a transport (world 1): no registry import (torch) to say so
         return None
     from moetune.runtime.transports.registry import get_transport
@@ -264,8 +250,9 @@ def transport_world_problem(name: str, world: int, nodes: int = 1) -> str | None
         cls.check_world(world)
     except KnobError as e:
         return str(e)
-    # check_world knows no node count: the same rule given the group's (no one-sided transport reaches another host)
-    why = one_sided_world_problem(cls.name, world, nodes=nodes)
+    # check_world knows no node count: the same rule given the group's (no one-sided transport reaches another host,
+    # nor host_staged, whose staging memory is one host's file)
+    why = group_world_problem(cls.name, world, nodes=nodes)
     return None if why is None else str(KnobError(why, ("transport",)))
 
 

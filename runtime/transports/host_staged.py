@@ -26,7 +26,9 @@ The count exchange and the input checks stay on the process group (NCCL, with NC
 such nodes, which the benchmarks set). Without the compiled library, on CPU, with one rank, or with the
 runtime option hs_native=False (MOETUNE_HS_NATIVE=0) the transport is the collective over NCCL's own staging (NCCL_P2P_DISABLE=1),
 which is what `host_staged` meant before this module; `native` says which one runs.
-All ranks of the group must share one host (the staging memory is a node-local file).
+All ranks of the group must share one host (the staging memory is a node-local file): a group spanning hosts is
+refused when the transport is built (`knobs.group_world_problem`, the rule autoload and the store ask of a profile;
+NCCL's staging is refused there too, it is not what a host_staged profile tuned), transport=collective serves it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from moetune.runtime import _args, csrc_build
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.hosts import group_host_count
+from moetune.runtime.knobs import KnobError, Knobs, group_world_problem
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.transports._onesided import all_ok, decode_error, destroy_leak, keep_leaked
 from moetune.runtime.transports.base import Availability, transport_device
@@ -121,6 +124,14 @@ class HostStagedTransport(CollectiveTransport):
         device = transport_device(device, who)
         options = RuntimeOptions.resolve(options)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if world > 1:
+            # the staging memory is one host's /dev/shm file: a rank on another host cannot map it (the copy-engine
+            # path failed in its setup with a missing file; NCCL's staging ran unlike what was tuned). Counted before
+            # any other collective, alike on every rank, so every rank raises the rule's words together
+            on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            far = group_world_problem(self.name, world, who, nodes=group_host_count(group, on))
+            if far is not None:
+                raise KnobError(far, ("transport",))
         lib, why = None, ""
         if device.type == "cuda" and world > 1 and options.hs_native:
             ok, why = csrc_build.availability()
