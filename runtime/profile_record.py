@@ -521,6 +521,16 @@ def runtime_refusal(key: ProfileKey, knobs: Knobs) -> str | None:
     return None
 
 
+def family_refusal(family: str, ep_size: int, nodes: int) -> str | None:
+    """`runtime_refusal` of every profile of transport family `family` at EP `ep_size` on `nodes` nodes (its knobs
+    name the family's transport): why a tune of that family for that group can only store what-if rows (None where a
+    run may serve one; an engine family: None, it names no transport)."""
+    if not is_transport_family(family):
+        return None
+    name = family.split(":", 1)[0]
+    return missing_transport_problem(name) or group_world_problem(name, ep_size, nodes=nodes)
+
+
 # how the tuner's report and `profiles show` say it
 WHAT_IF_ONLY = "what-if only: the runtime cannot run it ({why}); autoload passes over it"
 

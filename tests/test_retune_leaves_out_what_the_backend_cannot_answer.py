@@ -5,7 +5,9 @@ whose rows a lookup serves: what-if rows (a proxy profile of 2 nodes, nvlink bey
 backend = "local" the job refuses such a key (retune.local_refusal: it measures on this one node only), so every
 `retune` queued a job that could only fail, where it said "nothing to re-tune" before. The planning now asks the
 job's own refusal (retune.key_refusals): such keys are left out and named in the reply; the model backend still
-re-tunes them; a request whose every asked-for key is refused is not queued and says why. A fabric change's
+re-tunes them where the family it tunes (its calibrated model's) can serve the key's group, and leaves them out where
+it could only store another what-if row (planned again by every `retune`); a request whose every asked-for key is
+refused is not queued and says why. A fabric change's
 automatic re-tune is unchanged: its job names the keys that stay stale (tests/test_daemon_local_retune.py)."""
 
 from __future__ import annotations
@@ -94,12 +96,89 @@ def test_a_local_retune_of_only_what_if_keys_it_cannot_measure_says_nothing_to_r
     assert len(res.left_out) == 2 and any("qwen" in x or "2048" in x for x in res.left_out), res.left_out
 
 
-def test_the_model_backend_still_re_tunes_them(tmp_path: Path) -> None:
+def _node_model(directory: Path, fingerprint: str, family: str, base: str = "ndr-ibrc-h100x8") -> Path:
+    """This node's calibrated model (as F.write_node_model) of family `family`: what a model re-tune tunes here."""
+    from dataclasses import replace
+
+    from moetune.tuner.fabric_model.presets import load_preset
+
+    preset = load_preset(base)
+    path = directory / f"node-{fingerprint}.toml"
+    path.write_text(replace(preset, family=family,
+                            calibration={**preset.calibration, "fingerprint": fingerprint}).to_toml())
+    return path
+
+
+def test_the_model_backend_still_re_tunes_them_where_its_family_serves_the_group(tmp_path: Path) -> None:
+    """A node model of family collective (which the runtime runs across nodes at any size): its re-tune of the
+    what-if key's group (EP 16 over 2 nodes) stores a profile a lookup serves, so the key is queued."""
     d = _daemon([_what_if("fp")], [], backend="model", tmp=tmp_path)
-    F.write_node_model(tmp_path, "fp")
+    _node_model(tmp_path, "fp", "collective")
     ok, res = _ask(d)
     assert ok and res.job is not None and d.jobs.submitted == [[_what_if("fp").key]], res
     assert res.left_out == [] and "leaves out" not in res.message, res.message
+
+
+def test_the_model_backend_leaves_out_a_key_its_family_can_only_give_another_what_if_row(tmp_path: Path) -> None:
+    """The model re-tunes its calibrated family only (`node_model`): with a node model of family nvlink (this node's
+    NVLink box), the what-if key of EP 16 over 2 nodes could only get another nvlink row beyond the runtime (more than
+    8 ranks, across nodes): never served, so every `retune` planned the key again and queued a job that repeated
+    itself. It is left out by the job's own rule (`key_refusals`), with why, and nothing is queued."""
+    d = _daemon([_what_if("fp")], [], backend="model", tmp=tmp_path)
+    F.write_node_model(tmp_path, "fp")  # nvlink-h200x2: family nvlink
+    ok, res = _ask(d)
+    assert ok and res.job is None and not d.jobs.submitted, res
+    assert res.message.startswith("nothing to re-tune"), res.message
+    assert "EP 16 over 2 node(s)" in res.message and "tunes family nvlink" in res.message, res.message
+    assert "what-if" in res.message and "at most 8 ranks" in res.message, res.message
+    assert len(res.left_out) == 1, res.left_out
+    # a group the family serves is still queued beside it (EP 2 on this node: nvlink's own)
+    stale = _rec(_key("old", ep=2, bucket=4096))
+    d = _daemon([_what_if("fp")], [stale], backend="model", tmp=tmp_path)
+    ok, res = _ask(d)
+    assert ok and d.jobs.submitted == [[stale.key]], res
+    assert "leaves out 1 key(s)" in res.message and "tunes family nvlink" in res.message, res.message
+
+
+def test_a_host_staged_node_model_leaves_out_groups_across_nodes() -> None:
+    """The rule is the runtime's (`family_refusal`: what `runtime_refusal` says of every row of the family): a
+    host_staged model serves a group of one host at any size, never one across nodes; collective serves both; the
+    local backend's refusals are its own (unchanged)."""
+    from moetune.tuner.daemon.retune import key_refusals
+
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    one, two = _key("fp", family="host_staged", ep=8), _key("fp", family="host_staged", ep=8, nodes=2)
+    refused = key_refusals([one, two], facts, "model", "host_staged")
+    assert [r.keys for r in refused] == [[two]], refused
+    assert "host_staged serves the ranks of one node" in refused[0].said() and not refused[0].measuring
+    assert key_refusals([one, two], facts, "model", "collective") == []
+    assert key_refusals([one, two], facts, "model") == []  # the family not known (no node model): the job says so
+    assert [r.keys for r in key_refusals([one, two], facts, "local", "host_staged")] == [[two]]
+
+
+def test_a_model_job_refuses_such_keys_too_and_says_why(tmp_path: Path) -> None:
+    """One rule for the reply and the job: a fabric change's model re-tune of only such keys fails as impossible
+    naming them (they stay stale) instead of storing another what-if row."""
+    from moetune.tuner.daemon.jobs import JobManager
+
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node", "transports": ["proxy:ibrc", "collective"]})
+    _node_model(tmp_path, facts.fingerprint, "proxy:ibrc")  # a NIC model: it predicts EP 16 over 2 nodes
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
+                    tune=TuneSettings(backend="model", trials=1, node_model_dir=str(tmp_path)))
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed", old_fingerprint="old",
+                  keys=[_key(facts.fingerprint, family="proxy:ibrc", ep=16, nodes=2)])
+        F.until(lambda: bool(done), timeout=30.0)
+    finally:
+        jm.stop()
+    job = done[0]
+    assert job.state == "failed" and job.impossible, job.message
+    assert "EP 16 over 2 node(s) not re-tuned" in job.message and "tunes family proxy:ibrc" in job.message, job.message
+    assert "spans 2 nodes" in job.message or "at most 8 ranks" in job.message, job.message
+    assert store.list_profiles(status="current") == [], "no what-if row was stored"
 
 
 def test_a_mixed_plan_queues_what_the_backend_can_answer_and_names_the_rest() -> None:

@@ -27,6 +27,7 @@ from moetune.tuner.daemon.retune import (
     MEASURE_ELSEWHERE,
     key_holds_a_profile,
     key_refusals,
+    model_family,
     retune_refusal,
     served_tuning_keys,
     tuner_retune,
@@ -136,7 +137,8 @@ def run_retune(d: Daemon, req: wire.Retune) -> Result:
     if d.jobs.retune is tuner_retune:  # a job that could only fail as impossible is refused, not queued
         # keys the job would refuse on this node (`key_refusals`, its own rule) are left out of it and named: a
         # current key whose rows are what-if ones (2 nodes, EP 16) queued a job that failed at every `retune`
-        refusals = key_refusals(keys, d.facts, d.tune.backend) if d.facts is not None else []
+        refusals = (key_refusals(keys, d.facts, d.tune.backend, model_family(d.store, d.facts, d.tune))
+                    if d.facts is not None else [])
         if refusals:
             refused = {k for r in refusals for k in r.keys}
             keys = [k for k in keys if k not in refused]

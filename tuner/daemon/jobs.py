@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.wire import JobInfo
 from moetune.tuner.daemon.gpu_procs import GpuProbe, gpu_processes
-from moetune.tuner.daemon.retune import RetuneImpossible, key_refusals, tuner_retune, tuning_key
+from moetune.tuner.daemon.retune import RetuneImpossible, key_refusals, model_family, tuner_retune, tuning_key
 from moetune.tuner.store import StoreDamaged
 
 if TYPE_CHECKING:
@@ -393,7 +393,8 @@ class JobManager:
         if facts is None:
             return False
         try:
-            refused = {k for r in key_refusals(job.keys, facts, self.tune.backend) for k in r.keys}
+            tuned = model_family(self.store, facts, self.tune)
+            refused = {k for r in key_refusals(job.keys, facts, self.tune.backend, tuned) for k in r.keys}
         except Exception:  # broad: in the worker thread; the job itself then says what failed
             return False
         return all(k in refused for k in job.keys)

@@ -17,6 +17,7 @@ from moetune.runtime.profile_record import (
     UNIFORM_ROUTING,
     ProfileKey,
     ProfileRecord,
+    family_refusal,
     key_knobs_problem,
     megakernel_key_problem,
     not_served_reason,
@@ -155,6 +156,20 @@ def node_backend(store: Store, facts: Any, tune: TuneSettings) -> tuple[Any, str
     return ModelBackend(preset), str(path)
 
 
+def model_family(store: Store, facts: Any, tune: TuneSettings) -> str | None:
+    """The transport family a re-tune with [tune] backend = "model" tunes on this node: its calibrated model's (the
+    job tunes with `node_model`, which tunes that family only). None with the local backend, or where the model is
+    missing or refused (`retune_refusal` says why; the job then fails as impossible)."""
+    if tune.backend != "model" or facts is None:
+        return None
+    try:
+        be, _path = node_backend(store, facts, tune)
+    except RetuneImpossible:
+        return None
+    family = getattr(be.preset, "family", None)
+    return family if isinstance(family, str) and family else None
+
+
 def retune_refusal(store: Store, facts: Any, tune: TuneSettings, keys: list[ProfileKey]) -> str:
     """Why the default re-tune (`tuner_retune`) of `keys` cannot run at all ('' when it may): with [tune] backend =
     "model", EP keys need this node's accepted node model (`node_backend`), and without it the whole job fails as
@@ -214,12 +229,15 @@ def key_names(keys: list[ProfileKey]) -> str:
                      for name, (f, b) in sorted(shapes.items()))
 
 
-def key_refusals(keys: list[ProfileKey], facts: Any, backend: str) -> list[KeyRefusal]:
+def key_refusals(keys: list[ProfileKey], facts: Any, backend: str, tuned_family: str | None = None,
+                 ) -> list[KeyRefusal]:
     """The keys of `keys` that the default re-tune (`tuner_retune`) with [tune] backend `backend` refuses on the node
     of `facts`, and why: the job refuses them by this (they stay stale), and a user's `retune` leaves them out of
     the job it queues (handlers.run_retune). An EP group of a transport family at EP 1 (both backends:
     `one_rank_exchange`); with "local", a group this node cannot measure (`local_refusal`: several nodes, more
-    ranks than it has GPUs); a megakernel key not at EP 1 on one node or not bf16 (`megakernel_key_problem`), or one
+    ranks than it has GPUs); with "model", a group for which `tuned_family` (the family it tunes here: `model_family`;
+    None: not known, nothing refused so) gives only what-if profiles (`family_refusal`: nvlink or host_staged across
+    nodes, ibgda: the key would be planned again by every `retune`, its new row never served); a megakernel key not at EP 1 on one node or not bf16 (`megakernel_key_problem`), or one
     `megakernel_refusal` refuses. With "local" and facts read from a capture of another node (`_capture_elsewhere`),
     every key, the megakernel's too: it measures on this machine only. An EP key's family is no reason: its group is
     re-tuned over the node's families, whichever the key names."""
@@ -250,6 +268,15 @@ def key_refusals(keys: list[ProfileKey], facts: Any, backend: str) -> list[KeyRe
         why = local_refusal(ep, nodes, gpus) if local else ""
         if why:
             out.append(KeyRefusal(group, what, "re-measured", why, True))
+            continue
+        unserved = family_refusal(tuned_family, ep, nodes) if backend == "model" and tuned_family else None
+        if unserved:
+            # the model tunes its calibrated family only: a row of it this group cannot run is what-if, never served,
+            # so the key stays unserved and every `retune` planned it again (a job that could only repeat itself)
+            out.append(KeyRefusal(group, what, "re-tuned",
+                                  f'[tune] backend = "model" tunes family {tuned_family} here (this node\'s calibrated '
+                                  f"model), which this group can only have as a what-if profile, never served: "
+                                  f"{unserved}", False))
     mk_keys = [k for k in keys if k.transport_family == MEGAKERNEL_FAMILY]
     # the store's own rule for a megakernel key (`megakernel_key_problem`): a key no profile of which can be stored.
     # A dtype other than bf16 was queued before (only the group was checked here): it waited for idle GPUs, then
@@ -388,7 +415,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
         log.warning("re-tune job %d: %s", ctx.job.id, msg)
 
     # a local job of another node's capture: every key is refused here, before anything reads the store or measures
-    refusals = key_refusals(ctx.keys, ctx.facts, tune.backend)
+    refusals = key_refusals(ctx.keys, ctx.facts, tune.backend, model_family(ctx.store, ctx.facts, tune))
     for r in refusals:
         refuse(r.said("they stay stale"))
     ep_refused = any(r.measuring for r in refusals)
