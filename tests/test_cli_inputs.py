@@ -820,3 +820,12 @@ def test_bench_ep_serve_refuses_the_options_it_does_not_apply(monkeypatch: pytes
     _refused(_run("bench", "ep", "--serve", "--backend", "nccl", "--no-p2p"), "--no-p2p", "--serve")
     _refused(_run("bench", "ep", "--serve", "--model", "deepseek-v3", "--tokens", "4096"), "--model", "--tokens")
     _refused(_run("bench", "ep", "--serve", "--knobs", "compression=fp8_e4m3"), "--knobs")
+
+
+@pytest.mark.parametrize("tokens", ["0", "-3", "99999999"])
+def test_bench_knobs_says_a_bad_tokens_value_once(tokens: str, tmp_path: Path) -> None:
+    """`bench knobs --tokens 0` added "error: the benchmark failed: Exit: 2": the refusal's typer.Exit (a RuntimeError)
+    was caught as an error torch raised while timing."""
+    r = _run("bench", "knobs", "--vs", "a=mk_bm=16", "--tokens", tokens, home=tmp_path)
+    _refused(r, "--tokens")
+    assert "the benchmark failed" not in r.output and r.output.count("error:") == 1, r.output

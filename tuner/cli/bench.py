@@ -586,6 +586,8 @@ def knobs_side_by_side(
                                    seed=seed, progress=lambda m: _err.print(f"[dim]{m}[/dim]"))
         except (ValueError, KnobError) as e:
             _fail(str(e))
+        except typer.Exit:  # a refusal already said (_check_tokens): click's Exit is a RuntimeError, not torch's
+            raise
         except (RuntimeError, MemoryError) as e:  # torch's: out of memory for this shape and S
             _fail(_torch_error(e))
     cmd = (f"moetune bench knobs --vs {vs!r}{f' --knobs {shlex.quote(knobs)}' if knobs else ''} --model "
