@@ -45,6 +45,18 @@ MK_MAX_STAGES = 12
 MK_MAX_CTAS_PER_SM = 32
 MK_MAX_PROCESSOR_CTAS = 1 << 16
 MK_MAX_COMBINE_TOKENS = 4096
+
+
+def mk_stage_cap(bm: int, core: str, overlap: int) -> int:
+    """The deepest pipeline an explicit m-tile `bm` runs: a CTA's stages plus its metadata must fit the 226 KB of
+    dynamic shared memory the library allows (csrc/megakernel/mk_moe.cu: SMEM_MAX, smem_for, check_params). bm=128:
+    32 KB stages, 6 on every core; bm=64: 24 KB stages, 9, but 8 on the wgmma core's overlap kernel (its two task
+    slots and staged epilogue take 12 KB); bm=16 (and 0, whose tile depends on S): MK_MAX_STAGES."""
+    if bm == 128:
+        return 6
+    if bm == 64:
+        return 8 if core == "wgmma" and overlap == 1 else 9
+    return MK_MAX_STAGES
 # Knobs added with the megakernel (issue 17). Left out of `canonical()` at their defaults, so the digest and
 # the profile hash of every setting that existed before them stay what stores and peers hold.
 MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
@@ -504,6 +516,12 @@ def _validate_megakernel(k: Knobs) -> None:
                         ("mk_bn", "mk_core", "mk_bm"))
     if k.mk_bn == 256 and k.mk_stages > 4:
         raise KnobError(f"the wide tile holds at most 4 stages (48 KB each), got {k.mk_stages}", ("mk_stages", "mk_bn"))
+    cap = mk_stage_cap(k.mk_bm, k.mk_core, k.mk_overlap)
+    if k.mk_stages > cap:
+        # never launchable: refused here, naming the knobs, not as "no resident CTA" once a GPU layer is built
+        extra = " with mk_core=wgmma and mk_overlap=1 (9 with mk_core=mma or mk_overlap=0)" if k.mk_bm == 64 and cap == 8 else ""
+        raise KnobError(f"mk_bm={k.mk_bm} holds at most {cap} stages in shared memory{extra}, got {k.mk_stages}",
+                        ("mk_stages", "mk_bm"))
     if k.engine != "megakernel":
         changed = [n for n in MK_KNOBS[1:] if getattr(k, n) != _DEFAULTS[n]]
         if changed:
@@ -575,7 +593,7 @@ _KNOB_MEANINGS: dict[str, str] = {
               "256, auto where the shape allows) 16 below 10 rows, else 128; otherwise 16 below 32 rows, else 64 (128 "
               "from 128 rows with mk_core=mma)."),
     "mk_stages": ("megakernel: cp.async pipeline depth (weight tiles in flight per CTA; shared memory caps bm=64 at "
-                  "8, bm=128 at 6); 0 = by tile and rows per expert."),
+                  "8, 9 with mk_core=mma or mk_overlap=0, bm=128 at 6); 0 = by tile and rows per expert."),
     "mk_ctas_per_sm": "megakernel: resident CTAs per SM; 0 = as many as fit.",
     "mk_processor_ctas": "megakernel: CTAs that run tasks; 0 = every resident CTA but the scheduler's.",
     "mk_combine_tokens": ("megakernel: tokens per combine tile (each runs as 4 column-block tasks); 0 = 2 on the "

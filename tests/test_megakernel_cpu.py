@@ -1626,3 +1626,22 @@ def test_dropped_rows_say_the_launch_aborts():
     doc = " ".join((MegakernelMoE.forward_routed.__doc__ or "").split())
     assert "aborts the launch, so none of that forward's output rows is valid" in doc
     assert "more than max_tokens rows" in doc
+
+
+@pytest.mark.parametrize(("knobs", "cap"), [
+    (dict(mk_bm=128), 6), (dict(mk_bm=128, mk_core="mma"), 6), (dict(mk_bm=128, mk_overlap=0), 6),
+    (dict(mk_bm=64), 8), (dict(mk_bm=64, mk_core="mma"), 9), (dict(mk_bm=64, mk_overlap=0), 9)])
+def test_stages_past_the_tiles_shared_memory_are_refused_naming_the_knobs(knobs: dict, cap: int) -> None:
+    """mk_bm=128 with mk_stages=8 passed the knob check (2..12) and could never launch: on a GPU the layer said only
+    that `stages=8 leaves no resident CTA` (as the megakernel "cannot run here"). The caps are the library's shared
+    memory limit (mk_moe.cu: SMEM_MAX against smem_for / smem_for_ov of each tile); the deepest allowed still passes."""
+    from moetune.runtime.knobs import KnobError, Knobs, mk_stage_cap
+
+    assert mk_stage_cap(knobs["mk_bm"], knobs.get("mk_core", "wgmma"), knobs.get("mk_overlap", 1)) == cap
+    Knobs(engine="megakernel", mk_stages=cap, **knobs)
+    with pytest.raises(KnobError, match=f"mk_bm={knobs['mk_bm']} holds at most {cap} stages") as e:
+        Knobs(engine="megakernel", mk_stages=cap + 1, **knobs)
+    assert e.value.knobs[:2] == ("mk_stages", "mk_bm")
+    # the decode tile and auto (whose tile depends on S: the GPU layer checks its launch shapes) take the whole range
+    Knobs(engine="megakernel", mk_bm=16, mk_stages=12)
+    Knobs(engine="megakernel", mk_bm=0, mk_stages=12)

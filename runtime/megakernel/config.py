@@ -60,7 +60,7 @@ class MegakernelConfig:
     # 325.1, 16 (S=256) 373.8 / 328.6, 24 (S=384) 445.2 / 336.3. It was bm_switch_rows (32) until then, which the
     # 128-column bm=64 tile keeps (run 43, S=256: 375.7 against the decode tile's 370.1).
     wide_switch_rows: int = 10
-    stages: int = 0           # cp.async pipeline depth (2..12; shared memory caps bm=64 at 8, bm=128 at 6): weight
+    stages: int = 0           # cp.async pipeline depth (2..12; shared memory caps bm=64 at 8 or 9, bm=128 at 6): weight
                               # tiles in flight per CTA; 0 = pick_stages
     ctas_per_sm: int = 0      # resident CTAs per SM (0 = as many as fit)
     processor_ctas: int = 0   # processor CTAs (0 = every resident CTA but the scheduler's)
