@@ -125,3 +125,11 @@ def test_the_patch_passes_any_arguments_through(monkeypatch: pytest.MonkeyPatch)
     flag = Option()
     flag.is_flag = True
     assert Option.display_type_rich(flag, "c") is None
+
+
+@pytest.mark.parametrize("cmd", [("bench", "moe"), ("bench", "knobs")])
+def test_layer_benchmarks_say_their_unit_and_where_results_go(cmd: tuple[str, ...]) -> None:
+    """`bench moe --help` and `bench knobs --help` said neither the unit of their table nor that they write no file
+    (their numbers go to stdout only, unlike `bench run`'s summary.csv)."""
+    h = _help(*cmd)
+    assert "µs per forward" in h and "on stdout" in h and "writes no file" in h, h

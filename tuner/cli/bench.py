@@ -452,7 +452,10 @@ def moe(
     rest: float = typer.Option(0.0, "--rest", help="Seconds of idle GPU before every timed block (0 to 60; 0: back to back). Where the layer draws the power limit (S=4096 on an H200) a block timed right after another runs clocked down."),
     as_json: bool = _json_opt(),
 ) -> None:
-    """The whole MoE layer (routing included) on one device: each engine per S, with the floors beside (at the rates measured on this GPU model, an H200's where none were)."""
+    # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
+    """The whole MoE layer (routing included) on one device: each engine per S, with the floors beside (at the rates measured on this GPU model, an H200's where none were).
+
+    Prints a table of µs per forward (medians) on stdout, or with --json one report (p10 and p90 too); writes no file (`moetune bench run moe-megakernel-vs-unfused --from-report FILE` appends a --json report to summary.csv)."""
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.tuner.measure import moe as M
 
@@ -557,7 +560,9 @@ def knobs_side_by_side(
     # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
     """Knob sets of the MoE layer side by side in one process, interleaved call by call, with each variant's per-round difference to the base.
 
-    The drift between rounds cancels in that difference. Single graph replays and chains of --chain forwards (a setting that changes what one layer leaves the next shows in its own chain)."""
+    The drift between rounds cancels in that difference. Single graph replays and chains of --chain forwards (a setting that changes what one layer leaves the next shows in its own chain).
+
+    Prints a table of µs per forward (medians, differences with p10..p90) on stdout, or with --json one report; writes no file."""
     from moetune.runtime import KnobError, Knobs, get_model
     from moetune.tuner.measure import moe_compare as MC
 
