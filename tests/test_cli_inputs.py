@@ -829,3 +829,13 @@ def test_bench_knobs_says_a_bad_tokens_value_once(tokens: str, tmp_path: Path) -
     r = _run("bench", "knobs", "--vs", "a=mk_bm=16", "--tokens", tokens, home=tmp_path)
     _refused(r, "--tokens")
     assert "the benchmark failed" not in r.output and r.output.count("error:") == 1, r.output
+
+
+@pytest.mark.parametrize(("opt", "value", "words"), [
+    ("--iters", "0", "--iters must be >= 1, got 0"), ("--rotate", "0", "--rotate must be >= 1, got 0"),
+    ("--warmup", "-1", "--warmup must be >= 0, got -1"), ("--rest", "61", "--rest must be in 0..60 seconds, got 61"),
+    ("--rest", "nan", "--rest must be in 0..60 seconds, got nan")])
+def test_bench_moe_names_the_count_that_is_out_of_range(opt: str, value: str, words: str, tmp_path: Path) -> None:
+    """`bench moe --rotate 0` said "--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds": which
+    of the four, and its value, was left to guess."""
+    _refused(_run("bench", "moe", "--engine", "torch", "--tokens", "1", opt, value, home=tmp_path), words)

@@ -640,7 +640,7 @@ def test_bench_moe_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.Mo
     bad = CliRunner().invoke(app, ["bench", "moe", "--engine", "fused"])
     assert bad.exit_code == 2 and "engines must be among" in bad.output and "Traceback" not in bad.output
     bad = CliRunner().invoke(app, ["bench", "moe", "--rest", "-1"])
-    assert bad.exit_code == 2 and "--rest in 0..60" in bad.output and "Traceback" not in bad.output
+    assert bad.exit_code == 2 and "--rest must be in 0..60 seconds, got -1" in bad.output and "Traceback" not in bad.output
     # --rest idles before every timed block: two S x (plain read + the engine's eager block) = 4 rests here
     import time
 

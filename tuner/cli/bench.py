@@ -468,8 +468,14 @@ def moe(
         _fail(str(e))
     if "" in engines:  # a lost name is a typo, not one to skip ("unfused,,torch"), as --tokens 1,,2 is refused
         _fail(f"--engine: expected comma-separated engines, got {engine!r} (an empty item)")
-    if min(iters, warmup + 1, rotate) < 1 or not 0 <= rest <= 60:
-        _fail("--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds")
+    # each named with its value, as bench knobs does (one message for all four named none of them)
+    for name, v in (("--iters", iters), ("--rotate", rotate)):
+        if v < 1:
+            _fail(f"{name} must be >= 1, got {v}")
+    if warmup < 0:
+        _fail(f"--warmup must be >= 0, got {warmup}")
+    if not 0 <= rest <= 60:  # NaN too
+        _fail(f"--rest must be in 0..60 seconds, got {rest:g}")
     _check_at_most(COUNT_MAX, iters=iters, warmup=warmup, rotate=rotate)
     _check_seed(seed)
     warmup = _warmup_for(warmup, rotate)
