@@ -1645,3 +1645,20 @@ def test_stages_past_the_tiles_shared_memory_are_refused_naming_the_knobs(knobs:
     # the decode tile and auto (whose tile depends on S: the GPU layer checks its launch shapes) take the whole range
     Knobs(engine="megakernel", mk_bm=16, mk_stages=12)
     Knobs(engine="megakernel", mk_bm=0, mk_stages=12)
+
+
+def test_the_wide_tile_on_a_shape_it_cannot_run_names_the_knob() -> None:
+    """`--knobs mk_bn=256` on a shape whose hidden is no multiple of 256 was refused as "bn=256 needs ...", a name the
+    user never typed (the split-K refusal beside it names mk_split_k)."""
+    from moetune.runtime import get_model
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.megakernel.config import limits_problem
+
+    model = get_model("custom:384,192,8,2")
+    why = limits_problem(model, 16, MegakernelConfig.from_knobs(Knobs(engine="megakernel", mk_bn=256)))
+    assert why is not None and "the knob mk_bn" in why and "384" in why, why
+    assert limits_problem(model, 16, MegakernelConfig.from_knobs(Knobs(engine="megakernel"))) is None  # auto: 128
+    # too many split-K parts for the task word's n-field: the knob named too
+    wide = get_model("custom:1024,32768,8,2")
+    why = limits_problem(wide, 16, MegakernelConfig.from_knobs(Knobs(engine="megakernel", mk_split_k=16)))
+    assert why is not None and "<= 4095" in why and "the knob mk_split_k" in why, why

@@ -447,9 +447,9 @@ def limits_problem(model: Any, max_tokens: int | None = None, config: Megakernel
                     f"split_k2 {cfg.split_k2} (the knob mk_split_k)")
         if 2 * i // BN * cfg.split_k1 > MAX_NFIELD or h // BN * cfg.split_k2 > MAX_NFIELD:
             return (f"n-blocks x split-K parts must be <= {MAX_NFIELD}, got {2 * i // BN} x {cfg.split_k1} (GEMM1) "
-                    f"and {h // BN} x {cfg.split_k2} (GEMM2)")
+                    f"and {h // BN} x {cfg.split_k2} (GEMM2) (the knob mk_split_k)")
         if cfg.bn == 256 and (h % 256 or (2 * i) % 256):
-            return f"bn=256 needs hidden and 2 x intermediate to be multiples of 256, got {h}, {2 * i}"
+            return f"bn=256 (the knob mk_bn) needs hidden and 2 x intermediate to be multiples of 256, got {h}, {2 * i}"
     if max_tokens is not None:
         if max_tokens * k > MAX_ROWS:
             return f"max_tokens x topk must be <= 2^30, got {max_tokens} x {k}"
