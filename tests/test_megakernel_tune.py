@@ -834,3 +834,20 @@ def test_a_trial_under_options_that_do_not_resolve_fails_and_is_not_called_infea
     m = be.evaluate(Knobs(engine="megakernel"), TuneWorkload(model=QWEN, tokens=128))
     assert not m.ok and not m.infeasible
     assert "megakernel_timeout_s" in str(m.error) or "MOETUNE_MK_TIMEOUT_S" in str(m.error), m.error
+
+
+def test_a_model_shape_the_megakernel_cannot_run_is_said_as_the_models() -> None:
+    """hidden 100 (not a multiple of 128) failed every trial as "setting does not fit: k-tiled weights need K to be a
+    multiple of 64, got 100", after building the model's weights: the shape is refused first, naming the model."""
+    from moetune.runtime import get_model
+
+    called: list[Knobs] = []
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        called.append(knobs)
+        return flat(knobs, wl)
+
+    be = LocalBackend(world=1, family="megakernel", repeats=1, mk_measure=measure)
+    m = be.evaluate(Knobs(engine="megakernel"), TuneWorkload(model=get_model("custom:100,64,8,2"), tokens=16))
+    assert not m.ok and m.infeasible and not called
+    assert "cannot run model custom:100,64,8,2" in m.error and "hidden % 128 == 0" in m.error, m.error

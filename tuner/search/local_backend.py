@@ -467,6 +467,14 @@ class LocalBackend(BenchmarkBackend):
             # only: a number for another dtype's key would be a bf16 measurement no layer of that dtype can apply
             return Measurement.failed(f"the megakernel runs bfloat16 activations; model {workload.model.name} is "
                                       f"{workload.model.dtype}", infeasible=True)
+        from moetune.runtime.megakernel.config import limits_problem
+
+        shape_why = limits_problem(workload.model)
+        if shape_why is not None:
+            # the model's shape, not the knobs: said as such before its weights are built (hidden 100 failed each
+            # trial as "setting does not fit: k-tiled weights need K to be a multiple of 64, got 100")
+            return Measurement.failed(f"the megakernel cannot run model {workload.model.name}: {shape_why}",
+                                      infeasible=True)
         if self.mk_measure is not None:
             measure = self.mk_measure
         else:
