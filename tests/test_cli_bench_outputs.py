@@ -902,7 +902,7 @@ def test_the_stamped_command_of_bench_moe_and_knobs_runs_as_given(command: str, 
     monkeypatch.setattr(M, "bench_moe", lambda *a, **k: {"graph": False, "cases": [{"engine": "unfused", "S": 1}]})
     monkeypatch.setattr(MC, "compare_knobs", lambda *a, **k: {"graph": False, "cases": [{"variant": "base", "S": 1}]})
     knobs = "mk_bn=128, mk_stages=3"
-    args = {"moe": ["--engine", "unfused"], "knobs": ["--vs", "a=mk_combine_tokens=8"]}[command]
+    args = {"moe": ["--engine", "megakernel"], "knobs": ["--vs", "a=mk_combine_tokens=8"]}[command]
     r = _run("bench", command, *args, "--model", TINY_MODEL, "--tokens", "1", "--iters", "1", "--knobs", knobs,
              "--json", width=200)
     assert r.exit_code == 0, r.output

@@ -839,3 +839,26 @@ def test_bench_moe_names_the_count_that_is_out_of_range(opt: str, value: str, wo
     """`bench moe --rotate 0` said "--iters and --rotate must be >= 1, --warmup >= 0, --rest in 0..60 seconds": which
     of the four, and its value, was left to guess."""
     _refused(_run("bench", "moe", "--engine", "torch", "--tokens", "1", opt, value, home=tmp_path), words)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--knobs", "num_sms=8"], "num_sms is not the megakernel's"),
+    (["--knobs", "engine=unfused"], "engine=unfused does not choose what is timed (--engine does)"),
+    (["--knobs", "mk_bm=16", "--engine", "unfused,torch"], "--engine unfused,torch times no megakernel")])
+def test_bench_moe_refuses_knobs_that_no_timed_engine_reads(args: list[str], words: str, tmp_path: Path) -> None:
+    """`bench moe --knobs num_sms=8`, `--knobs engine=unfused` or `--knobs mk_bm=16 --engine unfused` timed the layers
+    exactly as without them, and the report's command said the knobs were set."""
+    r = _run("bench", "moe", "--engine", "torch", "--tokens", "1", "--model", "custom:128,64,8,2", *args, home=tmp_path)
+    _refused(r, words)
+    assert "timing" not in r.output
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--vs", "n=num_sms=8"], "variant 'n': num_sms is not read by the MoE layer on one device"),
+    (["--knobs", "compression=fp8_e4m3", "--vs", "a=mk_bm=16"], "variant 'base': compression is not read")])
+def test_bench_knobs_refuses_a_variant_of_knobs_the_layer_does_not_read(args: list[str], words: str,
+                                                                          tmp_path: Path) -> None:
+    """`bench knobs --vs n=num_sms=8` timed the base again under the name n (the layer runs on one device: no EP
+    exchange reads num_sms) and reported the per-round noise as the knob's difference."""
+    r = _run("bench", "knobs", "--tokens", "1", "--model", "custom:128,64,8,2", *args, home=tmp_path)
+    _refused(r, words)

@@ -752,7 +752,7 @@ def test_bench_knobs_cli_and_scenario_smoke(tmp_path: Path, monkeypatch: pytest.
     assert [c["variant"] for c in rep["cases"]] == ["base", "ct8"] and all("no CUDA device" in c["skipped"] for c in rep["cases"])
     assert "every requested case was skipped" in r.stderr
     for vs, msg in (("ct8", "a variant is NAME=KNOBS"), ("x=mk_nope=1", "unknown knob"),
-                    ("compression=fp8_e4m3", "(e.g. fp8=compression=fp8_e4m3)"), ("", "give at least one variant"),
+                    ("compression=fp8_e4m3", "(e.g. narrow=mk_bn=128)"), ("", "give at least one variant"),
                     ("again=", "variant 'again' sets no knob")):
         bad = CliRunner().invoke(app, ["bench", "knobs", "--vs", vs], env={"COLUMNS": "400"})
         assert bad.exit_code == 2 and msg in bad.output and "Traceback" not in bad.output, bad.output

@@ -419,6 +419,24 @@ def _check_tokens(toks: list[int]) -> None:
             _fail(f"--tokens {tokens_per_gpu_problem(t)} per rank")
 
 
+def _check_moe_knobs(text: str, mk: Any, engines: list[str]) -> None:
+    """`bench moe --knobs`: settings of the megakernel, which only the megakernel engine reads. Anything else was
+    timed as if it had not been given: an EP knob (num_sms: the layer runs on one device, no exchange), engine=unfused
+    (the megakernel still ran) or mk_* knobs beside an --engine list without the megakernel."""
+    from moetune.runtime.knobs import MK_KNOBS, Knobs
+
+    given = [n for n, v in mk.to_dict().items() if v != getattr(Knobs(engine="megakernel"), n)]
+    other = [n for n in given if n not in MK_KNOBS]
+    if other:
+        _fail(f"--knobs {text!r}: {', '.join(other)} {'is' if len(other) == 1 else 'are'} not the megakernel's (bench moe "
+              "times the layer on one device: no EP exchange reads it); --knobs takes the mk_* knobs")
+    if "engine" in given:
+        _fail(f"--knobs {text!r}: engine={mk.engine} does not choose what is timed (--engine does); --knobs sets the "
+              "megakernel's mk_* knobs")
+    if given and "megakernel" not in engines:
+        _fail(f"--knobs {text!r} sets the megakernel's knobs, but --engine {','.join(engines)} times no megakernel")
+
+
 def _once_each(items: list[Any], option: str) -> list[Any]:
     """`items` with each one once, a note on stderr naming those given more than once (`distinct_values`)."""
     items, note = distinct_values(items, option, "timed")
@@ -487,6 +505,7 @@ def moe(
         _fail(f"--engine: {what}; engines must be among {', '.join(M.ENGINES)} (one or more, comma-separated)")
     _check_tokens(toks)
     engines, toks = _once_each(engines, "--engine"), _once_each(toks, "--tokens")
+    _check_moe_knobs(knobs, mk, engines)
     import torch
     # the table comes at the end: say what runs now (on a CPU the default S list takes minutes)
     where = "CUDA" if torch.cuda.is_available() else "the CPU (no CUDA device: slow, a plumbing check)"

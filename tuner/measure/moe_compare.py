@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from moetune.runtime.knobs import Knobs
+from moetune.runtime.knobs import MK_KNOBS, Knobs
 from moetune.runtime.shapes import ModelShape
 from moetune.runtime.testing.timing import graphs_of, time_interleaved
 from moetune.tuner.measure.moe import (
@@ -36,6 +36,8 @@ from moetune.tuner.measure.moe import (
 )
 from moetune.tuner.measure.outputs import rel_err_problem
 from moetune.tuner.measure.stats import Summary
+
+_DEFAULT_KNOBS = Knobs().to_dict()  # the EP knobs' defaults: what a one-device layer runs whatever they say
 
 
 def parse_variants(text: str, base: Knobs) -> dict[str, Knobs]:
@@ -54,7 +56,7 @@ def parse_variants(text: str, base: Knobs) -> dict[str, Knobs]:
         if not sep or not name or "," in name or (knobs.strip() and "=" not in knobs):
             knob = (f"; {name!r} is a knob: name the variant first (e.g. v1={item})"
                     if name in base.to_dict() else "")
-            raise ValueError(f"a variant is NAME=KNOBS, its name then its knobs (e.g. fp8=compression=fp8_e4m3), "
+            raise ValueError(f"a variant is NAME=KNOBS, its name then its knobs (e.g. narrow=mk_bn=128), "
                              f"got {item!r}{knob}")
         if name in out or name == "base":
             raise ValueError(f"variant name {name!r} given twice (or 'base', the name of --knobs' variant)")
@@ -126,6 +128,13 @@ def _compare_knobs(model: ModelShape, tokens: Sequence[int], variants: Mapping[s
     if min(iters, rotate, chained) < 1 or warmup < 0:
         raise ValueError(f"iters, rotate and chained must be >= 1 and warmup >= 0, got {iters}, {rotate}, {chained}, "
                          f"{warmup}")
+    for n in names:
+        # the layers run on one device (world 1): no EP exchange reads a transport knob, so a variant of num_sms=8
+        # was timed as the base again and its difference reported as that knob's effect
+        other = [k for k, v in variants[n].to_dict().items() if k not in MK_KNOBS and v != _DEFAULT_KNOBS[k]]
+        if other:
+            raise ValueError(f"variant {n!r}: {', '.join(other)} {'is' if len(other) == 1 else 'are'} not read by the "
+                             "MoE layer on one device (no EP exchange): compare engine and mk_* knobs")
     warmup, raised = warmup_for(warmup, rotate)  # no rotated input has its first eager call timed (moe.warmup_for)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
