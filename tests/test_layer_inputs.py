@@ -156,7 +156,7 @@ def _shape(**kw: Any) -> ModelShape:
     (_shape(experts=32, topk=17), None, None, r"topk in 1\.\.min\(16, experts\)"),
     (_shape(), None, MegakernelConfig(split_k2=2), "split-K parts must be multiples of 64"),
     (_shape(hidden=256), None, MegakernelConfig(split_k1=8), "split-K parts must be multiples of 64"),
-    (_shape(hidden=384), None, MegakernelConfig(bn=256), "bn=256 needs"),
+    (_shape(hidden=384), None, MegakernelConfig(bn=256), r"bn=256 \(the knob mk_bn\) needs"),
     (_shape(), 1 << 22, None, "too many tiles for max_tokens"),
     (_shape(experts=16, topk=16), (1 << 26) + 1, MegakernelConfig(bm=128), r"max_tokens x topk must be <= 2\^30"),
     # the task word's 16-bit m-tile field: an expert's list holds max_tokens rows, 2^20 + 1 of them 65537 m-tiles of 16

@@ -1662,3 +1662,31 @@ def test_the_wide_tile_on_a_shape_it_cannot_run_names_the_knob() -> None:
     wide = get_model("custom:1024,32768,8,2")
     why = limits_problem(wide, 16, MegakernelConfig.from_knobs(Knobs(engine="megakernel", mk_split_k=16)))
     assert why is not None and "<= 4095" in why and "the knob mk_split_k" in why, why
+
+
+@pytest.mark.parametrize(("config", "per_sm", "words"), [
+    (MegakernelConfig(), 0, "stages=6 (the knob mk_stages) leaves no resident CTA (bm=16)"),
+    (MegakernelConfig(ctas_per_sm=3), 2, "ctas_per_sm=3 (the knob mk_ctas_per_sm) but only 2 fit per SM"),
+    (MegakernelConfig(processor_ctas=300), 2, "processor_ctas=300 (the knob mk_processor_ctas) + 1 scheduler exceeds")])
+def test_launch_refusals_name_the_knob(config: MegakernelConfig, per_sm: int, words: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer built from `--knobs mk_ctas_per_sm=3` was refused as "ctas_per_sm=3 but only 2 fit per SM", naming a
+    config field its user never typed (GPU-only in use; here the occupancy query is a stand-in of 132 SMs)."""
+    import contextlib
+    from typing import Any
+
+    import torch
+
+    from moetune.runtime.megakernel.layer import MegakernelMoE
+
+    class Lib:
+        def mk_occupancy(self, bm: int, stages: int, core: int, tma: int, bn: int, overlap: int, per: Any,
+                         sms: Any) -> int:
+            per._obj.value, sms._obj.value = per_sm, 132
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    mk = object.__new__(MegakernelMoE)
+    mk.config, mk.lib, mk._grids, mk.device = config, Lib(), {}, torch.device("cpu")
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        mk.grid(16, 6)

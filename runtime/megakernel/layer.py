@@ -339,15 +339,19 @@ class MegakernelMoE:
                                                            ctypes.byref(per_sm),
                                                            ctypes.byref(sms)), "mk_occupancy")
             if per_sm.value < 1:
-                raise ConfigError(f"megakernel config: stages={stages} leaves no resident CTA")
+                # the knobs named beside the fields: a layer built from knobs says what its user set
+                raise ConfigError(f"megakernel config: stages={stages} (the knob mk_stages) leaves no resident CTA "
+                                  f"(bm={bm})")
             per = c.ctas_per_sm or per_sm.value
             if per > per_sm.value:
-                raise ConfigError(f"megakernel config: ctas_per_sm={per} but only {per_sm.value} fit per SM "
+                raise ConfigError(f"megakernel config: ctas_per_sm={per} (the knob mk_ctas_per_sm) but only "
+                                  f"{per_sm.value} fit per SM "
                                   f"(bm={bm}, stages={stages})")
             resident = per * sms.value
             procs = c.processor_ctas or resident - 1
             if procs + 1 > resident:
-                raise ConfigError(f"megakernel config: processor_ctas={procs} + 1 scheduler exceeds the {resident} "
+                raise ConfigError(f"megakernel config: processor_ctas={procs} (the knob mk_processor_ctas) + 1 "
+                                  f"scheduler exceeds the {resident} "
                                   "resident CTAs")
             self._grids[(c, bm, stages)] = procs + 1
         return self._grids[(c, bm, stages)]
