@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -207,3 +208,17 @@ def test_an_override_that_is_not_utf8_or_unreadable_names_the_file(tmp_path: Pat
     monkeypatch.setattr(Path, "read_bytes", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     with pytest.raises(PolicyError, match=r"unreadable\.toml: cannot be read \(Permission denied\)"):
         load_policy("ibgda", unreadable)
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    ("mk_stages = [0, 2, 3, 4, 6, 8]", "[8] with mk_bm 128"),
+    # 9 stages of bm=64 fit the mma core, not the wgmma core's overlap kernel, which the policy also lists
+    ("mk_stages = [0, 9]", "[9] with mk_bm 64, mk_core wgmma, mk_overlap 1: that tile holds at most 8 stages")])
+def test_a_megakernel_policy_whose_stages_outgrow_a_listed_tile_is_refused(tmp_path: Path, edit: str, words: str) -> None:
+    """mk_stages = [.., 8] beside mk_bm = [.., 128] loaded, and a study that sampled (128, 8) stopped on the knob check's
+    refusal (mk_bm=128 holds at most 6 stages) instead of going on with its next trial."""
+    p = _write_variant(tmp_path, "megakernel", lambda t: t.replace("mk_stages = [0, 2, 3, 4, 6]", edit))
+    with pytest.raises(PolicyError, match=re.escape(words)) as ei:
+        load_policy_file(p)
+    assert "knobs.mk_stages" in str(ei.value)
+    load_policy_file(_write_variant(tmp_path, "megakernel", lambda t: t))  # the packaged lists pass

@@ -28,6 +28,7 @@ from moetune.runtime.knobs import (
     TRANSPORTS,
     KnobError,
     Knobs,
+    mk_stage_cap,
 )
 from moetune.runtime.profile_record import LIBFABRIC_PROVIDER
 from moetune.runtime.profiles.policy_defaults import policy_file_candidates
@@ -287,6 +288,24 @@ def load_policy(family: str, override: str | Path | None = None) -> Policy:
     return replace(pol, family=family)
 
 
+def _check_mk_stage_caps(specs: Mapping[str, Any], defaults: Knobs, source: str) -> None:
+    """PolicyError where the listed mk_bm, mk_stages, mk_core and mk_overlap values combine into a pipeline deeper than
+    the m-tile's shared memory holds (`mk_stage_cap`): the knob check refuses such a set, so a study that sampled it
+    would stop with that error instead of trying the next trial."""
+    def values(name: str) -> tuple[Any, ...]:
+        return specs[name].values() if name in specs else (getattr(defaults, name),)
+
+    for bm in values("mk_bm"):
+        for core in values("mk_core"):
+            for overlap in values("mk_overlap"):
+                cap = mk_stage_cap(bm, core, overlap)
+                deep = [v for v in values("mk_stages") if v > cap]
+                if deep:
+                    raise PolicyError(source, "knobs.mk_stages",
+                                      f"{deep} with mk_bm {bm}, mk_core {core}, mk_overlap {overlap}: that tile holds "
+                                      f"at most {cap} stages in shared memory")
+
+
 def load_policy_file(path: str | Path) -> Policy:
     """Validate a single, complete policy file (what `moetune tune --policy` checks first)."""
     p = Path(path)
@@ -414,6 +433,7 @@ def validate_policy(data: dict[str, Any], *, source: str, family: str, sources: 
         dv = getattr(defaults, name)
         if not spec.contains(dv):
             raise PolicyError(source, f"defaults.{name}", f"default {dv!r} is not among the allowed values {list(spec.values())}")
+    _check_mk_stage_caps(specs, defaults, source)
     if isinstance(group, tuple) and defaults.group_size not in group and defaults.signalling == "decoupled":
         raise PolicyError(source, "defaults.group_size", f"default {defaults.group_size} not among {list(group)}")
 
