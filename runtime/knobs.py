@@ -57,6 +57,8 @@ def mk_stage_cap(bm: int, core: str, overlap: int) -> int:
     if bm == 64:
         return 8 if core == "wgmma" and overlap == 1 else 9
     return MK_MAX_STAGES
+
+
 # Knobs added with the megakernel (issue 17). Left out of `canonical()` at their defaults, so the digest and
 # the profile hash of every setting that existed before them stay what stores and peers hold.
 MK_KNOBS: tuple[str, ...] = ("engine", "mk_bm", "mk_stages", "mk_ctas_per_sm", "mk_processor_ctas",
