@@ -133,3 +133,10 @@ def test_layer_benchmarks_say_their_unit_and_where_results_go(cmd: tuple[str, ..
     (their numbers go to stdout only, unlike `bench run`'s summary.csv)."""
     h = _help(*cmd)
     assert "µs per forward" in h and "on stdout" in h and "writes no file" in h, h
+
+
+def test_profile_help_says_what_a_one_gpu_node_tunes() -> None:
+    """`moetune profile --help` named no family: a new user on one Hopper GPU could not tell it tunes the megakernel
+    there (and no EP transport), nor where the profiles and the report go."""
+    h = _help("profile")
+    assert "family megakernel" in h and "a one-GPU node has no EP size to tune" in h and "--report-dir" in h, h

@@ -172,6 +172,8 @@ def profile(
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
 
+    What is tuned: the EP transports this node has, per EP size (2 or more GPUs; gloo ranks on a node without GPUs), and on an sm_90 (Hopper) GPU the MoE megakernel, the whole layer on one GPU (family megakernel); a one-GPU node has no EP size to tune, only the megakernel where it is sm_90. The profiles go to the database (--db), the report to --report-dir.
+
     Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """
     from moetune.tuner.cli._interrupt import say_sigterm_early
