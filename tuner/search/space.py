@@ -294,7 +294,7 @@ class SearchSpace:
         self.gpus_per_node = gpus_per_node if gpus_per_node is not None and gpus_per_node > 0 else self.ep_size
         self.nvlink_apart = nvlink_apart
         self._hits: Any = None  # P(a token needs rank r), the fabric model's (`rank_hits`): its PUT charge's input
-        self._put_keys: dict[int, tuple[int, ...]] = {}
+        self._put_keys: dict[tuple[int, bool, bool], tuple[int, ...]] = {}
         self._policy_chunks: tuple[int, ...] = tuple(self.spec["chunk_tokens"].values())
         self._over_slots = False  # a policy chunk_tokens left out: more than MAX_SLOTS PUTs at `tokens` (grid_rule)
         if self._put_groups and tokens is not None:
@@ -424,33 +424,46 @@ class SearchSpace:
         """The most PUTs the fabric model charges one peer with `chunk_tokens` (1 without chunking); needs `tokens`."""
         return max(1, max(self._put_key(chunk_tokens), default=1))
 
-    def _put_key(self, chunk_tokens: int) -> tuple[int, ...]:
+    def _put_key(self, chunk_tokens: int, *, own: bool = True, apart: bool | None = None) -> tuple[int, ...]:
         """What the runtime does with `chunk_tokens` at this token count, as the fabric model charges it: the PUTs
-        of each peer in dispatch and combine (`phases.queued.puts_charged_each_peer`, the function `phase_queued` and
-        `model sweep`'s grid use: each set of peers, the queue's and the NVLink ones, its own rounded sum of
-        E[chunking(X)], X ~ Binomial(tokens, p), shared out by largest remainder). Two chunks with the same key are
-        charged the same PUTs everywhere; a copy of the rule here (all peers one set, peers x E rounded) dropped or
-        kept chunks the model prices otherwise."""
-        key = self._put_keys.get(chunk_tokens)
+        of each peer in dispatch and combine, and those the rank sends itself (`phases.queued.puts_charged_each_peer`,
+        the function `phase_queued` and `model sweep`'s grid use: each set of peers, the queue's and the NVLink ones,
+        its own rounded sum of E[chunking(X)], X ~ Binomial(tokens, p), shared out by largest remainder; the own rows
+        a set of one). Two chunks with the same key are charged the same PUTs everywhere; a copy of the rule here
+        (all peers one set, peers x E rounded) dropped or kept chunks the model prices otherwise. `own` and `apart`
+        (default: this space's `nvlink_apart`) give the grids `grid_rule` compares."""
+        apart = self.nvlink_apart if apart is None else apart
+        key = self._put_keys.get((chunk_tokens, own, apart))
         if key is None:
             from moetune.tuner.fabric_model.phases.queued import puts_charged_each_peer
 
             assert self._hits is not None and self.tokens is not None
-            key = puts_charged_each_peer(self._hits, self.ep_size, self.gpus_per_node, self.nvlink_apart, self.tokens,
-                                         chunk_tokens)
-            self._put_keys[chunk_tokens] = key
+            key = puts_charged_each_peer(self._hits, self.ep_size, self.gpus_per_node, apart, self.tokens,
+                                         chunk_tokens, own=own)
+            self._put_keys[(chunk_tokens, own, apart)] = key
         return key
 
-    def _distinct_chunks(self, values: tuple[int, ...]) -> tuple[int, ...]:
+    def _distinct_chunks(self, values: tuple[int, ...], *, own: bool = True,
+                         apart: bool | None = None) -> tuple[int, ...]:
         """`values` (the policy's order) less those that repeat an earlier value's PUTs; a chunk that gives one
         PUT per peer is the same run as chunk_tokens 0, which is kept when offered."""
-        seen = {self._put_key(0)} if 0 in values else set()
+        seen = {self._put_key(0, own=own, apart=apart)} if 0 in values else set()
         out: list[int] = []
         for c in values:
-            key = self._put_key(c)
+            key = self._put_key(c, own=own, apart=apart)
             if c == 0 or key not in seen:
                 out.append(c)
                 seen.add(key)
+        return tuple(out)
+
+    def _put_grid(self, *, own: bool = True, apart: bool | None = None) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The chunk_tokens offered, each with its group sizes, had the PUTs been counted with `own` / `apart`
+        (this space's grid with the defaults): what `grid_rule` compares."""
+        fitting = tuple(c for c in self._policy_chunks if self.tokens is not None and chunk_fits(self.tokens, c))
+        out = []
+        for c in self._distinct_chunks(fitting, own=own, apart=apart):
+            puts = max(1, max(self._put_key(c, own=own, apart=apart), default=1)) if c > 0 else 1
+            out.append((c, tuple(g for g in put_group_choices(self.policy) if g < puts) if c > 0 else (PER_PE,)))
         return tuple(out)
 
     def _equivalent_chunk(self, chunk_tokens: int) -> int | None:
@@ -466,7 +479,9 @@ class SearchSpace:
         so one name always offers one grid. Where a policy chunk_tokens is left out for needing more than MAX_SLOTS
         PUTs (`chunk_fits`; no stock policy at any real token count) the config says so: a study that offered it
         (before that rule) is not resumed without it; likewise where an fp8 scale granularity the policy allows is
-        left out for the model's hidden (`scales`)."""
+        left out for the model's hidden (`scales`). The peer sets (`peer_sets`: a preset's NVLink peers apart across
+        nodes) are named at every bucket; the own PUTs (`own_puts`) only at a bucket whose grid they change, whose
+        neighbour's study may then not be found (its warm start only)."""
         lanes = {"lanes": LANES_RULE} if self._lanes else {"mk_tiles": MK_TILE_RULE} if self._mk_tiles else {}
         if self._pinned_structure:
             lanes["pinned"] = ",".join(self._pinned_structure)
@@ -476,7 +491,18 @@ class SearchSpace:
             lanes["scales"] = "divide_hidden"
         if self.rows_per_peer is None:
             return lanes
-        return {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {}), **lanes}
+        rule = {"put_grid": PUT_GRID_RULE, **({"chunk_slots": "at_most_max_slots"} if self._over_slots else {})}
+        # the same marker named the grid of one set of peers and, from 43a9194e, that of a preset's NVLink set apart
+        # (a ModelBackend with a predictor on a preset: the same name and config, one set): where the sets are apart
+        # across nodes (the only spaces whose grid they can change) the config says so, at every bucket (the
+        # neighbour bucket's study is still found); a one-set space's config is as before
+        if self.nvlink_apart and self.gpus_per_node < self.ep_size:
+            rule["peer_sets"] = f"nvlink_apart_{self.gpus_per_node}_per_node"
+        # the PUTs a rank sends itself: only where they change this bucket's grid (rare: qwen3-30b-like at EP 4 on
+        # 2 x 2 GPUs, zipf:1.2, S = 4 keeps chunk_tokens 3 beside 2), so every other study resumes
+        if self._put_grid() != self._put_grid(own=False):
+            rule["own_puts"] = "charged"
+        return {**rule, **lanes}
 
     # -- the decision tree ---------------------------------------------------------------------------
     def _build(self, choose: Chooser) -> Knobs:

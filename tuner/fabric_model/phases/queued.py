@@ -105,26 +105,41 @@ def _sender(hits, pes: int, dispatch: bool) -> tuple[int, dict[int, float]]:
     return src, {d: float(hits[d] if dispatch else hits[src]) for d in range(pes) if d != src}
 
 
+def charged_own_puts(hits, src: int, tokens: int, chunk_tokens: int) -> tuple[float, int]:
+    """(rows, PUTs) the model charges the rows PE `src` sends itself: csrc/proxy_xchg.h produce_exchange loops over
+    every rank, this one included, so its X ~ Binomial(tokens, hits[src]) rows are chunking(X) PUTs with their
+    signals grouped by group_size like a peer's (`charged_puts` of a set of one)."""
+    rows, puts = charged_puts([src], {src: float(hits[src])}, tokens, chunk_tokens)
+    return rows[src], puts[src]
+
+
 def puts_charged_each_peer(hits, pes: int, gpus_per_node: int, nvlink_apart: bool, tokens: int,
-                           chunk_tokens: int) -> tuple[int, ...]:
+                           chunk_tokens: int, *, own: bool = True) -> tuple[int, ...]:
     """The PUTs the runtime layout charges each peer, dispatch's peers then combine's, each the queue's peers (post
-    order) then the NVLink ones (`charged_puts` of each set, as `phase_queued` prices them): `hits` P(a token needs
-    rank r), `nvlink_apart` whether this node's peers are a set of their own (`nvlink_apart`). The one rule the
-    `model sweep` grid (`most_puts_to_a_peer`) and the search space's chunk and group grids ask: two chunk_tokens
-    with the same tuple are charged the same PUTs on every peer."""
+    order) then the NVLink ones (`charged_puts` of each set, as `phase_queued` prices them), then (`own`) the PUTs the
+    PE sends itself (`charged_own_puts`: a PUT group of its own, which group_size groups as a peer's): `hits` P(a
+    token needs rank r), `nvlink_apart` whether this node's peers are a set of their own (`nvlink_apart`). The one
+    rule the `model sweep` grid (`most_puts_to_a_peer`) and the search space's chunk and group grids ask: two
+    chunk_tokens with the same tuple are charged the same PUTs on every peer and to itself. `own=False`: the peers'
+    only (what the grid asked before the own PUTs counted: `SearchSpace.grid_rule` compares the two)."""
     out: list[int] = []
     for dispatch in (True, False):
         src, p_row = _sender(hits, pes, dispatch)
         for peers in split_peers(pes, gpus_per_node, src, nvlink_apart):
             puts = charged_puts(peers, p_row, tokens, chunk_tokens)[1]
             out += [puts[d] for d in peers]
+        if own and pes > 1:  # EP 1: no exchange kernel, nothing is grouped
+            out.append(charged_own_puts(hits, src, tokens, chunk_tokens)[1])
     return tuple(out)
 
 
 def most_puts_to_a_peer(p: Params, w: Workload, knobs: Knobs, hits) -> int:
-    """The most PUTs the runtime layout charges one peer, over dispatch and combine and both sets of peers
-    (`puts_charged_each_peer`), 0 for none: what a decoupled group_size groups, a group size at or above it is per
-    peer."""
+    """The most PUTs the runtime layout charges one destination, over dispatch and combine, both sets of peers and
+    the PE itself (`puts_charged_each_peer`), 0 for none: what a decoupled group_size groups, a group size at or
+    above it is one signal per destination. The own PUTs count (produce_exchange signals them by group_size as a
+    peer's), though as combine is priced they never raise it: there every peer is charged the most needed rank's p,
+    at least PE 0's own p in dispatch and equal to the combining PE's own, and a set's largest share is at least
+    round(E) of its p."""
     return max(puts_charged_each_peer(hits, w.pes, w.gpus_per_node, nvlink_apart(p, w, knobs), w.tokens_per_gpu,
                                       knobs.chunk_tokens), default=0)
 
@@ -356,9 +371,8 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
         # csrc/proxy_xchg.h produce_exchange loops over every rank, this one included: its X ~ Binomial(S, p) rows
         # are chunking(X) PUTs like a peer's, so they are charged the same expected count (`charged_puts` of a set
         # of one), not the expected rows rounded up and chunked (S p = 2.06 rows, chunk_tokens 1: 2 PUTs, not 3)
-        self_rows_to, self_puts_to = charged_puts([src], {src: float(hits[src])}, S, ck)
-        self_rows = self_rows_to[src]
-        self_chunks = [b for b, n, *_ in _rank_runs(self_rows, tb, ck, x_start, self_puts_to[src]) for _ in range(n)]
+        self_rows, self_puts = charged_own_puts(hits, src, S, ck)
+        self_chunks = [b for b, n, *_ in _rank_runs(self_rows, tb, ck, x_start, self_puts) for _ in range(n)]
         if self_chunks:
             ph.parts["self_copy"] = self_rows * tb / (p.hbm / 2.0)
         # count words: the matrix row (world words) to every rank; dispatch adds exchange_counts' row
