@@ -4,17 +4,17 @@ kernel does with them (CTAs per signal group, out of num_sms // world CTAs per p
 from __future__ import annotations
 
 import dataclasses
-import math
 
+import numpy as np
 import optuna
 import pytest
 
 from moetune.runtime.knobs import PER_PE, KnobError
 from moetune.runtime.shapes import get_model
 from moetune.tuner.fabric_model.group_grids import transfers_per_peer
+from moetune.tuner.fabric_model.phases.queued import puts_charged_each_peer
 from moetune.tuner.fabric_model.predict import KNOBS_READ
 from moetune.tuner.fabric_model.records import Workload
-from moetune.tuner.fabric_model.wire_rows import expected_puts
 from moetune.tuner.search.backends import CallableBackend, TuneWorkload
 from moetune.tuner.search.policy import KnobSpec, load_policy
 from moetune.tuner.search.space import RUNTIME_READS, SearchSpace, nvlink_ctas_per_peer, put_chunking
@@ -26,9 +26,9 @@ RUNTIME_FAMILIES = ["nvlink", "proxy:ibrc", "proxy:libfabric", "collective", "ho
 def _behaviour(knobs, ep_size: int, rows: float | None = None, tokens: int | None = None) -> tuple:
     """What the runtime can tell apart in a knob set (the rest is ignored by it). `rows`: the rows a peer
     gets at the workload's token count (proxy: PUTs per peer then decide what chunk and group sizes do); with
-    `tokens`, as the fabric model counts them: a peer's X ~ Binomial(tokens, rows / tokens) rows, ceil(X / chunk)
-    PUTs (`expected_puts`), told apart by a whole PUT over the other ranks, the most a peer is sent that total shared
-    out over the peers that get rows (phases/queued.py _puts_on_peers)."""
+    `tokens`, as the fabric model charges them: its own function (`phases.queued.puts_charged_each_peer`, every
+    rank needed with p = rows / tokens, all peers one set as the runtime's proxy sends them), not a copy of its rule
+    that could drift from it: the PUTs of each peer and to itself, and the most of them."""
     t = knobs.transport
     key: list = [knobs.compression, knobs.scale_granularity]
     if t in ("proxy", "ibgda") and rows is not None:
@@ -36,10 +36,9 @@ def _behaviour(knobs, ep_size: int, rows: float | None = None, tokens: int | Non
         # group of >= the PUTs is one per peer, like 0)
         per_put, puts = put_chunking(rows, knobs.chunk_tokens)
         if tokens:
-            each, getting = (expected_puts(rows / tokens, tokens, c) for c in (knobs.chunk_tokens, 0))
-            per_put = round((ep_size - 1) * each + 1e-9)
-            getting_peers = min(ep_size - 1, max(1, round((ep_size - 1) * getting + 1e-9)))
-            puts = max(1, math.ceil(max(per_put, getting_peers) / getting_peers)) if getting > 0 else 1
+            hits = np.full(ep_size, rows / tokens)  # uniform routing: every rank needed alike
+            charged = puts_charged_each_peer(hits, ep_size, ep_size, False, tokens, knobs.chunk_tokens)
+            per_put, puts = charged, max(1, max(charged, default=1))
         g = None
         if knobs.signalling == "decoupled":
             g = puts if knobs.group_size <= 0 else min(knobs.group_size, puts)
