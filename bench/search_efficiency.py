@@ -72,7 +72,7 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
 
     from moetune.runtime.shapes import get_model
     from moetune.tuner.search.backends import CallableBackend, Measurement, TuneWorkload
-    from moetune.tuner.search.model_backend import ModelBackend, preset_gpus_per_node
+    from moetune.tuner.search.model_backend import ModelBackend, preset_gpus_per_node, space_peer_sets
     from moetune.tuner.search.policy import load_policy
     from moetune.tuner.search.space import SearchSpace
     from moetune.tuner.search.study import make_sampler, run_study
@@ -92,9 +92,11 @@ def run_case(args: tuple[str, str, int, int, float, bool]) -> dict[str, Any]:
     nodes = PRESETS.get(preset_name, 1)
     gpn = preset_gpus_per_node(preset)
     wl = TuneWorkload(model=model, tokens=tokens, nodes=nodes, gpus_per_node=gpn)
-    # the space tune.py searches at this bucket (proxy/ibgda: chunk and group sizes bounded by the PUTs per peer)
-    space = SearchSpace(load_policy(family), experts=model.experts, ep_size=wl.ep_size, tokens=tokens, topk=model.topk,
-                        hidden=model.hidden)
+    # the space tune.py searches at this bucket (proxy/ibgda: chunk and group sizes bounded by the PUTs per peer,
+    # as the model charges them: the preset's peer sets, as tune passes them)
+    policy = load_policy(family)
+    space = SearchSpace(policy, experts=model.experts, ep_size=wl.ep_size, tokens=tokens, topk=model.topk,
+                        hidden=model.hidden, **space_peer_sets(backend, policy.defaults, wl))
 
     t0 = time.perf_counter()
     table: dict[Any, Measurement] = {}

@@ -772,6 +772,29 @@ def test_the_tuners_search_stays_within_3_percent_on_the_small_proxy_grids(prese
                           f"{case['budget']} of {case['grid_size']} points")
 
 
+def test_the_search_efficiency_case_searches_the_space_tune_builds(monkeypatch) -> None:
+    """bench/search_efficiency.py builds its space as `tune` does (`model_backend.space_peer_sets`): on
+    ndr-ibrc-h100x8 (4 nodes x 8 GPUs in the scenario) the preset's GPUs per node and its NVLink peers as a set apart,
+    which decide the PUT grid the model charges; before, every peer one set on one node of 32."""
+    from moetune.tuner.search import space as space_mod
+
+    seen: list[Any] = []
+
+    class Recording(space_mod.SearchSpace):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            seen.append(self)
+
+    monkeypatch.setattr(space_mod, "SearchSpace", Recording)
+    case = _bench_module("search_efficiency").run_case(("ndr-ibrc-h100x8", "qwen3-30b", 128, 1, 0.10, False))
+    assert "error" not in case, case.get("error")
+    assert [(s.ep_size, s.gpus_per_node, s.nvlink_apart) for s in seen] == [(32, 8, True)]
+    # a predictor (--synthetic) knows nothing of the preset's peers: one set, as tune's would
+    seen.clear()
+    _bench_module("search_efficiency").run_case(("ndr-ibrc-h100x8", "qwen3-30b", 128, 1, 0.10, True))
+    assert [(s.gpus_per_node, s.nvlink_apart) for s in seen] == [(8, False)]
+
+
 def test_a_launch_numbered_10_in_one_second_is_later_than_its_9() -> None:
     """Two launches started in the same second get `<start>-9` and `<start>-10` (results._free_launch_id): the later
     one (-10, a dirty tree: each launch its own batch) is the latest, though as text "-10" sorts before "-9"."""

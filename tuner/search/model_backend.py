@@ -185,3 +185,11 @@ class NodeModelBackend(ModelBackend):
     """The fabric model on this node's calibrated preset (`ModelBackend.as_node_model`): this node's model."""
 
     provenance: ClassVar[Provenance] = "node_model"
+
+
+def space_peer_sets(backend: BenchmarkBackend, knobs: Knobs, workload: TuneWorkload) -> dict[str, Any]:
+    """SearchSpace's `gpus_per_node` and `nvlink_apart` for `workload` on `backend`: the peer sets the fabric model
+    charges PUTs apart (`ModelBackend.nvlink_apart`; one set on any other backend, as the runtime's proxy sends them).
+    The one statement `tune` and bench/search_efficiency.py build their spaces with, so both search the same grid."""
+    apart = isinstance(backend, ModelBackend) and backend.nvlink_apart(knobs, workload)
+    return {"gpus_per_node": workload.gpus_per_node, "nvlink_apart": apart}

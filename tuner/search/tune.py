@@ -52,6 +52,7 @@ from moetune.tuner.search.model_backend import (
     preset_family,
     preset_gpus_per_node,
     preset_link_rates,
+    space_peer_sets,
 )
 from moetune.tuner.search.policy import Policy, PolicyError, load_policy
 from moetune.tuner.search.progress import NoProgress, Progress
@@ -407,10 +408,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                     # the bucket's token count bounds proxy/ibgda's PUT grid (chunks and group sizes that are
                     # distinct runs at this many rows per peer; the study config says so: `grid_rule`)
                     # and as the fabric model charges them: its peer sets (a preset's NVLink peers apart)
-                    apart = isinstance(be, ModelBackend) and be.nvlink_apart(pol.defaults, wl)
                     space = SearchSpace(pol, experts=model.experts, ep_size=ep_size, link_rates=rates,
                                         pinned=pinned, tokens=bucket, topk=model.topk, routing=routing,
-                                        hidden=model.hidden, gpus_per_node=gpus_per_node, nvlink_apart=apart)
+                                        hidden=model.hidden, **space_peer_sets(be, pol.defaults, wl))
                     if isinstance(be, ModelBackend):
                         # A workload the model cannot run at all (too many nodes for the preset, ...) is
                         # one clear error, not a study of failed trials.
