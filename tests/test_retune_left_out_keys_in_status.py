@@ -213,4 +213,4 @@ def test_retune_help_says_status_lists_them() -> None:
     r = CliRunner().invoke(app, ["retune", "--help"], env={"COLUMNS": "400"})
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    assert "`moetune status` still lists them" in text and "capture of another node" in text, text
+    assert "`moetune status` still lists them" in text and "serves another node's capture" in text, text

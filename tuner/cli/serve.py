@@ -182,7 +182,7 @@ def register(app: typer.Typer) -> None:
         # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
         """Queue a re-tune of stale profiles in the daemon, and of keys whose current profile no lookup serves (or cancel a job); admins only.
 
-        Keys the daemon's \\[tune] backend cannot answer here are left out and named: with "local", an EP group over several nodes or of more ranks than the node has GPUs ("model" predicts them), or every key where the daemon serves a capture of another node; with either, a megakernel key it cannot measure. `moetune status` still lists them after (on the job, or as a retune that queued nothing). Where all are left out, nothing is queued: exit 1 if a stale key (any key, with --all) is among them.
+        Keys the daemon's \\[tune] backend cannot answer here are left out and named (with "local": a group over several nodes or more ranks than GPUs, or any key where the daemon serves another node's capture; a megakernel key it cannot measure); `moetune status` still lists them. All left out: nothing queued, exit 1 if a stale key (any, with --all) is among them.
 
         Admins: the daemon's own user on its IPC socket (or its group, with daemon.group_may_retune), a CURVE client listed with `moetune keys allow --admin` on TCP."""
         from moetune.runtime import wire
