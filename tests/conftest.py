@@ -3,6 +3,7 @@ answers, warnings said once) emptied around a test, with auto-loading either on 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,3 +116,24 @@ def _nothing_of_this_machines_user(monkeypatch: pytest.MonkeyPatch, tmp_path_fac
     monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", nowhere / "run-moetune")
     monkeypatch.setattr(paths, "TMP_DIR", nowhere / "tmp")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("xdg-run")))
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_owned_by_another_uid(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests run as root give files and links to a made-up uid (os.chown, os.lchown) to play another user. pytest
+    keeps the last runs' tmp_path folders under /tmp, so those entries outlived the test, owned by a uid nobody on
+    this machine has. After each test that used tmp_path, whatever in it is owned by another uid is given back to
+    this user (no-op when not root: only root can give a file away)."""
+    # asked before the test: torn down (and its value gone) only after this fixture's own teardown
+    root = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if os.geteuid() != 0 or root is None:
+        return
+    uid, gid = os.geteuid(), os.getegid()
+    for folder, dirs, files in os.walk(root):  # links are not followed: only what lies in tmp_path is touched
+        for name in [*dirs, *files]:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if st.st_uid != uid or st.st_gid != gid:
+                    os.lchown(path, uid, gid)
