@@ -106,7 +106,8 @@ def test_tune_builds_the_space_with_the_presets_peer_sets(tmp_path, monkeypatch)
             seen.append(self)
 
     monkeypatch.setattr(tune_mod, "SearchSpace", Recording)
-    tune_profiles_detailed(Store(tmp_path / "moetune.db"), None, models=[MODELS["qwen3-30b"]], tokens=[64],
-                           backend="model", preset=PRESET, families=["proxy:ibrc"], trials=1, nodes=2,
-                           storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    with Store(tmp_path / "moetune.db") as store:  # closed after: no SQLite connection left to the GC
+        tune_profiles_detailed(store, None, models=[MODELS["qwen3-30b"]], tokens=[64], backend="model", preset=PRESET,
+                               families=["proxy:ibrc"], trials=1, nodes=2,
+                               storage=f"sqlite:///{tmp_path / 'studies.db'}")
     assert [(s.ep_size, s.gpus_per_node, s.nvlink_apart) for s in seen] == [(16, 8, True)]

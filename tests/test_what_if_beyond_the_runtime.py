@@ -340,8 +340,7 @@ def test_host_staged_across_nodes_is_beyond_the_runtime_too(tmp_path: Path) -> N
     knobs = Knobs(transport="host_staged")
     assert runtime_refusal(key, knobs) == why
     assert runtime_refusal(msgspec.structs.replace(key, nodes=1), knobs) is None
-    s = Store(tmp_path / "p.db")
-    with pytest.raises(FieldError, match="host_staged serves the ranks of one node"):
+    with Store(tmp_path / "p.db") as s, pytest.raises(FieldError, match="host_staged serves the ranks of one node"):
         s.put_profile(ProfileRecord(key=key, knobs=knobs, latency_us=50, spread_us=1, backend="local:nccl",
                                     provenance="measured", measured_on="fpA"))
 
