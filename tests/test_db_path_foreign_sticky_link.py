@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from moetune.runtime import paths
 from moetune.runtime.paths import foreign_sticky_link_reason, untrusted_file_reason
 from moetune.tuner.store.store import Store, StoreError
 
@@ -94,14 +95,23 @@ def test_the_walk_with_a_faked_lstat(monkeypatch: pytest.MonkeyPatch) -> None:
             "/p": st(stat.S_IFDIR | 0o755, 0), "/p/l": st(stat.S_IFLNK | 0o777, other)}
     links = {"/s/l": "../h/db", "/s/m": "/s/l", "/p/l": "/h/db"}
 
-    def lstat(p: str) -> os.stat_result:
+    def fake_lstat(p: str) -> os.stat_result:
         if p not in tree:
             raise FileNotFoundError(p)
         return tree[p]
 
-    monkeypatch.setattr(os, "lstat", lstat)
-    monkeypatch.setattr(os, "stat", lambda p: tree[p] if p != "/" else st(stat.S_IFDIR | 0o755, 0))
-    monkeypatch.setattr(os, "readlink", lambda p: links[p])
+    class FakeOs:
+        """`os` as the rule's module sees it: the faked calls, the rest real. Patched there only: a global os.stat
+        that takes no follow_symlinks broke pytest's own report of a failing assertion (an INTERNALERROR instead)."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        lstat = staticmethod(fake_lstat)
+        stat = staticmethod(lambda p: tree[p] if p != "/" else st(stat.S_IFDIR | 0o755, 0))
+        readlink = staticmethod(lambda p: links[p])
+
+    monkeypatch.setattr(paths, "os", FakeOs())
     for path in ("/s/l", "/s/m", "/h/../s/l"):
         why = foreign_sticky_link_reason(path, me)
         assert why is not None and f"/s/l is a symbolic link owned by uid {other}" in why and "in /s," in why, why
