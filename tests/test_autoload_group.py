@@ -124,7 +124,8 @@ def test_hosts_whose_fallbacks_expire_apart_retry_together(lagging: int) -> None
     between the two expiries saw one host retry and find the tuned profile while the other served its cached
     fallback, so the group ran its default ("resolved different profiles"). Rank 0 now decides for the group when
     its fallback is looked up again, and every host follows."""
-    at = [1000.0, 1010.1, 1010.3, 1020.0]  # fallback_retry_s = 10: 1010.1 lies between the two hosts' expiries
+    # fallback_retry_s = 10: 1005 lies before both hosts' expiries, 1010.1 between them
+    at = [1000.0, 1005.0, 1010.1, 1010.3, 1020.0]
     res = launch(cases.case_group_fallback_retry, 2, args=(["node-a", "node-b"], lagging, at),
                  env={"MOETUNE_CLIENT_FALLBACK_RETRY_S": "10"}, timeout_s=20, join_timeout_s=55)
     for step in range(len(at)):
@@ -133,6 +134,9 @@ def test_hosts_whose_fallbacks_expire_apart_retry_together(lagging: int) -> None
         assert not any("resolved different profiles" in w for g in got for w in g["warnings"]), (step, got)
         assert got[0]["calls"] == got[1]["calls"], (step, got)  # every host retried at the same construction
     assert res[0]["steps"][0]["source"] == "policy"  # the daemon did not answer either host
+    # before any expiry the group serves its cached fallback: no host looks up again (not a retry at every layer)
+    assert [r["steps"][1]["calls"] for r in res] == [["down"], ["down"]], res
+    assert res[0]["steps"][1]["source"] == "policy", res
     assert res[0]["steps"][-1]["hash"] == "tuned-A"  # and the group took the tuned profile once it answered
 
 
