@@ -6,6 +6,7 @@ judged on fstat of that descriptor and read from it, and the binds use the keys 
 
 from __future__ import annotations
 
+import builtins
 import os
 import sys
 from pathlib import Path
@@ -94,6 +95,16 @@ def test_the_daemons_key_reads_need_no_proc(tmp_path: Path, monkeypatch: pytest.
     want = zmq.auth.load_certificate(str(secret))
     real = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: False if str(p).startswith("/proc/") else real(p))
+    # as where /proc is not mounted: opening a path under it fails too (patching exists alone let a read through
+    # /proc/self/fd/N pass here, where /proc is mounted)
+    real_open, real_os_open = builtins.open, os.open
+
+    def no_proc(p: object) -> None:
+        if str(p).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory (no /proc in this test)", str(p))
+
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **kw: no_proc(p) or real_open(p, *a, **kw))
+    monkeypatch.setattr(os, "open", lambda p, *a, **kw: no_proc(p) or real_os_open(p, *a, **kw))
     assert auth.load_curve_keys(secret, check=True) == want
     with pytest.raises(DaemonConfigError, match=r"cannot read the CURVE key file .*: it does not exist"):
         auth.load_curve_keys(tmp_path / "none.key_secret")
