@@ -68,12 +68,14 @@ def case_group_profile(rank: int, world: int, answers: dict[int, Any], hosts: li
 
 
 def case_group_default_named(rank: int, world: int, hosts: list[str]) -> dict:
-    """Two hosts disagree and rank 0's family has no policy file this runtime can run (a proxy:ucx profile on a CPU
-    buffer): the group falls back to the built-in default; report what every rank ended with and was warned."""
+    """Two hosts disagree and rank 0's family has no policy default this runtime can run (ibgda: no runtime
+    transport): the group falls back to the built-in default; report what every rank ended with and was warned.
+    (Not a proxy:* family: across hosts that is one host's transport, replaced by collective's policy default as
+    nvlink's is, `client.one_host_family`.)"""
     from moetune.runtime.knobs import default_knobs
 
-    mine = Resolution(knobs=default_knobs("proxy"), source="daemon", profile_hash="tuned-ucx", status="current",
-                      family="proxy:ucx", provenance="measured", tuned=True)
+    mine = Resolution(knobs=default_knobs("collective"), source="daemon", profile_hash="tuned-ibgda",
+                      status="current", family="ibgda", provenance="measured", tuned=True)
     answers = {0: mine, 1: _tuned(TUNED_B, "B")}
     return case_group_profile(rank, world, answers, hosts)
 

@@ -1117,6 +1117,32 @@ def test_a_multi_host_fallback_never_picks_a_one_host_family(tmp_path: Path, tra
     assert autoload._group_default(one_host, 2, None, "hosts disagree", ep_size=4).family == "collective"
 
 
+@pytest.mark.parametrize(("transports", "ep", "nodes"), [
+    (["proxy:ibrc", "collective"], 4, 2),  # the runtime's proxy serves one node's ranks (`group_world_problem`)
+    (["nvlink", "proxy:ibrc", "host_staged", "collective"], 8, 2),
+    (["nvlink", "collective"], 16, 1),  # one host, beyond MAX_WORLD: nvlink cannot serve it either
+])
+def test_the_fallback_family_is_one_the_group_world_rule_lets_serve_the_group(
+        tmp_path: Path, transports: list[str], ep: int, nodes: int) -> None:
+    """The policy-default step's family is asked the one world rule (`knobs.group_world_problem`), not a list of its
+    own: that list (nvlink, host_staged) left proxy out, so a two-node lookup on an InfiniBand node (daemon.json:
+    proxy:ibrc first) answered proxy's policy default, which the runtime refuses for a group across nodes
+    (`moetune query --nodes 2` printed it; autoload then said proxy was "not available in this runtime")."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": transports,
+                                                 "db": str(tmp_path / "none.db")}))
+    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", env={"HOME": "/nonexistent"})
+    with pytest.warns(FallbackWarning, match="NO tuned profile"):
+        res = c.resolve(model=QWEN, ep_size=ep, tokens=100, nodes=nodes)
+    assert res.family == "collective" and res.knobs.transport == "collective", res
+    assert client.one_host_family("proxy:ibrc") and not client.one_host_family("collective")
+    # the group default of a multi-host group whose hosts disagree keeps to it too
+    proxy = client.Resolution(knobs=default_knobs("proxy"), source="policy", profile_hash="x", status="default",
+                              family="proxy:ibrc")
+    assert autoload._group_default(proxy, 2, None, "hosts disagree", ep_size=4).family == "collective"
+
+
 def test_a_measurement_whose_measured_on_names_another_node_is_not_tuned(fake, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A record labelled measured under this node's key whose `measured_on` names another fingerprint says it was

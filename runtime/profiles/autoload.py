@@ -445,7 +445,7 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str,
     """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it under
     `options` (the group's RuntimeOptions) for an EP group of `ep_size` ranks on `nodes` hosts."""
     family = res.family or "collective"
-    if one_host_family(family) and nodes > 1:  # nvlink, host_staged: one host's ranks only
+    if one_host_family(family) and nodes > 1:  # nvlink, proxy, host_staged: one host's ranks only
         family = "collective"
     knobs, source = policy_or_default(family)
     # the world check too, as client.resolve's transport_ok asks it: a family keyed proxy:* (a collective profile on

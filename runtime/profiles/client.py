@@ -83,7 +83,7 @@ from moetune.runtime.config import (
     ConfigError,
     load_client_config,
 )
-from moetune.runtime.knobs import KnobError, Knobs, default_knobs, int_of_text
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs, group_world_problem, int_of_text
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.paths import (
     INFO_NAME,
@@ -748,7 +748,7 @@ class ProfileClient:
             problems.append(f"database {db}: {e}")
 
         # 3. the policy default of the node's preferred family (one this runtime has)
-        family = transport_family or _cached_family(info, nodes)
+        family = transport_family or _cached_family(info, nodes, ep_size)
         why = _transport_problem(family, None, transport_ok)
         if why is not None:
             problems.append(f"transport family {family}: {why}")
@@ -988,23 +988,20 @@ def _transport_problem(family: str, knobs: Knobs | None, transport_ok: Callable[
     return None
 
 
-# Families whose transport serves the ranks of one host only: NVLink (its GPUs store into each other's memory) and
-# host_staged (its staging memory is one host's /dev/shm file). A group spanning hosts never falls back to them.
-ONE_HOST_FAMILIES = ("nvlink", "host_staged")
-
-
 def one_host_family(family: str) -> bool:
-    """Whether `family` runs only within one host (`ONE_HOST_FAMILIES`)."""
-    return family.startswith(ONE_HOST_FAMILIES)
+    """Whether `family`'s transport serves the ranks of one host only (nvlink, proxy, host_staged): asked of the one
+    rule, `knobs.group_world_problem`, for a group over two hosts. A list of its own here left proxy out."""
+    return group_world_problem(family.split(":", 1)[0], 2, nodes=2) is not None
 
 
-def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1) -> str:
-    """The node's preferred transport family as the daemon last discovered it (NVLink and host_staged only within a
-    node)."""
+def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1, ep_size: int = 1) -> str:
+    """The node's preferred transport family as the daemon last discovered it, of those whose transport can serve an
+    EP group of `ep_size` ranks on `nodes` hosts (`knobs.group_world_problem`: nvlink, proxy and host_staged within
+    one node only)."""
     fams = info.get("transports") if info else None
     if isinstance(fams, list):
         for f in fams:
-            if isinstance(f, str) and (nodes == 1 or not one_host_family(f)):
+            if isinstance(f, str) and group_world_problem(f.split(":", 1)[0], ep_size, nodes=nodes) is None:
                 return f
     return "collective"
 
