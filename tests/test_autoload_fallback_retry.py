@@ -152,6 +152,21 @@ def test_a_variable_changed_since_the_fallback_exported_it_is_the_users(retry_ev
     assert os.environ[RT] == "none"
 
 
+def test_override_sets_a_variable_autoload_exported(retry_every_time: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """apply_env(override=True) sets its variables over what is set: one autoload exported itself was skipped as
+    "autoload's, settled" and kept its value, the call returning {} without a word. Set that way it is the caller's,
+    so a later retry of the lookup leaves it alone."""
+    from moetune.runtime.profiles.launcher_env import apply_env
+
+    _answers(monkeypatch, ["down", "tuned"], ENVS)
+    _load()
+    assert os.environ.get(RT) == "ibrc"
+    assert apply_env({RT: "ucx"}, override=True) == {RT: "ucx"} and os.environ[RT] == "ucx"
+    assert apply_env({IBGDA: "1"}, override=True) == {IBGDA: "1"}
+    assert _load().source == "daemon"  # the retry's profile sets RT=ucx only: IBGDA stays the caller's
+    assert os.environ[RT] == "ucx" and os.environ[IBGDA] == "1"
+
+
 def test_another_lookups_profile_does_not_take_away_what_a_fallback_exported(retry_every_time: None,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A guard of the fix's scope (passes without it too): only the same lookup's retry replaces a fallback's

@@ -121,7 +121,8 @@ def apply_env(env: dict[str, str], *, override: bool = False, owner: Hashable | 
     value is set to what the lookups want now (`owner`'s new `env` replaces its previous one; the first lookup wins a
     conflict) and, where none wants it any more, put back as it was before (unset if it was unset). A variable set
     outside autoload, before or since (a user who set it to autoload's very value is taken as autoload's), still
-    wins. Without `owner` nothing is recorded: what it sets is as the user's to later calls."""
+    wins. Without `owner` nothing is recorded: what it sets is as the user's to later calls. `override` sets every
+    variable of `env`, autoload's own exports included."""
     kept, refused = allowed_env(env)
     for why in refused:
         log.warning("moetune: not exporting a variable from a profile: %s", why)
@@ -146,15 +147,16 @@ def apply_env(env: dict[str, str], *, override: bool = False, owner: Hashable | 
                 if kept.get(k) == want:
                     applied[k] = want
         for k, v in kept.items():
-            if k in _exported:
-                continue  # autoload's: settled above
-            if k in os.environ and not override:
-                continue
-            before = os.environ.get(k)
+            if not override and (k in _exported or k in os.environ):
+                continue  # autoload's (settled above), or set outside it: it wins
+            # `override` sets it even over autoload's own export (it skipped those, and said nothing)
+            before = _exported[k][0] if k in _exported else os.environ.get(k)
             os.environ[k] = v
             applied[k] = v
             if owner is not None:
                 _exported[k] = (before, v)
+            else:  # set by a caller outside autoload: the user's from now on, never put back
+                _exported.pop(k, None)
         for k, v in kept.items():
             have = os.environ.get(k)
             if have is not None and have != v:
