@@ -113,3 +113,42 @@ def test_the_daemons_key_reads_need_no_proc(tmp_path: Path, monkeypatch: pytest.
     os.chmod(junk, 0o600)
     with pytest.raises(DaemonConfigError, match="No public key found in"):
         auth.load_curve_keys(junk, check=True)
+
+
+# key texts zmq.auth.load_certificate and a reader of its own could read apart (hand-edited files)
+_A, _B, _S = b"A" * 40, b"B" * 40, b"S" * 40
+_TEXTS = {
+    "two public-key lines": b"curve\n    public-key = \"%s\"\n    public-key = \"%s\"\n" % (_A, _B),
+    "a second one after both": b"public-key = '%s'\nsecret-key = '%s'\npublic-key = '%s'\n" % (_A, _S, _B),
+    "an empty one first": b"public-key = \"\"\npublic-key = \"%s\"\n" % _A,
+    "a longer name": b"public-key-of-b = \"%s\"\n" % _B,
+    "no equals sign": b"curve\n    public-key\n",
+    "carriage returns": b"public-key = \"%s\"\r\nsecret-key = \"%s\"\r\n" % (_A, _S),
+    "comment": b"# public-key = \"%s\"\npublic-key = \"%s\"\n" % (_B, _A),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TEXTS))
+def test_the_daemon_reads_a_key_file_as_zmq_and_the_clients_do(tmp_path: Path, name: str) -> None:
+    """The daemon parses its key files from the descriptor it judged (`auth._keys_in`), while `moetune keys allow`,
+    `query` and the clients read them through zmq.auth.load_certificate: the daemon took the FIRST of two
+    `public-key` lines and zmq the last, so an allow-list file edited by hand let in another key than the one the
+    tools read from it. Both now read the same key, or both refuse the file; and a `public-key` line without `=`
+    (zmq raised IndexError, a traceback out of `keys allow` and the client) is refused in words."""
+    import zmq.auth
+
+    from moetune.runtime.profiles.curve_keys import read_key_file_as_opened
+
+    f = tmp_path / "k.key"
+    f.write_bytes(_TEXTS[name])
+    try:
+        theirs: tuple[bytes, bytes | None] | None = zmq.auth.load_certificate(str(f))
+    except (ValueError, IndexError):
+        theirs = None
+    ours = auth._keys_in(_TEXTS[name])
+    assert (None if ours[0] is None else ours) == theirs, (ours, theirs)
+    if theirs is None:
+        with pytest.raises(ValueError, match="holds no CURVE public key"):
+            read_key_file_as_opened(f)
+    else:
+        assert read_key_file_as_opened(f)[:2] == theirs

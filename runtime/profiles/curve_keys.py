@@ -106,7 +106,8 @@ def read_key_file_as_opened(path: str | Path) -> tuple[bytes, bytes | None, os.s
             public, secret = load_certificate(by_fd)
         except OSError as e:
             raise ValueError(f"cannot be read ({e.strerror or e})") from None
-        except (ValueError, UnicodeDecodeError):  # "No public key found in ..."
+        except (ValueError, UnicodeDecodeError, IndexError):  # "No public key found in ..."; IndexError: a
+            # `public-key`/`secret-key` line without `=` (zmq splits it at "=" unchecked: a traceback reached the user)
             raise ValueError("holds no CURVE public key (not a `moetune keys generate` key file)") from None
     finally:
         os.close(fd)

@@ -70,22 +70,32 @@ def check_secret_key_file(secret_file: str | Path, st: os.stat_result | None = N
 
 
 def _keys_in(data: bytes) -> tuple[bytes | None, bytes | None]:
-    """(public, secret) of a CURVE certificate's text as `moetune keys` writes it and zmq.auth.load_certificate reads
-    it: the `public-key = "..."` and `secret-key = "..."` lines (blanks and quotes around the value dropped; `#` lines
-    are comments), the first non-empty value of each; None for one that is not there. Parsed here from the bytes
-    read through the checked descriptor: zmq.auth reads only by name (/proc/self/fd/N, absent where /proc is not
-    mounted, where the daemon still serves)."""
-    found: dict[bytes, bytes] = {}
-    for raw in data.splitlines():
+    """(public, secret) of a CURVE certificate's text, read line for line as zmq.auth.load_certificate reads a file
+    (`moetune keys` and the client read key files through it: `curve_keys.read_key_file_as_opened`): lines split at
+    newlines, `#` lines skipped, a line starting `public-key` or `secret-key` sets that value (after its first `=`,
+    blanks and quotes dropped), a later one replacing it until both are non-empty; None for one never set, and
+    (None, None) where such a line has no `=` (zmq fails on it). One reading: a file of two `public-key` lines
+    (hand-edited) must name the same key to the daemon as to `moetune keys allow` and the clients. Parsed here from
+    the bytes read through the checked descriptor: zmq.auth reads only by name (/proc/self/fd/N, absent where /proc
+    is not mounted, where the daemon still serves)."""
+    public: bytes | None = None
+    secret: bytes | None = None
+    for raw in data.split(b"\n"):
         line = raw.strip()
-        if line.startswith(b"#") or b"=" not in line:
+        if line.startswith(b"#"):
             continue
-        name, _, value = line.partition(b"=")
-        name = name.strip()
-        if name in (b"public-key", b"secret-key") and name not in found:
-            if key := value.strip(b" \t'\""):
-                found[name] = key
-    return found.get(b"public-key"), found.get(b"secret-key")
+        for name in (b"public-key", b"secret-key"):
+            if line.startswith(name):
+                if b"=" not in line:
+                    return None, None
+                value = line.split(b"=", 1)[1].strip(b" \t'\"")
+                if name == b"public-key":
+                    public = value
+                else:
+                    secret = value
+        if public and secret:
+            break
+    return public, secret
 
 
 def _certificate(path: Path, not_regular: str, what: str, *, missing_ok: bool,
