@@ -117,3 +117,39 @@ def case_group_fallback_retry(rank: int, world: int, hosts: list[str], lagging: 
         out.append({"hash": res.profile_hash, "source": res.source, "calls": list(calls),
                     "warnings": [str(c.message) for c in caught]})
     return {"steps": out}
+
+
+def case_group_default_after_a_kept_profile(rank: int, world: int, hosts: list[str], at: list[float]) -> dict:
+    """Both hosts find the tuned profile (the group keeps it); before the second construction rank 1's cached
+    lookups are gone (its lookup key changed: a config file edited) and its lookup then falls back once (the daemon
+    briefly down), so the group runs its default; later lookups find the profile again. The group looks up at each
+    clock time in `at` (client.fallback_retry_s is 10); report what every rank ended with each time."""
+    from types import SimpleNamespace
+
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.shapes import ModelShape
+
+    _patch(rank, {}, hosts)
+    now = [1000.0]
+    autoload.time = SimpleNamespace(monotonic=lambda: now[0])  # type: ignore[assignment]
+    calls: list[str] = []
+
+    def fake_resolve(**kw: Any) -> Resolution:
+        if rank == 1 and len(calls) == 1:
+            calls.append("down")
+            knobs = Knobs()
+            return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                              family="collective", message="daemon: no reply")
+        calls.append("tuned")
+        return _tuned(TUNED_A, "A")
+
+    autoload._resolve = fake_resolve  # type: ignore[assignment]
+    model = ModelShape(name="t", hidden=64, intermediate=32, experts=8, topk=2, dtype="float32")
+    out: list[dict] = []
+    for i, t in enumerate(at):
+        now[0] = t
+        if i == 1 and rank == 1:
+            autoload._cache.clear()  # this host's lookup key changed: nothing cached under the new one
+        res = autoload.autoload_group_profile(model=model, ep_size=world, max_tokens=16)
+        out.append({"hash": res.profile_hash, "source": res.source, "calls": list(calls)})
+    return {"steps": out}

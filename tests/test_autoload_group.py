@@ -140,6 +140,20 @@ def test_hosts_whose_fallbacks_expire_apart_retry_together(lagging: int) -> None
     assert res[0]["steps"][-1]["hash"] == "tuned-A"  # and the group took the tuned profile once it answered
 
 
+@pytest.mark.timeout(60)
+def test_a_group_default_after_a_kept_profile_is_retried() -> None:
+    """Rank 0 kept no retry time for a group that had resolved a profile (None), and set one only on a retry or a
+    first lookup: a default that came later (one host's lookup key changed and its daemon was briefly down) was
+    never retried, that host serving its cached fallback past its expiry and the group its default for good."""
+    at = [1000.0, 1001.0, 1020.0]  # fallback_retry_s = 10: 1020 is past the default's expiry
+    res = launch(cases.case_group_default_after_a_kept_profile, 2, args=(["node-a", "node-b"], at),
+                 env={"MOETUNE_CLIENT_FALLBACK_RETRY_S": "10"}, timeout_s=20, join_timeout_s=55)
+    assert [r["steps"][0]["hash"] for r in res] == ["tuned-A"] * 2, res
+    assert res[0]["steps"][1]["source"] in ("policy", "default"), res  # the hosts disagreed
+    assert [r["steps"][2]["hash"] for r in res] == ["tuned-A"] * 2, res  # retried once past its expiry
+    assert res[1]["steps"][2]["calls"] == ["tuned", "down", "tuned"], res
+
+
 # -- the megakernel: per token bucket ---------------------------------------------------------------------------
 def _mk_layer(monkeypatch: pytest.MonkeyPatch, per_bucket: dict[int, Knobs]) -> tuple[MoELayer, list[dict]]:
     use_fake_megakernel(monkeypatch)

@@ -545,9 +545,15 @@ def autoload_group_profile(
             # the group's default (a host's fallback, or the hosts disagreeing) is looked up again on rank 0's clock,
             # fallback_retry_s after the group last looked up (not after a construction served from the caches)
             fallback = final.source in FALLBACK_SOURCES
-            if group_key is not None and (retry or not fallback):
+            if group_key is not None:
                 with _lock:
-                    _group_until[group_key] = time.monotonic() + _fallback_retry_s() if fallback else None
+                    # a default after a kept profile (None: no retry was due) starts its own clock too: one host's
+                    # lookup key changed (its config edited) and it fell back, and with None kept no retry was ever
+                    # due again, that host serving its fallback past its expiry for the process's life
+                    if not fallback:
+                        _group_until[group_key] = None
+                    elif retry or _group_until.get(group_key) is None:
+                        _group_until[group_key] = time.monotonic() + _fallback_retry_s()
         payload = msgspec.json.encode(final)
     try:
         got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
