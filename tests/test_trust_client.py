@@ -1141,7 +1141,8 @@ def test_the_fallback_family_is_one_the_group_world_rule_lets_serve_the_group(
     proxy = client.Resolution(knobs=default_knobs("proxy"), source="policy", profile_hash="x", status="default",
                               family="proxy:ibrc")
     agreed = autoload._group_default(proxy, 2, None, "hosts disagree", ep_size=4)
-    assert agreed.family == "collective" and "proxy:ibrc serves the ranks of one host" in agreed.message, agreed
+    assert agreed.family == "collective" and "the policy default of proxy:ibrc: " in agreed.message, agreed
+    assert "spans 2 nodes" in agreed.message, agreed.message
 
 
 def test_a_measurement_whose_measured_on_names_another_node_is_not_tuned(fake, tmp_path: Path,

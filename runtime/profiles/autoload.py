@@ -445,7 +445,9 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str,
     """The policy default of `res`'s family (else the built-in collective default), as rank 0 can run it under
     `options` (the group's RuntimeOptions) for an EP group of `ep_size` ranks on `nodes` hosts."""
     family = res.family or "collective"
-    one_host = one_host_family(family) and nodes > 1  # nvlink, proxy, host_staged: one host's ranks only
+    # nvlink, proxy, host_staged: one host's ranks only (collective's policy default instead, the rule's words said)
+    one_host = transport_world_problem(family.split(":", 1)[0], ep_size, nodes) if one_host_family(family) and \
+        nodes > 1 else None
     if one_host:
         family = "collective"
     knobs, source = policy_or_default(family)
@@ -459,9 +461,7 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str,
     # which came from a daemon reply or a database row: its provider string is not checked by anything before this
     env, refused = allowed_env(launcher_env(knobs, family, nodes))
     # the warning says why rank 0's family's default was not taken, whichever rule refused it
-    message = "; ".join([why, *([f"transport family {res.family} serves the ranks of one host: collective's "
-                                 "default instead"] if one_host else []),
-                         *(f"the policy default of {res.family}: {x}" for x in (lacking, unworldly) if x),
+    message = "; ".join([why, *(f"the policy default of {res.family}: {x}" for x in (one_host, lacking, unworldly) if x),
                          *(f"transport family {family}: not exporting {x}" for x in refused[:8])])
     return Resolution(knobs=knobs, source=source, profile_hash=f"{source}:{knobs.digest()}", status="default",
                       env=env, family=family, message=message)

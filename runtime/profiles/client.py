@@ -748,7 +748,11 @@ class ProfileClient:
             problems.append(f"database {db}: {e}")
 
         # 3. the policy default of the node's preferred family (one this runtime has)
-        family = transport_family or _cached_family(info, nodes, ep_size)
+        if transport_family:
+            family = transport_family
+        else:
+            family, passed_over = _cached_family(info, nodes, ep_size)
+            problems += passed_over[:8]  # why the node's preferred family is not the one taken
         why = _transport_problem(family, None, transport_ok)
         if why is not None:
             problems.append(f"transport family {family}: {why}")
@@ -994,16 +998,21 @@ def one_host_family(family: str) -> bool:
     return group_world_problem(family.split(":", 1)[0], 2, nodes=2) is not None
 
 
-def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1, ep_size: int = 1) -> str:
+def _cached_family(info: Mapping[str, Any] | None, nodes: int = 1, ep_size: int = 1) -> tuple[str, list[str]]:
     """The node's preferred transport family as the daemon last discovered it, of those whose transport can serve an
     EP group of `ep_size` ranks on `nodes` hosts (`knobs.group_world_problem`: nvlink, proxy and host_staged within
-    one node only)."""
+    one node only), and why each family before it was passed over."""
     fams = info.get("transports") if info else None
+    skipped: list[str] = []
     if isinstance(fams, list):
         for f in fams:
-            if isinstance(f, str) and group_world_problem(f.split(":", 1)[0], ep_size, nodes=nodes) is None:
-                return f
-    return "collective"
+            if not isinstance(f, str):
+                continue
+            why = group_world_problem(f.split(":", 1)[0], ep_size, nodes=nodes)
+            if why is None:
+                return f, skipped
+            skipped.append(f"transport family {f[:64]}: {why}")
+    return "collective", skipped
 
 
 def policy_or_default(family: str) -> tuple[Knobs, str]:
