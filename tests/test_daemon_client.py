@@ -176,7 +176,9 @@ def test_autoload_exports_env_explicit_wins_and_caches(up_here, monkeypatch: pyt
     res = autoload.last_resolution()
     assert res.source == "daemon" and knobs == res.knobs and knobs.transport == "nvlink"
     assert os.environ["NVSHMEM_REMOTE_TRANSPORT"] == "none"
-    assert first_ms < 200
+    # a round trip, not a wait on some timeout (the lookup's cost is the daemon-load scenario's; 200 ms here
+    # failed 2 runs in 4 on a loaded 2-core machine)
+    assert first_ms < 1500, first_ms
     # cached: no second round trip even with the daemon unreachable
     monkeypatch.setenv("MOETUNE_CLIENT_SOCKET", f"ipc://{d.tmp}/gone.sock")
     assert autoload.autoload_knobs(model=QWEN, ep_size=2, nodes=1, max_tokens=1000, device=None) == knobs
