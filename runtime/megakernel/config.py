@@ -471,3 +471,13 @@ def limits_problem(model: Any, max_tokens: int | None = None, config: Megakernel
                     f"make up to {one} m-tiles of bm={c.bm or 16}, more than the {MAX_EXPERT_TILES} a task word's "
                     f"16-bit m-tile field numbers; lower max_tokens{' or raise bm' if (c.bm or 16) < 128 else ''}")
     return None
+
+
+def model_problem(model: Any) -> str | None:
+    """Why the megakernel can run no layer of `model` whatever its setting (its dtype, its shape: `limits_problem`
+    without max_tokens or a config), or None. The one rule a megakernel trial refuses a model by and the bring-up
+    leaves a model out of its megakernel stage by (it ran every trial of such a model to fail)."""
+    if model.dtype != "bfloat16":
+        # a trial times bf16 weights whatever the model says, and the runtime runs the megakernel for bf16 layers only
+        return f"it runs bfloat16 activations, the model's are {model.dtype}"
+    return limits_problem(model)

@@ -462,18 +462,14 @@ class LocalBackend(BenchmarkBackend):
         if workload.ep_size != 1:
             return Measurement.failed(f"the megakernel runs on one GPU; workload has ep_size {workload.ep_size}",
                                       infeasible=True)
-        if workload.model.dtype != "bfloat16":
-            # a trial times bf16 weights whatever the model says, and the runtime runs the megakernel for bf16 layers
-            # only: a number for another dtype's key would be a bf16 measurement no layer of that dtype can apply
-            return Measurement.failed(f"the megakernel runs bfloat16 activations; model {workload.model.name} is "
-                                      f"{workload.model.dtype}", infeasible=True)
-        from moetune.runtime.megakernel.config import limits_problem
+        from moetune.runtime.megakernel.config import model_problem
 
-        shape_why = limits_problem(workload.model)
-        if shape_why is not None:
-            # the model's shape, not the knobs: said as such before its weights are built (hidden 100 failed each
-            # trial as "setting does not fit: k-tiled weights need K to be a multiple of 64, got 100")
-            return Measurement.failed(f"the megakernel cannot run model {workload.model.name}: {shape_why}",
+        model_why = model_problem(workload.model)
+        if model_why is not None:
+            # the model (its dtype or shape), not the knobs: said as such before its weights are built (hidden 100
+            # failed each trial as "setting does not fit: k-tiled weights need K to be a multiple of 64, got 100"; a
+            # float16 model's bf16 timing was stored under a float16 key no layer can run)
+            return Measurement.failed(f"the megakernel cannot run model {workload.model.name}: {model_why}",
                                       infeasible=True)
         if self.mk_measure is not None:
             measure = self.mk_measure
