@@ -851,3 +851,44 @@ def test_a_model_shape_the_megakernel_cannot_run_is_said_as_the_models() -> None
     m = be.evaluate(Knobs(engine="megakernel"), TuneWorkload(model=get_model("custom:100,64,8,2"), tokens=16))
     assert not m.ok and m.infeasible and not called
     assert "cannot run model custom:100,64,8,2" in m.error and "hidden % 128 == 0" in m.error, m.error
+
+
+def test_bringup_leaves_a_model_the_megakernel_cannot_run_out_of_its_stage(tmp_path: Path) -> None:
+    """A planned model the megakernel cannot run (hidden 100: not a multiple of 128) had a study planned and every
+    trial run, each refused, and its bucket failed the tune stage ("every trial failed"). It is now left out of the
+    megakernel stage up front, by the trials' own rule, said in the progress output and the report; the other model
+    is still tuned."""
+    from moetune.tuner.bringup.flow import Bringup, Plan
+
+    measured: set[str] = set()
+
+    def measure(knobs: Knobs, wl: TuneWorkload) -> dict[str, list[float]]:
+        measured.add(wl.model.name)
+        return bm16_better(knobs, wl)
+
+    plan = Plan(models=["custom:100,64,8,2", "qwen3-30b"], tokens=[16], trials=4, repeats=1, iters=5, compare_rounds=2)
+    out = io.StringIO()
+    b = Bringup(store=F.open_store(tmp_path / "b.db"), plan=plan, state_dir=tmp_path / "state",
+                console=Console(file=out, width=300), capture=CAPTURES / "h200x1",
+                storage=f"sqlite:///{tmp_path / 'opt.db'}", mk_measure=measure)
+    b.state.mark("discover", b.stage_discover())
+    b.state.mark("microbench", [])
+    b.state.mark("calibrate", {"skipped": "test"})
+    b.state.mark("tune", b.stage_tune(), failed=b.failed)
+    assert b.failed == [] and b.state.done("tune"), b.failed  # the left-out model's bucket is not a failure
+    assert [(t["model"], t["family"]) for t in b.state.result("tune")] == [("qwen3-30b", "megakernel")]
+    assert measured == {"qwen3-30b"}
+    said = " ".join(out.getvalue().split())  # rich wraps long lines
+    assert "megakernel: custom:100,64,8,2 left out: the megakernel cannot run it: it needs hidden % 128 == 0" in said
+    b.state.mark("compare", b.stage_compare())
+    report = " ".join(Path(b.stage_report()).read_text().split())
+    assert "megakernel: custom:100,64,8,2 left out: the megakernel cannot run it: it needs hidden % 128 == 0" in report
+    assert "qwen3-30b S=16" in report
+
+
+def test_bringup_leaves_out_no_model_the_megakernel_runs() -> None:
+    from moetune.tuner.bringup.flow import megakernel_left_out
+
+    assert megakernel_left_out(["qwen3-30b", "custom:128,64,8,2"]) == {}
+    left = megakernel_left_out(["custom:128,64,8,2,float16", "custom:128,64,1024,2"])
+    assert "bfloat16" in left["custom:128,64,8,2,float16"] and "1..512 experts" in left["custom:128,64,1024,2"], left

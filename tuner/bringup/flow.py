@@ -452,6 +452,20 @@ def plan_ep_sizes(plan: Plan, gpus: int) -> tuple[list[int], str]:
                  "plan's ep_sizes")
 
 
+def megakernel_left_out(models: Sequence[str]) -> dict[str, str]:
+    """{model name: why} for the planned models the megakernel can run no setting of (`model_problem`: the rule its
+    trials refuse a model by, so it is not written twice), in plan order."""
+    from moetune.runtime.megakernel.config import model_problem
+
+    out: dict[str, str] = {}
+    for spec in models:
+        model = get_model(spec)
+        why = model_problem(model)
+        if why is not None:
+            out[model.name] = f"the megakernel cannot run it: {why}"
+    return out
+
+
 def captured_ep_note(sizes: list[int], node: str) -> str:
     """The EP line of a bring-up of another node's capture (`node`: its GPUs, as `_node_line` says them): nothing is
     measured on a capture, so no EP size is tuned; it says what a bring-up on that node would tune."""
@@ -506,6 +520,9 @@ class Bringup:
         if self.measures and (why := microbench_sizes_problem(plan.microbench_sizes, self.facts, host_memory_bytes())):
             raise ValueError(why)  # before any stage: the microbenchmark tried the allocation
         self.mk_ok, self.mk_why = megakernel_family(self.facts)
+        # planned models the megakernel can run no setting of (their trials would each fail): left out of its stage
+        # up front, each with why, by the rule a trial refuses them by; said as the tune runs and in the report
+        self.mk_left_out = megakernel_left_out(plan.models) if self.mk_ok else {}
         self.mk_measure = mk_measure  # tests inject the megakernel's timing (LocalBackend.mk_measure)
         self.failed: list[str] = []  # the failed parts of the stage at hand (`run`), each with why
 
@@ -717,11 +734,14 @@ class Bringup:
                                               recheck=False)]  # stage_compare compares with the default
             finally:
                 be.close()  # the persistent bench workers
-        if self.mk_ok:
+        for name, why in self.mk_left_out.items():
+            self.console.print(f"[yellow]{_as_text(self.mk_left_note(name, why))}[/]")
+        mk_models = [m for m in models if m.name not in self.mk_left_out]
+        if self.mk_ok and mk_models:
             mk = self._mk_backend()
             try:
                 res += [(1, mk.label, r) for r in tune_profiles_detailed(
-                    self.store, self.facts, models=models, tokens=self.plan.tokens, backend=mk, trials=self.plan.trials,
+                    self.store, self.facts, models=mk_models, tokens=self.plan.tokens, backend=mk, trials=self.plan.trials,
                     progress=self.progress, storage=self.storage, ep_size=1, nodes=1, seed=0, families=["megakernel"],
                     study_tag=tag, recheck=False)]
             finally:
@@ -749,6 +769,11 @@ class Bringup:
                         "model": next(m.name for m in models if (m.hidden, m.intermediate, m.experts, m.topk)
                                       == (k.hidden, k.intermediate, k.experts, k.topk))})
         return out
+
+    @staticmethod
+    def mk_left_note(name: str, why: str) -> str:
+        """What the progress output and the report say of a planned model left out of the megakernel stage."""
+        return f"megakernel: {name} left out: {why}"
 
     @staticmethod
     def _no_result(r: Any) -> str:
@@ -974,6 +999,7 @@ class Bringup:
             data.notes.append("no GPUs here: the measured transport is gloo between CPU processes")
         if not self.mk_ok:
             data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
+        data.notes += [self.mk_left_note(name, why) for name, why in self.mk_left_out.items()]
         data.notes.extend(_decode_notes(self.state.result("compare") or []))
         for stage, whys in self.state.failures().items():
             data.notes += [f"{stage} not finished: {why} (a rerun of `moetune profile` tries it again)" for why in whys]
