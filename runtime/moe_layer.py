@@ -109,7 +109,9 @@ def _grouped_mm_probe(device_type: str, device_index: int | None, dtype: torch.d
 class MoELayer(nn.Module):
     """An expert-parallel MoE layer. Construction is collective over `group`: it builds an EPBuffer, then checks that
     every rank passed the same `seed` (the weights and the gate are built from it) and that no rank's layer failed
-    (its arguments, its weights, its engine), raising on every rank otherwise.
+    (its arguments, its weights, its engine), raising on every rank otherwise. Without knobs, the buffer looks up
+    the EP profile at world > 1 only: at world 1 the layer never exchanges (no EP knob acts), so its buffer runs the
+    built-in collective default and the only lookup is the megakernel's (`engine` below).
 
     `engine`: None (the knobs' `engine`; without knobs, at world 1, the `megakernel` profile's), `"unfused"`
     or `"megakernel"` (world 1 only; raises `MegakernelUnavailable` where it cannot run). After construction
@@ -174,8 +176,11 @@ class MoELayer(nn.Module):
         self.model = model
         self.max_tokens = max_tokens
         self._owns_buffer = buffer is None  # close() closes a buffer the layer built, never a caller's
+        # autoload_at_world1=False: at world 1 both engines run without an exchange (local_forward, the megakernel),
+        # so no EP knob acts and the buffer looks no EP profile up (no daemon round trip, no fallback warning about
+        # a collective profile one GPU never uses); the megakernel's own lookup (choice.py) stays
         self.buffer = buffer or EPBuffer(group, knobs, model=model, max_tokens=max_tokens, device=device, dtype=dtype,
-                                         options=options, expected_tokens=expected_tokens)
+                                         options=options, expected_tokens=expected_tokens, autoload_at_world1=False)
         try:
             self._build(engine, knobs, max_tokens, seed, use_grouped_mm, expected_tokens)
         except BaseException:

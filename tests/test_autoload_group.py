@@ -369,8 +369,56 @@ def test_a_layer_built_with_options_looks_up_every_profile_under_them(monkeypatc
     layer = MoELayer(BF16, None, None, max_tokens=4096, device="cpu", dtype=torch.bfloat16, options=mine)
     assert layer.engine == "megakernel" and layer.buffer.options == mine
     layer(torch.randn(1, BF16.hidden).to(torch.bfloat16))  # bucket 1's profile, looked up on its first call
-    assert [family for family, _ in seen] == ["ep", "megakernel", "megakernel"]
+    # no "ep" lookup: a world-1 layer's buffer looks no EP profile up (test_a_one_gpu_layer_looks_up_no_ep_profile)
+    assert [family for family, _ in seen] == ["megakernel", "megakernel"]
     assert all(o == mine for _, o in seen), seen
+    EPBuffer(None, None, model=BF16, max_tokens=64, device="cpu", options=mine)  # a buffer of its own still does
+    assert seen[-1] == ("ep", mine)
+
+
+# -- one GPU: no EP profile ---------------------------------------------------------------------------------------
+def _lookup_warnings(build: Any) -> list[str]:
+    """The autoload fallback warnings `build()` gives (its exception, if any, is the caller's to expect)."""
+    from moetune.runtime.profiles.errors import FallbackWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+
+
+@pytest.mark.usefixtures("clean_autoload_env")
+def test_a_one_gpu_layer_looks_up_no_ep_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world-1 MoELayer never exchanges (local_forward, the megakernel): no knob of the EP profile acts on it. Its
+    buffer looked that profile up all the same, so a new user without a daemon got "NO tuned profile ... collective"
+    before anything else, and before engine="megakernel"'s refusal on a CPU tensor (choice.py: "before any profile
+    lookup"). Autoload on, no daemon, no database: the real lookup path, nothing faked."""
+    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+
+    for var in ("MOETUNE_DAEMON_SOCKET", "MOETUNE_CLIENT_SOCKET"):
+        monkeypatch.delenv(var, raising=False)
+    asked: list[Any] = []
+    real = autoload.autoload_profile
+    monkeypatch.setattr(autoload, "autoload_profile", lambda **kw: asked.append(kw["transport_family"]) or real(**kw))
+
+    def refused() -> None:
+        with pytest.raises(MegakernelUnavailable, match=r"no CUDA device \(the layer is on cpu\)"):
+            MoELayer(BF16, None, None, max_tokens=64, device="cpu", dtype=torch.bfloat16, engine="megakernel")
+
+    assert _lookup_warnings(refused) == [] and asked == []  # the refusal first, and alone
+    layers: list[MoELayer] = []
+    assert _lookup_warnings(lambda: layers.append(MoELayer(BF16, None, None, max_tokens=64, device="cpu",
+                                                           dtype=torch.bfloat16))) == []
+    layer = layers[0]
+    assert asked == [] and layer.buffer.resolution is None and layer.engine == "unfused"
+    assert layer.buffer.knobs == Knobs()  # the built-in collective default: dispatch/combine still work
+    x = torch.randn(8, BF16.hidden).to(torch.bfloat16)
+    assert torch.isfinite(layer(x)).all()
+    # the same environment warns for a buffer that does exchange (the warning above could have come)
+    said = _lookup_warnings(lambda: EPBuffer(None, None, model=BF16, max_tokens=64, device="cpu"))
+    assert asked == [None] and any("NO tuned profile" in m and "collective" in m for m in said), said
+    with pytest.raises(TypeError, match="autoload_at_world1 must be a bool"):
+        EPBuffer(None, None, model=BF16, max_tokens=64, device="cpu", autoload_at_world1="no")  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(60)

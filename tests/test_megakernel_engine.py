@@ -478,7 +478,7 @@ def test_gpu_per_bucket_profiles_match_the_reference_and_capture(monkeypatch: py
     asked: list[int] = []
 
     def fake_resolve(**kw: Any) -> Resolution:
-        if kw["transport_family"] != "megakernel":  # the layer's EP buffer (world 1): its policy default
+        if kw["transport_family"] != "megakernel":  # an EP lookup (a world-1 layer makes none; kept for safety)
             knobs = Knobs()
         else:
             asked.append(kw["max_tokens"])

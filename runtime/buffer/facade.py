@@ -117,7 +117,7 @@ from moetune.runtime.buffer.layout_choice import (
     picks_dense,
 )
 from moetune.runtime.fp8 import dequantise, fp8_available, num_scale_groups, quantise_into
-from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.knobs import KnobError, Knobs, default_knobs
 from moetune.runtime.options import RuntimeOptions
 from moetune.runtime.routing import expert_ids_problem, routed_inputs_fault, strided_problem
 from moetune.runtime.shapes import ModelShape
@@ -135,7 +135,8 @@ MAX_BUFFER_BYTES = 1 << 40
 
 # What EPBuffer's construction checks locally, in order; a failed check travels as 1 + its index in the first
 # agreement, so the other ranks can say which argument which rank refused
-_CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "dense", "expected_tokens", "options",
+_CHECKS = ("knobs", "model", "max_tokens", "device", "dtype", "check_inputs", "dense", "expected_tokens",
+           "autoload_at_world1", "options",
            "compression", "scale_granularity", "transport", "chunk_tokens", "layer arguments",
            "buffer (that rank's layer was given one, this rank's was not)")
 # the code a layer given an EPBuffer puts first in its own agreement (`layer_agreement`): that agreement has the
@@ -219,7 +220,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         model: the MoE shape (hidden H, experts E, top-k k, activation dtype).
         max_tokens: the most tokens S one dispatch may carry (sizes every buffer; dense: the slots per rank).
         expected_tokens: the token count the auto-loaded profile is picked for (its nearest tuned token bucket;
-            1..max_tokens; None: max_tokens). Ignored with explicit `knobs`. `self.resolution` says what was loaded.
+            1..max_tokens; None: max_tokens). Ignored with explicit `knobs`. `self.resolution` says what was loaded
+            (None where nothing was: explicit knobs, or `autoload_at_world1=False` at world 1).
         device: where the tensors live (None: the current CUDA device with NCCL, else the CPU).
         dtype: activation dtype, bfloat16 / float16 / float32 (None: the model's).
         check_inputs: check dispatch/combine inputs on every rank so a wrong one is an error everywhere (one tiny
@@ -230,6 +232,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         dense: the dense layout (True), the packed or device-resident one (False), or chosen from the shapes (None).
         options: `RuntimeOptions`, or a mapping of option names overriding the `MOETUNE_*` variables and the
             config's `[runtime]` section (None: those alone); see docs/settings.md.
+        autoload_at_world1: with `knobs=None` and one rank, whether the profile is looked up (True) or the built-in
+            collective default taken without a lookup (False: for a caller that never dispatches through the buffer,
+            as a world-1 `MoELayer`, where no EP knob acts). At world > 1 the profile is looked up either way.
 
     `close()` frees the transport (the proxy thread, symmetric buffers, staging); a dispatch or combine after it
     raises RuntimeError. A buffer dropped without close() stops its proxy thread when it is collected.
@@ -254,6 +259,7 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         dense: bool | None = None,
         options: RuntimeOptions | dict[str, Any] | None = None,
         expected_tokens: int | None = None,
+        autoload_at_world1: bool = True,
     ):
         self._caller_lock = threading.Lock()  # guards _caller/_depth (`_one_thread`)
         # the group first: without one there is nobody to agree with
@@ -264,11 +270,17 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         # arguments: a rank whose check failed (or that differs in knobs=None) is an error on every rank, not a
         # rank raising while the others wait in a different collective (autoload's, the transport's)
         fault = self._check_arguments(knobs, model, max_tokens, device, dtype, check_inputs, dense, options,
-                                      expected_tokens)
+                                      expected_tokens, autoload_at_world1)
         if fault is None and knobs is not None:
             fault = self._check_knobs(knobs, dense)
         self._agree(fault, knobs is not None)
-        if knobs is None:
+        if knobs is None and self.world == 1 and not autoload_at_world1:
+            # the caller never exchanges through this buffer (a world-1 MoELayer): no EP knob acts on its path, so
+            # no profile is looked up (no daemon round trip, no "NO tuned profile ... collective" warning); the
+            # built-in collective default, which every device runs, keeps dispatch/combine usable all the same
+            knobs = default_knobs("collective")
+            self._agree_loaded(self._check_knobs(knobs, dense))  # at world 1: raises this rank's refusal, if any
+        elif knobs is None:
             from moetune.runtime.profiles.autoload import autoload_group_profile
 
             # rank 0 resolves (the activation dtype this buffer runs at, the expected token count) and broadcasts
@@ -440,7 +452,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
         raise error  # _agree raised it already; for the type checker
 
     def _check_arguments(self, knobs: Any, model: Any, max_tokens: Any, device: Any, dtype: Any, check_inputs: Any,
-                         dense: Any, options: Any, expected_tokens: Any) -> tuple[int, Exception] | None:
+                         dense: Any, options: Any, expected_tokens: Any,
+                         autoload_at_world1: Any) -> tuple[int, Exception] | None:
         """The constructor's checks that need no collective (setting what they resolve); the first that fails as
         (its code: 1 + its index in _CHECKS, the error). Types first: a model name, a dict of knobs or
         max_tokens=2.5 named here, not failing deep inside (or truncated, or a truthy string taken for dense=True)."""
@@ -465,6 +478,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 _args.check_int("expected_tokens", expected_tokens, 1, who)
                 if expected_tokens > max(1, max_tokens):
                     raise ValueError(f"{who}expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
+            step = "autoload_at_world1"
+            _args.check_flag("autoload_at_world1", autoload_at_world1, who)
             step = "options"
             # the data path's switches, resolved once: explicit > MOETUNE_* variables > config [runtime] > defaults
             self.options = RuntimeOptions.resolve(options)

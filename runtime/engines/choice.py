@@ -4,7 +4,8 @@ The choice (the knob `engine`; `MoELayer(..., engine=...)` overrides it), made o
 - `engine="unfused"` passed to the layer wins over everything.
 - `engine="megakernel"` passed to the layer is a request: where the megakernel cannot run, the layer raises
   `MegakernelUnavailable` naming the reason (a caller who asked for it must not get a silently slower layer), before
-  any profile is looked up.
+  any profile is looked up (the layer's EP buffer looks none up at world 1, where the layer never exchanges:
+  `MoELayer` builds it with `autoload_at_world1=False`).
 - Knobs with `engine=megakernel` (explicit, or from a profile) are a preference: where it cannot run, the
   layer falls back to the unfused engine with ONE `EngineFallbackWarning` per process and reason.
 - Neither (no knobs, no engine): at world 1 on a device where the megakernel can run, the layer auto-loads the
