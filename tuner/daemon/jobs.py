@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.wire import JobInfo
 from moetune.tuner.daemon.gpu_procs import GpuProbe, gpu_processes
-from moetune.tuner.daemon.retune import RetuneImpossible, key_refusals, model_family, tuner_retune, tuning_key
+from moetune.tuner.daemon.retune import RetuneImpossible, key_refusals, tuner_retune, tuning_key
 from moetune.tuner.store import StoreDamaged
 
 if TYPE_CHECKING:
@@ -393,8 +393,10 @@ class JobManager:
         if facts is None:
             return False
         try:
-            tuned = model_family(self.store, facts, self.tune)
-            refused = {k for r in key_refusals(job.keys, facts, self.tune.backend, tuned) for k in r.keys}
+            # no tuned family (model_family): it is known with [tune] backend = "model" only, whose re-tune never
+            # waits for idle GPUs (`_busy` is '' for it), so this answer does not matter there; loading the calibrated
+            # model for it read the store for nothing
+            refused = {k for r in key_refusals(job.keys, facts, self.tune.backend) for k in r.keys}
         except Exception:  # broad: in the worker thread; the job itself then says what failed
             return False
         return all(k in refused for k in job.keys)
