@@ -153,3 +153,40 @@ def case_group_default_after_a_kept_profile(rank: int, world: int, hosts: list[s
         res = autoload.autoload_group_profile(model=model, ep_size=world, max_tokens=16)
         out.append({"hash": res.profile_hash, "source": res.source, "calls": list(calls)})
     return {"steps": out}
+
+
+def case_group_lookup_raises(rank: int, world: int, where: str) -> dict:
+    """One rank's part of the group lookup raises at `where` (monkeypatched); report what every rank raised and how
+    long its call took (the process group's timeout is short: a rank left waiting in a collective shows in both)."""
+    import torch.distributed as dist
+
+    from moetune.runtime.profiles import autoload
+    from moetune.runtime.shapes import ModelShape
+
+    two_hosts = where != "config_on_rank_1"
+    # the hosts disagree: rank 0 builds the group default ("group_default")
+    _patch(rank, {0: _tuned(TUNED_A, "A"), 1: _tuned(TUNED_B, "B")}, ["node-a", "node-b"] if two_hosts else None)
+
+    def boom(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError(f"{where} broke")
+
+    if where == "group_default" and rank == 0:  # after the hash gather, before the final broadcast
+        autoload._group_default = boom  # type: ignore[assignment]
+    elif where == "leader_lookup" and rank == 1:  # the other host's first rank, in its own lookup
+        autoload.autoload_profile = boom  # type: ignore[assignment]
+    elif where == "retry_clock" and rank == 0:  # rank 0 deciding whether the group retries, before that broadcast
+        from types import SimpleNamespace
+
+        autoload.time = SimpleNamespace(monotonic=boom)  # type: ignore[assignment]
+    elif where == "config_on_rank_1" and rank == 1:  # one rank's environment only (one host)
+        os.environ["MOETUNE_AUTOLOAD"] = "maybe"
+    model = ModelShape(name="t", hidden=64, intermediate=32, experts=8, topk=2, dtype="float32")
+    dist.barrier()  # both ranks enter the lookup together: the time measured is the lookup's
+    t0 = time.monotonic()
+    try:
+        res = autoload.autoload_group_profile(model=model, ep_size=world, max_tokens=16)
+        out: dict = {"kind": None, "message": res.profile_hash}
+    except Exception as e:
+        out = {"kind": type(e).__name__, "message": str(e)}
+    out["elapsed"] = time.monotonic() - t0
+    return out

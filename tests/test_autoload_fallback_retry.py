@@ -188,7 +188,7 @@ def test_a_group_retry_replaces_the_fallback_s_environment_whatever_dtype_spelli
 
     _answers(monkeypatch, ["down", "tuned"], ENVS)
     monkeypatch.setattr(autoload, "_dist_on", lambda group=None: True)
-    monkeypatch.setattr(autoload, "group_hosts", lambda group=None: [1, 1])
+    monkeypatch.setattr(autoload, "_gather_states", lambda state, group, device: [state, state])  # one host
     monkeypatch.setattr(autoload, "_group_device", lambda group: "cpu")
     monkeypatch.setattr(autoload, "_broadcast_bytes", lambda data, group, device: data)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)

@@ -429,3 +429,26 @@ def test_the_group_fallback_warning_names_the_default_it_applies() -> None:
     assert res[0]["source"] == res[1]["source"] == "default" and res[0]["hash"] == res[1]["hash"]
     said = [w for w in res[0]["warnings"] if "hosts of this EP group resolved different profiles" in w]
     assert len(said) == 1 and "using the built-in default on every rank" in said[0], said
+
+
+GROUP_TIMEOUT_S = 10  # the process group's: a rank left waiting in a collective raises only after it
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("where", "rank", "kind"), [
+    ("group_default", 0, "GroupLookupError"),  # rank 0, after the hash gather, before the final broadcast
+    ("retry_clock", 0, "GroupLookupError"),  # rank 0, before the retry flag's broadcast
+    ("leader_lookup", 1, "GroupLookupError"),  # another host's first rank, in its own lookup
+    ("config_on_rank_1", 1, "ConfigError"),  # a bad [client] autoload on one rank, before the first collective
+])
+def test_a_rank_that_raises_in_the_group_lookup_makes_every_rank_raise_at_once(where: str, rank: int,
+                                                                              kind: str) -> None:
+    """A rank whose part of the group lookup raised left the others waiting in the next collective until the process
+    group's timeout (minutes), each then failing with a timeout that does not say why (rank 0's group default raised
+    before the final broadcast). Every rank now raises the failed rank's error, with the same words, at once."""
+    res = launch(cases.case_group_lookup_raises, 2, args=(where,), timeout_s=GROUP_TIMEOUT_S, join_timeout_s=60)
+    assert [r["kind"] for r in res] == [kind, kind], res
+    assert res[0]["message"] == res[1]["message"], res
+    assert f"failed on rank {rank}: " in res[0]["message"], res
+    assert f"{where} broke" in res[0]["message"] or "MOETUNE_AUTOLOAD" in res[0]["message"], res
+    assert all(r["elapsed"] < GROUP_TIMEOUT_S / 2 for r in res), res  # not after a wait for the timeout

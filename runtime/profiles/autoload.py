@@ -56,7 +56,10 @@ the ranks disagree. A profile belongs to one node's fingerprint: with ranks on s
 every other host resolves too (its own node's daemon / database), and rank 0's profile is used only when every
 host resolved the same profile hash; otherwise the whole group runs rank 0's policy default for the transport
 family (the built-in collective default where that cannot serve the group: `transport_world_problem`), with one
-warning naming the hashes and the reason (never an error). Every rank exports the agreed env and logs it.
+warning naming the hashes and the reason (never an error). Every rank exports the agreed env and logs it. A rank
+whose part raises (a bad `[client] autoload` on one host only, a bad dtype, a bug in rank 0's group default) tells
+the others at the next collective they all enter (msgspec JSON), and every rank raises that error with the same words
+(`GroupLookupError`; a ConfigError or ValueError as such) instead of waiting out the process group's timeout.
 
 `check_same_profile(group, profile_hash)` all-gathers the hash across ranks and raises when they differ.
 """
@@ -71,6 +74,8 @@ import threading
 import time
 from collections.abc import Mapping
 from typing import Any
+
+import msgspec
 
 from moetune.runtime.config import (
     ClientConfig,
@@ -96,7 +101,7 @@ from moetune.runtime.profiles.launcher_env import allowed_env, apply_env, forget
 from moetune.runtime.profiles.perf_env import performance_environment
 from moetune.runtime.shapes import DTYPES, ModelShape
 
-__all__ = ["ProfileMismatch", "apply_env", "autoload_group_profile", "autoload_knobs", "autoload_profile",
+__all__ = ["GroupLookupError", "ProfileMismatch", "apply_env", "autoload_group_profile", "autoload_knobs", "autoload_profile",
            "check_same_profile", "clear_cache", "dtype_name", "group_nodes", "last_resolution", "launcher_env"]
 
 log = logging.getLogger("moetune.autoload")
@@ -467,6 +472,57 @@ def _group_default(res: Resolution, nodes: int, device: Any, why: str,
                       env=env, family=family, message=message)
 
 
+class GroupLookupError(RuntimeError):
+    """A rank of an EP group failed its part of the group's profile lookup; every rank of the group raises it, with
+    the same words (a ConfigError or ValueError, bad input, is raised as such)."""
+
+
+# What a rank tells the others at a gather (msgspec JSON, no pickle): its host, its host's resolved profile hash, and
+# why its part of the lookup failed ("" when it did not). An error rides on the collective every rank enters next, so
+# no rank is left waiting in one for the process group's timeout while the rank that raised is gone.
+class _RankState(msgspec.Struct, kw_only=True):
+    host: int = 0
+    hash: str = ""
+    error: str = ""
+    kind: str = ""  # the failure's exception class name
+
+
+class _GroupAnswer(msgspec.Struct, kw_only=True):
+    """What rank 0 broadcasts last: the group's resolution, or why rank 0 could not make it."""
+
+    resolution: Resolution | None = None
+    error: str = ""
+    kind: str = ""
+
+
+_RERAISED: dict[str, type[Exception]] = {"ConfigError": ConfigError, "ValueError": ValueError}
+
+
+def _failure(rank: int, e: BaseException) -> tuple[str, str]:
+    """(kind, message) of rank `rank`'s failure, as every rank of the group raises it."""
+    return type(e).__name__, f"moetune: the EP group's profile lookup failed on rank {rank}: {type(e).__name__}: {e}"
+
+
+def _raise_group_error(kind: str, message: str) -> None:
+    raise _RERAISED.get(kind, GroupLookupError)(message)
+
+
+def _gather_states(state: _RankState, group: Any, device: Any) -> list[_RankState]:
+    """Every rank's `state`, in group rank order (JSON text over `_all_gather_text`). Collective."""
+    texts = _all_gather_text(msgspec.json.encode(state).decode(), group, device)
+    try:
+        return [msgspec.json.decode(t, type=_RankState) for t in texts]
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:  # the same bytes on every rank: all raise so
+        raise GroupLookupError(f"moetune: a rank's state in the EP group's profile lookup does not decode: {e}") from None
+
+
+def _raise_any(states: list[_RankState]) -> None:
+    """Raise the first failed rank's error (every rank holds the same `states`: all raise it together)."""
+    for s in states:
+        if s.error:
+            _raise_group_error(s.kind, s.error)
+
+
 def autoload_group_profile(
     *,
     model: ModelShape,
@@ -486,18 +542,30 @@ def autoload_group_profile(
     client.fallback_retry_s has passed since the group last looked up and ended in a default.
     The agreed env is exported on every rank; `last_resolution()` is the agreed one. Without torch.distributed
     (or with one rank) this is `autoload_profile`.
+
+    A rank whose part raises (a bad `[client] autoload` on one host, a bad dtype, a bug in rank 0's group default)
+    does not leave the others waiting in the next collective: its error rides on that collective and every rank
+    raises it, with the same words (GroupLookupError; a ConfigError or ValueError as such).
     """
     global _last
-    client_autoload()  # a bad value raises on every rank here, before any collective (not swallowed by a leader)
     if not _dist_on(group):
+        client_autoload()  # a bad value is an error, not "on"
         return autoload_profile(model=model, ep_size=ep_size, nodes=1, max_tokens=max_tokens, device=device,
                                 group=group, dtype=dtype, transport_family=transport_family, options=options)
-    import msgspec
     import torch.distributed as dist
 
-    cdev = _group_device(group)
+    cdev = _group_device(group)  # every collective needs it: a failure here is before any and the same on every rank
     rank = dist.get_rank(group)
-    hosts = group_hosts(group)
+    kind, err = "", ""  # this rank's failure: told to the others at the next collective, never raised before it
+    host = 0
+    try:
+        client_autoload()  # a bad value (one host's config file may differ): every rank raises it below
+        host = host_hash(host_identity())
+    except Exception as e:
+        kind, err = _failure(rank, e)
+    states = _gather_states(_RankState(host=host, error=err, kind=kind), group, cdev)
+    _raise_any(states)
+    hosts = [st.host for st in states]
     nodes = len(set(hosts))
     leader = hosts.index(hosts[rank]) == rank  # the first rank of its host
     retry: bool | None = None  # one host: only rank 0 looks up, its own cache's expiry decides
@@ -507,69 +575,93 @@ def autoload_group_profile(
         # (a cached fallback served past its own expiry, or looked up before it): the hosts' own expiries differ by
         # when each lookup ended, and a host retrying alone resolves another profile than one serving its fallback
         if rank == 0:
-            try:
+            try:  # a bad dtype: the error every rank raises after the hash gather
                 group_key = _lookup_key(model=model, dtype=dtype, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens,
                                         transport_family=transport_family, device=device, options=options)[2]
-            except Exception:  # a bad dtype: autoload_profile ends it in a default; no raise before the broadcast
-                group_key = None
-            with _lock:  # never looked up as a group (0.0): every host looks up
-                until = _group_until.get(group_key, 0.0) if group_key is not None else 0.0
-            retry = until is not None and time.monotonic() >= until
+                with _lock:  # never looked up as a group (0.0): every host looks up
+                    until = _group_until.get(group_key, 0.0)
+                retry = until is not None and time.monotonic() >= until
+            except Exception as e:
+                kind, err = _failure(rank, e)
         retry = _broadcast_flag(bool(retry), group, cdev)
     mine: Resolution | None = None
-    if leader:
-        try:
+    if leader and not err:
+        try:  # autoload_profile raises for bad input only (a dtype): the whole group raises it, as one process would
             mine = autoload_profile(model=model, ep_size=ep_size, nodes=nodes, max_tokens=max_tokens, device=device,
                                     dtype=dtype, transport_family=transport_family, export_env=False, options=options,
                                     retry_fallback=retry)
-        except Exception as e:  # autoload_profile does not raise; a bug must not leave the other ranks waiting
-            knobs = default_knobs("collective")
-            mine = Resolution(knobs=knobs, source="default", profile_hash=f"default:{knobs.digest()}",
-                              status="default", family="collective", message=f"{type(e).__name__}: {e}")
+        except Exception as e:
+            kind, err = _failure(rank, e)
+    hashes: list[str] = []
     if nodes > 1:  # a profile is per node fingerprint: every host must have resolved the same one
-        hashes = _all_gather_text(mine.profile_hash if mine is not None else "", group, cdev)
+        states = _gather_states(_RankState(hash=mine.profile_hash if mine is not None else "", error=err, kind=kind),
+                                group, cdev)
+        _raise_any(states)
+        hashes = [st.hash for st in states]
     payload = b""
     if rank == 0:
-        assert mine is not None
-        final = mine
-        if nodes > 1:
-            per_host = {r: h for r, h in enumerate(hashes) if hosts.index(hosts[r]) == r}
-            if len(set(per_host.values())) > 1:
-                detail = ", ".join(f"rank {r}: {h}" for r, h in per_host.items())
-                why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
-                       f"measured per node, so every host must resolve the same one")
-                final = _group_default(mine, nodes, device, why, options, ep_size=ep_size)
-                # say which default: a family without a runnable policy file falls back to the built-in one
-                what = "the policy default" if final.source == "policy" else "the built-in default"
-                warn_fallback(f"moetune: using {what} on every rank ({final.message})")
-            # the group's default (a host's fallback, or the hosts disagreeing) is looked up again on rank 0's clock,
-            # fallback_retry_s after the group last looked up (not after a construction served from the caches)
-            fallback = final.source in FALLBACK_SOURCES
-            if group_key is not None:
-                with _lock:
-                    # a default after a kept profile (None: no retry was due) starts its own clock too: one host's
-                    # lookup key changed (its config edited) and it fell back, and with None kept no retry was ever
-                    # due again, that host serving its fallback past its expiry for the process's life
-                    if not fallback:
-                        _group_until[group_key] = None
-                    elif retry or _group_until.get(group_key) is None:
-                        _group_until[group_key] = time.monotonic() + _fallback_retry_s()
-        payload = msgspec.json.encode(final)
+        answer = _GroupAnswer(error=err, kind=kind)
+        if not err:
+            try:  # anything rank 0 raises from here is the group's error, broadcast instead of the resolution
+                assert mine is not None
+                final = _group_decision(mine, hosts, hashes, nodes, device, options, ep_size=ep_size,
+                                        group_key=group_key, retry=retry)
+                answer = _GroupAnswer(resolution=final)
+                payload = msgspec.json.encode(answer)
+            except Exception as e:
+                k, m = _failure(rank, e)
+                answer = _GroupAnswer(error=m, kind=k)
+        if answer.error:
+            payload = msgspec.json.encode(answer)
     try:
-        got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=Resolution)
+        got = msgspec.json.decode(_broadcast_bytes(payload, group, cdev), type=_GroupAnswer)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:  # cannot happen short of a torch bug: say so loudly
         raise RuntimeError(f"moetune: the profile rank 0 broadcast does not decode: {e}") from None
+    if got.error or got.resolution is None:
+        _raise_group_error(got.kind, got.error or "moetune: rank 0 broadcast no profile for the EP group")
+    res = got.resolution
     # this group lookup's own: a later one (rank 0's fallback retried) replaces what this one exported. Its dtype as
     # autoload_profile keys it (None is the model's own; torch.bfloat16 is "bfloat16"): one lookup, one owner
     dt = model.dtype if dtype is None else str(dtype).removeprefix("torch.")
-    apply_env(got.env, owner=("group", model, dt, ep_size, nodes, max_tokens, transport_family,
+    apply_env(res.env, owner=("group", model, dt, ep_size, nodes, max_tokens, transport_family,
                               None if device is None else str(device), None if options is None else options.digest()))
     if rank != 0:
-        log.info("moetune: rank %d uses rank 0's profile %s (%s%s)", rank, got.profile_hash, got.source,
-                 f", {got.provenance}" if got.provenance else "")
+        log.info("moetune: rank %d uses rank 0's profile %s (%s%s)", rank, res.profile_hash, res.source,
+                 f", {res.provenance}" if res.provenance else "")
     with _lock:
-        _last = got
-    return got
+        _last = res
+    return res
+
+
+def _group_decision(mine: Resolution, hosts: list[int], hashes: list[str], nodes: int, device: Any,
+                    options: RuntimeOptions | None, *, ep_size: int, group_key: tuple[Any, ...] | None,
+                    retry: bool | None) -> Resolution:
+    """Rank 0's resolution for the group from its own (`mine`) and every rank's host and hash (several hosts); keeps
+    the group's retry clock. May raise: the caller broadcasts the error instead."""
+    final = mine
+    if nodes > 1:
+        per_host = {r: h for r, h in enumerate(hashes) if hosts.index(hosts[r]) == r}
+        if len(set(per_host.values())) > 1:
+            detail = ", ".join(f"rank {r}: {h}" for r, h in per_host.items())
+            why = (f"the {nodes} hosts of this EP group resolved different profiles ({detail}); a profile is "
+                   f"measured per node, so every host must resolve the same one")
+            final = _group_default(mine, nodes, device, why, options, ep_size=ep_size)
+            # say which default: a family without a runnable policy file falls back to the built-in one
+            what = "the policy default" if final.source == "policy" else "the built-in default"
+            warn_fallback(f"moetune: using {what} on every rank ({final.message})")
+        # the group's default (a host's fallback, or the hosts disagreeing) is looked up again on rank 0's clock,
+        # fallback_retry_s after the group last looked up (not after a construction served from the caches)
+        fallback = final.source in FALLBACK_SOURCES
+        if group_key is not None:
+            with _lock:
+                # a default after a kept profile (None: no retry was due) starts its own clock too: one host's
+                # lookup key changed (its config edited) and it fell back, and with None kept no retry was ever
+                # due again, that host serving its fallback past its expiry for the process's life
+                if not fallback:
+                    _group_until[group_key] = None
+                elif retry or _group_until.get(group_key) is None:
+                    _group_until[group_key] = time.monotonic() + _fallback_retry_s()
+    return final
 
 
 def last_resolution() -> Resolution | None:
