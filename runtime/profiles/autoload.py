@@ -604,10 +604,11 @@ def autoload_group_profile(
         if not err:
             try:  # anything rank 0 raises from here is the group's error, broadcast instead of the resolution
                 assert mine is not None
-                final = _group_decision(mine, hosts, hashes, nodes, device, options, ep_size=ep_size,
-                                        group_key=group_key, retry=retry)
+                final = _group_decision(mine, hosts, hashes, nodes, device, options, ep_size=ep_size)
                 answer = _GroupAnswer(resolution=final)
                 payload = msgspec.json.encode(answer)
+                if nodes > 1:  # only a resolution the group receives starts (or keeps) its retry clock
+                    _keep_group_clock(final, group_key, retry)
             except Exception as e:
                 k, m = _failure(rank, e)
                 answer = _GroupAnswer(error=m, kind=k)
@@ -634,11 +635,9 @@ def autoload_group_profile(
 
 
 def _group_decision(mine: Resolution, hosts: list[int], hashes: list[str], nodes: int, device: Any,
-                    options: RuntimeOptions | None, *, ep_size: int, group_key: tuple[Any, ...] | None,
-                    retry: bool | None) -> Resolution:
-    """Rank 0's resolution for the group from its own (`mine`) and every rank's host and hash (several hosts); keeps
-    the group's retry clock. May raise: the caller broadcasts the error instead."""
-    final = mine
+                    options: RuntimeOptions | None, *, ep_size: int) -> Resolution:
+    """Rank 0's resolution for the group from its own (`mine`) and every rank's host and hash (several hosts). May
+    raise: the caller broadcasts the error instead."""
     if nodes > 1:
         per_host = {r: h for r, h in enumerate(hashes) if hosts.index(hosts[r]) == r}
         if len(set(per_host.values())) > 1:
@@ -649,19 +648,24 @@ def _group_decision(mine: Resolution, hosts: list[int], hashes: list[str], nodes
             # say which default: a family without a runnable policy file falls back to the built-in one
             what = "the policy default" if final.source == "policy" else "the built-in default"
             warn_fallback(f"moetune: using {what} on every rank ({final.message})")
-        # the group's default (a host's fallback, or the hosts disagreeing) is looked up again on rank 0's clock,
-        # fallback_retry_s after the group last looked up (not after a construction served from the caches)
-        fallback = final.source in FALLBACK_SOURCES
-        if group_key is not None:
-            with _lock:
-                # a default after a kept profile (None: no retry was due) starts its own clock too: one host's
-                # lookup key changed (its config edited) and it fell back, and with None kept no retry was ever
-                # due again, that host serving its fallback past its expiry for the process's life
-                if not fallback:
-                    _group_until[group_key] = None
-                elif retry or _group_until.get(group_key) is None:
-                    _group_until[group_key] = time.monotonic() + _fallback_retry_s()
-    return final
+            return final
+    return mine
+
+
+def _keep_group_clock(final: Resolution, group_key: tuple[Any, ...] | None, retry: bool | None) -> None:
+    """Rank 0's: the group's default (a host's fallback, or the hosts disagreeing) is looked up again on rank 0's
+    clock, fallback_retry_s after the group last looked up (not after a construction served from the caches)."""
+    if group_key is None:
+        return
+    fallback = final.source in FALLBACK_SOURCES
+    with _lock:
+        # a default after a kept profile (None: no retry was due) starts its own clock too: one host's lookup key
+        # changed (its config edited) and it fell back, and with None kept no retry was ever due again, that host
+        # serving its fallback past its expiry for the process's life
+        if not fallback:
+            _group_until[group_key] = None
+        elif retry or _group_until.get(group_key) is None:
+            _group_until[group_key] = time.monotonic() + _fallback_retry_s()
 
 
 def last_resolution() -> Resolution | None:
