@@ -19,6 +19,13 @@ def _tuned(knobs: Knobs, tag: str) -> Resolution:
                       provenance="measured", tuned=True, env={"NVSHMEM_IBGDA_NUM_RC_PER_PE": {"A": "2", "B": "4"}[tag]})
 
 
+def _daemon_down() -> Resolution:
+    """The collective policy default a lookup ends in while the daemon does not answer."""
+    knobs = Knobs()
+    return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
+                      family="collective", message="daemon: no reply")
+
+
 def _patch(rank: int, answers: dict[int, Any], hosts: list[str] | None) -> list[dict]:
     """Every rank's lookup answers `answers[rank]` (a Resolution, or "slow": the daemon times out on this rank
     and the chain ends in the policy default); with `hosts`, rank r runs on host hosts[r]."""
@@ -100,9 +107,7 @@ def case_group_fallback_retry(rank: int, world: int, hosts: list[str], lagging: 
             calls.append("down")
             if rank == lagging:
                 now[0] += 0.2
-            knobs = Knobs()
-            return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
-                              family="collective", message="daemon: no reply")
+            return _daemon_down()
         calls.append("tuned")
         return _tuned(TUNED_A, "A")
 
@@ -137,9 +142,7 @@ def case_group_default_after_a_kept_profile(rank: int, world: int, hosts: list[s
     def fake_resolve(**kw: Any) -> Resolution:
         if rank == 1 and len(calls) == 1:
             calls.append("down")
-            knobs = Knobs()
-            return Resolution(knobs=knobs, source="policy", profile_hash=f"policy:{knobs.digest()}", status="default",
-                              family="collective", message="daemon: no reply")
+            return _daemon_down()
         calls.append("tuned")
         return _tuned(TUNED_A, "A")
 
