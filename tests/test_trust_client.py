@@ -1095,16 +1095,22 @@ def test_gpus_recorded_without_a_uuid_are_checked_by_model(tmp_path: Path) -> No
     assert node_identity.mismatch({"gpus": [{"uuid": ""}, {"uuid": ""}]}, proc)[0] is None
 
 
+def _client_of_node_with(tmp_path: Path, transports: list[str]) -> ProfileClient:
+    """A client of a node whose daemon.json lists `transports` (its preferred family first), no daemon answering and
+    no database: every lookup ends in the policy-default step."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": transports,
+                                                 "db": str(tmp_path / "none.db")}))
+    return ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", env={"HOME": "/nonexistent"})
+
+
 @pytest.mark.parametrize("transports", [["host_staged", "collective"], ["nvlink", "host_staged", "collective"]])
 def test_a_multi_host_fallback_never_picks_a_one_host_family(tmp_path: Path, transports: list[str]) -> None:
     """The policy-default step picks the node's preferred family from daemon.json, leaving NVLink out where the group
     spans hosts, but not host_staged, whose staging memory is one host's /dev/shm file: a two-node group of PCIe
     boxes (nvlink absent or skipped) got host_staged's default knobs, and every GPU rank failed building its buffer."""
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": transports,
-                                                 "db": str(tmp_path / "none.db")}))
-    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", env={"HOME": "/nonexistent"})
+    c = _client_of_node_with(tmp_path, transports)
     with pytest.warns(FallbackWarning, match="NO tuned profile"):
         res = c.resolve(model=QWEN, ep_size=4, tokens=100, nodes=2)
     assert res.family == "collective" and res.knobs.transport == "collective", res
@@ -1128,11 +1134,7 @@ def test_the_fallback_family_is_one_the_group_world_rule_lets_serve_the_group(
     own: that list (nvlink, host_staged) left proxy out, so a two-node lookup on an InfiniBand node (daemon.json:
     proxy:ibrc first) answered proxy's policy default, which the runtime refuses for a group across nodes
     (`moetune query --nodes 2` printed it; autoload then said proxy was "not available in this runtime")."""
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    (run / "daemon.json").write_text(json.dumps({"fingerprint": FP, "software": SW, "transports": transports,
-                                                 "db": str(tmp_path / "none.db")}))
-    c = ProfileClient(f"ipc://{run}/daemon.sock", db_path=tmp_path / "none.db", env={"HOME": "/nonexistent"})
+    c = _client_of_node_with(tmp_path, transports)
     with pytest.warns(FallbackWarning, match="NO tuned profile"):
         res = c.resolve(model=QWEN, ep_size=ep, tokens=100, nodes=nodes)
     assert res.family == "collective" and res.knobs.transport == "collective", res
