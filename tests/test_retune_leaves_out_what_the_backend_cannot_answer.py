@@ -156,25 +156,31 @@ def test_a_host_staged_node_model_leaves_out_groups_across_nodes() -> None:
     assert [r.keys for r in key_refusals([one, two], facts, "local", "host_staged")] == [[two]]
 
 
+def _fabric_change_job(store: Any, facts: Any, key: ProfileKey, tune: TuneSettings, *, timeout: float,
+                       **kw: Any) -> Any:
+    """The finished job of a fabric change's re-tune of `key` (a JobManager of `tune`, run until it ends)."""
+    from moetune.tuner.daemon.jobs import JobManager
+
+    done: list = []
+    jm = JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
+                    tune=tune, **kw)
+    jm.start()
+    try:
+        jm.submit(reason="fabric changed", old_fingerprint="old", keys=[key])
+        F.until(lambda: bool(done), timeout=timeout)
+    finally:
+        jm.stop()
+    return done[0]
+
+
 def test_a_model_job_refuses_such_keys_too_and_says_why(tmp_path: Path) -> None:
     """One rule for the reply and the job: a fabric change's model re-tune of only such keys fails as impossible
     naming them (they stay stale) instead of storing another what-if row."""
-    from moetune.tuner.daemon.jobs import JobManager
-
     store = F.open_store(tmp_path / "m.db")
     facts = F.FakeFacts({"gpu_count": 8, "name": "node", "transports": ["proxy:ibrc", "collective"]})
     _node_model(tmp_path, facts.fingerprint, "proxy:ibrc")  # a NIC model: it predicts EP 16 over 2 nodes
-    done: list = []
-    jm = JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
-                    tune=TuneSettings(backend="model", trials=1, node_model_dir=str(tmp_path)))
-    jm.start()
-    try:
-        jm.submit(reason="fabric changed", old_fingerprint="old",
-                  keys=[_key(facts.fingerprint, family="proxy:ibrc", ep=16, nodes=2)])
-        F.until(lambda: bool(done), timeout=30.0)
-    finally:
-        jm.stop()
-    job = done[0]
+    job = _fabric_change_job(store, facts, _key(facts.fingerprint, family="proxy:ibrc", ep=16, nodes=2),
+                             TuneSettings(backend="model", trials=1, node_model_dir=str(tmp_path)), timeout=30.0)
     assert job.state == "failed" and job.impossible, job.message
     assert "EP 16 over 2 node(s) not re-tuned" in job.message and "tunes family proxy:ibrc" in job.message, job.message
     assert "spans 2 nodes" in job.message or "at most 8 ranks" in job.message, job.message
@@ -275,22 +281,11 @@ def test_a_fabric_change_s_job_of_only_keys_it_refuses_says_so_without_waiting_f
     which the local re-tune refuses measures nothing: it waited for the GPUs to be idle first (where no probe can
     tell, for good: `status` showed it "deferred", checked again every 300 s) and never said why its keys stay
     stale. It ends at once, failed as impossible, naming them."""
-    from moetune.tuner.daemon.jobs import JobManager
-
     store = F.open_store(tmp_path / "m.db")
     facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
-    done: list = []
-    jm = JobManager(store=store, facts_fn=lambda: facts, retune=tuner_retune, on_done=lambda j, w: done.append(j),
-                    tune=TuneSettings(backend="local", trials=1, busy_retry_s=300),
-                    gpu_probe=lambda: (None, "no NVML, no nvidia-smi (test)"))
-    jm.start()
-    try:
-        jm.submit(reason="fabric changed", old_fingerprint="old",
-                  keys=[_key(facts.fingerprint, family="collective", ep=16, nodes=2)])
-        F.until(lambda: bool(done), timeout=10.0)
-    finally:
-        jm.stop()
-    job = done[0]
+    job = _fabric_change_job(store, facts, _key(facts.fingerprint, family="collective", ep=16, nodes=2),
+                             TuneSettings(backend="local", trials=1, busy_retry_s=300), timeout=10.0,
+                             gpu_probe=lambda: (None, "no NVML, no nvidia-smi (test)"))
     assert job.state == "failed" and job.impossible, job.message
     assert "EP 16 over 2 node(s) not re-measured" in job.message and "stay stale" in job.message, job.message
     assert not [e for e in store.list_events(limit=50) if e["kind"] == "job_deferred"]
