@@ -410,6 +410,86 @@ def test_nvidia_peermem_loaded_or_not_since_is_not_this_node(tmp_path: Path, mon
     assert why == f"nvidia_peermem {now} here, {was} recorded", why
 
 
+@pytest.mark.parametrize("gpus", [[], [{"uuid": "GPU-bbbb", "model": "H100"}]], ids=["no GPU", "GPUs"])
+def test_a_pcie_link_narrower_since_is_not_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     gpus: list) -> None:
+    """The current PCIe link width of each GPU and NIC is in the fingerprint: a card that dropped from x16 to x8
+    (reseated, a riser failing) while the daemon was down left the database fallback applying the profiles measured
+    at x16 as tuned. Read from the sysfs file discovery reads; unread or unreadable here: not compared, never
+    raised."""
+    nic = {"name": "mlx5_0", "kind": "mlx5", "pcie_width_current": 16}
+    recorded = {"gpus": [{**g, "pcie_width_current": 16} for g in gpus], "nics": [nic],
+                "software": {"driver": "none", "torch": "2.4.1"}}
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    sys_root = tmp_path / "proc-sys"
+    nic_width = sys_root / "class" / "infiniband" / "mlx5_0" / "device" / "current_link_width"
+    nic_width.parent.mkdir(parents=True)
+    nic_width.write_text("16\n")
+    gpu_width = sys_root / "bus" / "pci" / "devices" / "0000:00:00.0" / "current_link_width"  # pretend_node's GPU 0
+    gpu_width.parent.mkdir(parents=True)
+    gpu_width.write_text("16\n")
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "NIC firmware" in checked and ("GPU PCIe links" in checked) == bool(gpus), (why, checked)
+    nic_width.write_text("8\n")
+    why, _ = node_identity.mismatch(recorded)
+    assert why == "PCIe link of NIC mlx5_0 is x8, recorded x16", why
+    nic_width.write_text("16\n")
+    gpu_width.write_text("8\n")
+    why, _ = node_identity.mismatch(recorded)
+    assert why == ("PCIe link of GPU 0000:00:00.0 is x8, recorded x16" if gpus else None), why
+    for text in ("unknown\n", None):  # not a number, or no such file (a container): not compared
+        for f in (gpu_width, nic_width):
+            if text is None:
+                f.unlink()
+            else:
+                f.write_text(text)
+        why, checked = node_identity.mismatch(recorded)
+        assert why is None and "GPU PCIe links" not in checked, (why, checked)
+
+
+def test_mig_switched_on_since_is_not_this_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIG mode is in the fingerprint: a GPU switched to MIG (and partitioned) while the daemon was down left the
+    database fallback applying the profiles measured on the whole GPU as tuned. Its GPU instances show under
+    /proc/driver/nvidia/capabilities/gpu<minor>/mig (the information file names its minor, not the mode); that
+    folder unread here, or MIG recorded on, is not compared."""
+    recorded = {**HERE, "gpus": [{**HERE["gpus"][0], "mig": False}]}
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    info = tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:00:00.0" / "information"
+    info.write_text(info.read_text() + "Device Minor: \t 3\n")
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "GPU MIG mode" not in checked, (why, checked)  # no capabilities folder: not compared
+    mig = tmp_path / "proc" / "driver" / "nvidia" / "capabilities" / "gpu3" / "mig"
+    mig.mkdir(parents=True)  # as the driver shows it with MIG off
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "GPU MIG mode" in checked, (why, checked)
+    (mig / "gi1" / "ci0").mkdir(parents=True)  # MIG on, a GPU instance made
+    why, _ = node_identity.mismatch(recorded)
+    assert why == "MIG mode of GPU 0000:00:00.0 is on (GPU instances here), recorded off", why
+    # another GPU's minor: not this one's instances
+    info.write_text(info.read_text().replace("Device Minor: \t 3", "Device Minor: \t 0"))
+    assert node_identity.mismatch(recorded)[0] is None
+    info.write_text(info.read_text().replace("Device Minor: \t 0", "Device Minor: \t 3"))
+    assert node_identity.mismatch({**HERE, "gpus": [{**HERE["gpus"][0], "mig": True}]})[0] is None
+
+
+def test_the_runtime_reads_the_pcie_width_discovery_records(tmp_path: Path) -> None:
+    """The runtime compares the recorded width with the sysfs file discovery reads it from (it may not import
+    discovery): the same file name, the same number."""
+    from moetune.tuner.fabric.discovery import pci_link
+
+    dev = tmp_path / "sys" / "bus" / "pci" / "devices" / "0000:18:00.0"
+    dev.mkdir(parents=True)
+    (dev / "current_link_width").write_text("8\n")
+
+    class Src:  # a source reading under tmp_path, as discovery's read /sys
+        def read_text(self, path: str) -> str | None:
+            f = tmp_path / path.lstrip("/")
+            return f.read_text() if f.is_file() else None
+
+    assert pci_link(Src(), "/sys/bus/pci/devices/0000:18:00.0")["pcie_width_current"] == \
+        node_identity._sysfs_int(dev / "current_link_width") == 8  # type: ignore[arg-type]
+
+
 def _write_nic(sys_root: Path, nic: dict[str, Any]) -> None:
     """`nic`'s sysfs folder as the kernel shows it: its attributes and its ports' state and rate."""
     folder = sys_root / "class" / "infiniband" / nic["name"]

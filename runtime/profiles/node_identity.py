@@ -22,14 +22,20 @@ unreadable: never this node, and never an exception out of the lookup.
 
 What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery did not read) and driver version in
 /proc/driver/nvidia, on a node without GPUs the
-recorded NICs in /sys/class (infiniband, cxi), on any node the HCA type, board and firmware of each recorded RDMA NIC
-that is here and the state (ACTIVE and its rate, or down) of its ports (by name, or the same devices renumbered: the
-fingerprint has no names), whether nvidia_peermem is loaded
+recorded NICs in /sys/class (infiniband, cxi), the current PCIe link width of each recorded GPU found by its UUID
+(/sys/bus/pci/devices/<address>/current_link_width) and whether it has MIG GPU instances while recorded with MIG off
+(/proc/driver/nvidia/capabilities/gpu<minor>/mig), on any node the HCA type, board, firmware and current PCIe link
+width of each recorded RDMA NIC that is here and the state (ACTIVE and its rate, or down) of its ports (by name, or
+the same devices renumbered: the fingerprint has no names), whether nvidia_peermem is loaded
 (/proc/modules), and the versions of the Python
 distributions discovery reads the software facts from (torch, moetune, nvidia-nccl-cu*, nvidia-nvshmem-cu*,
 nvidia-cuda-runtime-cu*, nvshmem4py-cu*; read once per process: a running job's imported packages do not
-change). Known limit: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
-which is checked) and libfabric (`fi_info`, a process to run): neither is read here.
+change). Known limits: the software hash also covers the driver's CUDA version (nvidia-smi; it follows the driver,
+which is checked) and libfabric (`fi_info`, a process to run): neither is read here. Of the fingerprint's hardware,
+not re-read: NVLink link states and speeds (NVML or nvidia-smi only: no sysfs file, and NVML's start costs far more
+than this check's budget), MIG switched off or on without GPU instances (no file tells it), dma-buf support, a
+Slingshot (cxi) NIC's PCIe link, the PCIe generations and maximum widths (static for a device: another card is
+another UUID, board or firmware), topology levels and P2P status, and the libfabric providers.
 """
 
 from __future__ import annotations
@@ -126,15 +132,15 @@ def local_gpu_uuids(proc: Path | None = None) -> set[str] | None:
     return None if models is None else set(models)
 
 
-def local_gpu_models(proc: Path | None = None) -> dict[str, str] | None:
-    """UUID -> model ("Model:" line; "" where it has none) of this node's GPUs from
+def _gpu_information(proc: Path | None = None) -> dict[str, tuple[str, str]] | None:
+    """UUID -> (PCI address: the folder's name, the text of its information file) of this node's GPUs from
     /proc/driver/nvidia/gpus/*/information (None: no NVIDIA driver, or a file unread or naming no UUID)."""
     root = (proc or PROC_ROOT) / "driver" / "nvidia" / "gpus"
     try:
         entries = list(root.iterdir())
     except OSError:
         return None
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, str]] = {}
     for e in entries:
         try:
             text = (e / "information").read_text(errors="replace")
@@ -143,8 +149,20 @@ def local_gpu_models(proc: Path | None = None) -> dict[str, str] | None:
         uuid = re.search(r"GPU UUID:\s*(\S+)", text)
         if uuid is None:
             return None
+        out[uuid.group(1)] = (e.name, text)
+    return out
+
+
+def local_gpu_models(proc: Path | None = None) -> dict[str, str] | None:
+    """UUID -> model ("Model:" line; "" where it has none) of this node's GPUs from
+    /proc/driver/nvidia/gpus/*/information (None: no NVIDIA driver, or a file unread or naming no UUID)."""
+    info = _gpu_information(proc)
+    if info is None:
+        return None
+    out: dict[str, str] = {}
+    for uuid, (_, text) in info.items():
         model = re.search(r"^Model:[ \t]*(.*?)[ \t]*$", text, re.MULTILINE)
-        out[uuid.group(1)] = model.group(1) if model else ""
+        out[uuid] = model.group(1) if model else ""
     return out
 
 
@@ -163,6 +181,55 @@ def _unrecorded_models_problem(gpus: list[dict[str, Any]], recorded: set[str], p
         return (f"the GPUs here are not the recorded model(s) ({', '.join(have)} here, {', '.join(want)} recorded "
                 "for the GPUs whose UUID discovery did not read)"), True
     return None, True
+
+
+def _sysfs_int(path: Path) -> int | None:
+    """An integer sysfs attribute (None: absent, unreadable or not a number: not compared)."""
+    try:
+        return int(path.read_text(errors="replace").strip())
+    except (OSError, ValueError):
+        return None
+
+
+_MIG_INSTANCE = re.compile(r"^gi\d+$")  # a GPU instance's folder (gi<N>/access): made only with MIG mode on
+
+
+def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None) -> tuple[str | None, bool, bool]:
+    """(why a recorded GPU, found here by its UUID, has another PCIe link width or has MIG on while recorded off,
+    or None; whether a PCIe link was compared; whether MIG was). Read where discovery recorded them and this node
+    shows them: the width in /sys/bus/pci/devices/<address>/current_link_width (the register nvidia-smi reads;
+    the current speed is no part of the fingerprint: it drops at idle), MIG by its GPU instances in
+    /proc/driver/nvidia/capabilities/gpu<minor>/mig/ (the information file does not say the mode). MIG on without
+    instances, and MIG recorded on, are not told apart from off here (no instance folder either way; CUDA has no
+    device on such a GPU anyway)."""
+    info = _gpu_information(proc)
+    if info is None:
+        return None, False, False
+    links = mig = False
+    for g in gpus:
+        uuid = g.get("uuid")
+        if not isinstance(uuid, str) or uuid not in info:
+            continue  # a GPU whose UUID discovery did not read is tied to no device here
+        bdf, text = info[uuid]
+        want = g.get("pcie_width_current")
+        if type(want) is int and "/" not in bdf:
+            have = _sysfs_int(SYS_ROOT / "bus" / "pci" / "devices" / bdf / "current_link_width")
+            if have is not None:
+                links = True
+                if have != want:
+                    return f"PCIe link of GPU {bdf} is x{have}, recorded x{want}", links, mig
+        minor = re.search(r"^Device Minor:\s*(\d+)", text, re.MULTILINE)
+        if g.get("mig") is not False or minor is None:
+            continue  # not recorded off (older facts), or no minor to find its capabilities by
+        folder = (proc or PROC_ROOT) / "driver" / "nvidia" / "capabilities" / f"gpu{minor.group(1)}" / "mig"
+        try:
+            names = [e.name for e in folder.iterdir()]
+        except OSError:
+            continue  # unread (a container, an older driver): not compared
+        mig = True
+        if any(_MIG_INSTANCE.match(n) for n in names):
+            return f"MIG mode of GPU {bdf} is on (GPU instances here), recorded off", links, mig
+    return None, links, mig
 
 
 def local_driver(proc: Path | None = None) -> str | None:
@@ -261,6 +328,17 @@ def _nic_problem(name: str, nic: dict[str, Any], folder: Path, read: _Read) -> t
         compared = True
         if have != want:
             return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared, ports
+    want_width = nic.get("pcie_width_current")  # discovery reads it from the same sysfs file (None: it read none)
+    if type(want_width) is int:
+        text = read(folder / "device" / "current_link_width")
+        try:
+            have_width = int(text.strip()) if text is not None else None
+        except ValueError:
+            have_width = None
+        if have_width is not None:
+            compared = True
+            if have_width != want_width:
+                return f"PCIe link of NIC {name} is x{have_width}, recorded x{want_width}", compared, ports
     for p in nic.get("ports") or []:
         why = _changed_port(name, folder, p, read)
         if why is None:
@@ -400,6 +478,13 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
                 return why_model, tuple(checked)
             if compared:
                 checked.append("GPU models")
+        why_gpu, links, mig = _gpu_links_problem(gpus, proc)
+        if why_gpu is not None:
+            return why_gpu, tuple(checked)
+        if links:
+            checked.append("GPU PCIe links")
+        if mig:
+            checked.append("GPU MIG mode")
     if not gpus and not here:
         # no GPU compared: the NICs are the hardware a node without GPUs is told apart by (a shared database's
         # other node passed on package versions alone). Not where GPUs matched: a containerised job sees only the
