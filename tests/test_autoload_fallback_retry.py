@@ -203,3 +203,27 @@ def test_a_group_retry_replaces_the_fallback_s_environment_whatever_dtype_spelli
     import torch
 
     assert load(torch.bfloat16).source == "daemon" and os.environ.get(RT) == "ucx"  # a torch dtype: the same lookup
+
+
+def test_a_rank_s_failure_travels_to_the_group_bounded_in_size(
+        env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose MOETUNE_AUTOLOAD is 100 KB of junk tells the others its ConfigError at the host gather: the text
+    that travels (and every rank's gather is padded to the longest) is cut to FAILURE_TEXT_MAX, the cut said, and the
+    error every rank raises still names the variable."""
+    import torch.distributed as dist
+
+    sent: list[str] = []
+
+    def gather(state: Any, group: Any, device: Any) -> list[Any]:
+        sent.append(state.error)
+        return [state, state]  # one host, both ranks failed alike
+
+    monkeypatch.setattr(autoload, "_dist_on", lambda group=None: True)
+    monkeypatch.setattr(autoload, "_gather_states", gather)
+    monkeypatch.setattr(autoload, "_group_device", lambda group: "cpu")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setenv("MOETUNE_AUTOLOAD", "x" * 100_000)
+    with pytest.raises(ConfigError, match="MOETUNE_AUTOLOAD") as got:
+        autoload.autoload_group_profile(model=QWEN, ep_size=2, max_tokens=64)
+    assert len(sent) == 1 and len(sent[0]) <= autoload.FAILURE_TEXT_MAX + 200
+    assert "more characters cut" in sent[0] and str(got.value) == sent[0]

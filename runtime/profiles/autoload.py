@@ -498,9 +498,18 @@ class _GroupAnswer(msgspec.Struct, kw_only=True):
 _RERAISED: dict[str, type[Exception]] = {"ConfigError": ConfigError, "ValueError": ValueError}
 
 
+# The most characters of a failure's own words that travel to the other ranks: a ConfigError quotes the bad value
+# whole (a 100 KB MOETUNE_AUTOLOAD made a 100 KB message), and every rank's gather is padded to the longest text.
+FAILURE_TEXT_MAX = 2000
+
+
 def _failure(rank: int, e: BaseException) -> tuple[str, str]:
-    """(kind, message) of rank `rank`'s failure, as every rank of the group raises it."""
-    return type(e).__name__, f"moetune: the EP group's profile lookup failed on rank {rank}: {type(e).__name__}: {e}"
+    """(kind, message) of rank `rank`'s failure, as every rank of the group raises it; its words cut to
+    FAILURE_TEXT_MAX characters (the cut is said) before they travel."""
+    words = str(e)
+    if len(words) > FAILURE_TEXT_MAX:
+        words = f"{words[:FAILURE_TEXT_MAX]}... ({len(words) - FAILURE_TEXT_MAX} more characters cut)"
+    return type(e).__name__, f"moetune: the EP group's profile lookup failed on rank {rank}: {type(e).__name__}: {words}"
 
 
 def _raise_group_error(kind: str, message: str) -> None:
