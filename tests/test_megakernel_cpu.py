@@ -1647,6 +1647,25 @@ def test_stages_past_the_tiles_shared_memory_are_refused_naming_the_knobs(knobs:
     Knobs(engine="megakernel", mk_bm=0, mk_stages=12)
 
 
+def test_the_library_s_stage_refusal_says_the_caps_the_knob_check_holds() -> None:
+    """check_params' "stages too deep" refusal (and mk_api.h's stages comment) said bm=64 holds 8 stages on the mma
+    core, where its own arithmetic (smem_for against SMEM_MAX) and the knob check (`mk_stage_cap`) allow 9, and did not
+    say the wgmma overlap kernel's 8: the numbers a user reads must be the ones the check enforces."""
+    from moetune.runtime.knobs import mk_stage_cap
+    from moetune.runtime.megakernel import _lib
+
+    src = (_lib.source_dir() / "mk_moe.cu").read_text()
+    start = src.index('fail_msg("mk: stages too deep for bm (shared memory > 226 KB')
+    # the message's adjacent C string literals, joined
+    msg = "".join(re.findall(r'"([^"]*)"', src[start:src.index(");", start)]))
+    said = (f"bm=16 <= {mk_stage_cap(16, 'mma', 0)}, 64 <= {mk_stage_cap(64, 'mma', 0)}, "
+            f"128 <= {mk_stage_cap(128, 'mma', 0)}; wgmma 64 <= {mk_stage_cap(64, 'wgmma', 0)} "
+            f"({mk_stage_cap(64, 'wgmma', 1)} with overlap), 128 <= {mk_stage_cap(128, 'wgmma', 1)}, 128 with bn=256 <= 4")
+    assert said in msg, msg
+    api = (_lib.source_dir() / "mk_api.h").read_text()
+    assert f"64 <= {mk_stage_cap(64, 'mma', 0)}, {mk_stage_cap(64, 'wgmma', 1)} on wgmma with overlap" in api
+
+
 def test_the_wide_tile_on_a_shape_it_cannot_run_names_the_knob() -> None:
     """`--knobs mk_bn=256` on a shape whose hidden is no multiple of 256 was refused as "bn=256 needs ...", a name the
     user never typed (the split-K refusal beside it names mk_split_k)."""

@@ -100,7 +100,7 @@ typedef struct MkParams {
   // sizes
   int64_t S, S_cap, H, I, E, K;
   int64_t bm;          // m-tile rows: 16, 64 or 128
-  int64_t stages;      // cp.async pipeline depth, 2..12 (shared memory: bm=16 <= 12, 64 <= 8, 128 <= 6)
+  int64_t stages;      // cp.async pipeline depth, 2..12 (shared memory: bm=16 <= 12, 64 <= 9, 8 on wgmma with overlap, 128 <= 6)
   int64_t combine_tokens;  // tokens per combine task
   int64_t q_cap, max_tiles, max_ctiles;
   int64_t grid;        // CTAs of the persistent launch: 1 scheduler + grid-1 processors

@@ -2554,8 +2554,8 @@ int check_params(const MkParams* p) {
     return fail_msg("mk: bn = 256 needs hidden and 2 x intermediate to be multiples of 256");
   if (p->overlap != 0 && p->overlap != 1) return fail_msg("mk: overlap must be 0 or 1");
   if (expert_smem(p->bm, p->core, p->tma_b, p->bn, p->overlap, (int)p->stages) > SMEM_MAX)
-    return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 8, 128 <= 6; wgmma 64 <= 9, "
-                    "128 <= 6, 128 with bn=256 <= 4)");
+    return fail_msg("mk: stages too deep for bm (shared memory > 226 KB: bm=16 <= 12, 64 <= 9, 128 <= 6; wgmma 64 <= 9 "
+                    "(8 with overlap), 128 <= 6, 128 with bn=256 <= 4)");
   if (p->split_k1 < 1 || p->split_k1 > MK_MAX_SPLITS || p->split_k2 < 1 || p->split_k2 > MK_MAX_SPLITS)
     return fail_msg("mk: split_k1 / split_k2 must be in 1..16");
   if (p->H % (p->split_k1 * BK) || p->I % (p->split_k2 * BK))
