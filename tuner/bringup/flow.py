@@ -719,6 +719,9 @@ class Bringup:
     def stage_tune(self) -> list[dict]:
         from moetune.tuner.search.tune import tune_profiles_detailed
 
+        # kept with the stage's result: a resumed run's summary and report say what this run left out, as recorded (a
+        # capture of another node too: what a bring-up there leaves out)
+        self.state.data["mk_left_out"] = dict(self.mk_left_out)
         if not self.measures:  # the EP groups and the megakernel alike: every trial would run on this machine
             self._skip("tuning")
             return []
@@ -774,6 +777,23 @@ class Bringup:
     def mk_left_note(name: str, why: str) -> str:
         """What the progress output and the report say of a planned model left out of the megakernel stage."""
         return f"megakernel: {name} left out: {why}"
+
+    @property
+    def left_out(self) -> dict[str, str]:
+        """{model: why} of the planned models the tune stage left out of the megakernel stage, as it recorded them
+        (a resumed run says what that run left out, not what this version would decide); {} before it ran."""
+        got = self.state.data.get("mk_left_out")
+        return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
+
+    @property
+    def nothing_tuned(self) -> str:
+        """Why nothing was tuned ('' when something was): a one-GPU node tunes only the megakernel, and the tune
+        stage left every planned model out of it."""
+        left = self.left_out
+        if self.ep_sizes or not self.mk_ok or not left or any(get_model(m).name not in left for m in self.plan.models):
+            return ""
+        return (f"nothing tuned: every planned model was left out ({', '.join(left)}: the megakernel, the only "
+                "thing a one-GPU node tunes, cannot run them)")
 
     @staticmethod
     def _no_result(r: Any) -> str:
@@ -993,13 +1013,15 @@ class Bringup:
                               + "; ".join(cal["refused"]) + earlier)
         data.notes.append(self.ep_note)
         if self.facts.gpu_count == 1:
-            data.notes.append("EP transports need >= 2 GPUs: this node has 1, so no exchange was tuned; the MoE "
-                              "megakernel (the whole layer on one GPU, family `megakernel`) is what was tuned")
+            # "the megakernel is what was tuned" was said where the tune stage had left every planned model out
+            data.notes.append("EP transports need >= 2 GPUs: this node has 1, so no exchange was tuned; " + (
+                self.nothing_tuned or "the MoE megakernel (the whole layer on one GPU, family `megakernel`) is what "
+                "was tuned"))
         elif self.comm_backend == "gloo":
             data.notes.append("no GPUs here: the measured transport is gloo between CPU processes")
         if not self.mk_ok:
             data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
-        data.notes += [self.mk_left_note(name, why) for name, why in self.mk_left_out.items()]
+        data.notes += [self.mk_left_note(name, why) for name, why in self.left_out.items()]  # as the tune recorded
         data.notes.extend(_decode_notes(self.state.result("compare") or []))
         for stage, whys in self.state.failures().items():
             data.notes += [f"{stage} not finished: {why} (a rerun of `moetune profile` tries it again)" for why in whys]

@@ -172,7 +172,7 @@ def profile(
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
 
-    What is tuned: the EP transports this node has, per EP size (2 or more GPUs; gloo ranks on a node without GPUs), and on an sm_90 (Hopper) GPU the MoE megakernel, the whole layer on one GPU (family megakernel); a one-GPU node has no EP size to tune, only the megakernel where it is sm_90. The profiles go to the database (--db), the report to --report-dir.
+    What is tuned: the EP transports this node has, per EP size (2 or more GPUs; gloo ranks on a node without GPUs), and on an sm_90 (Hopper) GPU the MoE megakernel, the whole layer on one GPU (family megakernel); a one-GPU node has no EP size to tune, only the megakernel where it is sm_90. A planned model the megakernel cannot run is left out of its stage (said before the stages, in the summary and the report); a one-GPU node whose every model is left out tunes nothing and exits 1. The profiles go to the database (--db), the report to --report-dir.
 
     Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """
@@ -294,6 +294,9 @@ def profile(
     for line in node_limits(flow.facts):  # what discovery did not read, and what this node cannot run and why
         console.print(line, style="yellow" if line.startswith("warning") else None, markup=False)
     console.print(flow.ep_note, markup=False)
+    # the plan's left-out models, said before the stages (they were said only as the tune stage ran)
+    for name, why in flow.mk_left_out.items():
+        console.print(flow.mk_left_note(name, why), style="yellow", markup=False)
     if flow.not_measured:  # said before the stages run, and again in the report
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     from moetune.tuner.cli._interrupt import ends_cleanly_on_interrupt
@@ -348,8 +351,11 @@ def profile(
                                "discovery_warnings": list(flow.facts.warnings),
                                "not_measured": flow.not_measured or None,
                                "calibration": done.get("calibrate"), "report": done.get("report"),
+                               # as the tune stage recorded them (a resumed run's too)
+                               "megakernel_left_out": [{"model": m, "reason": why} for m, why in flow.left_out.items()],
                                "failed": failed}), indent=1, allow_nan=False))
         _failed_parts(Console(stderr=True, highlight=False), failed, again)
+        _nothing_tuned(Console(stderr=True, highlight=False), flow)
         return
     cells = []
 
@@ -369,12 +375,15 @@ def profile(
     cols = (Col("model", "word"), Col("EP", "num"), Col("S", "num"), Col("family", "word"),
             Col("default µs", "num"), Col("tuned µs", "num"), Col("speedup", "num", drop=2),
             Col("stored", "word"), Col("changed knobs", "word", drop=1))
-    if cells or not flow.not_measured:  # an empty table says nothing: the line below says why nothing was tuned
+    if cells or not (flow.not_measured or flow.nothing_tuned):  # an empty table says nothing: a line below says why
         print_table(console, cols, cells, title="tuned profiles (measured side by side with the policy default)",
                     left_out_hint="the report lists them")
     for line in kept_lines(rows):
         console.print(line, markup=False)
     console.print(flow.ep_note, markup=False)
+    # said by the tune stage when it ran; a resumed run's summary says it too, from what that stage recorded
+    for name, why in flow.left_out.items():
+        console.print(flow.mk_left_note(name, why), style="yellow", markup=False)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
@@ -395,6 +404,7 @@ def profile(
         console.print(f"[yellow]{escape(flow.not_measured)}[/]")
     console.print(f"report: {done.get('report')}")
     _failed_parts(console, failed, again)
+    _nothing_tuned(console, flow)
 
 
 def node_limits(facts: Any) -> list[str]:
@@ -418,6 +428,15 @@ def _failed_parts(console: Console, failed: list[str], again: str = "run the sam
     for why in failed:
         console.print(f"  {escape(why)}", soft_wrap=True)
     raise typer.Exit(1)
+
+
+def _nothing_tuned(console: Console, flow: Any) -> None:
+    """Exit 1 (as `tune` and `bench knobs` do where nothing was measured) when the bring-up of this node tuned
+    nothing: a one-GPU node whose every planned model the megakernel cannot run. It exited 0 and its report said the
+    megakernel "is what was tuned". A capture of another node measures nothing by design: its status is unchanged."""
+    if flow.measures and flow.nothing_tuned:
+        console.print(f"[red]error:[/] {escape(flow.nothing_tuned)}; plan a model it can run (--model)", soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def kept_lines(rows: list[dict]) -> list[str]:
