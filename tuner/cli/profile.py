@@ -172,7 +172,7 @@ def profile(
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
 
-    What is tuned: the EP transports this node has, per EP size (2 or more GPUs; gloo ranks on a node without GPUs), and on an sm_90 (Hopper) GPU the MoE megakernel, the whole layer on one GPU (family megakernel); a one-GPU node has no EP size to tune, only the megakernel where it is sm_90. A planned model the megakernel cannot run is left out of its stage (said before the stages, in the summary and the report); a one-GPU node whose every model is left out tunes nothing and exits 1. The profiles go to the database (--db), the report to --report-dir.
+    What is tuned: the EP transports per EP size (2+ GPUs; gloo ranks without GPUs) and, on an sm_90 GPU, the MoE megakernel (family megakernel): a one-GPU node has no EP size to tune. A model the megakernel cannot run is left out of its stage and said; a one-GPU node whose every model is left out tunes nothing and exits 1. Profiles go to the database (--db), the report to --report-dir.
 
     Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """
