@@ -137,3 +137,67 @@ def test_stop_while_retunes_wait_on_the_store_is_prompt_and_clean(tmp_path: Path
         ctx.term()
     finally:
         threading.excepthook = old_hook
+
+
+def test_stop_while_the_running_jobs_write_waits_on_the_store_is_prompt_and_the_job_resumed(tmp_path: Path) -> None:
+    """The running job's profile write waits for another process's write lock (a tune, an import) when the daemon
+    stops. The stop waited 5 s for the job worker, then its own finish_run waited behind the same lock (up to the
+    busy timeout, 30 s): ~25 s here. The stop now gives the job's wait up: the job ends interrupted with nothing of
+    it written, left `started` (its run `running`) as a crash leaves it, and the next start resumes it whole."""
+    from moetune.tuner.daemon.recovery import recover_jobs
+
+    db = tmp_path / "moetune.db"
+    go, started, release = threading.Event(), threading.Event(), threading.Event()
+
+    def retune(ctx: Any) -> list:
+        started.set()
+        go.wait(30)  # its trial ends: then it writes its profiles
+        return [F._put_nvlink_profile(ctx, k) for k in ctx.keys]
+
+    d = _daemon(tmp_path, retune)
+    held = threading.Event()
+
+    def hold() -> None:  # another writer, holding the lock until released (at most 20 s)
+        c = sqlite3.connect(db, timeout=30)
+        c.execute("BEGIN IMMEDIATE")
+        held.set()
+        release.wait(20)
+        c.rollback()
+        c.close()
+
+    locker = threading.Thread(target=hold, daemon=True)
+    try:
+        c = ProfileClient(d.endpoint, timeout_ms=5000)
+        c.retune(all=True, reason="r")
+        c.close()
+        assert started.wait(10)
+        locker.start()
+        assert held.wait(10)
+        go.set()
+        time.sleep(0.5)  # its first write waits on the lock
+        t0 = time.monotonic()
+        d.stop()
+        took = time.monotonic() - t0
+        assert took < 2.0, f"stop took {took:.1f} s"
+    finally:
+        go.set()
+        release.set()
+        d.stop()
+    locker.join(10)
+    assert d.store_users() == []  # the job worker ended (interrupted), not left behind on the lock
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert con.execute("SELECT status, count(*) FROM profiles GROUP BY status").fetchall() == [("stale", 3)]
+        kinds = [k for (k,) in con.execute("SELECT kind FROM events WHERE kind LIKE 'job_%' ORDER BY id")]
+        assert kinds == ["job_queued", "job_started"]  # no job_finished: the next start resumes it
+        assert con.execute("SELECT status FROM tuning_runs").fetchall() == [("running",)]
+    finally:
+        con.close()
+    store = F.open_store(db)
+    try:
+        resume, _ = recover_jobs(store)
+        assert [(r.job_id, len(r.details["keys"])) for r in resume] == [(1, 3)]
+        assert [r["status"] for r in store.list_runs(limit=5)] == ["failed"]
+    finally:
+        store.close()

@@ -183,3 +183,27 @@ def test_fabric_and_profile_open_errors_keep_the_store_errors_status(tmp_path: P
         assert isinstance(r.exception, SystemExit), repr(r.exception)
         assert r.exit_code == exc.exit_code, (args, r.output)
         assert "the database says no" in r.output
+
+
+def test_stop_waiting_gives_a_waiting_write_up_at_once(tmp_path: Path) -> None:
+    """SQLite's own busy wait cannot be interrupted (sqlite3_interrupt does not end it): a stopping daemon waited behind
+    another process's transaction for up to the busy timeout. The store waits in slices now, and `stop_waiting` ends
+    a waiting write within one: StoreStopping (a StoreBusy), nothing written; a write whose lock is free still goes."""
+    import threading
+    import time
+
+    from moetune.tuner.store import StoreStopping
+
+    db = tmp_path / "m.db"
+    put_one_profile(db)
+    store = Store(db)
+    timer = threading.Timer(0.5, store.stop_waiting)
+    with locked(db):
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(StoreStopping) as e:
+            store.delete_profile(1)  # waits on the lock (30 s busy timeout) until stop_waiting
+        assert time.monotonic() - t0 < 2.0
+        assert isinstance(e.value, StoreBusy) and "stopping" in str(e.value)
+    assert store.delete_profile(1)  # it was not deleted; the lock free, a write goes through
+    store.close()

@@ -45,7 +45,7 @@ from moetune.runtime.profile_record import ProfileKey, ProfileRecord
 from moetune.runtime.wire import JobInfo
 from moetune.tuner.daemon.gpu_procs import GpuProbe, gpu_processes
 from moetune.tuner.daemon.retune import RetuneImpossible, key_refusals, tuner_retune, tuning_key
-from moetune.tuner.store import StoreDamaged
+from moetune.tuner.store import StoreDamaged, StoreStopping
 
 if TYPE_CHECKING:
     from moetune.tuner.daemon.server import TuneSettings
@@ -526,6 +526,10 @@ class JobManager:
                 job.message += "; " + "; ".join(job.refused)
         except JobCancelled as e:
             job.state, job.message = "cancelled", str(e)
+        except StoreStopping as e:  # the stop gave up its wait for another writer's lock: interrupted, as by a crash
+            log.info("re-tune job %d interrupted by the stop: %s", job.id, e)
+            job.cancelled_by = job.cancelled_by or "shutdown"
+            job.state, job.message = "cancelled", str(e)
         except StoreDamaged as e:  # the scan's, or a read or write's on a damaged page: said plainly, no traceback
             log.error("re-tune job %d failed: %s", job.id, e)
             job.state, job.message, damaged = "failed", str(e), True
@@ -553,6 +557,8 @@ class JobManager:
             try:
                 best = min((r.latency_us for r in written), default=None)
                 self.store.finish_run(job.run_id, status=job.state, trials=len(written), best_value=best)
+            except StoreStopping as e:  # left `running`: the next start marks it failed (recover_jobs)
+                log.info("run %s of job %d left running: %s", job.run_id, job.id, e)
             except Exception as e:  # broad: in the worker thread; a run row left open must not stop the queue
                 log.error("cannot finish run %s: %s", job.run_id, e)
         # its keys queued again BEFORE its job_finished, the new job naming it (`resumes`): a daemon killed between
@@ -625,6 +631,12 @@ class JobManager:
                 j.cancel.set()
             self._q.append(None)  # wakes the worker after the queued (cancelled) jobs
             self._ready.notify()
+        # after the jobs are marked "shutdown": a job whose write waits for another writer's lock (a tune, an import)
+        # gives it up and ends interrupted (left started, resumed by the next start) instead of holding this stop for
+        # the join and then the finish_run below behind that transaction (up to the busy timeout, 30 s)
+        stop_waiting = getattr(self.store, "stop_waiting", None)
+        if stop_waiting is not None:
+            stop_waiting()
         self._thread.join(timeout)
         with self._lock:
             job = self.running
@@ -637,9 +649,12 @@ class JobManager:
                 overdue.state, overdue.finished, overdue.message = "failed", now(), "daemon stopped during the job"
         if overdue is not None and overdue.run_id is not None:
             try:
-                # only a run still `running`: this write may wait behind the job's own transaction, after which the
-                # job can end `done` and record it first (overwritten, the row said failed beside its job_finished)
+                # only a run still `running`: the job may commit and end `done` before this write (overwritten, the row
+                # said failed beside its job_finished). It does not wait for a held lock (`stop_waiting` above)
                 if not self.store.finish_run(overdue.run_id, status="failed", trials=0, best_value=None, if_running=True):
                     log.info("run %s of job %d ended on its own during the stop: left as it ended", overdue.run_id, overdue.id)
+            except StoreStopping as e:  # its lock held (by the job itself, or another process): not waited for
+                log.info("run %s of job %d left running (the next start marks it failed): %s", overdue.run_id,
+                         overdue.id, e)
             except Exception as e:  # broad: best effort while the daemon exits
                 log.error("cannot finish run %s: %s", overdue.run_id, e)

@@ -36,6 +36,12 @@ class StoreBusy(StoreError):
     exit_code = 1
 
 
+class StoreStopping(StoreBusy):
+    """A write of a process that is stopping (`Store.stop_waiting`) found the lock held by another connection: not
+    written, and not waited for (that wait held the daemon's stop for as long as the other transaction ran). What it
+    would have written is left as a crash leaves it: the next start resolves it (the daemon re-queues the job)."""
+
+
 class StoreDamaged(StoreError):
     """The database file fails SQLite's integrity check (a damaged page): nothing is written to it; `moetune db
     check` names the problem, a backup (or `sqlite3 .recover`) mends it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,10 +80,12 @@ def retried(method: Callable[..., _T]) -> Callable[..., _T]:
     return run
 
 
-def on_begin(path: Path) -> Callable[[Any], None]:
+def on_begin(path: Path, give_up: threading.Event | None = None) -> Callable[[Any], None]:
     """The begin listener: `BEGIN <moetune_begin>`. A write transaction (IMMEDIATE/EXCLUSIVE) that waits for another
     process's lock says so once, after NOTICE_AFTER_S, on the `moetune.store` log (stderr in a command), then waits on
-    to BUSY_TIMEOUT_S in all; past that SQLite's "database is locked" (`sqlite_failure`: StoreBusy)."""
+    to BUSY_TIMEOUT_S in all; past that SQLite's "database is locked" (`sqlite_failure`: StoreBusy). It waits in slices
+    of WAIT_SLICE_S: once `give_up` is set (the process stops) a waiting write ends within one slice, and a later one
+    does not wait at all (SQLite's "database is locked" at once; the store raises StoreStopping)."""
 
     def begin(conn: Any) -> None:
         mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
@@ -90,18 +93,25 @@ def on_begin(path: Path) -> Callable[[Any], None]:
             conn.exec_driver_sql(f"BEGIN {mode}")
             return
         raw = conn.connection.driver_connection
-        raw.execute(f"PRAGMA busy_timeout = {int(min(busy.NOTICE_AFTER_S, busy.BUSY_TIMEOUT_S) * 1000)}")
+        t0 = time.monotonic()
+        noticed = busy.NOTICE_AFTER_S >= busy.BUSY_TIMEOUT_S  # no notice where the wait ends first
         try:
-            try:
-                conn.exec_driver_sql(f"BEGIN {mode}")
-                return
-            except DatabaseError as e:
-                if not is_locked(e.orig) or busy.NOTICE_AFTER_S >= busy.BUSY_TIMEOUT_S:
-                    raise
-            left = busy.BUSY_TIMEOUT_S - busy.NOTICE_AFTER_S
-            log.warning("another process is writing the database %s: waiting for it (up to %g s more)", path, left)
-            raw.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
-            conn.exec_driver_sql(f"BEGIN {mode}")
+            while True:
+                waited = time.monotonic() - t0
+                if not noticed and waited >= busy.NOTICE_AFTER_S:
+                    log.warning("another process is writing the database %s: waiting for it (up to %g s more)", path,
+                                busy.BUSY_TIMEOUT_S - busy.NOTICE_AFTER_S)
+                    noticed = True
+                stopping = give_up is not None and give_up.is_set()
+                until = busy.BUSY_TIMEOUT_S if noticed else busy.NOTICE_AFTER_S
+                wait = 0.0 if stopping else max(0.0, min(busy.WAIT_SLICE_S, until - waited))
+                raw.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
+                try:
+                    conn.exec_driver_sql(f"BEGIN {mode}")
+                    return
+                except DatabaseError as e:
+                    if not is_locked(e.orig) or stopping or time.monotonic() - t0 >= busy.BUSY_TIMEOUT_S:
+                        raise
         finally:
             raw.execute(f"PRAGMA busy_timeout = {int(busy.BUSY_TIMEOUT_S * 1000)}")
 

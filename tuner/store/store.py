@@ -86,6 +86,7 @@ from moetune.tuner.store._schema import (
     StoreNotDatabase,
     StoreNotWritable,
     StoreReplaced,
+    StoreStopping,
     Upgraded,
     db_option,
     head_revision,
@@ -124,7 +125,7 @@ from moetune.tuner.store.models import (
     TuningRun,
     check_event_kinds,
 )
-from moetune.tuner.store.sqlite_errors import damaged_message, sqlite_failure
+from moetune.tuner.store.sqlite_errors import damaged_message, is_locked, sqlite_failure
 from moetune.tuner.store.validate import check_record, key_knobs_problem, measured_unrunnable_problem
 
 _V = TypeVar("_V")
@@ -161,6 +162,7 @@ __all__ = [
     "StoreNotDatabase",
     "StoreNotWritable",
     "StoreReplaced",
+    "StoreStopping",
     "head_revision",
     "is_sqlite_file",
     "now",
@@ -212,6 +214,7 @@ class Store:
         existing = False  # a non-empty file was there before this open (what `intact` scans)
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         self._atomic = threading.local()  # .session: this thread's write session of an `atomic` body
+        self._give_up = threading.Event()  # `stop_waiting`: no write waits for another connection's lock any more
         if self.memory:
             if readonly:
                 raise StoreError("an in-memory database cannot be read-only")
@@ -247,7 +250,7 @@ class Store:
                 _make_parent(self.path)
                 self._engine = create_engine(self.url, connect_args={"timeout": busy.BUSY_TIMEOUT_S})
         event.listen(self._engine, "connect", on_connect(readonly or self.memory))
-        event.listen(self._engine, "begin", on_begin(self.path))
+        event.listen(self._engine, "begin", on_begin(self.path, self._give_up))
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
         self._pid = os.getpid()
         # what this open migrated (the daemon logs it); None: nothing
@@ -294,6 +297,13 @@ class Store:
     def close(self) -> None:
         self._engine.dispose()
 
+    def stop_waiting(self) -> None:
+        """For a process that stops (the daemon's stop): from now on no write of this store waits for another
+        connection's lock (another process's, or another thread's of this one): a write waiting gives up within
+        `busy_timeout.WAIT_SLICE_S`, a later one at once, each raising StoreStopping with nothing of it written (its
+        transaction never began). A write whose lock is free still goes through. Not undone: for the end of a run."""
+        self._give_up.set()
+
     def __enter__(self) -> Store:
         return self
 
@@ -323,6 +333,9 @@ class Store:
         except IntegrityError:
             raise
         except DatabaseError as e:
+            if self._give_up.is_set() and is_locked(e.orig):
+                raise StoreStopping(f"the database {self.path} is locked by another writer and this process is "
+                                    "stopping: not written (left for the next start)") from None
             err = sqlite_failure(self.path, e.orig, write=not self.readonly and not self.memory)
             if isinstance(err, StoreDamaged) and not self.readonly:  # a read-only store's may be a torn read: retried
                 self._latch_damaged(str(err))
