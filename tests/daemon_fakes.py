@@ -9,6 +9,7 @@
 - `retune_past_stop(ctx)` (`--retune-hook`): a re-tune that ignores cancellation and outlives the daemon's stop.
 - `retune_commits_past_stop(ctx)` (`--retune-hook`): one that holds its write transaction past the stop's wait, then
   commits and ends `done` before the stop's own finish_run reaches the store.
+- `retune_holds_its_transaction(ctx)` (`--retune-hook`): one that keeps its write transaction open, ignoring cancellation.
 - `FakeFacts`: facts of some other fabric (only its fingerprint and software hash matter).
 - `record_fabric_seen` / `record_fabric_change` / `unqueued_fabric_change`: the events a daemon writes when it
   discovers a fabric and when it changes (H200 -> H100), and a store a daemon killed inside a change left.
@@ -309,7 +310,8 @@ def retune_past_stop(ctx: Any) -> list[ProfileRecord]:
 
 def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
     """A re-tune that ignores cancellation and holds a write transaction past the daemon's wait for its job worker at
-    stop (5 s), then commits its profiles and returns: the job ends `done`. The stop's finish_run("failed") queues on
+    stop (not waited for while it holds one: `JobManager._holds_transaction`), then commits its profiles and returns:
+    the job ends `done`. The stop's finish_run("failed") queues on
     the store's lock meanwhile; SQLite's busy handler polls, so the worker's own writes (its finish_run, job_finished)
     may come first. That order is made certain here: a finish_run from any other thread than the job worker's waits
     (in the daemon's process only: the hook runs there) until the worker thread has ended. The transaction is held
@@ -335,6 +337,19 @@ def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
         print("moetune test: the re-tune job holds its transaction", flush=True)
         # past the stop's wait for this worker: held until the stop, its wait over, calls finish_run
         stop_finishes.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
+    print("moetune test: the re-tune job committed its profiles", flush=True)
+    return out
+
+
+def retune_holds_its_transaction(ctx: Any) -> list[ProfileRecord]:
+    """A re-tune that writes its profiles in one transaction and, ignoring cancellation, keeps it open for
+    MOETUNE_FAKE_JOB_SLEEP s (a measurement in C inside it): the stop waited 5 s for it, then behind it."""
+    out = []
+    with ctx.store.atomic():
+        for k in ctx.keys:
+            out.append(_put_nvlink_profile(ctx, k))
+        print("moetune test: the re-tune job holds its transaction", flush=True)
+        time.sleep(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
     print("moetune test: the re-tune job committed its profiles", flush=True)
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,7 @@ def test_a_stop_that_outlasts_a_job_leaves_its_store_open(tmp_path: Path) -> Non
 
 
 def test_a_job_that_commits_past_the_stop_stays_done(tmp_path: Path) -> None:
-    """A re-tune holds its write transaction past stop()'s 5 s wait, then commits and ends `done` (its run row `done`,
+    """A re-tune holds its write transaction past stop()'s wait for it, then commits and ends `done` (its run row `done`,
     its job_finished written). The stop's finish_run("failed"), queued on the store's lock meanwhile, ran after those
     and overwrote the row: `failed` beside a job_finished that says its profiles were written. The stop's finish_run
     now changes a run only while it is still `running`."""
@@ -129,3 +130,49 @@ def test_a_job_that_commits_past_the_stop_stays_done(tmp_path: Path) -> None:
         assert con.execute("SELECT status FROM tuning_runs").fetchall() == [("done",)]
     finally:
         con.close()
+
+
+def test_a_stop_does_not_wait_behind_a_jobs_open_transaction(tmp_path: Path) -> None:
+    """A re-tune that ignores its cancel keeps its write transaction open (20 s here). SIGTERM waited 5 s for the job
+    worker, then the stop's finish_run waited behind that transaction until it ended (~20 s). The stop does not wait
+    for a worker holding a transaction now: the exit rolls it back, nothing of the job is stored, the job is left
+    `started` (its run `running`) as a kill -9 leaves it, and the next start resumes it."""
+    from moetune.tuner.daemon.recovery import recover_jobs
+
+    facts = F.make_capture(tmp_path / "capture")
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts)
+    store.close()
+    d = F.DaemonProc(tmp_path, extra=["--retune-hook", "daemon_fakes:retune_holds_its_transaction"],
+                     env={"MOETUNE_FAKE_JOB_SLEEP": "20"})
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=3000)
+        c.retune(all=True, reason="holds its transaction")
+        F.until(lambda: "the re-tune job holds its transaction" in d.read_log())
+        c.close()
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(40) == 143, d.read_log()[-3000:]
+        took = time.monotonic() - t0
+    finally:
+        d.kill(9)
+    log = d.read_log()
+    assert took < 3.0, f"the stop took {took:.1f} s: {log[-3000:]}"
+    assert "Traceback" not in log and "committed its profiles" not in log, log[-3000:]
+    con = sqlite3.connect(f"file:{d.db}?mode=ro", uri=True)
+    try:
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert con.execute("SELECT status, count(*) FROM profiles GROUP BY status").fetchall() == [("current", 3)]
+        kinds = [k for (k,) in con.execute("SELECT kind FROM events WHERE kind LIKE 'job_%' ORDER BY id")]
+        assert kinds == ["job_queued", "job_started"]
+        assert con.execute("SELECT status FROM tuning_runs").fetchall() == [("running",)]
+    finally:
+        con.close()
+    store = F.open_store(d.db)
+    try:
+        resume, _ = recover_jobs(store)
+        assert [r.job_id for r in resume] == [1] and resume[0].details["keys"]
+        assert [r["status"] for r in store.list_runs(limit=5)] == ["failed"]
+    finally:
+        store.close()

@@ -207,3 +207,21 @@ def test_stop_waiting_gives_a_waiting_write_up_at_once(tmp_path: Path) -> None:
         assert isinstance(e.value, StoreBusy) and "stopping" in str(e.value)
     assert store.delete_profile(1)  # it was not deleted; the lock free, a write goes through
     store.close()
+
+
+def test_write_open_s_counts_a_held_transaction_only(tmp_path: Path) -> None:
+    """What a stopping daemon asks of its job worker: how long its write transaction has held the lock (None outside
+    one, and while a write still waits for the lock: that wait `stop_waiting` ends)."""
+    import threading
+
+    db = tmp_path / "m.db"
+    put_one_profile(db)
+    store = Store(db)
+    me = threading.get_ident()
+    assert store.write_open_s(me) is None
+    with store.atomic():
+        store.add_event(kind="job_queued", reason="r", details={})
+        held = store.write_open_s(me)
+        assert held is not None and held >= 0
+    assert store.write_open_s(me) is None
+    store.close()

@@ -57,6 +57,9 @@ log = logging.getLogger("moetune.daemon.jobs")
 JOB_EVENTS: tuple[EventKind, ...] = ("job_queued", "job_started", "job_cancelled", "job_finished")
 # how often a job held for want of fabric facts looks again (an attribute read: the discovery rounds set them)
 FACTS_RECHECK_S = 0.25
+# a job worker whose write transaction has been open this long when the daemon stops is not waited for (a store write
+# takes milliseconds): only it can end its transaction, which the process's exit rolls back as a crash would
+HELD_TRANSACTION_S = 0.5
 
 
 def now() -> str:
@@ -621,9 +624,16 @@ class JobManager:
         except queue.Full as e:
             log.error("job %d not re-queued after the fabric changed: %s", job.id, e)
 
+    def _holds_transaction(self) -> bool:
+        """The job worker has had a write transaction open for HELD_TRANSACTION_S: one that ignores its cancel (a
+        measurement in C inside an `atomic` body) held the stop for as long as it ran."""
+        open_s = getattr(self.store, "write_open_s", None)
+        held = open_s(self._thread.ident) if open_s is not None else None
+        return held is not None and held >= HELD_TRANSACTION_S
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the queue and the running job (left queued / started in the store, for the next daemon to
-        resume); wait a bounded time."""
+        resume); wait a bounded time, and not for a worker that holds a write transaction (`_holds_transaction`)."""
         with self._lock:
             self._stopping = True
             for j in [*self._queued.values(), *([self.running] if self.running is not None else [])]:
@@ -637,7 +647,9 @@ class JobManager:
         stop_waiting = getattr(self.store, "stop_waiting", None)
         if stop_waiting is not None:
             stop_waiting()
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline and not self._holds_transaction():
+            self._thread.join(min(0.05, max(0.0, deadline - time.monotonic())))
         with self._lock:
             job = self.running
             # under the lock with the worker's `done`: a job whose re-tune returned meanwhile keeps its state (marked

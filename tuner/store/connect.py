@@ -80,12 +80,14 @@ def retried(method: Callable[..., _T]) -> Callable[..., _T]:
     return run
 
 
-def on_begin(path: Path, give_up: threading.Event | None = None) -> Callable[[Any], None]:
+def on_begin(path: Path, give_up: threading.Event | None = None,
+             began: Callable[[], None] | None = None) -> Callable[[Any], None]:
     """The begin listener: `BEGIN <moetune_begin>`. A write transaction (IMMEDIATE/EXCLUSIVE) that waits for another
     process's lock says so once, after NOTICE_AFTER_S, on the `moetune.store` log (stderr in a command), then waits on
     to BUSY_TIMEOUT_S in all; past that SQLite's "database is locked" (`sqlite_failure`: StoreBusy). It waits in slices
     of WAIT_SLICE_S: once `give_up` is set (the process stops) a waiting write ends within one slice, and a later one
-    does not wait at all (SQLite's "database is locked" at once; the store raises StoreStopping)."""
+    does not wait at all (SQLite's "database is locked" at once; the store raises StoreStopping). `began` is called
+    once a write transaction holds the lock."""
 
     def begin(conn: Any) -> None:
         mode = conn.get_execution_options().get("moetune_begin", "DEFERRED")
@@ -108,6 +110,8 @@ def on_begin(path: Path, give_up: threading.Event | None = None) -> Callable[[An
                 raw.execute(f"PRAGMA busy_timeout = {int(wait * 1000)}")
                 try:
                     conn.exec_driver_sql(f"BEGIN {mode}")
+                    if began is not None:
+                        began()
                     return
                 except DatabaseError as e:
                     if not is_locked(e.orig) or stopping or time.monotonic() - t0 >= busy.BUSY_TIMEOUT_S:

@@ -17,6 +17,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -215,6 +216,8 @@ class Store:
         self._opened = threading.local()  # .conns: this thread's immutable=1 connections inside `_reads_checked`
         self._atomic = threading.local()  # .session: this thread's write session of an `atomic` body
         self._give_up = threading.Event()  # `stop_waiting`: no write waits for another connection's lock any more
+        # thread ident -> when its `_write` transaction took the lock (None: waiting for it), for `write_open_s`
+        self._writing: dict[int, float | None] = {}
         if self.memory:
             if readonly:
                 raise StoreError("an in-memory database cannot be read-only")
@@ -250,7 +253,7 @@ class Store:
                 _make_parent(self.path)
                 self._engine = create_engine(self.url, connect_args={"timeout": busy.BUSY_TIMEOUT_S})
         event.listen(self._engine, "connect", on_connect(readonly or self.memory))
-        event.listen(self._engine, "begin", on_begin(self.path, self._give_up))
+        event.listen(self._engine, "begin", on_begin(self.path, self._give_up, self._began))
         self._writer = self._engine.execution_options(moetune_begin="IMMEDIATE")
         self._pid = os.getpid()
         # what this open migrated (the daemon logs it); None: nothing
@@ -452,8 +455,26 @@ class Store:
             raise StoreError(f"{self.path} is opened read-only")
         self.refuse_if_damaged()
         self._after_fork()
-        with self._db_errors(), Session(self._writer, expire_on_commit=False) as s, s.begin():
-            yield s
+        self._writing[threading.get_ident()] = None
+        try:
+            with self._db_errors(), Session(self._writer, expire_on_commit=False) as s, s.begin():
+                yield s
+        finally:
+            self._writing.pop(threading.get_ident(), None)
+
+    def _began(self) -> None:
+        """A write transaction of this thread took the lock (on_begin): `write_open_s` counts from here (a `_write`'s
+        only: the migrations' own connection is not counted)."""
+        me = threading.get_ident()
+        if me in self._writing:
+            self._writing[me] = time.monotonic()
+
+    def write_open_s(self, thread_ident: int | None) -> float | None:
+        """How long the thread's write transaction (an `atomic` body included) has held the write lock; None when it
+        holds none (a write still waiting for the lock is not counted). What a stopping daemon asks of its job worker
+        (`JobManager.stop`)."""
+        began = self._writing.get(thread_ident) if thread_ident is not None else None
+        return None if began is None else time.monotonic() - began
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
