@@ -227,3 +227,30 @@ def test_a_rank_s_failure_travels_to_the_group_bounded_in_size(
         autoload.autoload_group_profile(model=QWEN, ep_size=2, max_tokens=64)
     assert len(sent) == 1 and len(sent[0]) <= autoload.FAILURE_TEXT_MAX + 200
     assert "more characters cut" in sent[0] and str(got.value) == sent[0]
+
+
+def test_a_rank_s_failure_naming_a_non_utf8_path_still_travels(
+        env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A ConfigError naming a config file whose name has a byte that is not UTF-8 (Python holds it as a lone
+    surrogate) could not be encoded as the JSON that travels: that rank raised UnicodeEncodeError before the gather
+    and the others waited in it for the process group's timeout. The real encoding runs here (only the collective is
+    faked): every rank raises the ConfigError, the byte escaped."""
+    import torch.distributed as dist
+
+    name = os.fsdecode(bytes(tmp_path) + b"/moetune-\xff.toml")
+    with open(os.fsencode(name), "w") as f:
+        f.write('[client]\nautoload = "maybe"\n')
+    sent: list[str] = []
+
+    def gather(text: str, group: Any, device: Any) -> list[str]:
+        sent.append(text)
+        return [text, text]  # one host, both ranks failed alike
+
+    monkeypatch.setattr(autoload, "_dist_on", lambda group=None: True)
+    monkeypatch.setattr(autoload, "_all_gather_text", gather)
+    monkeypatch.setattr(autoload, "_group_device", lambda group: "cpu")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setenv("MOETUNE_CONFIG", name)
+    with pytest.raises(ConfigError, match=r"moetune-\\udcff\.toml") as got:
+        autoload.autoload_group_profile(model=QWEN, ep_size=2, max_tokens=64)
+    assert len(sent) == 1 and "failed on rank 1" in str(got.value)

@@ -506,7 +506,9 @@ FAILURE_TEXT_MAX = 2000
 def _failure(rank: int, e: BaseException) -> tuple[str, str]:
     """(kind, message) of rank `rank`'s failure, as every rank of the group raises it; its words cut to
     FAILURE_TEXT_MAX characters (the cut is said) before they travel."""
-    words = str(e)
+    # a lone surrogate (a non-UTF-8 byte of a path or variable, as Python decodes it) cannot be encoded as JSON: this
+    # rank raised UnicodeEncodeError before the gather and left the others waiting in it. Escaped, it travels
+    words = str(e).encode("utf-8", "backslashreplace").decode("utf-8")
     if len(words) > FAILURE_TEXT_MAX:
         words = f"{words[:FAILURE_TEXT_MAX]}... ({len(words) - FAILURE_TEXT_MAX} more characters cut)"
     return type(e).__name__, f"moetune: the EP group's profile lookup failed on rank {rank}: {type(e).__name__}: {words}"
