@@ -452,7 +452,7 @@ def test_mig_switched_on_since_is_not_this_node(tmp_path: Path, monkeypatch: pyt
     database fallback applying the profiles measured on the whole GPU as tuned. Its GPU instances show under
     /proc/driver/nvidia/capabilities/gpu<minor>/mig (the information file names its minor, not the mode); that
     folder unread here, or MIG recorded on, is not compared."""
-    recorded = {**HERE, "gpus": [{**HERE["gpus"][0], "mig": False}]}
+    recorded = {**HERE, "gpus": [{**HERE["gpus"][0], "mig": False}], "tools": {"nvidia-smi -q -x": "ok"}}
     F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
     info = tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:00:00.0" / "information"
     info.write_text(info.read_text() + "Device Minor: \t 3\n")
@@ -470,6 +470,27 @@ def test_mig_switched_on_since_is_not_this_node(tmp_path: Path, monkeypatch: pyt
     assert node_identity.mismatch(recorded)[0] is None
     info.write_text(info.read_text().replace("Device Minor: \t 0", "Device Minor: \t 3"))
     assert node_identity.mismatch({**HERE, "gpus": [{**HERE["gpus"][0], "mig": True}]})[0] is None
+
+
+@pytest.mark.parametrize("tools", [{"nvidia-smi -q -x": "missing", "gpu api": "nvml"}, {}],
+                         ids=["NVML fallback", "no tools recorded"])
+def test_mig_recorded_off_by_a_discovery_that_never_read_it_is_not_compared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tools: dict) -> None:
+    """Discovery reads the MIG mode from nvidia-smi's XML only; its fallbacks (NVML, torch) record every GPU with MIG
+    off without reading it. A node partitioned into MIG instances and discovered so was refused as "MIG on, recorded
+    off" by its own facts: MIG is compared only where the facts say nvidia-smi's XML was read."""
+    from moetune.tuner.fabric.discovery import SMI_XML
+
+    assert " ".join(SMI_XML) == node_identity.SMI_XML_TOOL  # the runtime may not import discovery: the same key
+    recorded = {**HERE, "gpus": [{**HERE["gpus"][0], "mig": False}], "tools": tools}
+    F.pretend_node(monkeypatch, recorded, tmp_path / "proc")
+    info = tmp_path / "proc" / "driver" / "nvidia" / "gpus" / "0000:00:00.0" / "information"
+    info.write_text(info.read_text() + "Device Minor: \t 3\n")
+    (tmp_path / "proc" / "driver" / "nvidia" / "capabilities" / "gpu3" / "mig" / "gi1" / "ci0").mkdir(parents=True)
+    why, checked = node_identity.mismatch(recorded)
+    assert why is None and "GPU MIG mode" not in checked, (why, checked)
+    recorded["tools"] = {"nvidia-smi -q -x": "ok"}  # read: the same node is compared, and differs
+    assert node_identity.mismatch(recorded)[0] == "MIG mode of GPU 0000:00:00.0 is on (GPU instances here), recorded off"
 
 
 def test_the_runtime_reads_the_pcie_width_discovery_records(tmp_path: Path) -> None:

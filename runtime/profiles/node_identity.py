@@ -24,7 +24,7 @@ What `mismatch` checks: the GPU UUIDs (the model of a GPU whose UUID discovery d
 /proc/driver/nvidia, on a node without GPUs the
 recorded NICs in /sys/class (infiniband, cxi), the current PCIe link width of each recorded GPU found by its UUID
 (/sys/bus/pci/devices/<address>/current_link_width) and whether it has MIG GPU instances while recorded with MIG off
-(/proc/driver/nvidia/capabilities/gpu<minor>/mig), on any node the HCA type, board, firmware and current PCIe link
+(/proc/driver/nvidia/capabilities/gpu<minor>/mig; where nvidia-smi's XML recorded it), on any node the HCA type, board, firmware and current PCIe link
 width of each recorded RDMA NIC that is here and the state (ACTIVE and its rate, or down) of its ports (by name, or
 the same devices renumbered: the fingerprint has no names), whether nvidia_peermem is loaded
 (/proc/modules), and the versions of the Python
@@ -194,7 +194,20 @@ def _sysfs_int(path: Path) -> int | None:
 _MIG_INSTANCE = re.compile(r"^gi\d+$")  # a GPU instance's folder (gi<N>/access): made only with MIG mode on
 
 
-def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None) -> tuple[str | None, bool, bool]:
+# the tools key of discovery's `nvidia-smi -q -x` (tuner/fabric/discovery.py SMI_XML), "ok" where it ran: the only
+# reader of the MIG mode. Its fallbacks (NVML, torch) record every GPU with MIG off without reading it
+SMI_XML_TOOL = "nvidia-smi -q -x"
+
+
+def _mig_was_read(facts: dict[str, Any]) -> bool:
+    """Whether the recorded `mig` of the GPUs was read (nvidia-smi's XML ran), not the fallbacks' unread False: a
+    node partitioned into MIG instances, discovered without nvidia-smi, was refused as "MIG on, recorded off"."""
+    tools = facts.get("tools")
+    return isinstance(tools, dict) and tools.get(SMI_XML_TOOL) == "ok"
+
+
+def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None,
+                       mig_read: bool = True) -> tuple[str | None, bool, bool]:
     """(why a recorded GPU, found here by its UUID, has another PCIe link width or has MIG on while recorded off,
     or None; whether a PCIe link was compared; whether MIG was). Read where discovery recorded them and this node
     shows them: the width in /sys/bus/pci/devices/<address>/current_link_width (the register nvidia-smi reads;
@@ -219,8 +232,8 @@ def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None) -> tuple[s
                 if have != want:
                     return f"PCIe link of GPU {bdf} is x{have}, recorded x{want}", links, mig
         minor = re.search(r"^Device Minor:\s*(\d+)", text, re.MULTILINE)
-        if g.get("mig") is not False or minor is None:
-            continue  # not recorded off (older facts), or no minor to find its capabilities by
+        if not mig_read or g.get("mig") is not False or minor is None:
+            continue  # not read by discovery, not recorded off (older facts), or no minor to find its capabilities by
         folder = (proc or PROC_ROOT) / "driver" / "nvidia" / "capabilities" / f"gpu{minor.group(1)}" / "mig"
         try:
             names = [e.name for e in folder.iterdir()]
@@ -478,7 +491,7 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
                 return why_model, tuple(checked)
             if compared:
                 checked.append("GPU models")
-        why_gpu, links, mig = _gpu_links_problem(gpus, proc)
+        why_gpu, links, mig = _gpu_links_problem(gpus, proc, _mig_was_read(facts))
         if why_gpu is not None:
             return why_gpu, tuple(checked)
         if links:
