@@ -5,6 +5,7 @@ queued; stop() neither waits out the other process's transaction nor leaves a wo
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import sys
 import threading
@@ -201,3 +202,29 @@ def test_stop_while_the_running_jobs_write_waits_on_the_store_is_prompt_and_the_
         assert [r["status"] for r in store.list_runs(limit=5)] == ["failed"]
     finally:
         store.close()
+
+
+def test_a_discovery_round_given_up_by_the_stop_logs_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon's stop makes a write waiting for another process's lock raise StoreStopping (Store.stop_waiting). A
+    discovery round writing then (its facts, a fabric change) went to the loop's broad handler: "discovery round
+    failed" with a traceback on `moetune serve`'s stderr at every such stop. It is said plainly, and the loop ends."""
+    from types import SimpleNamespace
+
+    from moetune.tuner.daemon.watch import FabricWatch
+    from moetune.tuner.store import StoreStopping
+
+    rounds: list[int] = []
+
+    def rediscover() -> None:
+        rounds.append(1)
+        raise StoreStopping("the database x is locked by another writer and this process is stopping")
+
+    stop = threading.Event()  # never set: the loop ends on its own
+    fake = SimpleNamespace(_stop=stop, interval=0.01, rediscover=rediscover, _last_discovery=None)
+    with caplog.at_level(logging.INFO, logger="moetune.daemon"):
+        t = threading.Thread(target=FabricWatch._discovery_loop, args=(fake,), daemon=True)
+        t.start()
+        t.join(5)
+    assert not t.is_alive() and rounds == [1]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    assert "discovery round not recorded" in caplog.text

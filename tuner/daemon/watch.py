@@ -394,9 +394,14 @@ class FabricWatch:
         self._fabric_changed(old.fingerprint, facts_dict(old), facts)
 
     def _discovery_loop(self) -> None:
+        from moetune.tuner.store import StoreStopping
+
         while not self._stop.wait(self.interval):
             try:
                 self.rediscover()
+            except StoreStopping as e:  # the daemon's stop gave up this round's wait for another writer's lock
+                log.info("discovery round not recorded: %s", e)  # the next start discovers anew; no traceback
+                return
             except Exception as e:  # broad: the discovery thread's loop must outlive one bad round
                 log.exception("discovery round failed")
                 # status says it (a round whose discovery went through, then its writes failed on a full disk, left
