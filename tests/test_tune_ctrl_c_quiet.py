@@ -40,6 +40,7 @@ class Facts:
 class FakeBringup:  # the bring-up flow reduced to a study whose trial is interrupted
     def __init__(self, **kw):
         self.facts, self.ep_note, self.not_measured, self.measures = Facts(), "EP note", "", True
+        self.mk_left_out = {}  # no planned model left out of the megakernel stage
         self.report_dir = Path(kw["state_dir"]) / "report"  # the CLI checks its report.md before the run
         self.progress = type("P", (), {"close": lambda self: None})()
     def run(self):
