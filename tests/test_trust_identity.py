@@ -437,6 +437,13 @@ def test_a_pcie_link_narrower_since_is_not_this_node(tmp_path: Path, monkeypatch
     gpu_width.write_text("8\n")
     why, _ = node_identity.mismatch(recorded)
     assert why == ("PCIe link of GPU 0000:00:00.0 is x8, recorded x16" if gpus else None), why
+    # no width a link trains to: 63 (the field all ones, read while the device sleeps in D3cold), 0 (link down): not
+    # compared, never "x63 here, recorded x16" (a sleeping GPU would have made every tuned profile fall back)
+    for text in ("63\n", "0\n"):
+        for f in (gpu_width, nic_width):
+            f.write_text(text)
+        why, checked = node_identity.mismatch(recorded)
+        assert why is None and "GPU PCIe links" not in checked, (why, checked)
     for text in ("unknown\n", None):  # not a number, or no such file (a container): not compared
         for f in (gpu_width, nic_width):
             if text is None:
@@ -508,7 +515,7 @@ def test_the_runtime_reads_the_pcie_width_discovery_records(tmp_path: Path) -> N
             return f.read_text() if f.is_file() else None
 
     assert pci_link(Src(), "/sys/bus/pci/devices/0000:18:00.0")["pcie_width_current"] == \
-        node_identity._sysfs_int(dev / "current_link_width") == 8  # type: ignore[arg-type]
+        node_identity._link_width((dev / "current_link_width").read_text()) == 8  # type: ignore[arg-type]
 
 
 def _write_nic(sys_root: Path, nic: dict[str, Any]) -> None:

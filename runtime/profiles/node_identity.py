@@ -183,12 +183,18 @@ def _unrecorded_models_problem(gpus: list[dict[str, Any]], recorded: set[str], p
     return None, True
 
 
-def _sysfs_int(path: Path) -> int | None:
-    """An integer sysfs attribute (None: absent, unreadable or not a number: not compared)."""
+# the widths a PCIe link trains to: anything else read from current_link_width is no width (0: link down; 63, the
+# field all ones: config space read while the device sleeps in D3cold) and is not compared, never a mismatch
+PCIE_WIDTHS = frozenset({1, 2, 4, 8, 12, 16, 32})
+
+
+def _link_width(text: str | None) -> int | None:
+    """A current_link_width attribute's width (None: absent, not a number, or no width a link trains to)."""
     try:
-        return int(path.read_text(errors="replace").strip())
-    except (OSError, ValueError):
+        width = int(text.strip()) if text is not None else None
+    except ValueError:
         return None
+    return width if width in PCIE_WIDTHS else None
 
 
 _MIG_INSTANCE = re.compile(r"^gi\d+$")  # a GPU instance's folder (gi<N>/access): made only with MIG mode on
@@ -226,7 +232,11 @@ def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None,
         bdf, text = info[uuid]
         want = g.get("pcie_width_current")
         if type(want) is int and "/" not in bdf:
-            have = _sysfs_int(SYS_ROOT / "bus" / "pci" / "devices" / bdf / "current_link_width")
+            try:
+                have = _link_width((SYS_ROOT / "bus" / "pci" / "devices" / bdf / "current_link_width").read_text(
+                    errors="replace"))
+            except OSError:
+                have = None
             if have is not None:
                 links = True
                 if have != want:
@@ -343,11 +353,7 @@ def _nic_problem(name: str, nic: dict[str, Any], folder: Path, read: _Read) -> t
             return f"NIC {name}: {what} {have[:64]} here, {want[:64]} recorded", compared, ports
     want_width = nic.get("pcie_width_current")  # discovery reads it from the same sysfs file (None: it read none)
     if type(want_width) is int:
-        text = read(folder / "device" / "current_link_width")
-        try:
-            have_width = int(text.strip()) if text is not None else None
-        except ValueError:
-            have_width = None
+        have_width = _link_width(read(folder / "device" / "current_link_width"))
         if have_width is not None:
             compared = True
             if have_width != want_width:
