@@ -343,3 +343,30 @@ def test_the_key_pair_fix_is_a_command_that_pastes_for_a_folder_with_a_space(tmp
         check_public_beside(secret, read_curve_key_file(secret)[0])
     cmd = str(e.value).split("again with `moetune ", 1)[1].split("`", 1)[0]
     assert shlex.split(cmd) == ["keys", "generate", "--force", str(keys), "--name", "node-a"], cmd
+
+
+def test_a_request_given_up_by_the_stop_is_answered_busy_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A retune whose store write the daemon's stop gave up (StoreStopping behind another writer's lock) is answered
+    E_BUSY, "the daemon is stopping", and logged in one line: it went to log.exception (a traceback on `moetune
+    serve`'s stderr at such stops) and to the client as E_INTERNAL."""
+    import logging
+
+    from moetune.tuner.daemon import handlers
+    from moetune.tuner.store import StoreStopping
+
+    def stopping(d: Daemon, req: object) -> object:
+        raise StoreStopping("the database x.db is locked by another writer and this process is stopping")
+
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))
+    d = _seeded(tmp)
+    try:
+        monkeypatch.setattr(handlers, "run_retune", stopping)
+        with caplog.at_level(logging.INFO, logger="moetune"):
+            reply, _, outcome = d._handle(RETUNE)  # a direct call: the deferred retune answered inline
+        assert outcome == wire.E_BUSY and _code(reply) == wire.E_BUSY, reply
+        assert b"the daemon is stopping" in (reply or b""), reply
+        assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    finally:
+        d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

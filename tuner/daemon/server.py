@@ -126,6 +126,7 @@ from moetune.tuner.daemon.runtime_dir import (
 )
 from moetune.tuner.daemon.watch import FabricWatch, make_discover, transport_names
 from moetune.tuner.fabric.change import default_diff
+from moetune.tuner.store import StoreStopping
 from moetune.tuner.store.atomic_files import rename_no_replace
 from moetune.tuner.store.lock_files import release_run_lock
 
@@ -806,6 +807,9 @@ class Daemon(FabricWatch):
                         what = f"{RETUNE_QUEUE} retune requests" if retune else f"{LIST_QUEUE} list_profiles requests"
                         res = False, (wire.E_BUSY, f"{what} are waiting: retry later")
             ok, payload = res
+        except StoreStopping as e:  # the daemon stops: a write given up behind another writer's lock (no traceback)
+            log.info("op %s not answered: %s", op, e)
+            return wire.encode_error(req.id, self.epoch, wire.E_BUSY, f"the daemon is stopping: {e}"), op, wire.E_BUSY
         except Exception as e:  # broad: the request handler's boundary; the client gets E_INTERNAL
             log.exception("op %s failed", op)
             return wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}"), op, wire.E_INTERNAL
@@ -876,6 +880,10 @@ class Daemon(FabricWatch):
                         reply, outcome = wire.encode_ok(req.id, self.epoch, payload), "ok"
                     else:
                         reply, outcome = wire.encode_error(req.id, self.epoch, *payload), payload[0]
+                except StoreStopping as e:  # the daemon stops (a write given up at the stop): said, no traceback
+                    log.info("%s not answered: %s", op, e)
+                    reply = wire.encode_error(req.id, self.epoch, wire.E_BUSY, f"the daemon is stopping: {e}")
+                    outcome = wire.E_BUSY
                 except Exception as e:  # broad: the worker's boundary; the client gets E_INTERNAL
                     log.exception("%s failed", op)
                     reply = wire.encode_error(req.id, self.epoch, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
