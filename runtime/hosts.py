@@ -28,13 +28,19 @@ def host_hash(identity: str) -> int:
     return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:7], "little")
 
 
-def group_host_count(group: Any, device: Any) -> int:
-    """How many hosts the ranks of `group` (initialised torch.distributed) run on: an all-gather of each rank's
-    `host_hash` on `device` (one the group's backend takes). Collective."""
+def group_host_hashes(group: Any, device: Any, identity: str | None = None) -> list[int]:
+    """The `host_hash` of every rank of `group` (initialised torch.distributed), in group rank order: an all-gather
+    on `device` (one the group's backend takes) of this rank's `identity` (None: `host_identity()`). Collective."""
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor([host_hash(host_identity())], dtype=torch.int64, device=device)
+    mine = torch.tensor([host_hash(host_identity() if identity is None else identity)], dtype=torch.int64,
+                        device=device)
     got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
-    return len({int(t.item()) for t in got})
+    return [int(t.item()) for t in got]
+
+
+def group_host_count(group: Any, device: Any) -> int:
+    """How many hosts the ranks of `group` run on (`group_host_hashes`). Collective."""
+    return len(set(group_host_hashes(group, device)))

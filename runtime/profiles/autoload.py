@@ -84,7 +84,7 @@ from moetune.runtime.config import (
     config_files,
     load_client_config,
 )
-from moetune.runtime.hosts import host_hash, host_identity
+from moetune.runtime.hosts import group_host_hashes, host_hash, host_identity
 from moetune.runtime.knobs import KnobError, Knobs, default_knobs, group_world_problem
 from moetune.runtime.options import OPTION_DOCS, RuntimeOptions
 from moetune.runtime.profile_record import ENGINE_FAMILIES, MEGAKERNEL_FAMILY
@@ -140,16 +140,9 @@ def _dist_on(group: Any = None) -> bool:
 def group_hosts(group: Any = None) -> list[int]:
     """A hash of the node (`host_identity`) of every rank of `group`, in group rank order ([one] without
     torch.distributed). Collective."""
-    import torch
-    import torch.distributed as dist
-
-    host = host_hash(host_identity())
     if not _dist_on(group):
-        return [host]
-    mine = torch.tensor([host], dtype=torch.int64, device=_group_device(group))
-    bufs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(bufs, mine, group=group)
-    return [int(b.item()) for b in bufs]
+        return [host_hash(host_identity())]
+    return group_host_hashes(group, _group_device(group), host_identity())
 
 
 def group_nodes(group: Any = None) -> int:
