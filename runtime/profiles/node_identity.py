@@ -212,7 +212,7 @@ def _mig_was_read(facts: dict[str, Any]) -> bool:
     return isinstance(tools, dict) and tools.get(SMI_XML_TOOL) == "ok"
 
 
-def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None,
+def _gpu_links_problem(gpus: list[dict[str, Any]], info: dict[str, tuple[str, str]], proc: Path | None,
                        mig_read: bool = True) -> tuple[str | None, bool, bool]:
     """(why a recorded GPU, found here by its UUID, has another PCIe link width or has MIG on while recorded off,
     or None; whether a PCIe link was compared; whether MIG was). Read where discovery recorded them and this node
@@ -221,9 +221,6 @@ def _gpu_links_problem(gpus: list[dict[str, Any]], proc: Path | None,
     /proc/driver/nvidia/capabilities/gpu<minor>/mig/ (the information file does not say the mode). MIG on without
     instances, and MIG recorded on, are not told apart from off here (no instance folder either way; CUDA has no
     device on such a GPU anyway)."""
-    info = _gpu_information(proc)
-    if info is None:
-        return None, False, False
     links = mig = False
     for g in gpus:
         uuid = g.get("uuid")
@@ -481,7 +478,8 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
     checked: list[str] = []
     gpus = [g for g in facts.get("gpus", []) or [] if isinstance(g, dict)]
     recorded = {str(g.get("uuid")) for g in gpus if g.get("uuid")}
-    here = local_gpu_uuids(proc)
+    info = _gpu_information(proc)  # read once: the UUIDs here, then each GPU's PCI address and minor
+    here = None if info is None else set(info)
     if here is None and gpus:
         return "cannot read this node's GPUs (/proc/driver/nvidia/gpus) to check the recorded ones", tuple(checked)
     if here is not None:
@@ -497,7 +495,7 @@ def mismatch(facts: dict[str, Any], proc: Path | None = None) -> tuple[str | Non
                 return why_model, tuple(checked)
             if compared:
                 checked.append("GPU models")
-        why_gpu, links, mig = _gpu_links_problem(gpus, proc, _mig_was_read(facts))
+        why_gpu, links, mig = _gpu_links_problem(gpus, info, proc, _mig_was_read(facts))
         if why_gpu is not None:
             return why_gpu, tuple(checked)
         if links:
