@@ -131,3 +131,19 @@ def test_python_m_runs_the_entry_module(tmp_path: Path) -> None:
                        env=child_env(MOETUNE_HOME=str(tmp_path / "home"), COLUMNS="200"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"Usage: .* COMMAND", r.stdout), r.stdout[:500]
+
+
+def test_python_m_runs_the_cli_package(tmp_path: Path) -> None:
+    """`python -m moetune.tuner.cli` (the package a user finds the CLI in) is the same command as the console
+    script, Ctrl-C taken over as by `_entry`: it failed with "'moetune.tuner.cli' is a package and cannot be
+    directly executed" (exit 1) before tuner/cli/__main__.py."""
+    r = subprocess.run([sys.executable, "-m", "moetune.tuner.cli", "--help"], capture_output=True, text=True,
+                       timeout=120, env=child_env(MOETUNE_HOME=str(tmp_path / "home"), COLUMNS="200"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"Usage: python -m moetune\.tuner\.cli .*COMMAND", r.stdout), r.stdout[:500]
+    r = subprocess.run([sys.executable, "-c", "import signal, moetune.tuner.cli.__main__ as m, sys; "
+                        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
+                       capture_output=True, text=True, timeout=120,
+                       env=child_env(MOETUNE_HOME=str(tmp_path / "home")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False"  # _entry's handler, set at the import, not Python's KeyboardInterrupt
