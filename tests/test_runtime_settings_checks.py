@@ -84,6 +84,19 @@ def test_absurd_max_tokens_is_refused_at_construction() -> None:
     assert EPBuffer(None, Knobs(), model=TINY, max_tokens=1 << 20, device="cpu").max_tokens == 1 << 20
 
 
+def test_absurd_max_tokens_is_refused_before_any_profile_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without knobs the buffer asked the daemon (and the database) for a profile and warned "NO tuned profile"
+    before refusing the max_tokens no knob set can hold: the user saw a fallback warning for a buffer never built."""
+    asked: list[Any] = []
+    monkeypatch.setattr(autoload, "autoload_group_profile", lambda **kw: asked.append(kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(ValueError, match=r"max_tokens=10000000000000 is too large: .* rows of at least 256 bytes"
+                                             r".*at most max_tokens=\d+ for this model, dtype and world, fewer with"):
+            EPBuffer(None, None, model=TINY, max_tokens=10**13, device="cpu")
+    assert asked == []
+
+
 # -- 8: KnobError.knobs survives the conversions ---------------------------------------------------------------
 @pytest.mark.parametrize("build", [lambda: Knobs.from_dict({"mk_bm": 3}), lambda: Knobs.parse("mk_bm=3"),
                                    lambda: Knobs().replace(mk_bm=3)], ids=["from_dict", "parse", "replace"])

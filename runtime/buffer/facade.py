@@ -200,6 +200,25 @@ def _one_thread(method: _M) -> _M:
     return call  # type: ignore[return-value]
 
 
+def _capacity_problem(world: int, max_tokens: int, widest_row: int, per_row: int, at_least: bool = False) -> None:
+    """ValueError naming max_tokens when its buffers cannot exist. The largest buffer holds world x max_tokens rows
+    (the packed send rows, the dense and device-resident receive rows); the (row, local expert) pairs a rank
+    receives are counted in int32 (MoELayer's grouped-GEMM offsets). `at_least`: widest_row is a lower bound (the
+    knobs' row not known yet), and the message says so."""
+    rows = world * max(1, max_tokens)
+    least = "at least " if at_least else ""
+    over = []
+    if rows * widest_row > MAX_BUFFER_BYTES:
+        over.append(f"its largest buffer ({world} rank(s) x max_tokens rows of {least}{widest_row} bytes) would be "
+                    f"{least}{rows * widest_row} bytes, over the limit of {MAX_BUFFER_BYTES}")
+    if rows * per_row > MAX_PAIRS:
+        over.append(f"a rank could receive {rows * per_row} (row, expert) pairs, over the int32 limit of {MAX_PAIRS}")
+    if over:
+        most = min(MAX_BUFFER_BYTES // (world * widest_row), MAX_PAIRS // (world * per_row))
+        raise ValueError(f"EPBuffer: max_tokens={max_tokens} is too large: {'; '.join(over)} (at most "
+                         f"max_tokens={most} for this model, dtype and world{', fewer with wider rows' if at_least else ''})")
+
+
 class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
     """Dispatch/combine over the ranks of `group` with the knobs' transport (docs/runtime.md).
 
@@ -407,22 +426,8 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
 
     def _check_capacity(self, widest_row: int) -> None:
         """Refuse a max_tokens whose buffers cannot exist, here rather than as a failed allocation (which does not
-        name max_tokens) at the first dispatch. The largest buffer holds world x max_tokens rows (the packed send
-        rows, the dense and device-resident receive rows); the (row, local expert) pairs a rank receives are
-        counted in int32 (MoELayer's grouped-GEMM offsets)."""
-        per_row = min(self.topk, self.experts_per_rank)
-        rows = self.world * max(1, self.max_tokens)
-        over = []
-        if rows * widest_row > MAX_BUFFER_BYTES:
-            over.append(f"its largest buffer ({self.world} rank(s) x max_tokens rows of {widest_row} bytes) would be "
-                        f"{rows * widest_row} bytes, over the limit of {MAX_BUFFER_BYTES}")
-        if rows * per_row > MAX_PAIRS:
-            over.append(f"a rank could receive {rows * per_row} (row, expert) pairs, over the int32 limit of "
-                        f"{MAX_PAIRS}")
-        if over:
-            most = min(MAX_BUFFER_BYTES // (self.world * widest_row), MAX_PAIRS // (self.world * per_row))
-            raise ValueError(f"EPBuffer: max_tokens={self.max_tokens} is too large: {'; '.join(over)} (at most "
-                             f"max_tokens={most} for this model, dtype and world)")
+        name max_tokens) at the first dispatch (_capacity_problem)."""
+        _capacity_problem(self.world, self.max_tokens, widest_row, min(self.topk, self.experts_per_rank))
 
     # -- construction: local checks, then one agreement ----------------------------------------------
     def _join(self, group: dist.ProcessGroup | None) -> None:
@@ -501,6 +506,12 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
                 raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
             step = "model"
             model.check_ep(self.world)
+            step = "max_tokens"
+            # the bound every knob set shares (a row carries at least the activation), before the knobs are loaded:
+            # an absurd max_tokens was refused only after autoload had asked the daemon and warned "NO tuned
+            # profile" for a buffer that is never built; _check_capacity checks the knobs' exact row later
+            _capacity_problem(self.world, max_tokens, model.hidden * torch.empty(0, dtype=self.dtype).element_size(),
+                              min(model.topk, model.experts // self.world), at_least=True)
         except Exception as e:  # any refusal (torch: RuntimeError, AssertionError for cuda on a CPU build) reaches every rank
             return _CHECKS.index(step) + 1, e
         self.model = model
