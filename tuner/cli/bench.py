@@ -800,12 +800,29 @@ def run_scenario(
         raise typer.Exit(1)
 
 
+def _not_a_summary(path: Path, title: str) -> str | None:
+    """Why the regular file `path` is not a summary `bench summarize` wrote (its first line is not `title`), or None
+    where it may be replaced: one that starts with it, an empty file, none at all, or no regular file (a device or a
+    pipe is written, never replaced)."""
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(title) + 1)
+    except OSError as e:
+        return f"it cannot be read to check that `moetune bench summarize` wrote it ({e.strerror or e})"
+    if not head or head.rstrip(b"\r\n") == title.encode():
+        return None
+    return f"it was not written by `moetune bench summarize` (its first line is not \"{title}\")"
+
+
 @app.command("summarize")
 def summarize_scenarios(
     results: str = path_text_option(None, "--results", help="CSV to read (default: bench/results/summary.csv of the moetune source tree, whatever the "
                                  "current directory)."),
     out: str = path_text_option(None, "--out", help="Markdown to write (default: BENCHMARKS.md of the moetune source tree, whatever the "
-                             "current directory); '-' prints it."),
+                             "current directory); '-' prints it. An existing file is replaced only where `bench summarize` wrote it (its "
+                             "first line \"# moetune benchmarks\")."),
 ) -> None:
     """Regenerate BENCHMARKS.md from summary.csv: per scenario its latest batch, medians / p10 / p90, ratios."""
     from moetune.tuner.measure import results as R
@@ -833,6 +850,9 @@ def summarize_scenarios(
         if path.is_file() and is_sqlite_file(path):  # `--out moetune.db` replaced the profile database, exit 0
             _fail(f"--out {path} is a SQLite database (a moetune profile database?): never replaced by a summary; "
                   "give the Markdown file to write")
+        why = _not_a_summary(path, summary.TITLE)
+        if why:  # `--out README.md` (or any notes of the user's) was replaced by the summary, exit 0
+            _fail(f"--out {path}: {why}, so it is not replaced: move it, or give another --out (or - to print it)")
         why = R.write_problem(path)
         if why:
             _fail(f"--out {path}: cannot write there ({why}); give a writable file with --out, or --out - to print it")
