@@ -176,6 +176,22 @@ def test_ctrl_c_at_the_delete_question_is_one_line_and_exit_130(tmp_path):
     assert len(json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)) == 2
 
 
+@pytest.mark.parametrize(("answer", "said"), [("n\n", []), ("", ["no answer (the input ended)"])], ids=["no", "eof"])
+def test_no_at_the_delete_question_says_nothing_was_deleted(tmp_path, answer, said):
+    """A no at `profiles delete`'s question ended with exit 1 and not a word, and the end of stdin (a script's empty
+    input) with Click's bare "Aborted.": now both say that nothing was deleted and how to delete without asking."""
+    db = tmp_path / "m.db"
+    Store(db).close()
+    fill(db)
+    pid = str(json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)[0]["id"])
+    r = runner.invoke(app, ["profiles", "delete", pid, "--db", str(db)], input=answer)
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [*said, f"nothing deleted: profile {pid} kept (--yes deletes without asking)"], r.output
+    assert "Aborted" not in r.output
+    assert len(json.loads(run("profiles", "list", "--db", str(db), "--json").stdout)) == 2
+
+
 def test_profiles_delete_and_import_refuse_a_database_a_daemon_serves_unless_forced(tmp_path):
     """`profiles delete` and `profiles import` under a daemon serving the database refuse (exit 1, naming the daemon,
     the database unchanged, no traceback), as `profile` and `tune` do: the daemon would keep serving its copy (it

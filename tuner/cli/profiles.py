@@ -269,14 +269,16 @@ def _no_profile(store: Any, profile_id: int) -> NoReturn:
 
 def _confirmed(question: str) -> bool:
     """typer.confirm, where Ctrl-C at the question ends the command as Ctrl-C ends every command: one line, exit 130
-    (Click turns it into an Abort, which Typer ended as "Aborted." and exit 1). The end of stdin stays that Abort."""
+    (Click turns it into an Abort, which Typer ended as "Aborted." and exit 1). The end of stdin (a script's empty
+    input) answers no, said as a no is (the caller's exit 1), not as Click's bare "Aborted."."""
     try:
         return typer.confirm(question)
     except typer.Abort as e:
         if isinstance(e.__context__, KeyboardInterrupt):  # Click raises Abort `from None` inside its except
             err.print("\ninterrupted: nothing deleted", markup=False, highlight=False)
             raise typer.Exit(130) from None
-        raise
+        err.print("\nno answer (the input ended)", markup=False, highlight=False)
+        return False
 
 
 @app.command()
@@ -296,6 +298,9 @@ def delete(
         if not yes and sys.stdin is None:  # started with stdin closed (`<&-`): no one to answer the question
             raise fail(f"delete {profile_id}: stdin is closed, so it cannot ask; pass --yes to delete without asking")
         if not yes and not _confirmed(f"delete profile {profile_id}{what}?"):
+            # a no ended with exit 1 and not a word: said, so a script's log shows why nothing happened
+            err.print(f"nothing deleted: profile {profile_id} kept (--yes deletes without asking)", markup=False,
+                      highlight=False)
             raise typer.Exit(1)
         store.delete_profile(profile_id)
         path = store.path
