@@ -97,8 +97,8 @@ def test_help_states_units_and_the_defaults_the_code_uses() -> None:
     for cmd in (("status",), ("retune",)):
         assert re.search(r"--timeout-ms .*Milliseconds", _help(*cmd)), cmd
     client_ms = ClientConfig().timeout_ms
-    assert f"--timeout-ms <int> Time budget for the whole lookup, in milliseconds (default: [client] timeout_ms, " \
-           f"{client_ms})" in _help("query")
+    assert f"--timeout-ms <int> Time budget for the whole lookup, in milliseconds, 1 to 86400000 (default: [client] " \
+           f"timeout_ms, {client_ms})" in _help("query")
     tune = _help("tune")
     # the config's [tune] timeout_s bounds a tune where --timeout is not given; [tune] backend picks the backend
     assert f"default: config [tune] timeout_s, {TuneConfig().timeout_s:g})" in tune, tune

@@ -140,3 +140,17 @@ def test_profile_help_says_what_a_one_gpu_node_tunes() -> None:
     there (and no EP transport), nor where the profiles and the report go."""
     h = _help("profile")
     assert "family megakernel" in h and "a one-GPU node has no EP size to tune" in h and "--report-dir" in h, h
+
+
+@pytest.mark.parametrize("cmd", [("query",), ("status",), ("retune",)])
+def test_timeout_ms_help_states_the_bound_the_command_enforces(cmd: tuple[str, ...]) -> None:
+    """`--timeout-ms` refused 0 and anything above a day ("must be 1 to 86400000"), while its help named no bound:
+    a user learned it only from the error."""
+    from moetune.runtime.config import MAX_CLIENT_TIMEOUT_MS
+
+    h = _help(*cmd)
+    option = h[h.index("--timeout-ms"):h.index("--timeout-ms") + 200]
+    assert f"1 to {MAX_CLIENT_TIMEOUT_MS}" in option, option
+    args = ["--model", "qwen3-30b", "--ep", "2", "--tokens", "128"] if cmd == ("query",) else []
+    r = CliRunner().invoke(app, [*cmd, *args, "--timeout-ms", str(MAX_CLIENT_TIMEOUT_MS + 1)], env={"COLUMNS": "400"})
+    assert r.exit_code == 2 and f"1 to {MAX_CLIENT_TIMEOUT_MS}" in r.output, r.output

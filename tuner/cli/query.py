@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import typer
 
+from moetune.runtime.config import MAX_CLIENT_TIMEOUT_MS
 from moetune.tuner.cli._args import path_option, text_option
 from moetune.tuner.cli._help import examples
 
@@ -56,7 +57,6 @@ def check_socket(endpoint: str, where: str, *, bind: bool = False) -> None:
 
 def check_timeout_ms(timeout_ms: int | None) -> None:
     """Exit 2 unless the --timeout-ms given is positive (0 or less used to be coerced silently)."""
-    from moetune.runtime.config import MAX_CLIENT_TIMEOUT_MS
     from moetune.tuner.cli.db import fail
 
     if timeout_ms is not None and not 1 <= timeout_ms <= MAX_CLIENT_TIMEOUT_MS:  # zmq's poll takes a C int
@@ -311,7 +311,7 @@ def register(app: typer.Typer) -> None:
         socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: \\[client] socket, else the daemon's \\[daemon] socket: ipc:// daemon.sock in the runtime directory)."),
         db: Path = path_option(None, "--db", help="Database to read when the daemon does not answer (default: the runtime's: $MOETUNE_STORE_DB, else \\[store] db where a config file sets it, else the daemon's database as daemon.json names it, else $MOETUNE_HOME, XDG data dir)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
-        timeout_ms: int = typer.Option(None, "--timeout-ms", help="Time budget for the whole lookup, in milliseconds (default: \\[client] timeout_ms, 200)."),
+        timeout_ms: int = typer.Option(None, "--timeout-ms", help=f"Time budget for the whole lookup, in milliseconds, 1 to {MAX_CLIENT_TIMEOUT_MS} (default: \\[client] timeout_ms, 200)."),
     ) -> None:
         """The tuned knobs for a model, EP size and token count (daemon, else the database, else defaults)."""
         from moetune.runtime.shapes import get_model, tokens_per_gpu_problem

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import typer
 
+from moetune.runtime.config import MAX_CLIENT_TIMEOUT_MS
 from moetune.tuner.cli._args import path_option, text_option
 from moetune.tuner.cli._help import examples
 from moetune.tuner.cli.query import SOCKET_EMPTY
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
     def status(
         socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: the configured one)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
-        timeout_ms: int = typer.Option(1000, "--timeout-ms", help="Milliseconds to wait for the daemon's answer."),
+        timeout_ms: int = typer.Option(1000, "--timeout-ms", help=f"Milliseconds to wait for the daemon's answer, 1 to {MAX_CLIENT_TIMEOUT_MS}."),
         json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """Ask the daemon how it is doing (uptime, database, last discovery, jobs)."""
@@ -175,8 +176,9 @@ def register(app: typer.Typer) -> None:
         socket: str = text_option(None, "--socket", empty=SOCKET_EMPTY, help="Daemon endpoint (default: the configured one)."),
         config: Path = path_option(None, "--config", help="TOML config file."),
         timeout_ms: int = typer.Option(RETUNE_TIMEOUT_MS, "--timeout-ms",
-                                       help="Milliseconds to wait for the daemon's answer (it answers once the job is "
-                                            "recorded in the database, which may wait for another writer)."),
+                                       help=f"Milliseconds to wait for the daemon's answer, 1 to {MAX_CLIENT_TIMEOUT_MS} (it "
+                                            "answers once the job is recorded in the database, which may wait for "
+                                            "another writer)."),
         json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         # help paragraphs on one line each: Rich prints a docstring's own line breaks as they are
