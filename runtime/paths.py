@@ -201,7 +201,7 @@ def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
         if p is None or not str(p) or not p.is_absolute():
             return "expected ipc:///absolute/path"
         if len(str(p).encode()) > MAX_IPC_PATH_BYTES:
-            return f"a unix socket path is at most {MAX_IPC_PATH_BYTES} bytes"
+            return f"a unix socket path is at most {MAX_IPC_PATH_BYTES} bytes, this one is {len(str(p).encode())}"
         return None
     if endpoint.startswith("tcp://"):
         why = tcp_host_problem(endpoint)

@@ -5,6 +5,7 @@ makes it absolute against the current directory, so every path under it is."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,26 @@ def test_status_with_a_relative_moetune_home_looks_for_the_daemon_there(tmp_path
     assert r.exit_code == 1, r.output  # no daemon: not a refused socket (exit 2)
     assert "invalid client.socket" not in r.output and "absolute" not in r.output, r.output
     assert str(tmp_path / "relhome" / "run" / "daemon.sock") in " ".join(r.output.split()), r.output
+
+
+def test_a_deep_moetune_home_falls_back_in_query_and_says_what_to_do_in_status(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MOETUNE_HOME deep enough that its run/daemon.sock passes the 107 bytes of a unix socket path made `query`
+    exit 2 ("invalid client.socket (config)", a key the user never set) where the runtime's lookup fell back to the
+    database; `status` refused naming no way out. Now `query` falls back as the runtime does and says why, and
+    `status` names the byte count and what to change."""
+    home = tmp_path / ("h" * 110)
+    monkeypatch.chdir(tmp_path)
+    env = {"MOETUNE_HOME": str(home), "HOME": str(tmp_path), "MOETUNE_CONFIG": "",
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_RUNTIME_DIR": "", "COLUMNS": "400"}
+    sock = len(str(home / "run" / "daemon.sock").encode())
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--json",
+                                 "--timeout-ms", "50"], env=env)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["source"] == "policy", res  # the policy default: no database there
+    assert f"a unix socket path is at most 107 bytes, this one is {sock}" in res["message"], res
+    r = CliRunner().invoke(app, ["status", "--timeout-ms", "50"], env=env)
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert f"this one is {sock}" in flat and "use a shorter MOETUNE_HOME" in flat and "Traceback" not in flat, flat

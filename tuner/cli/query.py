@@ -52,7 +52,20 @@ def check_socket(endpoint: str, where: str, *, bind: bool = False) -> None:
         raise fail(f"invalid {where} {endpoint!r}: expected ipc:///absolute/path or tcp://HOST:PORT")
     why = endpoint_problem(endpoint, bind=bind)  # a relative path, a bad port, too long a path; tcp://* for a client
     if why is not None:
-        raise fail(f"invalid {where} {endpoint!r}: {why}")
+        raise fail(f"invalid {where} {endpoint!r}: {why}{_long_socket_hint(endpoint, where)}")
+
+
+def _long_socket_hint(endpoint: str, where: str) -> str:
+    """What to do about a configured or default IPC socket too long for a unix socket: a deep $MOETUNE_HOME made
+    every daemon command refuse `client.socket (config)`, which the user never set."""
+    from moetune.runtime.paths import MAX_IPC_PATH_BYTES, ipc_path
+
+    p = ipc_path(endpoint)
+    if where.startswith("--") or p is None or len(str(p).encode()) <= MAX_IPC_PATH_BYTES:
+        return ""
+    return ("; unless set in a config file, it is the default under $MOETUNE_HOME/run (or $XDG_RUNTIME_DIR/moetune): "
+            "use a shorter MOETUNE_HOME, or name a shorter socket with daemon.socket (MOETUNE_DAEMON_SOCKET) for "
+            "the daemon and its clients alike")
 
 
 def check_timeout_ms(timeout_ms: int | None) -> None:
@@ -118,7 +131,12 @@ def check_family(family: str, ep: int, nodes: int) -> None:
                                  f"{nodes}", param_hint="--family")
 
 
-def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None) -> Any:
+def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None,
+                falls_back: bool = False) -> Any:
+    """The CLI's profile client. `falls_back` (query): a configured or default endpoint no client can connect to
+    is left to the client, which says why and falls back to the database as the runtime does (a deep
+    $MOETUNE_HOME's socket path too long for a unix socket made `query` exit 2 where the runtime read the
+    database); a --socket given is checked either way."""
     from moetune.runtime.profiles.client import ProfileClient
     from moetune.runtime.profiles.client import log as client_log
     from moetune.tuner.cli.db import fail
@@ -127,7 +145,8 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     cfg = _config(config)
     endpoint = socket if socket is not None else cfg.client.socket
     where = "--socket" if socket is not None else "client.socket (config)"
-    check_socket(endpoint, where)
+    if socket is not None or not falls_back:
+        check_socket(endpoint, where)
     server_key = None
     # the client reads its [client] keys (curve_server_key_file, its own key pair, allow_modelled) from the config
     # chain itself: --config joins that chain as $MOETUNE_CONFIG would, or its [client] section went unread
@@ -341,7 +360,7 @@ def register(app: typer.Typer) -> None:
             check_family(family, ep, nodes)
         if db is not None:
             check_db_given(db)
-        client = make_client(socket, config, timeout_ms, db)
+        client = make_client(socket, config, timeout_ms, db, falls_back=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             # the client also logs each fallback warning to stderr: the table and JSON say it (`message`), so that
