@@ -1,4 +1,5 @@
-"""Spawned-rank cases for tests/test_autoload_group.py (module-level functions, imported by name)."""
+"""Spawned-rank cases for tests/test_autoload_group.py and test_trust_client.py (module-level functions, imported by
+name; a light module, as every spawned rank imports it)."""
 
 from __future__ import annotations
 
@@ -193,3 +194,13 @@ def case_group_lookup_raises(rank: int, world: int, where: str) -> dict:
         out = {"kind": type(e).__name__, "message": str(e)}
     out["elapsed"] = time.monotonic() - t0
     return out
+
+
+def case_group_nodes(rank: int, world: int, hosts: list[str]) -> int:
+    """The group's node count autoload finds, rank r on host hosts[r]."""
+    from moetune.runtime.profiles import autoload
+
+    # the node's identity itself, not the host name: that is only its fallback where the kernel's boot id cannot be
+    # read, and every rank spawned here shares this machine's boot id
+    autoload.host_identity = lambda: hosts[rank]  # type: ignore[assignment]
+    return autoload.group_nodes(None)

@@ -722,21 +722,14 @@ def test_served_ibgda_profile_falls_back(fake, tmp_path: Path, monkeypatch: pyte
     assert "NVSHMEM_IB_ENABLE_IBGDA" not in os.environ
 
 
-def _nodes_rank(rank: int, world: int, hosts: list[str]) -> int:
-    from moetune.runtime.profiles import autoload as _autoload
-
-    # the node's identity itself, not the host name: that is only its fallback where the kernel's boot id cannot be
-    # read, and every rank spawned here shares this machine's boot id
-    _autoload.host_identity = lambda: hosts[rank]  # type: ignore[assignment]
-    return _autoload.group_nodes(None)
-
-
 def test_nodes_from_process_group() -> None:
+    from autoload_cases import case_group_nodes  # a light module: each spawned rank imports it, not this file
+
     from moetune.runtime.testing.launch import launch
 
     assert autoload.group_nodes(None) == 1  # no process group
-    assert launch(_nodes_rank, 2, backend="gloo", args=(["a", "a"],), timeout_s=60) == [1, 1]
-    assert launch(_nodes_rank, 4, backend="gloo", args=(["a", "a", "b", "b"],), timeout_s=60) == [2, 2, 2, 2]
+    assert launch(case_group_nodes, 2, backend="gloo", args=(["a", "a"],), timeout_s=60) == [1, 1]
+    assert launch(case_group_nodes, 4, backend="gloo", args=(["a", "a", "b", "b"],), timeout_s=60) == [2, 2, 2, 2]
 
 
 def test_autoload_asks_for_the_group_nodes(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
