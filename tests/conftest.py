@@ -141,10 +141,10 @@ def _nothing_left_owned_by_another_uid(request: pytest.FixtureRequest) -> Iterat
 
 def pytest_configure(config: pytest.Config) -> None:
     """Byte-compile the project once per run (in xdist's controller, or a run without xdist) where
-    PYTHONDONTWRITEBYTECODE is set, as on the CI machine: there every CLI subprocess and spawned rank compiled moetune
-    from source again (tests/test_runtime_errors.py alone on a busy 2-core machine: 66.5 user CPU-s, 63.0 with this
-    compile included, 59.0 with the files already there). A child still
-    reads the files the variable keeps it from writing; compileall writes only what Python writes by default."""
+    PYTHONDONTWRITEBYTECODE is set (as on this project's development machine): there every CLI subprocess and
+    spawned rank compiled moetune from source again (tests/test_runtime_errors.py alone on a busy 2-core machine:
+    66.5 user CPU-s, 63.0 with this compile included, 59.0 with the files already there). A child still reads the
+    files the variable keeps it from writing; compileall writes only what Python writes by default."""
     if hasattr(config, "workerinput") or not os.environ.get("PYTHONDONTWRITEBYTECODE"):
         return
     import compileall
