@@ -369,14 +369,23 @@ def test_build_command_shape(tmp_path):
     assert k1 == _lib.build_key("nvcc 13.0") != _lib.build_key("nvcc 12.9")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(), reason="no nvcc")
-def test_library_compiles(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def fresh_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """libmoetune_moe.so built once for this module from an empty cache (MOETUNE_CACHE in a new folder): the two tests
+    that need the real library each built it (51-70 s of nvcc apiece on the 2-core CI machine)."""
+    from moetune.runtime import csrc_build as cb
     from moetune.runtime.megakernel import _lib
 
-    monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
-    lib = _lib.build()
-    assert lib.exists() and lib.stat().st_size > 0
+    if cb.find_nvcc() is None:
+        pytest.skip("no nvcc")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOETUNE_CACHE", str(tmp_path_factory.mktemp("mk-cache")))
+        return _lib.build()
+
+
+@pytest.mark.slow
+def test_library_compiles(fresh_library: Path) -> None:
+    assert fresh_library.exists() and fresh_library.stat().st_size > 0
 
 
 # ---- one expert's m-tiles: the task word's 16-bit m-tile field, bounded by check_params and limits_problem -------
@@ -411,17 +420,14 @@ def test_expert_tile_bound_source_mirrors_limits_problem():
 
 
 @pytest.mark.slow
-def test_expert_tile_bound_library_agrees_with_limits_problem():
+def test_expert_tile_bound_library_agrees_with_limits_problem(fresh_library: Path) -> None:
     """The built library's check_params refuses exactly the launches limits_problem refuses: S_cap = 65536 x bm
     passes, one row more does not (its message names the limit), at each bm; a decode launch forms no m-tiles and
     passes. No GPU needed: check_params runs first, and a launch of S = 0 returns before any CUDA call."""
-    from moetune.runtime import csrc_build as cb
     from moetune.runtime.megakernel import _lib
     from moetune.runtime.megakernel import config as mk_config
 
-    if cb.find_nvcc() is None:
-        pytest.skip("no nvcc")
-    lib = _lib.open_library(_lib.build())
+    lib = _lib.open_library(fresh_library)
     dec_cnt = (ctypes.c_int32 * _lib.DEC_CNT_WORDS)()
     for bm in (16, 64, 128):
         model, cfg = _expert_tile_model(bm)
