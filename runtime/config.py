@@ -37,6 +37,9 @@ from moetune.runtime.knobs import float_of_text, int_of_text
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_MISMATCH_MODES = ("warn", "refuse", "ignore")  # client.env_mismatch (runtime/profiles/client.py)
 MAX_CLIENT_TIMEOUT_MS = 86_400_000  # a day: a longer wait overflowed zmq's poll (a C int of milliseconds)
+# the most trials one study is asked for ([tune] trials, `tune --trials`, `profile --trials`, a plan's trials): 10**20
+# was taken and the study ran until killed. A tune converges in tens to hundreds of trials; 100000 leaves room
+MAX_TRIALS = 100_000
 
 _PATH_KEYS = {("store", "db"), ("daemon", "curve_secret_key_file"), ("daemon", "curve_public_key_file"),
               ("daemon", "curve_admins_dir"), ("client", "curve_server_key_file"), ("client", "curve_secret_key_file")}
@@ -291,8 +294,8 @@ def _check_ranges(values: dict[str, dict[str, Any]], origin: dict[tuple[str, str
         fail("tune", "backend", f"must be model (this node's calibrated model) or local (measure), got {t['backend']!r}")
     if d["rediscover_interval_s"] < 0:
         fail("daemon", "rediscover_interval_s", f"must be >= 0, got {d['rediscover_interval_s']}")
-    if t["trials"] < 1:
-        fail("tune", "trials", f"must be >= 1, got {t['trials']}")
+    if not 1 <= t["trials"] <= MAX_TRIALS:
+        fail("tune", "trials", f"must be 1 to {MAX_TRIALS}, got {t['trials']}")
     if t["timeout_s"] <= 0:
         fail("tune", "timeout_s", f"must be > 0, got {t['timeout_s']}")
     if not 1 <= c["timeout_ms"] <= MAX_CLIENT_TIMEOUT_MS:

@@ -91,3 +91,16 @@ def test_a_plan_count_past_the_bench_limit_is_refused_naming_it(tmp_path: Path, 
         Plan.from_file(path, Plan())
     path.write_text(f"{key} = 1000000\n")
     assert getattr(Plan.from_file(path, Plan()), key) == 1000000
+
+
+def test_a_plan_with_trials_past_the_limit_is_refused_naming_it(tmp_path: Path) -> None:
+    """`trials = 100000000000000000000` was taken (trials had no upper bound): a study that never ends."""
+    from moetune.runtime.config import MAX_TRIALS
+    from moetune.tuner.bringup.flow import Plan
+
+    path = tmp_path / "plan.toml"
+    path.write_text(f"trials = {MAX_TRIALS + 1}\n")
+    with pytest.raises(ValueError, match=f"{path}: trials must be an integer from 1 to {MAX_TRIALS}"):
+        Plan.from_file(path, Plan())
+    path.write_text(f"trials = {MAX_TRIALS}\n")
+    assert Plan.from_file(path, Plan()).trials == MAX_TRIALS

@@ -154,3 +154,47 @@ def test_timeout_ms_help_states_the_bound_the_command_enforces(cmd: tuple[str, .
     args = ["--model", "qwen3-30b", "--ep", "2", "--tokens", "128"] if cmd == ("query",) else []
     r = CliRunner().invoke(app, [*cmd, *args, "--timeout-ms", str(MAX_CLIENT_TIMEOUT_MS + 1)], env={"COLUMNS": "400"})
     assert r.exit_code == 2 and f"1 to {MAX_CLIENT_TIMEOUT_MS}" in r.output, r.output
+
+
+def _bound_cases() -> list[tuple[tuple[str, ...], str, str, list[str], str]]:
+    """(command, option, the bound its help states, argv past the bound, what the refusal says)."""
+    from moetune.runtime.config import MAX_TRIALS
+    from moetune.runtime.shapes import MAX_TOKENS_PER_GPU as T
+
+    tune = ["tune", "--model", "qwen3-30b"]
+    predict = ["model", "predict", "--preset", "nvlink-h200x2"]
+    sweep = ["model", "sweep", "--preset", "nvlink-h200x2", "--over", "group_size"]
+    return [
+        (("tune",), "--trials", f"1 to {MAX_TRIALS}", [*tune, "--trials", "100000000000000000000"], f"1 to {MAX_TRIALS}"),
+        (("tune",), "--nodes", ">= 1", [*tune, "--nodes", "0"], "--nodes must be >= 1"),
+        (("tune",), "--repeats", ">= 1", [*tune, "--repeats", "0"], "--repeats must be >= 1"),
+        (("tune",), "--trial-timeout", "> 0", [*tune, "--trial-timeout", "0"], "seconds > 0"),
+        (("profile",), "--trials", f"1 to {MAX_TRIALS}", ["profile", "--trials", str(MAX_TRIALS + 1)],
+         f"--trials must be an integer from 1 to {MAX_TRIALS}"),
+        (("model", "predict"), "--nodes", ">= 1", [*predict, "--nodes", "0"], "--nodes must be >= 1"),
+        (("model", "predict"), "--tokens", f"1 to {T}", [*predict, "--tokens", str(T + 1)], f"at most {T}"),
+        (("model", "predict"), "--tile", f"1 to {T}", [*predict, "--tile", str(T + 1)], f"at most {T}"),
+        (("model", "sweep"), "--nodes", ">= 1", [*sweep, "--nodes", "0"], "--nodes must be >= 1"),
+        (("model", "sweep"), "--tokens", f"1 to {T}", [*sweep, "--tokens", "0"], "--tokens must be >= 1"),
+        (("model", "sweep"), "--tile", f"1 to {T}", [*sweep, "--tile", "0"], "--tile must be >= 1"),
+        (("bench", "ep"), "--world", ">= 1", ["bench", "ep", "--world", "0"], "--world must be >= 1"),
+        (("bench", "ep"), "--timeout", "> 0", ["bench", "ep", "--timeout", "0"], "seconds > 0"),
+    ]
+
+
+@pytest.mark.parametrize("cmd, option, bound, argv, refusal", _bound_cases())
+def test_bounded_options_state_their_bound_in_the_help(tmp_path, cmd: tuple[str, ...], option: str, bound: str,
+                                                       argv: list[str], refusal: str) -> None:
+    """`tune --nodes/--repeats/--trial-timeout/--trials`, `model predict/sweep --nodes/--tokens/--tile` and `bench ep
+    --world/--timeout` refused values their help gave no bound for; `--trials` had no upper bound at all (`profile
+    --trials 100000000000000000000` just started). Each help states the bound its command enforces."""
+    h = _help(*cmd)
+    cell = re.search(rf"{option}(?: -\w)? <\w+> .{{0,260}}", h)  # the option's own cell (a short name beside it)
+    assert cell, h
+    cell = cell.group(0)
+    assert bound in cell, cell
+    home = tmp_path / "home"
+    env = {"MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"), "MOETUNE_CONFIG": "",
+           "COLUMNS": "400"}
+    r = CliRunner().invoke(app, argv, env=env)
+    assert r.exit_code == 2 and refusal in re.sub(r"\s+", " ", r.output), r.output

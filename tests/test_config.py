@@ -132,7 +132,8 @@ def test_the_clients_key_files_are_relative_to_the_file_too(env, tmp_path):
         ("[client]\nsocket = 'tcp://:5555'\n", ["client.socket", "no host"]),
         ("[client]\nsocket = 'tcp://*:5555'\n", ["client.socket", "where a daemon binds"]),
         ("[client]\nsocket = 'ipc://relative/daemon.sock'\n", ["client.socket", "ipc:///absolute/path"]),
-        ("[tune]\ntrials = 0\n", ["tune.trials", ">= 1"]),
+        ("[tune]\ntrials = 0\n", ["tune.trials", "must be 1 to 100000"]),
+        ("[tune]\ntrials = 100001\n", ["tune.trials", "must be 1 to 100000"]),  # 10**20: a study that never ends
         ("store = 3\n", ["store", "expected a table"]),
         ("[tune\ntrials = 1\n", ["not valid TOML"]),
     ],

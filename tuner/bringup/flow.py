@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moetune.runtime.config import MAX_TRIALS
 from moetune.runtime.profile_record import MEGAKERNEL_FAMILY, TOKEN_BUCKETS
 from moetune.runtime.shapes import get_model
 from moetune.tuner.measure import (
@@ -143,6 +144,8 @@ class Plan:
             if name != "trials" and v > COUNT_MAX:  # a count of timed runs: 10**22 ran the first microbenchmark forever
                 raise ValueError(f"{where}: {name} must be an integer from 1 to {COUNT_MAX} (as `bench ep --iters`), "
                                  f"got {v!r}")
+            if name == "trials" and v > MAX_TRIALS:  # 10**20 trials: a study that never ends
+                raise ValueError(f"{where}: trials must be an integer from 1 to {MAX_TRIALS}, got {v!r}")
         if not is_int(self.world) or self.world < 0 or self.world == 1:  # 0: not set
             # as ep_sizes = [1]: one rank exchanges nothing (it stored "measured" collective profiles at EP 1)
             raise ValueError(f"{where}: world must be an integer >= 2 (an EP exchange needs 2 GPUs; a one-GPU node "

@@ -144,7 +144,7 @@ def _given_options(ctx: typer.Context) -> list[str]:
 @app.command("ep")
 def ep(
     ctx: typer.Context,
-    world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun)."),
+    world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun), >= 1; spawned here, at most 8 per CPU."),
     backend: str = typer.Option("gloo", "--backend", "--comm", help="gloo (CPU) or nccl (GPUs) (--comm, as for `moetune tune`)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S), 0 to 4194304."),
@@ -161,7 +161,7 @@ def ep(
     layout: str = typer.Option("auto", "--layout", help="Collective wire layout: auto, dense (all-gather/reduce-scatter) or packed (counts + all_to_all)."),
     profile: bool = typer.Option(False, "--profile", help="Also run 5 round trips under torch.profiler and print rank 0's tables (top ops by device and by host time)."),
     cuda_graph: bool = typer.Option(False, "--cuda-graph", help="Also capture dispatch → identity experts → combine in one CUDA graph, and dispatch → combine alone in another, and time their replays (as a serving engine's decode graph runs them); each is checked once more with new inputs (and, for the device-resident layout, a poisoned receive buffer). Needs a layout without host syncs (dense collective or host_staged, nvlink; proxy cannot be replayed); reports graph_roundtrip_us / graph_pair_us or why not."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds any collective may wait before failing, > 0."),
     no_p2p: bool = typer.Option(False, "--no-p2p", help="Emulate a node without GPU peer-to-peer: NCCL_P2P_DISABLE=1 in the ranks, set before NCCL initialises (--backend nccl only; any transport). Off by default: the ranks get the environment the tuner measures in and a launcher serves (launcher_env), which sets no NCCL variable."),
     serve: bool = typer.Option(False, "--serve", help="Persistent worker: launch the ranks once, then read one JSON case per line on stdin and print one JSON result per line (see moetune.tuner.measure.worker); only --world, --backend and --timeout apply (any other option is refused)."),
 ) -> None:

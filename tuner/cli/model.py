@@ -11,6 +11,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from moetune.runtime.shapes import MAX_TOKENS_PER_GPU
 from moetune.tuner.cli import model_calibrate
 from moetune.tuner.cli._args import distinct_values, int_list, path_option, path_text_option, routing_problem
 from moetune.tuner.cli._help import examples
@@ -136,12 +137,12 @@ def _knob_str(k) -> str:
 def predict_cmd(
     preset: str = path_text_option(..., "--preset", "-p", help="Preset name (moetune model presets) or a .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
-    nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes."),
-    tokens: int = typer.Option(1024, "--tokens", "-t", help="Tokens per GPU."),
+    nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes, >= 1 (nodes × GPUs per node must divide the model's experts evenly)."),
+    tokens: int = typer.Option(1024, "--tokens", "-t", help=f"Tokens per GPU, 1 to {MAX_TOKENS_PER_GPU}."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Knob overrides name=value,... (none when left out or \"\": the preset's transport defaults)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
-    tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
+    tile: int = typer.Option(128, "--tile", help=f"Tokens per tile (expert GEMM padding), 1 to {MAX_TOKENS_PER_GPU}."),
     phase: str = typer.Option("both", "--phase", help="both, dispatch or combine."),
     layout: str = typer.Option(
         "auto", "--layout",
@@ -354,14 +355,15 @@ def sweep_cmd(
                                       "sets it, CTAs for nvlink; nodes 1,2,4,8,16 up to the preset's most nodes, "
                                       "tokens 64,256,1024,4096,16384). A group_size above the transfers per peer is "
                                       "n/a: the same run as group_size 0."),
-    nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes (refused with --over nodes, which "
-                                     "sweeps them; default: 4, or the preset's most nodes if fewer)."),
-    tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens per GPU (refused with --over tokens, which sweeps "
-                               "them)."),
+    nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes, >= 1 (nodes × GPUs per node must "
+                                     "divide the model's experts evenly; refused with --over nodes, which sweeps them; "
+                                     "default: 4, or the preset's most nodes if fewer)."),
+    tokens: int = typer.Option(256, "--tokens", "-t", help=f"Tokens per GPU, 1 to {MAX_TOKENS_PER_GPU} (refused with "
+                               "--over tokens, which sweeps them)."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Base knob overrides name=value,... (none when left out or \"\": the preset's transport defaults)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:<exponent>."),
-    tile: int = typer.Option(128, "--tile", help="Tokens per tile (expert GEMM padding)."),
+    tile: int = typer.Option(128, "--tile", help=f"Tokens per tile (expert GEMM padding), 1 to {MAX_TOKENS_PER_GPU}."),
     out: Path | None = path_option(None, "--out", help="Write a plot (latency and fences vs x, per fence mode): PNG, "
                                     "or the format of the file's suffix (.svg, .pdf, ...); no suffix: FILE.png. An "
                                     "existing file is replaced only with --force."),

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.runtime.config import MAX_TRIALS
 from moetune.tuner.cli._args import (
     distinct_buckets,
     distinct_shapes,
@@ -162,7 +163,7 @@ def profile(
     tokens: str | None = typer.Option(None, "--tokens", show_default=False, help="Comma-separated tokens per rank to tune for (token buckets; default: 128,1024,4096, with --quick 128,1024)."),
     quick: bool = typer.Option(False, "--quick", help="A short plan: one model, two buckets, few trials (≈ 2 min on a CPU)."),
     plan_file: Path | None = path_option(None, "--plan", help=f"TOML plan (a \\[plan] table, or the keys at the top): {PLAN_KEYS} (default: one EP group of every GPU of the node; the options given beside it win)."),
-    trials: int | None = typer.Option(None, "--trials", help="Trials per (family, model, bucket) study (default: 16, with --quick 4)."),
+    trials: int | None = typer.Option(None, "--trials", help=f"Trials per (family, model, bucket) study, 1 to {MAX_TRIALS} (default: 16, with --quick 4)."),
     db: Path | None = path_option(None, "--db", help="Profile database (default: configured / $MOETUNE_HOME)."),
     config: Path | None = path_option(None, "--config", help="Extra config file."),
     capture: Path | None = path_option(None, "--capture", help="Describe the node from a capture instead of the live node (tests, support). A capture of another node (its fingerprint or software not this node's) is not measured: its discovery, plan and report only (nothing recorded in the database)."),
@@ -218,8 +219,8 @@ def profile(
             _fail(f"--tokens: token counts must be integers >= 1, got {tokens!r}")
         if why := tokens_over_bucket(toks):  # tuned at the nearest bucket: the largest, without a word
             _fail(why)
-    if trials is not None and trials < 1:
-        _fail(f"--trials must be an integer >= 1, got {trials}")
+    if trials is not None and not 1 <= trials <= MAX_TRIALS:  # 10**20 was taken: a study that never ends
+        _fail(f"--trials must be an integer from 1 to {MAX_TRIALS}, got {trials}")
     try:
         if plan_file is not None:
             plan = Plan.from_file(plan_file, plan)

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moetune.runtime.config import MAX_TRIALS
 from moetune.runtime.profile_record import WHAT_IF_ONLY
 from moetune.tuner.cli import tune_show
 from moetune.tuner.cli._args import (
@@ -141,21 +142,21 @@ def tune(
     tokens: str = typer.Option("128,1024,4096", "--tokens", "-t", help="Tokens per GPU, comma separated (tuned at the nearest bucket, once a bucket; at most 65536, the largest)."),
     backend: str = text_option(None, "--backend", "-b", empty=BACKEND_EMPTY, help="model (fabric model; needs --preset) or local (the real runtime) (default: config \\[tune] backend, model)."),
     preset: str = path_text_option(None, "--preset", "-p", help="Fabric-model preset for the model backend."),
-    trials: int = typer.Option(None, "--trials", "-n", help="Finished trials per study (default: config \\[tune] trials, 40)."),
+    trials: int = typer.Option(None, "--trials", "-n", help=f"Finished trials per study, 1 to {MAX_TRIALS} (default: config \\[tune] trials, 40)."),
     timeout: float = typer.Option(None, "--timeout", help="Wall-clock budget in seconds for the whole tune (default: config \\[tune] timeout_s, 600), shared over its studies (one per family, model and token bucket): each in turn gets the time left divided by the studies left, so what one does not use goes to the next; stderr says each study's share."),
     storage: str = text_option(None, "--storage", empty=STORAGE_EMPTY, help="Optuna storage URL (default: NAME-studies.db beside the profile database NAME.db, moetune-studies.db for moetune.db; postgresql://... to share a study)."),
     seed: int = typer.Option(0, "--seed", help="Sampler seed (0 to 4294967295)."),
     db: Path = path_option(None, "--db", help="Profile database (default: configured)."),
     config: Path = path_option(None, "--config", help="TOML config file (its \\[tune] section gives the defaults)."),
-    nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group."),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes in the EP group, >= 1."),
     ep_size: int = typer.Option(None, "--ep-size", help="EP group size (default: --world with the local backend, else GPUs per node × nodes; 2 × nodes on a node without GPUs). The local backend stores only what it measures: --ep-size = --world, --nodes 1."),
     family: list[str] = text_option(None, "--family", "-f", empty=FAMILY_EMPTY, help="Only these transport families (repeatable), e.g. host_staged."),
     policy: Path = path_option(None, "--policy", help="User policy file or directory overriding the packaged policies."),
     routing: str = typer.Option("uniform", "--routing", help="uniform or zipf:S."),
     world: int = typer.Option(None, "--world", help="Local backend: ranks to launch on this node (default: --ep-size, else GPUs found, else 2)."),
     comm: str = typer.Option(None, "--comm", help="Local backend: nccl or gloo (default: nccl with GPUs, else gloo)."),
-    repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread)."),
-    trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed."),
+    repeats: int = typer.Option(3, "--repeats", help="Local backend: runs per trial (median and spread), >= 1."),
+    trial_timeout: float = typer.Option(120.0, "--trial-timeout", help="Local backend: seconds before a run is killed, > 0."),
     capture: Path = path_option(None, "--from", "--capture", help="Discover from a fabric capture directory instead of this node (--capture, as for `moetune profile`): the local backend, or the model backend with --node-model (with a plain --preset the preset's fabric is predicted, so it is refused)."),
     node_model: bool = typer.Option(False, "--node-model", help="Model backend: --preset is a calibrated model of THIS node (profiles get this node's key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
@@ -186,8 +187,8 @@ def tune(
     if backend not in ("model", "local"):
         raise typer.BadParameter(f"expected model or local, got {backend!r}", param_hint="--backend")
     trials = trials if trials is not None else cfg_trials
-    if trials < 1:
-        raise typer.BadParameter("must be >= 1", param_hint="--trials")
+    if not 1 <= trials <= MAX_TRIALS:  # 10**20 was taken: a study that never ends ([tune] trials: checked as read)
+        raise typer.BadParameter(f"must be 1 to {MAX_TRIALS}, got {trials}", param_hint="--trials")
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         _fail(f"--timeout must be a number of seconds > 0, got {timeout}")
     budget_from = "--timeout"  # named where the budget ends the tune early
