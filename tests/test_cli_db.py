@@ -386,3 +386,30 @@ def test_profiles_list_draws_the_newest_rows_by_default(tmp_path):
     assert "the newest" not in run("profiles", "list", "--limit", "0", "--db", str(db)).stdout
     assert len(json.loads(run("profiles", "list", "--limit", "2", "--json", "--db", str(db)).stdout)) == 4
     assert run("profiles", "list", "--limit", "-1", "--db", str(db)).exit_code == 2
+
+
+@pytest.mark.parametrize("args", [["profiles", "show", "-1"], ["profiles", "show", "-1", "--json"],
+                                  ["profiles", "delete", "-3", "--yes"], ["profiles", "show", "abc"]])
+def test_a_bad_profile_id_is_refused_naming_the_argument_as_the_help_shows_it(tmp_path, args):
+    """`profiles show -1` said "No such option: -1" (Click reads -1 as an option), and a bad id was named
+    'profile_id', the Python parameter's name (the help too). Now the argument is ID in the help and the errors,
+    and a negative id reaches its range check."""
+    db = tmp_path / "t.db"
+    Store(db).close()
+    before = db.read_bytes()
+    r = runner.invoke(app, [*args, "--db", str(db)], env={"COLUMNS": "200"})
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for 'ID'" in r.output and "No such option" not in r.output, r.output
+    assert "profile_id" not in r.output
+    assert db.read_bytes() == before
+    assert "ID" in runner.invoke(app, [*args[:2], "--help"], env={"COLUMNS": "200"}).output
+
+
+def test_an_option_value_that_looks_negative_stays_the_options():
+    """Only a negative number that is no option's value is moved behind "--" (`--db -5` keeps its value)."""
+    from moetune.tuner.cli._args import _negative_numbers_last
+
+    assert _negative_numbers_last(["--db", "-5", "-1"], {"--db"}) == ["--db", "-5", "--", "-1"]
+    assert _negative_numbers_last(["-1", "--json"], {"--db"}) == ["--json", "--", "-1"]
+    assert _negative_numbers_last(["--", "-1"], set()) == ["--", "-1"]
+    assert _negative_numbers_last(["3", "--json"], set()) == ["3", "--json"]

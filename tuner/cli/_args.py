@@ -208,3 +208,31 @@ def seed_problem(seed: int) -> str:
     """Why `seed` is no --seed ('' when it is one): Optuna's sampler said "Seed must be between 0 and 2**32 - 1",
     naming no option."""
     return "" if 0 <= seed <= SEED_MAX else f"--seed must be an integer from 0 to {SEED_MAX} (2**32 - 1), got {seed}"
+
+
+def _negative_numbers_last(args: list[str], valued: set[str]) -> list[str]:
+    """`args` with each negative integer ("-1") that is no option's value moved behind a "--", so that the parser
+    reads it as the positional argument it was meant as (Click reads "-1" as an option: `profiles show -1` said
+    "No such option: -1"); the argument's own range check then refuses it, naming the argument. Unchanged where a
+    "--" is given already (the user said where options end)."""
+    import re
+
+    if "--" in args:
+        return args
+    moved = {i for i, a in enumerate(args) if re.fullmatch(r"-\d+", a) and (i == 0 or args[i - 1] not in valued)}
+    if not moved:
+        return args
+    return [a for i, a in enumerate(args) if i not in moved] + ["--"] + [args[i] for i in sorted(moved)]
+
+
+def id_command_class() -> type:
+    """The command class (`@app.command(cls=...)`) of a command whose one positional argument is a number (a profile
+    id): a negative one reaches the argument's check instead of being read as an unknown option."""
+    from typer.core import TyperCommand, TyperOption
+
+    class IdCommand(TyperCommand):
+        def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+            valued = {o for p in self.params if isinstance(p, TyperOption) and not p.is_flag for o in p.opts}
+            return super().parse_args(ctx, _negative_numbers_last(list(args), valued))
+
+    return IdCommand

@@ -27,7 +27,14 @@ from moetune.runtime.profile_record import (
     runtime_refusal,
 )
 from moetune.runtime.profiles.perf_env import perf_env_digest
-from moetune.tuner.cli._args import path_arg, path_option, path_text, text_option, write_error_code
+from moetune.tuner.cli._args import (
+    id_command_class,
+    path_arg,
+    path_option,
+    path_text,
+    text_option,
+    write_error_code,
+)
 from moetune.tuner.cli._tables import Col, print_table
 from moetune.tuner.cli.db import (
     CONFIG_HELP,
@@ -179,9 +186,9 @@ def list_cmd(
         out.print(f"profile {pid} is NOT SERVED: {escape(why)}", soft_wrap=False)  # wrapped to the width, as the table
 
 
-@app.command()
+@app.command(cls=id_command_class())
 def show(
-    profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id (see `moetune profiles list`)."),
+    profile_id: int = typer.Argument(..., min=1, max=MAX_ID, metavar="ID", help="Profile id (see `moetune profiles list`)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     db: Path | None = path_option(None, "--db", help=DB_HELP),
     config: Path | None = path_option(None, "--config", help=CONFIG_HELP),
@@ -281,9 +288,9 @@ def _confirmed(question: str) -> bool:
         return False
 
 
-@app.command()
+@app.command(cls=id_command_class())
 def delete(
-    profile_id: int = typer.Argument(..., min=1, max=MAX_ID, help="Profile id."),
+    profile_id: int = typer.Argument(..., min=1, max=MAX_ID, metavar="ID", help="Profile id (see `moetune profiles list`)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
     force: bool = typer.Option(False, "--force", help=FORCE_HELP),
     db: Path | None = path_option(None, "--db", help=DB_HELP),
