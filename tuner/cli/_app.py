@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -25,7 +26,8 @@ EXIT_STATUS_HELP = (
     "that cannot be written (no permission, a read-only file system, no such folder, a file in the way). 1 the "
     "command line is fine but the work failed: the database is busy, served by a daemon or not writable by this user; "
     "a write ran out of space or hit an I/O error; the daemon, a measurement, a fit or a check failed. 130 / 143: "
-    "ended by Ctrl-C / SIGTERM."
+    "ended by Ctrl-C / SIGTERM. 141: the reader of the output went away (`| head`), as for any Unix tool; nothing more "
+    "is said."
 )
 
 app = typer.Typer(
@@ -82,15 +84,69 @@ def _output_encodes_anything() -> None:
         stream.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
 
 
+# 128 + SIGPIPE: what a shell reports for a Unix tool whose output's reader went away (`set -o pipefail`)
+EXIT_READER_GONE = 141
+
+
+def _pipe_ids() -> set[tuple[int, int]]:
+    """(device, inode) of stdout and stderr where each is a pipe or a socket: what `_reader_gone` compares with."""
+    import stat
+
+    ids = set()
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+                ids.add((st.st_dev, st.st_ino))
+    return ids
+
+
+def _reader_gone() -> bool:
+    """Whether the reader of stdout or stderr went away (`moetune ... | head -1`): poll() reports POLLERR (Linux) or
+    POLLHUP for the write end of a pipe whose read end is closed; a terminal, a file or a pipe still read, neither."""
+    import select
+
+    for fd in (1, 2):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a closed fd, no poll on this platform
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0)):
+                return True
+    return False
+
+
+def _rich_met_a_broken_pipe(pipes_at_start: set[tuple[int, int]]) -> bool:
+    """Whether stdout was a pipe and is now /dev/null: Rich's catch of BrokenPipeError (`Console.on_broken_pipe`)
+    points stdout at /dev/null and raises SystemExit(1), which leaves `_reader_gone` nothing to see."""
+    with contextlib.suppress(OSError):
+        now, null = os.fstat(1), os.stat(os.devnull)
+        return bool(pipes_at_start) and (now.st_dev, now.st_ino) not in pipes_at_start \
+            and (now.st_rdev, now.st_ino) == (null.st_rdev, null.st_ino)
+    return False
+
+
+def _end_quietly() -> NoReturn:
+    """End as a Unix tool does when its reader went away: no traceback, no message (there is no one to read it),
+    exit 141. stdout is pointed at /dev/null first, so the exit's own flush of what is left cannot fail again."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(OSError, AttributeError, ValueError):
+                os.dup2(devnull, stream.fileno())
+    sys.exit(EXIT_READER_GONE)
+
+
 def run() -> None:
     """The app run as the `moetune` entry point: an output that cannot be written ends the command with one line on
-    stderr and exit 1, not a traceback (the commands' own files say their errors themselves)."""
+    stderr and exit 1, not a traceback (the commands' own files say their errors themselves); an output whose reader
+    went away (`| head -1`) ends it with no word and exit 141, as a Unix tool killed by SIGPIPE."""
     # SQLAlchemy's pool logs an error (with its traceback) when a connection's rollback is interrupted, e.g. by a
     # second Ctrl-C while the first unwinds, and then re-raises it: with no handler configured Python's last-resort
     # handler printed that traceback before the command's own "interrupted" line. The exception itself still ends
     # the command the usual way.
     logging.getLogger("sqlalchemy.pool").addHandler(logging.NullHandler())
     _output_encodes_anything()
+    pipes = _pipe_ids()
     try:
         try:
             app()
@@ -103,7 +159,17 @@ def run() -> None:
             # SIGTERM keeps its default, so a teardown that hangs (a thread that never ends) can still be ended.
             with contextlib.suppress(ValueError):  # not the main thread: no signal handler can be set
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except SystemExit as e:
+        # Typer's own catch of an EPIPE in a command, and Rich's in its console (the help's too), exit 1 with no
+        # word: `moetune profile --help | head -1` exited 1. Where the reader is gone, 141, as a Unix tool
+        # (only there: a command's own exit 1 stays 1, its reason on stderr, whatever became of its reader)
+        typer_epipe = type(sys.stdout).__name__ == "PacifyFlushWrapper" and _reader_gone()
+        if e.code == 1 and (typer_epipe or _rich_met_a_broken_pipe(pipes)):
+            _end_quietly()
+        raise
     except OSError as e:
+        if e.errno == errno.EPIPE and e.filename is None and _reader_gone():  # the final flush found the reader gone
+            _end_quietly()
         if e.errno not in _OUTPUT_ERRNOS or e.filename is not None:  # a named file's error is not the output's
             raise
         with contextlib.suppress(OSError, AttributeError):
