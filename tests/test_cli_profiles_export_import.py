@@ -358,3 +358,21 @@ def test_an_empty_path_is_refused_by_name(tmp_path: Path, cmd: list[str], monkey
     said = " ".join(r.output.replace("│", " ").split())
     assert r.exit_code == 2 and "Invalid value for 'path': an empty path names no file or folder" in said, said
     assert "Is a directory" not in said and not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("cmd", ["list", "export"])
+def test_fingerprint_help_says_where_the_fingerprint_is_shown(tmp_path: Path, cmd: str) -> None:
+    """`--fingerprint` said "as `list` shows it", but the 80-column table leaves the fingerprint column out: the help
+    names where it is always shown (`list --json`, `profiles show`), and both do show it."""
+    import re
+
+    h = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", CliRunner().invoke(app, ["profiles", cmd, "--help"],
+                                                                          env={"COLUMNS": "400"}).output))
+    cell = h[h.index("--fingerprint <"):][:400]
+    assert "`profiles list --json`" in cell and "`profiles show ID`" in cell and "as `list` shows it" not in cell, cell
+    db = tmp_path / "m.db"
+    fill(db)
+    narrow = CliRunner().invoke(app, ["profiles", "list", "--db", str(db)], env={"COLUMNS": "80"}).output
+    assert "fp-cli" not in narrow and "fingerprint" in narrow  # the column left out, the caption says so
+    assert json.loads(run("profiles", "list", "--json", "--db", str(db)).stdout)[0]["key"]["fingerprint"] == "fp-cli"
+    assert "fp-cli" in run("profiles", "show", "1", "--db", str(db)).output

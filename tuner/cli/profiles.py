@@ -53,6 +53,11 @@ app = typer.Typer(help="Tuned profiles in the database: list, show, delete, expo
 MAX_ID = (1 << 63) - 1  # SQLite INTEGER
 # --fingerprint "" is the start of every fingerprint: with one stored, list and export took it silently
 FINGERPRINT_EMPTY = "an empty fingerprint is the start of every one (leave the option out for all fingerprints)"
+# the table's fingerprint column (its first 10 characters) is the second it leaves out on a narrow terminal (80
+# columns, a pipe): the help names where the whole fingerprint is always shown
+FINGERPRINT_HELP = ("Only this fabric fingerprint, or the start of one: `profiles list --json` (key.fingerprint) and "
+                    "`profiles show ID` show it whole; the table, its first 10 characters where the terminal is wider "
+                    "than 80 columns (the caption names the columns it leaves out).")
 # Rich labels: anything not measured is said loudly.
 # what a profile's latency times, by `metric_of_backend`
 METRIC_SAYS = {COMM_METRIC: "the dispatch → combine round trip",
@@ -134,7 +139,7 @@ FORCE_HELP = ("Write even while a daemon serves the database (it keeps serving t
 @app.command("list")
 def list_cmd(
     status: str | None = typer.Option(None, "--status", help="current, stale or superseded."),
-    fingerprint: str | None = text_option(None, "--fingerprint", empty=FINGERPRINT_EMPTY, help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
+    fingerprint: str | None = text_option(None, "--fingerprint", empty=FINGERPRINT_EMPTY, help=FINGERPRINT_HELP),
     provenance: str | None = typer.Option(None, "--provenance", help="measured, node_model or preset."),
     limit: int = typer.Option(TABLE_LIMIT, "--limit", min=0, help="At most this many profiles in the table, the newest (0: all; drawing 10,000 rows takes seconds). --json lists all."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -333,7 +338,7 @@ def _filtered_store(db: Path | None, config: Path | None, status: str | None, fi
 def export_cmd(
     path: str = typer.Argument(..., parser=path_text, help='JSON file to write ("-" for stdout); an existing file is replaced only with --force.'),
     status: str | None = typer.Option(None, "--status", help="Only profiles with this status: current, stale or superseded."),
-    fingerprint: str | None = text_option(None, "--fingerprint", empty=FINGERPRINT_EMPTY, help="Only this fabric fingerprint (or the start of one, as `list` shows it)."),
+    fingerprint: str | None = text_option(None, "--fingerprint", empty=FINGERPRINT_EMPTY, help=FINGERPRINT_HELP),
     provenance: str | None = typer.Option(None, "--provenance", help="Only profiles of this provenance: measured, node_model or preset."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file (also a read-only one; its permissions are kept)."),
     db: Path | None = path_option(None, "--db", help=DB_HELP),
