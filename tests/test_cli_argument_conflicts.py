@@ -117,7 +117,8 @@ def test_the_daemon_and_its_clients_check_endpoints_by_one_rule(endpoint: str) -
     else:
         with pytest.raises(DaemonConfigError) as e:
             check_endpoint(endpoint, "socket")
-        assert str(e.value) == f"socket {endpoint!r}: {bind}"
+        # the rule's own words first; a too-long path that no option named goes on with what to change (its hint)
+        assert str(e.value).startswith(f"socket {endpoint!r}: {bind}"), str(e.value)
 
 
 def test_the_daemon_keeps_no_endpoint_rule_of_its_own() -> None:

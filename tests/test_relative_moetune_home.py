@@ -61,3 +61,34 @@ def test_a_deep_moetune_home_falls_back_in_query_and_says_what_to_do_in_status(t
     flat = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
     assert f"this one is {sock}" in flat and "use a shorter MOETUNE_HOME" in flat and "Traceback" not in flat, flat
+
+
+def test_serve_on_a_deep_moetune_home_says_what_to_do_and_creates_nothing(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` on a MOETUNE_HOME whose run/daemon.sock passes 107 bytes gave the byte count but no way out (`query`
+    and `status` name one), and said it only after it had created the database there. Now it says what to change,
+    as they do, before anything is made."""
+    home = tmp_path / ("h" * 110)
+    home.mkdir()
+    monkeypatch.chdir(tmp_path)
+    env = {"MOETUNE_HOME": str(home), "HOME": str(tmp_path), "MOETUNE_CONFIG": "",
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_RUNTIME_DIR": "", "COLUMNS": "400"}
+    sock = len(str(home / "run" / "daemon.sock").encode())
+    r = CliRunner().invoke(app, ["serve"], env=env)
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert f"this one is {sock}" in flat and "use a shorter MOETUNE_HOME" in flat and "daemon.socket" in flat, flat
+    assert list(home.iterdir()) == [], list(home.iterdir())  # no database, no lock file, no run/ folder
+
+
+def test_a_socket_given_too_long_gets_no_moetune_home_hint(tmp_path: Path) -> None:
+    """The hint is for a socket the user never set: one typed with --socket is theirs to shorten."""
+    from moetune.tuner.daemon.endpoints import check_endpoint
+    from moetune.tuner.daemon.errors import DaemonConfigError
+
+    long = f"ipc://{tmp_path / ('s' * 120)}"
+    with pytest.raises(DaemonConfigError) as e:
+        check_endpoint(long, "--socket")
+    assert "MOETUNE_HOME" not in str(e.value) and "at most 107 bytes" in str(e.value)
+    with pytest.raises(DaemonConfigError, match="use a shorter MOETUNE_HOME"):
+        check_endpoint(long, "daemon.socket (defaults)")

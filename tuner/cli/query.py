@@ -56,16 +56,10 @@ def check_socket(endpoint: str, where: str, *, bind: bool = False) -> None:
 
 
 def _long_socket_hint(endpoint: str, where: str) -> str:
-    """What to do about a configured or default IPC socket too long for a unix socket: a deep $MOETUNE_HOME made
-    every daemon command refuse `client.socket (config)`, which the user never set."""
-    from moetune.runtime.paths import MAX_IPC_PATH_BYTES, ipc_path
+    """`endpoints.long_socket_hint`: what to do about a configured or default IPC socket too long for a unix socket."""
+    from moetune.tuner.daemon.endpoints import long_socket_hint
 
-    p = ipc_path(endpoint)
-    if where.startswith("--") or p is None or len(str(p).encode()) <= MAX_IPC_PATH_BYTES:
-        return ""
-    return ("; unless set in a config file, it is the default under $MOETUNE_HOME/run (or $XDG_RUNTIME_DIR/moetune): "
-            "use a shorter MOETUNE_HOME, or name a shorter socket with daemon.socket (MOETUNE_DAEMON_SOCKET) for "
-            "the daemon and its clients alike")
+    return long_socket_hint(endpoint, where)
 
 
 def check_timeout_ms(timeout_ms: int | None) -> None:

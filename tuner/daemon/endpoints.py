@@ -26,12 +26,27 @@ def _tcp_port(endpoint: str, what: str) -> int:
     return port
 
 
+def long_socket_hint(endpoint: str, what: str) -> str:
+    """What to do about a configured or default IPC socket too long for a unix socket ('' for any other endpoint, or
+    one an option named: `what` starting with "--", which the user typed and can shorten): a deep $MOETUNE_HOME made
+    every daemon command, and `serve`, refuse a socket the user never set. The one hint of `serve`, `query` and
+    `status`."""
+    from moetune.runtime.paths import MAX_IPC_PATH_BYTES
+
+    p = ipc_path(endpoint)
+    if what.startswith("--") or p is None or len(str(p).encode()) <= MAX_IPC_PATH_BYTES:
+        return ""
+    return ("; unless set in a config file, it is the default under $MOETUNE_HOME/run (or $XDG_RUNTIME_DIR/moetune): "
+            "use a shorter MOETUNE_HOME, or name a shorter socket with daemon.socket (MOETUNE_DAEMON_SOCKET) for "
+            "the daemon and its clients alike")
+
+
 def check_endpoint(endpoint: str, what: str) -> None:
     """A clear error for an endpoint ZeroMQ would reject with a cryptic one (or accept by surprise): the bind rule of
-    `paths.endpoint_problem`, naming `what` (the option or config key)."""
+    `paths.endpoint_problem`, naming `what` (the option or config key), with `long_socket_hint`."""
     why = endpoint_problem(endpoint, bind=True)
     if why is not None:
-        raise DaemonConfigError(f"{what} {endpoint!r}: {why}")
+        raise DaemonConfigError(f"{what} {endpoint!r}: {why}{long_socket_hint(endpoint, what)}")
 
 
 def derive_pub_endpoint(endpoint: str) -> str:

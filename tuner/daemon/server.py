@@ -1050,6 +1050,11 @@ def run_daemon(
     endpoint = socket or d.socket
     # --socket alone: its PUB beside it (the rule load_config applies to a socket set without pub_socket)
     pub = pub_socket or (derive_pub_endpoint(endpoint) if socket or not d.pub_socket else d.pub_socket)
+    # here, before the database is opened (and created): the Daemon's own check came after `created moetune's tables`.
+    # Named as the user set them; a socket left to its default (too long under a deep $MOETUNE_HOME) gets the hint
+    check_endpoint(endpoint, "--socket" if socket else f"daemon.socket ({cfg.origin_of('daemon', 'socket')})")
+    check_endpoint(pub, "--pub-socket" if pub_socket else
+                   "--pub-socket (default: events.sock beside --socket)" if socket else f"daemon.pub_socket ({cfg.origin_of('daemon', 'pub_socket')})")
     db_path = db or cfg.store.db
     db_lock: int | None = None
     run_lock: int | None = None
