@@ -33,7 +33,7 @@ def _run(*args: str):
         (["tune", "--model", "qwen3-30b", "--tokens", "0"], "must be integers >= 1"),
         (["tune", "--model", "qwen3-30b", "--backend", "cloud"], "expected model or local"),
         (["tune", "--model", "nonsense-7b"], "unknown model"),
-        (["tune", "--model", "qwen3-30b", "--trials", "0"], "must be >= 1"),
+        (["tune", "--model", "qwen3-30b", "--trials", "0"], "must be 1 to 100000, got 0"),
         # every list option's parse error names the option (one parser: tuner/cli/_args.py)
         (["bench", "moe", "--tokens", "1,x"], "--tokens: expected comma-separated integers, got '1,x'"),
         (["bench", "knobs", "--vs", "a=mk_bm=16", "--tokens", "16;1"], "--tokens: expected comma-separated integers"),
