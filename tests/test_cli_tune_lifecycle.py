@@ -378,7 +378,7 @@ def test_tune_names_seed_out_of_range(tmp_path: Path, seed: str) -> None:
 
 @pytest.mark.parametrize(("args", "words"), [
     (["--model", "foo"], "error: --model: unknown model 'foo'; known: qwen3-30b, gpt-oss-120b, deepseek-v3"),
-    (["--trials", "0"], "error: --trials must be an integer >= 1, got 0"),
+    (["--trials", "0"], "error: --trials must be an integer from 1 to 100000, got 0"),
     (["--tokens", "0,16"], "error: --tokens: token counts must be integers >= 1, got '0,16'"),
 ])
 def test_profile_names_the_one_bad_option(tmp_path: Path, args: list[str], words: str) -> None:
