@@ -328,3 +328,15 @@ def test_a_model_tune_stores_the_policy_default_for_knobs_the_model_cannot_tell_
     defaults = load_policy("host_staged").defaults.to_dict()
     ignored = set(Knobs.__struct_fields__) - KNOBS_READ["host_staged"]
     assert ignored and {n: rec.knobs.to_dict()[n] for n in ignored} == {n: defaults[n] for n in ignored}
+
+
+@pytest.mark.parametrize("trials", [0, 100_001, 10**20])
+def test_tune_profiles_refuses_a_trial_count_out_of_bounds_before_any_study(trials: int) -> None:
+    """The library entry keeps the bound the CLI, config and plan keep (runtime.config.MAX_TRIALS): 10**20 trials
+    started a study that never ended."""
+    from moetune.runtime.config import MAX_TRIALS
+    from moetune.runtime.shapes import get_model
+    from moetune.tuner.search.tune import tune_profiles_detailed
+
+    with pytest.raises(ValueError, match=f"trials must be 1 to {MAX_TRIALS}, got {trials}"):
+        tune_profiles_detailed(None, None, models=[get_model("qwen3-30b")], tokens=[128], trials=trials)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import optuna
 
+from moetune.runtime.config import MAX_TRIALS
 from moetune.runtime.knobs import KnobError, Knobs
 from moetune.runtime.profile_record import (
     COMM_METRIC,
@@ -366,8 +367,8 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
     does not use passes on to the next ones. A study that does not finish its trials in its share is cut there (a
     rerun resumes it); before, the first study could take the whole budget on every rerun, and the later buckets
     never started. Each result says its share and the time it took (`budget_s`, `used_s`)."""
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
+    if not 1 <= trials <= MAX_TRIALS:  # the bound the CLI, config and plan keep: 10**20 trials never ends
+        raise ValueError(f"trials must be 1 to {MAX_TRIALS}, got {trials}")
     if not all(c.isascii() and (c.isalnum() or c in "_-") for c in study_tag):
         raise ValueError(f"study_tag must be letters, digits, '_' or '-', got {study_tag!r}")
     if not models or not tokens:
