@@ -300,8 +300,10 @@ def _same(d1: tuple[float, ...], d2: tuple[float, ...]) -> bool:
     """Every pair within 1e-9 relative (1e-9 absolute below 1): |x - y| <= 1e-9 * max(1, |x|, |y|).
 
     math.isclose computes that very bound (a positive factor keeps the max), in C: this runs for every simulated
-    period, and the calibration fit spent a fifth of its time in the Python form. It differs only for x == y == inf
-    (isclose: close), which two consecutive periods' changes cannot both be (the second would be inf - inf)."""
+    period, and the calibration fit spent a fifth of its time in the Python form. It differs only where a change is
+    infinite: x == y == inf (isclose: close; the Python form: inf - inf is nan, not close) and an infinite x beside
+    another y (isclose: not close; the Python form: inf <= 1e-9 * inf, close). Finite changes, the only ones a
+    period of finite times makes, get the same answer, so the predictions are bit-identical."""
     for x, y in zip(d1, d2, strict=True):  # noqa: SIM110 (a loop: all(<generator>) is slower on this hot path)
         if not _isclose(x, y, rel_tol=1e-9, abs_tol=1e-9):
             return False
