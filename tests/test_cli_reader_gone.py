@@ -45,3 +45,17 @@ def test_a_command_failing_for_its_own_reason_keeps_its_status(tmp_path: Path) -
     """Only a broken output becomes 141: a refusal (exit 2) says its reason on stderr as before."""
     r = _run_into_a_closed_pipe(["profiles", "show", "1", "--db", str(tmp_path / "none.db")], tmp_path)
     assert r.returncode == 2 and "no database" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_a_failure_with_stdout_on_dev_null_and_stderr_a_pipe_keeps_its_exit_1(tmp_path: Path) -> None:
+    """`moetune status >/dev/null` with stderr a pipe (a script keeping only the errors, a service's journal): no
+    daemon is a failure, exit 1 with its reason. stdout being /dev/null from the start read as Rich's redirect after
+    a broken pipe, and the exit 1 became a silent-looking 141."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"),
+           "MOETUNE_CONFIG": "", "COLUMNS": "80"}
+    r = subprocess.run([sys.executable, "-m", "moetune.tuner.cli", "status", "--socket",
+                        f"ipc://{tmp_path / 'none.sock'}", "--timeout-ms", "50"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, env=env, timeout=240)
+    assert r.returncode == 1 and "none.sock" in r.stderr, (r.returncode, r.stderr)

@@ -115,12 +115,22 @@ def _reader_gone() -> bool:
     return False
 
 
-def _rich_met_a_broken_pipe(pipes_at_start: set[tuple[int, int]]) -> bool:
-    """Whether stdout was a pipe and is now /dev/null: Rich's catch of BrokenPipeError (`Console.on_broken_pipe`)
-    points stdout at /dev/null and raises SystemExit(1), which leaves `_reader_gone` nothing to see."""
+def _stdout_id() -> tuple[int, int] | None:
+    """(device, inode) of stdout (None where fd 1 is closed): what `_rich_met_a_broken_pipe` compares with."""
+    with contextlib.suppress(OSError):
+        st = os.fstat(1)
+        return st.st_dev, st.st_ino
+    return None
+
+
+def _rich_met_a_broken_pipe(pipes_at_start: set[tuple[int, int]], stdout_at_start: tuple[int, int] | None) -> bool:
+    """Whether stdout was pointed at /dev/null while the command ran, stdout or stderr being a pipe at the start:
+    Rich's catch of BrokenPipeError (`Console.on_broken_pipe`) does that and raises SystemExit(1), which leaves
+    `_reader_gone` nothing to see. A stdout that was /dev/null from the start is no sign of it (`>/dev/null` beside
+    a piped stderr, a script keeping only the errors): there a command's own exit 1 turned into a silent 141."""
     with contextlib.suppress(OSError):
         now, null = os.fstat(1), os.stat(os.devnull)
-        return bool(pipes_at_start) and (now.st_dev, now.st_ino) not in pipes_at_start \
+        return bool(pipes_at_start) and (now.st_dev, now.st_ino) != stdout_at_start \
             and (now.st_rdev, now.st_ino) == (null.st_rdev, null.st_ino)
     return False
 
@@ -146,7 +156,7 @@ def run() -> None:
     # the command the usual way.
     logging.getLogger("sqlalchemy.pool").addHandler(logging.NullHandler())
     _output_encodes_anything()
-    pipes = _pipe_ids()
+    pipes, stdout_at_start = _pipe_ids(), _stdout_id()
     try:
         try:
             app()
@@ -164,7 +174,7 @@ def run() -> None:
         # word: `moetune profile --help | head -1` exited 1. Where the reader is gone, 141, as a Unix tool
         # (only there: a command's own exit 1 stays 1, its reason on stderr, whatever became of its reader)
         typer_epipe = type(sys.stdout).__name__ == "PacifyFlushWrapper" and _reader_gone()
-        if e.code == 1 and (typer_epipe or _rich_met_a_broken_pipe(pipes)):
+        if e.code == 1 and (typer_epipe or _rich_met_a_broken_pipe(pipes, stdout_at_start)):
             _end_quietly()
         raise
     except OSError as e:
