@@ -90,5 +90,27 @@ def test_a_socket_given_too_long_gets_no_moetune_home_hint(tmp_path: Path) -> No
     with pytest.raises(DaemonConfigError) as e:
         check_endpoint(long, "--socket")
     assert "MOETUNE_HOME" not in str(e.value) and "at most 107 bytes" in str(e.value)
-    with pytest.raises(DaemonConfigError, match="use a shorter MOETUNE_HOME"):
+    # outside moetune's runtime folder: the hint names the key to set, not MOETUNE_HOME (the test below)
+    with pytest.raises(DaemonConfigError, match=r"name a shorter socket with daemon\.socket"):
         check_endpoint(long, "daemon.socket (defaults)")
+
+
+def test_a_long_socket_set_by_a_variable_is_not_called_the_default(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOETUNE_DAEMON_SOCKET (or a file) naming a socket too long got the default socket's hint: "it is the default
+    under $MOETUNE_HOME/run ...: use a shorter MOETUNE_HOME", which neither is nor helps. That hint is for a socket in
+    moetune's runtime folder; one set elsewhere is told to name a shorter one."""
+    from moetune.tuner.daemon.endpoints import check_endpoint
+    from moetune.tuner.daemon.errors import DaemonConfigError
+
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    mine = f"ipc://{tmp_path / ('s' * 120) / 'daemon.sock'}"
+    with pytest.raises(DaemonConfigError) as e:
+        check_endpoint(mine, "daemon.socket (environment variable MOETUNE_DAEMON_SOCKET)")
+    said = str(e.value)
+    assert "MOETUNE_HOME" not in said and "the default" not in said, said
+    assert "name a shorter socket with daemon.socket" in said, said
+    deep = tmp_path / ("h" * 110)
+    monkeypatch.setenv("MOETUNE_HOME", str(deep))
+    with pytest.raises(DaemonConfigError, match="use a shorter MOETUNE_HOME"):
+        check_endpoint(f"ipc://{deep / 'run' / 'daemon.sock'}", "daemon.socket (defaults)")

@@ -31,14 +31,18 @@ def long_socket_hint(endpoint: str, what: str) -> str:
     one an option named: `what` starting with "--", which the user typed and can shorten): a deep $MOETUNE_HOME made
     every daemon command, and `serve`, refuse a socket the user never set. The one hint of `serve`, `query` and
     `status`."""
-    from moetune.runtime.paths import MAX_IPC_PATH_BYTES
+    from moetune.runtime.paths import MAX_IPC_PATH_BYTES, runtime_dir_candidates
 
     p = ipc_path(endpoint)
     if what.startswith("--") or p is None or len(str(p).encode()) <= MAX_IPC_PATH_BYTES:
         return ""
-    return ("; unless set in a config file, it is the default under $MOETUNE_HOME/run (or $XDG_RUNTIME_DIR/moetune): "
-            "use a shorter MOETUNE_HOME, or name a shorter socket with daemon.socket (MOETUNE_DAEMON_SOCKET) for "
-            "the daemon and its clients alike")
+    shorter = "name a shorter socket with daemon.socket (MOETUNE_DAEMON_SOCKET) for the daemon and its clients alike"
+    # only a socket in moetune's runtime folder is helped by a shorter MOETUNE_HOME: one a file or a variable set
+    # elsewhere was told "it is the default under $MOETUNE_HOME/run", which it is not
+    if p.parent in runtime_dir_candidates():
+        return ("; it lies in moetune's runtime folder, $MOETUNE_HOME/run (or $XDG_RUNTIME_DIR/moetune), where the "
+                f"default socket goes: use a shorter MOETUNE_HOME, or {shorter}")
+    return f"; it is set in a config file or a variable, not moetune's default: {shorter}"
 
 
 def check_endpoint(endpoint: str, what: str) -> None:
