@@ -114,3 +114,19 @@ def test_a_long_socket_set_by_a_variable_is_not_called_the_default(tmp_path: Pat
     monkeypatch.setenv("MOETUNE_HOME", str(deep))
     with pytest.raises(DaemonConfigError, match="use a shorter MOETUNE_HOME"):
         check_endpoint(f"ipc://{deep / 'run' / 'daemon.sock'}", "daemon.socket (defaults)")
+
+
+def test_status_names_the_daemon_socket_variable_a_too_long_client_socket_came_from(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's socket defaults to the daemon's: a too-long MOETUNE_DAEMON_SOCKET made `status` refuse
+    "client.socket (config)", a key the user never set. The error names the variable the socket came from."""
+    monkeypatch.chdir(tmp_path)
+    sock = tmp_path / ("s" * 120) / "d.sock"
+    env = {"MOETUNE_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "MOETUNE_CONFIG": "",
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_RUNTIME_DIR": "", "COLUMNS": "400",
+           "MOETUNE_DAEMON_SOCKET": f"ipc://{sock}"}
+    r = CliRunner().invoke(app, ["status", "--timeout-ms", "50"], env=env)
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "invalid daemon.socket (environment variable MOETUNE_DAEMON_SOCKET" in flat and "client.socket (config)" not in flat, flat
+    assert "Traceback" not in flat, flat

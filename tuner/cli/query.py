@@ -125,6 +125,17 @@ def check_family(family: str, ep: int, nodes: int) -> None:
                                  f"{nodes}", param_hint="--family")
 
 
+def _client_socket_origin(cfg: Any) -> str:
+    """Where the client's endpoint came from, as an error names it: client.socket where a file or variable set it;
+    else the daemon's socket it inherits (`status` named `client.socket (config)` for a MOETUNE_DAEMON_SOCKET the
+    user set, a key the user never touched)."""
+    if cfg.configured("client", "socket"):
+        return f"client.socket ({cfg.origin_of('client', 'socket')})"
+    if cfg.configured("daemon", "socket"):
+        return f"daemon.socket ({cfg.origin_of('daemon', 'socket')}; the client's socket while client.socket is unset)"
+    return "the default daemon socket (client.socket and daemon.socket unset)"
+
+
 def make_client(socket: str | None, config: Path | None, timeout_ms: int | None, db: Path | None = None,
                 falls_back: bool = False) -> Any:
     """The CLI's profile client. `falls_back` (query): a configured or default endpoint no client can connect to
@@ -138,7 +149,7 @@ def make_client(socket: str | None, config: Path | None, timeout_ms: int | None,
     check_timeout_ms(timeout_ms)
     cfg = _config(config)
     endpoint = socket if socket is not None else cfg.client.socket
-    where = "--socket" if socket is not None else "client.socket (config)"
+    where = "--socket" if socket is not None else _client_socket_origin(cfg)
     if socket is not None or not falls_back:
         check_socket(endpoint, where)
     server_key = None
