@@ -330,13 +330,19 @@ def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
         return real_finish(self, run_id, **kw)
 
     type(store).finish_run = finish_run  # type: ignore[method-assign]
+    # past the stop's wait for this worker: held until the stop, its wait over, calls finish_run
+    return _profiles_in_one_held_transaction(ctx, stop_finishes.wait)
+
+
+def _profiles_in_one_held_transaction(ctx: Any, hold: Callable[[float], Any]) -> list[ProfileRecord]:
+    """Every key's profile written in one transaction (the write lock) kept open by `hold(MOETUNE_FAKE_JOB_SLEEP s)`,
+    then committed; each step printed for the test to wait on."""
     out = []
-    with store.atomic():  # the write lock, held through the stop's wait
+    with ctx.store.atomic():
         for k in ctx.keys:
             out.append(_put_nvlink_profile(ctx, k))
         print("moetune test: the re-tune job holds its transaction", flush=True)
-        # past the stop's wait for this worker: held until the stop, its wait over, calls finish_run
-        stop_finishes.wait(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
+        hold(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
     print("moetune test: the re-tune job committed its profiles", flush=True)
     return out
 
@@ -344,14 +350,7 @@ def retune_commits_past_stop(ctx: Any) -> list[ProfileRecord]:
 def retune_holds_its_transaction(ctx: Any) -> list[ProfileRecord]:
     """A re-tune that writes its profiles in one transaction and, ignoring cancellation, keeps it open for
     MOETUNE_FAKE_JOB_SLEEP s (a measurement in C inside it): the stop waited 5 s for it, then behind it."""
-    out = []
-    with ctx.store.atomic():
-        for k in ctx.keys:
-            out.append(_put_nvlink_profile(ctx, k))
-        print("moetune test: the re-tune job holds its transaction", flush=True)
-        time.sleep(float(os.environ.get("MOETUNE_FAKE_JOB_SLEEP", "20")))
-    print("moetune test: the re-tune job committed its profiles", flush=True)
-    return out
+    return _profiles_in_one_held_transaction(ctx, time.sleep)
 
 
 # -- running the daemon as a subprocess ---------------------------------------------------------------

@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,28 +63,36 @@ def test_a_stopped_daemon_leaves_its_database_whole(tmp_path: Path, sig: int) ->
     assert left == [], (left, d.read_log()[-2000:])
 
 
+@contextlib.contextmanager
+def _retuning_daemon(tmp_path: Path, hook: str, reason: str,
+                     env: dict[str, str] | None = None) -> Iterator[tuple[F.DaemonProc, ProfileClient]]:
+    """A daemon over a database seeded with three current profiles whose `--retune-hook daemon_fakes:<hook>` runs a
+    re-tune of them all, asked for here; killed (9) on the way out, whatever happened."""
+    facts = F.make_capture(tmp_path / "capture")
+    store = F.open_store(tmp_path / "moetune.db")
+    F.seed_profiles(store, facts)
+    store.close()  # the daemon's close is the last one: nothing of this test holds the file
+    d = F.DaemonProc(tmp_path, extra=["--retune-hook", f"daemon_fakes:{hook}"], env=env)
+    try:
+        d.wait_ready()
+        c = ProfileClient(d.endpoint, timeout_ms=3000)
+        c.retune(all=True, reason=reason)
+        yield d, c
+    finally:
+        d.kill(9)
+
+
 def test_a_stop_that_outlasts_a_job_leaves_its_store_open(tmp_path: Path) -> None:
     """A re-tune that ignores cancellation outlives stop()'s wait for the job worker (5 s). The store was closed under
     it all the same: the job then wrote through a fresh connection (SQLAlchemy reopens a disposed engine) that the
     exiting process never closed, so the close checkpointed nothing and said nothing. A worker still running keeps the
     store open now, and the log says so; the stop is still clean (143, no traceback) and the job's transaction is
     all or nothing, left `started` for the next daemon to resume."""
-    facts = F.make_capture(tmp_path / "capture")
-    store = F.open_store(tmp_path / "moetune.db")
-    F.seed_profiles(store, facts)
-    store.close()  # the daemon's close is the last one: nothing of this test holds the file
-    d = F.DaemonProc(tmp_path, extra=["--retune-hook", "daemon_fakes:retune_past_stop"],
-                     env={"MOETUNE_FAKE_JOB_SLEEP": "20"})
-    try:
-        d.wait_ready()
-        c = ProfileClient(d.endpoint, timeout_ms=3000)
-        c.retune(all=True, reason="outlives the stop")
+    with _retuning_daemon(tmp_path, "retune_past_stop", "outlives the stop", {"MOETUNE_FAKE_JOB_SLEEP": "20"}) as (d, c):
         F.until(lambda: (j := c.status().jobs.running) is not None and j.run_id is not None)
         c.close()
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(30) == 143, d.read_log()[-3000:]
-    finally:
-        d.kill(9)
     log = d.read_log()
     assert "Traceback" not in log, log[-3000:]
     assert "the store was closed while a re-tune job still ran" not in log, log[-3000:]
@@ -104,21 +114,11 @@ def test_a_job_that_commits_past_the_stop_stays_done(tmp_path: Path) -> None:
     its job_finished written). The stop's finish_run("failed"), queued on the store's lock meanwhile, ran after those
     and overwrote the row: `failed` beside a job_finished that says its profiles were written. The stop's finish_run
     now changes a run only while it is still `running`."""
-    facts = F.make_capture(tmp_path / "capture")
-    store = F.open_store(tmp_path / "moetune.db")
-    F.seed_profiles(store, facts)
-    store.close()
-    d = F.DaemonProc(tmp_path, extra=["--retune-hook", "daemon_fakes:retune_commits_past_stop"])
-    try:
-        d.wait_ready()
-        c = ProfileClient(d.endpoint, timeout_ms=3000)
-        c.retune(all=True, reason="commits past the stop")
+    with _retuning_daemon(tmp_path, "retune_commits_past_stop", "commits past the stop") as (d, c):
         F.until(lambda: "the re-tune job holds its transaction" in d.read_log())
         c.close()
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(40) == 143, d.read_log()[-3000:]
-    finally:
-        d.kill(9)
     log = d.read_log()
     assert "Traceback" not in log, log[-3000:]
     assert "the re-tune job committed its profiles" in log, log[-3000:]
@@ -139,24 +139,14 @@ def test_a_stop_does_not_wait_behind_a_jobs_open_transaction(tmp_path: Path) -> 
     `started` (its run `running`) as a kill -9 leaves it, and the next start resumes it."""
     from moetune.tuner.daemon.recovery import recover_jobs
 
-    facts = F.make_capture(tmp_path / "capture")
-    store = F.open_store(tmp_path / "moetune.db")
-    F.seed_profiles(store, facts)
-    store.close()
-    d = F.DaemonProc(tmp_path, extra=["--retune-hook", "daemon_fakes:retune_holds_its_transaction"],
-                     env={"MOETUNE_FAKE_JOB_SLEEP": "20"})
-    try:
-        d.wait_ready()
-        c = ProfileClient(d.endpoint, timeout_ms=3000)
-        c.retune(all=True, reason="holds its transaction")
+    with _retuning_daemon(tmp_path, "retune_holds_its_transaction", "holds its transaction",
+                          {"MOETUNE_FAKE_JOB_SLEEP": "20"}) as (d, c):
         F.until(lambda: "the re-tune job holds its transaction" in d.read_log())
         c.close()
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(40) == 143, d.read_log()[-3000:]
         took = time.monotonic() - t0
-    finally:
-        d.kill(9)
     log = d.read_log()
     assert took < 3.0, f"the stop took {took:.1f} s: {log[-3000:]}"
     assert "Traceback" not in log and "committed its profiles" not in log, log[-3000:]

@@ -88,17 +88,16 @@ def _output_encodes_anything() -> None:
 EXIT_READER_GONE = 141
 
 
-def _pipe_ids() -> set[tuple[int, int]]:
-    """(device, inode) of stdout and stderr where each is a pipe or a socket: what `_reader_gone` compares with."""
+def _piped() -> bool:
+    """Whether stdout or stderr is a pipe or a socket: where a reader can go away (`_rich_met_a_broken_pipe`)."""
     import stat
 
-    ids = set()
     for fd in (1, 2):
         with contextlib.suppress(OSError):
-            st = os.fstat(fd)
-            if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
-                ids.add((st.st_dev, st.st_ino))
-    return ids
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+                return True
+    return False
 
 
 def _reader_gone() -> bool:
@@ -123,14 +122,14 @@ def _stdout_id() -> tuple[int, int] | None:
     return None
 
 
-def _rich_met_a_broken_pipe(pipes_at_start: set[tuple[int, int]], stdout_at_start: tuple[int, int] | None) -> bool:
+def _rich_met_a_broken_pipe(piped_at_start: bool, stdout_at_start: tuple[int, int] | None) -> bool:
     """Whether stdout was pointed at /dev/null while the command ran, stdout or stderr being a pipe at the start:
     Rich's catch of BrokenPipeError (`Console.on_broken_pipe`) does that and raises SystemExit(1), which leaves
     `_reader_gone` nothing to see. A stdout that was /dev/null from the start is no sign of it (`>/dev/null` beside
     a piped stderr, a script keeping only the errors): there a command's own exit 1 turned into a silent 141."""
     with contextlib.suppress(OSError):
         now, null = os.fstat(1), os.stat(os.devnull)
-        return bool(pipes_at_start) and (now.st_dev, now.st_ino) != stdout_at_start \
+        return piped_at_start and (now.st_dev, now.st_ino) != stdout_at_start \
             and (now.st_rdev, now.st_ino) == (null.st_rdev, null.st_ino)
     return False
 
@@ -156,7 +155,7 @@ def run() -> None:
     # the command the usual way.
     logging.getLogger("sqlalchemy.pool").addHandler(logging.NullHandler())
     _output_encodes_anything()
-    pipes, stdout_at_start = _pipe_ids(), _stdout_id()
+    piped, stdout_at_start = _piped(), _stdout_id()
     try:
         try:
             app()
@@ -174,7 +173,7 @@ def run() -> None:
         # word: `moetune profile --help | head -1` exited 1. Where the reader is gone, 141, as a Unix tool
         # (only there: a command's own exit 1 stays 1, its reason on stderr, whatever became of its reader)
         typer_epipe = type(sys.stdout).__name__ == "PacifyFlushWrapper" and _reader_gone()
-        if e.code == 1 and (typer_epipe or _rich_met_a_broken_pipe(pipes, stdout_at_start)):
+        if e.code == 1 and (typer_epipe or _rich_met_a_broken_pipe(piped, stdout_at_start)):
             _end_quietly()
         raise
     except OSError as e:

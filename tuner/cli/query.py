@@ -46,20 +46,14 @@ def check_socket(endpoint: str, where: str, *, bind: bool = False) -> None:
     else with a bare "Invalid argument" traceback."""
     from moetune.runtime.paths import endpoint_problem
     from moetune.tuner.cli.db import fail
+    from moetune.tuner.daemon.endpoints import long_socket_hint
 
     # inproc:// is left out for `serve` too: no daemon of another process is reachable there
     if not endpoint.startswith(("ipc://", "tcp://")):
         raise fail(f"invalid {where} {endpoint!r}: expected ipc:///absolute/path or tcp://HOST:PORT")
     why = endpoint_problem(endpoint, bind=bind)  # a relative path, a bad port, too long a path; tcp://* for a client
     if why is not None:
-        raise fail(f"invalid {where} {endpoint!r}: {why}{_long_socket_hint(endpoint, where)}")
-
-
-def _long_socket_hint(endpoint: str, where: str) -> str:
-    """`endpoints.long_socket_hint`: what to do about a configured or default IPC socket too long for a unix socket."""
-    from moetune.tuner.daemon.endpoints import long_socket_hint
-
-    return long_socket_hint(endpoint, where)
+        raise fail(f"invalid {where} {endpoint!r}: {why}{long_socket_hint(endpoint, where)}")
 
 
 def check_timeout_ms(timeout_ms: int | None) -> None:
