@@ -137,18 +137,3 @@ def _nothing_left_owned_by_another_uid(request: pytest.FixtureRequest) -> Iterat
                 st = os.lstat(path)
                 if st.st_uid != uid or st.st_gid != gid:
                     os.lchown(path, uid, gid)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Byte-compile the project once per run (in xdist's controller, or a run without xdist) where
-    PYTHONDONTWRITEBYTECODE is set (as on this project's development machine): there every CLI subprocess and
-    spawned rank compiled moetune from source again (tests/test_runtime_errors.py alone on a busy 2-core machine:
-    66.5 user CPU-s, 63.0 with this compile included, 59.0 with the files already there). A child still reads the
-    files the variable keeps it from writing; compileall writes only what Python writes by default."""
-    if hasattr(config, "workerinput") or not os.environ.get("PYTHONDONTWRITEBYTECODE"):
-        return
-    import compileall
-
-    root = Path(__file__).resolve().parents[1]
-    for d in ("runtime", "tuner", "policies", "migrations", "tests"):
-        compileall.compile_dir(str(root / d), quiet=1)
