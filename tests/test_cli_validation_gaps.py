@@ -314,6 +314,24 @@ def test_status_says_the_daemon_refused_this_clients_key(tmp_path: Path, curve_d
         assert why in flat(r.output) and "no reply" not in r.output, r.output
 
 
+def test_status_says_the_server_key_is_not_the_daemons(tmp_path: Path, curve_daemon) -> None:
+    """An allowed client whose client.curve_server_key_file holds another key than the daemon's public key (an
+    operator's copy of the wrong file): the daemon breaks off the handshake, which read as "no reply", the same as
+    no daemon at all, naming neither the key file nor what to check."""
+    from moetune.tuner.cli.keys import generate_keys
+
+    endpoint, _, alice_secret = curve_daemon
+    other_pub, _ = generate_keys(tmp_path / "other", "other")  # a valid public key, not this daemon's
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{other_pub}"\n'
+                   f'curve_secret_key_file = "{alice_secret}"\n')
+    r = run("status", "--config", str(cfg), "--timeout-ms", "1000", home=tmp_path / "h")
+    no_traceback(r)
+    out = flat(r.output)
+    assert r.exit_code == 1 and "no reply" not in out, r.output
+    assert f"the daemon at {endpoint} broke off the CURVE handshake" in out and str(other_pub) in out, r.output
+
+
 @pytest.mark.parametrize("cmd", [["status"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]])
 def test_tcp_without_the_daemons_key_is_said_once(tmp_path: Path, cmd: list[str]) -> None:
     import subprocess

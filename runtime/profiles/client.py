@@ -73,6 +73,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from moetune.runtime import _once, wire
 from moetune.runtime.config import (
@@ -285,6 +286,7 @@ class ProfileClient:
         self._refusal: str | None = None
         self._allow_insecure_tcp = allow_insecure_tcp
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
+        self._server_key_file = ""  # where the daemon's public key was read (named when the handshake breaks off)
         own_file = cfg.curve_secret_key_file if cfg else ""
         bad_endpoint = endpoint_problem(self.endpoint, bind=False)  # zmq's bare "Invalid argument" reached the caller
         if bad_endpoint is not None:
@@ -294,6 +296,7 @@ class ProfileClient:
             if curve_server_key is None and key_file:
                 try:
                     curve_server_key, _, st = read_curve_key_file_stat(key_file)
+                    self._server_key_file = key_file
                     warn_loose_server_key(key_file, st)  # the file read, not what is at its path now
                 except ValueError as e:
                     self._refusal = f"the daemon's CURVE public key file {key_file} {e}"
@@ -323,6 +326,8 @@ class ProfileClient:
         # CURVE only: the daemon's ZAP handler refusing this client's key shows only as a failed handshake here
         self._mon: zmq.Socket | None = None
         self._key_refused = False
+        # the daemon broke off the handshake without refusing the key: what a wrong daemon public key looks like
+        self._handshake_dropped = False
         self._sub: zmq.Socket | None = None
         self.sub_endpoint: str | None = None  # where the SUB socket connected (`subscribe`)
         self.epoch: str | None = None
@@ -346,7 +351,9 @@ class ProfileClient:
                     # A name of its own: pyzmq's default (inproc://monitor.s-<fd>) can still be bound by the monitor
                     # of a socket just closed on a retry when the new socket gets the same fd.
                     try:
-                        self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                        self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                                         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                                                          addr=f"inproc://moetune-client-monitor-{next(_MONITOR_IDS)}")
                     except zmq.ZMQError as e:
                         log.debug("no handshake monitor for %s (%s): a refused key reads as no reply", self.endpoint, e)
@@ -363,7 +370,17 @@ class ProfileClient:
 
     def _reset(self) -> None:
         if self._mon is not None:
-            self._key_refused |= bool(self._mon.poll(0))  # the only event it listens for
+            # AUTH: the ZAP handler refused our key. NO_DETAIL/PROTOCOL: the daemon could not read our HELLO, which
+            # is encrypted to the server key we were given: not the daemon's own (or a daemon without CURVE).
+            while self._mon.poll(0):
+                try:
+                    event = recv_monitor_message(self._mon, zmq.NOBLOCK)["event"]
+                except zmq.ZMQError:
+                    break
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._key_refused = True
+                else:
+                    self._handshake_dropped = True
             self._mon.close(linger=0)
             self._mon = None
         if self._sock is not None:
@@ -417,7 +434,7 @@ class ProfileClient:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
         budget = min(timeout_ms if timeout_ms is not None else self.timeout_ms, MAX_CLIENT_TIMEOUT_MS) / 1000.0
         self._check_endpoint()
-        self._key_refused = False
+        self._key_refused = self._handshake_dropped = False
         deadline = time.monotonic() + budget
         attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
@@ -460,6 +477,11 @@ class ProfileClient:
                                         "own (set client.curve_secret_key_file to a key on the daemon's allow-list: "
                                         "`moetune keys client`)")
             raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?)")
+        if self._handshake_dropped:
+            source = self._server_key_file or "the CURVE server key it was given"
+            raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the CURVE handshake: {source} is not "
+                                    "that daemon's public key (give the client the NAME.key beside the daemon's "
+                                    "curve_secret_key_file), or the daemon there does not use CURVE")
         stale = stale_daemon_reason(self.endpoint)  # a killed daemon's socket: say so, not "no reply" (slow)
         if stale is not None:
             raise DaemonUnavailable(stale)
