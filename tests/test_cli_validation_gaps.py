@@ -332,6 +332,23 @@ def test_status_says_the_server_key_is_not_the_daemons(tmp_path: Path, curve_dae
     assert f"the daemon at {endpoint} broke off the CURVE handshake" in out and str(other_pub) in out, r.output
 
 
+def test_status_says_nothing_listens_on_the_tcp_endpoint(tmp_path: Path) -> None:
+    """A CURVE client whose TCP daemon is down (stopped, killed): the connection is refused, which read as "no reply
+    within N ms", saying neither that nothing listens there nor what to do."""
+    from moetune.runtime.testing.launch import free_port
+    from moetune.tuner.cli.keys import generate_keys
+
+    server_pub, _ = generate_keys(tmp_path / "keys")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{server_pub}"\n')
+    r = run("status", "--config", str(cfg), "--timeout-ms", "1000", home=tmp_path / "h")
+    no_traceback(r)
+    out = flat(r.output)
+    assert r.exit_code == 1 and "no reply" not in out, r.output
+    assert f"nothing accepts connections at {endpoint}" in out and "moetune serve" in out, r.output
+
+
 @pytest.mark.parametrize("cmd", [["status"], ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "16"]])
 def test_tcp_without_the_daemons_key_is_said_once(tmp_path: Path, cmd: list[str]) -> None:
     import subprocess

@@ -328,6 +328,8 @@ class ProfileClient:
         self._key_refused = False
         # the daemon broke off the handshake without refusing the key: what a wrong daemon public key looks like
         self._handshake_dropped = False
+        # connections refused and none made: nothing listens on the tcp:// endpoint (a daemon stopped or killed)
+        self._connected = self._connect_retried = False
         self._sub: zmq.Socket | None = None
         self.sub_endpoint: str | None = None  # where the SUB socket connected (`subscribe`)
         self.epoch: str | None = None
@@ -353,7 +355,8 @@ class ProfileClient:
                     try:
                         self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                                         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                                         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                         | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED,
                                                          addr=f"inproc://moetune-client-monitor-{next(_MONITOR_IDS)}")
                     except zmq.ZMQError as e:
                         log.debug("no handshake monitor for %s (%s): a refused key reads as no reply", self.endpoint, e)
@@ -379,8 +382,19 @@ class ProfileClient:
                     break
                 if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self._key_refused = True
+                elif event == zmq.EVENT_CONNECTED:
+                    self._connected = True
+                elif event == zmq.EVENT_CONNECT_RETRIED:
+                    self._connect_retried = True
                 else:
                     self._handshake_dropped = True
+            if self._sock is not None:
+                # stop the events first: a monitor closed while libzmq still queues CONNECT_RETRIED events to it
+                # keeps sockets alive, and a client retrying often ran out of them ("Too many open files")
+                try:
+                    self._sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
             self._mon.close(linger=0)
             self._mon = None
         if self._sock is not None:
@@ -434,7 +448,7 @@ class ProfileClient:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
         budget = min(timeout_ms if timeout_ms is not None else self.timeout_ms, MAX_CLIENT_TIMEOUT_MS) / 1000.0
         self._check_endpoint()
-        self._key_refused = self._handshake_dropped = False
+        self._key_refused = self._handshake_dropped = self._connected = self._connect_retried = False
         deadline = time.monotonic() + budget
         attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
@@ -482,6 +496,10 @@ class ProfileClient:
             raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the CURVE handshake: {source} is not "
                                     "that daemon's public key (give the client the NAME.key beside the daemon's "
                                     "curve_secret_key_file), or the daemon there does not use CURVE")
+        if self._connect_retried and not self._connected:  # refused, not slow: the request never left this host
+            raise DaemonUnavailable(f"nothing accepts connections at {self.endpoint}: no daemon runs there (stopped "
+                                    "or killed?): start it with `moetune serve`, or point client.socket at the one "
+                                    "that runs")
         stale = stale_daemon_reason(self.endpoint)  # a killed daemon's socket: say so, not "no reply" (slow)
         if stale is not None:
             raise DaemonUnavailable(stale)
