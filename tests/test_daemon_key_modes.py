@@ -147,8 +147,10 @@ def test_tcp_daemon_refuses_key_material_of_another_user(tmp_path: Path, rel: st
     secret, keys = _setup(tmp_path)
     os.chown(keys / rel, 65534, -1)
     d = _daemon(tmp_path, secret)
-    with pytest.raises(DaemonConfigError, match=f"{what} .*owned by uid 65534, not by this daemon's user"):
+    with pytest.raises(DaemonConfigError, match=f"{what} .*owned by uid 65534, not by this daemon's user") as e:
         d.start()
+    # what to do, as the mode refusals say their chmod (it said what was wrong only)
+    assert f"chown {os.geteuid()} {keys / rel}" in str(e.value).replace("/./", "/"), e.value
 
 
 def test_serve_names_the_file_and_mode_without_a_traceback(tmp_path: Path) -> None:

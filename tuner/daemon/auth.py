@@ -50,7 +50,9 @@ def check_key_path(p: Path, what: str, *, forbid: int, risk: str, sticky_ok: boo
     if loose.foreign_owner:
         raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}) is owned by uid {loose.uid}, not by this "
                                 f"daemon's user (uid {os.geteuid()}) or root: that user could change it ({risk}); "
-                                "refusing to use it")
+                                # what to do, as the mode refusal names its chmod: its content is the other user's
+                                f"refusing to use it (e.g. chown {os.geteuid()} {p} as root, once its content is "
+                                "checked)")
     words, fix = _mode_words(loose.loose_bits)
     raise DaemonConfigError(f"the {what} {p} (mode {loose.mode:o}, owner uid {loose.uid}) is {words} by group or "
                             f"others: {risk}; refusing to use it (e.g. chmod go-{fix} {p})")
