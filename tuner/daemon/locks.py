@@ -7,6 +7,8 @@ refusals: DaemonConfigError for a lock file that cannot be used, DaemonBusy for 
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 from moetune.tuner.daemon.errors import DaemonBusy, DaemonConfigError
@@ -22,15 +24,17 @@ from moetune.tuner.store.lock_files import (
 LOCK_SUFFIX = ".moetune-lock"  # ".<socket name>.moetune-lock": flock-ed by the daemon that checks, binds and serves it
 
 
-def _take_lock(path: Path, what: str, busy: str) -> int:
+def _take_lock(path: Path, what: str, busy: str, unwritable: str = "") -> int:
     """`lock_files.take_lock_file` of `path` (this process's pid written in it), its refusals as the daemon says them:
-    DaemonConfigError naming `what` when the file cannot be used, DaemonBusy(`busy`) when another process holds it."""
+    DaemonConfigError naming `what` when the file cannot be used (`unwritable` added where its folder may not be
+    written), DaemonBusy(`busy`) when another process holds it."""
     try:
         return take_lock_file(path)
     except LockFileUnusable as e:
         if e.foreign:
             raise DaemonConfigError(f"{what} {path} is {e.why}: refusing to use it") from None
-        raise DaemonConfigError(f"cannot open {what} {path}: {e.why}") from None
+        hint = f": {unwritable}" if unwritable and e.code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
+        raise DaemonConfigError(f"cannot open {what} {path}: {e.why}{hint}") from None
     except LockHeld:
         raise DaemonBusy(busy) from None
 
@@ -48,7 +52,11 @@ def lock_database(db_path: str | Path) -> int:
     path = daemon_lock_path(db_path)
     return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
                       "locked; or a `moetune db upgrade/downgrade`, `profiles import` or `profiles delete` of it is "
-                      "running)")
+                      "running)",
+                      # an operator's read-only mount or a folder left out of the unit's ReadWritePaths: what to do
+                      unwritable=f"the daemon writes its database and this lock beside it, so {path.parent} must be "
+                      f"writable by its user (uid {os.geteuid()}); serve a database in such a folder (--db, "
+                      "[store] db) or make this one writable")
 
 
 def lock_runs(db_path: str | Path) -> int | None:

@@ -25,10 +25,11 @@ class LockFileUnusable(OSError):
     """The lock file cannot be used: it cannot be opened (`why`: the reason, "it is a symbolic link" for one), or
     (`foreign`) it is not a regular file of this user."""
 
-    def __init__(self, path: Path, why: str, *, foreign: bool = False) -> None:
+    def __init__(self, path: Path, why: str, *, foreign: bool = False, code: int | None = None) -> None:
         self.path = path
         self.why = why
         self.foreign = foreign
+        self.code = code  # the open's errno, when that failed
         super().__init__(f"{path}: {why}")
 
 
@@ -61,7 +62,8 @@ def _open_own(path: Path) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        raise LockFileUnusable(path, "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e))) from None
+        raise LockFileUnusable(path, "it is a symbolic link" if os.path.islink(path) else (e.strerror or str(e)),
+                               code=e.errno) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         os.close(fd)
