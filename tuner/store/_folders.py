@@ -49,6 +49,16 @@ def _own_folder(parent: Path) -> str:
     return f"MOETUNE_HOME ({parent})" if moetune_home() is not None else f"moetune's data folder {parent}"
 
 
+def _denied(p: Path) -> str:
+    """Why `os.access` said no to writing `p`: a read-only mount (where a chmod would change nothing), else
+    permission denied."""
+    try:
+        read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"
+
+
 def not_writable(path: Path, *, side_files: bool = False) -> str:
     """Why this user cannot write the SQLite file `path` ('' when its permissions do not say so): the file is
     read-only for this user, or it does not exist and its folder cannot be written (SQLite cannot create it there).
@@ -59,14 +69,14 @@ def not_writable(path: Path, *, side_files: bool = False) -> str:
     parent = path.parent
     if path.is_file():
         if not os.access(path, os.W_OK):
-            return f"{path} is read-only for this user (permission denied): it cannot be written"
+            return f"{path} is read-only for this user ({_denied(path)}): it cannot be written"
         if not side_files or not _needs_new_side_files(path):
             return ""
     elif path.exists():
         return ""
     if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
         what = f"SQLite's journal for {path.name}" if path.exists() else f"a new database {path.name}"
-        return f"cannot write {parent}: permission denied ({what} cannot be created there)"
+        return f"cannot write {parent}: {_denied(parent)} ({what} cannot be created there)"
     return ""
 
 
