@@ -236,3 +236,28 @@ def test_keys_client_never_writes_over_the_daemons_key_pair(tmp_path: Path) -> N
     assert "--out" in r.output and "the daemon's secret key" in " ".join(r.output.split()), r.output
     assert (public.read_bytes(), secret.read_bytes()) == before
     assert not (keys / "clients").exists()
+
+
+@pytest.mark.parametrize("which", ["socket", "pub_socket"])
+def test_a_tcp_port_in_use_names_the_endpoint_and_what_to_do(tmp_path: Path, which: str) -> None:
+    """A second `moetune serve` on a TCP port another daemon (or program) holds said only zmq's "Address already in
+    use (addr='tcp://...')": it now names the setting and what to do, as a metrics port in use does."""
+    import socket
+
+    secret, _ = _setup(tmp_path)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    try:
+        facts = F.FakeFacts({"gpu_model": "H200"})
+        free = f"tcp://127.0.0.1:{free_port()}"
+        d = Daemon(store=F.open_store(tmp_path / "moetune.db"), discover=lambda: facts, rediscover_interval_s=0,
+                   endpoint=taken if which == "socket" else free, pub_endpoint=taken if which == "pub_socket" else None,
+                   curve_secret_key_file=str(secret))
+        with pytest.raises(DaemonConfigError) as e:
+            d.start()
+    finally:
+        holder.close()
+    msg = str(e.value)
+    assert f"daemon.{which}" in msg and taken in msg and "in use" in msg and "another port" in msg, msg

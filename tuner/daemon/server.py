@@ -535,7 +535,8 @@ class Daemon(FabricWatch):
         elif endpoint.startswith("tcp://"):
             log.warning("INSECURE: listening on %s without CURVE (allow_insecure_tcp)", endpoint)
 
-    def _bind_one(self, s: zmq.Socket, endpoint: str) -> None:
+    def _bind_one(self, s: zmq.Socket, endpoint: str, setting: str) -> None:
+        """Bind `s` at `endpoint`; `setting`: the option that names it, for a TCP address this host refuses."""
         p = self._prepare_ipc(endpoint)
         self._secure(s, endpoint)
         gid = group_id(self.group)
@@ -552,9 +553,16 @@ class Daemon(FabricWatch):
         old = os.umask(0o177)
         try:
             s.bind(f"ipc://{at}" if at is not None else endpoint)
-        except BaseException:
+        except BaseException as e:
             if p is not None:
                 unlink_if(owner_record(p), intent)  # nothing was bound: the record of the intent goes
+            # zmq's "Address already in use (addr=...)" named neither the setting nor what to do (the IPC paths have
+            # their socket locks, which say who holds them)
+            if p is None and isinstance(e, zmq.ZMQError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                why = ("the address is in use: another moetune daemon, or another program, listens there; stop it or "
+                       "choose another port" if e.errno == errno.EADDRINUSE else
+                       f"{os.strerror(e.errno)} (no interface of this host has that address): choose one of this host's")
+                raise DaemonConfigError(f"{setting} {endpoint}: cannot listen: {why}") from None
             raise
         finally:
             os.umask(old)
@@ -605,12 +613,12 @@ class Daemon(FabricWatch):
         r.sndhwm = REPLY_HWM
         r.rcvhwm = max(REQUEST_HWM_MIN, REQUEST_QUEUE_BYTES // (self.max_request_bytes + MAXMSG_SLACK))
         self._router = r
-        self._bind_one(r, self.endpoint)
+        self._bind_one(r, self.endpoint, "daemon.socket (--socket)")
         p = self._ctx.socket(zmq.PUB)
         p.linger = 0
         p.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES)  # a peer's oversized "subscription" drops its connection
         self._pub = p
-        self._bind_one(p, self.pub_endpoint)
+        self._bind_one(p, self.pub_endpoint, "daemon.pub_socket (--pub-socket; default: the socket's port + 1)")
         pull = self._ctx.socket(zmq.PULL)
         pull.linger = 0
         pull.bind(self._list_endpoint)
