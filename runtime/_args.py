@@ -78,10 +78,19 @@ def cuda_device_problem(device: torch.device) -> str | None:
     return None
 
 
+# The activation dtypes the EP buffer and the layers run (a row's payload; the model shapes allow the same three)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def check_dtype(dtype: Any, who: str = "") -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{who}dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
                         f"{dtype!r}")
+    if dtype is not None and dtype not in ACTIVATION_DTYPES:
+        # named here, with the caller: the buffer's later check said "activation dtype ..." without the argument,
+        # and a MoELayer's refusal named neither the layer nor `dtype`
+        raise ValueError(f"{who}dtype must be {', '.join(map(str, ACTIVATION_DTYPES))} (the activation dtype) or None "
+                         f"(the model's), got {dtype}")
 
 
 def check_group(group: Any, who: str = "") -> None:

@@ -32,6 +32,9 @@ def _no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
     (dict(max_tokens=True), TypeError, r"max_tokens must be an int >= 0, got bool"),  # not taken as 1
     (dict(max_tokens=-1), ValueError, r"max_tokens must be >= 0, got -1"),
     (dict(dtype="bfloat16"), TypeError, r"EPBuffer: dtype must be a torch.dtype"),
+    # the argument named ("activation dtype must be ..." said neither `dtype` nor who refused it)
+    (dict(dtype=torch.float64), ValueError, r"EPBuffer: dtype must be torch.bfloat16, torch.float16, torch.float32 .*"
+                                            r"got torch.float64"),
     (dict(device=0.5), TypeError, r"EPBuffer: device must be a torch.device"),
     (dict(dense="no"), TypeError, r"EPBuffer: dense must be a bool or None, got str 'no'"),  # not the dense layout
     (dict(check_inputs="no"), TypeError, r"EPBuffer: check_inputs must be a bool, got str"),  # not taken as true
@@ -42,6 +45,14 @@ def test_epbuffer_names_a_wrong_argument(kw: dict[str, Any], exc: type[Exception
     args: dict[str, Any] = {"group": None, "knobs": Knobs(), "model": M, "max_tokens": 8, "device": "cpu", **kw}
     with pytest.raises(exc, match=match):
         EPBuffer(args.pop("group"), args.pop("knobs"), **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64])
+def test_moelayer_names_a_dtype_it_cannot_run(dtype: torch.dtype) -> None:
+    from moetune.runtime.moe_layer import MoELayer
+
+    with pytest.raises(ValueError, match=rf"^MoELayer: dtype must be torch.bfloat16, .* got {dtype}$"):
+        MoELayer(M, None, Knobs(), max_tokens=8, device="cpu", dtype=dtype)
 
 
 def test_epbuffer_still_takes_what_it_documents() -> None:
