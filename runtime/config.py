@@ -6,7 +6,8 @@ Order (later wins): built-in defaults, `/etc/moetune/moetune.toml` (or the file 
 moves the default database and socket directory.
 
 An unknown section or key, a wrong type or a bad value in a file is a `ConfigError` that names the key
-and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them). The runtime's
+and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them), but for a key whose
+variable is another (`_ENV_NAMES`) its `MOETUNE_<SECTION>_<KEY>` name set is an error naming the one to set. The runtime's
 profile client loads with `load_client_config`: only an error in what it reads (client.*, store.db, daemon.socket)
 is raised; any other is named and that setting left at its default.
 Paths in a file (`[store] db`, the CURVE key files) are relative to that file's directory.
@@ -373,6 +374,14 @@ def _apply_file(path: Path, values: dict[str, dict[str, Any]], origin: dict[tupl
 def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin: dict[tuple[str, str], str],
                report: _Report = _strict) -> bool:
     used = False
+    for (section, key), var in _ENV_NAMES.items():
+        # the name the MOETUNE_<SECTION>_<KEY> rule gives such a key is moetune's own, yet not read: set, it was
+        # ignored without a word (MOETUNE_CLIENT_AUTOLOAD=0 still asked the daemon)
+        generic = f"MOETUNE_{section.upper()}_{key.upper()}"
+        if env.get(generic, "").strip():
+            report(section, key, ConfigError(f"{section}.{key}: environment variable {generic}={env[generic]!r} is not "
+                                             f"read: the variable of {section}.{key} is {var} (set that one and unset "
+                                             f"{generic})"))
     for section in _SECTIONS:
         for key in _fields(section):
             var = env_name(section, key)

@@ -281,6 +281,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                             f"{type(overrides).__name__} {overrides!r}")
         env = os.environ if env is None else env
         _check_retired(env)  # on both paths: a retired speed switch is never ignored silently (docs/settings.md)
+        _check_misnamed(env)  # nor an option set under the name the config's variable rule gives it
         if isinstance(overrides, RuntimeOptions):
             return overrides
         if config is None:
@@ -550,6 +551,16 @@ def _check_retired(env: Mapping[str, str]) -> None:
                                      f"e.g. --knobs or Knobs(...)); unset {r.env}")
 
 
+def _check_misnamed(env: Mapping[str, str]) -> None:
+    """`MOETUNE_RUNTIME_<KEY>` (the config's MOETUNE_<SECTION>_<KEY> rule applied to `[runtime]`) is moetune's own name
+    but not read: each option has its own variable. Set, it was ignored without a word; say which one to set."""
+    for doc in OPTION_DOCS:
+        generic = f"MOETUNE_RUNTIME_{doc.name.upper()}"
+        if generic != doc.env and env.get(generic, "").strip():
+            raise RuntimeOptionError(f"{generic}={env[generic]!r} is not read: the variable of the runtime option "
+                                     f"{doc.name} ([runtime] {doc.name}) is {doc.env} (set that one and unset {generic})")
+
+
 # -- build and debug switches: environment variables only ------------------------------------------------
 @dataclass(frozen=True)
 class EnvVariable:
@@ -705,7 +716,10 @@ def settings_markdown() -> str:
         "`~/.config/moetune/moetune.toml` (`$XDG_CONFIG_HOME` respected), `--config FILE` or `$MOETUNE_CONFIG`, then",
         "`MOETUNE_<SECTION>_<KEY>` variables (or the variable the table names; the `[runtime]` section's variables",
         "are the option variables above). Unknown keys are errors. Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`);",
-        "an empty one is the key's default; anything else is an error naming the variable.",
+        "an empty one is the key's default; anything else is an error naming the variable. The rule's name of a key",
+        "whose variable is another (`MOETUNE_CLIENT_AUTOLOAD`, `MOETUNE_RUNTIME_<KEY>`) is not read: set, it is an",
+        "error naming the variable to set. Any other `MOETUNE_*` variable these tables do not list is not read and not",
+        "checked (other tools may own it): a misspelt name is ignored.",
         "",
         *_config_rows(),
         "",

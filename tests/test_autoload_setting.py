@@ -48,6 +48,18 @@ def test_a_typo_is_an_error_naming_the_variable(env: dict[str, str], raw: str) -
         load_config(env={**env, "MOETUNE_AUTOLOAD": raw})
 
 
+@pytest.mark.parametrize("raw", ["0", "false"])
+def test_the_rules_name_for_it_is_refused_not_ignored(env: dict[str, str], raw: str) -> None:
+    """MOETUNE_CLIENT_AUTOLOAD is what the MOETUNE_<SECTION>_<KEY> rule names; it was ignored (autoload stayed on)."""
+    bad = {**env, "MOETUNE_CLIENT_AUTOLOAD": raw}
+    match = rf"MOETUNE_CLIENT_AUTOLOAD='{raw}' is not read: the variable of client\.autoload is MOETUNE_AUTOLOAD"
+    with pytest.raises(ConfigError, match=match):
+        client_autoload(bad)
+    with pytest.raises(ConfigError, match=match):
+        load_config(env=bad)
+    assert client_autoload({**env, "MOETUNE_CLIENT_AUTOLOAD": " "}) == (True, "defaults")  # empty: unset
+
+
 def test_the_config_key_and_the_variable_over_it(env: dict[str, str], tmp_path: Path) -> None:
     cfg = _config(tmp_path, "[client]\nautoload = false\n")
     assert client_autoload({**env, "MOETUNE_CONFIG": str(cfg)}) == (False, str(cfg))

@@ -76,6 +76,15 @@ def test_retired_variable_is_refused_when_options_are_passed() -> None:
     assert RuntimeOptions.resolve(opts, env={}) is opts
 
 
+@pytest.mark.parametrize("opts", [None, RuntimeOptions()])
+def test_an_option_set_under_the_config_rules_name_is_refused(opts: RuntimeOptions | None) -> None:
+    """MOETUNE_RUNTIME_HS_NATIVE is what the config's MOETUNE_<SECTION>_<KEY> rule names; it was ignored."""
+    with pytest.raises(RuntimeOptionError, match=r"MOETUNE_RUNTIME_HS_NATIVE='0' is not read: the variable of the "
+                                                 r"runtime option hs_native .* is MOETUNE_HS_NATIVE"):
+        RuntimeOptions.resolve(opts, env={"MOETUNE_RUNTIME_HS_NATIVE": "0"})
+    assert RuntimeOptions.resolve(None, env={"MOETUNE_RUNTIME_HS_NATIVE": ""}).hs_native is True  # empty: unset
+
+
 # -- 7: max_tokens has an upper bound ----------------------------------------------------------------------------
 def test_absurd_max_tokens_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match=r"max_tokens=10000000000000 is too large: .* over the limit of .*at most "

@@ -12,7 +12,15 @@ CODE_DIRS = ("tuner", "runtime", "csrc", "bench", "tests")
 CODE_SUFFIXES = {".py", ".cu", ".cuh", ".cpp", ".cc", ".h", ".hpp", ".c", ".sh", ".toml"}
 NAME = re.compile(r"MOETUNE_[A-Z0-9_]*[A-Z0-9]")
 # deliberately undocumented: tests/test_config.py checks that an unknown variable is ignored
-NOT_SETTINGS = {"MOETUNE_UNRELATED_THING"}
+NOT_SETTINGS = {"MOETUNE_UNRELATED_THING",
+                # not settings: the config rule's names of keys whose variable is another, refused when set (the
+                # doc's configuration paragraph names them: test_refused_rule_names_are_in_the_doc)
+                "MOETUNE_CLIENT_AUTOLOAD", "MOETUNE_RUNTIME", "MOETUNE_RUNTIME_HS_NATIVE"}
+
+
+def test_refused_rule_names_are_in_the_doc() -> None:
+    doc = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert "(`MOETUNE_CLIENT_AUTOLOAD`, `MOETUNE_RUNTIME_<KEY>`) is not read: set, it is an" in doc
 
 
 def test_settings_doc_is_what_the_generator_writes() -> None:
