@@ -102,6 +102,9 @@ def get_model(spec: str) -> ModelShape:
         if None in dims:
             raise ValueError(f"custom model {spec!r}: the first four fields must be integers")
         h, i, e, k = (d for d in dims if d is not None)
-        return ModelShape(name=spec, hidden=h, intermediate=i, experts=e, topk=k,
-                          dtype=parts[4] if len(parts) == 5 else "bfloat16")
+        dtype = parts[4].strip() if len(parts) == 5 else None
+        # the name written one way (`custom:256,128,8,2`), not as given: with the blanks or signs kept, one shape went
+        # by two names, and a ModelShape compares by its name too (MoELayer refused an EPBuffer of the same shape)
+        name = f"custom:{h},{i},{e},{k}" + (f",{dtype}" if dtype is not None else "")
+        return ModelShape(name=name, hidden=h, intermediate=i, experts=e, topk=k, dtype=dtype or "bfloat16")
     raise ValueError(f"unknown model {spec!r}; known: {', '.join(MODELS)} or custom:H,I,E,K[,dtype]")

@@ -66,6 +66,24 @@ def test_a_custom_dimension_is_ascii_digits(field: str) -> None:
     assert get_model("custom: 128,+64,4 ,2").hidden == 128
 
 
+@pytest.mark.parametrize(("spec", "name"), [("custom: 128,+64,4 ,2", "custom:128,64,4,2"),
+                                            ("custom:128, 64, 4, 2, float32", "custom:128,64,4,2,float32")])
+def test_a_custom_shape_has_one_name_however_it_is_spelt(spec: str, name: str) -> None:
+    """The blanks and signs get_model takes stayed in `ModelShape.name`, and a ModelShape compares by its name too:
+    the same shape spelt two ways was two models (a MoELayer refused an EPBuffer of its own shape)."""
+    import torch
+
+    from moetune.runtime.buffer.facade import EPBuffer
+    from moetune.runtime.knobs import Knobs
+    from moetune.runtime.moe_layer import MoELayer
+
+    model = get_model(spec)
+    assert model.name == name and model == get_model(name)
+    buf = EPBuffer(None, Knobs(), model=model, max_tokens=4, device="cpu")
+    layer = MoELayer(get_model(name), max_tokens=4, buffer=buf, engine="unfused")
+    assert layer(torch.zeros(2, 128, dtype=layer.dtype)).shape == (2, 128)
+
+
 @pytest.mark.parametrize("dtype", [["bfloat16"], {"bfloat16": 2}, None, 2])
 def test_a_dtype_that_is_no_str_is_refused_naming_the_field(dtype: object) -> None:
     """ModelShape(dtype=[...]) raised "unhashable type: 'list'" from the DTYPES lookup, naming neither the field nor
