@@ -408,6 +408,9 @@ class MoELayer(nn.Module):
         if why is not None:
             raise ValueError(why)
         if x.device != self.device or x.dtype != self.dtype:
+            # after .float() / .to() the caller's x follows the parameters: name them (the engine's check), not x
+            # ("x must be torch.bfloat16" sent them back to bf16 inputs, only to be refused for the weights then)
+            self._engine.rebind(self)
             raise ValueError(f"x must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
         if x.shape[0] > self.max_tokens:  # every engine: the megakernel's scratch and the buffer are sized for it
             raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens={self.max_tokens}")

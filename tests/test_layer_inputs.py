@@ -320,7 +320,16 @@ def test_the_unfused_engine_names_parameters_of_another_dtype_device_or_shape() 
             layer(x)
         with pytest.raises(ValueError, match="w_gate_up is now"):
             layer.forward_routed(x, _picks(3), torch.full((3, TINY.topk), 0.5))
+        # x converted along with the layer (the natural next step): the parameters are still what is named, not x
+        # ("x must be torch.bfloat16", which sent the caller back to bf16 inputs, refused then for the weights)
+        xt = x.to(layer.w_gate_up.dtype)
+        with pytest.raises(ValueError, match=r"w_gate_up is now torch.float(32|16) .* build a new layer"):
+            layer(xt)
+        with pytest.raises(ValueError, match="w_gate_up is now"):
+            layer.forward_routed(xt, _picks(3), torch.full((3, TINY.topk), 0.5))
     layer = _unfused()
+    with pytest.raises(ValueError, match=r"x must be torch.bfloat16 on cpu, got torch.float32"):  # the layer as built
+        layer(x.float())
     sd = layer.state_dict()
     with pytest.raises(ValueError, match=r"w_gate_up is now torch.float32"):
         layer.load_state_dict({k: v.float() for k, v in sd.items()}, assign=True)
