@@ -9,7 +9,8 @@ An unknown section or key, a wrong type or a bad value in a file is a `ConfigErr
 and the file (or the variable). Unknown `MOETUNE_*` variables are ignored (other tools may own them), but for a key whose
 variable is another (`_ENV_NAMES`) its `MOETUNE_<SECTION>_<KEY>` name set is an error naming the one to set. The runtime's
 profile client loads with `load_client_config`: only an error in what it reads (client.*, store.db, daemon.socket)
-is raised; any other is named and that setting left at its default.
+is raised; any other is named and that setting left at its default. The data path's options load with
+`load_runtime_config`, alike (the `[runtime]` section raised too).
 Paths in a file (`[store] db`, the CURVE key files) are relative to that file's directory.
 
 The `[runtime]` section holds the EP data path's options (runtime/options.py: `RuntimeOptions`, the one
@@ -458,6 +459,22 @@ def load_client_config(env: Mapping[str, str] = os.environ) -> tuple[Config, lis
 
     def report(section: str, key: str | None, err: ConfigError) -> None:
         if _client_needs(section, key):
+            raise err
+        ignored.append(str(err))
+
+    return _load(None, env, report), ignored
+
+
+def load_runtime_config(env: Mapping[str, str] = os.environ) -> tuple[Config, list[str]]:
+    """`load_config` for the runtime's data path (`RuntimeOptions.resolve`, which every EPBuffer and MoELayer runs):
+    a ConfigError about what the runtime reads (its `[runtime]` section, what its profile client reads; a file that is
+    no TOML) is raised, one about a setting only the tuner or the daemon reads (MOETUNE_TUNE_TRIALS=many, `[tune]
+    trials = 0`, an unknown section) only listed (second value), that key left at its default: it stopped every
+    buffer and layer of a serving job, explicit knobs or not, where the profile client only names it."""
+    ignored: list[str] = []
+
+    def report(section: str, key: str | None, err: ConfigError) -> None:
+        if section == RUNTIME or _client_needs(section, key):
             raise err
         ignored.append(str(err))
 

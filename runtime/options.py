@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from moetune.runtime import _once
 from moetune.runtime import config as _config
 from moetune.runtime.knobs import KNOB_DOCS, KNOB_VALUES, Knobs, float_of_text, int_of_text
 
@@ -285,7 +286,12 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if isinstance(overrides, RuntimeOptions):
             return overrides
         if config is None:
-            config = _config.load_config(env=env)
+            config, ignored = _config.load_runtime_config(env=env)
+            if ignored:  # settings the data path never reads: named once, not a reason to refuse the buffer
+                _once.say_once("options.ignored_config", tuple(ignored),
+                               "moetune: the runtime ignores settings it does not read that are wrong "
+                               f"({'; '.join(ignored)}); the commands that read them refuse them",
+                               category=RuntimeWarning, stacklevel=3)
         opts = cls.from_config(config)
         opts = cls.from_env(env, base=opts)
         if overrides:
@@ -715,7 +721,9 @@ def settings_markdown() -> str:
         "TOML, read in order (later wins): `/etc/moetune/moetune.toml` (or `$MOETUNE_SYSTEM_CONFIG`),",
         "`~/.config/moetune/moetune.toml` (`$XDG_CONFIG_HOME` respected), `--config FILE` or `$MOETUNE_CONFIG`, then",
         "`MOETUNE_<SECTION>_<KEY>` variables (or the variable the table names; the `[runtime]` section's variables",
-        "are the option variables above). Unknown keys are errors. Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`);",
+        "are the option variables above). Unknown keys are errors (an EP buffer or MoE layer only warns of a wrong",
+        "setting it does not read, such as `[tune]` or the daemon's, and runs: the commands that read it refuse it).",
+        "Booleans in variables: `1`/`0` (or `true`/`false`, `yes`/`no`, `on`/`off`);",
         "an empty one is the key's default; anything else is an error naming the variable. The rule's name of a key",
         "whose variable is another (`MOETUNE_CLIENT_AUTOLOAD`, `MOETUNE_RUNTIME_<KEY>`) is not read: set, it is an",
         "error naming the variable to set. Any other `MOETUNE_*` variable these tables do not list is not read and not",

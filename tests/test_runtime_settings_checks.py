@@ -85,6 +85,43 @@ def test_an_option_set_under_the_config_rules_name_is_refused(opts: RuntimeOptio
     assert RuntimeOptions.resolve(None, env={"MOETUNE_RUNTIME_HS_NATIVE": ""}).hs_native is True  # empty: unset
 
 
+@pytest.mark.parametrize("bad", [{"MOETUNE_TUNE_TRIALS": "many"}, {"MOETUNE_DAEMON_METRICS_PORT": "99999"},
+                                 {"file": "[tune]\ntrials = 0\n"}, {"file": "[bogus]\nx = 1\n"}])
+def test_a_bad_setting_the_runtime_does_not_read_does_not_stop_a_buffer(
+        bad: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOETUNE_TUNE_TRIALS=many (a tuner setting) made every EPBuffer and MoELayer raise, explicit knobs or not, while
+    the profile client only names such a setting: the data path's options loaded the whole config strictly."""
+    from moetune.runtime import _once
+
+    _once.reset()
+    monkeypatch.setenv("MOETUNE_AUTOLOAD", "0")
+    env = dict(bad)
+    if "file" in env:
+        cfg = tmp_path / "moetune.toml"
+        cfg.write_text(env.pop("file") + "[runtime]\nplan_mode = 2\n")
+        env["MOETUNE_CONFIG"] = str(cfg)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.warns(RuntimeWarning, match="the runtime ignores settings it does not read that are wrong"):
+        buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=8, device="cpu")
+    assert buf.options.plan_mode == (2 if "MOETUNE_CONFIG" in env else 0)  # the [runtime] table still applies
+    layer = MoELayer(TINY, max_tokens=8, device="cpu", engine="unfused")
+    assert layer(torch.zeros(2, TINY.hidden, dtype=layer.dtype)).shape == (2, TINY.hidden)
+
+
+@pytest.mark.parametrize(("text", "match"), [("[runtime]\nsymm = 'x'\n", "runtime.symm"),
+                                             ("runtime = 5\n", "expected a table"),
+                                             ("[client]\ntimeout_ms = 0\n", "client.timeout_ms"),
+                                             ("[client\n", "not valid TOML")])
+def test_what_the_runtime_reads_is_still_refused(text: str, match: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "moetune.toml"
+    cfg.write_text(text)
+    monkeypatch.setenv("MOETUNE_CONFIG", str(cfg))
+    with pytest.raises(ValueError, match=match):
+        EPBuffer(None, Knobs(), model=TINY, max_tokens=8, device="cpu")
+
+
 # -- 7: max_tokens has an upper bound ----------------------------------------------------------------------------
 def test_absurd_max_tokens_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match=r"max_tokens=10000000000000 is too large: .* over the limit of .*at most "
