@@ -231,3 +231,20 @@ def test_epbuffer_combine_refuses_an_expert_out_that_wants_a_gradient(dense: boo
     with torch.no_grad():
         assert buf.combine(eo, handle).shape == x.shape
     assert buf.combine(eo.detach(), handle).shape == x.shape
+
+
+def test_a_buffer_or_layer_copied_or_pickled_is_refused_naming_why() -> None:
+    """copy.deepcopy(layer) / torch.save(layer) raised "cannot pickle '_thread.lock' object" from inside pickle."""
+    import copy
+    import io
+    import pickle
+
+    from moetune.runtime.moe_layer import MoELayer
+
+    layer = MoELayer(M, None, Knobs(), max_tokens=8, device="cpu", engine="unfused")
+    for what in (lambda: copy.deepcopy(layer), lambda: copy.copy(layer.buffer), lambda: pickle.dumps(layer.buffer),
+                 lambda: torch.save(layer, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"^EPBuffer cannot be copied or pickled .* save a layer's weights with "
+                                            r"state_dict\(\)$"):
+            what()
+    torch.save(layer.state_dict(), io.BytesIO())  # the weights still save

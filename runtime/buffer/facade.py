@@ -1014,6 +1014,15 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             stream.wait_stream(last)  # one event: nothing waits on the host
         self._last_stream = stream
 
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        # copy.deepcopy(layer) and torch.save(layer) failed deep inside pickle with "cannot pickle '_thread.lock'
+        # object", naming neither the buffer nor a way out; a copy could not work anyway (one set of communicators,
+        # symmetric memory and proxy threads per buffer, built collectively)
+        raise TypeError("EPBuffer cannot be copied or pickled (copy.deepcopy, torch.save of a module holding it, e.g. "
+                        "a MoELayer): it owns its group's communicators, transfer memory and threads, built by every "
+                        "rank together; build another EPBuffer or MoELayer instead (on every rank), and save a layer's "
+                        "weights with state_dict()")
+
     def __repr__(self) -> str:
         return (f"EPBuffer(world={self.world}, rank={self.rank}, model={self.model.name}, "
                 f"layout={'dense' if self.dense else 'packed'}, "
