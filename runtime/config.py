@@ -379,7 +379,7 @@ def _apply_env(env: Mapping[str, str], values: dict[str, dict[str, Any]], origin
         # the name the MOETUNE_<SECTION>_<KEY> rule gives such a key is moetune's own, yet not read: set, it was
         # ignored without a word (MOETUNE_CLIENT_AUTOLOAD=0 still asked the daemon)
         generic = f"MOETUNE_{section.upper()}_{key.upper()}"
-        if env.get(generic, "").strip():
+        if generic != var and env.get(generic, "").strip():
             report(section, key, ConfigError(f"{section}.{key}: environment variable {generic}={env[generic]!r} is not "
                                              f"read: the variable of {section}.{key} is {var} (set that one and unset "
                                              f"{generic})"))
