@@ -78,6 +78,22 @@ def cuda_device_problem(device: torch.device) -> str | None:
     return None
 
 
+def usable_device(device: Any, who: str = "") -> torch.device:
+    """`device` (not None) indexed as `indexed_device` gives it, checked usable by this process: ValueError naming
+    `who` and the device where torch cannot parse it, it is no cpu or cuda device, or CUDA cannot serve it (EPBuffer's
+    check, and MoELayer's before its buffer is built: the layer's refusal named "EPBuffer: device=...")."""
+    try:  # named: torch's own refusal ('Torch not compiled with CUDA enabled') names no argument
+        dev = indexed_device(device)
+    except Exception as e:
+        raise ValueError(f"{who}device={device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda"):  # meta, xla, ...: no transport moves rows there
+        raise ValueError(f"{who}device must be a cpu or cuda device, got {dev}")
+    why = cuda_device_problem(dev)  # the device named, not the transport or an invalid ordinal
+    if why is not None:
+        raise ValueError(f"{who}{why}")
+    return dev
+
+
 # The activation dtypes the EP buffer and the layers run (a row's payload; the model shapes allow the same three)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

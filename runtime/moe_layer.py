@@ -547,6 +547,8 @@ def _check_arguments(model: Any, knobs: Any, max_tokens: Any, device: Any, dtype
         if expected_tokens > max_tokens:
             raise ValueError(f"{who}expected_tokens={expected_tokens} is more than max_tokens={max_tokens}")
     _args.check_device(device, who)
+    if device is not None:  # here, not first in its buffer: that refusal named "EPBuffer: device=..."
+        _args.usable_device(device, who)
     _args.check_dtype(dtype, who)
     check_seed(seed, who)
     _args.check_flag("use_grouped_mm", use_grouped_mm, who, optional=True)

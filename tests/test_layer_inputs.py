@@ -612,8 +612,11 @@ def test_out_must_not_alias_x(cpu_lib) -> None:
 
 
 # -- 10: a given buffer must agree ----------------------------------------------------------------------------------
-def test_buffer_must_agree_with_the_arguments() -> None:
+def test_buffer_must_agree_with_the_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     buf = EPBuffer(None, Knobs(), model=TINY, max_tokens=16, device="cpu", dtype=BF)
+    # cuda:0 as a device this process could use (the layer checks that first), so the disagreement is what is refused
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     MoELayer(TINY, max_tokens=16, buffer=buf, device="cpu", dtype=BF, engine="unfused")  # agrees
     other = ModelShape(name="other", hidden=128, intermediate=64, experts=8, topk=2)
     for kw, match in ((dict(model=other), "model"), (dict(max_tokens=8), "max_tokens 8 vs the buffer's 16"),

@@ -200,7 +200,7 @@ def test_a_cuda_device_this_process_cannot_use_is_named(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(ValueError, match=rf"EPBuffer: {match}"):
         EPBuffer(None, Knobs(), model=M, max_tokens=8, device=device)
-    with pytest.raises(ValueError, match=rf"EPBuffer: {match}"):
+    with pytest.raises(ValueError, match=rf"MoELayer: {match}"):  # the layer's own argument: "EPBuffer: " before
         MoELayer(M, None, Knobs(), max_tokens=8, device=device, engine="unfused")
 
 

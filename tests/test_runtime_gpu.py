@@ -58,7 +58,7 @@ def test_a_cuda_index_past_the_devices_is_named_before_anything_is_allocated() -
     model = get_model("custom:128,64,8,2,bfloat16")
     with pytest.raises(ValueError, match=rf"EPBuffer: device cuda:{n}: this process sees {n} CUDA device"):
         EPBuffer(None, Knobs(), model=model, max_tokens=8, device=f"cuda:{n}")
-    with pytest.raises(ValueError, match=rf"device cuda:{n}: this process sees {n} CUDA device"):
+    with pytest.raises(ValueError, match=rf"MoELayer: device cuda:{n}: this process sees {n} CUDA device"):
         MoELayer(model, None, Knobs(), max_tokens=8, device=f"cuda:{n}", engine="unfused")
     buf = EPBuffer(None, Knobs(), model=model, max_tokens=8, device="cuda:0")
     assert buf.device == torch.device("cuda", 0)

@@ -490,20 +490,9 @@ class EPBuffer(_PackedLayout, _DenseLayout, _ResidentLayout):
             self.options = RuntimeOptions.resolve(options)
             step = "device"
             if device is not None:
-                try:  # named: torch's own refusal ('Torch not compiled with CUDA enabled') names no argument
-                    dev = _args.indexed_device(device)
-                except Exception as e:
-                    raise ValueError(f"{who}device={device!r}: {e}") from None
-                if dev.type not in ("cpu", "cuda"):  # meta, xla, ...: no transport moves rows there
-                    raise ValueError(f"{who}device must be a cpu or cuda device, got {dev}")
-                why = _args.cuda_device_problem(dev)  # the device named, not the transport or an invalid ordinal
-                if why is not None:
-                    raise ValueError(f"{who}{why}")
-                self.device = dev
+                self.device = _args.usable_device(device, who)
             step = "dtype"
             self.dtype = dtype if dtype is not None else TORCH_DTYPES[model.dtype]
-            if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-                raise ValueError(f"activation dtype must be bfloat16, float16 or float32, got {self.dtype}")
             step = "model"
             model.check_ep(self.world)
             step = "max_tokens"
