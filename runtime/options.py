@@ -27,6 +27,7 @@ import math
 import os
 import re
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from moetune.runtime import _once
 from moetune.runtime import config as _config
 from moetune.runtime.knobs import KNOB_DOCS, KNOB_VALUES, Knobs, float_of_text, int_of_text
 
@@ -287,11 +287,11 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             return overrides
         if config is None:
             config, ignored = _config.load_runtime_config(env=env)
-            if ignored:  # settings the data path never reads: named once, not a reason to refuse the buffer
-                _once.say_once("options.ignored_config", tuple(ignored),
-                               "moetune: the runtime ignores settings it does not read that are wrong "
-                               f"({'; '.join(ignored)}); the commands that read them refuse them",
-                               category=RuntimeWarning, stacklevel=3)
+            if ignored:  # settings the data path never reads: named, not a reason to refuse the buffer (the
+                # warnings module's default filter says one text once per caller; no _once here: a schema module)
+                warnings.warn("moetune: the runtime ignores settings it does not read that are wrong "
+                              f"({'; '.join(ignored)}); the commands that read them refuse them", RuntimeWarning,
+                              stacklevel=3)
         opts = cls.from_config(config)
         opts = cls.from_env(env, base=opts)
         if overrides:
