@@ -407,17 +407,19 @@ def tune(
     rows = _result_rows(results, trials, forced, [tune_scale_note(backend, preset, [r]) for r in results])
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
+    # what the backend's numbers are (its declared provenance, not its name): a model tune predicts, never measures
+    modelled = any(r.effective_provenance != "measured" for r in results)
     if forced:  # again after the progress bar and the results, where it is read: the reminder, not the reasons twice
         err.print(forced_note(preset, forced, node_model, again=True))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         budget_ended(results, trials, timeout, budget_from)
-        no_success(no_trial, len(results))
+        no_success(no_trial, len(results), modelled)
         nothing_stored(results)
         return
     _print_results(rows, backend, scale)
     budget_ended(results, trials, timeout, budget_from)
-    no_success(no_trial, len(results))
+    no_success(no_trial, len(results), modelled)
     nothing_stored(results)
 
 

@@ -149,8 +149,9 @@ def budget_ended(results: list, asked: int, timeout: float | None, source: str) 
     err.print("  run the same command again (or with a larger --timeout) to go on: the studies resume", soft_wrap=False)
 
 
-def no_success(failed: list, total: int) -> None:
-    """Name the studies without a successful trial on stderr; exit 1 when that is every study (nothing measured)."""
+def no_success(failed: list, total: int, modelled: bool = False) -> None:
+    """Name the studies without a successful trial on stderr; exit 1 when that is every study (nothing measured, or
+    with a modelling backend, `modelled`, nothing predicted: a model tune never measures, so it must not say so)."""
     if not failed:
         return
     for r in failed:
@@ -163,7 +164,8 @@ def no_success(failed: list, total: int) -> None:
         err.print(f"[yellow]{what}: no successful trial[/yellow]" + (f" (first failure: {escape(why)})" if why else ""),
                   soft_wrap=False)
     if len(failed) == total:
-        err.print("[red]error:[/red] no study had a successful trial: nothing was measured or stored", soft_wrap=False)
+        done = "predicted (MODELLED)" if modelled else "measured"
+        err.print(f"[red]error:[/red] no study had a successful trial: nothing was {done} or stored", soft_wrap=False)
         raise typer.Exit(1)
 
 
