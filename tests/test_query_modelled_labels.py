@@ -58,3 +58,33 @@ def test_only_a_measured_profile_is_said_measured_on(tmp_path: Path, monkeypatch
     assert (" measured on " in table) is (provenance == "measured"), table
     r = CliRunner().invoke(app, [*args, "--json"], env={"COLUMNS": "200"})
     assert json.loads(r.stdout.strip().splitlines()[-1])["measured_on"] == row.measured_on
+
+
+@pytest.mark.parametrize("source", ["daemon", "database"])
+def test_a_modelled_profile_used_with_a_warning_says_where_it_came_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                          source: str) -> None:
+    """A MODELLED profile applied because allow_modelled is set comes with the client's warning. Served by the daemon,
+    the table's note read "not from the daemon: daemon served a MODELLED profile ...", beside "source daemon"."""
+    import warnings
+
+    from moetune.runtime.profiles import client
+
+    k = _key(FP)
+    msg = f"daemon served a MODELLED profile (node_model, fingerprint {FP}); used because allow_modelled is set"
+    res = client.Resolution(knobs=default_knobs("collective"), source=source, profile_hash="ab" * 8, status="current",
+                            key=k, family="collective", provenance="node_model", tuned=False, message=msg)
+
+    def resolve(self: object, **kw: object) -> client.Resolution:
+        warnings.warn(f"moetune: using a MODELLED profile, not a tuned one ({msg})", stacklevel=2)
+        return res
+
+    monkeypatch.setattr(client.ProfileClient, "resolve", resolve)
+    Store(tmp_path / "q.db").close()  # --db must exist; the lookup itself is the stand-in above
+    r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "128", "--db",
+                                 str(tmp_path / "q.db"), "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms",
+                                 "100"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stdout.split())
+    assert "MODELLED (node model)" in said and msg in said, said
+    assert ("not from the daemon" in said) is (source != "daemon"), said
+    assert ("from the daemon, with a warning: " in said) is (source == "daemon"), said

@@ -454,5 +454,8 @@ def register(app: typer.Typer) -> None:
         con.print(t)
         if caught or res.source != "daemon":
             # the message names paths (--db, the socket) and quotes the daemon: text, never Rich markup (a folder
-            # `a[/b]` ended the command in a MarkupError, `[x]` was dropped from the path)
-            con.print(f"[yellow]not from the daemon: {escape(res.message)}[/yellow]")
+            # `a[/b]` ended the command in a MarkupError, `[x]` was dropped from the path). A daemon reply used with a
+            # warning (a MODELLED profile applied because allow_modelled is set) did come from the daemon: "not from
+            # the daemon" contradicted the table's source row
+            lead = "from the daemon, with a warning" if res.source == "daemon" else "not from the daemon"
+            con.print(f"[yellow]{lead}: {escape(res.message)}[/yellow]")
