@@ -225,9 +225,13 @@ def show(
     # measured_on as the effective provenance has it (a preset's name, not the key's fingerprint a mislabelled row
     # stores), as the runtime and an export take it; the stored one beside it where they differ
     on = rec.as_effective().measured_on
-    rows.append(("measured_on", escape(on or "(unknown)") + ("" if on == rec.measured_on else escape(
+    from moetune.tuner.cli.query import MEASURED_ON_LABEL, preset_note
+
+    # "measured_on" only where it was measured: a modelled row's names the node model or preset that predicted it, as
+    # `query` labels it (it read "measured_on preset:NAME:DIGEST" under "PRESET (MODELLED)"); --json keeps the field
+    on_label = "measured_on" if eff == "measured" else MEASURED_ON_LABEL.get(str(eff), "measured_on (as recorded)")
+    rows.append((on_label, escape(on or "(unknown)") + ("" if on == rec.measured_on else escape(
         f" (stored as {rec.measured_on or '(unknown)'})"))))
-    from moetune.tuner.cli.query import preset_note
 
     # an edited copy of a shipped preset keeps its name: the digest says which; another node's model says so
     shipped, origin = preset_note(str(eff), on, rec.backend)
