@@ -45,4 +45,9 @@ def test_only_a_measured_profile_shows_measured_on(tmp_path: Path, provenance: s
     assert f" {label} {row.measured_on} " in table, table
     assert (" measured_on " in table) is (provenance == "measured"), table
     r = CliRunner().invoke(app, ["profiles", "show", str(pid), "--db", str(db), "--json"])
-    assert json.loads(r.stdout)["measured_on"] == row.measured_on
+    shown = json.loads(r.stdout)
+    assert shown["measured_on"] == row.measured_on
+    # the JSON says what latency_us is, as `tune --json` does: "modelled" in every row
+    assert shown["modelled"] is (provenance != "measured"), shown
+    r = CliRunner().invoke(app, ["profiles", "list", "--db", str(db), "--json"])
+    assert [x["modelled"] for x in json.loads(r.stdout)] == [provenance != "measured"]

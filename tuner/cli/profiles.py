@@ -88,6 +88,9 @@ def _record_json(pid: int, rec: Any) -> dict[str, Any]:
     if (eff.provenance, eff.measured_on) != (rec.provenance, rec.measured_on):
         d.update(provenance=str(eff.provenance), measured_on=eff.measured_on, stored_provenance=str(rec.provenance),
                  stored_measured_on=rec.measured_on)
+    # whether latency_us is a prediction, in every row as `tune --json` says it: the table labels it MODELLED, while
+    # here a node model's row carried the word nowhere (provenance "node_model", its own software hash)
+    d["modelled"] = eff.provenance != "measured"
     return d
 
 
