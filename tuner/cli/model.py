@@ -137,7 +137,7 @@ def _knob_str(k) -> str:
 def predict_cmd(
     preset: str = path_text_option(..., "--preset", "-p", help="Preset name (moetune model presets) or a .toml path."),
     model: str = typer.Option("qwen3-30b", "--model", "-m", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K."),
-    nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes, >= 1 (nodes × GPUs per node must divide the model's experts evenly)."),
+    nodes: int = typer.Option(1, "--nodes", "-n", help="Nodes, >= 1 (nodes × GPUs per node must divide the model's experts evenly, at most 65536 ranks)."),
     tokens: int = typer.Option(1024, "--tokens", "-t", help=f"Tokens per GPU, 1 to {MAX_TOKENS_PER_GPU}."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", "-g", help="GPUs per node (default: the preset's)."),
     knobs: str = typer.Option("", "--knobs", "-k", help="Knob overrides name=value,... (none when left out or \"\": the preset's transport defaults)."),
@@ -356,7 +356,7 @@ def sweep_cmd(
                                       "tokens 64,256,1024,4096,16384). A group_size above the transfers per peer is "
                                       "n/a: the same run as group_size 0."),
     nodes: int | None = typer.Option(None, "--nodes", "-n", help="Nodes, >= 1 (nodes × GPUs per node must "
-                                     "divide the model's experts evenly; refused with --over nodes, which sweeps them; "
+                                     "divide the model's experts evenly, at most 65536 ranks; refused with --over nodes, which sweeps them; "
                                      "default: 4, or the preset's most nodes if fewer)."),
     tokens: int = typer.Option(256, "--tokens", "-t", help=f"Tokens per GPU, 1 to {MAX_TOKENS_PER_GPU} (refused with "
                                "--over tokens, which sweeps them)."),

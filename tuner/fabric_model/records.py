@@ -9,6 +9,11 @@ import msgspec
 from moetune.runtime.routing import parse_routing
 from moetune.runtime.shapes import MAX_TOKENS_PER_GPU, ModelShape, get_model, tokens_per_gpu_problem
 
+# The most ranks (nodes x GPUs per node) the model predicts. Its cost grows with the ranks: 524288 took 46 s and 1.8 GB
+# a prediction, 8M did not end in minutes (`model predict -n 1048576` of a custom shape with 8M experts); 65536, more
+# than any EP group runs, takes ~10 s.
+MAX_PES = 1 << 16
+
 
 class Workload(msgspec.Struct, frozen=True):
     """One EP layer's workload. `model` may be a ModelShape or a name/`custom:H,I,E,K` spec."""
@@ -57,6 +62,9 @@ class Workload(msgspec.Struct, frozen=True):
             # expert receives is fine (a kernel's fixed tile at decode)
             raise ValueError(f"tile must be at most {MAX_TOKENS_PER_GPU} (the most tokens per GPU moetune handles), "
                              f"got {self.tile}")
+        if self.nodes * self.gpus_per_node > MAX_PES:
+            raise ValueError(f"an EP group of {self.nodes * self.gpus_per_node} ranks ({self.nodes} nodes x "
+                             f"{self.gpus_per_node} GPUs) is beyond what the fabric model predicts (at most {MAX_PES})")
         try:
             self.model.check_ep(self.nodes * self.gpus_per_node)  # the runtime's one rule (runtime/shapes.py)
         except ValueError as e:

@@ -129,6 +129,11 @@ class ModelBackend(BenchmarkBackend):
             return False
 
     def refusal(self, *, ep_size: int, nodes: int, families: Sequence[str], gpu_count: int) -> str:
+        from moetune.tuner.fabric_model.records import MAX_PES
+
+        if ep_size > MAX_PES:  # refused before any study, as `model predict` refuses it (Workload)
+            return (f"EP size {ep_size}: beyond what the fabric model predicts (at most {MAX_PES} ranks); give a "
+                    "smaller --ep-size or --nodes")
         # a prediction stands for what it predicts, but at EP 1 that is no exchange (a ~14 µs "profile" of nothing)
         return one_rank_exchange(ep_size, families, done='a prediction of {families} would store a "modelled" profile',
                                  fix="Tune a transport family at EP size 2 or more (--ep-size 2; the default is the "
