@@ -28,6 +28,19 @@ def _key(fp: str) -> ProfileKey:
                       experts=M.experts, topk=M.topk, dtype=M.dtype, token_bucket=128)
 
 
+def _stored(db: Path, key: ProfileKey, provenance: str, backend: str) -> tuple[int, ProfileRecord]:
+    """The one profile of `key` stored in a new database `db` with that provenance and backend: (its id, the row)."""
+    with Store(db) as s:
+        ok, why = s.put_profile(ProfileRecord(key=key, knobs=default_knobs("collective"), latency_us=5.0, spread_us=0.1,
+                                              backend=backend, provenance=provenance,
+                                              # as the tuner stores a node model's: the node it was calibrated on
+                                              measured_on=key.fingerprint if provenance == "node_model" else ""))
+        assert ok, why
+        ((pid, row),) = s.list_profiles()
+    return pid, row
+
+
+
 @pytest.mark.parametrize(("provenance", "fp", "backend", "label"), [
     ("measured", FP, "local:gloo", "measured on"),
     ("node_model", FP, f"model:node:{FP}", "modelled by the node model of"),
@@ -39,13 +52,7 @@ def test_only_a_measured_profile_is_said_measured_on(tmp_path: Path, monkeypatch
 
     db = tmp_path / "q.db"
     k = _key(fp)
-    with Store(db) as s:
-        ok, why = s.put_profile(ProfileRecord(key=k, knobs=default_knobs("collective"), latency_us=5.0, spread_us=0.1,
-                                              backend=backend, provenance=provenance,
-                                              # as the tuner stores a node model's: the node it was calibrated on
-                                              measured_on=fp if provenance == "node_model" else ""))
-        assert ok, why
-        ((_id, row),) = s.list_profiles()
+    _id, row = _stored(db, k, provenance, backend)
     res = client.Resolution(knobs=row.knobs, source="database", profile_hash=row.profile_hash, status="current",
                             key=k, family="collective", provenance=provenance, tuned=provenance == "measured")
     monkeypatch.setattr(client.ProfileClient, "resolve", lambda self, **kw: res)
@@ -88,3 +95,29 @@ def test_a_modelled_profile_used_with_a_warning_says_where_it_came_from(tmp_path
     assert "MODELLED (node model)" in said and msg in said, said
     assert ("not from the daemon" in said) is (source != "daemon"), said
     assert ("from the daemon, with a warning: " in said) is (source == "daemon"), said
+
+
+@pytest.mark.parametrize(("provenance", "fp", "backend", "label"), [
+    ("measured", FP, "local:gloo", "measured_on"),
+    ("node_model", FP, f"model:node:{FP}", "modelled by the node model of"),
+    ("preset", "preset:nvlink-h200x2:0123456789abcdef", "model:nvlink-h200x2", "predicted by"),
+])
+def test_only_a_measured_profile_shows_measured_on(tmp_path: Path, provenance: str, fp: str, backend: str,
+                                                   label: str) -> None:
+    """`profiles show` labels the origin row as `query` does: a MODELLED profile's read "measured_on 943cc5ad0d0417d8"
+    (the node whose calibrated model predicted it) or "measured_on preset:NAME:DIGEST" under "provenance PRESET
+    (MODELLED)", though nothing was measured; --json keeps the `measured_on` field."""
+    db = tmp_path / "s.db"
+    pid, row = _stored(db, _key(fp), provenance, backend)
+    r = CliRunner().invoke(app, ["profiles", "show", str(pid), "--db", str(db)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    table = re.sub(r"[ │]+", " ", r.stdout)
+    assert f" {label} {row.measured_on} " in table, table
+    assert (" measured_on " in table) is (provenance == "measured"), table
+    r = CliRunner().invoke(app, ["profiles", "show", str(pid), "--db", str(db), "--json"])
+    shown = json.loads(r.stdout)
+    assert shown["measured_on"] == row.measured_on
+    # the JSON says what latency_us is, as `tune --json` does: "modelled" in every row
+    assert shown["modelled"] is (provenance != "measured"), shown
+    r = CliRunner().invoke(app, ["profiles", "list", "--db", str(db), "--json"])
+    assert [x["modelled"] for x in json.loads(r.stdout)] == [provenance != "measured"]
