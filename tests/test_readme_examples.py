@@ -63,7 +63,9 @@ def test_megakernel_example_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     raises MegakernelUnavailable naming why; without `engine=` the same code runs the unfused layer."""
     import torch
 
-    from moetune.runtime.megakernel.engine import MegakernelUnavailable
+    from moetune.runtime import (
+        MegakernelUnavailable,  # as a user catches it: the README names it, not its module
+    )
 
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("this checks the documented refusal; the GPU tests run the megakernel itself")
