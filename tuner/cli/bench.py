@@ -144,7 +144,7 @@ def _given_options(ctx: typer.Context) -> list[str]:
 @app.command("ep")
 def ep(
     ctx: typer.Context,
-    world: int = typer.Option(2, "--world", help="EP ranks to launch (spawned here unless run under torchrun), >= 1; spawned here, at most 8 per CPU."),
+    world: int = typer.Option(2, "--world", help="EP ranks to launch, >= 1 (spawned here, at most 8 per CPU, unless run under torchrun)."),
     backend: str = typer.Option("gloo", "--backend", "--comm", help="gloo (CPU) or nccl (GPUs) (--comm, as for `moetune tune`)."),
     model: str = typer.Option("qwen3-30b", "--model", help="qwen3-30b, gpt-oss-120b, deepseek-v3 or custom:H,I,E,K[,dtype]."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens per rank (S), 0 to 4194304."),
