@@ -1023,6 +1023,78 @@ def check_rediscover_interval(value: float, what: str) -> None:
                                 f"(0 = never), got {value}")
 
 
+# SQLite's files of a database: the file itself, its WAL and shared memory (WAL mode), a rollback journal
+_SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
+
+
+class _NewDatabase:
+    """What a start that creates its database makes there, recorded before the store opens it: the files then absent
+    (the database, SQLite's files beside it, the daemon's lock file) and whether the folder existed. A start refused
+    before it serves (`serve --create` whose bind fails) removes those files and nothing else, so a corrected rerun
+    finds no empty database it did not ask for (and `--db` without --create would then be served it)."""
+
+    def __init__(self, db_path: str) -> None:
+        from moetune.tuner.store.db_file import daemon_lock_path, database_path
+
+        self.db = Path(os.path.realpath(database_path(db_path)))  # where SQLite and the locks put the files
+        self.db_path = db_path
+        self.lock = daemon_lock_path(db_path)
+        self.folder_existed = self.db.parent.is_dir()
+        self.absent = [p for p in [*(self.db.with_name(self.db.name + s) for s in _SQLITE_SUFFIXES), self.lock]
+                       if not os.path.lexists(p)]
+        self.ident: tuple[int, int] | None = None
+
+    @property
+    def creates(self) -> bool:
+        return self.db in self.absent
+
+    def opened(self) -> None:
+        """Record the (dev, inode) of the database the store just created: only that file is removed later."""
+        with contextlib.suppress(OSError):
+            st = os.stat(self.db)
+            self.ident = (st.st_dev, st.st_ino)
+
+    def remove(self) -> None:
+        """Remove what this start created, its store closed and its locks released. The database's locks are taken
+        again first: a daemon, migration or bring-up that opened the new file since keeps it (never waited for)."""
+        from moetune.tuner.store.lock_files import release_lock_file
+
+        if not self.creates or self.ident is None:
+            return
+        try:
+            fd = lock_database(self.db_path)
+        except DaemonConfigError as e:  # DaemonBusy: someone else has it now; unusable: leave it as it is
+            log.warning("not removing the new database %s this refused start created: %s", self.db, e)
+            return
+        try:
+            try:
+                run_fd = lock_runs(self.db_path)
+            except (DaemonConfigError, RuntimeError) as e:  # RunBusy (DaemonBusy), a StoreError
+                log.warning("not removing the new database %s this refused start created: %s", self.db, e)
+                return
+            try:
+                st = os.lstat(self.db)
+                if (st.st_dev, st.st_ino) != self.ident:
+                    log.warning("not removing %s: replaced since this start created it", self.db)
+                    return
+                for p in self.absent:
+                    if p != self.lock:
+                        with contextlib.suppress(FileNotFoundError):
+                            p.unlink()
+            finally:
+                if run_fd is not None:
+                    release_run_lock(self.db_path, run_fd)  # removes the run lock file, as every run's release does
+        finally:
+            if self.lock in self.absent:
+                release_lock_file(self.lock, fd)  # made by this start: removed while it is still the one fd holds
+            else:
+                os.close(fd)
+        if not self.folder_existed:  # the store made moetune's own data folder: removed only where nothing is in it
+            with contextlib.suppress(OSError):
+                self.db.parent.rmdir()
+        log.info("removed the new database this refused start created", extra={"db": str(self.db)})
+
+
 def run_daemon(
     *,
     socket: str | None = None,
@@ -1067,6 +1139,9 @@ def run_daemon(
     db_lock: int | None = None
     run_lock: int | None = None
     where = Path(db_path).expanduser()
+    store: Any = None
+    # what a start refused before it serves removes again (a new database only: never a file that was there)
+    new_db = _NewDatabase(db_path) if not store_hook and create_db else None
     if not store_hook and not create_db and not where.exists() and where.parent.is_dir():
         # every other reader refuses a missing database; a daemon on a mistyped path served a new empty one, answering
         # not_found to every client (a --db in a missing folder: the store names the folder). Checked after the
@@ -1089,6 +1164,8 @@ def run_daemon(
             # makes moetune's own data folder only: a configured one must exist; intact: a damaged file is refused (a
             # StoreDamaged: `moetune serve` says it, exit 2) before the daemon serves or re-tunes into it
             store = Store(db_path, intact=True)
+            if new_db is not None:
+                new_db.opened()
             up = store.upgraded  # what the open migrated (a `db downgrade` is undone here: say so)
             if up is not None and up.from_revision is not None:
                 log.info("database migrated", extra={"db": str(store.path), "from_revision": up.from_revision,
@@ -1117,16 +1194,24 @@ def run_daemon(
             run_lock_fd=run_lock,
         )
     except BaseException:
+        if store is not None and not store_hook:
+            store.close()
         if run_lock is not None:
             release_run_lock(where, run_lock)
         if db_lock is not None:
             os.close(db_lock)
+        if new_db is not None and store is not None:
+            new_db.remove()
         raise
     daemon.install_signal_handlers()
+    served = False
     try:
         daemon.start()
+        served = True
         daemon.serve_forever()
     finally:
+        if not served:  # a refusal before start()'s own clean-up (transport security, its locks): close it here
+            daemon._close()  # (a no-op where start() closed it)
         # the last connection closed checkpoints the WAL into the file and removes -wal and -shm: left open, they
         # stayed beside the database, and a copy of the file alone lacked what the WAL held
         if not store_hook:  # a hook's store is the hook's to close
@@ -1137,6 +1222,9 @@ def run_daemon(
                             "beside it until the next open", ", ".join(busy), store.path)
             else:
                 store.close()
+                # refused before it served (a bind, a key file): start() released its locks; the new database goes
+                if not served and new_db is not None:
+                    new_db.remove()
     # the CLI's documented statuses: 130 for Ctrl-C, 143 for SIGTERM (128 + the signal, as the shell reports a
     # killed process); the systemd unit lists both in SuccessExitStatus, so a stop is no failure there
     return 128 + daemon.stopped_by if daemon.stopped_by is not None else 0
