@@ -45,6 +45,31 @@ def test_the_systemd_unit_takes_a_signalled_stop_for_success() -> None:
     assert "Restart=on-failure" in lines
 
 
+def _unit_statuses(key: str) -> set[str]:
+    lines = [x.strip() for x in UNIT.read_text().splitlines() if not x.lstrip().startswith("#")]
+    return {v for x in lines if x.startswith(f"{key}=") for v in x.split("=", 1)[1].split()}
+
+
+def test_the_unit_does_not_restart_a_refused_configuration(tmp_path: Path) -> None:
+    """With Restart=on-failure alone a configuration `serve` refuses (exit 2) was started again every RestartSec, for
+    ever, failing the same way. That status stops the restarts; a crash (1, Python's status for an uncaught
+    exception) and the other failures (1) are still restarted."""
+    import os
+    import subprocess
+
+    bad = tmp_path / "moetune.toml"
+    bad.write_text("[daemon]\nno_such_key = 1\n")
+    env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+    r = subprocess.run([sys.executable, "-m", "moetune.tuner.cli", "serve", "--config", str(bad)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "no_such_key" in r.stderr, r.stderr[-2000:]
+    prevent = _unit_statuses("RestartPreventExitStatus")
+    assert str(r.returncode) in prevent
+    crash = subprocess.run([sys.executable, "-c", "raise SystemError('crash')"], capture_output=True, timeout=30)
+    assert crash.returncode == 1 and "1" not in prevent  # a crash is still restarted
+    assert not prevent & _unit_statuses("SuccessExitStatus")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stopped_daemon_leaves_its_database_whole(tmp_path: Path, sig: int) -> None:
     """The daemon closes its store when it stops: SQLite checkpoints the WAL into the file and removes -wal and -shm.
