@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import configparser
 import shlex
+import sys
 import tomllib
+import types
 from importlib import resources
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from moetune.runtime import paths
@@ -78,3 +81,19 @@ def test_unit_cache_is_writable() -> None:
     assert svc["ProtectHome"] == "yes" and svc["ProtectSystem"] == "strict"
     assert env.get("MOETUNE_CACHE") == f"/var/cache/{svc['CacheDirectory']}"
     assert env["MOETUNE_CACHE"] in svc["ReadWritePaths"].split()
+
+
+def test_unit_lets_a_local_retune_use_the_rdma_nics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `local` re-tune's ranks run NCCL on the GPUs (LocalBackend's comm backend), which opens the HCAs read-write
+    through libibverbs and registers memory with them (locked pages). `DeviceAllow=char-infiniband_verbs r` without
+    LimitMEMLOCK let it open none: the daemon measured another NCCL path than the node's jobs take."""
+    from moetune.tuner.daemon.retune import TUNE_BACKENDS
+    from moetune.tuner.search import local_backend
+
+    assert "local" in TUNE_BACKENDS  # the daemon may measure on this node
+    gpus = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 8))
+    monkeypatch.setitem(sys.modules, "torch", gpus)
+    assert local_backend._default_comm_backend(8) == "nccl"  # ...its ranks over NCCL on a node with GPUs
+    verbs = [v.split() for v in _all("DeviceAllow") if v.startswith("char-infiniband_verbs")]
+    assert verbs and all(set(mode) >= {"r", "w"} for _dev, mode in verbs), verbs
+    assert _all("LimitMEMLOCK") == ["infinity"]
