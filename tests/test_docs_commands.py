@@ -33,6 +33,8 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parent.parent
 # docs/fabric-model.md is left to its own tests (test_fabric_model_cli.py)
 DOCS = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "fabric-model.md")]
+# the systemd unit's header comment is an operator's install guide too: its `moetune ...` spans are checked with the docs
+UNIT = ROOT / "tuner" / "daemon" / "deploy" / "moetune.service"
 
 
 def _snippets(text: str) -> list[tuple[str, bool]]:
@@ -111,7 +113,7 @@ def _check(root: Any, args: list[str], whole: bool) -> str | None:
 def test_every_documented_command_parses() -> None:
     root = typer.main.get_command(app)
     bad = []
-    for doc in DOCS:
+    for doc in [*DOCS, UNIT]:
         for snip, whole in _snippets(doc.read_text()):
             args = _args(snip)
             if args is None:
@@ -120,6 +122,65 @@ def test_every_documented_command_parses() -> None:
             if problem:
                 bad.append(f"{doc.relative_to(ROOT)}: `{snip}`: {problem}")
     assert not bad, "\n".join(bad)
+
+
+def _unit_commands() -> list[str]:
+    """The `moetune ...` command lines of the unit's header comment, as an operator types them (after `sudo -u
+    moetune`, as the daemon's user)."""
+    out = []
+    for line in UNIT.read_text().splitlines():
+        s = line.lstrip("#").strip().removeprefix("sudo -u moetune ")
+        if line.startswith("#") and s.startswith("moetune "):
+            out.append(s)
+    return out
+
+
+def test_the_units_commands_parse() -> None:
+    """The unit's TCP/CURVE steps (`moetune keys generate/client/allow`) are commands the CLI takes, whole."""
+    cmds = _unit_commands()
+    assert any(c.startswith("moetune keys generate ") for c in cmds), cmds  # the scan sees them
+    root = typer.main.get_command(app)
+    bad = [f"`{c}`: {problem}" for c in cmds if (a := _args(c)) is not None and (problem := _check(root, a, True))]
+    assert not bad, "\n".join(bad)
+
+
+def _schema() -> dict[str, set[str]]:
+    import dataclasses
+
+    from moetune.runtime.config import Config
+
+    return {sec: {f.name for f in dataclasses.fields(getattr(Config(), sec))} for sec in ("store", "daemon", "client", "tune")}
+
+
+def _unit_config_keys() -> list[tuple[str, str]]:
+    """(section, key) of every TOML line the unit's header comment shows: `#   [daemon] socket = ...` and its
+    continuation lines `#            key = ...`."""
+    out, section = [], None
+    for line in UNIT.read_text().splitlines():
+        m = re.match(r"#\s+(?:\[(\w+)\]\s+)?([a-z_]+) = ", line)
+        if not line.startswith("#"):
+            section = None
+        elif m and (m.group(1) or section):
+            section = m.group(1) or section
+            out.append((section, m.group(2)))
+        elif not m:
+            section = None
+    return out
+
+
+def test_the_unit_and_readme_name_only_config_keys_the_schema_takes() -> None:
+    """A key named in the unit's TOML lines or as `daemon.KEY` / `client.KEY` in the README (the TCP/CURVE steps)
+    is one load_config accepts: a misspelt key is an error that stops the daemon."""
+    schema = _schema()
+    unit = _unit_config_keys()
+    assert ("daemon", "curve_secret_key_file") in unit and ("client", "curve_server_key_file") in unit, unit
+    readme = [(m.group(1), m.group(2)) for m in
+              re.finditer(r"`(daemon|client)\.([a-z_]+)(?: = [^`]*)?`", (ROOT / "README.md").read_text())]
+    readme = [k for k in readme if k != ("daemon", "json")]  # the daemon's info file, not a key
+    assert ("daemon", "socket") in readme
+    bad = [f"{where}: {sec}.{key}" for where, keys in (("moetune.service", unit), ("README.md", readme))
+           for sec, key in keys if key not in schema.get(sec, set())]
+    assert not bad, bad
 
 
 def _run(*args: str, home: Path, **env: str):
