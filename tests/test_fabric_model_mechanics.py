@@ -80,8 +80,11 @@ def test_nonsense_is_a_clear_error() -> None:
     assert issubclass(PresetError, ValueError)
     with pytest.raises(KnobError, match="not available"):
         predict(SLINGSHOT, w, Knobs(transport="ibgda", fence_mode="nic_ordered"))
-    with pytest.raises(KnobError, match="other nodes"):
+    # the runtime's one-sided rule (knobs.one_sided_world_problem), which names the count first: 16 ranks, one node
+    with pytest.raises(KnobError, match="transport=nvlink serves at most 8 ranks on one node"):
         predict(SLINGSHOT, w, Knobs(transport="nvlink"))
+    with pytest.raises(KnobError, match=r"transport=nvlink serves the ranks of one node.*spans 2 nodes"):
+        predict(SLINGSHOT, Workload(QWEN, 256, 2, 4), Knobs(transport="nvlink"))
     with pytest.raises(ValueError, match="no network"):
         predict("pcie4-consumer-4090x4", Workload(QWEN, 256, 2, 4), Knobs(transport="host_staged"))
     with pytest.raises(ValueError, match="phase"):

@@ -97,16 +97,56 @@ def test_the_node_proxy_beyond_the_one_sided_world_limit_is_refused() -> None:
     assert predict("ndr-ibrc-h100x8", Workload("qwen3-30b", 256, 4, 8), k).latency_us > 0
 
 
-def test_a_model_tune_of_nvlink_beyond_the_world_limit_says_why_it_stored_nothing(tmp_path) -> None:
-    """Since 668bd35b every nvlink trial at EP 16 is infeasible (the model refuses what the runtime refuses), so
-    `tune --backend model -p nvlink-h200x2 --ep-size 16` stores nothing and exits 1; it said only 'no successful
-    trial': the reason, recorded on each pruned trial, was named nowhere (first_error read failed trials only)."""
+def test_a_model_tune_of_nvlink_beyond_the_world_limit_is_refused_before_any_trial(tmp_path) -> None:
+    """Since 668bd35b every nvlink trial at EP 16 is infeasible (the model refuses what the runtime refuses), yet
+    `tune --backend model -p nvlink-h200x2 --ep-size 16` ran its study of failing trials, kept the study and exited 1.
+    The bound is asked before the first study (`ModelBackend.group_problem`, the rule the phases raise): refused
+    (exit 2) naming the EP size, the family considered and its bound; no profile database, no studies file."""
     from typer.testing import CliRunner
 
     from moetune.tuner.cli import app
 
-    r = CliRunner().invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p", "nvlink-h200x2",
-                                 "--ep-size", "16", "-n", "2", "--db", str(tmp_path / "p.db"),
-                                 "--storage", f"sqlite:///{tmp_path / 's.db'}"], env={"COLUMNS": "300"})
-    assert r.exit_code == 1, r.output
-    assert "no successful trial (first failure: infeasible:" in r.output and "at most 8 ranks" in r.output, r.output
+    d = tmp_path / "out"
+    d.mkdir()
+    for family in ([], ["--family", "nvlink"]):
+        r = CliRunner().invoke(app, ["tune", "-m", "qwen3-30b", "-t", "256", "--backend", "model", "-p",
+                                     "nvlink-h200x2", "--ep-size", "16", "-n", "2", "--db", str(d / "p.db"),
+                                     "--storage", f"sqlite:///{d / 's.db'}", *family],
+                               env={"COLUMNS": "300", "MOETUNE_HOME": str(tmp_path / "home")})
+        said = " ".join(r.output.split())
+        assert r.exit_code == 2, r.output
+        assert "EP size 16 on 1 node(s): no transport family considered (nvlink) can serve it" in said, said
+        assert "nvlink: transport=nvlink serves at most 8 ranks on one node" in said and "Traceback" not in said, said
+        assert "trial" not in said, said  # no study ran
+        assert list(d.iterdir()) == []  # no p.db, s.db nor a lock
+
+
+def test_the_group_bound_leaves_out_only_the_families_it_bounds() -> None:
+    """On a node with several families (a DGX H100 capture) a local tune at EP 16 leaves out nvlink and the node's
+    proxy (the runtime's one-sided transports, at most 8 ranks) and tunes the rest; asked for nvlink alone it is
+    refused naming the bound. The model's bound is its phases' (a NIC preset's proxy across nodes has none)."""
+    from pathlib import Path
+
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.fabric.discovery import discover
+    from moetune.tuner.search.local_backend import LocalBackend
+    from moetune.tuner.search.model_backend import ModelBackend
+    from moetune.tuner.search.tune import check_tune
+
+    facts = discover(Path(__file__).resolve().parent / "captures" / "dgx-h100")
+    be = LocalBackend(world=16, comm_backend="nccl", command=["true"])
+    plan = check_tune(facts, models=[MODELS["qwen3-30b"]], backend=be, ep_size=16)
+    fams = {t.name for t in facts.transports}
+    assert "nvlink" in fams and "collective" in plan.policies, (fams, plan.policies)
+    assert not any(f == "nvlink" or f.startswith("proxy") for f in plan.policies), plan.policies
+    with pytest.raises(ValueError, match=r"EP size 16 on 1 node\(s\): no transport family considered \(nvlink\) can "
+                                         r"serve it: nvlink: transport=nvlink serves at most 8 ranks"):
+        check_tune(facts, models=[MODELS["qwen3-30b"]], backend=be, ep_size=16, families=["nvlink"])
+    eight = LocalBackend(world=8, comm_backend="nccl", command=["true"])
+    assert check_tune(facts, models=[MODELS["qwen3-30b"]], backend=eight, ep_size=8, families=["nvlink"]).policies
+    nic = ModelBackend("ndr-ibrc-h100x8")
+    assert nic.group_problem("proxy:ibrc", ep_size=32, nodes=4) == ""
+    assert "serves the ranks of one node" in nic.group_problem("nvlink", ep_size=8, nodes=2)
+    node = ModelBackend("nvlink-h200x2")
+    assert "at most 8 ranks" in node.group_problem("proxy", ep_size=16, nodes=1)
+    assert node.group_problem("collective", ep_size=16, nodes=1) == ""

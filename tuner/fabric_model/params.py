@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moetune.runtime.knobs import KnobError, Knobs
+from moetune.runtime.knobs import KnobError, Knobs, one_sided_world_problem
 from moetune.tuner.fabric_model.presets import Preset, load_preset
 
 
@@ -72,3 +72,17 @@ def check_queued(preset: Preset, p: Params, knobs: Knobs) -> None:
         raise KnobError(f"preset {preset.name!r} has no CPU proxy", ("transport",))
     if knobs.transport == "ibgda" and not p.has_ibgda:
         raise KnobError(f"preset {preset.name!r} has no IBGDA", ("transport",))
+
+
+def group_problem(p: Params, transport: str, pes: int, nodes: int) -> str | None:
+    """Why the modelled `transport` cannot serve an EP group of `pes` ranks on `nodes` hosts (None when it can): nvlink
+    as the runtime's one-sided rule says (`one_sided_world_problem`: at most MAX_WORLD ranks, one node), and a proxy
+    that serves the node's own peers (proxy.serves_intra_node: the runtime's proxy transport) at most MAX_WORLD ranks;
+    a NIC preset's proxy across nodes (the Perseus model) and the other transports have no such bound. The model's one
+    statement of the bound: the phases raise it for a trial, the tune asks it before its first study
+    (`ModelBackend.group_problem`), so a study never runs trials that can only fail on it."""
+    if transport == "nvlink":
+        return one_sided_world_problem("nvlink", pes, nodes=nodes)
+    if transport == "proxy" and p.has_proxy and p.proxy_intra:
+        return one_sided_world_problem("proxy", pes)  # its ranks on other nodes go over the NIC: only the count bounds
+    return None

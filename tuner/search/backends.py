@@ -116,6 +116,11 @@ class BenchmarkBackend(ABC):
         '' when they can (a prediction stands for what it predicts)."""
         return ""
 
+    def group_problem(self, family: str, *, ep_size: int, nodes: int) -> str:
+        """Why `family`'s transport cannot serve an EP group of `ep_size` ranks on `nodes` hosts on this backend ('' when
+        it can, or the backend knows no bound): every trial would fail on it, so the tune asks before its first study."""
+        return ""
+
     def for_family(self, family: str, error_budget: float | None) -> None:
         """Set up for a study of `family`, whose policy allows compressed settings `error_budget` of measured error
         (a backend that measures no error ignores it)."""

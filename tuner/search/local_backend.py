@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from moetune.runtime.knobs import KnobError, Knobs, missing_transport_problem
+from moetune.runtime.knobs import KnobError, Knobs, group_world_problem, missing_transport_problem
 from moetune.runtime.options import RuntimeOptions, data_path_digest
 from moetune.runtime.profile_record import COMM_METRIC, Provenance, backend_label, is_transport_family
 from moetune.runtime.profiles.launcher_env import launcher_env
@@ -225,6 +225,13 @@ class LocalBackend(BenchmarkBackend):
         # what it stores is measured: the key must be the group it ran, on the GPUs (or CPUs) the node has
         return (unmeasured_key(self.world, ep_size, nodes, families)
                 or cpu_comm_on_gpus(self.comm_backend, gpu_count, families))
+
+    def group_problem(self, family: str, *, ep_size: int, nodes: int) -> str:
+        # the runtime's rule for a group (nvlink/proxy beyond MAX_WORLD ranks or across nodes, host_staged across
+        # nodes): the EP buffer refuses such a group in every trial
+        if not is_transport_family(family):
+            return ""
+        return group_world_problem(transport_of_family(family), ep_size, nodes=nodes) or ""
 
     def supports(self, family: str) -> bool:
         # a transport family this runtime has no transport for (ibgda: the fabric model's only) cannot be measured:

@@ -140,6 +140,15 @@ class ModelBackend(BenchmarkBackend):
                                      "preset's GPUs per node × --nodes); the one-GPU MoE layer is measured with "
                                      "--backend local --family megakernel")
 
+    def group_problem(self, family: str, *, ep_size: int, nodes: int) -> str:
+        # the model's bound (fabric_model.params.group_problem), the one its phases refuse each trial with
+        if self.predictor is not None or self.preset is None or family == MEGAKERNEL:
+            return ""
+        from moetune.tuner.fabric_model.params import group_problem, params
+        from moetune.tuner.search.policy import transport_of_family
+
+        return group_problem(params(self.preset), transport_of_family(family), ep_size, nodes) or ""
+
     def supports(self, family: str) -> bool:
         if family == MEGAKERNEL:  # the fabric model predicts exchanges, not a kernel's tiles
             return False

@@ -327,6 +327,17 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
     why = be.refusal(ep_size=ep_size, nodes=nodes, families=list(policies), gpu_count=facts.gpu_count)
     if why:
         raise ValueError(why)
+    # A family whose transport cannot serve this EP group (nvlink beyond MAX_WORLD ranks, ...): each of its trials
+    # would fail on that bound, so it is left out here; with none left the tune is refused before any study.
+    bounds = {f: be.group_problem(f, ep_size=ep_size, nodes=nodes) for f in policies}
+    cannot = {f: b for f, b in bounds.items() if b}
+    if cannot and len(cannot) == len(policies):
+        raise ValueError(f"EP size {ep_size} on {nodes} node(s): no transport family considered "
+                         f"({', '.join(policies)}) can serve it: "
+                         + "; ".join(f"{f}: {b}" for f, b in cannot.items()) + ". Nothing was tuned or stored")
+    for f, b in cannot.items():
+        log.warning("family %s skipped: it cannot serve EP size %d on %d node(s): %s", f, ep_size, nodes, b)
+        del policies[f]
     return _Plan(be, facts, ep_size, gpus_per_node, policies)
 
 

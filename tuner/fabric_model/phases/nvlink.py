@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from moetune.runtime.knobs import MAX_SLOTS, MAX_WORLD, KnobError, Knobs
-from moetune.tuner.fabric_model.params import Params
+from moetune.runtime.knobs import MAX_SLOTS, KnobError, Knobs
+from moetune.tuner.fabric_model.params import Params, group_problem
 from moetune.tuner.fabric_model.phases.phase import Phase, reduce_us
 from moetune.tuner.fabric_model.records import Workload
 from moetune.tuner.fabric_model.wire_rows import SIGNAL_BYTES, token_bytes
@@ -42,14 +42,11 @@ def _nvlink_signals(p: Params, knobs: Knobs, world: int) -> tuple[int, int]:
 
 def phase_nvlink(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, hits) -> Phase:
     ph = Phase()
-    if w.nodes > 1:
-        raise KnobError("transport 'nvlink' does not reach other nodes; use proxy, ibgda or collective",
-                        ("transport",))
+    why = group_problem(p, "nvlink", w.pes, w.nodes)  # as the runtime's check_world refuses it (transports/_onesided.py)
+    if why:
+        raise KnobError(why, ("transport",))
     if not p.has_nvl:
         raise KnobError(f"preset {p.name!r} has no NVLink", ("transport",))
-    if w.pes > MAX_WORLD:  # as the runtime's check_world refuses it (runtime/transports/_onesided.py)
-        raise KnobError(f"transport 'nvlink' serves at most {MAX_WORLD} ranks on one node (csrc MT_MAX_WORLD), this "
-                        f"EP group has {w.pes}: use collective for a larger group", ("transport",))
     if not w.p2p and w.gpus_per_node > 1:
         # GPU stores into a peer's memory need peer-to-peer; with it disabled nothing can be stored
         raise KnobError("transport 'nvlink' needs GPU peer-to-peer, which this workload disables (p2p=False); "

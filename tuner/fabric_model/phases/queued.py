@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from moetune.runtime.knobs import MAX_WORLD, KnobError, Knobs
-from moetune.tuner.fabric_model.params import Params
+from moetune.runtime.knobs import KnobError, Knobs
+from moetune.tuner.fabric_model.params import Params, group_problem
 from moetune.tuner.fabric_model.phases.nvlink import nvlink_time
 from moetune.tuner.fabric_model.phases.phase import Phase, reduce_us
 from moetune.tuner.fabric_model.queue import run_queue
@@ -272,12 +272,11 @@ def phase_queued(p: Params, w: Workload, knobs: Knobs, *, dispatch: bool, loads,
     ph = Phase()
     S, P, G = w.tokens_per_gpu, w.pes, w.gpus_per_node
     kind = knobs.transport
-    if kind == "proxy" and p.proxy_intra and P > MAX_WORLD:
-        # a proxy serving the node's own peers is the runtime's proxy transport, whose check_world refuses this
-        # as it refuses nvlink (phases/nvlink.py); a NIC preset's proxy across nodes is the Perseus model, not it
-        raise KnobError(f"transport 'proxy' serves at most {MAX_WORLD} ranks on one node (csrc MT_MAX_WORLD) where "
-                        f"it serves the node's own peers (proxy.serves_intra_node), this EP group has {P}: use "
-                        "collective for a larger group", ("transport",))
+    # a proxy serving the node's own peers is the runtime's proxy transport, whose check_world refuses more than
+    # MAX_WORLD ranks as it refuses nvlink; a NIC preset's proxy across nodes is the Perseus model, not it
+    why = group_problem(p, kind, P, w.nodes)
+    if why:
+        raise KnobError(why, ("transport",))
     tiles = layout == "expert_tiles"
     host_waits = kind == "proxy" and not tiles  # the runtime's proxy transport: host-completed calls
     tb = token_bytes(w.model, knobs, dispatch=dispatch, layout=layout)
