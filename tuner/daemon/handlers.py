@@ -53,12 +53,13 @@ def get_profile(d: Daemon, req: wire.GetProfile) -> Result:
         return False, (wire.E_NOT_FOUND, "the fabric changed; the daemon is re-reading its profiles for the new one "
                                          "(no profile is current until then)")
     key = _gp_key(req)  # every field but v/id
-    hit = idx.cache.get(key)
-    if hit is None:
-        hit = idx.lookup(req)
-        idx.cache.put(key, hit)  # bounded (CACHE_LIMIT): the least recently used reply goes
-    if hit[0]:
-        d.metrics.profiles_served += 1
+    entry = idx.cache.get(key)
+    if entry is None:
+        entry = idx.find(req)  # the reply and its profile's provenance (the served counter's label)
+        idx.cache.put(key, entry)  # bounded (CACHE_LIMIT): the least recently used reply goes
+    hit, provenance = entry
+    if hit[0] and provenance is not None:
+        d.metrics.profile_served(provenance)
     return hit
 
 

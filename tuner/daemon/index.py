@@ -170,26 +170,39 @@ class ProfileIndex:
         c = Counter(r.effective_provenance for r in mine)  # what the numbers are, as lookups take them
         return {p: c.get(p, 0) for p in PROVENANCES}
 
+    def held_by_provenance(self, which: str) -> dict[str, int]:
+        """The `current` (all fingerprints: `current_count`), `stale` or `not_served` (of current) rows, counted by
+        the provenance lookups take them as (`provenance_of`), every value of PROVENANCES present: the metrics' gauges."""
+        recs = {"current": self.records, "stale": self.stale,
+                "not_served": [r for r in self.records if id(r) in self.not_served]}[which]
+        c = Counter(provenance_of(r) for r in recs)
+        return {p: c.get(p, 0) for p in PROVENANCES}
+
     def lookup(self, req: wire.GetProfile) -> tuple[bool, Any]:
         """(True, encoded ProfileResult as msgspec.Raw) or (False, (code, message))."""
+        return self.find(req)[0]
+
+    def find(self, req: wire.GetProfile) -> tuple[tuple[bool, Any], str | None]:
+        """`lookup`'s reply, and the provenance of the profile it carries (None when it carries none): the served
+        counter's label, kept beside the encoded reply so a cached hit is counted as what it serves."""
         if req.model is not None:
             try:
                 m = get_model(req.model)
             except ValueError as e:
-                return False, (wire.E_INVALID_FIELD, str(e))
+                return (False, (wire.E_INVALID_FIELD, str(e))), None
             h, i, e_, k, dt = m.hidden, m.intermediate, m.experts, m.topk, m.dtype
             h, i, e_, k = req.hidden or h, req.intermediate or i, req.experts or e_, req.topk or k
             dt = req.dtype or dt
         else:
             missing = [f for f in ("hidden", "intermediate", "experts", "topk") if getattr(req, f) is None]
             if missing:
-                return False, (wire.E_MISSING_FIELD, f"give `model` or all of hidden/intermediate/experts/topk (missing {', '.join(missing)})")
+                return (False, (wire.E_MISSING_FIELD, f"give `model` or all of hidden/intermediate/experts/topk (missing {', '.join(missing)})")), None
             h, i, e_, k, dt = req.hidden, req.intermediate, req.experts, req.topk, req.dtype or "bfloat16"
         if req.ep_size % req.nodes:
-            return False, (wire.E_INVALID_FIELD, f"ep_size {req.ep_size} is not divisible by nodes {req.nodes}")
+            return (False, (wire.E_INVALID_FIELD, f"ep_size {req.ep_size} is not divisible by nodes {req.nodes}")), None
         fp = req.fingerprint or self.fingerprint
         if fp is None:
-            return False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")
+            return (False, (wire.E_NOT_FOUND, "the daemon has not discovered its fabric (yet); no profile is current")), None
         group = (fp, req.ep_size, req.nodes, h, i, e_, k, dt)
         recs = self.groups.get(group, [])
         # The software defaults to the daemon's own with its fingerprint (they default together): a profile
@@ -211,9 +224,9 @@ class ProfileIndex:
                       if (not sw or r.key.software == sw)
                       and (not req.transport_family or r.key.transport_family == req.transport_family)]
             what = f"; passed over: {'; '.join(passed[:4])}" if passed else ""
-            return False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, software {sw}, ep {req.ep_size}, nodes {req.nodes}, "
-                                             f"shape {h}x{i}x{e_}/top{k} {dt}{what}")
-        return True, msgspec.Raw(wire.encoder.encode(encode_profile(rec, self.version)))
+            return (False, (wire.E_NOT_FOUND, f"no current profile for fingerprint {fp}, software {sw}, ep {req.ep_size}, nodes {req.nodes}, "
+                                              f"shape {h}x{i}x{e_}/top{k} {dt}{what}")), None
+        return (True, msgspec.Raw(wire.encoder.encode(encode_profile(rec, self.version)))), provenance_of(rec)
 
     def list_page(self, status: str, fingerprint: str | None, limit: int,
                   history: list[ProfileRecord] | None = None) -> bytes:

@@ -289,9 +289,11 @@ class Daemon(FabricWatch):
                                on_done=self._job_done, on_start=self._job_started, tune=self.tune,
                                capacity=job_capacity, metrics=self.metrics)
         g = self.metrics.gauges
-        g["profiles_current"] = lambda: self.index.current_count
-        g["profiles_stale"] = lambda: len(self.index.stale)
-        g["profiles_not_served"] = lambda: self.index.not_served_count  # of profiles_current
+        # the profiles held, by provenance (a modelled profile served is not a measured one: the label tells them apart)
+        pg = self.metrics.provenance_gauges
+        pg["profiles_current"] = lambda: self.index.held_by_provenance("current")
+        pg["profiles_stale"] = lambda: self.index.held_by_provenance("stale")
+        pg["profiles_not_served"] = lambda: self.index.held_by_provenance("not_served")  # of profiles_current
         g["jobs_queued"] = lambda: self.jobs.queued_count()
         g["jobs_running"] = lambda: 1 if self.jobs.running else 0
         g["uptime_seconds"] = lambda: time.time() - self.started
