@@ -330,6 +330,7 @@ class ProfileClient:
         self._handshake_dropped = False
         # connections refused and none made: nothing listens on the tcp:// endpoint (a daemon stopped or killed)
         self._connected = self._connect_retried = False
+        self._unmonitored = False  # the request socket's monitor could not be made: what it would tell is unknown
         self._sub: zmq.Socket | None = None
         self.sub_endpoint: str | None = None  # where the SUB socket connected (`subscribe`)
         self.epoch: str | None = None
@@ -349,7 +350,9 @@ class ProfileClient:
                 s.linger = 0
                 s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY_BYTES)  # whoever answers cannot have us buffer any size
                 self._secure(s)
-                if self._curve:
+                if self.endpoint.startswith("tcp://"):  # CURVE or the explicit plain-text allowance on loopback
+                    # Its events tell a refused key, a broken-off handshake and a refused connection (nothing listens)
+                    # from a daemon that is slow; plain TCP too, where a stopped daemon read as "no reply".
                     # A name of its own: pyzmq's default (inproc://monitor.s-<fd>) can still be bound by the monitor
                     # of a socket just closed on a retry when the new socket gets the same fd.
                     try:
@@ -361,6 +364,7 @@ class ProfileClient:
                     except zmq.ZMQError as e:
                         log.debug("no handshake monitor for %s (%s): a refused key reads as no reply", self.endpoint, e)
                         self._mon = None  # only the refused-key wording is lost: "no reply" is said instead
+                        self._unmonitored = True
                 s.connect(self.endpoint)
             except BaseException:
                 if self._mon is not None:
@@ -449,6 +453,7 @@ class ProfileClient:
         budget = min(timeout_ms if timeout_ms is not None else self.timeout_ms, MAX_CLIENT_TIMEOUT_MS) / 1000.0
         self._check_endpoint()
         self._key_refused = self._handshake_dropped = self._connected = self._connect_retried = False
+        self._unmonitored = False
         deadline = time.monotonic() + budget
         attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
@@ -491,6 +496,10 @@ class ProfileClient:
                                         "own (set client.curve_secret_key_file to a key on the daemon's allow-list: "
                                         "`moetune keys client`)")
             raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?)")
+        if self._handshake_dropped and self._curve is None:  # plain text to a daemon that speaks CURVE
+            raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the handshake: it uses CURVE, and this "
+                                    "client has no key for it (client.curve_server_key_file: the NAME.key beside the "
+                                    "daemon's curve_secret_key_file)")
         if self._handshake_dropped:
             source = self._server_key_file or "the CURVE server key it was given"
             raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the CURVE handshake: {source} is not "
@@ -498,12 +507,32 @@ class ProfileClient:
                                     "curve_secret_key_file), or the daemon there does not use CURVE")
         if self._connect_retried and not self._connected:  # refused, not slow: the request never left this host
             raise DaemonUnavailable(f"nothing accepts connections at {self.endpoint}: no daemon runs there (stopped "
-                                    "or killed?): start it with `moetune serve`, or point client.socket at the one "
-                                    "that runs")
+                                    "or killed?): start it with `moetune serve` (under systemd: `systemctl status "
+                                    "moetune`), or point client.socket at the one that runs")
         stale = stale_daemon_reason(self.endpoint)  # a killed daemon's socket: say so, not "no reply" (slow)
         if stale is not None:
             raise DaemonUnavailable(stale)
-        raise DaemonTimeout(f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms")
+        said = f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms"
+        if self.endpoint.startswith("tcp://"):
+            said += self._tcp_no_reply_hint()
+        raise DaemonTimeout(said)
+
+    def _tcp_no_reply_hint(self) -> str:
+        """What to check when a tcp:// request got no reply in its time budget, as far as this client can tell: ZeroMQ
+        does not report why a connection is not made (a host unreachable or a firewall dropping packets looks like a
+        slow one), only that one was (the monitor's CONNECTED) or refused (CONNECT_RETRIED, said before this)."""
+        budget = "the time budget: client.timeout_ms or MOETUNE_CLIENT_TIMEOUT_MS, `moetune query --timeout-ms`"
+        keys = ("; with CURVE, that client.curve_server_key_file is that daemon's public key and this client's key is "
+                "on its allow-list (`moetune keys allow`)" if self._curve else "")
+        if self._connected:  # the port accepted: a daemon that is busy or hung, or not a moetune daemon at all
+            return (f" ({budget}): the connection was made but nothing answered: check that a moetune daemon listens "
+                    "there and is not stuck (`systemctl status moetune`, its log, on that host); a longer budget if it "
+                    f"is busy{keys}")
+        where = ("whether a connection was made is not known (no socket monitor)" if self._unmonitored
+                 else "no connection was made and none was refused")
+        return (f" ({budget}): {where}: check that the daemon runs there (`moetune serve`; `systemctl status moetune` "
+                "on that host), that this address and port are its daemon.socket, and that no firewall drops the "
+                f"packets on the way{keys}")
 
     def fallback_db(self, info: dict[str, Any] | None = None) -> Path:
         """The database `resolve` reads when the daemon does not answer: the one given, else `client_db_path`'s

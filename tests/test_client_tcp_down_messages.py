@@ -1,0 +1,81 @@
+"""A query against a tcp:// daemon that is down or does not answer said only "no reply from the daemon at ... within N
+ms" where the IPC path says what is wrong and what to do ("no daemon socket ...; start one with `moetune serve`"). The
+request socket's monitor (CONNECTED / CONNECT_RETRIED) now watches every tcp:// endpoint, plain text too (the tests'
+loopback allowance; the CLI refuses plain TCP up front), so a refused connection says nothing listens there, and a
+time-out names the endpoint, the budget and where it is set, and what to check (the daemon running: `moetune serve`,
+`systemctl status moetune`; with CURVE its key and allow-list)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.runtime.profiles.client import ProfileClient
+from moetune.runtime.profiles.errors import DaemonTimeout, DaemonUnavailable
+from moetune.runtime.testing.launch import free_port
+from moetune.tuner.cli import app
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def mute_port() -> Iterator[int]:
+    """A loopback port whose listener never accepts nor answers: the kernel completes the connection (backlog), as for
+    a daemon that is hung, or something that is not a daemon."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _ask(endpoint: str) -> Exception:
+    c = ProfileClient(endpoint, timeout_ms=300, allow_insecure_tcp=True)
+    try:
+        with pytest.raises(DaemonUnavailable) as ei:
+            c.status()
+        return ei.value
+    finally:
+        c.close()
+
+
+def test_plain_tcp_to_a_stopped_daemon_says_nothing_listens_there() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    e = _ask(endpoint)
+    assert not isinstance(e, DaemonTimeout) and "no reply" not in str(e), e
+    assert f"nothing accepts connections at {endpoint}" in str(e), e
+    assert "`moetune serve`" in str(e) and "`systemctl status moetune`" in str(e), e
+
+
+def test_a_tcp_time_out_names_the_endpoint_the_budget_and_what_to_check(mute_port: int) -> None:
+    endpoint = f"tcp://127.0.0.1:{mute_port}"
+    e = _ask(endpoint)
+    said = str(e)
+    assert isinstance(e, DaemonTimeout), e
+    assert said.startswith(f"no reply from the daemon at {endpoint} within 300 ms"), said
+    assert "client.timeout_ms" in said and "--timeout-ms" in said, said
+    assert "the connection was made but nothing answered" in said and "`systemctl status moetune`" in said, said
+    assert "allow-list" not in said, said  # plain text: no CURVE key to check
+
+
+def test_the_cli_says_it_for_a_curve_client(tmp_path: Path, mute_port: int) -> None:
+    from moetune.tuner.cli.keys import generate_keys
+
+    server_pub, _ = generate_keys(tmp_path / "keys")
+    endpoint = f"tcp://127.0.0.1:{mute_port}"
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{server_pub}"\n')
+    home = tmp_path / "h"
+    r = CliRunner().invoke(app, ["status", "--config", str(cfg), "--timeout-ms", "300"],
+                           env={"MOETUNE_HOME": str(home), "HOME": str(home), "XDG_CONFIG_HOME": str(home / "cfg"),
+                                "MOETUNE_CONFIG": "", "COLUMNS": "200"})
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1 and "Traceback" not in out, r.output
+    assert f"no reply from the daemon at {endpoint} within 300 ms" in out, out
+    assert "`systemctl status moetune`" in out and "`moetune keys allow`" in out and "allow-list" in out, out
