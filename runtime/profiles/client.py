@@ -332,6 +332,7 @@ class ProfileClient:
         self._connected = self._connect_retried = False
         self._unmonitored = False  # the request socket's monitor could not be made: what it would tell is unknown
         self._sub: zmq.Socket | None = None
+        self._sub_mon: zmq.Socket | None = None  # the SUB socket's handshake monitor, until its failure is said
         self.sub_endpoint: str | None = None  # where the SUB socket connected (`subscribe`)
         self.epoch: str | None = None
         self.version = 0  # the snapshot version changes are compared with
@@ -408,6 +409,7 @@ class ProfileClient:
     def close(self) -> None:
         self._reset()
         if self._sub is not None:
+            self._close_sub_monitor(self._sub)
             self._sub.close(linger=0)
             self._sub = None
             self.sub_endpoint = None
@@ -615,12 +617,60 @@ class ProfileClient:
             self._secure(s)
             for t in topics:
                 s.setsockopt(zmq.SUBSCRIBE, t.encode())
+            self._sub_mon = self._handshake_monitor(s, pub_endpoint)
             s.connect(pub_endpoint)
         except zmq.ZMQError as e:
+            self._close_sub_monitor(s)
             s.close(linger=0)
             raise DaemonUnavailable(f"not subscribing to {pub_endpoint[:256]!r}: {e.strerror}") from None
         self._sub = s
         self.sub_endpoint = pub_endpoint
+
+    @staticmethod
+    def _handshake_monitor(s: zmq.Socket, endpoint: str) -> zmq.Socket | None:
+        """A monitor of `s`'s failed handshakes on a tcp:// endpoint (None for ipc://, or where none can be made): a SUB
+        socket whose CURVE handshake fails retries quietly for ever, and its subscriber would wait for notices that
+        never come without a word."""
+        if not endpoint.startswith("tcp://"):
+            return None
+        try:
+            return s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                        addr=f"inproc://moetune-sub-monitor-{next(_MONITOR_IDS)}")
+        except zmq.ZMQError as e:
+            log.debug("no handshake monitor for the SUB socket to %s (%s)", endpoint, e)
+            return None
+
+    def _close_sub_monitor(self, s: zmq.Socket | None) -> None:
+        if self._sub_mon is None:
+            return
+        if s is not None:
+            try:  # stop the events before closing their socket (as `_reset` does for the request socket's)
+                s.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._sub_mon.close(linger=0)
+        self._sub_mon = None
+
+    def _check_sub_handshake(self) -> None:
+        """Say once, as a warning naming the endpoint, that the SUB socket's handshake failed (its monitor's first
+        failure event), then stop watching: the socket retries, and a later success brings the notices."""
+        if self._sub_mon is None:
+            return
+        event = None
+        while event is None and self._sub_mon.poll(0):
+            try:
+                event = recv_monitor_message(self._sub_mon, zmq.NOBLOCK)["event"]
+            except zmq.ZMQError:
+                return
+        if event is None:
+            return
+        why = ("the daemon refused this client's key (not on its allow-list?)" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+               else "the daemon broke off the CURVE handshake (the server key given is not its public key, or one "
+                    "side does not use CURVE)")
+        log.warning("moetune: no change notices from %s: %s; tuned profiles are not refreshed while it lasts",
+                    self.sub_endpoint, why)
+        self._close_sub_monitor(self._sub)
 
     def _daemon_pub(self, named: str) -> tuple[str, str | None]:
         """(where to connect, why not) for the PUB endpoint the daemon's hello `named`: reached the way the request
@@ -662,6 +712,7 @@ class ProfileClient:
         sending cannot keep the caller (a layer's refresh) here."""
         if self._sub is None:
             raise RuntimeError("call subscribe() first")
+        self._check_sub_handshake()
         out: list[wire.Change] = []
         wait = timeout_ms
         for _ in range(MAX_NOTICES_PER_POLL):
@@ -679,6 +730,7 @@ class ProfileClient:
                 self.version = 0
             if ch.version > self.version:
                 out.append(ch)
+        self._check_sub_handshake()  # a failure seen while this call waited is said now, not at the next
         return out
 
     def track(self, *, transport_ok: Callable[[str], str | None] | None = None, options: RuntimeOptions | None = None,
