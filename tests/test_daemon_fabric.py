@@ -94,7 +94,13 @@ def test_fabric_change_stale_publish_retune_pickup(tmp_path: Path, monkeypatch: 
         # metrics on 127.0.0.1
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'moetune_requests_total{op="get_profile",outcome="ok"}' in text
-        assert "moetune_request_seconds_bucket" in text and "moetune_profiles_stale 3.0" in text
+        assert "moetune_request_seconds_bucket" in text
+        # by provenance (b12eea59): the three measured profiles went stale, their re-tune on the calibrated model is
+        # current and labelled node_model, a modelled figure never counted as measured
+        assert 'moetune_profiles_stale{provenance="measured"} 3.0' in text
+        assert 'moetune_profiles_stale{provenance="node_model"} 0.0' in text
+        assert 'moetune_profiles_current{provenance="node_model"} 3.0' in text
+        assert 'moetune_profiles_current{provenance="measured"} 0.0' in text
         assert "moetune_fabric_changes_total 1.0" in text
         c.close()
         w.close()
