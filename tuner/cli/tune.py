@@ -311,7 +311,7 @@ def tune(
         if no_cuda:  # refused up front, as `moetune bench ep --backend nccl` is
             _fail(no_cuda)
     from moetune.tuner.search.model_backend import ModelBackend
-    from moetune.tuner.search.tune import check_tune
+    from moetune.tuner.search.tune import check_tune, group_left_out_note
 
     try:  # what the search would refuse before its first study (a family not on this fabric, ...): before any file is made
         # the banner above gave a forced fit's warning: the backend does not log it a second time
@@ -404,7 +404,10 @@ def tune(
             bar.close()
     scale = tune_scale_note(backend, preset, results)
     # each JSON row says what its own profile extrapolates (its tokens, its EP size), not the whole tune's note
-    rows = _result_rows(results, trials, forced, [tune_scale_note(backend, preset, [r]) for r in results])
+    # the families check_tune left out, their transport unable to serve the EP group: said with the results, not
+    # only in a log line (a script reading --json saw no trace of them)
+    left_out = [{"family": f, "reason": why} for f, why in plan.left_out.items()]
+    rows = _result_rows(results, trials, forced, [tune_scale_note(backend, preset, [r]) for r in results], left_out)
     # a tune where no study had one successful trial measured nothing: say why and exit 1, not 0
     no_trial = [r for r in results if r.study.best is None]
     # what the backend's numbers are (its declared provenance, not its name): a model tune predicts, never measures
@@ -418,15 +421,19 @@ def tune(
         nothing_stored(results)
         return
     _print_results(rows, backend, scale)
+    for lo in left_out:  # under the table, as the runtime's bound says it (the tune's one wording)
+        Console().print(group_left_out_note(lo["family"], lo["reason"], plan.ep_size, nodes), markup=False)
     budget_ended(results, trials, timeout, budget_from)
     no_success(no_trial, len(results), modelled)
     nothing_stored(results)
 
 
-def _result_rows(results: list, trials: int, forced: str, scales: list[str | None]) -> list[dict[str, Any]]:
+def _result_rows(results: list, trials: int, forced: str, scales: list[str | None],
+                 left_out: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
     """One row a study (the --json rows; the table is drawn from them): its trials, best, default and what was
     stored, with what the numbers are (provenance, a forced fit's warning, the extrapolation note of that study's own
-    EP size and tokens: `scales`, one per result)."""
+    EP size and tokens: `scales`, one per result), and the tune's families left out for its EP group (`left_out`:
+    `{"family", "reason"}` each, in every row as `forced_model` is: the rows are a list, kept so for scripts)."""
     rows = []
     for r, scale in zip(results, scales, strict=True):
         rec = r.record
@@ -449,6 +456,8 @@ def _result_rows(results: list, trials: int, forced: str, scales: list[str | Non
             "extrapolation": scale,
             # no run of this runtime can take it (proxy at EP 32): a what-if report, which autoload passes over
             "runtime_refusal": r.runtime_refusal,
+            # the families this tune left out before any study: their transport cannot serve its EP group
+            "left_out": list(left_out or []),
         })
     return rows
 

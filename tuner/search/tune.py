@@ -249,6 +249,9 @@ class _Plan(NamedTuple):
     ep_size: int
     gpus_per_node: int
     policies: dict[str, Policy]
+    # {family: its bound} of the families left out because their transport cannot serve this EP group
+    # (`BenchmarkBackend.group_problem`): what the CLI's table and --json, and the bring-up's report, list
+    left_out: dict[str, str]
 
 
 TunePlan = _Plan  # the public name of what `check_tune` returns and `tune_profiles_detailed(plan=)` takes
@@ -336,9 +339,15 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
                          f"({', '.join(policies)}) can serve it: "
                          + "; ".join(f"{f}: {b}" for f, b in cannot.items()) + ". Nothing was tuned or stored")
     for f, b in cannot.items():
-        log.warning("family %s skipped: it cannot serve EP size %d on %d node(s): %s", f, ep_size, nodes, b)
+        log.warning("%s", group_left_out_note(f, b, ep_size, nodes))
         del policies[f]
-    return _Plan(be, facts, ep_size, gpus_per_node, policies)
+    return _Plan(be, facts, ep_size, gpus_per_node, policies, cannot)
+
+
+def group_left_out_note(family: str, reason: str, ep_size: int, nodes: int) -> str:
+    """How a family left out of a tune for its EP group (`TunePlan.left_out`) is said: the log, the tune's table, the
+    bring-up's output and report use these words, so they say one thing."""
+    return f"family {family} left out: it cannot serve EP size {ep_size} on {nodes} node(s): {reason}"
 
 
 def check_tune(facts: TuneFacts | None, *, models: list[ModelShape], backend: str | BenchmarkBackend = "model",
@@ -392,7 +401,7 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
         plan = check_tune(facts, models=models, backend=backend, preset=preset, ep_size=ep_size, nodes=nodes,
                           families=families, policy_override=policy_override, node_model=node_model,
                           local_options=local_options)
-    be, facts, ep_size, gpus_per_node, policies = plan
+    be, facts, ep_size, gpus_per_node, policies = plan.be, plan.facts, plan.ep_size, plan.gpus_per_node, plan.policies
     url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
     rates = facts_link_rates(facts)
