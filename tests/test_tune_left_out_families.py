@@ -79,3 +79,91 @@ def test_a_tune_that_leaves_nothing_out_says_none(tmp_path: Path, monkeypatch: p
     assert all(row["left_out"] == [] for row in rows), rows
     r = _tune(tmp_path, "--ep-size", "8", "--world", "8")
     assert "left out" not in r.stdout, r.stdout
+
+
+# -- moetune profile (bring-up) ---------------------------------------------------------------------------------------
+# a stand-in for `moetune bench ep --json` (no ranks): every setting measures the same
+FAKE_BENCH = r'''
+import json
+t = 20.0
+print(json.dumps({"dispatch_us": {"median": t, "p10": t - 0.1, "p90": t + 0.1},
+                  "combine_us": {"median": t, "p10": t - 0.1, "p90": t + 0.1},
+                  "roundtrip_us": {"median": 2 * t, "p10": 2 * t - 0.1, "p90": 2 * t + 0.1},
+                  "layer_us": {"median": 3 * t, "p10": 3 * t - 0.1, "p90": 3 * t + 0.1}, "max_rel_err": 0.0}))
+'''
+
+
+@pytest.fixture
+def sixteen_gpu_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run as ON a node of 16 H100s (the dgx-h100 capture's GPUs twice: nvlink, proxy:ibrc, ibgda, host_staged,
+    collective), whose EP 16 runs go to the fake bench; the megakernel timed by a stand-in, no microbenchmarks."""
+    import msgspec
+
+    from moetune.tuner.bringup import flow
+    from moetune.tuner.fabric import discovery
+    from moetune.tuner.search import local_backend
+    from moetune.tuner.search.local_backend import LocalBackend
+
+    real = discovery.discover
+    base = real(CAPTURES / "dgx-h100")
+    more = [msgspec.structs.replace(g, index=g.index + 8, uuid=f"{g.uuid}-b", serial=f"{g.serial}-b",
+                                    pci_bus_id=f"{g.pci_bus_id}-b") for g in base.gpus]
+    node = msgspec.structs.replace(base, gpus=[*base.gpus, *more])
+    assert node.gpu_count == 16 and {"nvlink", "collective"} <= {t.name for t in node.transports}
+    monkeypatch.setattr(discovery, "discover", lambda capture=None, **kw: node)
+    monkeypatch.setattr(discovery, "live_facts", lambda timeout_s=1.5: node)
+    monkeypatch.setattr(local_backend, "cuda_gpus", lambda: 16)
+    bench = tmp_path / "fake_bench.py"
+    bench.write_text(FAKE_BENCH)
+
+    def backend(self: Any, world: int = 0) -> LocalBackend:
+        return LocalBackend(world=world, comm_backend=self.comm_backend, repeats=1, timeout_s=30, metric="comm",
+                            command=[sys.executable, str(bench)], verify_compression=False)
+
+    init = flow.Bringup.__init__
+
+    def with_fake_kernel(self: Any, **kw: Any) -> None:
+        init(self, **kw, mk_measure=lambda k, w: {"graph_us": [300.0, 303.0, 297.0], "eager_us": [301.0] * 3})
+
+    monkeypatch.setattr(flow.Bringup, "__init__", with_fake_kernel)
+    monkeypatch.setattr(flow.Bringup, "_backend", backend)
+    monkeypatch.setattr(flow.Bringup, "stage_microbench", lambda self: [])
+
+
+def _profile(tmp_path: Path, *extra: str) -> Any:
+    from moetune.tuner.cli import app
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[plan]\nmodels = [\"qwen3-30b\"]\ntokens = [16]\ntrials = 2\nrepeats = 1\niters = 5\n"
+                    "compare_rounds = 1\nep_sizes = [16]\n")
+    db = tmp_path / "home" / "moetune.db"
+    db.parent.mkdir(exist_ok=True)
+    return CliRunner().invoke(app, ["profile", "--plan", str(plan), "--capture", str(CAPTURES / "dgx-h100"), "--db",
+                                    str(db), *extra], env={"COLUMNS": "400", "MOETUNE_HOME": str(tmp_path / "home")})
+
+
+@pytest.mark.usefixtures("sixteen_gpu_node")
+def test_profile_reports_the_families_it_left_out_of_an_ep_size(tmp_path: Path) -> None:
+    from moetune.runtime.knobs import group_world_problem
+
+    proxy_16 = group_world_problem("proxy", 16)
+    r = _profile(tmp_path)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    nvlink = f"family nvlink left out: it cannot serve EP size 16 on 1 node(s): {NVLINK_16}"
+    proxy = f"family proxy:ibrc left out: it cannot serve EP size 16 on 1 node(s): {proxy_16}"
+    assert nvlink in said and proxy in said, said
+    summary = said.split("tuned profiles")[-1]  # the summary after the table says it too, not only the tune stage
+    assert nvlink in summary and proxy in summary, summary
+    report = " ".join((tmp_path / "home" / "report" / "report.md").read_text().split())
+    assert nvlink in report and proxy in report, report
+    # the rest of the node's families were tuned at EP 16
+    assert "collective" in summary and "host_staged" in summary, summary
+
+    # --json of the resumed run: as the tune stage recorded it
+    r = _profile(tmp_path, "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["left_out"] == [{"ep_size": 16, "family": "nvlink", "reason": NVLINK_16},
+                               {"ep_size": 16, "family": "proxy:ibrc", "reason": proxy_16}], got["left_out"]
+    assert {p["family"] for p in got["profiles"] if p.get("ep_size") == 16} == {"collective", "host_staged"}, got

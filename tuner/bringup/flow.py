@@ -18,7 +18,7 @@ import os
 import secrets
 import tomllib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -720,7 +720,7 @@ class Bringup:
                             timeout_s=self.plan.trial_timeout_s, family="megakernel", mk_measure=self.mk_measure)
 
     def stage_tune(self) -> list[dict]:
-        from moetune.tuner.search.tune import tune_profiles_detailed
+        from moetune.tuner.search.tune import check_tune, tune_profiles_detailed
 
         # kept with the stage's result: a resumed run's summary and report say what this run left out, as recorded (a
         # capture of another node too: what a bring-up there leaves out)
@@ -731,13 +731,21 @@ class Bringup:
         models = [get_model(m) for m in self.plan.models]
         res: list[tuple[int, str, Any]] = []  # (EP size, the backend's label, the result)
         tag = self.state.study_tag  # after --restart: new studies, the finished ones are not resumed
+        ep_left: list[dict] = []
+        self.state.data["ep_left_out"] = ep_left  # recorded as decided: a resumed run's summary says the same
         for ep in self.ep_sizes:  # each EP group measured by that many ranks, stored under its own key
             be = self._backend(ep)
             try:
+                # the tune's own plan (one rule: the backend's group_problem, the runtime's group_world_problem):
+                # a family whose transport cannot serve this EP group is left out before its studies, and said here
+                plan = check_tune(self.facts, models=models, backend=be, ep_size=ep, nodes=1)
+                for fam, why in plan.left_out.items():
+                    ep_left.append({"ep_size": ep, "family": fam, "reason": why})
+                    self.console.print(f"[yellow]{_as_text(self.ep_left_note(ep_left[-1]))}[/]")
                 res += [(ep, be.label, r) for r in tune_profiles_detailed(self.store, self.facts, models=models, tokens=self.plan.tokens,
                                               backend=be, trials=self.plan.trials, progress=self.progress,
                                               storage=self.storage, ep_size=ep, nodes=1, seed=0, study_tag=tag,
-                                              recheck=False)]  # stage_compare compares with the default
+                                              recheck=False, plan=plan)]  # stage_compare compares with the default
             finally:
                 be.close()  # the persistent bench workers
         for name, why in self.mk_left_out.items():
@@ -780,6 +788,21 @@ class Bringup:
     def mk_left_note(name: str, why: str) -> str:
         """What the progress output and the report say of a planned model left out of the megakernel stage."""
         return f"megakernel: {name} left out: {why}"
+
+    @staticmethod
+    def ep_left_note(row: Mapping[str, Any]) -> str:
+        """What the output and the report say of a family the tune stage left out of an EP size (`ep_left_out`): the
+        tune's words (`group_left_out_note`)."""
+        from moetune.tuner.search.tune import group_left_out_note
+
+        return group_left_out_note(str(row["family"]), str(row["reason"]), int(row["ep_size"]), 1)
+
+    @property
+    def ep_left_out(self) -> list[dict]:
+        """[{ep_size, family, reason}] of the transport families the tune stage left out of an EP size, their
+        transport unable to serve that group, as it recorded them; [] before it ran (or where it measured nothing)."""
+        got = self.state.data.get("ep_left_out")
+        return [dict(r) for r in got if isinstance(r, dict)] if isinstance(got, list) else []
 
     @property
     def left_out(self) -> dict[str, str]:
@@ -1025,6 +1048,7 @@ class Bringup:
         if not self.mk_ok:
             data.notes.append(f"MoE megakernel not tuned: {self.mk_why}")
         data.notes += [self.mk_left_note(name, why) for name, why in self.left_out.items()]  # as the tune recorded
+        data.notes += [self.ep_left_note(row) for row in self.ep_left_out]
         data.notes.extend(_decode_notes(self.state.result("compare") or []))
         for stage, whys in self.state.failures().items():
             data.notes += [f"{stage} not finished: {why} (a rerun of `moetune profile` tries it again)" for why in whys]

@@ -354,6 +354,8 @@ def profile(
                                "calibration": done.get("calibrate"), "report": done.get("report"),
                                # as the tune stage recorded them (a resumed run's too)
                                "megakernel_left_out": [{"model": m, "reason": why} for m, why in flow.left_out.items()],
+                               # transport families an EP size could not be served by, left out before its studies
+                               "left_out": flow.ep_left_out,
                                "failed": failed}), indent=1, allow_nan=False))
         _failed_parts(Console(stderr=True, highlight=False), failed, again)
         _nothing_tuned(Console(stderr=True, highlight=False), flow)
@@ -385,6 +387,8 @@ def profile(
     # said by the tune stage when it ran; a resumed run's summary says it too, from what that stage recorded
     for name, why in flow.left_out.items():
         console.print(flow.mk_left_note(name, why), style="yellow", markup=False)
+    for row in flow.ep_left_out:
+        console.print(flow.ep_left_note(row), style="yellow", markup=False)
     cal = done.get("calibrate") or {}
     if "mean_abs_rel_err" in cal:
         console.print(f"node fabric model: {cal['preset_file']} (fit error mean {100 * cal['mean_abs_rel_err']:.1f}%, "
