@@ -33,6 +33,8 @@ def _fake_local(monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.tuner.search.local_backend import LocalBackend
 
     def make(backend: Any, preset: Any = None, **kw: Any) -> Any:
+        if not isinstance(backend, str):  # the one the daemon's re-tune built (its group's), handed to the search
+            return backend
         fake = F.measuring_fake(lambda k, w: 10.0 + k.pipeline_depth, name="local:fake")
         fake.world, fake.comm_backend = kw["world"], kw.get("comm_backend", "nccl")
         fake.refusal = types.MethodType(LocalBackend.refusal, fake)
@@ -167,3 +169,45 @@ def test_profile_reports_the_families_it_left_out_of_an_ep_size(tmp_path: Path) 
     assert got["left_out"] == [{"ep_size": 16, "family": "nvlink", "reason": NVLINK_16},
                                {"ep_size": 16, "family": "proxy:ibrc", "reason": proxy_16}], got["left_out"]
     assert {p["family"] for p in got["profiles"] if p.get("ep_size") == 16} == {"collective", "host_staged"}, got
+
+
+# -- the daemon's re-tune ---------------------------------------------------------------------------------------------
+def test_a_local_retune_says_the_families_it_left_out_of_a_group_in_the_job(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale key of EP 16 on a 16-GPU node, re-tuned locally over the node's families: nvlink cannot serve the
+    group and is left out by the tune's plan; the job says so in the tune's words (it was in the daemon's log only),
+    once however many shapes the group has, and the rest of the group is re-tuned."""
+    from moetune.runtime.profile_record import ProfileKey
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.daemon.jobs import Job, JobContext
+    from moetune.tuner.daemon.retune import tuner_retune
+    from moetune.tuner.daemon.server import TuneSettings
+    from moetune.tuner.search.tune import group_left_out_note
+
+    _fake_local(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 16, "name": "node16", "transports": ["nvlink", "collective"]})
+    keys = [ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                       ep_size=16, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                       topk=m.topk, dtype=m.dtype, token_bucket=64) for m in (MODELS["qwen3-30b"], MODELS["gpt-oss-120b"])]
+    job = Job(1, reason="test", old_fingerprint="old", keys=keys)
+    written = tuner_retune(JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
+    assert job.refused == [group_left_out_note("nvlink", NVLINK_16, 16, 1)], job.refused
+    assert {(r.key.transport_family, r.key.ep_size) for r in written} == {("collective", 16)}, written
+
+
+def test_a_model_retune_refuses_such_a_group_with_the_tune_s_bound() -> None:
+    """With [tune] backend = "model" of an nvlink node model the group is refused before the job tunes it
+    (`key_refusals`): the bound it names is the one `moetune tune --backend model` leaves the family out with."""
+    from moetune.runtime.profile_record import ProfileKey
+    from moetune.tuner.daemon.retune import key_refusals
+    from moetune.tuner.search.model_backend import ModelBackend
+
+    facts = F.FakeFacts({"gpu_count": 8, "name": "node"})
+    key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                     ep_size=16, nodes=1, hidden=2048, intermediate=768, experts=128, topk=8, dtype="bfloat16",
+                     token_bucket=64)
+    tune_says = ModelBackend("nvlink-h200x2").group_problem("nvlink", ep_size=16, nodes=1)
+    assert tune_says == NVLINK_16
+    (refusal,) = key_refusals([key], facts, "model", "nvlink")
+    assert refusal.why.endswith(f"never served: {tune_says}"), refusal.why

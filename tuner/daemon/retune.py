@@ -402,7 +402,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation: the `on_trial` callback stops the study after its running trial, `stop` is asked before every
     study and side-by-side check, and what the calls did is tallied before JobCancelled ends the job."""
-    from moetune.tuner.search.tune import make_backend, tune_profiles_detailed
+    from moetune.tuner.search.tune import group_left_out_note, make_backend, tune_profiles_detailed
 
     tune = ctx.tune
 
@@ -467,6 +467,14 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
     # check (`stop`), what was done by then is tallied, then the job ends cancelled
     for ep, nodes, shapes in runnable:
         ctx.check_cancel()
+
+        def left_out(family: str, why: str, ep: int = ep, nodes: int = nodes) -> None:
+            # a family the tune left out of this group (its transport cannot serve it): said in the job as the tune
+            # says it (one line a family and group, whatever the number of shapes), not only in the daemon's log
+            note = group_left_out_note(family, why, ep, nodes)
+            if note not in ctx.refused:
+                ctx.refused.append(note)
+
         # a local measurement launches ep ranks on this node (the key it stores is the group it ran): one backend
         # (its bench workers) for the group's shapes
         group_be = make_backend("local", facts=ctx.facts, world=ep) if be == "local" else be
@@ -477,7 +485,8 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                 written += _tally(ctx.job, tune_profiles_detailed(
                     ctx.store, ctx.facts, models=[m], tokens=buckets, backend=group_be, preset=preset_file,
                     trials=tune.trials, timeout_s=share(buckets), ep_size=ep, nodes=nodes, routing=routing,
-                    on_trial=on_trial, node_model=preset_file is not None, stop=ctx.cancel.is_set))
+                    on_trial=on_trial, node_model=preset_file is not None, stop=ctx.cancel.is_set,
+                    on_left_out=left_out))
         finally:
             if group_be is not be:
                 group_be.close()

@@ -372,9 +372,12 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                            routing: str = "uniform", local_options: Mapping[str, Any] | None = None,
                            on_trial: Callable[[str, optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
                            node_model: bool = False, study_tag: str = "", recheck: bool = True,
-                           stop: Callable[[], bool] | None = None, plan: TunePlan | None = None) -> list[TuneResult]:
+                           stop: Callable[[], bool] | None = None, plan: TunePlan | None = None,
+                           on_left_out: Callable[[str, str], None] | None = None) -> list[TuneResult]:
     """`plan`: what `check_tune` returned for these same settings (its backend, facts, EP size and policies), used
     as it is instead of being built again (which would log its warnings a second time).
+    `on_left_out(family, bound)`: told of each family the plan left out, its transport unable to serve the EP group
+    (`TunePlan.left_out`), before the first study: a caller without the plan (the daemon's re-tune) says them.
     `study_tag` (letters, digits, `_`, `-`) goes into every study's name: a run that must not resume the
     finished studies of the same settings (`moetune profile --restart`) tunes in studies of its own.
     `recheck=False`: the study's best is returned (`record`), not stored, without `_write_profile`'s side-by-side
@@ -402,6 +405,9 @@ def tune_profiles_detailed(store: Any, facts: TuneFacts | None, *, models: list[
                           families=families, policy_override=policy_override, node_model=node_model,
                           local_options=local_options)
     be, facts, ep_size, gpus_per_node, policies = plan.be, plan.facts, plan.ep_size, plan.gpus_per_node, plan.policies
+    if on_left_out is not None:
+        for fam, why in plan.left_out.items():
+            on_left_out(fam, why)
     url = storage or default_storage_url(store.path if store is not None else None)
     st = make_storage(url, own=storage is None)  # the default studies file is moetune's own (WAL)
     rates = facts_link_rates(facts)
