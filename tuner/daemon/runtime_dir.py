@@ -105,6 +105,34 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
     return created
 
 
+def missing_dirs(d: Path) -> list[Path]:
+    """`d` and those of its ancestors that do not exist yet, the outermost first: what `prepare_runtime_dir` would make."""
+    out: list[Path] = []
+    p = Path(os.path.abspath(d))
+    while not os.path.lexists(p) and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out[::-1]
+
+
+def remove_made_dirs(made: list[Path], marked: bool) -> None:
+    """Remove the folders a refused start made (`missing_dirs` before `prepare_runtime_dir`; `marked`: the last one got
+    our mark), innermost first and only while empty (rmdir): anything put in one since keeps it and its parents. The
+    mark goes only from a folder this start created (never from one that was there)."""
+    if marked and made:
+        mark = made[-1] / RUNTIME_MARK
+        if _owned_file(mark):
+            with contextlib.suppress(OSError):
+                mark.unlink()
+    for d in reversed(made):
+        try:
+            if os.lstat(d).st_uid != os.getuid():  # made by someone else between our check and our mkdir
+                return
+            d.rmdir()
+        except OSError:  # not empty (or gone): it and its parents stay
+            return
+
+
 def check_socket_ancestors(d: Path) -> None:
     """Refuse a socket directory `d` with an ancestor that others could use to replace it: one they may write
     without the sticky bit could have `d` renamed away and a link (or a directory of theirs) put in its place, and

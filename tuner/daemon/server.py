@@ -114,12 +114,14 @@ from moetune.tuner.daemon.runtime_dir import (
     check_socket_path,
     foreign_info_reason,
     group_id,
+    missing_dirs,
     other_live_daemon,
     owner_record,
     prepare_runtime_dir,
     record_binding,
     record_owner,
     remove_dead_binding,
+    remove_made_dirs,
     synced,
     unlink_if,
     write_info_record,
@@ -280,6 +282,9 @@ class Daemon(FabricWatch):
         self._lock_fd: int | None = db_lock_fd
         self._run_lock_fd: int | None = run_lock_fd
         self._socket_locks: dict[Path, int] = {}  # socket path -> the fd of its lock (lock_socket_path)
+        # socket folders this start made (missing ancestors first, then the folder; whether it holds our mark): a start
+        # refused before it serves removes them again, as it does the new database (`_close`)
+        self._made_dirs: list[tuple[list[Path], bool]] = []
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
         self._info_rec_id: tuple[int, int] | None = None  # (dev, inode) of daemon.json's owner record it wrote last
@@ -409,6 +414,10 @@ class Daemon(FabricWatch):
         for p, fd in self._socket_locks.items():  # last: the next daemon on this socket may start now
             release_socket_lock(p, fd)
         self._socket_locks = {}
+        if not self._served:  # a refused start leaves no socket folder it made (an operator's rerun finds none)
+            for made, marked in self._made_dirs:
+                remove_made_dirs(made, marked)
+        self._made_dirs = []
         if self._run_lock_fd is not None:  # before the database lock: a bring-up refused by either may start now
             release_run_lock(self.db_path, self._run_lock_fd)
             self._run_lock_fd = None
@@ -510,7 +519,10 @@ class Daemon(FabricWatch):
         if p is None:
             return None
         check_socket_ancestors(p.parent)
-        prepare_runtime_dir(p.parent, self.group)
+        missing = missing_dirs(p.parent)  # before prepare makes them: what a refused start removes again
+        created = prepare_runtime_dir(p.parent, self.group)
+        if missing:
+            self._made_dirs.append((missing, created))
         # again, now that none is missing: one another user made between the check and prepare's mkdir (which takes an
         # existing folder as it is) is theirs, and so is the socket folder made in it
         check_socket_ancestors(p.parent)
