@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from moetune.tuner.daemon.errors import DaemonBusy, DaemonConfigError
@@ -24,10 +25,11 @@ from moetune.tuner.store.lock_files import (
 LOCK_SUFFIX = ".moetune-lock"  # ".<socket name>.moetune-lock": flock-ed by the daemon that checks, binds and serves it
 
 
-def _take_lock(path: Path, what: str, busy: str, unwritable: str = "") -> int:
+def _take_lock(path: Path, what: str, busy: Callable[[str], str], unwritable: str = "") -> int:
     """`lock_files.take_lock_file` of `path` (this process's pid written in it), its refusals as the daemon says them:
     DaemonConfigError naming `what` when the file cannot be used (`unwritable` added where its folder may not be
-    written), DaemonBusy(`busy`) when another process holds it."""
+    written), DaemonBusy(`busy(holder)`) when another process holds it, `holder` naming it ("pid N", or "its pid
+    unknown" where none is written): the operator is told which process to stop."""
     try:
         return take_lock_file(path)
     except LockFileUnusable as e:
@@ -35,8 +37,8 @@ def _take_lock(path: Path, what: str, busy: str, unwritable: str = "") -> int:
             raise DaemonConfigError(f"{what} {path} is {e.why}: refusing to use it") from None
         hint = f": {unwritable}" if unwritable and e.code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
         raise DaemonConfigError(f"cannot open {what} {path}: {e.why}{hint}") from None
-    except LockHeld:
-        raise DaemonBusy(busy) from None
+    except LockHeld as e:
+        raise DaemonBusy(busy(f"pid {e.pid}" if e.pid is not None else "its pid unknown")) from None
 
 
 def lock_database(db_path: str | Path) -> int:
@@ -50,9 +52,10 @@ def lock_database(db_path: str | Path) -> int:
     except StoreError as e:
         raise DaemonConfigError(str(e)) from None
     path = daemon_lock_path(db_path)
-    return _take_lock(path, "the database lock", f"another moetune daemon is using the database {db_path} ({path} is "
-                      "locked; or a `moetune db upgrade/downgrade`, `profiles import` or `profiles delete` of it is "
-                      "running)",
+    return _take_lock(path, "the database lock",
+                      lambda holder: f"another moetune daemon is using the database {db_path} ({path} is locked by "
+                      f"{holder}; or a `moetune db upgrade/downgrade`, `profiles import` or `profiles delete` of it is "
+                      "running): stop it first, or serve another database (--db, [store] db)",
                       # an operator's read-only mount or a folder left out of the unit's ReadWritePaths: what to do
                       unwritable=f"the daemon writes its database and this lock beside it, so {path.parent} must be "
                       f"writable by its user (uid {os.geteuid()}); serve a database in such a folder (--db, "
@@ -74,14 +77,16 @@ def lock_runs(db_path: str | Path) -> int | None:
                          "would measure and write beside it") from None
 
 
-def lock_socket_path(p: Path) -> int:
+def lock_socket_path(p: Path, setting: str = "--socket (daemon.socket)") -> int:
     """Take the lock beside the socket path `p` for this daemon's lifetime (the fd; the kernel drops the flock when
     the process dies, even on kill -9). Checking the path and binding it is no atomic step, and libzmq unlinks an
     IPC path before binding it: two daemons starting at once on one path (with different databases) would both
     pass the check and the second would remove the first's live socket. Taken before the check, held while serving:
-    DaemonBusy when another daemon holds it."""
+    DaemonBusy when another daemon holds it; `setting`: the option that names `p`, said as the other way out."""
     lock = p.with_name(f".{p.name}{LOCK_SUFFIX}")
-    return _take_lock(lock, "the socket lock", f"another daemon is listening on {p} (or starting on it: {lock} is locked)")
+    return _take_lock(lock, "the socket lock",
+                      lambda holder: f"another daemon is listening on {p} (or starting on it: {lock} is locked by "
+                      f"{holder}): stop it first, or give this one another {setting}")
 
 
 def release_socket_lock(p: Path, fd: int) -> None:

@@ -231,8 +231,9 @@ def _proven_ours(p: Path) -> bool:
     return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and _read_owner_record(p) == (st.st_dev, st.st_ino)
 
 
-def check_socket_path(p: Path) -> None:
-    """Refuse to bind over anything but a stale socket we can prove is ours (which is removed)."""
+def check_socket_path(p: Path, setting: str = "--socket") -> None:
+    """Refuse to bind over anything but a stale socket we can prove is ours (which is removed). `setting`: the option
+    that names `p`, said as the way out."""
     try:
         st = os.lstat(p)
     except FileNotFoundError:
@@ -240,7 +241,9 @@ def check_socket_path(p: Path) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another --socket)")
     if _socket_alive(p):
-        raise DaemonBusy(f"another daemon is listening on {p}")
+        # a process without our socket lock (another program, a moetune from before the lock): say what to do
+        raise DaemonBusy(f"another daemon is listening on {p} (a process accepts connections there): stop it "
+                         f"first, or give this one another {setting}")
     if st.st_uid != os.getuid():
         # said apart from a missing record: a record of ours may name it, and only its owner then tells it is not ours
         raise DaemonConfigError(f"{p} is a dead socket of uid {st.st_uid}, not of this user (uid {os.getuid()}): "

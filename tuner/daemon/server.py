@@ -514,7 +514,7 @@ class Daemon(FabricWatch):
         auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=CurveAllowList(self._client_keys))
         self._auth = auth
 
-    def _prepare_ipc(self, endpoint: str) -> Path | None:
+    def _prepare_ipc(self, endpoint: str, setting: str = "--socket (daemon.socket)") -> Path | None:
         p = ipc_path(endpoint)
         if p is None:
             return None
@@ -527,9 +527,9 @@ class Daemon(FabricWatch):
         # existing folder as it is) is theirs, and so is the socket folder made in it
         check_socket_ancestors(p.parent)
         if p not in self._socket_locks:
-            self._socket_locks[p] = lock_socket_path(p)  # before the check: nobody else binds p until we exit
+            self._socket_locks[p] = lock_socket_path(p, setting)  # before the check: nobody else binds p until we exit
         remove_dead_binding(p)  # a socket a daemon killed while binding left under its binding name
-        check_socket_path(p)
+        check_socket_path(p, setting)
         return p
 
     def _secure(self, s: zmq.Socket, endpoint: str) -> None:
@@ -551,7 +551,7 @@ class Daemon(FabricWatch):
 
     def _bind_one(self, s: zmq.Socket, endpoint: str, setting: str) -> None:
         """Bind `s` at `endpoint`; `setting`: the option that names it, for a TCP address this host refuses."""
-        p = self._prepare_ipc(endpoint)
+        p = self._prepare_ipc(endpoint, setting)
         self._secure(s, endpoint)
         gid = group_id(self.group)
         # an IPC socket is bound under a name of its own, recorded, then linked to its path (binding_name)
