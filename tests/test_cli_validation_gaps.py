@@ -297,15 +297,20 @@ def test_status_says_the_daemon_refused_this_clients_key(tmp_path: Path, curve_d
     endpoint, server_pub, _ = curve_daemon
     cfg = tmp_path / "client.toml"
     text = f'[client]\nsocket = "{endpoint}"\ncurve_server_key_file = "{server_pub}"\n'
+    bob_pub = bob_secret = None
     if who == "unlisted":  # a key pair of its own, never allowed on the daemon
-        _, bob_secret = generate_keys(tmp_path / "bob", "bob")
+        bob_pub, bob_secret = generate_keys(tmp_path / "bob", "bob")
         text += f'curve_secret_key_file = "{bob_secret}"\n'
     cfg.write_text(text)
     r = run("status", "--config", str(cfg), "--timeout-ms", "1000", *(["--json"] if json_out else []),
             home=tmp_path / "h")
     no_traceback(r)
     assert r.exit_code == 1, r.output
-    why = (f"the daemon at {endpoint} refused this client's key (not on its allow-list?)" if who == "unlisted" else
+    # what is wrong, and what to do: which public key to allow, where, and the restart (the allow-list is read at start)
+    why = (f"the daemon at {endpoint} refused this client's key (not on its allow-list?): allow its public key {bob_pub} "
+           f"(the one beside client.curve_secret_key_file {bob_secret}) on the daemon's host (`moetune keys allow FILE "
+           "DIR`, as the daemon's user), then restart the daemon (`systemctl restart moetune`): it reads its "
+           "allow-list when it starts" if who == "unlisted" else
            f"the daemon at {endpoint} refused this client: it has no CURVE key of its own (set "
            "client.curve_secret_key_file to a key on the daemon's allow-list: `moetune keys client`)")
     if json_out:

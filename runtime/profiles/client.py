@@ -288,6 +288,7 @@ class ProfileClient:
         key_file = (cfg.curve_server_key_file if cfg else "") or env.get("MOETUNE_DAEMON_CURVE_PUBLIC_KEY_FILE", "")
         self._server_key_file = ""  # where the daemon's public key was read (named when the handshake breaks off)
         own_file = cfg.curve_secret_key_file if cfg else ""
+        self._own_key_file = own_file  # this client's key pair (named when the daemon refuses its key)
         bad_endpoint = endpoint_problem(self.endpoint, bind=False)  # zmq's bare "Invalid argument" reached the caller
         if bad_endpoint is not None:
             self._refusal = bad_endpoint
@@ -497,7 +498,8 @@ class ProfileClient:
                 raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client: it has no CURVE key of its "
                                         "own (set client.curve_secret_key_file to a key on the daemon's allow-list: "
                                         "`moetune keys client`)")
-            raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?)")
+            raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?): "
+                                    + self._allow_hint())
         if self._handshake_dropped and self._curve is None:  # plain text to a daemon that speaks CURVE
             raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the handshake: it uses CURVE, and this "
                                     "client has no key for it (client.curve_server_key_file: the NAME.key beside the "
@@ -518,6 +520,17 @@ class ProfileClient:
         if self.endpoint.startswith("tcp://"):
             said += self._tcp_no_reply_hint()
         raise DaemonTimeout(said)
+
+    def _allow_hint(self) -> str:
+        """What to do when the daemon refused this client's key: which public key to allow, where, and that the daemon
+        reads its allow-list only when it starts (a key allowed since counts after a restart)."""
+        own = self._own_key_file
+        # `moetune keys generate/client` write NAME.key beside NAME.key_secret
+        public = own[: -len("_secret")] if own.endswith(".key_secret") else ""
+        which = (f"its public key {public} (the one beside client.curve_secret_key_file {own})" if public else
+                 f"the public key of client.curve_secret_key_file {own}" if own else "this client's public key")
+        return (f"allow {which} on the daemon's host (`moetune keys allow FILE DIR`, as the daemon's user), then "
+                "restart the daemon (`systemctl restart moetune`): it reads its allow-list when it starts")
 
     def _tcp_no_reply_hint(self) -> str:
         """What to check when a tcp:// request got no reply in its time budget, as far as this client can tell: ZeroMQ
@@ -665,7 +678,8 @@ class ProfileClient:
                 return
         if event is None:
             return
-        why = ("the daemon refused this client's key (not on its allow-list?)" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        why = ("the daemon refused this client's key (not on its allow-list?): " + self._allow_hint()
+               if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
                else "the daemon broke off the CURVE handshake (the server key given is not its public key, or one "
                     "side does not use CURVE)")
         log.warning("moetune: no change notices from %s: %s; tuned profiles are not refreshed while it lasts",
