@@ -62,6 +62,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import sqlite3
 import stat
 import threading
@@ -519,6 +520,8 @@ class ProfileClient:
         said = f"no reply from the daemon at {self.endpoint} within {budget * 1000:.0f} ms"
         if self.endpoint.startswith("tcp://"):
             said += self._tcp_no_reply_hint()
+        elif self.endpoint.startswith("ipc://"):
+            said += self._ipc_no_reply_hint()
         raise DaemonTimeout(said)
 
     def _allow_hint(self) -> str:
@@ -531,6 +534,30 @@ class ProfileClient:
                  f"the public key of client.curve_secret_key_file {own}" if own else "this client's public key")
         return (f"allow {which} on the daemon's host (`moetune keys allow FILE DIR`, as the daemon's user), then "
                 "restart the daemon (`systemctl restart moetune`): it reads its allow-list when it starts")
+
+    def _ipc_no_reply_hint(self) -> str:
+        """What to check when an ipc:// request got no reply in its time budget (no dead daemon's socket that its
+        daemon.json proves stale: `stale_daemon_reason` said that first). Probed once: a socket file nothing listens
+        on (a daemon killed, its pid not known to be gone) wants a start; one that accepts, a daemon stopped (SIGSTOP),
+        stuck or busy, named by its pid where its daemon.json says it runs at this endpoint."""
+        budget = "the time budget: client.timeout_ms or MOETUNE_CLIENT_TIMEOUT_MS, `moetune query --timeout-ms`"
+        p = ipc_path(self.endpoint)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(0.2)
+        try:
+            probe.connect(str(p))
+        except ConnectionRefusedError:
+            return (f" ({budget}): nothing listens on its socket file {p} (a daemon killed, or a file left behind): "
+                    "start the daemon with `moetune serve` (under systemd: `systemctl status moetune`)")
+        except OSError:
+            pass  # gone meanwhile, not ours to enter, a slow accept: say what the time-out alone tells
+        finally:
+            probe.close()
+        info = read_daemon_info(self.endpoint, self._env)
+        pid = info.get("pid") if info and info.get("running") is True and info.get("endpoint") == self.endpoint else None
+        who = f"the daemon (pid {pid})" if type(pid) is int else "the daemon"
+        return (f" ({budget}): its socket is there but nothing answered: check that {who} is not stopped or stuck (its "
+                "log; `systemctl status moetune`), or give it a longer budget if it is busy")
 
     def _tcp_no_reply_hint(self) -> str:
         """What to check when a tcp:// request got no reply in its time budget, as far as this client can tell: ZeroMQ
