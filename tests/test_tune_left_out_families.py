@@ -211,3 +211,52 @@ def test_a_model_retune_refuses_such_a_group_with_the_tune_s_bound() -> None:
     assert tune_says == NVLINK_16
     (refusal,) = key_refusals([key], facts, "model", "nvlink")
     assert refusal.why.endswith(f"never served: {tune_says}"), refusal.why
+
+
+def test_the_left_out_family_s_stale_key_is_answered_by_its_group_and_not_planned_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stale key of the family left out (nvlink at EP 16, a what-if row of the old fabric) never gets a profile of
+    its own family, but is no job that can only repeat itself: a key is planned by `tuning_key` (its group, shape and
+    bucket, no transport family), which the group's new collective profile serves. After the job neither a user's
+    `retune` (`handlers.retune_keys`) nor the next fabric change (`watch.retune_keys`) plans it again; its row stays
+    listed as stale history, as every re-tuned key's old row does, and the job's message says why nvlink got none."""
+    from moetune.runtime.profile_record import ProfileKey
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.daemon.handlers import retune_keys as user_retune_keys
+    from moetune.tuner.daemon.index import ProfileIndex, read_profiles
+    from moetune.tuner.daemon.jobs import Job, JobContext
+    from moetune.tuner.daemon.retune import served_tuning_keys, tuner_retune
+    from moetune.tuner.daemon.server import TuneSettings
+    from moetune.tuner.daemon.watch import retune_keys as change_retune_keys
+    from moetune.tuner.search.tune import group_left_out_note
+
+    _fake_local(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    old = F.FakeFacts({"gpu_count": 16, "name": "node16", "transports": ["nvlink", "collective"], "gpu_model": "H200"})
+    facts = F.FakeFacts({"gpu_count": 16, "name": "node16", "transports": ["nvlink", "collective"]})
+    m = MODELS["qwen3-30b"]
+    stale_key = ProfileKey(fingerprint=old.fingerprint, software=old.software_hash, transport_family="nvlink",
+                           ep_size=16, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                           topk=m.topk, dtype=m.dtype, token_bucket=64)
+    # nvlink at EP 16 is no run's: only a model's what-if row of it can be stored
+    assert store.put_profile(F.make_record(stale_key, backend=f"model:node:{old.fingerprint}"))[0]
+    store.mark_stale(fingerprint=old.fingerprint, reason="fabric changed: test")
+
+    def index() -> ProfileIndex:
+        return ProfileIndex(read_profiles(store, status="current"), version=0, facts=facts,
+                            stale=read_profiles(store, status="stale"))
+
+    assert user_retune_keys(index(), all_current=False) == [stale_key]  # planned once: no current profile of it
+    job = Job(1, reason="test", old_fingerprint=old.fingerprint, keys=[stale_key])
+    job_ctx = JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1))
+    written = tuner_retune(job_ctx)
+    assert {(r.key.transport_family, r.key.ep_size, r.key.token_bucket) for r in written} == {("collective", 16, 64)}
+    assert job.refused == [group_left_out_note("nvlink", NVLINK_16, 16, 1)], job.refused
+
+    # not planned again: by a user's retune, nor by the next fabric change (its rows made stale, or the fingerprint's)
+    assert user_retune_keys(index(), all_current=False) == []
+    have = served_tuning_keys(r for _, r in store.list_profiles(status="current", fingerprint=facts.fingerprint))
+    stale_rows = store.list_profiles(status="stale")
+    assert change_retune_keys([r for _, r in stale_rows], stale_rows, have) == {}
+    # its row is history, listed as stale as the old fabric's rows are; nothing of it was lost
+    assert [(r.key.transport_family, r.status) for _, r in stale_rows] == [("nvlink", "stale")]
