@@ -220,6 +220,12 @@ def _client_config(env: Mapping[str, str]) -> tuple[ClientConfig | None, str | N
     # daemon.json, nor must db = "" or an exported-but-empty MOETUNE_STORE_DB, which README documents as the default
     return cfg.client, (cfg.store.db if cfg.configured("store", "db") else None)
 
+
+# where a request's time budget is set, named when a request runs out of it
+_BUDGET_SETTINGS = ("the time budget: client.timeout_ms or MOETUNE_CLIENT_TIMEOUT_MS, `--timeout-ms` of `moetune query` "
+                    "and `moetune status`")
+
+
 class ProfileClient:
     """A DEALER client for the moetune daemon (one per process; not thread-safe)."""
 
@@ -540,7 +546,7 @@ class ProfileClient:
         daemon.json proves stale: `stale_daemon_reason` said that first). Probed once: a socket file nothing listens
         on (a daemon killed, its pid not known to be gone) wants a start; one that accepts, a daemon stopped (SIGSTOP),
         stuck or busy, named by its pid where its daemon.json says it runs at this endpoint."""
-        budget = "the time budget: client.timeout_ms or MOETUNE_CLIENT_TIMEOUT_MS, `moetune query --timeout-ms`"
+        budget = _BUDGET_SETTINGS
         p = ipc_path(self.endpoint)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(0.2)
@@ -549,8 +555,8 @@ class ProfileClient:
         except ConnectionRefusedError:
             return (f" ({budget}): nothing listens on its socket file {p} (a daemon killed, or a file left behind): "
                     "start the daemon with `moetune serve` (under systemd: `systemctl status moetune`)")
-        except OSError:
-            pass  # gone meanwhile, not ours to enter, a slow accept: say what the time-out alone tells
+        except OSError:  # gone meanwhile, not ours to enter, a slow accept: say what the time-out alone tells
+            return f" ({budget})"
         finally:
             probe.close()
         info = read_daemon_info(self.endpoint, self._env)
@@ -563,7 +569,7 @@ class ProfileClient:
         """What to check when a tcp:// request got no reply in its time budget, as far as this client can tell: ZeroMQ
         does not report why a connection is not made (a host unreachable or a firewall dropping packets looks like a
         slow one), only that one was (the monitor's CONNECTED) or refused (CONNECT_RETRIED, said before this)."""
-        budget = "the time budget: client.timeout_ms or MOETUNE_CLIENT_TIMEOUT_MS, `moetune query --timeout-ms`"
+        budget = _BUDGET_SETTINGS
         keys = ("; with CURVE, that client.curve_server_key_file is that daemon's public key and this client's key is "
                 "on its allow-list (`moetune keys allow`)" if self._curve else "")
         if self._connected:  # the port accepted: a daemon that is busy or hung, or not a moetune daemon at all
