@@ -1042,8 +1042,9 @@ _SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
 
 
 class _NewDatabase:
-    """What a start that creates its database makes there, recorded before the store opens it: the files then absent
-    (the database, SQLite's files beside it, the daemon's lock file) and whether the folder existed. A start refused
+    """What a start that creates its database makes there: whether the folder and the daemon's lock file existed
+    (recorded before this start takes the lock), and the files absent just before the store opens the database (the
+    database, SQLite's files beside it: `looked`, under the database's locks where its folder exists). A start refused
     before it serves (`serve --create` whose bind fails) removes those files and nothing else, so a corrected rerun
     finds no empty database it did not ask for (and `--db` without --create would then be served it)."""
 
@@ -1054,9 +1055,15 @@ class _NewDatabase:
         self.db_path = db_path
         self.lock = daemon_lock_path(db_path)
         self.folder_existed = self.db.parent.is_dir()
-        self.absent = [p for p in [*(self.db.with_name(self.db.name + s) for s in _SQLITE_SUFFIXES), self.lock]
-                       if not os.path.lexists(p)]
+        self.absent = [self.lock] if not os.path.lexists(self.lock) else []
         self.ident: tuple[int, int] | None = None
+
+    def looked(self) -> None:
+        """Record which of the database's files are absent now, just before the store opens it. Not earlier: a
+        database another process made before this start held the locks (a bring-up, a daemon that served and
+        stopped) would be taken as this start's and deleted with what it holds."""
+        self.absent += [p for p in (self.db.with_name(self.db.name + s) for s in _SQLITE_SUFFIXES)
+                        if not os.path.lexists(p)]
 
     @property
     def creates(self) -> bool:
@@ -1154,7 +1161,8 @@ def run_daemon(
     run_lock: int | None = None
     where = Path(db_path).expanduser()
     store: Any = None
-    # what a start refused before it serves removes again (a new database only: never a file that was there)
+    # what a start refused before it serves removes again (a new database only: never a file that was there); its
+    # lock file is looked at here, before this start makes it, the database's files under the lock (`looked`)
     new_db = _NewDatabase(db_path) if not store_hook and create_db else None
     if not store_hook and not create_db and not where.exists() and where.parent.is_dir():
         # every other reader refuses a missing database; a daemon on a mistyped path served a new empty one, answering
@@ -1175,6 +1183,8 @@ def run_daemon(
         else:
             from moetune.tuner.store.store import Store
 
+            if new_db is not None:  # under the locks taken above: a file there now is not this start's
+                new_db.looked()
             # makes moetune's own data folder only: a configured one must exist; intact: a damaged file is refused (a
             # StoreDamaged: `moetune serve` says it, exit 2) before the daemon serves or re-tunes into it
             store = Store(db_path, intact=True)
