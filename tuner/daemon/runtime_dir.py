@@ -118,11 +118,12 @@ def missing_dirs(d: Path) -> list[Path]:
 def remove_made_dirs(made: list[Path], marked: bool) -> None:
     """Remove the folders a refused start made (`missing_dirs` before `prepare_runtime_dir`; `marked`: the last one got
     our mark), innermost first and only while empty (rmdir): anything put in one since keeps it and its parents. The
-    mark goes only from a folder this start created (never from one that was there)."""
+    mark goes only from a folder this start created (never from one that was there), and only where it is all the
+    folder holds: one kept (another daemon's socket in it) keeps its mark, which lets a later start tighten it."""
     if marked and made:
         mark = made[-1] / RUNTIME_MARK
-        if _owned_file(mark):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            if os.listdir(made[-1]) == [RUNTIME_MARK] and _owned_file(mark):
                 mark.unlink()
     for d in reversed(made):
         try:
