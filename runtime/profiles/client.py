@@ -338,7 +338,8 @@ class ProfileClient:
         self._handshake_dropped = False
         # connections refused and none made: nothing listens on the tcp:// endpoint (a daemon stopped or killed)
         self._connected = self._connect_retried = False
-        self._unmonitored = False  # the request socket's monitor could not be made: what it would tell is unknown
+        # the request socket's monitor could not be made (kept with the socket): what it would tell is unknown
+        self._unmonitored = False
         self._sub: zmq.Socket | None = None
         self._sub_mon: zmq.Socket | None = None  # the SUB socket's handshake monitor, until its failure is said
         self.sub_endpoint: str | None = None  # where the SUB socket connected (`subscribe`)
@@ -359,6 +360,7 @@ class ProfileClient:
                 s.linger = 0
                 s.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY_BYTES)  # whoever answers cannot have us buffer any size
                 self._secure(s)
+                self._unmonitored = False  # of this socket: set below where its monitor cannot be made
                 if self.endpoint.startswith("tcp://"):  # CURVE or the explicit plain-text allowance on loopback
                     # Its events tell a refused key, a broken-off handshake and a refused connection (nothing listens)
                     # from a daemon that is slow; plain TCP too, where a stopped daemon read as "no reply".
@@ -462,8 +464,8 @@ class ProfileClient:
         """Send one request; return the typed result. DaemonUnavailable after the retries time out."""
         budget = min(timeout_ms if timeout_ms is not None else self.timeout_ms, MAX_CLIENT_TIMEOUT_MS) / 1000.0
         self._check_endpoint()
+        # `_unmonitored` is not reset here: it describes the request socket, which a request that got a reply keeps
         self._key_refused = self._handshake_dropped = self._connected = self._connect_retried = False
-        self._unmonitored = False
         deadline = time.monotonic() + budget
         attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
