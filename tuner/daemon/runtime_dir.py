@@ -234,13 +234,13 @@ def _proven_ours(p: Path) -> bool:
 
 def check_socket_path(p: Path, setting: str = "--socket") -> None:
     """Refuse to bind over anything but a stale socket we can prove is ours (which is removed). `setting`: the option
-    that names `p`, said as the way out."""
+    that names `p` (the request socket's or the PUB's), said as the way out in every refusal."""
     try:
         st = os.lstat(p)
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another --socket)")
+        raise DaemonConfigError(f"{p} exists and is not a socket: refusing to replace it (choose another {setting})")
     if _socket_alive(p):
         # a process without our socket lock (another program, a moetune from before the lock): say what to do
         raise DaemonBusy(f"another daemon is listening on {p} (a process accepts connections there): stop it "
@@ -248,10 +248,10 @@ def check_socket_path(p: Path, setting: str = "--socket") -> None:
     if st.st_uid != os.getuid():
         # said apart from a missing record: a record of ours may name it, and only its owner then tells it is not ours
         raise DaemonConfigError(f"{p} is a dead socket of uid {st.st_uid}, not of this user (uid {os.getuid()}): "
-                                "refusing to remove it; its owner may remove it, or choose another --socket")
+                                f"refusing to remove it; its owner may remove it, or choose another {setting}")
     if not _proven_ours(p):
         raise DaemonConfigError(f"{p} is a dead socket that no record shows this daemon created: "
-                                "remove it yourself if it is safe, or choose another --socket")
+                                f"remove it yourself if it is safe, or choose another {setting}")
     p.unlink()  # left over by a daemon of ours that was killed
     owner_record(p).unlink(missing_ok=True)
 

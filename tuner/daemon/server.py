@@ -632,7 +632,9 @@ class Daemon(FabricWatch):
         p.linger = 0
         p.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES)  # a peer's oversized "subscription" drops its connection
         self._pub = p
-        self._bind_one(p, self.pub_endpoint, "daemon.pub_socket (--pub-socket; default: the socket's port + 1)")
+        # its default as the scheme has it (endpoints.derive_pub_endpoint): an IPC refusal names this setting too
+        beside = "the socket's port + 1" if self.pub_endpoint.startswith("tcp://") else "events.sock beside the socket"
+        self._bind_one(p, self.pub_endpoint, f"daemon.pub_socket (--pub-socket; default: {beside})")
         pull = self._ctx.socket(zmq.PULL)
         pull.linger = 0
         pull.bind(self._list_endpoint)
