@@ -61,3 +61,51 @@ def test_a_database_made_before_the_lock_is_not_removed(tmp_path: Path, taken_po
                         str(taken_port)], capture_output=True, text=True, timeout=100, env=env)
     assert "refused:" in r.stdout and "--metrics-port" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert db.is_file(), sorted(p.name for p in folder.iterdir())  # the other process's database stays
+
+
+# the database's locks are released when the refused start closes (start()'s clean-up), and taken again by the
+# removal: a process that stores profiles in that gap (a `moetune tune` started then) has them in the new file
+_GAP_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[4])
+    import daemon_fakes as F
+    from moetune.tuner.daemon import server
+
+    db, sock, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real = server.lock_database
+    calls = []
+
+    def lock_database(path):
+        calls.append(path)
+        if len(calls) == 2:  # the removal's: another process stored profiles just before it
+            store = F.open_store(db)
+            F.seed_profiles(store, F.FakeFacts({"gpu_model": "H200"}))
+            store.close()
+        return real(path)
+
+    server.lock_database = lock_database
+    try:
+        server.run_daemon(db=db, socket=sock, metrics_port=port, rediscover_interval=0, create_db=True)
+    except server.DaemonConfigError as e:
+        print("refused:", e)
+""")
+
+
+def test_profiles_stored_in_the_new_database_since_keep_it(tmp_path: Path, taken_port: int) -> None:
+    import sqlite3
+
+    folder = tmp_path / "db"
+    folder.mkdir()
+    db = folder / "new.db"
+    env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+    r = subprocess.run([sys.executable, "-c", _GAP_SCRIPT, str(db), f"ipc://{tmp_path / 'run' / 'd.sock'}",
+                        str(taken_port), str(Path(__file__).resolve().parent)],
+                       capture_output=True, text=True, timeout=100, env=env)
+    assert "refused:" in r.stdout and "--metrics-port" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert db.is_file(), (r.stdout + r.stderr)[-3000:]
+    con = sqlite3.connect(db)
+    try:
+        assert con.execute("SELECT count(*) FROM profiles").fetchone()[0] == 3
+    finally:
+        con.close()
+    assert "not removing the new database" in r.stderr and "holds 3 profile(s)" in r.stderr, r.stderr[-3000:]

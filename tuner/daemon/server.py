@@ -1077,9 +1077,25 @@ class _NewDatabase:
             st = os.stat(self.db)
             self.ident = (st.st_dev, st.st_ino)
 
+    def _stored_since(self) -> str | None:
+        """Why the new file is kept although this start created it: profiles in it (a start refused before it
+        serves stores none: another process did), or a file that cannot be read to tell. None: nothing to keep."""
+        import sqlite3
+
+        try:
+            con = sqlite3.connect(self.db)  # read-write, as the store's own: a WAL file whose -shm is gone is read too
+            try:
+                n = con.execute("SELECT count(*) FROM profiles").fetchone()[0]
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            return f"it cannot be read to tell whether it holds profiles ({e})"
+        return f"it holds {n} profile(s) stored since" if n else None
+
     def remove(self) -> None:
         """Remove what this start created, its store closed and its locks released. The database's locks are taken
-        again first: a daemon, migration or bring-up that opened the new file since keeps it (never waited for)."""
+        again first: a daemon, migration or bring-up that opened the new file since keeps it (never waited for), and
+        so does one that stored profiles in it while no lock was held (`_stored_since`)."""
         from moetune.tuner.store.lock_files import release_lock_file
 
         if not self.creates or self.ident is None:
@@ -1099,6 +1115,10 @@ class _NewDatabase:
                 st = os.lstat(self.db)
                 if (st.st_dev, st.st_ino) != self.ident:
                     log.warning("not removing %s: replaced since this start created it", self.db)
+                    return
+                # the locks were free between start()'s release and here: what another process stored is kept
+                if (why := self._stored_since()) is not None:
+                    log.warning("not removing the new database %s this refused start created: %s", self.db, why)
                     return
                 for p in self.absent:
                     if p != self.lock:
