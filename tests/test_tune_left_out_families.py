@@ -260,3 +260,35 @@ def test_the_left_out_family_s_stale_key_is_answered_by_its_group_and_not_planne
     assert change_retune_keys([r for _, r in stale_rows], stale_rows, have) == {}
     # its row is history, listed as stale as the old fabric's rows are; nothing of it was lost
     assert [(r.key.transport_family, r.status) for _, r in stale_rows] == [("nvlink", "stale")]
+
+
+def test_a_job_stopped_after_the_group_with_a_left_out_family_is_not_resumed_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon stopped (kill -9) after its re-tune wrote the EP 16 group whose nvlink key the tune left out: the
+    group's collective profile answers the key (the planner's rule, `tuning_key`), so the next start does not resume
+    the job to re-tune the group once more. Recovery asked for an nvlink profile of its own, which never comes."""
+    from moetune.runtime.profile_record import ProfileKey
+    from moetune.runtime.shapes import MODELS
+    from moetune.tuner.daemon import recovery as R
+    from moetune.tuner.daemon.jobs import Job, JobContext
+    from moetune.tuner.daemon.retune import tuner_retune
+    from moetune.tuner.daemon.server import TuneSettings
+
+    _fake_local(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 16, "name": "node16", "transports": ["nvlink", "collective"]})
+    m = MODELS["qwen3-30b"]
+    key = ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                     ep_size=16, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                     topk=m.topk, dtype=m.dtype, token_bucket=64)
+    # the job's started event as the daemon writes it, then the job ran to its last profile and the daemon died
+    store.add_event(kind="job_started", reason="job 1", details={
+        "job_id": 1, "keys": [key.to_dict()], "fingerprint": facts.fingerprint, "software": facts.software_hash})
+    job = Job(1, reason="test", old_fingerprint="old", keys=[key])
+    written = tuner_retune(JobContext(store=store, facts=facts, job=job, tune=TuneSettings(backend="local", trials=1)))
+    assert {r.key.transport_family for r in written} == {"collective"}, written
+
+    resume, _ = R.recover_jobs(store)
+    assert resume == [], resume  # nothing left to re-tune: not the group once more
+    (closed,) = store.list_events(10, kinds=("job_finished",))
+    assert "nothing left to resume" in closed["reason"], closed

@@ -9,7 +9,7 @@ from typing import Any
 
 from moetune.runtime.profile_record import ProfileKey
 from moetune.tuner.daemon.jobs import JOB_EVENTS
-from moetune.tuner.daemon.retune import tuning_key
+from moetune.tuner.daemon.retune import served_tuning_keys, tuning_key
 from moetune.tuner.store import StoreBusy, StoreError, StoreFull
 
 # the jobs' logger: what recovery logs is about jobs, under the name the daemon's log has always shown
@@ -127,18 +127,21 @@ def _close_run(store: Any, d: dict[str, Any], status: str) -> None:
             log.error("cannot mark run %s %s: %s", run_id, status, e)
 
 
-def _done_mark(k: dict[str, Any] | ProfileKey) -> tuple | None:
-    """(what is tuned, transport family) of a key: a key counts as done only when its own family got a profile
-    (a job killed between two families of one shape and bucket left the other one to do)."""
+def _done_mark(k: dict[str, Any]) -> tuple | None:
+    """What a re-tune of a key tunes (`tuning_key`: its group, shape and bucket, no transport family), None for an
+    unreadable key. The planner's rule (`served_tuning_keys`): a key is done once a served profile of its
+    tuning_key was written, whichever family, as a user's `retune` and a fabric change plan it. A rule of its own
+    family kept a key the tune left out of its group (nvlink past 8 ranks, answered by collective) to do for good:
+    a daemon stopped after that group re-tuned it once more at its next start. NOT kept: a job killed between two
+    families of one shape and bucket leaves the second family untuned, as the planner would."""
     try:
-        key = k if isinstance(k, ProfileKey) else ProfileKey(**k)
+        return tuning_key(ProfileKey(**k))
     except (TypeError, ValueError):
         return None
-    return (*tuning_key(key), key.transport_family)
 
 
 def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
-    """_done_mark of the current profiles of the interrupted job's fingerprint and software written after
+    """The `tuning_key`s served by the current profiles of the interrupted job's fingerprint and software written after
     `since` (its job_started event): what it finished before it stopped. Empty when unsure (an event of an
     older moetune without the software, an unreadable time, a store error): then every key is re-tuned."""
     fp, sw = d.get("fingerprint"), d.get("software")
@@ -150,17 +153,16 @@ def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
     except Exception as e:  # broad: only a saving is lost; the job is resumed whole, as before
         log.error("cannot tell which keys job %s finished: %s", d.get("job_id"), e)
         return set()
-    out: set[tuple] = set()
+    newer = []
     for _, r in profiles:
         if r.key.software != sw:
             continue
         try:
-            newer = datetime.fromisoformat(r.created) > t0
+            if datetime.fromisoformat(r.created) > t0:
+                newer.append(r)
         except (TypeError, ValueError):
             continue
-        if newer:
-            out.add(_done_mark(r.key))
-    return out
+    return served_tuning_keys(newer)
 
 
 def tune_notice_of(store: Any, *, backend: str | None = None, page: int = 500) -> str:
