@@ -292,3 +292,42 @@ def test_a_job_stopped_after_the_group_with_a_left_out_family_is_not_resumed_for
     assert resume == [], resume  # nothing left to re-tune: not the group once more
     (closed,) = store.list_events(10, kinds=("job_finished",))
     assert "nothing left to resume" in closed["reason"], closed
+
+
+def _nvlink_key(facts: Any, ep: int) -> Any:
+    from moetune.runtime.profile_record import ProfileKey
+    from moetune.runtime.shapes import MODELS
+
+    m = MODELS["qwen3-30b"]
+    return ProfileKey(fingerprint=facts.fingerprint, software=facts.software_hash, transport_family="nvlink",
+                      ep_size=ep, nodes=1, hidden=m.hidden, intermediate=m.intermediate, experts=m.experts,
+                      topk=m.topk, dtype=m.dtype, token_bucket=64)
+
+
+def test_a_group_no_family_can_serve_is_that_group_s_refusal_the_others_re_tuned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose only family is nvlink (fake facts: real discovery always lists collective) and stale keys of
+    EP 8 and EP 16: the tune refuses EP 16 up front (no family considered can serve it), which failed the whole job
+    (ValueError), the EP 8 group untuned with it. Now that one group is the job's refusal, in the tune's words, and
+    EP 8 is re-tuned; a job of that group alone is impossible here, said as the job's reason."""
+    from moetune.tuner.daemon.jobs import Job, JobContext
+    from moetune.tuner.daemon.retune import RetuneImpossible, tuner_retune
+    from moetune.tuner.daemon.server import TuneSettings
+    from moetune.tuner.search.tune import NoFamilyServesGroup
+
+    assert issubclass(NoFamilyServesGroup, ValueError)  # the CLI's `except ValueError` still says it
+    _fake_local(monkeypatch)
+    store = F.open_store(tmp_path / "m.db")
+    facts = F.FakeFacts({"gpu_count": 16, "name": "node16", "transports": ["nvlink"]})
+    job = Job(1, reason="test", old_fingerprint="old", keys=[_nvlink_key(facts, 16), _nvlink_key(facts, 8)])
+    tune = TuneSettings(backend="local", trials=1)
+    written = tuner_retune(JobContext(store=store, facts=facts, job=job, tune=tune))
+    assert {(r.key.transport_family, r.key.ep_size) for r in written} == {("nvlink", 8)}, written
+    (said,) = job.refused
+    assert said.startswith("1 key(s) of EP 16 over 1 node(s) not re-tuned: no transport family considered (nvlink) "
+                           f"can serve it: nvlink: {NVLINK_16}"), said
+    assert "Nothing was tuned" not in said, said  # EP 8 was
+
+    alone = Job(2, reason="test", old_fingerprint="old", keys=[_nvlink_key(facts, 16)])
+    with pytest.raises(RetuneImpossible, match="not re-tuned: no transport family considered"):
+        tuner_retune(JobContext(store=store, facts=facts, job=alone, tune=tune))

@@ -402,7 +402,12 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     Cancellation: the `on_trial` callback stops the study after its running trial, `stop` is asked before every
     study and side-by-side check, and what the calls did is tallied before JobCancelled ends the job."""
-    from moetune.tuner.search.tune import group_left_out_note, make_backend, tune_profiles_detailed
+    from moetune.tuner.search.tune import (
+        NoFamilyServesGroup,
+        group_left_out_note,
+        make_backend,
+        tune_profiles_detailed,
+    )
 
     tune = ctx.tune
 
@@ -465,6 +470,7 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
 
     # each shape is one call (its own buckets only); a cancel is seen between studies and before each side-by-side
     # check (`stop`), what was done by then is tallied, then the job ends cancelled
+    groups_refused = 0  # groups no family of the node can serve (`NoFamilyServesGroup`)
     for ep, nodes, shapes in runnable:
         ctx.check_cancel()
 
@@ -487,9 +493,18 @@ def tuner_retune(ctx: JobContext) -> list[ProfileRecord]:
                     trials=tune.trials, timeout_s=share(buckets), ep_size=ep, nodes=nodes, routing=routing,
                     on_trial=on_trial, node_model=preset_file is not None, stop=ctx.cancel.is_set,
                     on_left_out=left_out))
+        except NoFamilyServesGroup as e:
+            # refused by the tune's plan before any study (every shape of the group alike): that group's refusal,
+            # as key_refusals' are; it failed the whole job before, every other group untuned with it
+            group = [k for k in ep_keys if (k.ep_size, k.nodes) == (ep, nodes)]
+            refuse(f"{len(group)} key(s) of EP {ep} over {nodes} node(s) not re-tuned: {e.why}; they stay stale")
+            groups_refused += 1
         finally:
             if group_be is not be:
                 group_be.close()
+    if runnable and groups_refused == len(runnable) and not mk_shapes:
+        # nothing could run: impossible here, as when key_refusals refuses every key up front
+        raise RetuneImpossible(f"cannot re-tune fabric {ctx.facts.fingerprint} here: " + "; ".join(ctx.refused))
     if mk_shapes:
         ctx.check_cancel()
         mk_be = megakernel_backend(tune)

@@ -335,13 +335,22 @@ def _plan(be: BenchmarkBackend, facts: TuneFacts | None, *, models: list[ModelSh
     bounds = {f: be.group_problem(f, ep_size=ep_size, nodes=nodes) for f in policies}
     cannot = {f: b for f, b in bounds.items() if b}
     if cannot and len(cannot) == len(policies):
-        raise ValueError(f"EP size {ep_size} on {nodes} node(s): no transport family considered "
-                         f"({', '.join(policies)}) can serve it: "
-                         + "; ".join(f"{f}: {b}" for f, b in cannot.items()) + ". Nothing was tuned or stored")
+        raise NoFamilyServesGroup(ep_size, nodes, f"no transport family considered ({', '.join(policies)}) can "
+                                  "serve it: " + "; ".join(f"{f}: {b}" for f, b in cannot.items()))
     for f, b in cannot.items():
         log.warning("%s", group_left_out_note(f, b, ep_size, nodes))
         del policies[f]
     return _Plan(be, facts, ep_size, gpus_per_node, policies, cannot)
+
+
+class NoFamilyServesGroup(ValueError):
+    """No family the tune considers can serve its EP group (each one's transport bound refuses it). A ValueError, as
+    every refusal of the tune's settings (the CLI says it); its own type so that the daemon's re-tune refuses that
+    one group (`why`: what is wrong, without this call's "nothing was stored") and still re-tunes the others."""
+
+    def __init__(self, ep_size: int, nodes: int, why: str) -> None:
+        self.why = why
+        super().__init__(f"EP size {ep_size} on {nodes} node(s): {why}. Nothing was tuned or stored")
 
 
 def group_left_out_note(family: str, reason: str, ep_size: int, nodes: int) -> str:
