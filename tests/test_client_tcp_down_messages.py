@@ -79,3 +79,52 @@ def test_the_cli_says_it_for_a_curve_client(tmp_path: Path, mute_port: int) -> N
     assert r.exit_code == 1 and "Traceback" not in out, r.output
     assert f"no reply from the daemon at {endpoint} within 300 ms" in out, out
     assert "`systemctl status moetune`" in out and "`moetune keys allow`" in out and "allow-list" in out, out
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_daemon_that_closes_the_connection_mid_request_is_said_so_without_keys(curve: bool) -> None:
+    """A daemon that accepted the connection and took the request, then vanished (SIGKILL: its side of the connection
+    closed) was said as a connection "made but nothing answered", with CURVE keys and the allow-list to check: the
+    client's monitor saw that connection closed (DISCONNECTED after CONNECTED). A real ROUTER on loopback stands for
+    it: it receives the request, then closes without answering."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    kw: dict = {"allow_insecure_tcp": True}
+    if curve:  # a CURVE daemon without a ZAP handler takes any client key: the handshake completes
+        server_pub, server_sec = zmq.curve_keypair()
+        router.curve_server, router.curve_secretkey = True, server_sec
+        pub, sec = zmq.curve_keypair()
+        kw = {"curve_server_key": server_pub, "curve_public_key": pub, "curve_secret_key": sec}
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    got = threading.Event()
+
+    def serve_then_vanish() -> None:
+        try:
+            if router.poll(5000):
+                router.recv_multipart()
+                got.set()
+        finally:
+            router.close(linger=0)  # the daemon's side closes, no reply sent
+
+    t = threading.Thread(target=serve_then_vanish)
+    t.start()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    c = ProfileClient(endpoint, timeout_ms=1000, **kw)
+    try:
+        with pytest.raises(DaemonTimeout) as ei:
+            c.status()
+    finally:
+        c.close()
+        t.join(10)
+        ctx.term()
+    assert got.is_set()  # the request reached it: the connection was made
+    said = str(ei.value)
+    assert said.startswith(f"no reply from the daemon at {endpoint} within 1000 ms"), said
+    assert ("the connection was made, then closed by the daemon's side before it answered (daemon stopped or "
+            "restarted?)") in said, said
+    assert "allow-list" not in said and "curve_server_key_file" not in said, said

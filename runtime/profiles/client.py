@@ -338,6 +338,8 @@ class ProfileClient:
         self._handshake_dropped = False
         # connections refused and none made: nothing listens on the tcp:// endpoint (a daemon stopped or killed)
         self._connected = self._connect_retried = False
+        # a connection made, then closed from the daemon's side (a daemon killed or restarted mid-request)
+        self._disconnected = False
         # the request socket's monitor could not be made (kept with the socket): what it would tell is unknown
         self._unmonitored = False
         self._sub: zmq.Socket | None = None
@@ -370,7 +372,8 @@ class ProfileClient:
                         self._mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                         | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED,
+                                                         | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                                         | zmq.EVENT_DISCONNECTED,
                                                          addr=f"inproc://moetune-client-monitor-{next(_MONITOR_IDS)}")
                     except zmq.ZMQError as e:
                         log.debug("no handshake monitor for %s (%s): a refused key reads as no reply", self.endpoint, e)
@@ -401,6 +404,8 @@ class ProfileClient:
                     self._connected = True
                 elif event == zmq.EVENT_CONNECT_RETRIED:
                     self._connect_retried = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._disconnected = True
                 else:
                     self._handshake_dropped = True
             if self._sock is not None:
@@ -466,6 +471,7 @@ class ProfileClient:
         self._check_endpoint()
         # `_unmonitored` is not reset here: it describes the request socket, which a request that got a reply keeps
         self._key_refused = self._handshake_dropped = self._connected = self._connect_retried = False
+        self._disconnected = False
         deadline = time.monotonic() + budget
         attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
@@ -570,8 +576,15 @@ class ProfileClient:
     def _tcp_no_reply_hint(self) -> str:
         """What to check when a tcp:// request got no reply in its time budget, as far as this client can tell: ZeroMQ
         does not report why a connection is not made (a host unreachable or a firewall dropping packets looks like a
-        slow one), only that one was (the monitor's CONNECTED) or refused (CONNECT_RETRIED, said before this)."""
+        slow one), only that one was (the monitor's CONNECTED), refused (CONNECT_RETRIED, said before this) or closed
+        by the peer (DISCONNECTED)."""
         budget = _BUDGET_SETTINGS
+        if self._connected and self._disconnected:
+            # the daemon's side closed a connection that was made (a daemon killed or restarted mid-request): its
+            # keys were good enough to connect (a refused or wrong key is said before this), so none are named
+            return (f" ({budget}): the connection was made, then closed by the daemon's side before it answered "
+                    "(daemon stopped or restarted?): check that it runs (`systemctl status moetune`, its log, on that "
+                    "host) and ask again")
         keys = ("; with CURVE, that client.curve_server_key_file is that daemon's public key and this client's key is "
                 "on its allow-list (`moetune keys allow`)" if self._curve else "")
         if self._connected:  # the port accepted: a daemon that is busy or hung, or not a moetune daemon at all
