@@ -25,6 +25,12 @@ from moetune.tuner.store.lock_files import (
 LOCK_SUFFIX = ".moetune-lock"  # ".<socket name>.moetune-lock": flock-ed by the daemon that checks, binds and serves it
 
 
+def holder_words(pid: int | None) -> str:
+    """How a refusal names a lock's holder: "pid N", or "its pid unknown" where none is written (or its writer is
+    gone). One wording for every lock the daemon takes."""
+    return f"pid {pid}" if pid is not None else "its pid unknown"
+
+
 def _take_lock(path: Path, what: str, busy: Callable[[str], str], unwritable: str = "") -> int:
     """`lock_files.take_lock_file` of `path` (this process's pid written in it), its refusals as the daemon says them:
     DaemonConfigError naming `what` when the file cannot be used (`unwritable` added where its folder may not be
@@ -38,7 +44,7 @@ def _take_lock(path: Path, what: str, busy: Callable[[str], str], unwritable: st
         hint = f": {unwritable}" if unwritable and e.code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
         raise DaemonConfigError(f"cannot open {what} {path}: {e.why}{hint}") from None
     except LockHeld as e:
-        raise DaemonBusy(busy(f"pid {e.pid}" if e.pid is not None else "its pid unknown")) from None
+        raise DaemonBusy(busy(holder_words(e.pid))) from None
 
 
 def lock_database(db_path: str | Path) -> int:
@@ -71,8 +77,7 @@ def lock_runs(db_path: str | Path) -> int | None:
     try:
         return take_run_lock(db_path)
     except RunBusy as e:
-        who = f"pid {e.pid}" if e.pid is not None else "its pid unknown"
-        raise DaemonBusy(f"a bring-up is running on the database {db_path} ({who}: `moetune profile` or `moetune tune "
+        raise DaemonBusy(f"a bring-up is running on the database {db_path} ({holder_words(e.pid)}: `moetune profile` or `moetune tune "
                          "--backend local`); start the daemon once it has ended (or stop it): the daemon's re-tunes "
                          "would measure and write beside it") from None
 
