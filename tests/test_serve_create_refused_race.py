@@ -109,3 +109,45 @@ def test_profiles_stored_in_the_new_database_since_keep_it(tmp_path: Path, taken
     finally:
         con.close()
     assert "not removing the new database" in r.stderr and "holds 3 profile(s)" in r.stderr, r.stderr[-3000:]
+
+
+# the removal finds the database's lock held (here by another open file of this process, its pid written in it: a
+# process that opened the new file since): the file is kept, and the warning says so, not the start's advice
+_HELD_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from moetune.tuner.daemon import server
+
+    db, sock, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real = server.lock_database
+    calls = []
+
+    def lock_database(path):
+        calls.append(path)
+        if len(calls) == 2:  # the removal's: another holder takes the lock just before it (kept open to the end)
+            calls.append(real(path))
+        return real(path)
+
+    server.lock_database = lock_database
+    print("pid:", os.getpid())
+    try:
+        server.run_daemon(db=db, socket=sock, metrics_port=port, rediscover_interval=0, create_db=True)
+    except server.DaemonConfigError as e:
+        print("refused:", e)
+""")
+
+
+def test_a_new_database_another_process_has_open_is_kept_without_the_starts_advice(tmp_path: Path,
+                                                                                  taken_port: int) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    db = folder / "new.db"
+    env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+    r = subprocess.run([sys.executable, "-c", _HELD_SCRIPT, str(db), f"ipc://{tmp_path / 'run' / 'd.sock'}",
+                        str(taken_port)], capture_output=True, text=True, timeout=100, env=env)
+    assert "refused:" in r.stdout and "--metrics-port" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert db.is_file(), (r.stdout + r.stderr)[-3000:]
+    pid = r.stdout.split("pid:")[1].split()[0]
+    err = " ".join(r.stderr.split())
+    assert f"keeping the new database {db}" in err, err[-3000:]
+    assert f"another process has it open (pid {pid}); nothing to do" in err, err[-3000:]
+    assert "stop it first" not in err and "serve another database" not in err, err[-3000:]

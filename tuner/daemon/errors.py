@@ -13,3 +13,9 @@ class DaemonBusy(DaemonConfigError):
     it exits 1, as a StoreBusy (another process holds the database) does, not 2."""
 
     exit_code = 1
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        # the lock's holder as the lock names it ("pid N" / "its pid unknown"), where a held lock refused it: a
+        # clean-up that only keeps a file says who has it, without the start's advice to stop it
+        self.holder = holder

@@ -44,7 +44,8 @@ def _take_lock(path: Path, what: str, busy: Callable[[str], str], unwritable: st
         hint = f": {unwritable}" if unwritable and e.code in (errno.EROFS, errno.EACCES, errno.EPERM) else ""
         raise DaemonConfigError(f"cannot open {what} {path}: {e.why}{hint}") from None
     except LockHeld as e:
-        raise DaemonBusy(busy(holder_words(e.pid))) from None
+        holder = holder_words(e.pid)
+        raise DaemonBusy(busy(holder), holder=holder) from None
 
 
 def lock_database(db_path: str | Path) -> int:
@@ -77,9 +78,10 @@ def lock_runs(db_path: str | Path) -> int | None:
     try:
         return take_run_lock(db_path)
     except RunBusy as e:
-        raise DaemonBusy(f"a bring-up is running on the database {db_path} ({holder_words(e.pid)}: `moetune profile` or `moetune tune "
+        holder = holder_words(e.pid)
+        raise DaemonBusy(f"a bring-up is running on the database {db_path} ({holder}: `moetune profile` or `moetune tune "
                          "--backend local`); start the daemon once it has ended (or stop it): the daemon's re-tunes "
-                         "would measure and write beside it") from None
+                         "would measure and write beside it", holder=holder) from None
 
 
 def lock_socket_path(p: Path, setting: str = "--socket (daemon.socket)") -> int:

@@ -93,10 +93,16 @@ from moetune.tuner.daemon.auth import (
     user_in_group,
 )
 from moetune.tuner.daemon.endpoints import check_endpoint, derive_pub_endpoint, same_endpoint
-from moetune.tuner.daemon.errors import DaemonConfigError
+from moetune.tuner.daemon.errors import DaemonBusy, DaemonConfigError
 from moetune.tuner.daemon.index import ProfileIndex, read_profiles
 from moetune.tuner.daemon.jobs import Job, JobManager, RetuneFn
-from moetune.tuner.daemon.locks import lock_database, lock_runs, lock_socket_path, release_socket_lock
+from moetune.tuner.daemon.locks import (
+    holder_words,
+    lock_database,
+    lock_runs,
+    lock_socket_path,
+    release_socket_lock,
+)
 from moetune.tuner.daemon.logs import setup_logging
 from moetune.tuner.daemon.metrics import DaemonMetrics, start_metrics_server
 from moetune.tuner.daemon.recovery import (
@@ -1092,6 +1098,12 @@ class _NewDatabase:
             return f"it cannot be read to tell whether it holds profiles ({e})"
         return f"it holds {n} profile(s) stored since" if n else None
 
+    def _kept_in_use(self, busy: DaemonBusy) -> None:
+        """Say the new database is kept because another process holds its lock. Not the lock's own refusal: its
+        advice ("stop it first, or serve another database") is for a start, not for a clean-up that keeps a file."""
+        log.warning("keeping the new database %s this refused start created: another process has it open (%s); "
+                    "nothing to do", self.db, busy.holder or holder_words(None))
+
     def remove(self) -> None:
         """Remove what this start created, its store closed and its locks released. The database's locks are taken
         again first: a daemon, migration or bring-up that opened the new file since keeps it (never waited for), and
@@ -1102,13 +1114,19 @@ class _NewDatabase:
             return
         try:
             fd = lock_database(self.db_path)
-        except DaemonConfigError as e:  # DaemonBusy: someone else has it now; unusable: leave it as it is
+        except DaemonBusy as e:  # someone else has it now: theirs to use, nothing for the operator to do
+            self._kept_in_use(e)
+            return
+        except DaemonConfigError as e:  # unusable: leave it as it is
             log.warning("not removing the new database %s this refused start created: %s", self.db, e)
             return
         try:
             try:
                 run_fd = lock_runs(self.db_path)
-            except (DaemonConfigError, RuntimeError) as e:  # RunBusy (DaemonBusy), a StoreError
+            except DaemonBusy as e:  # a bring-up holds the run lock: it has the file open
+                self._kept_in_use(e)
+                return
+            except (DaemonConfigError, RuntimeError) as e:  # a StoreError
                 log.warning("not removing the new database %s this refused start created: %s", self.db, e)
                 return
             try:
