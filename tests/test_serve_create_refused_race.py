@@ -151,3 +151,42 @@ def test_a_new_database_another_process_has_open_is_kept_without_the_starts_advi
     assert f"keeping the new database {db}" in err, err[-3000:]
     assert f"another process has it open (pid {pid}); nothing to do" in err, err[-3000:]
     assert "stop it first" not in err and "serve another database" not in err, err[-3000:]
+
+
+# the removal cannot unlink the new database (EACCES from a folder made read-only since, EBUSY, EROFS): a non-root check
+# with a real read-only folder is impossible where tests run as root, so unlink is patched to refuse the database
+_UNLINK_SCRIPT = textwrap.dedent("""
+    import errno, pathlib, sys
+    from moetune.tuner.daemon import server
+
+    db, sock, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real_unlink = pathlib.Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name == pathlib.Path(db).name:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_unlink(self, missing_ok)
+
+    pathlib.Path.unlink = unlink
+    try:
+        server.run_daemon(db=db, socket=sock, metrics_port=port, rediscover_interval=0, create_db=True)
+    except server.DaemonConfigError as e:
+        print("refused:", e)
+""")
+
+
+def test_a_new_database_that_cannot_be_removed_is_warned_and_the_refusal_still_said(tmp_path: Path,
+                                                                                   taken_port: int) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    db = folder / "new.db"
+    env = {**os.environ, "MOETUNE_HOME": str(tmp_path / "home"), "MOETUNE_CONFIG": ""}
+    r = subprocess.run([sys.executable, "-c", _UNLINK_SCRIPT, str(db), f"ipc://{tmp_path / 'run' / 'd.sock'}",
+                        str(taken_port)], capture_output=True, text=True, timeout=100, env=env)
+    # the real refusal (the metrics port), not the clean-up's PermissionError
+    assert "refused:" in r.stdout and "--metrics-port" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    err = " ".join(r.stderr.split())
+    assert f"could not remove {db}" in err and "Permission denied" in err, err[-3000:]
+    assert "removed the new database" not in err, err[-3000:]
+    assert db.is_file()

@@ -1112,6 +1112,7 @@ class _NewDatabase:
 
         if not self.creates or self.ident is None:
             return
+        left: list[Path] = []  # files it could not remove (warned): the folder stays, and no "removed" is said
         try:
             fd = lock_database(self.db_path)
         except DaemonBusy as e:  # someone else has it now: theirs to use, nothing for the operator to do
@@ -1130,7 +1131,11 @@ class _NewDatabase:
                 log.warning("not removing the new database %s this refused start created: %s", self.db, e)
                 return
             try:
-                st = os.lstat(self.db)
+                try:
+                    st = os.lstat(self.db)
+                except OSError as e:  # gone or unreadable since: nothing of ours to remove; the refusal goes on
+                    log.warning("not removing %s: it cannot be looked at (%s)", self.db, e.strerror or e)
+                    return
                 if (st.st_dev, st.st_ino) != self.ident:
                     log.warning("not removing %s: replaced since this start created it", self.db)
                     return
@@ -1139,9 +1144,15 @@ class _NewDatabase:
                     log.warning("not removing the new database %s this refused start created: %s", self.db, why)
                     return
                 for p in self.absent:
-                    if p != self.lock:
-                        with contextlib.suppress(FileNotFoundError):
-                            p.unlink()
+                    if p == self.lock:
+                        continue
+                    try:
+                        p.unlink()
+                    except FileNotFoundError:
+                        pass
+                    except OSError as e:  # EACCES, EBUSY, EROFS: said here; raised, it replaced the start's refusal
+                        left.append(p)
+                        log.warning("could not remove %s (made by this refused start): %s", p, e.strerror or e)
             finally:
                 if run_fd is not None:
                     release_run_lock(self.db_path, run_fd)  # removes the run lock file, as every run's release does
@@ -1150,6 +1161,8 @@ class _NewDatabase:
                 release_lock_file(self.lock, fd)  # made by this start: removed while it is still the one fd holds
             else:
                 os.close(fd)
+        if left:
+            return
         if not self.folder_existed:  # the store made moetune's own data folder: removed only where nothing is in it
             with contextlib.suppress(OSError):
                 self.db.parent.rmdir()
