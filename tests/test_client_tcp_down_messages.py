@@ -128,3 +128,30 @@ def test_a_daemon_that_closes_the_connection_mid_request_is_said_so_without_keys
     assert ("the connection was made, then closed by the daemon's side before it answered (daemon stopped or "
             "restarted?)") in said, said
     assert "allow-list" not in said and "curve_server_key_file" not in said, said
+
+
+@pytest.mark.parametrize("peer", ["curve daemon", "other zmtp service"])
+def test_a_plain_client_whose_handshake_is_broken_off_is_not_told_the_peer_uses_curve(peer: str) -> None:
+    """A plain-text client whose handshake the peer broke off was told "the daemon ... uses CURVE", also where the
+    peer was no moetune daemon (another ZMTP service: here one speaking the PLAIN mechanism). The client cannot tell
+    them apart: it says both, the CURVE key to set and the daemon.socket to check."""
+    import zmq
+
+    ctx = zmq.Context()
+    peer_sock = ctx.socket(zmq.ROUTER)
+    peer_sock.linger = 0
+    if peer == "curve daemon":
+        _, server_sec = zmq.curve_keypair()
+        peer_sock.curve_server, peer_sock.curve_secretkey = True, server_sec
+    else:
+        peer_sock.plain_server = True
+    endpoint = f"tcp://127.0.0.1:{peer_sock.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        said = str(_ask(endpoint))
+    finally:
+        peer_sock.close(linger=0)
+        ctx.term()
+    assert said.startswith(f"the peer at {endpoint} broke off the handshake: a daemon using CURVE"), said
+    assert "client.curve_server_key_file" in said, said
+    assert "not a moetune daemon request socket (is this its daemon.socket, not its pub_socket?)" in said, said
+    assert "it uses CURVE" not in said, said

@@ -515,10 +515,13 @@ class ProfileClient:
                                         "`moetune keys client`)")
             raise DaemonUnavailable(f"the daemon at {self.endpoint} refused this client's key (not on its allow-list?): "
                                     + self._allow_hint())
-        if self._handshake_dropped and self._curve is None:  # plain text to a daemon that speaks CURVE
-            raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the handshake: it uses CURVE, and this "
-                                    "client has no key for it (client.curve_server_key_file: the NAME.key beside the "
-                                    "daemon's curve_secret_key_file)")
+        if self._handshake_dropped and self._curve is None:
+            # plain text: a daemon that speaks CURVE, or a peer that is no moetune request socket at all (another
+            # ZMTP service; the handshake alone cannot tell them apart): say both, not "it uses CURVE"
+            raise DaemonUnavailable(f"the peer at {self.endpoint} broke off the handshake: a daemon using CURVE (then "
+                                    "set client.curve_server_key_file to the NAME.key beside the daemon's "
+                                    "curve_secret_key_file) or not a moetune daemon request socket (is this its "
+                                    "daemon.socket, not its pub_socket?)")
         if self._handshake_dropped:
             source = self._server_key_file or "the CURVE server key it was given"
             raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the CURVE handshake: {source} is not "
