@@ -52,8 +52,8 @@ def _unit_statuses(key: str) -> set[str]:
 
 def test_the_unit_does_not_restart_a_refused_configuration(tmp_path: Path) -> None:
     """With Restart=on-failure alone a configuration `serve` refuses (exit 2) was started again every RestartSec, for
-    ever, failing the same way. That status stops the restarts; a crash (1, Python's status for an uncaught
-    exception) and the other failures (1) are still restarted."""
+    ever, failing the same way. That status stops the restarts; a crash (`moetune serve` ended by an uncaught
+    exception: 1, Python's status for one) and the other failures (1) are still restarted."""
     import os
     import subprocess
 
@@ -65,8 +65,15 @@ def test_the_unit_does_not_restart_a_refused_configuration(tmp_path: Path) -> No
     assert r.returncode == 2 and "no_such_key" in r.stderr, r.stderr[-2000:]
     prevent = _unit_statuses("RestartPreventExitStatus")
     assert str(r.returncode) in prevent
-    crash = subprocess.run([sys.executable, "-c", "raise SystemError('crash')"], capture_output=True, timeout=30)
-    assert crash.returncode == 1 and "1" not in prevent  # a crash is still restarted
+    # a crash: `moetune serve` ended by an exception none of its handling expects (here its store raising a
+    # KeyError, as a bug would) exits 1, which the unit restarts
+    (tmp_path / "crashing_store.py").write_text("def store(path):\n    raise KeyError('a bug in the store')\n")
+    crash_env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)}
+    crash = subprocess.run([sys.executable, "-m", "moetune.tuner.cli", "serve", "--db", str(tmp_path / "m.db"),
+                            "--socket", f"ipc://{tmp_path / 'run' / 'd.sock'}", "--store-hook", "crashing_store:store"],
+                           capture_output=True, text=True, timeout=60, env=crash_env)
+    assert "a bug in the store" in crash.stderr, crash.stderr[-2000:]  # the crash, not another failure
+    assert crash.returncode == 1 and "1" not in prevent, crash.stderr[-2000:]  # a crash is still restarted
     assert not prevent & _unit_statuses("SuccessExitStatus")
 
 
