@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,18 @@ def clean_autoload_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     autoload.clear_cache()
     yield e
     autoload.clear_cache()
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback TCP port something else listens on (a refused bind: the daemon's TCP or metrics port in use)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ that was there before is left as it was. The refusal is still said, with the con
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +22,6 @@ def _serve(tmp_path: Path, db: Path, *args: str, create: bool = True) -> subproc
     cmd = [sys.executable, "-m", "moetune.tuner.cli", "serve", "--db", str(db), *(["--create"] if create else []),
            "--rediscover-interval", "0", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
-
-
-@pytest.fixture
-def taken_port():
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    try:
-        yield s.getsockname()[1]
-    finally:
-        s.close()
 
 
 def _refusals(tmp_path: Path, port: int) -> dict[str, tuple[list[str], str]]:

@@ -6,7 +6,6 @@ files are now looked at under the locks, just before the store opens the databas
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -39,17 +38,6 @@ _SCRIPT = textwrap.dedent("""
     except server.DaemonConfigError as e:
         print("refused:", e)
 """)
-
-
-@pytest.fixture
-def taken_port():
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    try:
-        yield s.getsockname()[1]
-    finally:
-        s.close()
 
 
 def test_a_database_made_before_the_lock_is_not_removed(tmp_path: Path, taken_port: int) -> None:

@@ -7,7 +7,6 @@ as it was."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +14,6 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def taken_port():
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    try:
-        yield s.getsockname()[1]
-    finally:
-        s.close()
 
 
 def _serve(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
