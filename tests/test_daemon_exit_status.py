@@ -75,6 +75,15 @@ def test_the_unit_does_not_restart_a_refused_configuration(tmp_path: Path) -> No
     assert "a bug in the store" in crash.stderr, crash.stderr[-2000:]  # the crash, not another failure
     assert crash.returncode == 1 and "1" not in prevent, crash.stderr[-2000:]  # a crash is still restarted
     assert not prevent & _unit_statuses("SuccessExitStatus")
+    # an OS error at start that no check of the configuration raised (memory, a device busy for a moment) is said
+    # without a traceback and exits 1: it was 2, which the unit takes for a configuration and never restarts
+    (tmp_path / "oom_store.py").write_text("import errno\n\ndef store(path):\n"
+                                           "    raise OSError(errno.ENOMEM, 'Cannot allocate memory')\n")
+    oom = subprocess.run([sys.executable, "-m", "moetune.tuner.cli", "serve", "--db", str(tmp_path / "m.db"),
+                          "--socket", f"ipc://{tmp_path / 'run' / 'd.sock'}", "--store-hook", "oom_store:store"],
+                         capture_output=True, text=True, timeout=60, env=crash_env)
+    assert "Cannot allocate memory" in oom.stderr and "Traceback" not in oom.stderr, oom.stderr[-2000:]
+    assert oom.returncode == 1, (oom.returncode, oom.stderr[-2000:])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

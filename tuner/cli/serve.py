@@ -105,10 +105,15 @@ def register(app: typer.Typer) -> None:
                               allow_insecure_tcp=allow_insecure_tcp, store_hook=store_hook, discover_hook=discover_hook,
                               retune_hook=retune_hook, log_level=log_level, curve_clients_dir=curve_clients_dir,
                               create_db=create or db is None)
-        except (DaemonConfigError, ValueError, OverflowError, OSError, RuntimeError, zmq.ZMQError) as e:
+        except (DaemonConfigError, ValueError, OverflowError) as e:
             typer.secho(f"moetune serve: {e}", fg="red", err=True)
             # 2: the configuration is wrong; a store error says its own (1: held by another process, not writable)
             raise typer.Exit(getattr(e, "exit_code", 2)) from None
+        except (OSError, RuntimeError, zmq.ZMQError) as e:
+            typer.secho(f"moetune serve: {e}", fg="red", err=True)
+            # not refused as a configuration: 1 unless the error says its own, so the systemd unit restarts it (its
+            # RestartPreventExitStatus=2 is for settings a restart cannot mend; an OSError here may be passing)
+            raise typer.Exit(getattr(e, "exit_code", 1)) from None
         raise typer.Exit(code)
 
     @app.command("status")
