@@ -114,8 +114,20 @@ def runtime_dir_candidates(env: Mapping[str, str] = os.environ) -> list[Path]:
 
 
 def ipc_path(endpoint: str) -> Path | None:
-    """The filesystem path of an `ipc://` endpoint (None for tcp:// and others)."""
+    """The filesystem path of an `ipc://` endpoint as written (None for tcp:// and others)."""
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+
+
+def ipc_socket_file(endpoint: str) -> Path | None:
+    """The file an `ipc://` endpoint names, its folder resolved as the kernel resolves it (os.path.realpath: a `..`
+    after a linked folder goes up from where the link led; os.path.abspath and tempfile went up lexically, so the
+    daemon wrote its records in another folder, or failed with a raw errno). The one rule of the daemon (its socket,
+    lock, owner records and daemon.json beside it) and of the client's comparisons. None for other endpoints; a
+    relative path is returned as written (endpoint_problem refuses it)."""
+    p = ipc_path(endpoint)
+    if p is None or not p.is_absolute():
+        return p
+    return Path(os.path.realpath(p.parent)) / p.name
 
 
 def tcp_host(endpoint: str) -> str:
@@ -200,6 +212,8 @@ def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
         p = ipc_path(endpoint)
         if p is None or not str(p) or not p.is_absolute():
             return "expected ipc:///absolute/path"
+        if p.name in ("", ".."):  # "/" or ".../..": a folder, never a socket file (ipc_socket_file takes the name as is)
+            return f"expected ipc:///absolute/path naming a socket file, not the folder {p}"
         if len(str(p).encode()) > MAX_IPC_PATH_BYTES:
             return f"a unix socket path is at most {MAX_IPC_PATH_BYTES} bytes, this one is {len(str(p).encode())}"
         return None

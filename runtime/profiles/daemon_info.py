@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime._proc import pid_gone  # a zombie (killed, not reaped) is gone too
-from moetune.runtime.paths import INFO_NAME, default_endpoint, ipc_path, untrusted_dir_reason
+from moetune.runtime.paths import INFO_NAME, default_endpoint, ipc_path, ipc_socket_file, untrusted_dir_reason
 
 __all__ = ["MAX_INFO_BYTES", "daemon_info_down", "read_daemon_info", "stale_daemon_reason"]
 
@@ -101,7 +101,8 @@ def stale_daemon_reason(endpoint: str) -> str | None:
     if not isinstance(data, dict) or data.get("running") is not True:
         return None
     named = data.get("endpoint")
-    if not isinstance(named, str) or ipc_path(named) != p:
+    # compared resolved, the daemon's rule (`ipc_socket_file`): a/link/../d.sock and the path it leads to are one socket
+    if not isinstance(named, str) or ipc_socket_file(named) != ipc_socket_file(endpoint):
         return None
     pid = _gone_pid(data)  # None: another host's, no host recorded, or alive (or reused)
     if pid is None:

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime.paths import MAX_IPC_PATH_BYTES, ipc_path
+from moetune.runtime.paths import MAX_IPC_PATH_BYTES, foreign_sticky_link_reason, ipc_socket_file
 from moetune.tuner.daemon.errors import DaemonBusy, DaemonConfigError
 
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
@@ -108,7 +108,7 @@ def prepare_runtime_dir(d: Path, group: str = "") -> bool:
 def missing_dirs(d: Path) -> list[Path]:
     """`d` and those of its ancestors that do not exist yet, the outermost first: what `prepare_runtime_dir` would make."""
     out: list[Path] = []
-    p = Path(os.path.abspath(d))
+    p = Path(os.path.realpath(d))  # as the kernel walks it: abspath took a `..` after a link lexically (another folder)
     while not os.path.lexists(p) and p != p.parent:
         out.append(p)
         p = p.parent
@@ -153,8 +153,11 @@ def check_socket_ancestors(d: Path) -> None:
     members are strangers to this user."""
     me = os.getuid()
     my_groups = {os.getgid(), os.getegid(), *os.getgroups()}
-    chains = [Path(os.path.abspath(d)).parents, Path(os.path.realpath(d)).parents]
-    for a in dict.fromkeys(p for chain in chains for p in chain):
+    # the path is followed through its links (the socket folder resolved once, `ipc_socket_file`): one another user
+    # owns in a sticky folder such as /tmp is theirs to repoint (the sticky bit keeps only others' files from them)
+    if (why := foreign_sticky_link_reason(d)) is not None:
+        raise DaemonConfigError(f"socket directory {d}: {why}; put daemon.socket under a directory of this user's")
+    for a in _walked_dirs(d):
         try:
             st = os.stat(a)
         except FileNotFoundError:
@@ -185,6 +188,26 @@ def check_socket_ancestors(d: Path) -> None:
             f"{a}, a parent of the socket directory {d}, (mode {stat.S_IMODE(st.st_mode):o}, owner uid "
             f"{st.st_uid}) is writable by {who} without the sticky bit: they could replace {d} and the socket in it; "
             f"put daemon.socket under a directory others may not write (or chmod o-w,g-w {a}, or +t as /tmp has)")
+
+
+def _walked_dirs(d: Path) -> list[Path]:
+    """The folders a lookup of `d` goes through, as the kernel walks it, and their ancestors: the folder holding
+    each component as written (resolved: a `..` after a link goes up from where the link led), and the ancestors of
+    where `d` leads; `d` itself is left to `prepare_runtime_dir`. abspath's chain took `a/link/..` as `a`, leaving
+    out `a`, which holds the link (whoever may write it may repoint the link)."""
+    raw = os.fspath(d)
+    if not os.path.isabs(raw):
+        raw = os.path.join(os.getcwd(), raw)
+    comps = [c for c in raw.split("/") if c not in ("", ".")]
+    final = Path(os.path.realpath(raw))
+    out: list[Path] = []
+    for k, name in enumerate(comps):
+        if name == "..":
+            continue  # nobody can put another folder at `..`: its holder is judged by the folder it goes up to
+        holder = Path(os.path.realpath("/" + "/".join(comps[:k])))
+        out += [holder, *holder.parents]
+    out += list(final.parents)
+    return [a for a in dict.fromkeys(out) if a != final]
 
 
 def _owned_file(p: Path) -> bool:
@@ -279,7 +302,10 @@ def _write_record(path: Path, payload: dict[str, Any]) -> tuple[int, int]:
     rec = owner_record(path)
     if (rec.exists() or rec.is_symlink()) and not _owned_file(rec):
         raise DaemonConfigError(f"{rec} exists and is not ours: refusing to replace it")
-    fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{rec.name}.", dir=path.parent)
+    except OSError as e:  # a folder gone or not writable: said with the record it is for, not a bare errno
+        raise DaemonConfigError(f"cannot write {rec} (the owner record of {path}): {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f)
@@ -422,8 +448,8 @@ def other_live_daemon(path: Path, endpoint: str) -> str | None:
     other, pid = data.get("endpoint"), data.get("pid")
     if not isinstance(other, str) or other == endpoint:
         return None
-    p = ipc_path(other)
-    if p is None or p == ipc_path(endpoint) or not p.is_absolute() or not _socket_alive(p):
+    p = ipc_socket_file(other)
+    if p is None or p == ipc_socket_file(endpoint) or not p.is_absolute() or not _socket_alive(p):
         return None
     return f"pid {pid}, endpoint {other}"
 

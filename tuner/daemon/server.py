@@ -75,6 +75,7 @@ from moetune.runtime.paths import (
     INFO_NAME,
     MAX_IPC_PATH_BYTES,
     ipc_path,
+    ipc_socket_file,
     is_loopback_host,
     sync_folder,
     tcp_host,
@@ -291,6 +292,9 @@ class Daemon(FabricWatch):
         # socket folders this start made (missing ancestors first, then the folder; whether it holds our mark): a start
         # refused before it serves removes them again, as it does the new database (`_close`)
         self._made_dirs: list[tuple[list[Path], bool]] = []
+        # ipc endpoint -> its socket file, resolved once when bound (`ipc_socket_file`): the files beside it stay
+        # in that folder for the whole run, even if a link on the way is repointed meanwhile
+        self._socket_files: dict[str, Path] = {}
         self._jobs_started = False
         self._info_id: tuple[int, int] | None = None  # (dev, inode) of the daemon.json this run wrote last
         self._info_rec_id: tuple[int, int] | None = None  # (dev, inode) of daemon.json's owner record it wrote last
@@ -521,17 +525,22 @@ class Daemon(FabricWatch):
         self._auth = auth
 
     def _prepare_ipc(self, endpoint: str, setting: str = "--socket (daemon.socket)") -> Path | None:
-        p = ipc_path(endpoint)
-        if p is None:
+        raw = ipc_path(endpoint)
+        if raw is None:
             return None
-        check_socket_ancestors(p.parent)
+        check_socket_ancestors(raw.parent)  # the folders the path as written goes through (the links' holders too)
+        # one resolved path for the socket and every file beside it (lock, owner records, daemon.json): what the
+        # kernel finds, so the client (given the same string) finds the same files
+        p = self._socket_files.setdefault(endpoint, ipc_socket_file(endpoint) or raw)
         missing = missing_dirs(p.parent)  # before prepare makes them: what a refused start removes again
         created = prepare_runtime_dir(p.parent, self.group)
         if missing:
             self._made_dirs.append((missing, created))
         # again, now that none is missing: one another user made between the check and prepare's mkdir (which takes an
-        # existing folder as it is) is theirs, and so is the socket folder made in it
-        check_socket_ancestors(p.parent)
+        # existing folder as it is) is theirs, and so is the socket folder made in it; the resolved folder too (a link
+        # on the way repointed since would take the path as written elsewhere)
+        for d in dict.fromkeys((raw.parent, p.parent)):
+            check_socket_ancestors(d)
         if p not in self._socket_locks:
             self._socket_locks[p] = lock_socket_path(p, setting)  # before the check: nobody else binds p until we exit
         remove_dead_binding(p)  # a socket a daemon killed while binding left under its binding name
@@ -654,7 +663,7 @@ class Daemon(FabricWatch):
         self._bound_paths = {}
 
     def _info_path(self) -> Path | None:
-        p = ipc_path(self.endpoint)
+        p = self._socket_files.get(self.endpoint) or ipc_socket_file(self.endpoint)
         return p.parent / INFO_NAME if p is not None else None
 
     def _info_is_ours(self, path: Path) -> bool:
