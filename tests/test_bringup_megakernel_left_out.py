@@ -117,3 +117,22 @@ def test_a_one_gpu_node_whose_every_model_is_left_out_says_nothing_was_tuned_and
     assert r.exit_code == 1, r.output
     assert json.loads(r.stdout)["megakernel_left_out"] == [{"model": BAD, "reason": _why()}]
     assert "nothing tuned: every planned model was left out" in r.stderr
+
+
+def test_a_one_gpu_node_the_megakernel_cannot_run_on_says_nothing_was_tuned_and_exits_1(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-GPU node that is no sm_90 GPU (or has no megakernel library) tunes nothing: it exited 0, and its report
+    said the megakernel "is what was tuned" right above "MoE megakernel not tuned: ..."."""
+    from moetune.tuner.fabric import families
+
+    why = "it needs an sm_90 GPU (this one is sm_80)"
+    monkeypatch.setattr(families, "megakernel_family", lambda facts: (False, why))  # (the bring-up imports it late)
+    r = _profile(tmp_path, ["qwen3-30b"])
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert f"error: nothing tuned: the MoE megakernel, the only thing a one-GPU node tunes, cannot run here: {why}" \
+        in said, said
+    assert "plan a model it can run" not in said and "Traceback" not in said
+    report = " ".join((tmp_path / "home" / "report" / "report.md").read_text().split())
+    assert "is what was tuned" not in report, report
+    assert f"MoE megakernel not tuned: {why}" in report, report

@@ -813,10 +813,15 @@ class Bringup:
 
     @property
     def nothing_tuned(self) -> str:
-        """Why nothing was tuned ('' when something was): a one-GPU node tunes only the megakernel, and the tune
-        stage left every planned model out of it."""
+        """Why nothing was tuned ('' when something was): a one-GPU node tunes only the megakernel, and it cannot run
+        here (not an sm_90 GPU, no library) or the tune stage left every planned model out of it."""
+        if self.ep_sizes:
+            return ""
+        if not self.mk_ok:  # the report said the megakernel "is what was tuned" beside "MoE megakernel not tuned"
+            return ("nothing tuned: the MoE megakernel, the only thing a one-GPU node tunes, cannot run here: "
+                    f"{self.mk_why}")
         left = self.left_out
-        if self.ep_sizes or not self.mk_ok or not left or any(get_model(m).name not in left for m in self.plan.models):
+        if not left or any(get_model(m).name not in left for m in self.plan.models):
             return ""
         return (f"nothing tuned: every planned model was left out ({', '.join(left)}: the megakernel, the only "
                 "thing a one-GPU node tunes, cannot run them)")

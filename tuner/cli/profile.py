@@ -173,7 +173,7 @@ def profile(
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
 
-    What is tuned: the EP transports per EP size (2+ GPUs; gloo ranks without GPUs) and, on an sm_90 GPU, the MoE megakernel (family megakernel): a one-GPU node has no EP size to tune. A model the megakernel cannot run is left out of its stage and said; a one-GPU node whose every model is left out tunes nothing and exits 1. Profiles go to the database (--db), the report to --report-dir.
+    What is tuned: the EP transports per EP size (2+ GPUs; gloo ranks without GPUs) and, on an sm_90 GPU, the MoE megakernel (family megakernel): a one-GPU node has no EP size to tune. A model the megakernel cannot run is left out of its stage and said; a one-GPU node whose every model is left out, or where the megakernel cannot run (no sm_90 GPU, no library), tunes nothing and exits 1. Profiles go to the database (--db), the report to --report-dir.
 
     Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """
@@ -437,10 +437,12 @@ def _failed_parts(console: Console, failed: list[str], again: str = "run the sam
 
 def _nothing_tuned(console: Console, flow: Any) -> None:
     """Exit 1 (as `tune` and `bench knobs` do where nothing was measured) when the bring-up of this node tuned
-    nothing: a one-GPU node whose every planned model the megakernel cannot run. It exited 0 and its report said the
-    megakernel "is what was tuned". A capture of another node measures nothing by design: its status is unchanged."""
+    nothing: a one-GPU node where the megakernel cannot run, or whose every planned model it cannot run. It exited 0
+    and its report said the megakernel "is what was tuned". A capture of another node measures nothing by design: its
+    status is unchanged."""
     if flow.measures and flow.nothing_tuned:
-        console.print(f"[red]error:[/] {escape(flow.nothing_tuned)}; plan a model it can run (--model)", soft_wrap=True)
+        hint = "; plan a model it can run (--model)" if flow.mk_ok else ""  # else the reason says what is missing
+        console.print(f"[red]error:[/] {escape(flow.nothing_tuned)}{hint}", soft_wrap=True)
         raise typer.Exit(1)
 
 
