@@ -8,11 +8,15 @@ time-out names the endpoint, the budget and where it is set, and what to check (
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import daemon_fakes as F
 
 from moetune.runtime.profiles.client import ProfileClient
 from moetune.runtime.profiles.errors import DaemonTimeout, DaemonUnavailable
@@ -128,6 +132,8 @@ def test_a_daemon_that_closes_the_connection_mid_request_is_said_so_without_keys
     assert ("the connection was made, then closed by the daemon's side before it answered (daemon stopped or "
             "restarted?)") in said, said
     assert "allow-list" not in said and "curve_server_key_file" not in said, said
+    # the refused reconnection after the close rules out a PUB socket (it is never reconnected to): not said
+    assert "pub_socket" not in said, said
 
 
 @pytest.mark.parametrize("peer", ["curve daemon", "other zmtp service"])
@@ -155,3 +161,59 @@ def test_a_plain_client_whose_handshake_is_broken_off_is_not_told_the_peer_uses_
     assert "client.curve_server_key_file" in said, said
     assert "not a moetune daemon request socket (is this its daemon.socket, not its pub_socket?)" in said, said
     assert "it uses CURVE" not in said, said
+
+
+def _pub_hint_asked(endpoint: str) -> str:
+    """What a plain client asking `endpoint` (a PUB socket) is told: mostly a time-out after CONNECTED then DISCONNECTED
+    (libzmq 4.3.5 gives no handshake-failed event for the socket-type mismatch), at times a broken-off handshake
+    (whichever side reads the other's READY first): both must name the pub_socket."""
+    said = str(_ask(endpoint))
+    assert said.startswith((f"no reply from the daemon at {endpoint} within 300 ms", f"the peer at {endpoint}")), said
+    return said
+
+
+def test_a_plain_client_at_a_pub_socket_is_told_it_may_not_be_the_request_socket() -> None:
+    """A plain client pointed at a PUB socket (a daemon's pub_socket: port + 1, a common mistake) was told only that
+    the daemon's side closed the connection "(daemon stopped or restarted?)". Nothing reconnects nor refuses after
+    that close (libzmq drops the mismatched session for good), so the client says the endpoint may be a pub_socket."""
+    import zmq
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.linger = 0
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        said = _pub_hint_asked(endpoint)
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+    assert "pub_socket" in said and "daemon.socket" in said, said
+
+
+def test_a_plain_client_at_a_real_daemons_pub_socket_is_told_so(tmp_path: Path) -> None:
+    d = F.in_process_daemon(tmp_path, endpoint=f"tcp://127.0.0.1:{free_port()}", allow_insecure_tcp=True)
+    d.start(background=True)
+    try:
+        said = _pub_hint_asked(d.pub_endpoint)
+    finally:
+        d.stop()
+    assert "pub_socket" in said and "daemon.socket" in said, said
+
+
+def test_an_ipc_client_at_the_daemons_pub_socket_is_told_which_socket_to_use(tmp_path: Path) -> None:
+    """Over ipc:// the daemon.json beside the sockets names the pub_socket: the client says the endpoint is it, and
+    names the daemon's request socket, instead of "its socket is there but nothing answered"."""
+    d = F.in_process_daemon(tmp_path).start(background=True)
+    try:
+        c = ProfileClient(d.pub_endpoint, timeout_ms=300)
+        try:
+            with pytest.raises(DaemonTimeout) as ei:
+                c.status()
+        finally:
+            c.close()
+    finally:
+        d.stop()
+    said = str(ei.value)
+    assert (f"{d.pub_endpoint} is the daemon's pub_socket (its daemon.json says so), not its request socket: point "
+            f"client.socket at its daemon.socket {d.endpoint}") in said, said
+    assert "nothing answered" not in said, said

@@ -93,6 +93,7 @@ from moetune.runtime.paths import (
     default_endpoint,
     endpoint_problem,
     ipc_path,
+    ipc_socket_file,
     is_loopback_host,
     tcp_host,
     tcp_port,
@@ -340,6 +341,10 @@ class ProfileClient:
         self._connected = self._connect_retried = False
         # a connection made, then closed from the daemon's side (a daemon killed or restarted mid-request)
         self._disconnected = False
+        # a socket connected again after such a close: libzmq reconnects after a dropped connection, never after a
+        # peer whose handshake did not fit (a PUB: libzmq 4.3.5 drops that session for good, often without a
+        # handshake-failed event), so this and a refusal (`_connect_retried`) rule out "not its request socket"
+        self._reconnected = False
         # the request socket's monitor could not be made (kept with the socket): what it would tell is unknown
         self._unmonitored = False
         self._sub: zmq.Socket | None = None
@@ -393,6 +398,7 @@ class ProfileClient:
         if self._mon is not None:
             # AUTH: the ZAP handler refused our key. NO_DETAIL/PROTOCOL: the daemon could not read our HELLO, which
             # is encrypted to the server key we were given: not the daemon's own (or a daemon without CURVE).
+            dropped = False  # this socket's connection was closed: a CONNECTED after it is a reconnection
             while self._mon.poll(0):
                 try:
                     event = recv_monitor_message(self._mon, zmq.NOBLOCK)["event"]
@@ -402,10 +408,11 @@ class ProfileClient:
                     self._key_refused = True
                 elif event == zmq.EVENT_CONNECTED:
                     self._connected = True
+                    self._reconnected = self._reconnected or dropped
                 elif event == zmq.EVENT_CONNECT_RETRIED:
                     self._connect_retried = True
                 elif event == zmq.EVENT_DISCONNECTED:
-                    self._disconnected = True
+                    self._disconnected = dropped = True
                 else:
                     self._handshake_dropped = True
             if self._sock is not None:
@@ -471,7 +478,7 @@ class ProfileClient:
         self._check_endpoint()
         # `_unmonitored` is not reset here: it describes the request socket, which a request that got a reply keeps
         self._key_refused = self._handshake_dropped = self._connected = self._connect_retried = False
-        self._disconnected = False
+        self._disconnected = self._reconnected = False
         deadline = time.monotonic() + budget
         attempts = 1 if op in wire.NOT_RETRIED else self.retries + 1
         for attempt in range(attempts):
@@ -571,6 +578,13 @@ class ProfileClient:
         finally:
             probe.close()
         info = read_daemon_info(self.endpoint, self._env)
+        pub = info.get("pub_endpoint") if info else None
+        # a request sent to the daemon's PUB socket is never answered: its daemon.json (the same folder) names it
+        if isinstance(pub, str) and ipc_socket_file(pub) == ipc_socket_file(self.endpoint):
+            named = info.get("endpoint") if info else None
+            to = f"its daemon.socket {named}" if isinstance(named, str) else "its daemon.socket"
+            return (f" ({budget}): {self.endpoint} is the daemon's pub_socket (its daemon.json says so), not its "
+                    f"request socket: point client.socket at {to}")
         pid = info.get("pid") if info and info.get("running") is True and info.get("endpoint") == self.endpoint else None
         who = f"the daemon (pid {pid})" if type(pid) is int else "the daemon"
         return (f" ({budget}): its socket is there but nothing answered: check that {who} is not stopped or stuck (its "
@@ -584,10 +598,15 @@ class ProfileClient:
         budget = _BUDGET_SETTINGS
         if self._connected and self._disconnected:
             # the daemon's side closed a connection that was made (a daemon killed or restarted mid-request): its
-            # keys were good enough to connect (a refused or wrong key is said before this), so none are named
+            # keys were good enough to connect (a refused or wrong key is said before this), so none are named.
+            # A plain client at a PUB socket (the daemon's pub_socket, port + 1) sees the same CONNECTED then
+            # DISCONNECTED, but is never reconnected nor refused after it: where neither was seen, say that too
+            other = ("" if self._reconnected or self._connect_retried else
+                     f"; or this is not the daemon's request socket (its pub_socket is {self.endpoint}? by default "
+                     "that is daemon.socket's port + 1): point client.socket at its daemon.socket")
             return (f" ({budget}): the connection was made, then closed by the daemon's side before it answered "
                     "(daemon stopped or restarted?): check that it runs (`systemctl status moetune`, its log, on that "
-                    "host) and ask again")
+                    f"host) and ask again{other}")
         keys = ("; with CURVE, that client.curve_server_key_file is that daemon's public key and this client's key is "
                 "on its allow-list (`moetune keys allow`)" if self._curve else "")
         if self._connected:  # the port accepted: a daemon that is busy or hung, or not a moetune daemon at all
