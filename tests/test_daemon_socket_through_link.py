@@ -137,3 +137,56 @@ def test_a_linked_socket_folder_of_another_user_in_a_sticky_folder_is_refused(tm
     with pytest.raises(DaemonConfigError, match="symbolic link owned by uid 4242"):
         F.in_process_daemon(tmp_path, endpoint=f"ipc://{link}/daemon.sock").start(background=True)
     assert os.listdir(real / "sub") == []
+
+
+def _long_behind_short(tmp: Path) -> tuple[Path, Path]:
+    """tmp/s -> tmp/LLL...: a socket named through tmp/s fits a socket address (107 bytes), its resolved path not."""
+    from moetune.runtime.paths import MAX_IPC_PATH_BYTES
+
+    long = tmp / ("L" * 100)
+    long.mkdir(mode=0o700)
+    (tmp / "s").symlink_to(long)
+    assert len(os.fsencode(tmp / "s" / "be.sock")) <= MAX_IPC_PATH_BYTES < len(os.fsencode(long / "a.sock"))
+    return tmp / "s", long
+
+
+def test_a_live_daemon_whose_resolved_socket_path_is_too_long_is_seen_alive(tmp_path: Path) -> None:
+    """A daemon bound at a short path through a linked folder whose resolved path is over 107 bytes was probed at the
+    resolved path (connect fails: too long), read as dead, and a second daemon in that folder took over its
+    daemon.json (its clients then read the other's fingerprint and database)."""
+    import json
+
+    short, long = _long_behind_short(tmp_path)
+    (tmp_path / "A").mkdir()
+    (tmp_path / "B").mkdir()
+    a = F.in_process_daemon(tmp_path / "A", endpoint=f"ipc://{short}/a.sock", pub_endpoint=f"ipc://{short}/ae.sock")
+    a.start(background=True)
+    try:
+        b = F.in_process_daemon(tmp_path / "B", endpoint=f"ipc://{short}/b.sock", pub_endpoint=f"ipc://{short}/be.sock")
+        b.start(background=True)
+        try:
+            assert json.loads((long / "daemon.json").read_text())["endpoint"] == f"ipc://{short}/a.sock"
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def test_a_listener_at_a_too_long_resolved_path_is_not_called_dead(tmp_path: Path) -> None:
+    """check_socket_path at the resolved path of a socket something listens on (bound through the short link) says
+    another daemon listens there, not "a dead socket" (which, proven ours, it would have removed)."""
+    import socket
+
+    from moetune.tuner.daemon.errors import DaemonBusy
+    from moetune.tuner.daemon.runtime_dir import check_socket_path
+
+    short, long = _long_behind_short(tmp_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(short / "a.sock"))
+        listener.listen(1)
+        with pytest.raises(DaemonBusy, match="another daemon is listening on"):
+            check_socket_path(long / "a.sock")
+        assert (long / "a.sock").exists()
+    finally:
+        listener.close()
