@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 from moetune.runtime import _once, paths
 from moetune.runtime.profiles import autoload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from logging_kept import moetune_logging_kept
 
 
 def _reset() -> None:
@@ -94,6 +98,12 @@ def on_captured_node(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(discovery, "discover", discover)
     monkeypatch.setattr(discovery, "live_facts", live_facts)
+
+
+@pytest.fixture(autouse=True)
+def _moetune_logging_restored() -> Iterator[None]:
+    with moetune_logging_kept():
+        yield
 
 
 @pytest.fixture(autouse=True)
