@@ -249,18 +249,20 @@ def test_query_status_retune_commands(up, monkeypatch: pytest.MonkeyPatch, tmp_p
     r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--format", "json",
                                  "--socket", d.endpoint])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    # r.output is stdout and stderr together: the JSON is stdout's alone (a log line on stderr is allowed, one on
+    # stdout fails here), as is every --json below
+    out = json.loads(r.stdout)
     assert out["source"] == "daemon" and out["key"]["token_bucket"] == 4096 and out["key"]["fingerprint"] == facts.fingerprint
     r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--format", "env",
                                  "--socket", d.endpoint])
     assert "export NVSHMEM_REMOTE_TRANSPORT=none" in r.output and "MOETUNE_PROFILE_HASH=" in r.output
     r = CliRunner().invoke(app, ["query", "--model", "qwen3-30b", "--ep", "2", "--tokens", "3000", "--json",
                                  "--socket", f"ipc://{d.tmp}/none/daemon.sock", "--db", str(d.db)])
-    assert r.exit_code == 0 and json.loads(r.output.strip().splitlines()[-1])["source"] == "database"
+    assert r.exit_code == 0 and json.loads(r.stdout)["source"] == "database"
     r = CliRunner().invoke(app, ["query", "--model", "nope", "--ep", "2", "--tokens", "1"])
     assert r.exit_code == 2 and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["status", "--json", "--socket", d.endpoint])
-    assert r.exit_code == 0 and json.loads(r.output)["fingerprint"] == facts.fingerprint
+    assert r.exit_code == 0 and json.loads(r.stdout)["fingerprint"] == facts.fingerprint
     r = CliRunner().invoke(app, ["status", "--socket", d.endpoint])
     assert r.exit_code == 0 and "profiles_current" in r.output
     r = CliRunner().invoke(app, ["retune", "--socket", d.endpoint])
