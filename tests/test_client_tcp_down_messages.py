@@ -217,3 +217,63 @@ def test_an_ipc_client_at_the_daemons_pub_socket_is_told_which_socket_to_use(tmp
     assert (f"{d.pub_endpoint} is the daemon's pub_socket (its daemon.json says so), not its request socket: point "
             f"client.socket at its daemon.socket {d.endpoint}") in said, said
     assert "nothing answered" not in said, said
+
+
+def _curve_daemon(tmp: Path) -> tuple[object, bytes, bytes, bytes]:
+    """A real CURVE daemon on loopback TCP (its pub_socket on another port) and one allowed client:
+    (daemon, server public key, client public key, client secret key)."""
+    import zmq.auth
+
+    from moetune.tuner.cli.keys import allow_everywhere, generate_keys
+
+    server_pub, server_sec = generate_keys(tmp / "keys")
+    alice_pub, alice_sec = generate_keys(tmp / "alice", "alice")
+    allow_everywhere(alice_pub, tmp / "keys", None, None, admin=False, force=False)
+    d = F.in_process_daemon(tmp, endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            pub_endpoint=f"tcp://127.0.0.1:{free_port()}", curve_secret_key_file=str(server_sec))
+    server_key, _ = zmq.auth.load_certificate(str(server_pub))
+    cp, cs = zmq.auth.load_certificate(str(alice_sec))
+    assert cs is not None
+    return d, server_key, cp, cs
+
+
+@pytest.mark.parametrize("where", ["bare curve pub", "daemon's pub_socket", "request socket, wrong server key"])
+def test_a_curve_client_at_a_pub_socket_is_told_it_may_not_be_the_request_socket(tmp_path: Path, where: str) -> None:
+    """A CURVE client pointed at a CURVE PUB socket (a daemon's pub_socket: port + 1) gets HANDSHAKE_FAILED_NO_DETAIL
+    and reconnects, exactly as with a wrong server key at the request socket: it was told only that its server key is
+    wrong. The two cannot be told apart from the events, so each is said with both causes."""
+    import zmq
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.linger = 0
+    d = None
+    try:
+        if where == "bare curve pub":
+            server_key, server_sec = zmq.curve_keypair()
+            pub.curve_server, pub.curve_secretkey = True, server_sec
+            endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+            cp, cs = zmq.curve_keypair()
+        else:
+            d, server_key, cp, cs = _curve_daemon(tmp_path)
+            d.start(background=True)
+            endpoint = d.pub_endpoint if where == "daemon's pub_socket" else d.endpoint
+            if where.endswith("wrong server key"):
+                server_key, _ = zmq.curve_keypair()
+        c = ProfileClient(endpoint, timeout_ms=500, curve_server_key=server_key, curve_public_key=cp,
+                          curve_secret_key=cs)
+        try:
+            with pytest.raises(DaemonUnavailable) as ei:
+                c.status()
+        finally:
+            c.close()
+    finally:
+        if d is not None:
+            d.stop()
+        pub.close(linger=0)
+        ctx.term()
+    said = str(ei.value)
+    assert said.startswith(f"the daemon at {endpoint} broke off the CURVE handshake"), said
+    assert "is not that daemon's public key" in said, said
+    assert (f"or this is not the daemon's request socket (its pub_socket is {endpoint}? by default that is "
+            "daemon.socket's port + 1): point client.socket at its daemon.socket") in said, said

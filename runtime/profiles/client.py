@@ -227,6 +227,13 @@ _BUDGET_SETTINGS = ("the time budget: client.timeout_ms or MOETUNE_CLIENT_TIMEOU
                     "and `moetune status`")
 
 
+def _not_request_socket(endpoint: str) -> str:
+    """The one wording for "`endpoint` may be the daemon's PUB socket": a plain or CURVE request sent there is never
+    answered, and what the client sees cannot always tell it from a daemon gone or a wrong server key."""
+    return (f"this is not the daemon's request socket (its pub_socket is {endpoint}? by default that is "
+            "daemon.socket's port + 1): point client.socket at its daemon.socket")
+
+
 class ProfileClient:
     """A DEALER client for the moetune daemon (one per process; not thread-safe)."""
 
@@ -530,10 +537,14 @@ class ProfileClient:
                                     "curve_secret_key_file) or not a moetune daemon request socket (is this its "
                                     "daemon.socket, not its pub_socket?)")
         if self._handshake_dropped:
+            # a CURVE client at a CURVE PUB socket (the daemon's pub_socket), right server key or not, sees what a
+            # wrong server key at the request socket sees: CONNECTED, HANDSHAKE_FAILED_NO_DETAIL, DISCONNECTED, then
+            # reconnections (libzmq 4.3.5; a key off the allow-list is not refused there either): say all three
             source = self._server_key_file or "the CURVE server key it was given"
             raise DaemonUnavailable(f"the daemon at {self.endpoint} broke off the CURVE handshake: {source} is not "
                                     "that daemon's public key (give the client the NAME.key beside the daemon's "
-                                    "curve_secret_key_file), or the daemon there does not use CURVE")
+                                    "curve_secret_key_file), or the daemon there does not use CURVE, or "
+                                    + _not_request_socket(self.endpoint))
         if self._connect_retried and not self._connected:  # refused, not slow: the request never left this host
             raise DaemonUnavailable(f"nothing accepts connections at {self.endpoint}: no daemon runs there (stopped "
                                     "or killed?): start it with `moetune serve` (under systemd: `systemctl status "
@@ -601,9 +612,7 @@ class ProfileClient:
             # keys were good enough to connect (a refused or wrong key is said before this), so none are named.
             # A plain client at a PUB socket (the daemon's pub_socket, port + 1) sees the same CONNECTED then
             # DISCONNECTED, but is never reconnected nor refused after it: where neither was seen, say that too
-            other = ("" if self._reconnected or self._connect_retried else
-                     f"; or this is not the daemon's request socket (its pub_socket is {self.endpoint}? by default "
-                     "that is daemon.socket's port + 1): point client.socket at its daemon.socket")
+            other = "" if self._reconnected or self._connect_retried else "; or " + _not_request_socket(self.endpoint)
             return (f" ({budget}): the connection was made, then closed by the daemon's side before it answered "
                     "(daemon stopped or restarted?): check that it runs (`systemctl status moetune`, its log, on that "
                     f"host) and ask again{other}")
