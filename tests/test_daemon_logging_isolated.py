@@ -47,3 +47,38 @@ def test_serve_in_process_leaves_no_logging_on_a_closed_stream(tmp_path: Path, m
     with contextlib.redirect_stderr(err):
         logging.getLogger("moetune.client").info("moetune: tuned profile %s: %s", "abc", "probe")
     assert "Logging error" not in err.getvalue(), err.getvalue()
+
+
+def test_serve_in_process_leaves_the_optuna_logger_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup_logging also rewires the "optuna" logger (the daemon's JSON handler on CliRunner's stderr, INFO, no
+    propagation, Optuna's own handler taken off): left so, a later test's studies logged every trial into a closed
+    stream, whatever verbosity that test set. The helper puts back the handlers, level and propagation it found,
+    whatever they were: here a state of the test's own, not Optuna's default."""
+    pytest.importorskip("optuna")
+    from moetune.tuner.daemon import server
+
+    def no_daemon(**kw: Any) -> Any:
+        raise Stop  # past setup_logging: nothing is served
+
+    monkeypatch.setattr(server, "Daemon", no_daemon)
+    lg = logging.getLogger("optuna")
+    outer = (list(lg.handlers), lg.level, lg.propagate)
+    mine = logging.NullHandler()
+    try:
+        lg.handlers[:], lg.propagate = [mine], True
+        lg.setLevel(logging.ERROR)
+        with moetune_logging_kept():
+            r = CliRunner().invoke(app, ["serve", "--db", str(tmp_path / "m.db"), "--create",
+                                         "--socket", f"ipc://{tmp_path}/run/d.sock"])
+            assert isinstance(r.exception, Stop), r.output
+            # the condition this guards against was made: the daemon's handler in place of ours, at INFO
+            assert lg.handlers != [mine] and lg.level == logging.INFO and not lg.propagate
+        assert lg.handlers == [mine] and lg.handlers[0] is mine
+        assert (lg.level, lg.propagate) == (logging.ERROR, True)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            logging.getLogger("optuna.study").warning("probe after serve")
+        assert "Logging error" not in err.getvalue(), err.getvalue()
+    finally:  # the state this test set up, undone whether or not the helper did its part
+        lg.handlers[:], lg.propagate = outer[0], outer[2]
+        lg.setLevel(outer[1])
