@@ -814,7 +814,7 @@ class Bringup:
     @property
     def nothing_tuned(self) -> str:
         """Why nothing was tuned ('' when something was): a one-GPU node tunes only the megakernel, and it cannot run
-        here (not an sm_90 GPU, no library) or the tune stage left every planned model out of it."""
+        here (no sm_90 GPU: `megakernel_family`) or the tune stage left every planned model out of it."""
         if self.ep_sizes:
             return ""
         if not self.mk_ok:  # the report said the megakernel "is what was tuned" beside "MoE megakernel not tuned"

@@ -173,7 +173,7 @@ def profile(
 ) -> None:
     """Bring a node up: discover → microbenchmark → calibrate → tune → store profiles → report.
 
-    What is tuned: the EP transports per EP size (2+ GPUs; gloo ranks without GPUs) and, on an sm_90 GPU, the MoE megakernel (family megakernel): a one-GPU node has no EP size to tune. A model the megakernel cannot run is left out of its stage and said; a one-GPU node whose every model is left out, or where the megakernel cannot run (no sm_90 GPU, no library), tunes nothing and exits 1. Profiles go to the database (--db), the report to --report-dir.
+    What is tuned: the EP transports per EP size (2+ GPUs; gloo ranks without GPUs) and, on an sm_90 GPU, the MoE megakernel (family megakernel): a one-GPU node has no EP size to tune, so with no sm_90 GPU, or every model left out (a model the megakernel cannot run is left out and said), it tunes nothing and exits 1. Profiles go to the database (--db), the report to --report-dir.
 
     Interrupted (Ctrl-C)? Run it again without --restart: finished stages are skipped and tuning resumes.
     """

@@ -219,8 +219,8 @@ def _owned_file(p: Path) -> bool:
 
 
 def _socket_alive(path: Path) -> bool:
-    """Something accepts connections on the unix socket at `path`. A path longer than a socket address (107 bytes) is
-    reached through its folder opened O_PATH (/proc/self/fd/N/NAME, a short name of the same file): a daemon bound at
+    """Something accepts connections on the unix socket at `path`. A path longer than a socket address
+    (MAX_IPC_PATH_BYTES) is reached through its folder opened O_PATH (/proc/self/fd/N/NAME, a short name of the same file): a daemon bound at
     a short ipc:// path through a linked folder whose resolved path is longer (ipc_socket_file) was read as dead, and
     another daemon then took over its daemon.json (other_live_daemon), or removed its socket proven ours where its lock
     file had gone (check_socket_path). Not reachable that way (no /proc, a NAME too long itself): read as dead, as
