@@ -331,3 +331,23 @@ def test_a_group_no_family_can_serve_is_that_group_s_refusal_the_others_re_tuned
     alone = Job(2, reason="test", old_fingerprint="old", keys=[_nvlink_key(facts, 16)])
     with pytest.raises(RetuneImpossible, match="not re-tuned: no transport family considered"):
         tuner_retune(JobContext(store=store, facts=facts, job=alone, tune=tune))
+
+
+def test_recovery_resumes_a_family_the_group_can_serve_and_not_one_it_cannot() -> None:
+    """After a kill, a key whose own family got no profile is still to do where that family can serve the group (EP 8:
+    the job died between collective and nvlink, the nvlink tuning would be lost for good), and done where it cannot
+    (EP 16: the group's collective profile answers it, nvlink's never comes)."""
+    import msgspec
+
+    from moetune.tuner.daemon import recovery as R
+    from moetune.tuner.daemon.retune import tuning_key
+
+    facts = F.FakeFacts({"gpu_count": 16, "name": "node16", "transports": ["nvlink", "collective"]})
+    nv8, nv16 = _nvlink_key(facts, 8), _nvlink_key(facts, 16)
+    coll8, coll16 = (msgspec.structs.replace(k, transport_family="collective") for k in (nv8, nv16))
+    written = ({(*tuning_key(k), "collective") for k in (coll8, coll16)}, {tuning_key(coll8), tuning_key(coll16)})
+    assert R._done(coll8.to_dict(), written) and R._done(coll16.to_dict(), written)
+    assert not R._done(nv8.to_dict(), written)  # nvlink serves 8 ranks: its own profile is still to come
+    assert R._done(nv16.to_dict(), written)  # past nvlink's ranks: answered by its group
+    assert not R._done(nv16.to_dict(), (set(), set()))  # nothing written: to do
+    assert not R._done({"ep_size": "x"}, written)  # unreadable: not done

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from moetune.runtime.profile_record import ProfileKey
+from moetune.runtime.knobs import group_world_problem
+from moetune.runtime.profile_record import ProfileKey, is_transport_family
 from moetune.tuner.daemon.jobs import JOB_EVENTS
 from moetune.tuner.daemon.retune import served_tuning_keys, tuning_key
+from moetune.tuner.search.policy import transport_of_family as transport_of
 from moetune.tuner.store import StoreBusy, StoreError, StoreFull
 
 # the jobs' logger: what recovery logs is about jobs, under the name the daemon's log has always shown
@@ -72,7 +74,7 @@ def recover_jobs(store: Any) -> tuple[list[Resumable], int]:
             _close_run(store, d, "failed")
             # the keys it finished before it stopped are not tuned again (kill -9 after the last profile)
             done = _written_since(store, d, started_at.get(jid, ""))
-            left = [k for k in keys if _done_mark(k) not in done]
+            left = [k for k in keys if not _done(k, done)]
             msg = "interrupted: the daemon stopped during the job"
             if len(left) < len(keys):
                 msg += f" ({len(keys) - len(left)} of {len(keys)} key(s) already tuned, not re-tuned)"
@@ -127,32 +129,38 @@ def _close_run(store: Any, d: dict[str, Any], status: str) -> None:
             log.error("cannot mark run %s %s: %s", run_id, status, e)
 
 
-def _done_mark(k: dict[str, Any]) -> tuple | None:
-    """What a re-tune of a key tunes (`tuning_key`: its group, shape and bucket, no transport family), None for an
-    unreadable key. The planner's rule (`served_tuning_keys`): a key is done once a served profile of its
-    tuning_key was written, whichever family, as a user's `retune` and a fabric change plan it. A rule of its own
-    family kept a key the tune left out of its group (nvlink past 8 ranks, answered by collective) to do for good:
-    a daemon stopped after that group re-tuned it once more at its next start. NOT kept: a job killed between two
-    families of one shape and bucket leaves the second family untuned, as the planner would."""
+def _done(k: dict[str, Any], written: tuple[set[tuple], set[tuple]]) -> bool:
+    """Whether the interrupted job finished key `k` (`written`: `_written_since`). A key counts as done when its own
+    family got a served profile (a job killed between two families of one shape and bucket leaves the other one to
+    do), or when its group's re-tune was written and its family can never have a profile in that group (nvlink past
+    its ranks, answered by collective: the runtime's `group_world_problem`, the rule the tune leaves it out by): such
+    a key was re-tuned once more at every start. An unreadable key is not done."""
+    own, served = written
     try:
-        return tuning_key(ProfileKey(**k))
+        key = ProfileKey(**k)
     except (TypeError, ValueError):
-        return None
+        return False
+    if (*tuning_key(key), key.transport_family) in own:
+        return True
+    if tuning_key(key) not in served or not is_transport_family(key.transport_family):
+        return False
+    return bool(group_world_problem(transport_of(key.transport_family), key.ep_size, nodes=key.nodes))
 
 
-def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
-    """The `tuning_key`s served by the current profiles of the interrupted job's fingerprint and software written after
-    `since` (its job_started event): what it finished before it stopped. Empty when unsure (an event of an
-    older moetune without the software, an unreadable time, a store error): then every key is re-tuned."""
+def _written_since(store: Any, d: dict[str, Any], since: str) -> tuple[set[tuple], set[tuple]]:
+    """What the interrupted job finished before it stopped, from the current profiles of its fingerprint and software
+    written after `since` (its job_started event): ((tuning_key..., family) of each row, the `served_tuning_keys`).
+    Empty when unsure (an event of an older moetune without the software, an unreadable time, a store error): then
+    every key is re-tuned."""
     fp, sw = d.get("fingerprint"), d.get("software")
     if not isinstance(fp, str) or not isinstance(sw, str) or not since:
-        return set()
+        return set(), set()
     try:
         t0 = datetime.fromisoformat(since)
         profiles = store.list_profiles(status="current", fingerprint=fp)
     except Exception as e:  # broad: only a saving is lost; the job is resumed whole, as before
         log.error("cannot tell which keys job %s finished: %s", d.get("job_id"), e)
-        return set()
+        return set(), set()
     newer = []
     for _, r in profiles:
         if r.key.software != sw:
@@ -162,7 +170,7 @@ def _written_since(store: Any, d: dict[str, Any], since: str) -> set[tuple]:
                 newer.append(r)
         except (TypeError, ValueError):
             continue
-    return served_tuning_keys(newer)
+    return {(*tuning_key(r.key), r.key.transport_family) for r in newer}, served_tuning_keys(newer)
 
 
 def tune_notice_of(store: Any, *, backend: str | None = None, page: int = 500) -> str:
