@@ -82,7 +82,7 @@ def test_a_non_finite_error_is_a_problem_never_written_same_exit_with_json(tmp_p
         codes.append(r.exit_code)
         assert not out.exists(), extra
         if "--json" in extra:
-            d = _strict_json(r.output)
+            d = _strict_json(r.stdout)
             assert d["usable"] is False and d["out"] is None and d["summary"]["max_abs_rel_err"] is None
         else:
             assert "notafinitenumber" in text and "notwritten" in text, r.output

@@ -87,13 +87,13 @@ def test_keys_client_and_allow_print_json(tmp_path: Path) -> None:
     assert _run("keys", "generate", str(srv)).exit_code == 0
     r = _run("keys", "client", str(srv), "--name", "bob", "--admin", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output) == {"public": str(srv / "client-bob" / "bob.key"),
+    assert json.loads(r.stdout) == {"public": str(srv / "client-bob" / "bob.key"),
                                     "secret": str(srv / "client-bob" / "bob.key_secret"),
                                     "allowed": str(srv / "clients" / "bob.key"), "admin": str(srv / "admins" / "bob.key")}
     assert _run("keys", "generate", str(elsewhere), "--name", "carol").exit_code == 0
     r = _run("keys", "allow", str(elsewhere / "carol.key"), str(srv), "--clients-dir", str(tmp_path / "cl"), "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output) == {"allowed": str(tmp_path / "cl" / "carol.key"), "admin": None}
+    assert json.loads(r.stdout) == {"allowed": str(tmp_path / "cl" / "carol.key"), "admin": None}
     assert (tmp_path / "cl" / "carol.key").is_file()
     r = _run("keys", "allow", str(elsewhere / "carol.key"), str(srv), "--force")  # the prose is unchanged
     assert r.exit_code == 0 and r.output.startswith(f"allowed: {srv / 'clients' / 'carol.key'}"), r.output
@@ -127,7 +127,7 @@ def test_fabric_timeout_out_of_range_is_refused_naming_seconds(value: str, tmp_p
 def test_fabric_timeout_takes_fractional_seconds(tmp_path: Path) -> None:
     r = _run("fabric", "show", "--capture", str(CAPTURES / "h200x1"), "--timeout", "0.5", "--json", home=tmp_path)
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["fingerprint"]
+    assert json.loads(r.stdout)["fingerprint"]
 
 
 @pytest.mark.parametrize("value", ["1.5", "0.5", "abc"])

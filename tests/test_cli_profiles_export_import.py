@@ -240,7 +240,7 @@ def test_a_row_labelled_measured_by_a_backend_that_does_not_measure_reads_as_mod
     # --json as the table: the effective labels, the stored ones beside them (it said "measured")
     for args in (("profiles", "show", "2", "--json"), ("profiles", "list", "--json")):
         r = run(*args, "--db", str(db))
-        rec = json.loads(r.output)
+        rec = json.loads(r.stdout)
         rec = rec if isinstance(rec, dict) else next(x for x in rec if x["id"] == 2)
         assert (rec["provenance"], rec["stored_provenance"]) == ("preset", "measured"), rec
         assert rec["measured_on"] != "fp-cli" and rec["stored_measured_on"] == "fp-cli", rec

@@ -29,9 +29,9 @@ def test_every_row_has_the_routing_key(tmp_path: Path) -> None:
     _fill(db)
     r = CliRunner().invoke(app, ["profiles", "list", "--json", "--db", str(db)])
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)
+    rows = json.loads(r.stdout)
     assert [set(x) for x in rows[1:]] == [set(rows[0])] * (len(rows) - 1)
     assert [x["routing"] for x in rows] == ["uniform", None]
     r = CliRunner().invoke(app, ["profiles", "show", "2", "--json", "--db", str(db)])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["routing"] is None
+    assert json.loads(r.stdout)["routing"] is None

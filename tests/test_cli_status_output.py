@@ -79,7 +79,7 @@ def test_a_reply_that_does_not_validate_is_one_line(monkeypatch: pytest.MonkeyPa
     r = _run(monkeypatch, bad, *cmd, *(["--json"] if json_out else []))
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     if json_out:
-        d = json.loads(r.output)
+        d = json.loads(r.stdout)
         assert d["ok"] is False and "gpu_health" in d["error"]
     else:
         assert "not one this moetune reads: status result has unknown fields gpu_health" in " ".join(r.output.split())

@@ -239,7 +239,8 @@ def test_query_shows_where_a_preset_profile_came_from(tmp_path: Path) -> None:
     q = _run("query", "--model", "qwen3-30b", "--ep", "8", "--tokens", "128", "--format", "json", "--timeout-ms", "100",
              home=tmp_path, MOETUNE_CLIENT_ALLOW_MODELLED="1")
     assert q.exit_code == 0, q.output
-    got = json.loads(next(ln for ln in q.output.splitlines() if ln.startswith("{")))
+    # stdout alone, and all of it: one JSON document (Result.output also holds stderr, where a log line is allowed)
+    got = json.loads(q.stdout)
     assert got["provenance"] == "preset" and got["measured_on"] == got["key"]["fingerprint"], got
     assert got["measured_on"].startswith("preset:ndr-ibrc-h100x8:") and got["preset_shipped"] is True, got
 
@@ -309,7 +310,7 @@ def test_model_predict_table_says_which_layout_it_modelled(tmp_path: Path) -> No
             "--knobs", "transport=proxy,signalling=decoupled,fence_mode=nic_ordered")
     j = _run(*args, "--json", home=tmp_path)
     assert j.exit_code == 0, j.output
-    notes = [n for n in json.loads(j.output)["notes"] if not n.startswith("MODELLED")]
+    notes = [n for n in json.loads(j.stdout)["notes"] if not n.startswith("MODELLED")]
     assert notes
     t = _run(*args, home=tmp_path)
     assert t.exit_code == 0, t.output

@@ -36,7 +36,7 @@ def invoke(*args: str):
 def test_show_json_from_capture(name: str, families: set[str]) -> None:
     res = invoke("fabric", "show", "--from", str(CAPTURES / name), "--json")
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert {t["name"] for t in d["transports"]} == families
     assert all(t["reason"] for t in d["transports"])
     assert d["fingerprint"] == discover(CAPTURES / name).fingerprint
@@ -58,7 +58,7 @@ def test_diff_between_captures(tmp_path: pathlib.Path) -> None:
     assert res.exit_code == 1, res.output
     assert "mlx5_3 port 1 ACTIVE → DOWN" in res.output
     res = invoke("fabric", "diff", "--against", str(CAPTURES / "dgx-h100"), "--from", str(root), "--json")
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["changed"] is True and "mlx5_3 port 1 ACTIVE → DOWN" in d["reasons"]
     same = invoke("fabric", "diff", "--against", str(CAPTURES / "dgx-h100"), "--from", str(CAPTURES / "dgx-h100"))
     assert same.exit_code == 0 and "unchanged" in same.output
@@ -81,7 +81,7 @@ def test_diff_against_stored_fingerprint(tmp_path: pathlib.Path, monkeypatch: py
     monkeypatch.setenv("MOETUNE_HOME", str(tmp_path))
     res = invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record", "--json")
     assert res.exit_code == 0, res.output
-    fp = json.loads(res.output)["fingerprint"]
+    fp = json.loads(res.stdout)["fingerprint"]
     root = tmp_path / "c"
     shutil.copytree(CAPTURES / "dgx-h100", root)
     (root / "proc/modules").write_text((root / "proc/modules").read_text().replace("nvidia_peermem", "nvidia_peerxxx"))
@@ -96,7 +96,7 @@ def test_capture_cli_and_read_back(tmp_path: pathlib.Path) -> None:
     dest = tmp_path / "node"
     res = invoke("fabric", "capture", str(dest), "--json")
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["fingerprint"] == discover(dest).fingerprint == discover().fingerprint
     assert (dest / "manifest.json").exists() and (dest / "proc").is_dir()
     again = invoke("fabric", "capture", str(dest))
@@ -187,11 +187,11 @@ def test_diff_of_a_gpu_swapped_for_the_same_model_is_a_change(tmp_path: pathlib.
     said = " ".join(res.output.split())
     assert "fingerprint unchanged" in said and "but on other GPUs: a change" in said, said
     assert "- GPU 0 replaced: serial 1652826069623 → 1652826069999" in said and "not performance-relevant" not in said
-    d = json.loads(invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(root), "--json").output)
+    d = json.loads(invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(root), "--json").stdout)
     assert d["changed"] is True and d["fingerprint_changed"] is False and d["old"] == d["new"]
     assert d["gpus_replaced"] == ["GPU 0 replaced: serial 1652826069623 → 1652826069999"]
     same = invoke("fabric", "diff", "--against", str(CAPTURES / "h200x1"), "--from", str(CAPTURES / "h200x1"), "--json")
-    assert same.exit_code == 0 and json.loads(same.output)["gpus_replaced"] == []
+    assert same.exit_code == 0 and json.loads(same.stdout)["gpus_replaced"] == []
 
 
 def test_diff_of_the_live_node_compares_with_its_own_facts_not_a_newer_capture(
@@ -210,7 +210,7 @@ def test_diff_of_the_live_node_compares_with_its_own_facts_not_a_newer_capture(
     assert invoke("fabric", "show", "--from", str(CAPTURES / "dgx-h100"), "--record").exit_code == 0  # newer again
     res = invoke("fabric", "diff", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["changed"] is False
+    assert json.loads(res.stdout)["changed"] is False
     # a capture is still compared with the newest facts of any origin
     assert invoke("fabric", "diff", "--from", str(CAPTURES / "dgx-h100")).exit_code == 0
 

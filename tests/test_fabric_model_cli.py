@@ -26,7 +26,7 @@ def test_predict_json_is_labelled_modelled() -> None:
                             "--nodes", "8", "--tokens", "1024", "--knobs", "signalling=decoupled,fence_mode=nic_ordered",
                             "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["label"] == "MODELLED" and d["modelled"] is True
     for key in ("latency_us", "dispatch_us", "combine_us", "fences", "proxy_stalls", "nic_stalls",
                 "bytes_on_wire", "phases"):
@@ -64,7 +64,7 @@ def test_sweep_table_json_and_plot(tmp_path: Path) -> None:
     r = runner.invoke(app, ["model", "sweep", "-p", "slingshot11-libfabric-a100x4", "--over", "group_size",
                             "-n", "4", "-t", "256", "--knobs", "chunk_tokens=8", "--out", str(png), "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["label"] == "MODELLED"
     rows = d["series"]["decoupled/nic_ordered"]
     # 256 tokens x P(one of 8 of 128 experts on a PE of 16) = 105.5 rows per peer -> 106 / 8 = 14 PUTs of 8 rows:
@@ -91,7 +91,7 @@ def test_sweep_table_json_and_plot(tmp_path: Path) -> None:
 def test_presets_listing() -> None:
     r = runner.invoke(app, ["model", "presets", "--json"])
     assert r.exit_code == 0
-    names = {p["name"] for p in json.loads(r.output)}
+    names = {p["name"] for p in json.loads(r.stdout)}
     assert {"slingshot11-libfabric-a100x4", "ndr-ibrc-h100x8", "ndr-ibgda-h100x8", "pcie4-consumer-4090x4",
             "nvlink-h200x2"} <= names
 
@@ -105,7 +105,7 @@ def test_calibrate_writes_a_loadable_preset(tmp_path: Path) -> None:
     r = runner.invoke(app, ["model", "calibrate", "-p", "nvlink-h200x2", "--data", str(data), "--out", str(out),
                             "--params", "collective.host_alpha_us,pcie.h2d_gbps", "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["summary"]["points"] == 8 and d["summary"]["max_abs_rel_err"] < 0.2
     from moetune.tuner.fabric_model.presets import load_preset
 
@@ -129,7 +129,7 @@ def test_calibrate_refuses_an_untrusted_fit_unless_forced(tmp_path: Path) -> Non
     assert not out.exists()
     r = runner.invoke(app, [*args, "--json"])
     assert r.exit_code == 1
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["usable"] is False and d["out"] is None and d["problems"][0].startswith("too few measured rows")
     assert not out.exists()
     r = runner.invoke(app, [*args, "--force"])
@@ -159,11 +159,11 @@ def test_predict_layout_option() -> None:
     for layout in ("auto", "packed", "dense"):
         r = runner.invoke(app, [*base, "--layout", layout])
         assert r.exit_code == 0, r.output
-        d = json.loads(r.output)
+        d = json.loads(r.stdout)
         assert d["workload"]["layout"] == layout and d["label"] == "MODELLED"
         got[layout] = d["dispatch_us"]
     assert got["auto"] == got["dense"] != got["packed"]
-    assert "dispatch.counts" in json.loads(runner.invoke(app, [*base, "--layout", "packed"]).output)["phases"]
+    assert "dispatch.counts" in json.loads(runner.invoke(app, [*base, "--layout", "packed"]).stdout)["phases"]
     r = runner.invoke(app, [*base, "--layout", "sparse"])
     assert r.exit_code == 2 and "--layout must be auto, packed or dense" in r.output
     r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-t", "4096", "--layout", "packed"])
@@ -180,7 +180,7 @@ def test_fabric_model_doc_gives_the_packed_layout_command() -> None:
     assert m, "no command for the packed layout's dispatch"
     r = runner.invoke(app, [*m.group(2).split()[1:], "--json"])
     assert r.exit_code == 0, r.output
-    assert f"{json.loads(r.output)['dispatch_us']:.1f}" == m.group(1)
+    assert f"{json.loads(r.stdout)['dispatch_us']:.1f}" == m.group(1)
 
 
 def test_predict_and_sweep_name_the_preset_file_and_a_forced_fits_warning(tmp_path: Path) -> None:

@@ -253,7 +253,7 @@ def test_sweep_keeps_na_for_settings_one_mode_cannot_run() -> None:
                             "--knobs", "fence_mode=proxy_drain,qp_mapping=round_robin,qps_per_pe=2,chunk_tokens=8",
                             "--values", "1,3", "--json"])
     assert r.exit_code == 0, r.output
-    series = json.loads(r.output)["series"]
+    series = json.loads(r.stdout)["series"]
     assert all("error" not in x for x in series["decoupled/proxy_drain"])
     assert all("error" in x for x in series["decoupled/nic_ordered"])
 
@@ -301,7 +301,7 @@ def test_sweep_values_given_twice_are_swept_once_with_a_note() -> None:
     each, with a note, as token counts sharing a bucket are tuned once."""
     r = runner.invoke(app, ["model", "sweep", "-p", "nvlink-h200x2", "--values", "0,2,0,0", "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert all([row["x"] for row in rows] == [0, 2] for rows in d["series"].values()), d["series"]
     assert "--values: 0 given 3 times, swept once" in d["notes"], d["notes"]
     r, text = _run("sweep", "-p", "nvlink-h200x2", "--values", "0,0,0")

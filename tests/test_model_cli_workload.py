@@ -21,20 +21,20 @@ def test_a_transport_named_in_knobs_takes_its_own_defaults() -> None:
     (proxy_drain), a knob the user never set."""
     r = _run("predict", "-p", "slingshot11-libfabric-a100x4", "-k", "transport=collective", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["knobs"]["transport"] == "collective"
+    assert json.loads(r.stdout)["knobs"]["transport"] == "collective"
     r = _run("predict", "-p", "nvlink-h200x2", "-m", "deepseek-v3", "-t", "4096", "-k", "transport=proxy", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["knobs"]["fence_mode"] == "proxy_drain"
+    assert json.loads(r.stdout)["knobs"]["fence_mode"] == "proxy_drain"
     # a fence mode given with it still holds, and a transport the preset lacks is still refused by name
     r = _run("predict", "-p", "nvlink-h200x2", "-k", "transport=proxy,fence_mode=nic_ordered", "--json")
-    assert r.exit_code == 0 and json.loads(r.output)["knobs"]["fence_mode"] == "nic_ordered", r.output
+    assert r.exit_code == 0 and json.loads(r.stdout)["knobs"]["fence_mode"] == "nic_ordered", r.output
     r = _run("predict", "-p", "nvlink-h200x2", "-k", "transport=ibgda")
     assert r.exit_code == 2 and "not available on preset 'nvlink-h200x2'" in r.output, r.output
 
 
 def test_one_phase_leaves_the_other_unmodelled() -> None:
     r = _run("predict", "-p", "slingshot11-libfabric-a100x4", "-n", "4", "-t", "256", "--phase", "dispatch", "--json")
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["workload"]["phase"] == "dispatch" and d["combine_us"] is None and d["dispatch_us"] > 0
     r = _run("predict", "-p", "slingshot11-libfabric-a100x4", "-n", "4", "-t", "256", "--phase", "dispatch")
     out = " ".join(r.output.split())
@@ -45,7 +45,7 @@ def test_one_phase_leaves_the_other_unmodelled() -> None:
 def test_a_sweep_records_its_workload() -> None:
     """Two sweeps of other node counts differed 4x with nothing in their JSON or titles saying why."""
     a = json.loads(_run("sweep", "-p", "ndr-ibrc-h100x8", "--over", "tokens", "-n", "2", "--routing", "zipf:1.2",
-                        "--json").output)
+                        "--json").stdout)
     assert a["workload"] == {"model": "qwen3-30b", "tokens_per_gpu": None, "nodes": 2, "gpus_per_node": 8,
                              "routing": "zipf:1.2", "tile": 128}
     r = _run("sweep", "-p", "ndr-ibrc-h100x8", "--over", "tokens", "-n", "4")

@@ -80,7 +80,7 @@ def test_predict_refuses_one_rank(args: list[str]) -> None:
 def test_predict_two_ranks_still_predicts() -> None:
     r = runner.invoke(app, ["model", "predict", "-p", "nvlink-h200x2", "-g", "2", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["label"] == "MODELLED"
+    assert json.loads(r.stdout)["label"] == "MODELLED"
 
 
 @pytest.mark.parametrize("over", ["group_size", "tokens"])
@@ -97,7 +97,7 @@ def test_sweep_over_nodes_refuses_a_one_rank_value() -> None:
 def test_sweep_over_nodes_leaves_the_one_rank_default_out_with_a_note() -> None:
     r = runner.invoke(app, ["model", "sweep", "-p", "ndr-ibgda-h100x8", "-g", "1", "--over", "nodes", "--json"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     xs = {row["x"] for rows in data["series"].values() for row in rows}
     assert 1 not in xs and 2 in xs
     assert any("nodes = 1 left out" in n for n in data["notes"])

@@ -123,7 +123,7 @@ def test_model_calibrate_records_this_node_only_when_told(tmp_path: Path, monkey
             "collective.host_alpha_us,pcie.h2d_gbps"]
     r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "here.toml"), "--this-node", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["fingerprint"] == live.fingerprint
+    assert json.loads(r.stdout)["fingerprint"] == live.fingerprint
     assert load_preset(str(tmp_path / "here.toml")).calibration["fingerprint"] == live.fingerprint
     r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "unknown.toml")])
     assert r.exit_code == 0, r.output

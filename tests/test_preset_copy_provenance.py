@@ -42,7 +42,8 @@ def _query(home: Path, fmt: str):
     q = _run("query", "--model", "qwen3-30b", "--ep", "16", "--nodes", "2", "--tokens", "128", "--format", fmt,
              "--timeout-ms", "100", home=home, MOETUNE_CLIENT_ALLOW_MODELLED="1")
     assert q.exit_code == 0, q.output
-    return q.output
+    # --format json: stdout alone must be the one JSON document (Result.output also holds stderr)
+    return q.stdout if fmt == "json" else q.output
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,7 @@ def test_query_says_which_of_two_presets_of_one_name_it_serves(tmp_path: Path, c
     copy_fp = f"preset:{NAME}:{preset_digest(load_preset(str(slow)))}"
     for p in ([NAME, str(slow)] if copy_last else [str(slow), NAME]):
         _tune(p, tmp_path)
-    got = json.loads(next(ln for ln in _query(tmp_path, "json").splitlines() if ln.startswith("{")))
+    got = json.loads(_query(tmp_path, "json"))
     served, other = (copy_fp, shipped_fp) if copy_last else (shipped_fp, copy_fp)
     assert got["key"]["fingerprint"] == served, got  # the most recently tuned preset
     # measured_on names the content served (it said preset:NAME for both), and whether it is the shipped preset's

@@ -181,7 +181,7 @@ def test_status_shows_a_refusal_in_its_table_and_json(tmp_path: Path) -> None:
         assert "EP 16 over 2 node(s)" in text, text
         r = runner.invoke(app, ["status", "--socket", d.endpoint, "--json"], env=env)
         assert r.exit_code == 0, r.output
-        [kept] = json.loads(r.output)["retune_refusals"]
+        [kept] = json.loads(r.stdout)["retune_refusals"]
         assert kept["reason"] == "first ask" and "EP 16 over 2 node(s)" in kept["left_out"][0], kept
     finally:
         d.stop()

@@ -164,7 +164,8 @@ def test_query_reads_an_old_rows_measured_on_and_backend(db, tmp_path):
                                  "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", "--json",
                                  "--config", str(cfg)])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output.strip().splitlines()[-1])
+    # stdout alone, and all of it: one JSON document (Result.output also holds stderr, where a log line is allowed)
+    out = json.loads(r.stdout)
     assert (out["source"], out["provenance"], out["measured_on"]) == ("database", "preset", "preset:nvlink-h200x2")
     assert out["profile_hash"] == rec.profile_hash
 

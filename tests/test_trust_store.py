@@ -303,16 +303,16 @@ def test_profiles_list_and_show_label_provenance(tmp_path):
     assert r.exit_code == 0, r.output
     assert "PRESET" in r.output and "MODELLED" in r.output and "measured" in r.output
     r = runner.invoke(app, ["profiles", "list", "--json", "--db", str(db)])
-    assert [p["provenance"] for p in json.loads(r.output)] == ["measured", "preset", "node_model"]
+    assert [p["provenance"] for p in json.loads(r.stdout)] == ["measured", "preset", "node_model"]
     r = runner.invoke(app, ["profiles", "list", "--json", "--provenance", "measured", "--db", str(db)])
-    assert [p["id"] for p in json.loads(r.output)] == [1]
+    assert [p["id"] for p in json.loads(r.stdout)] == [1]
     r = runner.invoke(app, ["profiles", "list", "--provenance", "guess", "--db", str(db)])
     assert r.exit_code == 2 and "Traceback" not in r.output
     r = runner.invoke(app, ["profiles", "show", "2", "--db", str(db)], env={"COLUMNS": "200"})
     assert "PRESET" in r.output and "preset:nvlink-h200x2" in r.output
     assert "PRESET (MODELLED)" in r.output  # a preset's numbers are predictions: said as such, not only "PRESET"
     r = runner.invoke(app, ["profiles", "show", "2", "--json", "--db", str(db)])
-    assert json.loads(r.output)["provenance"] == "preset"
+    assert json.loads(r.stdout)["provenance"] == "preset"
 
 
 def test_query_shows_provenance_from_the_database(tmp_path):
@@ -332,7 +332,8 @@ def test_query_shows_provenance_from_the_database(tmp_path):
                             "--socket", f"ipc://{tmp_path}/none.sock", "--timeout-ms", "100", "--json",
                             "--config", str(cfg)])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output.strip().splitlines()[-1])
+    # stdout alone, and all of it: one JSON document (Result.output also holds stderr, where a log line is allowed)
+    out = json.loads(r.stdout)
     assert out["source"] == "database", out
     assert out["provenance"] == "preset"
 

@@ -103,10 +103,10 @@ def test_model_backend_run_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert [row["stored"] for row in json.loads(r.stdout)] == ["kept", "kept"]
     r = _run("tune", "show", "--storage", url, "--json")
     assert r.exit_code == 0, r.output
-    studies = json.loads(r.output)
+    studies = json.loads(r.stdout)
     assert len(studies) == 2 and all(s["modelled"] for s in studies)
     r = _run("tune", "show", "--storage", url, "--study", studies[0]["study"], "--json")
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["states"]["complete"] == 12 and d["best_us"] < d["default_us"]
     # model predictions: said to be MODELLED, not "measured alone ... noise between runs"
     assert "speedup_vs_default" not in d and "MODELLED prediction" in d["trials_note"]
@@ -160,7 +160,7 @@ def test_show_reads_no_speed_up_from_search_trials(tmp_path: Path) -> None:
     name = res[0].study.study_name
     r = _run("tune", "show", "--storage", url, "--db", str(db), "--study", name, "--json")
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["default_us"] is not None and "speedup_vs_default" not in d
     assert d["stored"]["latency_us"] == stored.latency_us and d["stored"]["backend"] == "local:noise"
     r = _run("tune", "show", "--storage", url, "--db", str(db), "--study", name)
@@ -180,10 +180,10 @@ def test_show_counts_the_finished_trials_and_calls_predictions_modelled(tmp_path
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)[0]["trials"] == 1
     r = _run("tune", "show", "--storage", url, "--json")
-    [listed] = json.loads(r.output)
+    [listed] = json.loads(r.stdout)
     assert listed["trials"] == 1 and listed["modelled"]
     r = _run("tune", "show", "--storage", url, "--study", listed["study"], "--json")
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["states"]["complete"] == 1 and d["states"]["waiting"] >= 1  # the case: warm starts left waiting
     assert d["trials"] == 1
     assert "MODELLED prediction" in d["trials_note"] and "measured alone" not in d["trials_note"]
