@@ -56,10 +56,11 @@ def clean_autoload_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
 
 @pytest.fixture
 def taken_port() -> Iterator[int]:
-    """A loopback TCP port something else listens on (a refused bind: the daemon's TCP or metrics port in use)."""
+    """A loopback TCP port something else listens on (a refused bind: the daemon's TCP or metrics port in use); it
+    never accepts nor answers, while the kernel completes a few connections (its backlog)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("127.0.0.1", 0))
-    s.listen(1)
+    s.listen(8)
     try:
         yield s.getsockname()[1]
     finally:

@@ -16,13 +16,19 @@ from moetune.runtime.testing.launch import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_failed_sub_handshake_is_warned_once_naming_the_endpoint(caplog: pytest.LogCaptureFixture) -> None:
-    ctx = zmq.Context()
+def _curve_pub(ctx: zmq.Context) -> tuple[zmq.Socket, int, bytes]:
+    """A CURVE PUB bound on a free loopback port: (socket, port, its server public key)."""
     pub = ctx.socket(zmq.PUB)
     server_pub, server_secret = zmq.curve_keypair()
     pub.curve_secretkey, pub.curve_publickey, pub.curve_server = server_secret, server_pub, True
     port = free_port()
     pub.bind(f"tcp://127.0.0.1:{port}")
+    return pub, port, server_pub
+
+
+def test_a_failed_sub_handshake_is_warned_once_naming_the_endpoint(caplog: pytest.LogCaptureFixture) -> None:
+    ctx = zmq.Context()
+    pub, port, _ = _curve_pub(ctx)
     other_pub, _ = zmq.curve_keypair()  # not the daemon's key: the handshake breaks off
     c = ProfileClient(f"tcp://127.0.0.1:{free_port()}", curve_server_key=other_pub, timeout_ms=200, context=ctx)
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -45,11 +51,7 @@ def test_a_failed_sub_handshake_is_warned_once_naming_the_endpoint(caplog: pytes
 
 def test_a_sub_whose_handshake_succeeds_is_not_warned(caplog: pytest.LogCaptureFixture) -> None:
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    server_pub, server_secret = zmq.curve_keypair()
-    pub.curve_secretkey, pub.curve_publickey, pub.curve_server = server_secret, server_pub, True
-    port = free_port()
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub, port, server_pub = _curve_pub(ctx)
     c = ProfileClient(f"tcp://127.0.0.1:{free_port()}", curve_server_key=server_pub, timeout_ms=200, context=ctx)
     try:
         c.subscribe(f"tcp://127.0.0.1:{port}")
@@ -75,11 +77,7 @@ def test_a_sub_whose_key_the_daemon_refuses_is_told_what_to_do(tmp_path, caplog:
     auth.start()
     (tmp_path / "clients").mkdir()
     auth.configure_curve(domain="*", location=str(tmp_path / "clients"))  # an empty allow-list: every key refused
-    pub = ctx.socket(zmq.PUB)
-    server_pub, server_secret = zmq.curve_keypair()
-    pub.curve_secretkey, pub.curve_publickey, pub.curve_server = server_secret, server_pub, True
-    port = free_port()
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    pub, port, server_pub = _curve_pub(ctx)
     own_pub, own_secret = generate_keys(tmp_path / "bob", "bob")
     cfg = tmp_path / "client.toml"
     cfg.write_text(f'[client]\ncurve_secret_key_file = "{own_secret}"\n')

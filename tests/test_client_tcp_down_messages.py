@@ -7,9 +7,7 @@ time-out names the endpoint, the budget and where it is set, and what to check (
 
 from __future__ import annotations
 
-import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +25,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def mute_port() -> Iterator[int]:
-    """A loopback port whose listener never accepts nor answers: the kernel completes the connection (backlog), as for
-    a daemon that is hung, or something that is not a daemon."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-    try:
-        yield s.getsockname()[1]
-    finally:
-        s.close()
+def mute_port(taken_port: int) -> int:
+    """A loopback port whose listener never accepts nor answers (conftest's `taken_port`): the kernel completes the
+    connection (backlog), as for a daemon that is hung, or something that is not a daemon."""
+    return taken_port
 
 
 def _ask(endpoint: str) -> Exception:
