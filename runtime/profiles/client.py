@@ -62,7 +62,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import sqlite3
 import stat
 import threading
@@ -113,7 +112,12 @@ from moetune.runtime.profiles.curve_keys import (
     warn_loose_secret,
     warn_loose_server_key,
 )
-from moetune.runtime.profiles.daemon_info import daemon_info_down, read_daemon_info, stale_daemon_reason
+from moetune.runtime.profiles.daemon_info import (
+    daemon_info_down,
+    probe_unix_socket,
+    read_daemon_info,
+    stale_daemon_reason,
+)
 from moetune.runtime.profiles.db_lookup import (
     node_identity_from_db,
     pick_profile,
@@ -577,17 +581,12 @@ class ProfileClient:
         stuck or busy, named by its pid where its daemon.json says it runs at this endpoint."""
         budget = _BUDGET_SETTINGS
         p = ipc_path(self.endpoint)
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(0.2)
-        try:
-            probe.connect(str(p))
-        except ConnectionRefusedError:
+        probed = probe_unix_socket(p) if p is not None else "unknown"
+        if probed == "refused":
             return (f" ({budget}): nothing listens on its socket file {p} (a daemon killed, or a file left behind): "
                     "start the daemon with `moetune serve` (under systemd: `systemctl status moetune`)")
-        except OSError:  # gone meanwhile, not ours to enter, a slow accept: say what the time-out alone tells
+        if probed == "unknown":  # gone meanwhile, not ours to enter, a slow accept: say what the time-out alone tells
             return f" ({budget})"
-        finally:
-            probe.close()
         info = read_daemon_info(self.endpoint, self._env)
         pub = info.get("pub_endpoint") if info else None
         # a request sent to the daemon's PUB socket is never answered: its daemon.json (the same folder) names it

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from moetune.runtime._proc import pid_gone  # a zombie (killed, not reaped) is gone too
-from moetune.runtime.paths import INFO_NAME, default_endpoint, ipc_path, ipc_socket_file, untrusted_dir_reason
+from moetune.runtime.paths import (
+    INFO_NAME,
+    MAX_IPC_PATH_BYTES,
+    default_endpoint,
+    ipc_path,
+    ipc_socket_file,
+    untrusted_dir_reason,
+)
 
 __all__ = ["MAX_INFO_BYTES", "daemon_info_down", "read_daemon_info", "stale_daemon_reason"]
 
@@ -107,16 +114,36 @@ def stale_daemon_reason(endpoint: str) -> str | None:
     pid = _gone_pid(data)  # None: another host's, no host recorded, or alive (or reused)
     if pid is None:
         return None
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.2)
-    try:
-        probe.connect(str(p))
-    except ConnectionRefusedError:  # nobody listens: the socket file is what the dead daemon left
-        pass
-    except OSError:  # gone meanwhile, not ours to enter, ...: not certain
+    if probe_unix_socket(p) != "refused":  # something accepts there (a daemon started since), or not certain
         return None
-    else:
-        return None  # something accepts connections there (a daemon started since): not stale
-    finally:
-        probe.close()
     return f"the daemon is not running (pid {pid} is gone; stale socket at {p}): start it with `moetune serve`"
+
+
+def probe_unix_socket(path: Path) -> str:
+    """One connection attempt to the unix socket at `path`: "accepts" (something listens), "refused" (a socket file
+    nothing listens on: what a killed daemon leaves) or "unknown" (absent, not ours to enter, a slow accept). A path
+    longer than a socket address (MAX_IPC_PATH_BYTES) is reached through its folder opened O_PATH
+    (/proc/self/fd/N/NAME, a short name of the same file): a daemon bound at a short ipc:// path through a linked
+    folder whose resolved path is longer (`ipc_socket_file`) was read as dead. Without /proc, or with a NAME too long
+    itself: "unknown"."""
+    dir_fd: int | None = None
+    target = os.fspath(path)
+    if len(os.fsencode(target)) > MAX_IPC_PATH_BYTES:
+        try:
+            dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return "unknown"
+        target = f"/proc/self/fd/{dir_fd}/{path.name}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.2)
+    try:
+        s.connect(target)
+        return "accepts"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "unknown"
+    finally:
+        s.close()
+        if dir_fd is not None:
+            os.close(dir_fd)

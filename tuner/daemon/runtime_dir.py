@@ -20,13 +20,13 @@ import json
 import os
 import re
 import secrets
-import socket as pysocket
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from moetune.runtime.paths import MAX_IPC_PATH_BYTES, foreign_sticky_link_reason, ipc_socket_file
+from moetune.runtime.profiles.daemon_info import probe_unix_socket
 from moetune.tuner.daemon.errors import DaemonBusy, DaemonConfigError
 
 RUNTIME_MARK = ".moetune-runtime-dir"  # in a directory the daemon created: proof that it may tighten it
@@ -219,31 +219,9 @@ def _owned_file(p: Path) -> bool:
 
 
 def _socket_alive(path: Path) -> bool:
-    """Something accepts connections on the unix socket at `path`. A path longer than a socket address
-    (MAX_IPC_PATH_BYTES) is reached through its folder opened O_PATH (/proc/self/fd/N/NAME, a short name of the same file): a daemon bound at
-    a short ipc:// path through a linked folder whose resolved path is longer (ipc_socket_file) was read as dead, and
-    another daemon then took over its daemon.json (other_live_daemon), or removed its socket proven ours where its lock
-    file had gone (check_socket_path). Not reachable that way (no /proc, a NAME too long itself): read as dead, as
-    before."""
-    dir_fd: int | None = None
-    target = os.fspath(path)
-    if len(os.fsencode(target)) > MAX_IPC_PATH_BYTES:
-        try:
-            dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        target = f"/proc/self/fd/{dir_fd}/{path.name}"
-    s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    s.settimeout(0.2)
-    try:
-        s.connect(target)
-        return True
-    except OSError:  # refused, absent, not a socket, or a name still too long: nothing shown to listen
-        return False
-    finally:
-        s.close()
-        if dir_fd is not None:
-            os.close(dir_fd)
+    """Something accepts connections on the unix socket at `path` (`probe_unix_socket`, the client's probe too: a
+    long resolved path is reached through its folder). Absent, refused or not reachable: read as dead."""
+    return probe_unix_socket(path) == "accepts"
 
 
 def owner_record(p: Path) -> Path:
