@@ -1113,6 +1113,34 @@ class _NewDatabase:
         log.warning("keeping the new database %s this refused start created: another process has it open (%s); "
                     "nothing to do", self.db, busy.holder or holder_words(None))
 
+    def _remove_files(self) -> list[Path] | None:
+        """Under the database's and run locks: remove the files this start created while the database is still the
+        file it created and holds no profiles. None: kept (said why); else the files it could not remove (warned)."""
+        try:
+            st = os.lstat(self.db)
+        except OSError as e:  # gone or unreadable since: nothing of ours to remove; the refusal goes on
+            log.warning("not removing %s: it cannot be looked at (%s)", self.db, e.strerror or e)
+            return None
+        if (st.st_dev, st.st_ino) != self.ident:
+            log.warning("not removing %s: replaced since this start created it", self.db)
+            return None
+        # the locks were free between start()'s release and here: what another process stored is kept
+        if (why := self._stored_since()) is not None:
+            log.warning("not removing the new database %s this refused start created: %s", self.db, why)
+            return None
+        left = []
+        for p in self.absent:
+            if p == self.lock:
+                continue
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # EACCES, EBUSY, EROFS: said here; raised, it replaced the start's refusal
+                left.append(p)
+                log.warning("could not remove %s (made by this refused start): %s", p, e.strerror or e)
+        return left
+
     def remove(self) -> None:
         """Remove what this start created, its store closed and its locks released. The database's locks are taken
         again first: a daemon, migration or bring-up that opened the new file since keeps it (never waited for), and
@@ -1121,7 +1149,7 @@ class _NewDatabase:
 
         if not self.creates or self.ident is None:
             return
-        left: list[Path] = []  # files it could not remove (warned): the folder stays, and no "removed" is said
+        left: list[Path] | None = None  # `_remove_files`' answer
         try:
             fd = lock_database(self.db_path)
         except DaemonBusy as e:  # someone else has it now: theirs to use, nothing for the operator to do
@@ -1140,28 +1168,7 @@ class _NewDatabase:
                 log.warning("not removing the new database %s this refused start created: %s", self.db, e)
                 return
             try:
-                try:
-                    st = os.lstat(self.db)
-                except OSError as e:  # gone or unreadable since: nothing of ours to remove; the refusal goes on
-                    log.warning("not removing %s: it cannot be looked at (%s)", self.db, e.strerror or e)
-                    return
-                if (st.st_dev, st.st_ino) != self.ident:
-                    log.warning("not removing %s: replaced since this start created it", self.db)
-                    return
-                # the locks were free between start()'s release and here: what another process stored is kept
-                if (why := self._stored_since()) is not None:
-                    log.warning("not removing the new database %s this refused start created: %s", self.db, why)
-                    return
-                for p in self.absent:
-                    if p == self.lock:
-                        continue
-                    try:
-                        p.unlink()
-                    except FileNotFoundError:
-                        pass
-                    except OSError as e:  # EACCES, EBUSY, EROFS: said here; raised, it replaced the start's refusal
-                        left.append(p)
-                        log.warning("could not remove %s (made by this refused start): %s", p, e.strerror or e)
+                left = self._remove_files()
             finally:
                 if run_fd is not None:
                     release_run_lock(self.db_path, run_fd)  # removes the run lock file, as every run's release does
@@ -1170,7 +1177,7 @@ class _NewDatabase:
                 release_lock_file(self.lock, fd)  # made by this start: removed while it is still the one fd holds
             else:
                 os.close(fd)
-        if left:
+        if left is None or left:  # kept, or a file it could not remove: the folder stays, no "removed" is said
             return
         if not self.folder_existed:  # the store made moetune's own data folder: removed only where nothing is in it
             with contextlib.suppress(OSError):
